@@ -57,11 +57,40 @@ def moe_kwargs(keys: ArchKeys, tensors: dict, hf_arch: str,
             has none, or (Mixtral, Granite) a layer without a router.
     """
     n_experts = keys.int("expert_count")
-    n_layers = kwargs["num_hidden_layers"]
+    sparse = _sparse_layers(keys, tensors, n_experts)
+    n_used, norm = _routing(keys, hf_arch, n_experts)
+    dense = _dense_layers(keys, sparse, kwargs["num_hidden_layers"], n_experts, hf_arch)
+    first = f"blk.{sparse[0]}"
+    expert_ffn = _expert_width(keys, tensors, first, n_experts, kwargs["intermediate_size"])
+    shared = _shared_width(keys, tensors, first, hf_arch)
+    if hf_arch not in QWEN_MOE:
+        extra: dict[str, Any] = {"num_local_experts": n_experts, "num_experts_per_tok": n_used,
+                                 "intermediate_size": expert_ffn}
+        if hf_arch == "MixtralForCausalLM":
+            extra["sliding_window"] = None  # llama.cpp's llama graph attends to everything
+        return extra
+    extra = {"num_experts": n_experts, "num_experts_per_tok": n_used,
+             "moe_intermediate_size": expert_ffn, "norm_topk_prob": norm,
+             "mlp_only_layers": dense, "decoder_sparse_step": 1}
+    if hf_arch == "Qwen2MoeForCausalLM":
+        extra["shared_expert_intermediate_size"] = shared
+    return extra
+
+
+def _sparse_layers(keys: ArchKeys, tensors: dict, n_experts: int) -> list[int]:
+    """Indices of the layers with a router (``blk.N.ffn_gate_inp``), ascending; raises
+    ValueError if there are none."""
     sparse = sorted(int(m.group(1)) for m in map(_ROUTER_RE.match, tensors) if m)
     if not sparse:
         raise keys.error("expert_count", f"is {n_experts}, but the file has no "
                          "ffn_gate_inp (router) tensors")
+    return sparse
+
+
+def _routing(keys: ArchKeys, hf_arch: str, n_experts: int) -> tuple[int, bool]:
+    """``(expert_used_count, renormalize top-k)`` after checking the routing is one kvflow
+    computes (softmax gating, unscaled weights, renormalized unless Qwen); raises ValueError
+    naming the key otherwise."""
     n_used = keys.int("expert_used_count")
     if n_used > n_experts:
         raise keys.error("expert_used_count", f"is {n_used}, more than the "
@@ -74,23 +103,37 @@ def moe_kwargs(keys: ArchKeys, tensors: dict, hf_arch: str,
     if scale is not None and scale != 1.0:
         raise keys.error("expert_weights_scale", f"is {scale!r}: scaled routing weights are "
                          "not supported for this architecture (only 1.0)")
-    qwen = hf_arch in QWEN_MOE
     norm = keys.get("expert_weights_norm", hf_arch != "Qwen2MoeForCausalLM")
     if not isinstance(norm, bool):
         raise keys.error("expert_weights_norm", f"is {norm!r}, not a boolean")
-    if not qwen and not norm:
+    if hf_arch not in QWEN_MOE and not norm:
         raise keys.error("expert_weights_norm", f"is false, but {hf_arch} always "
                          "renormalizes the top-k routing weights")
+    return n_used, norm
+
+
+def _dense_layers(keys: ArchKeys, sparse: list[int], n_layers: int, n_experts: int,
+                  hf_arch: str) -> list[int]:
+    """The layers without a router (Qwen's ``mlp_only_layers``); raises ValueError if there
+    are any and ``hf_arch`` has experts in every layer (Mixtral, Granite MoE)."""
     dense = [i for i in range(n_layers) if i not in sparse]
-    if dense and not qwen:
+    if dense and hf_arch not in QWEN_MOE:
         raise keys.error("expert_count", f"is {n_experts}, but layers {dense[:8]} have no "
                          f"ffn_gate_inp router ({hf_arch} has experts in every layer)")
-    first = f"blk.{sparse[0]}"
+    return dense
+
+
+def _expert_width(keys: ArchKeys, tensors: dict, first: str, n_experts: int,
+                  dense_ffn: int) -> int:
+    """The expert FFN width F (``expert_feed_forward_length``, default ``dense_ffn``) after
+    checking the first sparse layer ``first`` (``"blk.N"``): its router routes to
+    ``n_experts`` experts and its expert gate weights (stacked, or per expert in early Mixtral
+    files) have F rows. Raises ValueError naming the key otherwise."""
     router_rows = _rows(tensors, f"{first}.ffn_gate_inp.weight")
     if router_rows != n_experts:
         raise keys.error("expert_count", f"is {n_experts}, but {first}.ffn_gate_inp.weight "
                          f"routes to {router_rows} experts")
-    expert_ffn = keys.int("expert_feed_forward_length", kwargs["intermediate_size"])
+    expert_ffn = keys.int("expert_feed_forward_length", dense_ffn)
     exp_rows = _rows(tensors, f"{first}.ffn_gate_exps.weight", 1)
     legacy = _rows(tensors, f"{first}.ffn_gate.0.weight")  # early Mixtral files: per expert
     if exp_rows is None and legacy is not None:
@@ -103,6 +146,13 @@ def moe_kwargs(keys: ArchKeys, tensors: dict, hf_arch: str,
     if exp_rows is not None and exp_rows != expert_ffn:
         raise keys.error("expert_feed_forward_length", f"is {expert_ffn}, but "
                          f"{first}'s expert gate weights have {exp_rows} rows")
+    return expert_ffn
+
+
+def _shared_width(keys: ArchKeys, tensors: dict, first: str, hf_arch: str) -> int:
+    """The shared expert's FFN width (``expert_shared_feed_forward_length``; 0: none), checked
+    against ``{first}.ffn_gate_shexp.weight``; raises ValueError if they disagree or
+    ``hf_arch`` is not Qwen2-MoE (the only one with a shared expert)."""
     shexp_rows = _rows(tensors, f"{first}.ffn_gate_shexp.weight")
     shared = keys.int("expert_shared_feed_forward_length", shexp_rows or 0, minimum=0)
     if shexp_rows is not None and shexp_rows != shared:
@@ -114,18 +164,7 @@ def moe_kwargs(keys: ArchKeys, tensors: dict, hf_arch: str,
     if shared and shexp_rows is None:
         raise keys.error("expert_shared_feed_forward_length", f"is {shared}, but the file "
                          f"has no {first}.ffn_gate_shexp.weight")
-    if not qwen:
-        extra: dict[str, Any] = {"num_local_experts": n_experts, "num_experts_per_tok": n_used,
-                                 "intermediate_size": expert_ffn}
-        if hf_arch == "MixtralForCausalLM":
-            extra["sliding_window"] = None  # llama.cpp's llama graph attends to everything
-        return extra
-    extra = {"num_experts": n_experts, "num_experts_per_tok": n_used,
-             "moe_intermediate_size": expert_ffn, "norm_topk_prob": norm,
-             "mlp_only_layers": dense, "decoder_sparse_step": 1}
-    if hf_arch == "Qwen2MoeForCausalLM":
-        extra["shared_expert_intermediate_size"] = shared
-    return extra
+    return shared
 
 
 def check_no_expert_tensors(keys: ArchKeys, tensors: dict) -> None:
