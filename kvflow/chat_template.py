@@ -146,14 +146,7 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
             template fails on, or a template with a Jinja syntax error (naming the line, and
             whether it is the model's template, the default or the caller's).
     """
-    import jinja2
-
-    if chat_template is not None:
-        _check_caller_template(chat_template)
-    source = "caller" if chat_template is not None else \
-        "default" if default_template is not None else "model"
-    template = {"caller": chat_template, "default": default_template,
-                "model": getattr(tokenizer, "chat_template", None)}[source]
+    source, template = _pick_template(tokenizer, chat_template, default_template)
     conversation = normalize_conversation(
         messages, image_placeholder,
         content_parts={"string": False, "openai": True}.get(
@@ -165,8 +158,35 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
                               continue_final_message, tools, documents, template_kwargs,
                               on_unread_kwargs)
     kwargs = {**_read_defaults(template, default_kwargs, kwargs), **kwargs}
+    text = _apply_template(tokenizer, conversation, template, source, kwargs)
+    _check_other_keys_read(tokenizer, conversation, template, kwargs, text)
+    return text
+
+
+def _pick_template(tokenizer: Any, chat_template: str | None,
+                   default_template: str | None) -> tuple[str, Any]:
+    """``(source, template)``: the caller's ``chat_template`` (checked), else the server's
+    ``default_template``, else the tokenizer's own (possibly None); ``source`` is
+    ``"caller"``, ``"default"`` or ``"model"``. Raises ChatTemplateError for a caller's
+    template that is not Jinja text."""
+    if chat_template is not None:
+        _check_caller_template(chat_template)
+    source = "caller" if chat_template is not None else \
+        "default" if default_template is not None else "model"
+    template = {"caller": chat_template, "default": default_template,
+                "model": getattr(tokenizer, "chat_template", None)}[source]
+    return source, template
+
+
+def _apply_template(tokenizer: Any, conversation: list[dict[str, Any]], template: str,
+                    source: str, kwargs: dict[str, Any]) -> str:
+    """The prompt text ``tokenizer.apply_chat_template`` renders; any error it raises is a
+    ChatTemplateError blaming the caller's template (param ``chat_template``) or, for the
+    model's and the default template, the messages."""
+    import jinja2
+
     try:
-        text = tokenizer.apply_chat_template(conversation, chat_template=template,
+        return tokenizer.apply_chat_template(conversation, chat_template=template,
                                              tokenize=False, **kwargs)
     except Exception as e:  # noqa: BLE001 - jinja and transformers errors: bad input
         param = "chat_template" if source == "caller" else "messages"
@@ -174,8 +194,6 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
             raise ChatTemplateError(syntax_error_message(e, source), param) from None
         raise ChatTemplateError(f"the chat template cannot render these messages: "
                                 f"{type(e).__name__}: {e}", param) from None
-    _check_other_keys_read(tokenizer, conversation, template, kwargs, text)
-    return text
 
 
 def _check_caller_template(chat_template: Any) -> None:
