@@ -56,9 +56,10 @@ from kvflow.kernels.paged_attention_plan import (  # noqa: F401 (re-exports)
 
 def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                   seq_lens: torch.Tensor, block_table: torch.Tensor,
-                  num_splits: int | None, kv_scales: torch.Tensor | None = None) -> None:
-    """Raise ValueError on shapes, dtypes or ``num_splits`` that :func:`paged_attention`
-    cannot take (see its Args)."""
+                  num_splits: int | None, kv_scales: torch.Tensor | None = None,
+                  softcap: float = 0.0) -> None:
+    """Raise ValueError on shapes, dtypes, ``num_splits`` or ``softcap`` that
+    :func:`paged_attention` cannot take (see its Args)."""
     if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(f"bad shapes: q {tuple(q.shape)}, kv_cache {tuple(kv_cache.shape)}")
     _, num_heads, head_dim = q.shape
@@ -83,6 +84,9 @@ def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torc
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must have a unit-stride last dim")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0: no soft-capping), "
+                         f"got {softcap!r}")
 
 
 def paged_attention(
@@ -142,10 +146,8 @@ def paged_attention(
     Correctness never depends on ``max_query_len``/``max_seq_len`` (they only pick tile
     shapes and the number of splits), so stale values, e.g. under CUDA-graph replay, are safe.
     """
-    _check_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, num_splits, kv_scales)
-    if not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be a finite number >= 0 (0: no soft-capping), "
-                         f"got {softcap!r}")
+    _check_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, num_splits, kv_scales,
+                  softcap)
     q, block_table, out = _unit_stride_operands(q, block_table, out)
     num_tokens, num_heads, head_dim = q.shape
     num_reqs = seq_lens.shape[0]
