@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -158,15 +159,23 @@ class LLMPooling:
                 if not name_prompts:
                     raise
                 raise ValueError(f"prompt {i}: {e}") from None
+        ids = self._queue_all(list(zip(prompts, params)), users)
+        return self._run(ids, use_tqdm and len(ids) > 1)
+
+    def _queue_all(self, requests: Sequence[tuple[Any, PoolingParams | None]],
+                   users: Sequence[str]) -> list[str]:
+        """Queue each ``(prompt, params)`` pooling request for its user; their request ids,
+        in order. If one fails (or the caller is interrupted) those already queued are
+        aborted and the error re-raised, so nothing stays queued."""
         ids: list[str] = []
         try:
-            for p, pp, who in zip(prompts, params, users):
+            for (p, pp), who in zip(requests, users):
                 ids.append(self.engine.add_pooling_request(p, pp, client_id=who))
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        return self._run(ids, use_tqdm and len(ids) > 1)
+        return ids
 
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
@@ -213,8 +222,25 @@ class LLMPooling:
         pairs = score_pairs(text_1, text_2)
         users = check_users(user, len(pairs), self.engine.config.scheduler_config.policy)
         limit = truncation_length(truncate_prompt_tokens, processor.max_model_len)  # -1: all
+        prompts = self._pair_requests(pairs, limit, use_activation)
+        request_ids = self._queue_all(prompts, users)
+        return [ScoringRequestOutput(o.request_id, o.prompt_token_ids,
+                                     ScoringOutput(score_value(o.outputs.embedding)),
+                                     o.finished, o.metrics)
+                for o in self._run(request_ids, use_tqdm and len(request_ids) > 1)]
+
+    def _pair_requests(self, pairs: list[tuple[str, str]], limit: int | None,
+                       use_activation: bool | None
+                       ) -> list[tuple[list[int], PoolingParams]]:
+        """Each pair's cross-encoder prompt (token ids, cut to ``limit`` tokens; None: not cut)
+        and score params, all checked by the engine before any is queued.
+
+        Raises:
+            ValueError: naming the first pair (index and texts) the engine refuses.
+        """
+        processor = self.engine.processor
         prompts = []
-        for i, (a, b) in enumerate(pairs):  # validate everything before queuing anything
+        for i, (a, b) in enumerate(pairs):
             try:
                 ids, params = pair_prompt(processor.tokenizer, a, b, limit)
                 params = dataclasses.replace(params, use_activation=use_activation)
@@ -223,18 +249,7 @@ class LLMPooling:
                 raise ValueError(f"pair {i} (text_1={a[:40]!r}, text_2={b[:40]!r}): {e}") \
                     from None
             prompts.append((ids, params))
-        request_ids: list[str] = []
-        try:
-            for (ids, params), who in zip(prompts, users):
-                request_ids.append(self.engine.add_pooling_request(ids, params, client_id=who))
-        except BaseException:
-            for rid in request_ids:
-                self.engine.abort_request(rid)
-            raise
-        return [ScoringRequestOutput(o.request_id, o.prompt_token_ids,
-                                     ScoringOutput(score_value(o.outputs.embedding)),
-                                     o.finished, o.metrics)
-                for o in self._run(request_ids, use_tqdm and len(request_ids) > 1)]
+        return prompts
 
     def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
                  user: Sequence[str] | None = None, truncate_prompt_tokens: int | None = None,
