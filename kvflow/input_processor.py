@@ -10,51 +10,21 @@ from kvflow.chat_template import render_chat
 from kvflow.logits_process import LogitsProcessor
 from kvflow.lora.request import LoRARequest
 from kvflow.models.pooling_config import PoolerConfig
-from kvflow.multimodal.video import video_list
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.pooling_inputs import PoolingInputs
 from kvflow.prompt_embeds import PromptEmbeds, check_prompt_embeds, pack_prompt_embeds
+from kvflow.prompt_inputs import (
+    ProcessedPrompt,
+    PromptType,
+    check_cache_salt,
+    tokenize_prompt,
+    unpack_prompt,
+)
 from kvflow.prompt_truncation import SAMPLING_FIELD, keep_last_tokens, truncation_length
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import CheckedConstraints, StructuredOutputsParams
 from kvflow.token_masks import bad_words_token_ids, check_masks_leave_a_token
-
-# A text prompt, a token-id prompt, or a dict: {"prompt": str} or {"prompt_token_ids": [...]},
-# with "multi_modal_data": {"image": PIL image or list of them, "video": a video (uint8 array
-# (T, H, W, 3) or list of PIL frames) or list of them} for a vision-language model
-# and "cache_salt": a non-empty string salting its prefix-cache blocks (vLLM's); or
-# {"prompt_embeds": float tensor [num_tokens, hidden_size]} (enable_prompt_embeds), with or
-# without "cache_salt".
-PromptType = str | list[int] | Mapping[str, Any]
-_PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"}
-
-
-def check_cache_salt(salt: object) -> str | None:
-    """``salt`` itself when it is None or a non-empty string (vLLM's ``cache_salt``: mixed
-    into the hash of the prompt's first KV block, so only requests with the same salt share
-    prefix-cache blocks).
-
-    Raises:
-        ValueError: naming ``cache_salt`` for an empty string or a value of another type.
-    """
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise ValueError(f"cache_salt must be a non-empty string (or None), got {salt!r}")
-    return salt
-
-
-@dataclasses.dataclass
-class ProcessedPrompt:
-    """A prompt ready to queue: its text (None for token ids), its token ids (image
-    placeholders expanded; one placeholder 0 per row of a prompt given as embeddings), its
-    images' features (None: text only), its embedding rows (None: token ids) and its
-    prefix-cache salt (a dict prompt's ``cache_salt``; None: unsalted)."""
-
-    text: str | None
-    token_ids: list[int]
-    mm_features: list[MultiModalFeature] | None = None
-    cache_salt: str | None = None
-    prompt_embeds: PromptEmbeds | None = None
 
 
 class InputProcessor(PoolingInputs):
@@ -124,7 +94,7 @@ class InputProcessor(PoolingInputs):
                                        cache_salt=salt)
         if isinstance(prompt, Mapping):
             salt = check_cache_salt(prompt.get("cache_salt"))
-            prompt, images, videos = self._unpack(prompt)
+            prompt, images, videos = unpack_prompt(prompt)
         text, token_ids = self.tokenize(prompt)
         return dataclasses.replace(self.attach_images(text, token_ids, images, videos),
                                    cache_salt=salt)
@@ -172,55 +142,10 @@ class InputProcessor(PoolingInputs):
         token_ids, features = self.mm_processor.process(token_ids, images, list(videos))
         return ProcessedPrompt(text, token_ids, features or None)
 
-    @staticmethod
-    def _unpack(prompt: Mapping[str, Any]) -> tuple[str | list[int], list[Any], list[Any]]:
-        """(text or token ids, images, videos) of a dict prompt. Raises ValueError when
-        malformed."""
-        if "prompt_embeds" in prompt:
-            raise ValueError("a prompt_embeds prompt is for text generation only "
-                             "(LLM.generate, /v1/completions)")
-        unknown = sorted(set(prompt) - _PROMPT_KEYS)
-        if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
-            raise ValueError(f"a dict prompt needs exactly one of 'prompt' and "
-                             f"'prompt_token_ids' (and optionally 'multi_modal_data', "
-                             f"'cache_salt'); got keys {sorted(prompt)}")
-        data = prompt.get("multi_modal_data") or {}
-        if not isinstance(data, Mapping) or set(data) - {"image", "video"}:
-            raise ValueError("multi_modal_data must be a dict with 'image' (a PIL image or a "
-                             "list of them) and/or 'video' (a uint8 array (frames, height, "
-                             "width, 3) or a list of PIL frames, or a list of videos) entries")
-        images = data.get("image", [])
-        images = list(images) if isinstance(images, (list, tuple)) else [images]
-        videos = video_list(data["video"]) if data.get("video") is not None else []
-        if "prompt" in prompt and not isinstance(prompt["prompt"], str):
-            raise ValueError(f"a dict prompt's 'prompt' must be a string, got "
-                             f"{type(prompt['prompt']).__name__}")
-        ids = prompt.get("prompt_token_ids")
-        if "prompt_token_ids" in prompt and not isinstance(ids, (list, tuple)):
-            raise ValueError(f"a dict prompt's 'prompt_token_ids' must be a list of integer "
-                             f"token ids, got {type(ids).__name__}")
-        return prompt.get("prompt", ids), images, videos
-
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, token ids); a dict prompt's images are not looked
-        at (see ``process``). Raises ValueError on bad input."""
-        if isinstance(prompt, Mapping):
-            prompt = self._unpack(prompt)[0]
-        if isinstance(prompt, str):
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"the prompt is not valid Unicode text: {e}") from None
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, (list, tuple)):
-            bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool)]
-            if bad:
-                raise ValueError(f"a token-id prompt must hold only integers, got {bad[0]!r}")
-            return None, list(prompt)
-        raise ValueError(f"a prompt must be a string or a list of token ids, got "
-                         f"{type(prompt).__name__}")
+        at (see ``process``). Raises ValueError on bad input (:func:`tokenize_prompt`)."""
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def validate(self, token_ids: list[int], pooling: bool = False) -> None:
         """Raises ValueError for an empty prompt, one that leaves no room to generate (for an

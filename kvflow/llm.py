@@ -17,7 +17,6 @@ from kvflow.chat_tool_calls import check_tool_call_ids, check_tool_calls, messag
 from kvflow.config import EngineConfig
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.engine.streams import RequestRefused
-from kvflow.input_processor import PromptType
 from kvflow.llm_inputs import (
     as_prompt_list,
     beam_search_prompts,
@@ -34,6 +33,7 @@ from kvflow.lora.request import LoRARequest
 from kvflow.outputs import (
     RequestOutput,
 )
+from kvflow.prompt_inputs import PromptType
 from kvflow.sampling_params import SamplingParams
 
 

@@ -9,9 +9,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvflow.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from kvflow.input_processor import InputProcessor
 from kvflow.lora.request import LoRARequest
 from kvflow.pooling_params import PoolingParams
+from kvflow.prompt_inputs import ProcessedPrompt, PromptType
 from kvflow.prompt_truncation import (
     SAMPLING_FIELD,
     cut_text_ids,

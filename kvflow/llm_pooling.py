@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from kvflow.engine.llm_engine import LLMEngine
-from kvflow.input_processor import PromptType
 from kvflow.llm_inputs import (
     as_prompt_list,
     broadcast_loras,
@@ -33,6 +32,7 @@ from kvflow.outputs import (
     token_rows,
 )
 from kvflow.pooling_params import TOKEN_TASKS, PoolingParams
+from kvflow.prompt_inputs import PromptType
 from kvflow.prompt_truncation import truncation_length
 from kvflow.score_inputs import (
     cosine_similarity,

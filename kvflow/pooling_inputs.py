@@ -5,21 +5,18 @@ tokenize the text), the task check, and the one pooling Request per prompt."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from kvflow.models.pooling_config import PoolerConfig, task_mismatch
 from kvflow.pooling_params import PoolingParams
+from kvflow.prompt_inputs import PromptType, unpack_prompt
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from kvflow.input_processor import PromptType
 
 
 class PoolingInputs:
     """Pooling prompts and requests; ``InputProcessor`` sets ``pooler`` (None on a generation
-    model), ``max_model_len`` and ``hidden_size`` and defines ``tokenize``, ``validate`` and
-    ``_unpack``, which these use."""
+    model), ``max_model_len`` and ``hidden_size`` and defines ``tokenize`` and ``validate``,
+    which these use."""
 
     pooler: PoolerConfig | None
 
@@ -38,7 +35,7 @@ class PoolingInputs:
             if prompt.get("cache_salt") is not None:
                 raise ValueError("cache_salt: only generation prompts take a prefix-cache "
                                  "salt")
-            prompt, images, videos = self._unpack(prompt)
+            prompt, images, videos = unpack_prompt(prompt)
             if images or videos:
                 raise ValueError("multi_modal_data: embedding prompts are text or token ids "
                                  "only; images and videos are not embedded")

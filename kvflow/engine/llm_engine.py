@@ -15,7 +15,7 @@ from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
 from kvflow.engine.dp_client import DPCoreClient
 from kvflow.engine.streams import RequestRefused
-from kvflow.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from kvflow.input_processor import InputProcessor
 from kvflow.logits_process import load_logits_processors
 from kvflow.lora.request import LoRARequest
 from kvflow.models.generation_config import load_eos_token_ids, load_sampling_defaults
@@ -25,6 +25,7 @@ from kvflow.multimodal import MultiModalProcessor, make_mm_processor
 from kvflow.output_processor import OutputProcessor
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
 from kvflow.pooling_params import PoolingParams
+from kvflow.prompt_inputs import ProcessedPrompt, PromptType
 from kvflow.prompt_truncation import SAMPLING_FIELD, truncation_length
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.draft_tokenizer import check_draft_tokenizer

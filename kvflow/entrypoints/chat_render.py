@@ -27,9 +27,10 @@ from kvflow.entrypoints.preprocess import INLINE_CHARS, PromptTooLong, encode_ch
 from kvflow.entrypoints.protocol import ChatMessage
 from kvflow.entrypoints.structured_requests import tools_for_template
 from kvflow.entrypoints.tool_parsers import make_tool_parser
-from kvflow.input_processor import InputProcessor, ProcessedPrompt
+from kvflow.input_processor import InputProcessor
 from kvflow.multimodal import MediaError
 from kvflow.multimodal.video import VideoError
+from kvflow.prompt_inputs import ProcessedPrompt
 
 logger = logging.getLogger(__name__)
 

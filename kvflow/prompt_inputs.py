@@ -1,0 +1,113 @@
+"""What a prompt is: the forms ``LLM`` and the server accept (:data:`PromptType`), a dict
+prompt's parsing, its token ids, its ``cache_salt`` check, and the :class:`ProcessedPrompt`
+ready to queue. The model's limits are checked later, by
+:class:`kvflow.input_processor.InputProcessor`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from kvflow.multimodal.video import video_list
+from kvflow.multimodal_inputs import MultiModalFeature
+from kvflow.prompt_embeds import PromptEmbeds
+
+# A text prompt, a token-id prompt, or a dict: {"prompt": str} or {"prompt_token_ids": [...]},
+# with "multi_modal_data": {"image": PIL image or list of them, "video": a video (uint8 array
+# (T, H, W, 3) or list of PIL frames) or list of them} for a vision-language model
+# and "cache_salt": a non-empty string salting its prefix-cache blocks (vLLM's); or
+# {"prompt_embeds": float tensor [num_tokens, hidden_size]} (enable_prompt_embeds), with or
+# without "cache_salt".
+PromptType = str | list[int] | Mapping[str, Any]
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"})
+
+
+def check_cache_salt(salt: object) -> str | None:
+    """``salt`` itself when it is None or a non-empty string (vLLM's ``cache_salt``: mixed
+    into the hash of the prompt's first KV block, so only requests with the same salt share
+    prefix-cache blocks).
+
+    Raises:
+        ValueError: naming ``cache_salt`` for an empty string or a value of another type.
+    """
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string (or None), got {salt!r}")
+    return salt
+
+
+@dataclasses.dataclass
+class ProcessedPrompt:
+    """A prompt ready to queue: its text (None for token ids), its token ids (image
+    placeholders expanded; one placeholder 0 per row of a prompt given as embeddings), its
+    images' features (None: text only), its embedding rows (None: token ids) and its
+    prefix-cache salt (a dict prompt's ``cache_salt``; None: unsalted)."""
+
+    text: str | None
+    token_ids: list[int]
+    mm_features: list[MultiModalFeature] | None = None
+    cache_salt: str | None = None
+    prompt_embeds: PromptEmbeds | None = None
+
+
+def unpack_prompt(prompt: Mapping[str, Any]) -> tuple[str | list[int], list[Any], list[Any]]:
+    """(text or token ids, images, videos) of a dict prompt (``{"prompt": str}`` or
+    ``{"prompt_token_ids": [...]}``, optionally ``multi_modal_data`` and ``cache_salt``; the
+    salt is checked by :func:`check_cache_salt`).
+
+    Raises:
+        ValueError: for a ``prompt_embeds`` prompt (generation only, not read here), unknown
+            or missing keys, a malformed ``multi_modal_data`` or a value of the wrong type.
+    """
+    if "prompt_embeds" in prompt:
+        raise ValueError("a prompt_embeds prompt is for text generation only "
+                         "(LLM.generate, /v1/completions)")
+    unknown = sorted(set(prompt) - _PROMPT_KEYS)
+    if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError(f"a dict prompt needs exactly one of 'prompt' and "
+                         f"'prompt_token_ids' (and optionally 'multi_modal_data', "
+                         f"'cache_salt'); got keys {sorted(prompt)}")
+    data = prompt.get("multi_modal_data") or {}
+    if not isinstance(data, Mapping) or set(data) - {"image", "video"}:
+        raise ValueError("multi_modal_data must be a dict with 'image' (a PIL image or a "
+                         "list of them) and/or 'video' (a uint8 array (frames, height, "
+                         "width, 3) or a list of PIL frames, or a list of videos) entries")
+    images = data.get("image", [])
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    videos = video_list(data["video"]) if data.get("video") is not None else []
+    if "prompt" in prompt and not isinstance(prompt["prompt"], str):
+        raise ValueError(f"a dict prompt's 'prompt' must be a string, got "
+                         f"{type(prompt['prompt']).__name__}")
+    ids = prompt.get("prompt_token_ids")
+    if "prompt_token_ids" in prompt and not isinstance(ids, (list, tuple)):
+        raise ValueError(f"a dict prompt's 'prompt_token_ids' must be a list of integer "
+                         f"token ids, got {type(ids).__name__}")
+    return prompt.get("prompt", ids), images, videos
+
+
+def tokenize_prompt(tokenizer: Any, prompt: PromptType) -> tuple[str | None, list[int]]:
+    """(prompt text or None, token ids) of a prompt: text is encoded by ``tokenizer`` (a
+    transformers tokenizer, special tokens added; None: token-id prompts only); a dict
+    prompt's images are not looked at (``InputProcessor.process`` attaches them).
+
+    Raises:
+        ValueError: for text without a tokenizer or not valid Unicode, a token-id list
+            holding a non-integer, a malformed dict prompt, or another type.
+    """
+    if isinstance(prompt, Mapping):
+        prompt = unpack_prompt(prompt)[0]
+    if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the prompt is not valid Unicode text: {e}") from None
+        if tokenizer is None:
+            raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
+        return prompt, tokenizer.encode(prompt, add_special_tokens=True)
+    if isinstance(prompt, (list, tuple)):
+        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool)]
+        if bad:
+            raise ValueError(f"a token-id prompt must hold only integers, got {bad[0]!r}")
+        return None, list(prompt)
+    raise ValueError(f"a prompt must be a string or a list of token ids, got "
+                     f"{type(prompt).__name__}")
