@@ -34,7 +34,8 @@ def _measure(steps: int, cold: bool) -> dict:
 
     from kvflow.kv_cache_interface import FullAttentionSpec
     from kvflow.sampling_params import SamplingParams
-    from kvflow.worker.input_batch import InputBatch, RequestState
+    from kvflow.worker.input_batch import InputBatch
+    from kvflow.worker.request_state import RequestState
     from kvflow.worker.sampling_inputs import SamplingInputs
 
     rng = np.random.default_rng(0)

@@ -25,8 +25,9 @@ from kvflow.request import Request
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import SchedulerOutput
-from kvflow.worker.input_batch import InputBatch, RequestState
+from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.model_inputs import InputStager, build_model_inputs
+from kvflow.worker.request_state import RequestState
 from tests.core.fake_kv import fake_kv_cache_config
 
 BS = 4
@@ -199,7 +200,7 @@ def test_cpu_seeds_that_differ_by_2_to_the_32_draw_the_same_numbers():
     """README: on CPU torch's generator keeps only a seed's low 32 bits, so 5 and 5 + 2**32
     (and -1 and 2**32 - 1) draw the same numbers while 5 and 6 do not; kvflow passes the seed
     unchanged (a request's generator remembers all 64 bits)."""
-    from kvflow.worker.input_batch import request_generator
+    from kvflow.worker.request_state import request_generator
 
     def draws(seed: int) -> torch.Tensor:
         gen = request_generator(SamplingParams(temperature=1.0, seed=seed), torch.device("cpu"))

@@ -22,8 +22,9 @@ from kvflow import LLM, SamplingParams
 from kvflow.batch_update import AddedRequest, BatchUpdate, apply_batch_update
 from kvflow.config import EngineConfig
 from kvflow.logits_process import AdapterLogitsProcessor, LogitsProcessor
-from kvflow.worker.input_batch import InputBatch, RequestState
+from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.logits_procs import RunnerLogitsProcessors
+from kvflow.worker.request_state import RequestState
 from tests.test_input_batch import FULL
 
 MARGIN = 1e-3  # smallest top-1 lead over the runner-up the reference accepts

@@ -11,8 +11,9 @@ import torch
 
 from kvflow.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from kvflow.sampling_params import SamplingParams
-from kvflow.worker.input_batch import InputBatch, RequestState
+from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.model_inputs import InputStager, build_model_inputs
+from kvflow.worker.request_state import RequestState
 
 BLOCK_SIZE = 4
 FULL = FullAttentionSpec(BLOCK_SIZE, 1, 8, torch.float32)

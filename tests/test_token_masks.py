@@ -19,7 +19,8 @@ from kvflow import LLM, SamplingParams
 from kvflow.input_processor import InputProcessor
 from kvflow.layers.sampler import apply_allowed_token_ids
 from kvflow.token_masks import bad_words_token_ids
-from kvflow.worker.input_batch import InputBatch, RequestState
+from kvflow.worker.input_batch import InputBatch
+from kvflow.worker.request_state import RequestState
 from kvflow.worker.sampling_inputs import SamplingInputs
 from tests.test_input_batch import FULL
 

@@ -15,10 +15,11 @@ from kvflow.attention.backend import AttentionMetadata
 from kvflow.attention.layer import AttentionContext
 from kvflow.distributed.comm import IntermediateTensors
 from kvflow.lora.layers import LoRAContext
-from kvflow.worker.input_batch import InputBatch, RequestState
+from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.mm_runner import MultiModalRunner
 from kvflow.worker.model_inputs import ModelInputs
 from kvflow.worker.prompt_embeds_runner import Span, merge_prompt_embeds
+from kvflow.worker.request_state import RequestState
 
 
 @dataclass

@@ -21,7 +21,8 @@ import torch
 
 from kvflow.batch_update import AddedRequest, BatchUpdate, MoveDirectionality, MovedRequest
 from kvflow.logits_process import LogitsProcessor
-from kvflow.worker.input_batch import InputBatch, RequestState
+from kvflow.worker.input_batch import InputBatch
+from kvflow.worker.request_state import RequestState
 
 if TYPE_CHECKING:
     from kvflow.config import EngineConfig

@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from kvflow.sched_output import SchedulerOutput
-from kvflow.worker.input_batch import InputBatch, RequestState
+from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.model_inputs import ModelInputs
+from kvflow.worker.request_state import RequestState
 
 
 class MultiModalRunner:

@@ -42,7 +42,7 @@ from kvflow.sched_output import DraftGrammar, GrammarBitmask, SchedulerOutput
 from kvflow.spec_decode.eagle import EagleDrafter
 from kvflow.worker.cpu_setup import configure_runner_threads
 from kvflow.worker.forward_pass import ForwardCounters, model_extra_inputs, run_model
-from kvflow.worker.input_batch import InputBatch, RequestState
+from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.kv_swap import HostKVCache
 from kvflow.worker.logits_procs import RunnerLogitsProcessors
 from kvflow.worker.mm_runner import MultiModalRunner
@@ -51,6 +51,7 @@ from kvflow.worker.model_setup import load_runner_model, make_draft_model
 from kvflow.worker.pipeline_stages import recv_from_previous_stage, send_to_next_stage
 from kvflow.worker.pooling import PoolingState
 from kvflow.worker.prompt_embeds_runner import prompt_embed_spans
+from kvflow.worker.request_state import RequestState
 from kvflow.worker.runner_kv_cache import RunnerKVCache
 from kvflow.worker.sampling_inputs import SamplingInputs
 from kvflow.worker.step_drafts import draft_and_build_inputs

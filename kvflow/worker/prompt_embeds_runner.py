@@ -16,8 +16,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvflow.worker.input_batch import InputBatch, RequestState
+from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.model_inputs import ModelInputs
+from kvflow.worker.request_state import RequestState
 
 # (step token index of the first position, request id, first prompt position, end position)
 Span = tuple[int, str, int, int]

@@ -22,8 +22,9 @@ import torch
 from kvflow.runner_output import PromptLogprobsChunk, TokenLogprobs
 
 if TYPE_CHECKING:
-    from kvflow.worker.input_batch import InputBatch, RequestState
+    from kvflow.worker.input_batch import InputBatch
     from kvflow.worker.model_inputs import ModelInputs
+    from kvflow.worker.request_state import RequestState
 
 ROWS_PER_PASS = 256
 

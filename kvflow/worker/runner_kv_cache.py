@@ -13,7 +13,7 @@ from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSp
 from kvflow.malloc_env import keep_freed_memory
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.draft_timing import time_draft_passes
-from kvflow.worker.input_batch import InputBatch, RequestState
+from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.kv_cache_setup import (
     allocate_kv_caches,
     check_kv_cache_config,
@@ -25,6 +25,7 @@ from kvflow.worker.kv_cache_setup import (
 from kvflow.worker.kv_swap import HostKVCache, swapped_tensors
 from kvflow.worker.model_inputs import build_model_inputs
 from kvflow.worker.pipeline_stages import recv_from_previous_stage, send_to_next_stage
+from kvflow.worker.request_state import RequestState
 from kvflow.worker.step_graphs import make_graph_runner
 
 

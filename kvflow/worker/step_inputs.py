@@ -12,10 +12,11 @@ import torch
 from kvflow.lora.layers import LoRAMapping
 from kvflow.lora.manager import LoRAManager
 from kvflow.sched_output import SchedulerOutput
-from kvflow.worker.input_batch import InputBatch, RequestState, request_generator
+from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.mm_runner import MultiModalRunner
 from kvflow.worker.model_inputs import ModelInputs
 from kvflow.worker.pooling import PoolingState
+from kvflow.worker.request_state import RequestState, request_generator
 from kvflow.worker.step_sampling import PendingOutput
 
 

@@ -10,10 +10,11 @@ import torch
 
 from kvflow.sched_output import SchedulerOutput
 from kvflow.spec_decode.verification import draft_probs_tensor, plan_verification
-from kvflow.worker.input_batch import InputBatch, RequestState
+from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.model_inputs import ModelInputs
 from kvflow.worker.pooling import PoolingState
 from kvflow.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logprobs_requests
+from kvflow.worker.request_state import RequestState
 from kvflow.worker.step_sampling import LaunchedStep
 
 

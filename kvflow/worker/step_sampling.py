@@ -12,8 +12,9 @@ from kvflow.layers.sampler import Sampler, SamplerOutput
 from kvflow.runner_output import ModelRunnerOutput, PromptLogprobsChunk
 from kvflow.sched_output import GrammarBitmask
 from kvflow.spec_decode.verification import SpecStep, verify
-from kvflow.worker.input_batch import InputBatch, RequestState
+from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.logits_procs import RunnerLogitsProcessors
+from kvflow.worker.request_state import RequestState
 from kvflow.worker.sampling_inputs import SamplingInputs
 
 

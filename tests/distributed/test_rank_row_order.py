@@ -22,7 +22,8 @@ import torch
 from kvflow.kv_cache_interface import FullAttentionSpec
 from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import SchedulerOutput
-from kvflow.worker.input_batch import InputBatch, RequestState
+from kvflow.worker.input_batch import InputBatch
+from kvflow.worker.request_state import RequestState
 
 IDS = [str(i) for i in range(12)]
 
