@@ -33,7 +33,6 @@ import logging
 import os
 import pickle
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -54,21 +53,12 @@ from kvflow.executor.heartbeat import (
 )
 from kvflow.executor.mp_worker import WorkerArgs
 from kvflow.executor.step_codec import StepCodec
+from kvflow.executor.worker_procs import describe_exit, release_all, wait_or_kill
 from kvflow.sched_output import DraftGrammar, GrammarBitmask, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100  # how often a wait checks that every worker is alive
-
-
-def describe_exit(code: int) -> str:
-    """'exit code 3' or 'killed by signal SIGKILL' for a process's return code."""
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 class MultiprocExecutor(Executor):
@@ -143,7 +133,7 @@ class MultiprocExecutor(Executor):
         collected without ``shutdown()`` (an ``LLM`` dropped) or at interpreter exit. The
         sockets are closed without lingering first: zmq's ``Context.__del__`` would wait
         for them (and a reply no one read) forever."""
-        self._finalizer = weakref.finalize(self, _release, list(self._procs), self._dir,
+        self._finalizer = weakref.finalize(self, release_all, list(self._procs), self._dir,
                                            self._ctx, [self._pub, self._pull, self._beats])
 
     def _wait_started(self, timeout_s: float) -> None:
@@ -357,7 +347,7 @@ class MultiprocExecutor(Executor):
             if self._failed is None and started:
                 with contextlib.suppress(zmq.ZMQError):
                     self._pub.send_multipart([b"stop", b""], flags=zmq.NOBLOCK)
-            _wait_or_kill(self._procs, 5.0 if self._failed is None and started else 0.0)
+            wait_or_kill(self._procs, 5.0 if self._failed is None and started else 0.0)
             self._pub.close(linger=0)
             self._pull.close(linger=0)
             self._beats.close(linger=0)
@@ -387,33 +377,3 @@ class SplitStep:
     def launched(self, draft_grammar: DraftGrammar | None) -> None:
         self.drafts_sent += 1
         self.drafts, self.verifying, self.draft_grammar = {}, None, draft_grammar
-
-
-def _wait_or_kill(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """Give ``procs`` ``grace_s`` seconds to exit, then SIGKILL and reap the rest."""
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(max(0.0, deadline - time.monotonic()))
-    _kill_all(procs, None)
-
-
-def _release(procs: list[subprocess.Popen], folder: str, ctx: zmq.Context,
-             sockets: list[zmq.Socket]) -> None:
-    """Close ``sockets`` without lingering and end ``ctx``, then :func:`_kill_all`."""
-    for sock in sockets:
-        sock.close(linger=0)
-    if not ctx.closed:
-        ctx.term()
-    _kill_all(procs, folder)
-
-
-def _kill_all(procs: list[subprocess.Popen], folder: str | None) -> None:
-    """SIGKILL and reap every process still running; remove ``folder``."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-    for proc in procs:
-        proc.wait()
-    if folder:
-        shutil.rmtree(folder, ignore_errors=True)
