@@ -260,12 +260,13 @@ def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys, command):
     KeyboardInterrupt; ``kvflow`` exits 130 (128 + SIGINT) without printing a traceback (was:
     the KeyboardInterrupt traceback, found with benchmarks/worker_faults.py serve-sigint). The
     command is replaced by one that is interrupted."""
-    from kvflow.entrypoints import cli
+    from kvflow.entrypoints import cli, cli_generate
 
     def interrupted(args: object) -> int:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, f"_cmd_{command}", interrupted)
+    monkeypatch.setattr(cli_generate if command == "generate" else cli, f"_cmd_{command}",
+                        interrupted)
     assert main([command, "--model", "m"]) == 130
     assert capsys.readouterr().err == ""
 
