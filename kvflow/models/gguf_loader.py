@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -169,6 +170,8 @@ def _iter_weights(
     dtype: torch.dtype,
     keep_quantized: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The generator behind :func:`iter_gguf_weights` (see there), reading the file through
+    one memory map."""
     import numpy as np
 
     data = np.memmap(meta.path, dtype=np.uint8, mode="r")
@@ -195,37 +198,56 @@ def _iter_weights(
                     continue
                 type_name = _type_name(info.ggml_type)
                 unkept[type_name] = unkept.get(type_name, 0) + 1
-            try:
-                weight = torch.from_numpy(_dequantize(data, info))
-            except ValueError as e:  # a GGML type gguf cannot dequantize: name the file
-                raise ValueError(f"{meta.path!r}: {e}") from None
-            if spec.norm_offset and name.endswith("norm.weight"):
-                weight = weight - spec.norm_offset
-            if spec.permute_qk:
-                if ".self_attn.q_proj." in name:
-                    weight = unpermute_qk(weight, n_head)
-                elif ".self_attn.k_proj." in name:
-                    weight = unpermute_qk(weight, n_kv)
-            if name.endswith(".mlp.shared_expert_gate.weight"):  # llama.cpp: [H] or [1, H]
-                weight = weight.reshape(1, -1)
+            weight = _float_weight(data, info, name, meta.path, spec, n_head, n_kv)
             out = weight.to(dtype).contiguous()
             del weight  # keep at most one float32 copy alive while the caller holds ``out``
             yield name, out
             del out
-        if experts_dequantized:
-            logger.warning("GGUF %s: MoE expert tensors (%s) dequantized to %s at load: "
-                           "kvflow's fused experts compute in floats, so they take "
-                           "%s-sized memory (the dense layers keep their GGML blocks)",
-                           meta.path, ", ".join(f"{n} x {t}" for t, n in
-                                                sorted(experts_dequantized.items())),
-                           dtype, dtype)
-        if unkept:
-            logger.warning("GGUF %s: no kept-quantized kernel for %s; those tensors were "
-                           "dequantized to %s at load (GGUF layers hold them as float32)",
-                           meta.path,
-                           ", ".join(f"{n} x {t}" for t, n in sorted(unkept.items())), dtype)
+        _warn_dequantized(meta.path, dtype, experts_dequantized, unkept)
     finally:
         del data
+
+
+def _float_weight(data: Any, info: GGUFTensorInfo, name: str, path: str, spec: ArchSpec,
+                  n_head: int, n_kv: int) -> torch.Tensor:
+    """Tensor ``info`` (kvflow name ``name``) dequantized to float32 in PyTorch's layout,
+    as transformers holds it: norm weights without the architecture's stored offset
+    (gemma3's ``1 + w``), llama q/k rows un-permuted, a shared expert's gate [1, H].
+
+    Raises:
+        ValueError: naming the file, for a GGML type gguf cannot dequantize.
+    """
+    try:
+        weight = torch.from_numpy(_dequantize(data, info))
+    except ValueError as e:  # a GGML type gguf cannot dequantize: name the file
+        raise ValueError(f"{path!r}: {e}") from None
+    if spec.norm_offset and name.endswith("norm.weight"):
+        weight = weight - spec.norm_offset
+    if spec.permute_qk:
+        if ".self_attn.q_proj." in name:
+            weight = unpermute_qk(weight, n_head)
+        elif ".self_attn.k_proj." in name:
+            weight = unpermute_qk(weight, n_kv)
+    if name.endswith(".mlp.shared_expert_gate.weight"):  # llama.cpp: [H] or [1, H]
+        weight = weight.reshape(1, -1)
+    return weight
+
+
+def _warn_dequantized(path: str, dtype: torch.dtype, experts: dict[str, int],
+                      unkept: dict[str, int]) -> None:
+    """Log, with ``keep_quantized``, which quantized tensors were dequantized to ``dtype``
+    instead (GGML type name -> count): MoE experts (always) and tensors of a type without a
+    kept-quantized kernel."""
+    if experts:
+        logger.warning("GGUF %s: MoE expert tensors (%s) dequantized to %s at load: "
+                       "kvflow's fused experts compute in floats, so they take "
+                       "%s-sized memory (the dense layers keep their GGML blocks)",
+                       path, ", ".join(f"{n} x {t}" for t, n in sorted(experts.items())),
+                       dtype, dtype)
+    if unkept:
+        logger.warning("GGUF %s: no kept-quantized kernel for %s; those tensors were "
+                       "dequantized to %s at load (GGUF layers hold them as float32)",
+                       path, ", ".join(f"{n} x {t}" for t, n in sorted(unkept.items())), dtype)
 
 
 def _split_experts(data, info: GGUFTensorInfo, path: str, prefix: str, proj: str,
