@@ -33,7 +33,7 @@ from kvflow.lora.request import LoRARequest
 from kvflow.outputs import (
     RequestOutput,
 )
-from kvflow.prompt_inputs import PromptType
+from kvflow.prompt_inputs import ProcessedPrompt, PromptType
 from kvflow.sampling_params import SamplingParams
 
 
@@ -182,6 +182,19 @@ class LLM(LLMPooling):
         users = check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
         prompts = processed_prompts(self.engine.processor, prompts, params)
         loras = broadcast_loras(lora_request, len(prompts))
+        ids = self._queue_requests(prompts, params, priorities, users, loras)
+        return self._run(ids, use_tqdm and len(ids) > 1, on_output)
+
+    def _queue_requests(self, prompts: list[ProcessedPrompt], params: list[SamplingParams],
+                        priorities: list[int], users: list[str],
+                        loras: list[LoRARequest | None]) -> list[str]:
+        """Load each distinct adapter, then queue one request per prompt; their request ids,
+        in order. If one is refused (or the caller is interrupted) those already queued are
+        aborted and the error re-raised, so nothing stays queued.
+
+        Raises:
+            ValueError: for a request or adapter the engine refuses.
+        """
         for lora in {lr for lr in loras if lr is not None}:
             self.engine.core.add_lora(lora)
         ids: list[str] = []
@@ -193,7 +206,7 @@ class LLM(LLMPooling):
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        return self._run(ids, use_tqdm and len(ids) > 1, on_output)
+        return ids
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams,
