@@ -39,7 +39,8 @@ from kvflow.lora.request import LoRARequest
 from kvflow.models.classifier_from_tokens import resolve_classifier_tokens
 from kvflow.models.loader import load_hf_config, load_tokenizer
 from kvflow.models.model_resolver import ModelSource
-from kvflow.models.pooling_config import TASK_VERB, model_task
+from kvflow.models.model_task import model_task
+from kvflow.models.pooling_config import TASK_VERB
 from kvflow.models.registry import is_multimodal, model_traits
 from kvflow.platforms import get_platform
 from kvflow.sched_output import SchedulerOutput

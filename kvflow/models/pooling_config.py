@@ -23,10 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 TASKS = ("generate", "embed", "score", "classify", "token_classify")
-# sentence-transformers' CrossEncoder activation_fn paths kvflow applies (config.json)
-_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid",
-                "torch.nn.modules.linear.Identity": "identity", "torch.nn.Sigmoid": "sigmoid",
-                "torch.nn.Identity": "identity"}
 _KNOWN_MODULES = {"Transformer", "Pooling", "Normalize"}
 # sentence-transformers < 6: one boolean per mode; >= 6: "pooling_mode": name
 _POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
@@ -58,13 +54,16 @@ class PoolerConfig:
             ``auto`` picked). An embed engine also serves vLLM's per-token "token_embed"
             (``other_tasks``).
         activation: the activation of ``task`` on a score or classify model's logits:
-            "sigmoid" or "identity" (score, :func:`score_activation`), "softmax" or
-            "sigmoid" (classify, :func:`classify_activation`); None for embeddings.
+            "sigmoid" or "identity" (score,
+            :func:`~kvflow.models.model_task.score_activation`), "softmax" or "sigmoid"
+            (classify, :func:`~kvflow.models.model_task.classify_activation`); None for
+            embeddings.
         other_tasks: the head tasks the engine serves besides ``task``, each with its
             activation (``(("classify", "softmax"),)``): a sequence classifier scores and
             classifies on one engine, scoring only with one label on a classify engine
-            (:func:`model_task`), a decoder classifier gives every token's classes too
-            (``token_classify``); ``(("token_embed", None),)`` for embeddings.
+            (:func:`~kvflow.models.model_task.model_task`), a decoder classifier gives every
+            token's classes too (``token_classify``); ``(("token_embed", None),)`` for
+            embeddings.
         num_labels: a score or classify model's outputs per prompt (its classifier's
             ``num_labels``); 0 for embeddings.
         labels: a classify model's class names by index (``config.id2label``, "LABEL_i"
@@ -145,65 +144,8 @@ def has_sentence_transformers_config(folder: str | None) -> bool:
     return folder is not None and os.path.isfile(os.path.join(folder, "modules.json"))
 
 
-def resolve_task(requested: str, is_pooling_architecture: bool, folder: str | None,
-                 is_cross_encoder: bool = False, is_token_classifier: bool = False) -> str:
-    """``generate``, ``embed``, ``score`` or ``classify``: ``requested``, or for ``auto`` score
-    for a sequence classifier (``*ForSequenceClassification``, encoder or decoder), embed when
-    the architecture only embeds (an encoder such as BertModel, a decoder without LM head such
-    as Qwen2Model) or the folder is a sentence-transformers model (``modules.json``).
-
-    A token classifier (``*ForTokenClassification``) runs ``token_classify`` only.
-
-    Raises:
-        ValueError: for ``generate`` on an architecture without an LM head, ``score`` /
-            ``classify`` on one without a classification head, ``token_classify`` on one
-            without a token-classification head, or another task on a sequence or token
-            classifier.
-    """
-    if is_token_classifier:
-        if requested not in ("auto", "token_classify"):
-            raise ValueError(f"task={requested!r}: this architecture is a token classifier "
-                             "(a *ForTokenClassification head); it classifies every prompt "
-                             "token (task='token_classify')")
-        return "token_classify"
-    if requested == "token_classify":
-        raise ValueError("task='token_classify' needs a token classifier ("
-                         f"{', '.join(_TOKEN_CLASSIFIERS)}); this architecture has no "
-                         "token-classification head")
-    if is_cross_encoder:
-        if requested not in ("auto", "score", "classify"):
-            raise ValueError(f"task={requested!r}: this architecture is a sequence classifier "
-                             "(a *ForSequenceClassification head); it scores text pairs "
-                             "(task='score') or classifies texts (task='classify')")
-        return "score" if requested == "auto" else requested
-    if requested in ("score", "classify"):
-        raise ValueError(f"task={requested!r} needs a sequence classifier ("
-                         f"{', '.join(_CLASSIFIERS)}); this architecture has no "
-                         "classification head")
-    if requested == "auto":
-        embed = is_pooling_architecture or has_sentence_transformers_config(folder)
-        return "embed" if embed else "generate"
-    if requested == "generate" and is_pooling_architecture:
-        raise ValueError("task='generate' needs a model with an LM head; this architecture "
-                         "only embeds (use task='embed')")
-    return requested
-
-
-_CLASSIFIERS = ("BertForSequenceClassification", "RobertaForSequenceClassification",
-                "XLMRobertaForSequenceClassification", "LlamaForSequenceClassification",
-                "MistralForSequenceClassification", "Qwen2ForSequenceClassification",
-                "Qwen3ForSequenceClassification", "MixtralForSequenceClassification",
-                "Qwen2MoeForSequenceClassification", "Qwen3MoeForSequenceClassification")
-
-
 # an embedding engine gives every prompt token's hidden state too (vLLM's token_embed)
 _TOKEN_EMBED = (("token_embed", None),)
-_TOKEN_CLASSIFIERS = ("BertForTokenClassification", "RobertaForTokenClassification",
-                      "XLMRobertaForTokenClassification", "LlamaForTokenClassification",
-                      "MistralForTokenClassification", "Qwen2ForTokenClassification",
-                      "Qwen3ForTokenClassification")
-
-
 def load_pooler_config(folder: str | None, hf_config: Any, is_encoder: bool) -> PoolerConfig:
     """The model's pooling: from sentence-transformers' files when the folder has them, else
     CLS (encoders) or last-token (decoders), normalized.
@@ -301,95 +243,6 @@ def _matryoshka(hf_config: Any) -> tuple[bool, tuple[int, ...] | None]:
     if dims:
         return True, tuple(int(d) for d in dims)
     return bool(getattr(hf_config, "is_matryoshka", False)), None
-
-
-def model_task(requested: str, hf_config: Any, folder: str | None
-               ) -> tuple[str, PoolerConfig | None]:
-    """The task an engine runs and, for ``embed``, ``score``, ``classify`` and
-    ``token_classify`` (a ``*ForTokenClassification`` model, every token pooled), the model's
-    pooling (one place for the engine core, the runners and the API process to decide it
-    alike). A sequence classifier pools its first token (CLS, an encoder) or its last (a
-    decoder: the last token of the prompt, which has no padding), as transformers'
-    ``*ForSequenceClassification`` do, and serves both head tasks where the model allows
-    (``PoolerConfig.other_tasks``): a score engine classifies too, a classify engine scores
-    when its classifier has one label (vLLM's rule for /score and /rerank); a decoder
-    classifier also serves vLLM's ``token_classify`` (its head on every prompt token).
-
-    Args:
-        requested: ``ModelConfig.task`` (auto | generate | embed | score | classify).
-        hf_config: the model's HF config.
-        folder: the HF model folder (None for a GGUF file).
-
-    Raises:
-        ValueError: see :func:`resolve_task` and :func:`load_pooler_config`.
-    """
-    from kvflow.models.registry import is_cross_encoder, is_token_classifier, model_traits
-
-    pooling_only, encoder = model_traits(hf_config)
-    task = resolve_task(requested, pooling_only, folder, is_cross_encoder(hf_config),
-                        is_token_classifier(hf_config))
-    if task == "generate":
-        return task, None
-    if task == "token_classify":  # every prompt token's row through the head
-        num_labels = int(hf_config.num_labels)
-        return task, PoolerConfig("all", False, task=task,
-                                  activation=classify_activation(num_labels),
-                                  num_labels=num_labels, labels=class_labels(hf_config))
-    if task not in ("score", "classify"):
-        return task, load_pooler_config(folder, hf_config, encoder)
-    # One head serves both (vLLM): classify always; score on a classify engine only with
-    # one label (a relevance logit), on a score engine with any (CrossEncoder.predict's values).
-    num_labels = int(hf_config.num_labels)
-    served = ("score", "classify") if task == "score" or num_labels == 1 else ("classify",)
-    if not encoder:
-        # vLLM's token_classify on a sequence classifier: the score head on every prompt
-        # token's row (a decoder's head is one Linear, so transformers' per-token logits
-        # before its last-token pick; an encoder's head starts with the CLS pooler's dense
-        # + tanh, which is no per-token head, so encoders do not serve it)
-        served += ("token_classify",)
-    activations = {t: score_activation(hf_config) if t == "score" else
-                   classify_activation(num_labels) for t in served}
-    return task, PoolerConfig("cls" if encoder else "last", False, task=task,
-                              activation=activations[task], num_labels=num_labels,
-                              labels=class_labels(hf_config),
-                              other_tasks=tuple(kv for kv in activations.items()
-                                                if kv[0] != task))
-
-
-def classify_activation(num_labels: int) -> str:
-    """The activation of a classify request's logits: softmax over two or more classes, the
-    sigmoid of a single one (vLLM's ``PoolerClassify``; a softmax over one logit is always
-    1)."""
-    return "softmax" if num_labels >= 2 else "sigmoid"
-
-
-def score_activation(hf_config: Any) -> str:
-    """The activation sentence-transformers' ``CrossEncoder.predict`` applies to the logits
-    (its ``get_default_activation_fn``, v4-v6): ``config.json``'s
-    ``sentence_transformers.activation_fn`` (or the older ``sbert_ce_default_activation_function``)
-    when set, else sigmoid for one label (``num_labels == 1``) and identity for several.
-
-    Raises:
-        ValueError: for an activation other than torch's Sigmoid or Identity.
-    """
-    st = getattr(hf_config, "sentence_transformers", None)
-    path = st.get("activation_fn") if isinstance(st, dict) else None
-    path = path or getattr(hf_config, "sbert_ce_default_activation_function", None)
-    if path is None:
-        return "sigmoid" if int(hf_config.num_labels) == 1 else "identity"
-    if path not in _ACTIVATIONS:
-        raise ValueError(f"config.json: cross-encoder activation_fn {path!r} is not supported; "
-                         f"kvflow applies {sorted(_ACTIVATIONS)}")
-    return _ACTIVATIONS[path]
-
-
-def class_labels(hf_config: Any) -> tuple[str, ...]:
-    """The ``num_labels`` class names by index: ``config.id2label`` (keys ints or digit
-    strings, as config.json stores them), ``LABEL_i`` for an index it does not name
-    (transformers' default names)."""
-    names = getattr(hf_config, "id2label", None) or {}
-    names = {int(k): str(v) for k, v in names.items()}
-    return tuple(names.get(i, f"LABEL_{i}") for i in range(int(hf_config.num_labels)))
 
 
 TASK_VERB = {"generate": "generates text", "embed": "embeds", "score": "scores text pairs",

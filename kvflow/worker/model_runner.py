@@ -33,8 +33,8 @@ from kvflow.lora.layers import LoRAMapping
 from kvflow.lora.manager import LoRAManager
 from kvflow.lora.request import LoRARequest
 from kvflow.models.model_resolver import ModelSource
+from kvflow.models.model_task import model_task
 from kvflow.models.parallel_utils import is_pp_missing
-from kvflow.models.pooling_config import model_task
 from kvflow.platforms import Platform
 from kvflow.quant import weight_bytes
 from kvflow.runner_output import ModelRunnerOutput
