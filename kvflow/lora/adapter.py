@@ -96,7 +96,7 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     Raises:
         ValueError: naming the file when it is missing, truncated or corrupt.
     """
-    from kvflow.models.loader import iter_safetensors_file
+    from kvflow.models.safetensors_files import iter_safetensors_file
 
     weights_path = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isfile(weights_path):

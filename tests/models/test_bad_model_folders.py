@@ -137,7 +137,7 @@ def test_weight_file_that_cannot_be_opened_says_why(tmp_path):
     """safetensors reports any failure to open as "No such file or directory"; the error now
     gives the real reason (here a folder where the file should be; a chmod 000 file gives
     "Permission denied" the same way)."""
-    from kvflow.models.loader import iter_safetensors_file
+    from kvflow.models.safetensors_files import iter_safetensors_file
 
     path = str(tmp_path / "model.safetensors")
     os.mkdir(path)
@@ -164,7 +164,7 @@ def _deny_open(monkeypatch, path: str) -> None:
 def test_weight_file_without_permission_says_so(tiny_llama, monkeypatch):
     """safetensors reports every failure to open as "No such file or directory"; the loader
     opens the file itself first, so the true reason is named."""
-    from kvflow.models.loader import iter_safetensors_file
+    from kvflow.models.safetensors_files import iter_safetensors_file
 
     path = os.path.join(tiny_llama.path, "model.safetensors")
     _deny_open(monkeypatch, path)
@@ -215,17 +215,17 @@ def test_unreadable_tokenizer_json_says_so(tiny_llama, monkeypatch):
 
 def _spy_weight_reads(monkeypatch) -> list[str]:
     """The weight files read from now on (every checkpoint file passes through
-    ``loader.iter_safetensors_file``), in order."""
-    from kvflow.models import loader
+    ``safetensors_files.iter_safetensors_file``), in order."""
+    from kvflow.models import safetensors_files
 
     read: list[str] = []
-    real = loader.iter_safetensors_file
+    real = safetensors_files.iter_safetensors_file
 
     def spy(path, *args, **kwargs):
         read.append(path)
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(loader, "iter_safetensors_file", spy)
+    monkeypatch.setattr(safetensors_files, "iter_safetensors_file", spy)
     return read
 
 

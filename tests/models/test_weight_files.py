@@ -43,7 +43,7 @@ def test_truncated_weights_raise_value_error(tiny_llama, tmp_path):
 
 
 def test_unreadable_weight_file_is_named(tmp_path):
-    from kvflow.models.loader import iter_safetensors_file
+    from kvflow.models.safetensors_files import iter_safetensors_file
 
     folder = tmp_path / "dir.safetensors"  # a folder where a file should be
     folder.mkdir()
