@@ -190,15 +190,10 @@ class EngineConfig:
                              "verification step's token counts are known only after it)")
 
     def _check_eagle(self) -> None:
-        """An EAGLE / MTP head (kvflow/spec_decode/eagle.py) runs on one rank without
-        adapters: it reads the target's whole hidden states and its unadapted embedding and
-        LM head."""
+        """An EAGLE / MTP head (kvflow/spec_decode/eagle.py) runs without adapters: it reads
+        the target's hidden states and its unadapted embedding and LM head. With tensor
+        parallelism every rank runs the whole head (kvflow/spec_decode/eagle.py)."""
         method = self.speculative_config.method
-        if self.parallel_config.tensor_parallel_size > 1:
-            raise ValueError(f"speculative_config method={method!r} with tensor_parallel_size "
-                             "> 1 is not available (the head reads the target's unsharded "
-                             "hidden states); use tensor_parallel_size 1 or method "
-                             "'draft_model'")
         if self.scheduler_config.preemption_mode == "swap":
             raise ValueError(f"speculative_config method={method!r} with preemption_mode swap "
                              "is not available (a swapped-in request would have no target "

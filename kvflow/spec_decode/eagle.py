@@ -26,6 +26,19 @@ vLLM's proposer does. Positions the target never computed (a prefix-cache hit) h
 K/V the cached blocks hold (the head's, written when a request drafting through them filled
 them, or stale): only the acceptance rate can suffer, never the output, which verification
 keeps exact. Constrained (structured-output) requests are drafted for as by a draft model.
+
+Tensor parallelism: every rank runs the whole head (its layer unsharded, as a draft model is:
+the head's K/V, all its KV heads, sits in each rank's blocks, sized by the head's own layer
+spec), fed the target's features, which are whole on every rank (the final hidden states and
+EAGLE-3's residual-stream taps follow the row-parallel all-reduces). A head sharing the
+target's vocabulary-parallel embedding and LM head calls them as the target does (an
+all-reduce, an all-gather): every rank runs the same passes over the same batch, so the
+collectives pair up, and no rank holds a second [V, H] copy. The ranks then take TP rank 0's
+proposal (``share_proposal``), so they verify the same drafts even where their passes round
+differently (a draft chosen differently mid-proposal feeds the shared embedding other tokens
+on each rank: the later drafts are then wrong on all ranks alike, which lowers acceptance,
+never the output). A one-layer head is small next to the sharded target (DeepSeek-V3's MTP layer,
+MoE included, is not: each rank holds all of it).
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ import torch
 
 from kvflow.attention.layer import Attention, AttentionContext
 from kvflow.config import EngineConfig
+from kvflow.distributed.comm import CommGroup
 from kvflow.kv_cache_interface import DRAFT_LAYER_PREFIX
 from kvflow.layers.rotary import long_prompt_rope
 from kvflow.models.loader import load_hf_config
@@ -61,6 +75,8 @@ class EagleDrafter(DraftModel):
         dtype / device: the target's compute dtype and device.
         target: the target model (its embedding and LM head serve a head without its own).
         target_vocab_size: rows of the target's logits; the head must have as many.
+        tp_group: the target's tensor-parallel group: every rank runs the whole head, then
+            takes TP rank 0's proposal (module docstring). None: one rank.
 
     Raises:
         ValueError: for a head that cannot be resolved or read (after ``speculative_config
@@ -69,10 +85,10 @@ class EagleDrafter(DraftModel):
     """
 
     def __init__(self, config: EngineConfig, backend: Any, dtype: torch.dtype,
-                 device: torch.device, target: torch.nn.Module, target_vocab_size: int
-                 ) -> None:
+                 device: torch.device, target: torch.nn.Module, target_vocab_size: int,
+                 tp_group: CommGroup | None = None) -> None:
         spec, mc = config.speculative_config, config.model_config
-        self.tp_group = None
+        self.tp_group = tp_group
         with _naming_the_draft(spec.model):
             source = resolve_model(spec.model, mc.download_dir)
             hf_config = load_hf_config(source, trust_remote_code=mc.trust_remote_code)

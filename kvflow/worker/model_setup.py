@@ -125,19 +125,21 @@ def make_draft_model(config: EngineConfig, platform: Platform, source: ModelSour
     the target's attention backend and GEMM path. ``source`` / ``hf_config``: the target's;
     its declared EOS ids (``load_eos_token_ids``, the ids the front end makes every request
     stop on) stay in a draft LM head cut to frequent tokens. ``tp_group``: the target's
-    tensor-parallel group (each rank holds the whole draft; TP rank 0's proposal is used)."""
+    tensor-parallel group (each rank holds the whole draft or head; TP rank 0's proposal
+    is used)."""
     spec = config.speculative_config
     if spec is None or spec.method not in ("draft_model", *HEAD_METHODS):
         return None
     if spec.method == "deepseek_mtp":  # the target's MLA layer: the MLA backend
         return EagleDrafter(config, make_mla_backend(config.device_config.attention_backend),
-                            dtype, device, target, hf_config.vocab_size)
+                            dtype, device, target, hf_config.vocab_size, tp_group)
     name = config.device_config.attention_backend or platform.default_attention_backend
     backend = platform.get_attention_backend(name) or \
         make_attention_backend(name, device=device,
                                cpu_attention=config.device_config.cpu_attention)
     if spec.method in ("eagle", "eagle3"):  # one layer: its GEMMs run as loaded
-        return EagleDrafter(config, backend, dtype, device, target, hf_config.vocab_size)
+        return EagleDrafter(config, backend, dtype, device, target, hf_config.vocab_size,
+                            tp_group)
     drafter = DraftModel(config, backend, dtype, device, hf_config.vocab_size,
                          load_eos_token_ids(source, hf_config), tp_group)
     # unpacked, a bf16 draft cost more than it saved
