@@ -127,6 +127,10 @@ TINY_MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 32, "norm_topk_prob": True,
                                      "head_dim": 32}),
+    # Qwen3-MoE with 256-wide rows (whole K-quant blocks of 256) for the GGUF K-quant tests
+    "qwen3_moe_256": ("Qwen3MoeConfig", {"hidden_size": 256, "num_experts": 4,
+                                         "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+                                         "norm_topk_prob": True, "head_dim": 64}),
     # DeepSeek-V2-Lite style: MLA without q LoRA (latent 32 + RoPE key 8 per token), layer 0
     # dense, layer 1 DeepSeekMoE (8 experts in 4 groups, best 2 groups, top-2, 2 shared
     # experts), YaRN with mscale != mscale_all_dim (RoPE and softmax scale both adjusted)

@@ -144,6 +144,19 @@ def cpu_gguf_choice() -> str:
     return choice
 
 
+def gguf_moe_experts_choice() -> str:
+    """How ``--quantization gguf`` holds an MoE GGUF file's experts: ``KVFLOW_GGUF_MOE`` =
+    ``quantized`` (the default: each expert's GGML blocks kept as in the file and multiplied
+    by the dense GGUF layers' GEMM, ``kvflow/quant/gguf_moe.py``) or ``dequantized``
+    (dequantized at load to ``--dtype``, run as float experts: 4-8x the memory). Raises
+    ValueError on any other value."""
+    choice = os.environ.get("KVFLOW_GGUF_MOE", "quantized")
+    if choice not in ("quantized", "dequantized"):
+        raise ValueError(f"KVFLOW_GGUF_MOE={choice!r} is invalid; choose one of "
+                         f"['quantized', 'dequantized']")
+    return choice
+
+
 def cpu_quant_choice() -> str:
     """How weight-only INT8 layers (``--quantization int8``, the INT8 tables of ``int4``)
     multiply on CPU: ``KVFLOW_CPU_QUANT`` = ``native`` (kvflow's C kernel, int8 widened in

@@ -227,6 +227,7 @@ class FusedMoE(GemmPathMixin, CustomOp):
         self.expert_start, expert_end = expert_range(num_experts, ep_rank, ep_size)
         self.num_local_experts = expert_end - self.expert_start
         self.intermediate_size = intermediate_size // tp_size
+        self.hidden_size = hidden_size
         inter = self.intermediate_size
         self.w13_weight = nn.Parameter(torch.empty(self.num_local_experts, 2 * inter,
                                                    hidden_size), requires_grad=False)
@@ -239,8 +240,10 @@ class FusedMoE(GemmPathMixin, CustomOp):
     def set_quant_method(self, method: FusedMoEMethod) -> None:
         """Quantize the experts with ``method`` (``kvflow/quant/moe.py``; call before loading):
         the float weights still load through :meth:`weight_loader`, the method converts them
-        after loading and runs the experts."""
+        after loading and runs the experts; GGUF's method takes the checkpoint's blocks as
+        they are instead, ``FusedMoEMethod.loads_checkpoint``)."""
         self.quant_method = method
+        method.create_weights(self)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str,
                       expert_id: int | None = None) -> None:
@@ -256,25 +259,22 @@ class FusedMoE(GemmPathMixin, CustomOp):
                 parallelism, experts held by other ranks are skipped (and a stacked tensor
                 contributes only this rank's experts).
 
+        A method that takes checkpoint tensors as they are (GGUF blocks,
+        ``FusedMoEMethod.loads_checkpoint``) gets this rank's experts instead.
+
         Raises:
             ValueError: for an unknown ``shard_id``, an ``expert_id`` outside the layer, or a
                 shape that does not fit.
         """
-        inter, hidden = self.intermediate_size, self.w2_weight.shape[1]
-        full = inter * self.tp_size
-        expected = {"w1": (full, hidden), "w3": (full, hidden), "w2": (hidden, full),
-                    "w13": (2 * full, hidden)}.get(shard_id)
-        if expected is None:
-            raise ValueError(f"unknown expert shard_id {shard_id!r}")
-        if expert_id is None:
-            expected = (self.num_experts, *expected)
-        if tuple(loaded.shape) != expected:
-            raise ValueError(f"expert weight {shard_id} has shape {tuple(loaded.shape)}, "
-                             f"expected {expected}")
-        if expert_id is not None and not 0 <= expert_id < self.num_experts:
-            raise ValueError(f"expert_id {expert_id} is outside [0, {self.num_experts})")
-        local = None if expert_id is None else expert_id - self.expert_start
-        if local is not None and not 0 <= local < self.num_local_experts:
+        if self.quant_method is not None and self.quant_method.loads_checkpoint:
+            local = self._local_expert(expert_id)
+            if local != -1:
+                self.quant_method.load_expert(self, shard_id, local, loaded)
+            return
+        inter, full = self.intermediate_size, self.intermediate_size * self.tp_size
+        self._check_float_shape(loaded, shard_id, expert_id)
+        local = self._local_expert(expert_id)
+        if local == -1:
             return  # another expert-parallel rank holds this expert
         if expert_id is None:
             loaded = loaded.narrow(0, self.expert_start, self.num_local_experts)
@@ -290,6 +290,35 @@ class FusedMoE(GemmPathMixin, CustomOp):
             src = loaded.narrow(0, self.tp_rank * inter, inter)
             dst = dst.narrow(0, 0 if shard_id == "w1" else inter, inter)
         dst.copy_(src)
+
+    def _check_float_shape(self, loaded: torch.Tensor, shard_id: str,
+                           expert_id: int | None) -> None:
+        """Raise ValueError for an unknown ``shard_id`` or a float tensor of the wrong shape
+        (see :meth:`weight_loader`)."""
+        full, hidden = self.intermediate_size * self.tp_size, self.hidden_size
+        expected = {"w1": (full, hidden), "w3": (full, hidden), "w2": (hidden, full),
+                    "w13": (2 * full, hidden)}.get(shard_id)
+        if expected is None:
+            raise ValueError(f"unknown expert shard_id {shard_id!r}")
+        if expert_id is None:
+            expected = (self.num_experts, *expected)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"expert weight {shard_id} has shape {tuple(loaded.shape)}, "
+                             f"expected {expected}")
+
+    def _local_expert(self, expert_id: int | None) -> int | None:
+        """This rank's index of global expert ``expert_id`` (None for a stacked tensor), -1
+        when another expert-parallel rank holds it.
+
+        Raises:
+            ValueError: for an ``expert_id`` outside the layer.
+        """
+        if expert_id is None:
+            return None
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"expert_id {expert_id} is outside [0, {self.num_experts})")
+        local = expert_id - self.expert_start
+        return local if 0 <= local < self.num_local_experts else -1
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], router_logits [T, E] -> [T, H] in ``hidden.dtype``: route

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kvflow.config import gguf_moe_experts_choice
 from kvflow.kernels.gguf_dequant import SUPPORTED_TYPES as KEPT_TYPES
 from kvflow.models.gguf_config import (
     ArchSpec,
@@ -139,9 +140,12 @@ def iter_gguf_weights(path: str, dtype: torch.dtype,
     Q8_0, Q4_K, Q5_K, Q6_K). A tensor of another type (Q2_K, Q3_K, IQ*: common in llama.cpp's
     Q2_K / Q3_K_* mixes) is dequantized as without ``keep_quantized`` and a warning names the
     types, so such a file loads with those tensors in ``dtype`` instead of failing at its
-    first forward pass. Routers always come as floats; expert tensors (stacked or per
-    expert) are dequantized too, since kvflow's fused experts compute in floats: a warning names how
-    many, as the experts then take ``dtype``-sized memory (most of an MoE model's weights).
+    first forward pass. Routers always come as floats. Expert tensors (stacked ones split
+    per expert, or early Mixtral's per-expert ones) come as each expert's raw blocks
+    [rows, row_bytes] too (:mod:`kvflow.quant.gguf_moe` keeps them); with
+    ``KVFLOW_GGUF_MOE=dequantized`` (:func:`kvflow.config.gguf_moe_experts_choice`) they are
+    dequantized to ``dtype`` instead, with a warning naming how many, as they then take
+    ``dtype``-sized memory (most of an MoE model's weights).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -176,28 +180,31 @@ def _iter_weights(
 
     data = np.memmap(meta.path, dtype=np.uint8, mode="r")
     unkept: dict[str, int] = {}  # GGML type name -> tensors dequantized instead of kept
-    experts_dequantized: dict[str, int] = {}  # the same for expert tensors (never kept)
+    experts_dequantized: dict[str, int] = {}  # the same for expert tensors (not kept)
+    keep_experts = keep_quantized and gguf_moe_experts_choice() == "quantized"
     try:
         for info in meta.tensors:
             if info.name not in names:
                 continue
             name = names[info.name]
             expert = ".mlp.experts." in name
-            if expert and keep_quantized and info.ggml_type not in _FLOAT_TYPES:
-                type_name = _type_name(info.ggml_type)
-                experts_dequantized[type_name] = experts_dequantized.get(type_name, 0) + 1
+            if expert and keep_quantized and not keep_experts \
+                    and info.ggml_type not in _FLOAT_TYPES:
+                _count(experts_dequantized, info.ggml_type)
             stacked = _STACKED_EXPERTS_RE.match(name)
-            if stacked is not None:  # [E, rows, cols]: dequantized one expert at a time
-                yield from _split_experts(data, info, meta.path, *stacked.groups(), dtype)
+            if stacked is not None:  # [E, rows, cols]: one expert at a time
+                keep = keep_experts and info.ggml_type in KEPT_TYPES
+                if keep_experts and not keep and info.ggml_type not in _FLOAT_TYPES:
+                    _count(unkept, info.ggml_type)
+                yield from _split_experts(data, info, meta.path, *stacked.groups(), dtype, keep)
                 continue
             router = name.endswith(_ROUTER_SUFFIXES)
             if keep_quantized and len(info.shape) == 2 and info.ggml_type not in _FLOAT_TYPES \
-                    and not router and not expert:
+                    and not router and (keep_experts or not expert):
                 if info.ggml_type in KEPT_TYPES:
                     yield name, _raw_blocks(data, info, name, spec, n_head, n_kv)
                     continue
-                type_name = _type_name(info.ggml_type)
-                unkept[type_name] = unkept.get(type_name, 0) + 1
+                _count(unkept, info.ggml_type)
             weight = _float_weight(data, info, name, meta.path, spec, n_head, n_kv)
             out = weight.to(dtype).contiguous()
             del weight  # keep at most one float32 copy alive while the caller holds ``out``
@@ -239,9 +246,9 @@ def _warn_dequantized(path: str, dtype: torch.dtype, experts: dict[str, int],
     instead (GGML type name -> count): MoE experts (always) and tensors of a type without a
     kept-quantized kernel."""
     if experts:
-        logger.warning("GGUF %s: MoE expert tensors (%s) dequantized to %s at load: "
-                       "kvflow's fused experts compute in floats, so they take "
-                       "%s-sized memory (the dense layers keep their GGML blocks)",
+        logger.warning("GGUF %s: MoE expert tensors (%s) dequantized to %s at load "
+                       "(KVFLOW_GGUF_MOE=dequantized): they take %s-sized memory (the "
+                       "dense layers keep their GGML blocks)",
                        path, ", ".join(f"{n} x {t}" for t, n in sorted(experts.items())),
                        dtype, dtype)
     if unkept:
@@ -250,11 +257,18 @@ def _warn_dequantized(path: str, dtype: torch.dtype, experts: dict[str, int],
                        path, ", ".join(f"{n} x {t}" for t, n in sorted(unkept.items())), dtype)
 
 
+def _count(counts: dict[str, int], ggml_type: int) -> None:
+    """One more tensor of ``ggml_type`` (counted by type name, for a warning)."""
+    type_name = _type_name(ggml_type)
+    counts[type_name] = counts.get(type_name, 0) + 1
+
+
 def _split_experts(data, info: GGUFTensorInfo, path: str, prefix: str, proj: str,
-                   dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+                   dtype: torch.dtype, keep: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """``(prefix.{e}.proj.weight, [rows, cols] in dtype)`` for each expert of a stacked
     [E, rows, cols] tensor, each dequantized from its own bytes (experts are the outermost
-    dimension, so one expert's blocks are contiguous): one expert in float32 at a time."""
+    dimension, so one expert's blocks are contiguous): one expert in float32 at a time.
+    ``keep``: each expert's raw blocks instead, uint8 [rows, row_bytes] tagged ``ggml_type``."""
     n_experts = info.shape[0]
     if len(info.shape) != 3 or info.n_bytes % n_experts:
         raise ValueError(f"{path!r}: stacked expert tensor {info.name!r} has shape "
@@ -263,6 +277,9 @@ def _split_experts(data, info: GGUFTensorInfo, path: str, prefix: str, proj: str
     for e in range(n_experts):
         one = dataclasses.replace(info, shape=info.shape[1:], offset=info.offset + e * per_expert,
                                   n_bytes=per_expert)
+        if keep:
+            yield f"{prefix}.{e}.{proj}.weight", _blocks(data, one)
+            continue
         try:
             weight = torch.from_numpy(_dequantize(data, one))
         except ValueError as err:  # a GGML type gguf cannot dequantize: name the file
@@ -290,14 +307,22 @@ def _raw_blocks(data, info: GGUFTensorInfo, name: str, spec: ArchSpec, n_head: i
                 n_kv: int) -> torch.Tensor:
     """uint8 [rows, row_bytes]: one 2-D tensor's quantized blocks as stored (a fresh copy),
     llama q/k rows un-permuted, tagged with ``ggml_type``."""
-    import numpy as np
-
-    raw = data[info.offset : info.offset + info.n_bytes].view(np.ndarray)
-    blocks = torch.from_numpy(np.array(raw.reshape(info.shape[0], -1)))
+    blocks = _blocks(data, info)
     if spec.permute_qk and ".self_attn.q_proj." in name:
         blocks = unpermute_qk(blocks, n_head).contiguous()
     elif spec.permute_qk and ".self_attn.k_proj." in name:
         blocks = unpermute_qk(blocks, n_kv).contiguous()
+    blocks.ggml_type = int(info.ggml_type)  # type: ignore[attr-defined]
+    return blocks
+
+
+def _blocks(data, info: GGUFTensorInfo) -> torch.Tensor:
+    """uint8 [rows, row_bytes]: a 2-D tensor's blocks as stored (a fresh copy), tagged with
+    ``ggml_type``."""
+    import numpy as np
+
+    raw = data[info.offset : info.offset + info.n_bytes].view(np.ndarray)
+    blocks = torch.from_numpy(np.array(raw.reshape(info.shape[0], -1)))
     blocks.ggml_type = int(info.ggml_type)  # type: ignore[attr-defined]
     return blocks
 

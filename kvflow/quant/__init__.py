@@ -170,10 +170,16 @@ class QuantConfig:
 
     def moe_method(self, prefix: str) -> FusedMoEMethod | None:
         """The method for the experts of the ``FusedMoE`` layer at ``prefix``; None: float
-        experts (every scheme but int8 and fp8, which quantize them on load; a block-FP8
+        experts (every scheme but int8 and fp8, which quantize them on load, and gguf, which
+        keeps the file's blocks unless ``KVFLOW_GGUF_MOE=dequantized``; a block-FP8
         checkpoint's experts are dequantized as they are read)."""
         if self.block_fp8:
             return None
+        if self.name == "gguf":
+            from kvflow.config import gguf_moe_experts_choice
+            from kvflow.quant.gguf_moe import GGUFFusedMoEMethod
+
+            return GGUFFusedMoEMethod() if gguf_moe_experts_choice() == "quantized" else None
         if self.name == "int8":
             from kvflow.quant.moe import Int8FusedMoEMethod
 

@@ -38,6 +38,23 @@ class FusedMoEMethod(ABC):
     """How one ``FusedMoE`` layer's expert weights are stored and multiplied."""
 
     name: str = "abstract"
+    # True: checkpoint tensors go to :meth:`load_expert` as they are (GGUF's raw blocks),
+    # not into the layer's float ``w13_weight`` / ``w2_weight``
+    loads_checkpoint: bool = False
+
+    def create_weights(self, layer: nn.Module) -> None:
+        """Replace the layer's float weights before loading (called by ``set_quant_method``;
+        the methods that quantize float weights keep them)."""
+
+    def load_expert(self, layer: nn.Module, shard_id: str, local_expert: int | None,
+                    loaded: torch.Tensor) -> None:
+        """Take one checkpoint tensor as it is (methods with :attr:`loads_checkpoint`):
+        ``shard_id`` ``"w1"``/``"w3"``/``"w2"`` of expert ``local_expert`` on this rank.
+
+        Raises:
+            NotImplementedError: for a method that loads through the float weights.
+        """
+        raise NotImplementedError(f"{self.name} experts load through the float weights")
 
     @abstractmethod
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -66,7 +83,7 @@ class FusedMoEMethod(ABC):
             gate, up = self.expert_linear(layer, x, "w13", expert).chunk(2, dim=-1)
             return self.expert_linear(layer, F.silu(gate) * up, "w2", expert)
 
-        return grouped_experts(hidden, topk_weights, topk_ids, layer.w13_weight.shape[0],
+        return grouped_experts(hidden, topk_weights, topk_ids, layer.num_local_experts,
                                layer.w2_weight.shape[1], expert_mlp)
 
 

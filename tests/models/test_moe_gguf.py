@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ gguf = pytest.importorskip("gguf")
 
 # tiny model (tests/conftest.py) -> llama.cpp architecture
 _ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
+         "qwen3_moe_256": "qwen3moe",
          "granite_moe": "granitemoe"}
 
 
@@ -90,11 +92,88 @@ def _moe_tensors(model, arch: str, legacy: bool = False) -> dict[str, np.ndarray
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
+Q = gguf.GGMLQuantizationType
+# a Q4_K_M-like mix with gate and up of different types: expert kind -> GGML type, "other":
+# every other 2-D weight but the routers
+K_MIX = {"gate": Q.Q4_K, "up": Q.Q5_K, "down": Q.Q6_K, "other": Q.Q8_0}
+_EXPERT_KIND_RE = re.compile(r"ffn_(gate|up|down)(_exps|\.\d+)\.weight$")
+
+
+def _types(quantize) -> dict:
+    """``quantize`` (one GGMLQuantizationType, or a :data:`K_MIX`-style dict) as a dict."""
+    return quantize if isinstance(quantize, dict) else \
+        dict.fromkeys(("gate", "up", "down", "other"), quantize)
+
+
+def _fits(array: np.ndarray, qtype) -> bool:
+    """Whether rows of ``array`` are whole ``qtype`` blocks (else written as F32, as
+    llama.cpp falls back for such tensors)."""
+    return array.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
+
+
+# gguf-py writes K-quant blocks but cannot quantize to them: K-quant experts are random
+# blocks instead (fp16 scale fields at these byte offsets, small enough for weights ~0.1),
+# and the oracle runs their values (gguf-py's dequantize)
+_K_SCALES = {Q.Q4_K: ((0, 2), 2e-3), Q.Q5_K: ((0, 2), 1e-3), Q.Q6_K: ((208,), 1e-4)}
+
+
+def _blocks(array: np.ndarray, qtype, seed: int) -> np.ndarray:
+    """uint8 blocks the file holds for ``array``: gguf-py's quantization, or for a K-quant
+    random blocks of its shape (seeded by ``seed``; the values of ``array`` are dropped)."""
+    if qtype not in _K_SCALES:
+        return gguf.quants.quantize(array, qtype)
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(*array.shape[:-1], array.shape[-1] // block, nbytes),
+                       dtype=np.uint8)
+    offsets, scale = _K_SCALES[qtype]
+    for off in offsets:
+        raw[..., off:off + 2] = rng.uniform(-scale, scale, (*raw.shape[:-1], 1)) \
+            .astype(np.float16).view(np.uint8)
+    return raw.reshape(*array.shape[:-1], -1)
+
+
+def _seed(layer: int, kind: str) -> int:
+    return 3 * layer + ("gate", "up", "down", "other").index(kind)
+
+
+def _round(array: np.ndarray, qtype, seed: int = 0) -> np.ndarray:
+    """The values the file holds for ``array`` (itself where rows are not whole blocks)."""
+    if not _fits(array, qtype):
+        return array
+    return gguf.quants.dequantize(_blocks(array, qtype, seed), qtype).reshape(array.shape)
+
+
+def _rounded_oracle(tiny, quantize):
+    """``tiny`` with every tensor :func:`_write` quantizes rounded through its GGML type:
+    transformers running the weights the file holds."""
+    types = _types(quantize)
+    state = {}
+    for key, value in tiny.hf_model.state_dict().items():
+        array = value.float().numpy()
+        layer = int(key.split(".")[2]) if key.startswith("model.layers.") else -1
+        if key.endswith("experts.gate_up_proj"):
+            half = array.shape[1] // 2
+            array = np.concatenate([_round(array[:, :half], types["gate"], _seed(layer, "gate")),
+                                    _round(array[:, half:], types["up"], _seed(layer, "up"))],
+                                   axis=1)
+        elif key.endswith("experts.down_proj"):
+            array = _round(array, types["down"], _seed(layer, "down"))
+        elif value.dim() >= 2 and not key.endswith((".mlp.gate.weight", ".router.weight",
+                                                    "shared_expert_gate.weight")):
+            array = _round(array, types["other"])
+        state[key] = torch.from_numpy(np.ascontiguousarray(array))
+    rounded = tiny.hf_model.__class__(tiny.hf_model.config).eval()
+    rounded.load_state_dict(state)
+    return dataclasses.replace(tiny, name=f"{tiny.name}_rounded", hf_model=rounded)
+
+
 def _write(tiny, path, overrides: dict | None = None, quantize=None,
            legacy: bool = False) -> str:
     """The GGUF of ``tiny``; ``overrides``: ``<arch>.<key>`` values to write instead (None:
     leave the key out); ``quantize``: a GGMLQuantizationType for every 2-D / 3-D weight
-    but the routers."""
+    but the routers, or a :data:`K_MIX`-style dict of types by tensor kind (a tensor whose
+    rows are not whole blocks stays F32)."""
     cfg = tiny.hf_model.config
     arch = _ARCH[tiny.name]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -131,8 +210,13 @@ def _write(tiny, path, overrides: dict | None = None, quantize=None,
     w.add_uint32("tokenizer.ggml.bos_token_id", cfg.bos_token_id)
     w.add_uint32("tokenizer.ggml.eos_token_id", cfg.eos_token_id)
     for name, array in _moe_tensors(tiny.hf_model, arch, legacy).items():
-        if quantize is not None and array.ndim >= 2 and "ffn_gate_inp" not in name:
-            w.add_tensor(name, gguf.quants.quantize(array, quantize), raw_dtype=quantize)
+        match = _EXPERT_KIND_RE.search(name)
+        kind = match.group(1) if match else "other"
+        qtype = None if quantize is None else _types(quantize)[kind]
+        if qtype is not None and array.ndim >= 2 and "ffn_gate_inp" not in name \
+                and _fits(array, qtype):
+            seed = _seed(int(name.split(".")[1]) if name.startswith("blk.") else -1, kind)
+            w.add_tensor(name, _blocks(array, qtype, seed), raw_dtype=qtype)
         else:
             w.add_tensor(name, array)
     w.write_header_to_file()
@@ -147,8 +231,8 @@ def _llm(tiny, path, **kwargs) -> LLM:
                num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, **kwargs)
 
 
-def _generate_matches_hf(tiny, path) -> None:
-    for out in _llm(tiny, path).generate(_prompts([13, 22], tiny.vocab_size, seed=7), greedy(),
+def _generate_matches_hf(tiny, path, **kwargs) -> None:
+    for out in _llm(tiny, path, **kwargs).generate(_prompts([13, 22], tiny.vocab_size, seed=7), greedy(),
                                          use_tqdm=False):
         assert_matches_hf(tiny, out)
 
@@ -175,18 +259,89 @@ def test_moe_gguf_generates_as_transformers(tiny_model_factory, tmp_path, name, 
     _generate_matches_hf(tiny, path)
 
 
-def test_early_mixtral_gguf_with_per_expert_tensors(tiny_model_factory, tmp_path, caplog):
+def test_early_mixtral_gguf_with_per_expert_tensors(tiny_model_factory, tmp_path, caplog,
+                                                    monkeypatch):
     """blk.N.ffn_{gate,up,down}.E (one tensor per expert) load as the stacked ones do; kept
-    quantized (Q8_0), each 2-D expert tensor is dequantized for the float experts."""
+    quantized (Q8_0) each comes as its blocks, or with KVFLOW_GGUF_MOE=dequantized as
+    floats with a warning."""
     tiny = tiny_model_factory("mixtral")
     _generate_matches_hf(tiny, _write(tiny, tmp_path / "early.gguf", legacy=True))
-    path = _write(tiny, tmp_path / "early_q8.gguf", legacy=True,
-                  quantize=gguf.GGMLQuantizationType.Q8_0)
+    path = _write(tiny, tmp_path / "early_q8.gguf", legacy=True, quantize=Q.Q8_0)
+    weights = dict(iter_gguf_weights(path, torch.float32, keep_quantized=True))
+    down = weights["model.layers.1.mlp.experts.3.down_proj.weight"]
+    assert (down.dtype, down.ggml_type, tuple(down.shape)) == (torch.uint8, Q.Q8_0, (64, 68))
+    monkeypatch.setenv("KVFLOW_GGUF_MOE", "dequantized")
     with caplog.at_level(logging.WARNING, logger="kvflow"):
         weights = dict(iter_gguf_weights(path, torch.float32, keep_quantized=True))
     assert weights["model.layers.1.mlp.experts.3.down_proj.weight"].dtype == torch.float32
     assert weights["model.layers.1.self_attn.v_proj.weight"].dtype == torch.uint8
     assert "MoE expert tensors (24 x Q8_0) dequantized" in caplog.text  # 2 layers x 4 x 3
+    _generate_matches_hf(_rounded_oracle(tiny, Q.Q8_0), path, quantization="gguf")
+
+
+def _expert_layer(llm):
+    """The first MoE layer's ``FusedMoE`` of ``llm``'s model."""
+    model = llm.engine.core.executor.runner.model
+    return next(m for m in model.modules() if hasattr(m, "num_local_experts"))
+
+
+@pytest.mark.parametrize("name,quantize,gate_up_fused", [
+    ("mixtral", Q.Q8_0, True), ("qwen2_moe", Q.Q8_0, True), ("qwen3_moe", Q.Q8_0, True),
+    ("qwen3_moe_256", K_MIX, False)])
+def test_moe_gguf_experts_kept_quantized(tiny_model_factory, tmp_path, name, quantize,
+                                         gate_up_fused):
+    """``--quantization gguf``: the experts keep the file's blocks (stacked per layer, one
+    GGML type per tensor: gate and up fused into w13 when they share it), and tokens and
+    logprobs equal transformers running the same rounded weights."""
+    tiny = tiny_model_factory(name)
+    llm = _llm(tiny, _write(tiny, tmp_path / "q.gguf", quantize=quantize),
+               quantization="gguf")
+    types = _types(quantize)
+    layer = _expert_layer(llm)
+    cfg = tiny.hf_model.config
+    n_experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    want = {"w2_weight": (types["down"], cfg.hidden_size, width)}
+    if gate_up_fused:
+        want["w13_weight"] = (types["gate"], 2 * width, cfg.hidden_size)
+    else:
+        want.update(w1_weight=(types["gate"], width, cfg.hidden_size),
+                    w3_weight=(types["up"], width, cfg.hidden_size))
+    assert layer.gguf_types == {k: int(t) for k, (t, _, _) in want.items()}
+    for param_name, (qtype, rows, cols) in want.items():
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        param = getattr(layer, param_name)
+        assert (param.dtype, tuple(param.shape)) == (
+            torch.uint8, (n_experts, rows, cols // block * block_bytes))
+    oracle = _rounded_oracle(tiny, quantize)
+    for out in llm.generate(_prompts([13, 22], tiny.vocab_size, seed=7), greedy(),
+                            use_tqdm=False):
+        assert_matches_hf(oracle, out)
+
+
+def test_moe_gguf_experts_dequantized_when_asked(tiny_model_factory, tmp_path, caplog,
+                                                 monkeypatch):
+    """KVFLOW_GGUF_MOE=dequantized: attention weights keep their Q8_0 blocks, the experts
+    are float32 (4x the Q8_0 bytes: 34 bytes per 32 weights), with a warning; the output
+    is the quantized experts' (the same rounded weights)."""
+    tiny = tiny_model_factory("qwen3_moe")
+    path = _write(tiny, tmp_path / "q8.gguf", quantize=Q.Q8_0)
+    kept = _llm(tiny, path, quantization="gguf")
+    kept_bytes = kept.engine.core.weight_bytes
+    monkeypatch.setenv("KVFLOW_GGUF_MOE", "dequantized")
+    with caplog.at_level(logging.WARNING, logger="kvflow"):
+        llm = _llm(tiny, path, quantization="gguf")
+    assert "MoE expert tensors (6 x Q8_0) dequantized" in caplog.text
+    layer = _expert_layer(llm)
+    assert layer.w13_weight.dtype == torch.float32 and layer.w2_weight.dtype == torch.float32
+    cfg = tiny.hf_model.config
+    expert_weights = cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size * \
+        cfg.moe_intermediate_size
+    assert llm.engine.core.weight_bytes - kept_bytes == expert_weights * (4 - 34 / 32)
+    prompts = _prompts([13, 22], tiny.vocab_size, seed=7)
+    oracle = _rounded_oracle(tiny, Q.Q8_0)
+    for out in llm.generate(prompts, greedy(), use_tqdm=False):
+        assert_matches_hf(oracle, out)
 
 
 def test_qwen2moe_expert_weights_norm_key_is_read(tiny_model_factory, tmp_path):
@@ -217,37 +372,6 @@ def test_moe_gguf_experts_load_per_expert(tiny_model_factory, tmp_path):
     torch.testing.assert_close(weights["model.layers.0.mlp.shared_expert_gate.weight"],
                                state["model.layers.0.mlp.shared_expert_gate.weight"],
                                rtol=0, atol=0)
-
-
-def test_moe_gguf_kept_quantized_dense_layers_experts_dequantized(tiny_model_factory,
-                                                                   tmp_path, caplog):
-    """``--quantization gguf``: attention weights keep their Q8_0 blocks, the experts are
-    dequantized at load with a warning; tokens and logprobs equal transformers running the
-    same Q8_0-rounded weights."""
-    tiny = tiny_model_factory("qwen3_moe")
-    q8 = gguf.GGMLQuantizationType.Q8_0
-    path = _write(tiny, tmp_path / "q8.gguf", quantize=q8)
-    weights = dict(iter_gguf_weights(path, torch.float32, keep_quantized=True))
-    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == torch.uint8
-    assert weights["model.layers.0.mlp.experts.0.gate_proj.weight"].dtype == torch.float32
-    assert weights["model.layers.0.mlp.gate.weight"].dtype == torch.float32
-    # the oracle: transformers with every quantized tensor rounded through Q8_0
-    rounded = tiny.hf_model.__class__(tiny.hf_model.config).eval()
-    state = {}
-    for key, value in tiny.hf_model.state_dict().items():
-        if value.dim() >= 2 and ".mlp.gate." not in key:
-            array = value.float().numpy()
-            value = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(array, q8), q8)
-                                     .reshape(array.shape).copy())
-        state[key] = value
-    rounded.load_state_dict(state)
-    oracle = dataclasses.replace(tiny, name="qwen3_moe_q8", hf_model=rounded)
-    with caplog.at_level(logging.WARNING, logger="kvflow"):
-        llm = _llm(tiny, path, quantization="gguf")
-    assert "MoE expert tensors (6 x Q8_0) dequantized" in caplog.text
-    for out in llm.generate(_prompts([13, 22], tiny.vocab_size, seed=7), greedy(),
-                            use_tqdm=False):
-        assert_matches_hf(oracle, out)
 
 
 @pytest.mark.parametrize("name,overrides,message", [
