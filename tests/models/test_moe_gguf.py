@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from kvflow import LLM
+from kvflow.kernels.gguf_dequant import F32
+from kvflow.kernels.gguf_dequant import SUPPORTED_TYPES as KEPT_TYPES
 from kvflow.models.gguf_config import load_gguf_config
 from kvflow.models.gguf_loader import iter_gguf_weights
 from tests.models.test_gguf_loader import llama_cpp_permute
@@ -165,7 +167,9 @@ def _rounded_oracle(tiny, quantize):
         state[key] = torch.from_numpy(np.ascontiguousarray(array))
     rounded = tiny.hf_model.__class__(tiny.hf_model.config).eval()
     rounded.load_state_dict(state)
-    return dataclasses.replace(tiny, name=f"{tiny.name}_rounded", hf_model=rounded)
+    # the name keys test_parity's cache of transformers' outputs: one per set of types
+    suffix = "_".join(f"{kind}_{t.name}" for kind, t in types.items())
+    return dataclasses.replace(tiny, name=f"{tiny.name}_{suffix}", hf_model=rounded)
 
 
 def _write(tiny, path, overrides: dict | None = None, quantize=None,
@@ -285,14 +289,19 @@ def _expert_layer(llm):
     return next(m for m in model.modules() if hasattr(m, "num_local_experts"))
 
 
+# Q5_1: a type gguf-py writes but kvflow has no kept kernel for (dequantized, held float32)
+Q5_1_EXPERTS = {"gate": Q.Q5_1, "up": Q.Q5_1, "down": Q.Q5_1, "other": Q.Q8_0}
+
+
 @pytest.mark.parametrize("name,quantize,gate_up_fused", [
     ("mixtral", Q.Q8_0, True), ("qwen2_moe", Q.Q8_0, True), ("qwen3_moe", Q.Q8_0, True),
-    ("qwen3_moe_256", K_MIX, False)])
+    ("qwen3_moe_256", K_MIX, False), ("qwen3_moe", Q5_1_EXPERTS, True)])
 def test_moe_gguf_experts_kept_quantized(tiny_model_factory, tmp_path, name, quantize,
                                          gate_up_fused):
     """``--quantization gguf``: the experts keep the file's blocks (stacked per layer, one
-    GGML type per tensor: gate and up fused into w13 when they share it), and tokens and
-    logprobs equal transformers running the same rounded weights."""
+    GGML type per tensor: gate and up fused into w13 when they share it; a type without a
+    kept kernel as float32), and tokens and logprobs equal transformers running the same
+    rounded weights."""
     tiny = tiny_model_factory(name)
     llm = _llm(tiny, _write(tiny, tmp_path / "q.gguf", quantize=quantize),
                quantization="gguf")
@@ -307,12 +316,14 @@ def test_moe_gguf_experts_kept_quantized(tiny_model_factory, tmp_path, name, qua
     else:
         want.update(w1_weight=(types["gate"], width, cfg.hidden_size),
                     w3_weight=(types["up"], width, cfg.hidden_size))
-    assert layer.gguf_types == {k: int(t) for k, (t, _, _) in want.items()}
+    assert layer.gguf_types == {k: int(t) if t in KEPT_TYPES else F32
+                                for k, (t, _, _) in want.items()}
     for param_name, (qtype, rows, cols) in want.items():
         block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
         param = getattr(layer, param_name)
         assert (param.dtype, tuple(param.shape)) == (
-            torch.uint8, (n_experts, rows, cols // block * block_bytes))
+            (torch.uint8, (n_experts, rows, cols // block * block_bytes)) if qtype in KEPT_TYPES
+            else (torch.float32, (n_experts, rows, cols)))
     oracle = _rounded_oracle(tiny, quantize)
     for out in llm.generate(_prompts([13, 22], tiny.vocab_size, seed=7), greedy(),
                             use_tqdm=False):
