@@ -78,12 +78,12 @@ def gguf_linear_cpu(x: torch.Tensor, raw: torch.Tensor, ggml_type: int,
     return out
 
 
-def _native_kernels() -> NativeCpuKernels | None:
+def gguf_cpu_kernels() -> NativeCpuKernels | None:
     """kvflow's native CPU kernels unless ``KVFLOW_CPU_GGUF=torch`` or they cannot be built."""
     return native_cpu_kernels() if cpu_gguf_choice() == "native" else None
 
 
-def _as_kept(loaded: torch.Tensor) -> tuple[torch.Tensor, int]:
+def as_kept(loaded: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(storage, ggml type) of a checkpoint tensor: raw blocks tagged by the GGUF loader, or a
     float tensor kept as float32 (type ``F32``)."""
     ggml_type = getattr(loaded, "ggml_type", None)
@@ -113,7 +113,7 @@ class GGUFLinearMethod(LinearMethod):
         if layer.tp_size > 1:
             raise ValueError("GGUF weights kept quantized do not support tensor parallelism; "
                              "pass --quantization none to dequantize them at load")
-        layer.gguf_shards[shard[0] if shard else None] = _as_kept(loaded)
+        layer.gguf_shards[shard[0] if shard else None] = as_kept(loaded)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         parts = [layer.gguf_shards.pop(s) for s in layer.shard_ids if s in layer.gguf_shards]
@@ -144,7 +144,7 @@ class GGUFLinearMethod(LinearMethod):
     def apply_cpu(self, layer: nn.Module, x: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
         """The native kernels (:func:`gguf_linear_cpu`) where available."""
-        return self.apply_native(layer, x, bias, _native_kernels())
+        return self.apply_native(layer, x, bias, gguf_cpu_kernels())
 
 
 class GGUFEmbeddingMethod(EmbeddingMethod):
@@ -166,7 +166,7 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
         if layer.tp_size > 1:
             raise ValueError("GGUF tables kept quantized do not support tensor parallelism; "
                              "pass --quantization none to dequantize them at load")
-        tensor, ggml_type = _as_kept(loaded)
+        tensor, ggml_type = as_kept(loaded)
         param.data = tensor
         param.ggml_type = ggml_type  # type: ignore[attr-defined]
 
@@ -176,7 +176,7 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
 
     def logits(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.float()
-        kernels = _native_kernels() if x.device.type == "cpu" else None
+        kernels = gguf_cpu_kernels() if x.device.type == "cpu" else None
         if kernels is not None:
             return gguf_linear_cpu(x, layer.weight, layer.weight.ggml_type, kernels)
         return gguf_linear(x, layer.weight, layer.weight.ggml_type)

@@ -23,7 +23,7 @@ from torch import nn
 
 from kvflow.kernels.gguf_dequant import F32, row_elements
 from kvflow.kernels.moe_ref import grouped_experts
-from kvflow.quant.gguf import _as_kept, _native_kernels, gguf_linear, gguf_linear_cpu
+from kvflow.quant.gguf import as_kept, gguf_cpu_kernels, gguf_linear, gguf_linear_cpu
 from kvflow.quant.moe import FusedMoEMethod
 
 _SHARDS = ("w1", "w3", "w2")  # gate, up, down
@@ -60,10 +60,12 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
         if layer.tp_size > 1:
             raise ValueError("GGUF experts kept quantized do not support tensor parallelism; "
                              "pass --quantization none to dequantize them at load")
-        if local_expert is None or shard_id not in _SHARDS:
-            raise ValueError(f"GGUF experts load one expert's w1/w3/w2 at a time, not "
-                             f"{shard_id!r} of {'all experts' if local_expert is None else 1}")
-        tensor, ggml_type = _as_kept(loaded)
+        if shard_id not in _SHARDS:
+            raise ValueError(f"unknown GGUF expert shard_id {shard_id!r} (w1, w3 or w2)")
+        if local_expert is None:
+            raise ValueError(f"GGUF experts load one expert at a time, not a stacked "
+                             f"{shard_id} tensor")
+        tensor, ggml_type = as_kept(loaded)
         hidden, inter = layer.hidden_size, layer.intermediate_size
         rows, cols = (hidden, inter) if shard_id == "w2" else (inter, hidden)
         if tensor.dim() != 2 or (tensor.shape[0], _columns(tensor, ggml_type)) != (rows, cols):
@@ -95,7 +97,7 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
                       expert: int) -> torch.Tensor:
         """``x [n, K] @ W.T`` in float32 for expert ``expert``'s ``which`` ("w13": gate
         then up columns; "w2") weight."""
-        kernels = _native_kernels() if x.device.type == "cpu" else None
+        kernels = gguf_cpu_kernels() if x.device.type == "cpu" else None
         rows = x.float()
         names = ("w2_weight",) if which == "w2" else \
             ("w13_weight",) if "w13_weight" in layer.gguf_types else ("w1_weight", "w3_weight")

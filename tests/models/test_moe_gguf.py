@@ -330,6 +330,34 @@ def test_moe_gguf_experts_kept_quantized(tiny_model_factory, tmp_path, name, qua
         assert_matches_hf(oracle, out)
 
 
+def test_gguf_experts_refuse_wrong_shapes_and_missing_experts():
+    """The GGUF MoE method names a tensor that does not fit the layer (rows, or columns
+    counted in its type's blocks), a stacked tensor, and an expert the checkpoint lacked."""
+    from kvflow.layers.moe import FusedMoE
+    from kvflow.quant.gguf_moe import GGUFFusedMoEMethod
+
+    layer = FusedMoE(2, 1, hidden_size=64, intermediate_size=32, renormalize=True)
+    layer.set_quant_method(GGUFFusedMoEMethod())
+    assert layer.w13_weight.numel() == 0  # no float stack allocated
+
+    def blocks(rows: int, cols: int) -> torch.Tensor:
+        raw = torch.from_numpy(gguf.quants.quantize(np.ones((rows, cols), np.float32), Q.Q8_0))
+        raw.ggml_type = int(Q.Q8_0)
+        return raw
+
+    with pytest.raises(ValueError, match=r"expected 32 rows of 64 values"):
+        layer.weight_loader(layer.w13_weight, blocks(32, 32), "w1", 0)
+    with pytest.raises(ValueError, match=r"not a stacked w2 tensor"):
+        layer.weight_loader(layer.w2_weight, torch.zeros(2, 64, 32), "w2")
+    with pytest.raises(ValueError, match=r"unknown GGUF expert shard_id 'w13'"):
+        layer.weight_loader(layer.w13_weight, torch.zeros(2, 64, 64), "w13")
+    for shard, shape in (("w1", (32, 64)), ("w3", (32, 64)), ("w2", (64, 32))):
+        layer.weight_loader(layer.w13_weight, blocks(*shape), shard, 0)
+    layer.weight_loader(layer.w13_weight, blocks(32, 64), "w1", 1)
+    with pytest.raises(ValueError, match=r"w3 of experts \[1\] are missing"):
+        layer.quant_method.process_weights_after_loading(layer)
+
+
 def test_moe_gguf_experts_dequantized_when_asked(tiny_model_factory, tmp_path, caplog,
                                                  monkeypatch):
     """KVFLOW_GGUF_MOE=dequantized: attention weights keep their Q8_0 blocks, the experts
