@@ -94,6 +94,22 @@ def test_an_embedding_model_is_not_captured():
     assert make_graph_runner(runner, 16) is None
 
 
+def test_quantized_moe_experts_are_not_captured():
+    """Quantized MoE experts (here GGUF's) count each expert's tokens on the host
+    (``grouped_experts``), which stream capture cannot hold: such a model decodes eagerly
+    (on this CPU-only machine, a capture attempt would raise instead of returning None)."""
+    pytest.importorskip("triton")
+    from kvflow.attention.triton_paged import TritonPagedAttentionBackend
+    from kvflow.layers.moe import FusedMoE
+    from kvflow.quant.gguf_moe import GGUFFusedMoEMethod
+
+    experts = FusedMoE(2, 1, hidden_size=8, intermediate_size=4, renormalize=True)
+    experts.set_quant_method(GGUFFusedMoEMethod())
+    runner = _runner(TritonPagedAttentionBackend(fuse_rotary=False))
+    runner.model = torch.nn.Sequential(experts)
+    assert make_graph_runner(runner, 16) is None
+
+
 class _Replay:
     """A captured graph stand-in: records the runner's static inputs at each replay."""
 
@@ -146,7 +162,8 @@ def test_a_capture_out_of_memory_runs_eagerly(monkeypatch):
 
     monkeypatch.setattr(CudaGraphRunner, "capture", oom)
     runner = _runner(TritonPagedAttentionBackend(fuse_rotary=False))
-    runner.model = SimpleNamespace(config=SimpleNamespace(hidden_size=8))
+    runner.model = torch.nn.Module()  # make_graph_runner walks its modules
+    runner.model.config = SimpleNamespace(hidden_size=8)
     runner.device, runner.dtype = torch.device("cpu"), torch.float32
     assert make_graph_runner(runner, 16) is None
 

@@ -6,7 +6,9 @@ off with ``--enforce-eager``, LoRA, several KV-cache groups, a multimodal model,
 split or an embedding (pooling) model: it never decodes, an encoder's attention reads
 ``query_start_loc`` on the host (a sync that breaks CUDA stream capture), and a pooling model
 keeps hidden states across steps while a replayed step's live in a static buffer (CUDA) or an
-arena (CPU). The CPU runner also needs the native CPU attention backend with its
+arena (CPU). CUDA graphs are also off for quantized MoE experts (``--quantization int8|fp8|gguf``
+on an MoE model): their grouped loop reads each expert's token count on the host. The CPU
+runner also needs the native CPU attention backend with its
 work-sharing pool closed, an unquantized KV cache, one tensor-parallel rank and no draft model.
 Both are off with an EAGLE-3 head too: its taps on the target's layers are forward hooks,
 which a replay skips (``spec_decode/layer_taps.py``).
@@ -39,6 +41,18 @@ def _cpu_ok(runner) -> bool:
         and all(cache.dtype == runner.dtype for cache in runner.kv_caches)
 
 
+def _host_synced_moe(model: torch.nn.Module) -> str | None:
+    """The name of the first quantized MoE experts' method in ``model`` (its loop,
+    ``kernels.moe_ref.grouped_experts``, reads the per-expert counts on the host), or None."""
+    from kvflow.quant.moe import FusedMoEMethod
+
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, FusedMoEMethod):
+            return method.name
+    return None
+
+
 def make_graph_runner(runner, max_model_len: int) -> CudaGraphRunner | CpuGraphRunner | None:
     """The decode-step graph runner for ``runner`` (a ModelRunner after
     ``initialize_kv_cache``), CUDA graphs already captured; None where none applies or where
@@ -48,6 +62,11 @@ def make_graph_runner(runner, max_model_len: int) -> CudaGraphRunner | CpuGraphR
     max_num_seqs = runner.config.scheduler_config.max_num_seqs
     max_blocks = -(-max_model_len // runner.block_size)
     if runner.platform.supports_graphs and runner.attn_ctx.backend.supports_cuda_graphs:
+        moe = _host_synced_moe(runner.model)
+        if moe is not None:
+            logger.info("no CUDA graphs: %s MoE experts count their tokens on the host (a "
+                        "sync stream capture cannot hold); decode steps run eagerly", moe)
+            return None
         graphs = CudaGraphRunner(runner.model, runner.attn_ctx, max_num_seqs, max_blocks,
                                  max_model_len, runner.block_size,
                                  runner.model.config.hidden_size, runner.device, runner.dtype)
