@@ -240,8 +240,8 @@ class FusedMoE(GemmPathMixin, CustomOp):
     def set_quant_method(self, method: FusedMoEMethod) -> None:
         """Quantize the experts with ``method`` (``kvflow/quant/moe.py``; call before loading):
         the float weights still load through :meth:`weight_loader`, the method converts them
-        after loading and runs the experts; GGUF's method takes the checkpoint's blocks as
-        they are instead, ``FusedMoEMethod.loads_checkpoint``)."""
+        after loading and runs the experts (GGUF's method instead takes the checkpoint's
+        blocks as they are: ``FusedMoEMethod.loads_checkpoint``)."""
         self.quant_method = method
         method.create_weights(self)
 
