@@ -1,6 +1,7 @@
 """Python wrappers of the native row-wise kernels (``csrc/cpu_elementwise.c``): RMSNorm (with
 the residual add), SiLU-and-mul, rotary embedding and embedding lookups (plain tables, and
-per-row-scaled INT8 tables from ``csrc/cpu_quant_embed.c``). A mixin of
+per-row-scaled INT8 tables from ``csrc/cpu_quant_embed.c``), GELU and GELU-and-mul
+(``csrc/cpu_gelu.c``). A mixin of
 :class:`kvflow.kernels.cpu_native.NativeCpuKernels`.
 """
 
@@ -35,6 +36,9 @@ class ElementwiseKernels:
                                          [ptr, i64, ptr, i64, i64, ptr, i64, ptr, c_int, c_int])
         self._silu_and_mul = bind(lib, "kvflow_silu_and_mul", c_int,
                                   [ptr, i64, ptr, i64, i64, c_int, c_int])
+        self._gelu = bind(lib, "kvflow_gelu", c_int, [ptr, i64, ptr, i64, i64, c_int, c_int, c_int])
+        self._gelu_and_mul = bind(lib, "kvflow_gelu_and_mul", c_int,
+                                  [ptr, i64, ptr, i64, i64, c_int, c_int, c_int])
         self._rotary = bind(lib, "kvflow_rotary", c_int,
                             [ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, i64, c_int,
                              c_int, c_int])
@@ -141,6 +145,47 @@ class ElementwiseKernels:
         raise_on(status, "silu_and_mul")
         return out
 
+    def gelu_and_mul(self, x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+        """GeGLU gate (Shazeer 2020): x [N, 2I] -> round(gelu(x[:, :I])) * x[:, I:] as a fresh
+        [N, I] tensor of x's dtype (fp32 math, torch's rounding points in 16-bit dtypes).
+
+        Args:
+            x: float32/bfloat16/float16 CPU rows with unit stride.
+            approximate: ``"tanh"`` (torch's tanh form, HF ``gelu_pytorch_tanh``) or
+                ``"none"`` (the exact erf form), as in ``torch.nn.functional.gelu``.
+
+        Raises:
+            ValueError: on a dtype/layout mismatch, an odd last dim or another
+                ``approximate``.
+        """
+        if not rows_ok(x, x.dtype) or x.shape[1] % 2:
+            check_rows("x", x, x.dtype)
+            raise ValueError(f"gelu_and_mul needs an even last dim, got {x.shape[1]}")
+        return self._gelu_rows(self._gelu_and_mul, x, x.shape[1] // 2, approximate)
+
+    def gelu(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        """GELU (Hendrycks & Gimpel 2016) of rows x [N, D] as a fresh [N, D] tensor of x's
+        dtype, computed in fp32 (``F.gelu(x, approximate=approximate)``'s math; the erf
+        form's erfc by Numerical Recipes' Chebyshev fit, fractional error < 1.2e-7).
+
+        Raises:
+            ValueError: when x is not float32/bfloat16/float16 CPU rows with unit stride, or
+                ``approximate`` is not ``"tanh"`` / ``"none"``.
+        """
+        check_rows("x", x, x.dtype)
+        return self._gelu_rows(self._gelu, x, x.shape[1], approximate)
+
+    def _gelu_rows(self, fn, x: torch.Tensor, width: int, approximate: str) -> torch.Tensor:
+        """Run ``fn`` (kvflow_gelu or kvflow_gelu_and_mul) over x's rows into [N, width]."""
+        code = _GELU_APPROXIMATE.get(approximate)
+        if code is None:
+            raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
+        out = torch.empty(x.shape[0], width, dtype=x.dtype)
+        status = fn(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], width, code,
+                    DTYPE_CODES[x.dtype], torch.get_num_threads())
+        raise_on(status, "gelu")
+        return out
+
     def rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                cos_sin_cache: torch.Tensor, is_neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary embedding in place (same math as :class:`kvflow.layers.rotary.RotaryEmbedding`).
@@ -177,6 +222,10 @@ class ElementwiseKernels:
             raise ValueError(f"rotary: positions must lie in [0, {cos_sin_cache.shape[0]})")
         raise_on(status, "rotary")
         return q, k
+
+
+# torch's approximate= names -> the kernels' codes (csrc/cpu_gelu.c)
+_GELU_APPROXIMATE = {"none": 0, "tanh": 1}
 
 
 def _rms_norm_error(x: torch.Tensor, weight: torch.Tensor,

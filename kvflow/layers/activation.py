@@ -44,9 +44,17 @@ class GeluAndMul(CustomOp):
         self.approximate = approximate
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
-        """Plain torch on every device (no GeGLU kernel yet)."""
+        """Plain torch, any leading shape (GPUs, and CPU with ``KVFLOW_NATIVE_CPU=0``)."""
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate=self.approximate) * up
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """The native C kernel (``csrc/cpu_gelu.c``: fp32 math, torch's rounding points) for
+        2-D rows with a unit-stride last dim, so CPU step graphs can record it."""
+        native = native_kernels_for(x)
+        if native is None or x.dim() != 2 or x.stride(-1) != 1:
+            return self.forward_native(x)
+        return native.gelu_and_mul(x, self.approximate)
 
 
 # HF ``hidden_act`` names of the gated MLPs kvflow runs -> (gate activation, GELU approximation)

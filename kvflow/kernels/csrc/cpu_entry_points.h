@@ -23,6 +23,10 @@ int kvflow_int8_embedding_rows(const int8_t *table, int64_t table_stride, const 
                                int odt, int num_threads);
 int kvflow_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int64_t inter,
                         int dtype, int num_threads);
+int kvflow_gelu(const void *x, int64_t x_stride, void *out, int64_t rows, int64_t n,
+                int approximate, int dtype, int num_threads);
+int kvflow_gelu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows,
+                        int64_t inter, int approximate, int dtype, int num_threads);
 int kvflow_rotary(const int64_t *positions, void *q, int64_t q_stride, int64_t num_heads,
                   void *k, int64_t k_stride, int64_t num_kv_heads, int64_t head_dim,
                   int64_t rot_dim, const float *cos_sin, int64_t max_position, int64_t tokens,

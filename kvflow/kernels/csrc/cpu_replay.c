@@ -47,6 +47,12 @@ static int int8_embedding_rows(const int64_t *a) {
 static int silu_and_mul(const int64_t *a) {
     return kvflow_silu_and_mul(P(0), a[1], P(2), a[3], a[4], I(5), I(6));
 }
+static int gelu(const int64_t *a) {
+    return kvflow_gelu(P(0), a[1], P(2), a[3], a[4], I(5), I(6), I(7));
+}
+static int gelu_and_mul(const int64_t *a) {
+    return kvflow_gelu_and_mul(P(0), a[1], P(2), a[3], a[4], I(5), I(6), I(7));
+}
 static int rotary(const int64_t *a) {
     return kvflow_rotary(P(0), P(1), a[2], a[3], P(4), a[5], a[6], a[7], a[8], P(9), a[10],
                          a[11], I(12), I(13), I(14));
@@ -84,6 +90,8 @@ static const Entry ENTRIES[] = {
     {"kvflow_int8_embedding_rows", 10, int8_embedding_rows,
      (const void *)kvflow_int8_embedding_rows},
     {"kvflow_silu_and_mul", 7, silu_and_mul, (const void *)kvflow_silu_and_mul},
+    {"kvflow_gelu", 8, gelu, (const void *)kvflow_gelu},
+    {"kvflow_gelu_and_mul", 8, gelu_and_mul, (const void *)kvflow_gelu_and_mul},
     {"kvflow_rotary", 15, rotary, (const void *)kvflow_rotary},
     {"kvflow_paged_attention", 20, paged_attention, (const void *)kvflow_paged_attention},
     {"kvflow_store_kv", 12, store_kv, (const void *)kvflow_store_kv},
