@@ -54,8 +54,8 @@ class AttentionKernels:
                 tokens of the call (its chunk, other requests), as ``--deterministic`` needs.
             softcap: > 0 soft-caps the scores ``s = q.k * scale`` to ``softcap *
                 tanh(s / softcap)`` before the mask and softmax (Gemma 2's
-                ``attn_logit_softcapping``); 0 = off. Capped calls take the row-by-row prefill
-                and the generic decode path (the two that compute it), in every ISA build.
+                ``attn_logit_softcapping``); 0 = off. Every path caps (the tiled and bf16-dot
+                prefill tiles and the vector and bf16 decode paths too), in every ISA build.
 
         Returns:
             [num_tokens, num_heads, head_dim] in q's dtype; rows past

@@ -1,6 +1,7 @@
 """Soft-capped attention scores (Gemma 2's ``attn_logit_softcapping``: ``s = cap * tanh(s /
 cap)`` before the mask and softmax) in the native CPU kernels (kernels/csrc/cpu_attention.c,
-cpu_attention_kvq.c) vs the plain-torch per-request reference with the same cap.
+cpu_attention_kvq.c; every path: row-by-row and register-tiled / bf16-dot prefill, generic,
+vector and bf16 decode) vs the plain-torch per-request reference with the same cap.
 
 Scores are made large (``scale`` 1, unit-normal q and K of head_dim 64: |q.k| ~ 8) and the cap
 small (2), so the cap moves the result by O(1) (checked: a kernel that ignored it would fail).
@@ -13,9 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvflow.kernels import cpu_build
 from kvflow.kernels.attention_ref import paged_attention_ref
 from kvflow.kernels.cpu_attention_kvq import paged_attention_kvq
-from kvflow.kernels.cpu_native import native_cpu_kernels
+from kvflow.kernels.cpu_native import native_cpu_kernels, native_cpu_kernels_for_isa
 from kvflow.kernels.kv_quant import dequantize_kv, quantize_kv
 from tests.kernels.paged_batch import make_batch
 
@@ -23,7 +25,8 @@ KERNELS = native_cpu_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="native CPU kernels could not be built")
 
 TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5},
-       torch.bfloat16: {"atol": 2**-7, "rtol": 2**-7}}
+       torch.bfloat16: {"atol": 2**-7, "rtol": 2**-7},
+       torch.float16: {"atol": 2**-10, "rtol": 2**-10}}
 # (cached prefix, query length): decodes, whole prompts, chunks after a cached prefix
 MIXED = [(0, 1), (17, 1), (0, 37), (20, 5), (63, 40), (100, 1), (3, 16)]
 CAP = 2.0
@@ -55,6 +58,25 @@ def test_native_kernel_soft_caps_like_the_reference(dtype, flags, window):
                                   batch["seq_lens"], batch["block_table"], batch["scale"],
                                   window, softcap=CAP, **flags)
     torch.testing.assert_close(out[:n], ref.to(dtype), **TOL[dtype])
+
+
+@pytest.mark.parametrize("level", [lv.name for lv in cpu_build.isa_levels_for_cpu()])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_path_caps_at_every_level(level, dtype):
+    """Every kernel path caps, at every ISA level this CPU runs: the vector decode path (bf16:
+    the bf16 decode path where the build has it), the register-tiled prefill path and, for a
+    bf16 cache in the avx512_bf16 build, the bf16 dot-product tiles (bf16_dot) and without
+    them; with a sliding window, so masking follows the cap."""
+    kernels = native_cpu_kernels_for_isa(level)
+    if kernels is None:
+        pytest.skip(f"{level} kernels could not be built")
+    batch = _batch(dtype)
+    ref, n = _capped_ref(batch, 9)
+    for bf16_dot in (True, False):
+        out = kernels.paged_attention(batch["q"], batch["kv_cache"], batch["query_start_loc"],
+                                      batch["seq_lens"], batch["block_table"], 1.0, 9,
+                                      bf16_dot=bf16_dot, softcap=CAP)
+        torch.testing.assert_close(out[:n], ref.to(dtype), **TOL[dtype])
 
 
 @pytest.mark.parametrize("head_dim, block_size", [(20, 3), (128, 32)])

@@ -397,10 +397,7 @@ static void attend_item(const Args *a, Scratch *w, const int64_t *tile_start, in
     const int64_t qlen = a->query_start_loc[r + 1] - a->query_start_loc[r];
     const int64_t j0 = (tile - tile_start[r]) * tile_len;
     const int64_t nq = qlen - j0 < tile_len ? qlen - j0 : tile_len;
-    if (a->softcap > 0.f) { /* soft-capped scores: the two paths that compute the cap */
-        if (per_token || qlen == 1) attend_token(a, w, r, j0);
-        else attend_tile(a, w, r, j0, nq);
-    } else if ((per_token || qlen == 1) && HAVE_DECODE_BF16 && a->dtype == DT_BF16
+    if ((per_token || qlen == 1) && HAVE_DECODE_BF16 && a->dtype == DT_BF16
         && a->head_dim % 32 == 0 && a->head_dim <= 128)
         attend_token_bf16(a, w, r, j0);
     else if ((per_token || qlen == 1) && a->head_dim % 16 == 0) attend_token_vec(a, w, r, j0);

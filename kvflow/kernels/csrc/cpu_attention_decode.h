@@ -238,7 +238,10 @@ static void attend_token_vec(const Args *a, Scratch *w, int64_t r, int64_t j) {
         if (j == 0 && r + 1 < a->num_reqs) /* the next request's first keys: likely next */
             for (int64_t b = 0; b < 2 && b * bs < a->seq_lens[r + 1]; ++b)
                 prefetch_l2(a->k_cache + bt[a->bt_stride + b] * block_bytes, block_bytes);
-        for (int64_t hq = 0; hq < H; ++hq) w->l[hq] = exp_shifted(w->p + hq * ld, pos + 1 - lo);
+        for (int64_t hq = 0; hq < H; ++hq) {
+            soft_cap_scores(w->p + hq * ld, pos + 1 - lo, a->softcap);
+            w->l[hq] = exp_shifted(w->p + hq * ld, pos + 1 - lo);
+        }
     }
     for (int64_t hq = 0; hq < H; ++hq) {
         const float inv = 1.f / w->l[hq];

@@ -270,8 +270,10 @@ static void attend_token_bf16(const Args *a, Scratch *w, int64_t r, int64_t j) {
                 }
         }
         if (pass == 0)
-            for (int64_t hq = 0; hq < H; ++hq)
+            for (int64_t hq = 0; hq < H; ++hq) {
+                soft_cap_scores(w->p + hq * ld, pos + 1 - lo, a->softcap);
                 w->l[hq] = exp_shifted(w->p + hq * ld, pos + 1 - lo);
+            }
     }
     /* normalize, interleave the even and odd dims back, round to bf16 */
     float *o = w->acc + H * D; /* acc holds TILE * H * D floats */

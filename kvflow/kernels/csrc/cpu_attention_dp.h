@@ -165,6 +165,7 @@ static void attend_tile_dp(const Args *a, Scratch *w, int64_t r, int64_t j0, int
             for (int64_t c = 0; c < ld; c += 16) /* S^T = K Q^T, 16 rows of Q at a time */
                 tile_dp_rows(n, D / 2, (const int32_t *const *)keys, 1,
                              qp + h * (D / 2) * ld + c, ld, st + c, ld, 0, a->scale);
+            soft_cap_scores(st, n * ld, a->softcap); /* S^T: n keys of ld rows, unmasked */
             if (end - 1 > first_pos || (a->window > 0 && base <= last_pos - a->window))
                 mask_rows(a, st, n, ld, rows_h, base, first_pos, group);
             softmax_step_rows(st, n, ld, rows_h, m, l, corr);

@@ -191,6 +191,7 @@ static void attend_tile_tiled(const Args *a, Scratch *w, int64_t r, int64_t j0, 
             for (int64_t d = 0; d < D; ++d) qrows[d] = (const char *)(qt + d * ld);
             for (int64_t c = 0; c < ld; c += 16) /* S^T = K Q^T, 16 rows of Q at a time */
                 tile_gemm(n, D, keys, 1, a->dtype, qrows, c, DT_F32, st + c, ld, 0);
+            soft_cap_scores(st, n * ld, a->softcap); /* S^T: n keys of ld rows, unmasked */
             if (end - 1 > first_pos || (a->window > 0 && base <= last_pos - a->window))
                 mask_rows(a, st, n, ld, rows_h, base, first_pos, group);
             softmax_step_rows(st, n, ld, rows_h, m, l, corr);
