@@ -13,7 +13,7 @@ Where no compiler is available or every build fails, :func:`native_cpu_kernels` 
 
 This module loads the library and picks the ISA level; the wrappers live by job in
 :mod:`~kvflow.kernels.cpu_native_attention` (paged attention, K/V store),
-:mod:`~kvflow.kernels.cpu_native_elementwise` (RMSNorm, SiLU-and-mul, rotary) and
+:mod:`~kvflow.kernels.cpu_native_elementwise` (RMSNorm, SiLU-and-mul, GELU, rotary) and
 :mod:`~kvflow.kernels.cpu_native_gemm` (packed and GGUF GEMMs), with the shared dtype codes and
 checks in :mod:`~kvflow.kernels.cpu_native_common`; :class:`NativeCpuKernels` joins them.
 """
