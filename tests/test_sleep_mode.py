@@ -54,6 +54,15 @@ def _kv_bytes(llm: LLM) -> int:
     return sum(llm.collective_rpc("kv_cache_bytes"))
 
 
+@pytest.fixture(scope="module")
+def refusing_engine(tiny_llama):
+    """One sleep-mode engine for the refused-call cases (each leaves it awake and as it was,
+    which the cases check), and transformers' greedy tokens: an engine per case cost ~2 s."""
+    llm = _engine(tiny_llama.path)
+    yield llm, _hf_greedy(tiny_llama)
+    llm.shutdown()
+
+
 def test_level_1_frees_the_kv_cache_and_wakes_to_the_same_greedy_output(
         tiny_llama, assert_no_leaks):
     llm = _engine(tiny_llama.path)
@@ -171,8 +180,8 @@ def test_double_sleep_and_wake_while_awake_are_no_ops(tiny_llama, caplog):
     (lambda llm: llm.collective_rpc("kv_cache_bytes", timeout=5.0), "timeout"),
     (lambda llm: llm.collective_rpc("kv_cache_bytes", kwargs={"x": 1}), "unexpected keyword"),
 ])
-def test_bad_arguments_are_refused(tiny_llama, call, match):
-    llm = _engine(tiny_llama.path)
+def test_bad_arguments_are_refused(refusing_engine, call, match):
+    llm, _ = refusing_engine
     llm.sleep()
     with pytest.raises(ValueError, match=match):
         call(llm)
@@ -185,12 +194,12 @@ def test_bad_arguments_are_refused(tiny_llama, call, match):
     ("sleep", (1,)), ("wake_up", ()), ("execute_model", (None,)), ("shutdown", ()),
     ("initialize_kv_cache", (None,)), ("add_lora", (None,)), ("run_method", ("sleep",)),
 ])
-def test_collective_rpc_refuses_what_the_engine_drives(tiny_llama, method, args):
+def test_collective_rpc_refuses_what_the_engine_drives(refusing_engine, method, args):
     """A worker's sleep called behind the engine's back freed the KV cache the engine still
     scheduled on: the next step failed (IndexError) and the engine died. Refused, the
     engine is untouched: same greedy output, KV cache kept, not asleep."""
-    llm = _engine(tiny_llama.path)
-    expected, kv = _hf_greedy(tiny_llama), _kv_bytes(llm)
+    llm, expected = refusing_engine
+    kv = _kv_bytes(llm)
     with pytest.raises(ValueError, match=f"method='{method}' is driven by the engine"):
         llm.collective_rpc(method, args=args)
     assert _kv_bytes(llm) == kv > 0 and not llm.is_sleeping()
