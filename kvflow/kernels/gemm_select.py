@@ -21,6 +21,11 @@ at decode rows, oneDNN at prefill rows) and the model's GEMM weights are small e
 twice (:data:`SPLIT_MAX_BYTES`), a shape class gets both (:class:`KernelSplit`): each call runs
 the kernel that won its row range, split at the geometric midpoint of the two row classes
 around the change.
+
+Where the engine will replay its decode steps as CPU step graphs (``graphs``), only ``native``
+can be recorded (:data:`REPLAYABLE`: ctypes calls; a oneDNN GEMM is a torch operator, which
+makes the step unreplayable), so a near-tie at a decode row class is decided for ``native``
+(:func:`graph_weighted`, :data:`GRAPH_MARGIN`).
 """
 
 from __future__ import annotations
@@ -46,6 +51,20 @@ CANDIDATES = ("native", "onednn")
 # the winner of the class below keeps a decode row class (<= 64 rows) where it is within 10%
 # of the fastest (row_class_winners)
 SPLIT_TIE_MARGIN, SPLIT_TIE_MAX_ROWS = 0.10, 64
+# --- the margin a non-replayable kernel must beat at decode row classes (graph_weighted) ---
+# Losing the step graph makes the eager decode step GRAPH_STEP_SAVING longer than the replayed
+# one: SmolLM2-135M fp32, 16 sequences, 2-core Zen 5 EPYC: 358 tok/s with a oneDNN decode GEMM
+# (no replay) against 391-394 with every GEMM native (1.09-1.10x; docs/benchmarks.md, "Same
+# results before and after session 35's features"). GEMMs are GEMM_STEP_SHARE of an eager
+# decode step (session 28's profile of 64-row decode steps on that CPU: 1.655 of 2.755 s).
+GRAPH_STEP_SAVING, GEMM_STEP_SHARE = 0.10, 0.60
+# Switching every decode GEMM to a kernel that cuts its time by a fraction d pays only when
+# d * GEMM_STEP_SHARE * (1 + GRAPH_STEP_SAVING) > GRAPH_STEP_SAVING (times in units of the
+# replayed step), i.e. d > 0.152; timed as "other's time * (1 + margin) < native's", that is
+# margin = 1 / (1 - d) - 1 = 0.179. A single shape class switching gains less (its own share of
+# the step) and loses the same graph, so this is the least margin, lenient toward oneDNN.
+GRAPH_MARGIN = 1 / (1 - GRAPH_STEP_SAVING / (GEMM_STEP_SHARE * (1 + GRAPH_STEP_SAVING))) - 1
+REPLAYABLE = frozenset({"native"})  # kernels a CPU step graph records (kvflow's ctypes calls)
 ROW_CLASSES = (1, 64, 512)  # rows per call: decode of one request, a batch of decodes, prefill
 LARGE_N = 8192  # wider weights (LM heads) are timed on a LARGE_N-column slice, scaled up
 POOL_BYTES = 160 << 20  # weights cycled per one-row timing: more than the L3 cache (105 MB on
@@ -277,14 +296,36 @@ def row_class_winners(times: dict[str, dict[int, float]]) -> list[str]:
     return winners
 
 
+def graph_weighted(times: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
+    """``times`` (seconds per call, by candidate and row class) with each candidate outside
+    :data:`REPLAYABLE` charged ``1 + GRAPH_MARGIN`` times its time at the decode row classes
+    (up to :data:`SPLIT_TIE_MAX_ROWS` rows), when some candidate is replayable; else
+    unchanged. What :func:`choose` compares when the engine's decode steps would replay as CPU
+    step graphs: a non-replayable decode GEMM costs the whole step graph, so it must be more
+    than ``1 + GRAPH_MARGIN`` (1.18x) faster to be chosen (see :data:`GRAPH_MARGIN`'s
+    derivation). E.g. gate_up 3072 x 576 fp32 on the quiet Zen 5, ms at 1 / 64 / 512 rows:
+    native 0.241 / 0.893 / 7.00, oneDNN 0.215 / 0.999 / 7.01 (1.12x faster at one row) counts
+    as 0.253 / 1.177 / 7.01 and loses every class."""
+    if not any(c in REPLAYABLE for c in times):
+        return times
+    return {c: t if c in REPLAYABLE else
+            {rows: s * (1 + GRAPH_MARGIN) if rows <= SPLIT_TIE_MAX_ROWS else s
+             for rows, s in t.items()}
+            for c, t in times.items()}
+
+
 def choose(shape: GemmShape, candidates: tuple[str, ...], timings: GemmTimings | None,
-           split: bool = False) -> str | KernelSplit:
+           split: bool = False, graphs: bool = False) -> str | KernelSplit:
     """The kernel for ``shape``: the only candidate, or with ``split`` (both packings
     affordable) a :class:`KernelSplit` where the fastest changes along the row classes
-    (:func:`split_candidate`), else the fastest by :func:`best_candidate`."""
+    (:func:`split_candidate`), else the fastest by :func:`best_candidate`. With ``graphs``
+    (the engine's decode steps would replay as CPU step graphs) the times compared are
+    :func:`graph_weighted`'s."""
     if len(candidates) == 1 or timings is None:
         return candidates[0]
     times = timings.get_all(shape, candidates)
+    if graphs:
+        times = graph_weighted(times)
     return (split and split_candidate(times)) or best_candidate(times)
 
 

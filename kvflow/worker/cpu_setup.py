@@ -39,6 +39,7 @@ from kvflow.quant.unquantized import UnquantizedEmbeddingMethod
 from kvflow.worker.deterministic import CHANGES as DETERMINISTIC_CHANGES
 from kvflow.worker.deterministic import CHANGES_CUDA as DETERMINISTIC_CHANGES_CUDA
 from kvflow.worker.deterministic import check_all_packed, use_batch_invariant_gemms
+from kvflow.worker.step_graphs import cpu_step_graphs_expected
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,9 @@ def choose_gemm_path(model: torch.nn.Module, config: EngineConfig, platform: Pla
                      device: torch.device, dtype: torch.dtype) -> None:
     """CPU GEMM kernels (kvflow/kernels/gemm.py, gemm_select.py): each GEMM module's weight
     of ``model`` (the target or the draft) packed once for the kernel ``--cpu-gemm`` names
-    or, under ``auto``, the one timed fastest for its shape class on this CPU; without
+    or, under ``auto``, the one timed fastest for its shape class on this CPU (near-ties at
+    decode rows kept for kvflow's GEMM where CPU step graphs will replay the decode steps:
+    ``gemm_select.graph_weighted``); without
     either kernel, 16-bit weights are widened to fp32 units where the CPU has no 16-bit
     matmul units."""
     deterministic = config.device_config.deterministic
@@ -98,9 +101,12 @@ def choose_gemm_path(model: torch.nn.Module, config: EngineConfig, platform: Pla
         pack_logits_head(head, config.scheduler_config.max_num_seqs,
                          None if choice == "onednn" else kernels)
     split = timings is not None and _gemm_weight_bytes(model, dtype) <= SPLIT_MAX_BYTES
+    # a oneDNN decode GEMM would cost the step graph: near-ties go to kvflow's GEMM
+    graphs = timings is not None and cpu_step_graphs_expected(config)
     counts = prepack_gemm_weights(
         model, config.scheduler_config.max_num_seqs, kernels,
-        lambda w: choose(GemmShape(w.shape[0], w.shape[1], dtype), candidates, timings, split),
+        lambda w: choose(GemmShape(w.shape[0], w.shape[1], dtype), candidates, timings, split,
+                         graphs),
         dtype)
     if timings is not None:
         timings.save()

@@ -20,6 +20,7 @@ import logging
 
 import torch
 
+from kvflow.config import cpu_gemm_pool_choice
 from kvflow.worker.cpu_graphs import CpuGraphRunner
 from kvflow.worker.cuda_graphs import CudaGraphRunner
 
@@ -51,6 +52,20 @@ def _host_synced_moe(model: torch.nn.Module) -> str | None:
         if isinstance(method, FusedMoEMethod):
             return method.name
     return None
+
+
+def cpu_step_graphs_expected(config) -> bool:
+    """Whether a CPU engine of ``config`` (an EngineConfig) will replay its decode steps as CPU
+    step graphs, as far as the config tells before the model loads (what
+    ``--cpu-gemm auto`` weighs, ``kernels/gemm_select.py: graph_weighted``): no
+    ``--enforce-eager``, LoRA, draft model, pipeline or tensor split, quantized KV cache or
+    ``--cpu-gemm-pool``. (A multimodal or pooling model, known only once loaded, runs
+    without graphs all the same.)"""
+    pc = config.parallel_config
+    return not config.device_config.enforce_eager and not config.lora_config.enable_lora \
+        and config.speculative_config is None and pc.pipeline_parallel_size == 1 \
+        and pc.tensor_parallel_size == 1 and config.cache_config.kv_cache_dtype == "auto" \
+        and not cpu_gemm_pool_choice(config.device_config.cpu_gemm_pool)
 
 
 def make_graph_runner(runner, max_model_len: int) -> CudaGraphRunner | CpuGraphRunner | None:
@@ -86,4 +101,4 @@ def make_graph_runner(runner, max_model_len: int) -> CudaGraphRunner | CpuGraphR
     return None
 
 
-__all__ = ["make_graph_runner"]
+__all__ = ["cpu_step_graphs_expected", "make_graph_runner"]

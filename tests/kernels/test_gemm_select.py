@@ -30,6 +30,7 @@ from kvflow.kernels.gemm_select import (
     candidates_for,
     choose,
     choose_dtype,
+    graph_weighted,
     row_class_winners,
     split_candidate,
     time_candidate,
@@ -73,6 +74,71 @@ def test_a_near_tie_keeps_the_smaller_row_class_winner():
     apart = {"native": {1: 0.074, 64: 0.354 * 1.12, 512: 3.1}, "onednn": onednn}
     assert row_class_winners(apart) == ["native", "onednn", "onednn"]
     assert split_candidate(apart) == KernelSplit("native", "onednn", 8)
+
+
+# the quiet Zen 5 EPYC's fp32 timings (ms, one thread, at 1 / 64 / 512 rows) of SmolLM2's
+# gate_up 3072 x 576 (docs/benchmarks.md, session 35): oneDNN 1.12x faster at one row alone
+ZEN5_GATE_UP = {"native": {1: 0.241, 64: 0.893, 512: 7.00},
+                "onednn": {1: 0.215, 64: 0.999, 512: 7.01}}
+
+
+def test_graph_margin_follows_from_the_measured_step_graph_saving():
+    """Eager decode steps 10% longer than replayed ones, GEMMs 60% of an eager step: oneDNN
+    must cut the decode GEMMs by more than 0.10 / (0.60 * 1.10) = 1/6.6, i.e. be faster by
+    1 / (1 - 1/6.6) = 6.6 / 5.6 = 1.17857x."""
+    assert gemm_select.GRAPH_MARGIN == pytest.approx(6.6 / 5.6 - 1, rel=1e-12)
+
+
+def test_graph_weighted_charges_the_unreplayable_kernel_at_decode_rows():
+    """oneDNN's times at 1 and 64 rows grow by 6.6/5.6 (0.215 -> 0.253393, 0.999 ->
+    1.177393), its 512-row time and native's stay; with no replayable candidate nothing
+    changes."""
+    got = graph_weighted(ZEN5_GATE_UP)
+    assert got["native"] == ZEN5_GATE_UP["native"]
+    assert got["onednn"][1] == pytest.approx(0.215 * 6.6 / 5.6)
+    assert got["onednn"][64] == pytest.approx(0.999 * 6.6 / 5.6)
+    assert got["onednn"][512] == 7.01
+    assert graph_weighted({"onednn": ZEN5_GATE_UP["onednn"]}) == \
+        {"onednn": ZEN5_GATE_UP["onednn"]}
+
+
+def test_a_near_tie_at_decode_rows_keeps_the_step_graph(tmp_path):
+    """The Zen 5 gate_up timings: by time alone oneDNN wins (relative sums 1 + 1.1187 + 1.0014
+    = 3.1201 against 1.1209 + 1 + 1 = 3.1209; split: oneDNN at 1 row, native from 64, a split
+    at 8 rows), and either loses the step graph at the decode batches oneDNN takes. Weighted
+    for graphs (oneDNN 0.2534 / 1.1774 / 7.01) native wins every class: no split, native."""
+    shape = GemmShape(3072, 576, torch.float32)
+    timings = _fake_timings(tmp_path, {shape.key(c, r): t for c, times in ZEN5_GATE_UP.items()
+                                       for r, t in times.items()})
+    cands = ("native", "onednn")
+    assert choose(shape, cands, timings) == "onednn"
+    assert choose(shape, cands, timings, split=True) == KernelSplit("onednn", "native", 8)
+    assert choose(shape, cands, timings, graphs=True) == "native"
+    assert choose(shape, cands, timings, split=True, graphs=True) == "native"
+    assert choose(shape, ("onednn",), timings, split=True, graphs=True) == "onednn"
+
+
+def test_a_clear_decode_win_still_goes_to_onednn():
+    """The q/k/v "apart" timings of test_a_near_tie_keeps_the_smaller_row_class_winner: oneDNN
+    1.12x faster at 64 rows takes them by time alone, but not for graphs (0.354 * 6.6/5.6 =
+    0.4172 > 0.3965): the split moves to 181 rows. 1.4x faster it takes 64 rows for graphs
+    too (native 0.4956 > 0.4172 * 1.1 = 0.4589: the decode tie margin applies on top)."""
+    onednn = {1: 0.120, 64: 0.354, 512: 2.917}
+    apart = {"native": {1: 0.074, 64: 0.354 * 1.12, 512: 3.1}, "onednn": onednn}
+    assert split_candidate(graph_weighted(apart)) == KernelSplit("native", "onednn", 181)
+    clear = {"native": {1: 0.074, 64: 0.354 * 1.4, 512: 3.1}, "onednn": onednn}
+    assert row_class_winners(graph_weighted(clear)) == ["native", "onednn", "onednn"]
+    assert split_candidate(graph_weighted(clear)) == KernelSplit("native", "onednn", 8)
+
+
+def test_step_graphs_expected_follows_the_config():
+    """Off with each setting under which make_graph_runner gives a CPU engine no step graph."""
+    from kvflow.worker.step_graphs import cpu_step_graphs_expected
+
+    assert cpu_step_graphs_expected(EngineConfig.from_kwargs())
+    for off in ({"enforce_eager": True}, {"enable_lora": True}, {"cpu_gemm_pool": True},
+                {"kv_cache_dtype": "int8"}):
+        assert not cpu_step_graphs_expected(EngineConfig.from_kwargs(**off)), off
 
 
 def test_choose_splits_only_when_both_packings_are_affordable(tmp_path):
@@ -244,6 +310,38 @@ def test_engine_with_timed_kernel_choice_matches_hf(tiny_llama, tmp_path, monkey
     assert token == int(hf_logits.argmax())
     hf_logprob = torch.log_softmax(hf_logits.double(), -1)[token].item()
     assert abs(out.outputs[0].logprobs[0][token].logprob - hf_logprob) < 1e-4
+
+
+@native
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+def test_engine_keeps_native_decode_gemms_where_step_graphs_replay(tiny_llama, tmp_path,
+                                                                   monkeypatch):
+    """Timings faked: oneDNN 1.12x faster at 1 and 64 rows, 1.05x at 512. With step graphs
+    (the default) decode rows weigh oneDNN at 1.1786 against native's 1.12: every GEMM is
+    split native<=181/oneDNN and decode steps replay; with ``enforce_eager`` oneDNN wins
+    every class (no split) and takes every GEMM."""
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    secs = {"native": {1: 1.12, 64: 1.12, 512: 1.05}, "onednn": {1: 1.0, 64: 1.0, 512: 1.0}}
+    fake = lambda shape, cands, rows, kernels: {c: {r: secs[c][r] for r in rows} for c in cands}
+    monkeypatch.setattr(gemm_select, "time_candidates", fake)
+    monkeypatch.setattr(gemm_select, "time_candidate",
+                        lambda shape, cand, rows, kernels: fake(shape, (cand,), rows, kernels)[cand])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for eager in (False, True):
+        llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64,
+                  cpu_gemm="auto", enforce_eager=eager)
+        runner = llm.engine.core.executor.runner
+        packed = [m.packed_weight for m in runner.model.modules()
+                  if getattr(m, "packed_weight", None) is not None]
+        assert packed
+        if eager:
+            assert all(isinstance(p, OneDnnPackedWeight) for p in packed)
+            assert runner.graph_runner is None
+            continue
+        assert all(isinstance(p, RowSplitWeight) and p.max_small_rows == 181
+                   and isinstance(p.small, NativePackedWeight) for p in packed)
+        llm.generate([[5, 9, 23], [7, 41]], params, use_tqdm=False)
+        assert runner.graph_runner.replayed_steps > 0
 
 
 @native
