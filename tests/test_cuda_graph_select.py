@@ -181,7 +181,8 @@ def test_an_eagle3_head_keeps_steps_eager(monkeypatch):
 
     monkeypatch.setattr(CudaGraphRunner, "capture", capture)
     runner = _runner(TritonPagedAttentionBackend(fuse_rotary=False))
-    runner.model = SimpleNamespace(config=SimpleNamespace(hidden_size=8))
+    runner.model = torch.nn.Module()  # no quantized MoE experts (step_graphs walks modules())
+    runner.model.config = SimpleNamespace(hidden_size=8)
     runner.device, runner.dtype = torch.device("cpu"), torch.float32
     runner.drafter = SimpleNamespace(taps=object())
     assert make_graph_runner(runner, 16) is None
