@@ -124,9 +124,11 @@ class SpeculativeConfig:
                 isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 0):
             raise ValueError(f"speculative_config draft_vocab_size={vocab!r} must be an "
                              "integer >= 1, 0 or null (the whole vocabulary) or 'auto'")
-        if vocab not in (None, "auto", 0) and self.method != "draft_model":  # eagle too
-            raise ValueError("speculative_config draft_vocab_size applies to method="
-                             "'draft_model' only (an n-gram proposer has no LM head)")
+        if vocab not in (None, "auto", 0) and self.method != "draft_model":
+            why = "an n-gram proposer has no LM head" if self.method == "ngram" else \
+                f"the {self.method} head drafts over the vocabulary its checkpoint and target set"
+            raise ValueError(f"speculative_config draft_vocab_size={vocab} applies to "
+                             f"method='draft_model' only ({why})")
         if self.quantization not in (None, "auto", "none", "int8", "int4"):
             raise ValueError(f"speculative_config quantization={self.quantization!r} is "
                              "invalid; choose int8, int4, none (or null) or auto")

@@ -33,10 +33,14 @@ def test_flag_dict_and_object_forms_agree():
 @pytest.mark.parametrize("value, needle", [
     ('{"method": "eagle"}', "method='eagle' needs 'model'"),
     ('{"method": "eagle", "model": "h", "quantization": "int8"}', "quantization='int8'"),
-    ('{"method": "eagle", "model": "h", "draft_vocab_size": 1000}', "draft_vocab_size"),
+    # named "an n-gram proposer" for a head before; an EAGLE-3 head's draft vocabulary is
+    # the checkpoint's (d2t), an EAGLE head's the target's
+    ('{"method": "eagle", "model": "h", "draft_vocab_size": 1000}',
+     "draft_vocab_size=1000 applies to method='draft_model' only (the eagle head"),
     ('{"method": "eagle3"}', "method='eagle3' needs 'model'"),
     ('{"method": "eagle3", "model": "h", "quantization": "int4"}', "quantization='int4'"),
-    ('{"method": "eagle3", "model": "h", "draft_vocab_size": 1000}', "draft_vocab_size"),
+    ('{"method": "eagle3", "model": "h", "draft_vocab_size": 1000}',
+     "draft_vocab_size=1000 applies to method='draft_model' only (the eagle3 head"),
     ('{"method": "medusa", "model": "h"}', "method='medusa' is invalid"),
     ('{"method": "ngram", "k": 3}', "unknown key(s) ['k']"),
     ('{"method": "draft_model"}', "needs 'model'"),
