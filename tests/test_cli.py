@@ -340,3 +340,14 @@ def test_generate_into_a_pipe_closed_early_ends_quietly(tiny_llama, monkeypatch,
             "64", "--max-tokens", "8", "--ignore-eos", "--prompt", "the lazy fox"]
     assert main(argv) == 141
     assert stdout.writes == ["the lazy fox"] and capsys.readouterr().err == ""
+
+
+def test_every_flag_has_help_text():
+    """``--help`` of each subcommand explains every flag (``kvflow generate --ignore-eos``,
+    ``bench serve --endpoint`` and eight bench flags printed a bare name before)."""
+    from kvflow.entrypoints.config_file import leaf_parsers
+
+    bare = [f"{leaf.prog} {action.option_strings[0]}"
+            for leaf in leaf_parsers(build_parser()) for action in leaf._actions
+            if action.option_strings and not action.help]
+    assert bare == []

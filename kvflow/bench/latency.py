@@ -101,7 +101,7 @@ def add_latency_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=64, help="output tokens (EOS ignored)")
     p.add_argument("--num-iters", type=int, default=3, help="repetitions (median)")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, help="write the results here (JSON)")
     add_lora_path_arg(p, "every request")
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=_cmd_latency)

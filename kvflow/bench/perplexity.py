@@ -192,7 +192,7 @@ def add_perplexity_parser(sub: argparse._SubParsersAction) -> None:
                    help="prompts (from the text) for the greedy-agreement check; 0: none")
     p.add_argument("--greedy-tokens", type=int, default=64, help="greedy tokens per prompt")
     p.add_argument("--compare", default=None, help="a previous run's --output-json")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, help="write the results here (JSON)")
     add_lora_path_arg(p, "every request")
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=_cmd_perplexity)

@@ -254,7 +254,11 @@ def add_roofline_parser(sub: argparse._SubParsersAction) -> None:
                    help="output tokens (default: the measured result's, else 64)")
     p.add_argument("--measured-json", default=None,
                    help="a bench serve / latency / throughput result to compare")
-    p.add_argument("--measured-ttft-ms", type=float, default=None)
-    p.add_argument("--measured-tpot-ms", type=float, default=None)
-    p.add_argument("--measured-tok-s", type=float, default=None)
+    p.add_argument("--measured-ttft-ms", type=float, default=None,
+                   help="a measured TTFT to compare (ms; overrides --measured-json's)")
+    p.add_argument("--measured-tpot-ms", type=float, default=None,
+                   help="a measured TPOT to compare (ms; overrides --measured-json's)")
+    p.add_argument("--measured-tok-s", type=float, default=None,
+                   help="a measured output rate to compare (tokens/s; overrides "
+                   "--measured-json's)")
     p.set_defaults(func=_cmd_roofline)

@@ -210,7 +210,8 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer for counts when the server sends no usage (default: --model, "
                    "if a tokenizer loads from it; a --tokenizer that does not load is an error)")
-    p.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions")
+    p.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions",
+                   help="the OpenAI route the requests go to")
     p.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
     p.add_argument("--label", default=None, help="name of this server in results and plots")
 
@@ -227,7 +228,7 @@ def _add_synthetic_dataset_args(d: argparse._ArgumentGroup) -> None:
     d.add_argument("--dataset", default="random",
                    help="random | synthetic-chat | random-image | FILE.jsonl | a ShareGPT "
                    "FILE.json (sampled as vLLM's --dataset-name sharegpt)")
-    d.add_argument("--num-prompts", type=int, default=64)
+    d.add_argument("--num-prompts", type=int, default=64, help="requests to send")
     d.add_argument("--input-len", "--random-input-len", type=int, default=None,
                    help="random: prompt tokens; random-image: words of text (default: 128; "
                    "refused with other datasets, which would ignore it; vLLM's name "
@@ -272,7 +273,8 @@ def _add_request_body_args(d: argparse._ArgumentGroup) -> None:
                    "(default: on for random and random-image, as vLLM's random datasets; off "
                    "otherwise)")
     d.add_argument("--extra-body", default=None, help="JSON merged into every request body")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=int, default=0,
+                   help="seeds the dataset draw (and shuffle) and the arrival gaps")
 
 
 def _add_load_args(t: argparse._ArgumentGroup) -> None:
@@ -301,4 +303,4 @@ def _add_output_args(o: argparse._ArgumentGroup) -> None:
     o.add_argument("--plot", default=None, help="sweep PNG (default: next to --result-json)")
     o.add_argument("--compare", action="append", metavar="RESULT.json",
                    help="other servers' sweep results to plot alongside (repeat)")
-    o.add_argument("--disable-tqdm", action="store_true")
+    o.add_argument("--disable-tqdm", action="store_true", help="no progress bar")

@@ -181,7 +181,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
 
 def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("throughput", help="offline throughput on random prompts")
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=64, help="random prompts to run")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=64, help="generated tokens (EOS ignored)")
     p.add_argument("--compare", choices=["hf"], default=None,

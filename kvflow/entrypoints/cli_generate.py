@@ -20,6 +20,7 @@ from kvflow.sampling_params import SamplingParams
 _SAMPLING_FLAGS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens",
                    "stop", "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty",
                    "repetition_penalty")
+_BOOL_FLAG_HELP = {"ignore_eos": "go on past the EOS token, up to --max-tokens"}
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +34,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
         if f.name == "stop":
             group.add_argument(flag, action="append", default=None, help="stop string (repeat)")
         elif f.type in ("bool", bool):
-            group.add_argument(flag, action="store_true", default=None)
+            group.add_argument(flag, action="store_true", default=None,
+                               help=_BOOL_FLAG_HELP[f.name])
         else:
             kind = float if f.type == "float" else int
             default = f.default if f.default is not dataclasses.MISSING else None
