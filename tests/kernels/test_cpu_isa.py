@@ -10,6 +10,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -194,6 +195,32 @@ def test_gguf_gemm_at_every_level(kernels, ggml_type, m):
     want = x.double() @ ref.double().T
     bound = ref.shape[1] * 2 ** -24 * (x.abs().double() @ ref.abs().double().T)
     assert bool(((got.double() - want).abs() <= bound + 1e-6).all())
+
+
+@pytest.mark.parametrize("blocks, n, m", [(1, 1, 1), (3, 9, 5), (5, 3, 16)])
+def test_gguf_q8_0_odd_shapes_at_every_level(kernels, blocks, n, m):
+    """Q8_0 (int8 quants, sign-extended in the kernel) at K of 1, 3 and 5 blocks, N not a
+    multiple of the 8-row tile, M of 1, 5 (passes of 4 and 1) and 16 (two passes of 8); the
+    first weight row's first block holds the extreme quants -128 and 127. Checked against
+    gguf.quants.dequantize + a float64 matmul within Higham's fp32 bound K * eps * sum|x w|
+    (the products d * q are exact in fp32: an fp16 scale times an 8-bit integer)."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from tests.kernels.test_cpu_gguf import random_blocks
+    raw = random_blocks(Q8_0, n, blocks, seed=blocks)
+    raw[0, 2:18], raw[0, 18:34] = 0x80, 0x7F  # int8 -128 and 127
+    ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0).astype(np.float32))
+    d = float(raw[0, :2].view(np.float16)[0])
+    assert ref[0, 0] == -128 * d and ref[0, 31] == 127 * d
+    raw = torch.from_numpy(raw)
+    torch.testing.assert_close(kernels.gguf_dequantize(raw, Q8_0, 32 * blocks), ref,
+                               atol=0, rtol=0)
+    x = torch.randn(m, 32 * blocks, generator=torch.Generator().manual_seed(m))
+    got = kernels.gguf_gemm(x, raw, Q8_0, 32 * blocks)
+    want = x.double() @ ref.double().T
+    bound = ref.shape[1] * 2 ** -24 * (x.abs().double() @ ref.abs().double().T)
+    assert bool(((got.double() - want).abs() <= bound).all())
 
 
 @pytest.mark.parametrize("cache", ["int8", "fp8_e4m3"])

@@ -55,14 +55,19 @@ static inline vf loadv(const float *p) {
 }
 
 /* Bytes h * VW .. h * VW + VW - 1 of q as floats, sign-extended (is_signed: int8 quants) or
- * zero-extended through int32 lanes: one vpmovsxbd / vpmovzxbd and one conversion (GCC 12
- * converts byte lanes straight to float, or to int32 on AVX2, one lane at a time). is_signed
+ * zero-extended through int32 lanes: one vpmovsxbd / vpmovzxbd and one conversion, written
+ * with intrinsics (GCC 12 converts byte lanes straight to float, or to int32 on AVX2, one
+ * lane at a time; on AVX-512 it lowers the signed int8 -> int32 vector conversion into 16
+ * scalar sign extensions and inserts, which made Q8_0 3-5x slower than Q4_0 there). is_signed
  * is a constant wherever this is inlined. */
 static inline vf bytes_to_f(v16u8 q, int h, int is_signed) {
 #if defined(__AVX512F__)
     (void)h;
-    const vi wide = is_signed ? __builtin_convertvector((v16s8)q, vi)
-                              : __builtin_convertvector(q, vi);
+    __m128i x;
+    memcpy(&x, &q, 16);
+    const __m512i w = is_signed ? _mm512_cvtepi8_epi32(x) : _mm512_cvtepu8_epi32(x);
+    vi wide;
+    memcpy(&wide, &w, sizeof wide);
 #elif defined(__AVX2__)
     __m128i x;
     memcpy(&x, &q, 16);
