@@ -3,7 +3,8 @@
     python benchmarks/gguf_gemv.py --types q4_0,q8_0,q4_k,q6_k --rows 1,4,16 --threads 1
 
 For each linear shape of a 1.1B Llama (TinyLlama's q/k/v, o, gate/up, down: K = 2,048 or
-5,632, multiples of every GGML block), each GGML type and each row count, the kernels run in
+5,632, multiples of every GGML block; or ``--shapes NxK`` for others, a type skipped where its
+block does not divide K), each GGML type and each row count, the kernels run in
 turn (a load spike of a shared machine hits all alike) and the median over ``--repeats``
 rounds is reported, in microseconds per call and GB/s of weight bytes read:
 
@@ -66,6 +67,21 @@ def make_kernels(ggml_type: int, n: int, k: int, native) -> dict:
     }
 
 
+def parse_shape(name: str) -> tuple[str, int, int]:
+    """(name, N, K) of a SHAPES name or of ``NxK``.
+
+    Raises:
+        SystemExit: for a name that is neither.
+    """
+    known = {shape[0]: shape for shape in SHAPES}
+    if name in known:
+        return known[name]
+    n, sep, k = name.partition("x")
+    if not (sep and n.isdigit() and k.isdigit()):
+        raise SystemExit(f"--shapes: {name!r} is neither one of {sorted(known)} nor NxK")
+    return name, int(n), int(k)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", default="q4_0,q8_0,q4_k,q6_k")
@@ -73,10 +89,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--kernels", default="native,torch,f32")
-    parser.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES))
+    parser.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES),
+                        help="names from SHAPES or NxK (576x576: a 135M model's q/o)")
     parser.add_argument("--min-seconds", type=float, default=0.05, help="per timing")
     args = parser.parse_args()
     from kvflow.kernels.cpu_native import native_cpu_kernels
+    from kvflow.kernels.gguf_dequant import BLOCK_SHAPES
 
     torch.set_num_threads(args.threads)
     native = native_cpu_kernels()
@@ -84,9 +102,12 @@ def main() -> None:
         raise SystemExit("native CPU kernels could not be built")
     print(f"isa {native.isa}, threads {args.threads}, load {os.getloadavg()}", flush=True)
     names = args.kernels.split(",")
-    shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
+    shapes = [parse_shape(name) for name in args.shapes.split(",")]
     for type_name in args.types.split(","):
         for shape, n, k in shapes:
+            if k % BLOCK_SHAPES[TYPES[type_name]][0]:
+                print(f"{type_name:5s} {shape:8s} skipped: K not a multiple of its block")
+                continue
             kernels = make_kernels(TYPES[type_name], n, k, native)
             for m in map(int, args.rows.split(",")):
                 cells = compare(kernels, names, torch.randn(m, k), args.repeats,
