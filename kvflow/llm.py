@@ -51,11 +51,13 @@ class LLM(LLMPooling):
 
     Raises:
         ValueError: for an unknown option, model or impossible configuration, or
-            ``admission_control`` (a server option: offline requests are never refused).
+            ``admission_control`` or ``idle_batch_window_ms`` (server options: offline
+            requests are never refused, nor waited for).
     """
 
     def __init__(self, model: str = "SmolLM2-135M-Instruct", **kwargs: Any) -> None:
-        refuse_server_options(bool(kwargs.get("admission_control")))
+        refuse_server_options(bool(kwargs.get("admission_control")),
+                              kwargs.get("idle_batch_window_ms") or 0.0)
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
 
     @classmethod
@@ -64,9 +66,10 @@ class LLM(LLMPooling):
         bench`` build theirs so).
 
         Raises:
-            ValueError: as the constructor, ``admission_control`` included.
+            ValueError: as the constructor, the server options included.
         """
-        refuse_server_options(config.scheduler_config.admission_control)
+        sc = config.scheduler_config
+        refuse_server_options(sc.admission_control, sc.idle_batch_window_ms)
         llm = cls.__new__(cls)
         llm.engine = LLMEngine(config)
         return llm

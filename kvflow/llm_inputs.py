@@ -199,12 +199,17 @@ def check_users(user: Sequence[str] | None, n: int, policy: str) -> list[str]:
     return users
 
 
-def refuse_server_options(admission_control: bool) -> None:
-    """Raises ValueError for ``admission_control``: a server option (offline requests are
-    never refused, so it would be ignored)."""
+def refuse_server_options(admission_control: bool, idle_batch_window_ms: float = 0.0) -> None:
+    """Raises ValueError for ``admission_control`` or a nonzero ``idle_batch_window_ms``:
+    server options (offline requests are never refused, and all of them are queued before
+    the first step, so there is no arrival to wait for: either would be ignored)."""
     if admission_control:
         raise ValueError("admission_control is a server option (kvflow serve "
                          "--admission-control): LLM.generate never refuses a request")
+    if idle_batch_window_ms:
+        raise ValueError(f"idle_batch_window_ms={idle_batch_window_ms} is a server option "
+                         "(kvflow serve --idle-batch-window-ms): LLM.generate queues every "
+                         "prompt before its first step, so there is no arrival to wait for")
 
 
 def beam_search_prompts(processor: InputProcessor, prompts: list[PromptType],

@@ -27,6 +27,12 @@ class SchedulerConfig:
                                         "step's prefill tokens and admissions are sized from a "
                                         "step-time model fitted online so running requests "
                                         "stay under it (default: none, the fixed budget)")
+    idle_batch_window_ms: float = opt(
+        0.0, "kvflow serve: when requests reach an idle engine (nothing running), hold its "
+        "first step up to this many ms after the first of them while more arrive, so that a "
+        "burst's first step is filled (stepping at once when the waiting prompts fill "
+        "--max-num-batched-tokens or --max-num-seqs); a lone request waits the whole window, "
+        "never longer; 0: off (default; docs/benchmarks.md, session 36: no gain measured)")
     admission_control: bool = opt(False, "kvflow serve: refuse at arrival (503 + Retry-After) "
                                    "a request whose predicted time to first token exceeds "
                                    "its TTFT target (requests without one are admitted)")
@@ -57,6 +63,9 @@ class SchedulerConfig:
                              "enable_chunked_prefill False) is refused: kvflow always splits "
                              "a long prompt over steps (chunked prefill is its one scheduling "
                              "rule) and cannot turn that off; leave the flag out")
+        if not 0 <= self.idle_batch_window_ms <= 1000:
+            raise ValueError(f"idle_batch_window_ms={self.idle_batch_window_ms} must be "
+                             "between 0 and 1000 ms")
         for name in ("target_ttft_ms", "target_tpot_ms"):
             value = getattr(self, name)
             if value is not None and not 0 < value < float("inf"):

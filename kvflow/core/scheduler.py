@@ -122,6 +122,8 @@ class Scheduler:
         self.encoder: EncoderCacheManager | None = None
         self.speculator = speculator
         self._truncated: dict[str, int] = {}  # block-table lengths cut since the last step
+        # when the first of the waiting requests reached an idle engine (--idle-batch-window-ms)
+        self._idle_arrival: float | None = None
 
     # ---- requests in and out -----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -138,6 +140,8 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} has {request.num_tokens} tokens; "
                              f"max_model_len is {self.max_model_len}")
         request.max_num_tokens = min(request.max_num_tokens, self.max_model_len)
+        if not self.running and not self.waiting:
+            self._idle_arrival = self.clock()
         self.requests[request.request_id] = request
         self.planner.add(request)
         self.waiting.open(request)
@@ -166,6 +170,28 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def batch_wait_s(self) -> float:
+        """Seconds the next step should still wait for more arrivals (0.0: step now).
+
+        Only an idle engine's first step waits (``idle_batch_window_ms``): while nothing is
+        running, the waiting requests fit in one step's ``max_num_batched_tokens`` and
+        ``max_num_seqs`` with room to spare (prompt tokens counted before prefix-cache
+        hits), and the window, counted from the first waiting
+        request's arrival on this scheduler's clock, is still open. A lone request therefore
+        waits the window and no longer; a burst's first step takes what arrived meanwhile
+        instead of only its first requests. A busy engine never waits.
+        """
+        window_s = self.config.idle_batch_window_ms / 1e3
+        if not window_s or self.running or not self.waiting or self._idle_arrival is None:
+            return 0.0
+        if len(self.waiting) >= self.config.max_num_seqs:
+            return 0.0
+        # tokens before prefix-cache hits (cheap; an overestimate only ends the wait sooner)
+        pending = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        if pending >= self.config.max_num_batched_tokens:
+            return 0.0
+        return max(0.0, self._idle_arrival + window_s - self.clock())
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self, max_num_reqs: int | None = None) -> SchedulerOutput:

@@ -2,7 +2,9 @@
 
 The loop, once per iteration: take every pending input message (block only when there is no
 work, waking every ``_IDLE_POLL_MS`` to check that the API process is still alive), run one
-step if any request is unfinished, and send the step's outputs with fresh stats. Aborts are
+step if any request is unfinished, and send the step's outputs with fresh stats. With
+``--idle-batch-window-ms`` an idle engine's first step waits for input instead while the
+scheduler's window is open (``Scheduler.batch_wait_s``). Aborts are
 therefore applied (and their KV blocks freed) before the next step. Before it reports ready,
 the process freezes its start-up heap (model, tokenizer) out of the garbage collector's reach
 (``kvflow.gc_heap``).
@@ -11,6 +13,7 @@ the process freezes its start-up heap (model, tokenizer) out of the garbage coll
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
 import os
 import signal
@@ -176,6 +179,10 @@ class EngineCoreProc:
             if self._verdicts.accepted or self._verdicts.rejected:  # answer before the step
                 self.out.send(self._encoder.encode(self._verdicts))
                 self._verdicts = AdmissionVerdicts([], [])
+            wait_s = self.core.scheduler.batch_wait_s()
+            if wait_s > 0 and not self._errors:  # an idle engine's first step: let a burst in
+                self.inp.poll(max(1, math.ceil(wait_s * 1e3)))  # up to the window's end
+                continue
             outputs = self.core.step() if self.core.has_unfinished_requests() else []
             if outputs or handled or self._errors:
                 outputs, self._errors = self._errors + outputs, []
