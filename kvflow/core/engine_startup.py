@@ -341,11 +341,14 @@ class EngineCoreStartup:
 
 def log_scheduling(sc: SchedulerConfig) -> None:
     """One start-up line saying which scheduling options are in force (policy, service-level
-    targets in ms, admission control, preemption mode), so a user can check that flags took."""
+    targets in ms, admission control, preemption mode, an idle batch window), so a user can
+    check that flags took."""
     admission = ", admission control" if sc.admission_control else ""
-    logger.info("scheduling: policy %s; TTFT target %s, TPOT target %s%s; preemption %s",
+    window = f"; idle batch window {sc.idle_batch_window_ms:g} ms" \
+        if sc.idle_batch_window_ms else ""
+    logger.info("scheduling: policy %s; TTFT target %s, TPOT target %s%s; preemption %s%s",
                 sc.policy, _ms(sc.target_ttft_ms), _ms(sc.target_tpot_ms), admission,
-                sc.preemption_mode)
+                sc.preemption_mode, window)
 
 
 def _ms(value: float | None) -> str:
