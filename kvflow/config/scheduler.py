@@ -32,7 +32,8 @@ class SchedulerConfig:
         "first step up to this many ms after the first of them while more arrive, so that a "
         "burst's first step is filled (stepping at once when the waiting prompts fill "
         "--max-num-batched-tokens or --max-num-seqs); a lone request waits the whole window, "
-        "never longer; 0: off (default; docs/benchmarks.md, session 36: no gain measured)")
+        "never longer; 0: off (default: a burst's p99 TTFT did not improve, "
+        "docs/benchmarks.md, session 36: burst TTFT)")
     admission_control: bool = opt(False, "kvflow serve: refuse at arrival (503 + Retry-After) "
                                    "a request whose predicted time to first token exceeds "
                                    "its TTFT target (requests without one are admitted)")
