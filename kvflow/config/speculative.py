@@ -152,7 +152,7 @@ class SpeculativeConfig:
         elif self.method in HEAD_METHODS and \
                 self.quantization in ("int8", "int4"):
             raise ValueError(f"speculative_config quantization={self.quantization!r} applies "
-                             f"to method='draft_model' only (a {self.method} head runs as "
+                             f"to method='draft_model' only (the {self.method} head runs as "
                              "loaded)")
         elif (self.prompt_lookup_max, self.prompt_lookup_min) != (4, 2):
             raise ValueError(f"speculative_config prompt_lookup_max={self.prompt_lookup_max} "

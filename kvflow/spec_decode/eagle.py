@@ -94,7 +94,7 @@ class EagleDrafter(DraftModel):
             hf_config = load_hf_config(source, trust_remote_code=mc.trust_remote_code)
         target_hidden = target.config.hidden_size
         if hf_config.vocab_size != target_vocab_size or hf_config.hidden_size != target_hidden:
-            raise ValueError(f"speculative_config model {spec.model!r}: a {spec.method} head "
+            raise ValueError(f"speculative_config model {spec.model!r}: the {spec.method} head "
                              f"of vocabulary {hf_config.vocab_size} and hidden size "
                              f"{hf_config.hidden_size} does not fit the target's "
                              f"{target_vocab_size} and {target_hidden}")
