@@ -131,10 +131,13 @@ def test_a_clear_decode_win_still_goes_to_onednn():
     assert split_candidate(graph_weighted(clear)) == KernelSplit("native", "onednn", 8)
 
 
-def test_step_graphs_expected_follows_the_config():
+def test_step_graphs_expected_follows_the_config(monkeypatch):
     """Off with each setting under which make_graph_runner gives a CPU engine no step graph."""
     from kvflow.worker.step_graphs import cpu_step_graphs_expected
 
+    # the configs are only built, never run: with KVFLOW_NATIVE_CPU=0 (the suite's other
+    # mode) DeviceConfig would refuse cpu_gemm_pool=True before the function is asked
+    monkeypatch.setenv("KVFLOW_NATIVE_CPU", "1")
     assert cpu_step_graphs_expected(EngineConfig.from_kwargs())
     for off in ({"enforce_eager": True}, {"enable_lora": True}, {"cpu_gemm_pool": True},
                 {"kv_cache_dtype": "int8"}):
