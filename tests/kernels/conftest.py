@@ -18,10 +18,22 @@ from typing import Any
 
 import pytest
 
+from kvflow.kernels import cpu_build, cpu_native
 from tests.kernels.engine_runs import RUNS, FusedRun, run_in_child
 from tests.kernels.triton_setup import use_interpreter
 
 use_interpreter()
+
+
+@pytest.fixture(params=[lv.name for lv in cpu_build.isa_levels_for_cpu()])
+def kernels(request):
+    """kvflow's native CPU kernels built at each ISA level this CPU runs (avx512_bf16, avx512,
+    avx2, x86-64 where available), one parameter per level; skipped where one cannot build.
+    The per-ISA kernel tests take it as ``kernels`` (a module defining its own wins)."""
+    k = cpu_native.native_cpu_kernels_for_isa(request.param)
+    if k is None:
+        pytest.skip(f"{request.param} kernels could not be built")
+    return k
 
 
 @pytest.fixture(scope="module")

@@ -22,23 +22,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvflow.kernels import cpu_build, cpu_native
+from kvflow.kernels import cpu_native
 from kvflow.layers.activation import GeluAndMul
 
-LEVELS = [lv.name for lv in cpu_build.isa_levels_for_cpu()]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 EPS32 = 2.0**-24
 UNIT = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 SUBNORMAL_HALF = {torch.float32: 0.0, torch.bfloat16: 0.0, torch.float16: 2.0**-25}
 
-
-@pytest.fixture(params=LEVELS)
-def kernels(request):
-    """The kernels built for each ISA level this CPU runs."""
-    k = cpu_native.native_cpu_kernels_for_isa(request.param)
-    if k is None:
-        pytest.skip(f"{request.param} kernels could not be built")
-    return k
 
 
 def gelu64(x: torch.Tensor, approximate: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,24 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvflow.kernels import cpu_build, cpu_native
+from kvflow.kernels import cpu_native
 from kvflow.layers.embedding import VocabParallelEmbedding
 from kvflow.quant.int8 import Int8EmbeddingMethod
 
-LEVELS = [lv.name for lv in cpu_build.isa_levels_for_cpu()]
 pytestmark = pytest.mark.skipif(cpu_native.native_cpu_kernels() is None,
                                 reason="native CPU kernels not built")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
-
-@pytest.fixture(params=LEVELS)
-def kernels(request):
-    """The kernels of each ISA level this CPU runs."""
-    k = cpu_native.native_cpu_kernels_for_isa(request.param)
-    if k is None:
-        pytest.skip(f"{request.param} kernels could not be built")
-    return k
 
 
 def _reference(q: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor,

@@ -18,24 +18,15 @@ import pytest
 import torch
 
 from kvflow import config as kv_config
-from kvflow.kernels import cpu_build, cpu_native
+from kvflow.kernels import cpu_native
 from kvflow.kernels.cpu_quant import int8_gemm
 from kvflow.layers.linear import RowParallelLinear
 from kvflow.quant.int8 import Int8EmbeddingMethod, Int8WeightOnlyMethod
 
-LEVELS = [lv.name for lv in cpu_build.isa_levels_for_cpu()]
 pytestmark = pytest.mark.skipif(cpu_native.native_cpu_kernels() is None,
                                 reason="native CPU kernels not built")
 UNIT = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
-
-@pytest.fixture(params=LEVELS)
-def kernels(request):
-    """The kernels of each ISA level this CPU runs."""
-    k = cpu_native.native_cpu_kernels_for_isa(request.param)
-    if k is None:
-        pytest.skip(f"{request.param} kernels could not be built")
-    return k
 
 
 def _case(m: int, n: int, k: int, seed: int):

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from kvflow.kernels import cpu_build, cpu_native
+from kvflow.kernels import cpu_native
 from kvflow.kernels.cpu_quant import int8_gemm
 from kvflow.quant import pack_quantized
 from kvflow.quant.pack_quantized import PackedInt8Method
@@ -30,19 +30,10 @@ from tests.kernels.test_cpu_quant_gemm import (
     assert_within_bound_per_dtype,
 )
 
-LEVELS = [lv.name for lv in cpu_build.isa_levels_for_cpu()]
 pytestmark = pytest.mark.skipif(cpu_native.native_cpu_kernels() is None,
                                 reason="native CPU kernels not built")
 UNIT = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
-
-@pytest.fixture(params=LEVELS)
-def kernels(request):
-    """The kernels of each ISA level this CPU runs."""
-    k = cpu_native.native_cpu_kernels_for_isa(request.param)
-    if k is None:
-        pytest.skip(f"{request.param} kernels could not be built")
-    return k
 
 
 def _case(m: int, n: int, k: int, group: int, seed: int):
