@@ -25,7 +25,11 @@ from safetensors.torch import save_file
 
 from kvflow import LLM, SamplingParams
 from kvflow.models.eagle3 import default_aux_layer_ids
-from tests.spec_decode.test_eagle_engine import _record_proposals, _rms, _rope
+from tests.spec_decode.test_eagle_engine import (
+    _record_proposals,
+    _ref_decoder_layer,
+    _rms,
+)
 from tests.spec_decode.test_ngram_engine import PROMPTS, _drafted, _same_outputs
 
 DRAFT_VOCAB = 200  # of the tokenizer's 320
@@ -123,25 +127,12 @@ def _save_mimic_head(folder: str, target_path: str, hf) -> dict:
 def _ref_layer(head: dict, embed: torch.Tensor, ids_next: list[int],
                feats: torch.Tensor) -> torch.Tensor:
     """Plain-torch EAGLE-3 layer over positions 0..T-1: tokens x[p+1], features [T, H] ->
-    pre-norm h'[p] (vLLM's Eagle3 LlamaDecoderLayer, norm after residual)."""
-    cfg, t = head["config"], head["tensors"]
-    heads, kv, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["rms_norm_eps"]
-    d, n = cfg["hidden_size"] // heads, len(ids_next)
+    pre-norm h'[p] (vLLM's Eagle3 LlamaDecoderLayer, norm after residual): attention over
+    concat(input_layernorm(embed), hidden_norm(features)) [T, 2H], the features as residual."""
+    t, eps = head["tensors"], head["config"]["rms_norm_eps"]
     u = torch.cat([_rms(embed[ids_next], t["layers.0.input_layernorm.weight"], eps),
                    _rms(feats, t["layers.0.hidden_norm.weight"], eps)], -1)
-    pos, theta = torch.arange(n), cfg.get("rope_theta", 10000.0)
-    q = _rope((u @ t["layers.0.self_attn.q_proj.weight"].T).view(n, heads, d), pos, theta)
-    k = _rope((u @ t["layers.0.self_attn.k_proj.weight"].T).view(n, kv, d), pos, theta)
-    v = (u @ t["layers.0.self_attn.v_proj.weight"].T).view(n, kv, d)
-    k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5
-    scores = scores.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
-    o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, heads * d)
-    r = o @ t["layers.0.self_attn.o_proj.weight"].T + feats
-    hn = _rms(r, t["layers.0.post_attention_layernorm.weight"], eps)
-    mlp = (torch.nn.functional.silu(hn @ t["layers.0.mlp.gate_proj.weight"].T) *
-           (hn @ t["layers.0.mlp.up_proj.weight"].T)) @ t["layers.0.mlp.down_proj.weight"].T
-    return mlp + r
+    return _ref_decoder_layer(head, u, feats)
 
 
 def _ref_logits(hf_model, head: dict, context: list[int], k: int,

@@ -95,25 +95,33 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def _ref_head(head: dict, embed: torch.Tensor, ids_next: list[int],
               feats: torch.Tensor) -> torch.Tensor:
     """Plain-torch EAGLE-1 over positions 0..T-1: tokens x[p+1], features f[p] -> h'[p]."""
+    t, eps = head["tensors"], head["config"]["rms_norm_eps"]
+    x = torch.cat([embed[ids_next], feats], -1) @ t["fc.weight"].T + t.get("fc.bias", 0)
+    a = _rms(x, t["layers.0.input_layernorm.weight"], eps) \
+        if "layers.0.input_layernorm.weight" in t else x
+    return _ref_decoder_layer(head, a, x)
+
+
+def _ref_decoder_layer(head: dict, attn_in: torch.Tensor, residual: torch.Tensor
+                       ) -> torch.Tensor:
+    """Plain-torch Llama decoder layer 0 of ``head`` (its config and tensors) over positions
+    0..T-1, causal: attention over ``attn_in`` [T, in] (q/k/v projections, RoPE, GQA), plus
+    ``residual`` [T, H], then the post-attention RMSNorm + SwiGLU MLP with its residual."""
     cfg, t = head["config"], head["tensors"]
     heads = cfg["num_attention_heads"]
     kv = cfg.get("num_key_value_heads") or heads
     d = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    eps = cfg["rms_norm_eps"]
-    x = torch.cat([embed[ids_next], feats], -1) @ t["fc.weight"].T + t.get("fc.bias", 0)
-    n = len(ids_next)
-    a = _rms(x, t["layers.0.input_layernorm.weight"], eps) \
-        if "layers.0.input_layernorm.weight" in t else x
+    n, eps = attn_in.shape[0], cfg["rms_norm_eps"]
     pos = torch.arange(n)
     theta = cfg.get("rope_theta", 10000.0)
-    q = _rope((a @ t["layers.0.self_attn.q_proj.weight"].T).view(n, heads, d), pos, theta)
-    k = _rope((a @ t["layers.0.self_attn.k_proj.weight"].T).view(n, kv, d), pos, theta)
-    v = (a @ t["layers.0.self_attn.v_proj.weight"].T).view(n, kv, d)
+    q = _rope((attn_in @ t["layers.0.self_attn.q_proj.weight"].T).view(n, heads, d), pos, theta)
+    k = _rope((attn_in @ t["layers.0.self_attn.k_proj.weight"].T).view(n, kv, d), pos, theta)
+    v = (attn_in @ t["layers.0.self_attn.v_proj.weight"].T).view(n, kv, d)
     k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5
     scores = scores.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
     o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, heads * d)
-    h = o @ t["layers.0.self_attn.o_proj.weight"].T + x
+    h = o @ t["layers.0.self_attn.o_proj.weight"].T + residual
     hn = _rms(h, t["layers.0.post_attention_layernorm.weight"], eps)
     mlp = (torch.nn.functional.silu(hn @ t["layers.0.mlp.gate_proj.weight"].T) *
            (hn @ t["layers.0.mlp.up_proj.weight"].T)) @ t["layers.0.mlp.down_proj.weight"].T
