@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
+from tests.distributed.conftest import slow
 from tests.spec_decode import test_eagle3_engine as eagle3
 from tests.spec_decode import test_eagle_engine as eagle
 from tests.spec_decode.test_deepseek_mtp_engine import _add_mtp_layer
@@ -74,6 +75,7 @@ def test_eagle_head_with_two_ranks(tiny_model_factory, tmp_path, assert_no_leaks
                      assert_no_leaks)
 
 
+@slow  # sibling of the EAGLE-1 case (scripts/test_distributed_slow.sh)
 def test_eagle3_head_with_two_ranks(tiny_model_factory, tmp_path, assert_no_leaks):
     """EAGLE-3: the taps (the residual stream entering the target's layer) are whole on
     every rank; the head's own LM head over its draft vocabulary, the target's embedding."""
@@ -83,6 +85,7 @@ def test_eagle3_head_with_two_ranks(tiny_model_factory, tmp_path, assert_no_leak
     _check_two_ranks(path, hf, _spec("eagle3", str(tmp_path / "head"), 3), assert_no_leaks)
 
 
+@slow  # sibling of the EAGLE-1 case (scripts/test_distributed_slow.sh)
 def test_deepseek_mtp_with_two_ranks(tiny_model_factory, tmp_path, assert_no_leaks):
     """DeepSeek MTP: the MLA + MoE layer whole on each rank beside the sharded target."""
     target = tiny_model_factory("deepseek_v3")
