@@ -49,6 +49,16 @@ class TinyVL:
     image_token_id: int
 
 
+def saved_tiny_vl(folder: str, model: Any, processor: Any, tokenizer: Any,
+                  image_processor: Any, image_token_id: int) -> TinyVL:
+    """Save ``model``, ``tokenizer`` and ``image_processor`` into ``folder`` (an HF folder
+    kvflow loads) and return them as a :class:`TinyVL`."""
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    image_processor.save_pretrained(folder)
+    return TinyVL(folder, model, processor, tokenizer, image_token_id)
+
+
 def vision_tokenizer(tiny_tokenizer: Any) -> Any:
     """A copy of the suite's tiny tokenizer with Qwen2-VL's vision tokens and chat template."""
     tokenizer = copy.deepcopy(tiny_tokenizer)
@@ -103,10 +113,8 @@ def save_tiny_vl(folder: str, model: Any, tokenizer: Any, processor_cls: Any) ->
                            lambda *args, **kwargs: None):
         processor = processor_cls(image_processor=image_processor, tokenizer=tokenizer,
                                   chat_template=CHAT_TEMPLATE)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    image_processor.save_pretrained(folder)
-    return TinyVL(folder, model, processor, tokenizer, model.config.image_token_id)
+    return saved_tiny_vl(folder, model, processor, tokenizer, image_processor,
+                         model.config.image_token_id)
 
 
 @pytest.fixture(scope="session")
@@ -333,10 +341,8 @@ def _tiny_llava(folder: str, tiny_tokenizer: Any, vision: dict[str, Any], text: 
                                patch_size=14, chat_template=LLAVA_CHAT_TEMPLATE,
                                vision_feature_select_strategy=config.vision_feature_select_strategy,
                                num_additional_image_tokens=int(clip))
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    image_processor.save_pretrained(folder)
-    return TinyVL(folder, model, processor, tokenizer, config.image_token_index)
+    return saved_tiny_vl(folder, model, processor, tokenizer, image_processor,
+                         config.image_token_index)
 
 
 @pytest.fixture(scope="session")

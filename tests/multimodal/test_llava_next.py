@@ -31,6 +31,7 @@ from tests.multimodal.conftest import (
     hf_generate,
     hf_prompt_ids,
     random_image,
+    saved_tiny_vl,
 )
 
 MAX_TOKENS = 4
@@ -77,10 +78,8 @@ def build_tiny_llava_next(folder: str, tiny_tokenizer, vision: dict, text: dict,
         chat_template=LLAVA_CHAT_TEMPLATE,
         vision_feature_select_strategy=config.vision_feature_select_strategy,
         num_additional_image_tokens=int(clip))
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    image_processor.save_pretrained(folder)
-    return TinyVL(folder, model, processor, tokenizer, config.image_token_index)
+    return saved_tiny_vl(folder, model, processor, tokenizer, image_processor,
+                         config.image_token_index)
 
 
 @pytest.fixture(scope="module")
