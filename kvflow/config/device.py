@@ -149,7 +149,8 @@ def gguf_moe_experts_choice() -> str:
     ``quantized`` (the default: each expert's GGML blocks kept as in the file and multiplied
     by the dense GGUF layers' GEMM, ``kvflow/quant/gguf_moe.py``) or ``dequantized``
     (dequantized at load to ``--dtype``, run as float experts: 4-8x the memory). Raises
-    ValueError on any other value."""
+    ValueError on any other value. Set for any other model or quantization, it is warned
+    about at start-up (``kvflow.core.unread_options.unread_model_setting_warnings``)."""
     choice = os.environ.get("KVFLOW_GGUF_MOE", "quantized")
     if choice not in ("quantized", "dequantized"):
         raise ValueError(f"KVFLOW_GGUF_MOE={choice!r} is invalid; choose one of "

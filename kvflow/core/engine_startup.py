@@ -26,6 +26,7 @@ from kvflow.core.unread_options import (
     check_no_kv_cache_settings,
     check_prefix_caching_pooling,
     check_prompt_embeds_model,
+    warn_unread_model_settings,
     warn_unread_settings,
 )
 from kvflow.distributed.kv_transfer import make_kv_connector_scheduler
@@ -88,6 +89,7 @@ class EngineCoreStartup:
                                    cpu_dtype_measure(self.platform, self.config.device_config,
                                                      self.hf_config))
         self.config.parallel_config.verify_with_model(self.hf_config)
+        warn_unread_model_settings(self.config, self.hf_config)
         self._check_cpu_threads()
         self._init_task(source)
         # --max-model-len checked against the model before any worker loads weights

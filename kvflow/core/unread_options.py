@@ -10,6 +10,7 @@ architecture), before any worker loads weights.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from kvflow.config import (
@@ -18,6 +19,7 @@ from kvflow.config import (
     cpu_only_environment,
     cuda_only_environment,
 )
+from kvflow.models.gguf_moe import MOE_ARCHITECTURES
 from kvflow.models.registry import get_model_class, is_multimodal
 from kvflow.platforms import Platform
 from kvflow.worker.deterministic import unread_environment
@@ -78,6 +80,30 @@ def warn_unread_settings(config: EngineConfig, platform: Platform) -> None:
     only (every replica runs an engine core with the same configuration and environment)."""
     if config.parallel_config.data_parallel_rank == 0:
         for warning in unread_setting_warnings(config, platform):
+            logger.warning(warning)
+
+
+def unread_model_setting_warnings(config: EngineConfig, hf_config: Any) -> list[str]:
+    """Like :func:`unread_setting_warnings`, the variables this engine will not read once its
+    model's config is known: ``KVFLOW_GGUF_MOE`` set to anything but its default
+    ``quantized`` (:func:`kvflow.config.gguf_moe_experts_choice`, read only when
+    ``--quantization gguf`` loads an MoE GGUF file) for any other model or quantization."""
+    value = os.environ.get("KVFLOW_GGUF_MOE", "quantized")
+    arch = (getattr(hf_config, "architectures", None) or ["this model"])[0]
+    gguf = config.model_config.quantization == "gguf"
+    if value == "quantized" or (gguf and arch in MOE_ARCHITECTURES):
+        return []
+    why = f"{arch} is not a mixture-of-experts GGUF model" if gguf else \
+        "the model is not loaded with --quantization gguf"
+    return [(f"KVFLOW_GGUF_MOE={value!r} has no effect: it chooses how --quantization gguf "
+             f"holds an MoE GGUF file's experts, and {why}; unset it")]
+
+
+def warn_unread_model_settings(config: EngineConfig, hf_config: Any) -> None:
+    """Log :func:`unread_model_setting_warnings` once per engine (data-parallel replica 0's
+    engine core, as :func:`warn_unread_settings`)."""
+    if config.parallel_config.data_parallel_rank == 0:
+        for warning in unread_model_setting_warnings(config, hf_config):
             logger.warning(warning)
 
 

@@ -371,6 +371,7 @@ def test_moe_gguf_experts_dequantized_when_asked(tiny_model_factory, tmp_path, c
     with caplog.at_level(logging.WARNING, logger="kvflow"):
         llm = _llm(tiny, path, quantization="gguf")
     assert "MoE expert tensors (6 x Q8_0) dequantized" in caplog.text
+    assert "has no effect" not in caplog.text  # read here (tests/test_gguf_moe_env_unread.py)
     layer = _expert_layer(llm)
     assert layer.w13_weight.dtype == torch.float32 and layer.w2_weight.dtype == torch.float32
     cfg = tiny.hf_model.config
