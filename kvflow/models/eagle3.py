@@ -138,7 +138,9 @@ class Eagle3LlamaHead(nn.Module):
         (``d2t`` is a buffer: not among them).
 
         Raises:
-            ValueError: naming a tensor that matches no parameter or does not fit it.
+            ValueError: naming a tensor that matches no parameter or does not fit it (a
+                ``d2t`` other than a vector of ``draft_vocab_size`` entries: its length and
+                ``draft_vocab_size``).
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -146,10 +148,14 @@ class Eagle3LlamaHead(nn.Module):
             name = eagle3_tensor_name(name)
             if "rotary_emb.inv_freq" in name or name == "t2d":
                 continue
-            if name == "d2t":
+            if name == "d2t":  # a wrong length would map draft ids onto the wrong tokens
                 if tuple(tensor.shape) != tuple(self.d2t.shape):
-                    raise ValueError(f"checkpoint tensor 'd2t' of shape {tuple(tensor.shape)} "
-                                     f"does not fit draft_vocab_size {self.draft_vocab_size}")
+                    got = f"has {len(tensor)} entries" if tensor.dim() == 1 else \
+                        f"of shape {tuple(tensor.shape)} is not a vector"
+                    raise ValueError(f"checkpoint tensor 'd2t' {got}; the head's "
+                                     f"draft_vocab_size is {self.draft_vocab_size} (its "
+                                     "lm_head rows): d2t needs one entry per draft id (draft "
+                                     "id i is target token i + d2t[i])")
                 self.d2t.copy_(tensor.to(torch.int64))
                 continue
             target, shard = map_packed(name, EAGLE_PACKED)

@@ -239,6 +239,11 @@ def test_default_layer_ids_are_vllms():
     ("default_ids", r"default EAGLE-3 layer ids .*\[2, 1, -1\]: layer ids must be in \[0, 2\)"),
     ("bad_ids", r"eagle_aux_hidden_state_layer_ids=\[0, 5, 1\]: layer ids must be in \[0, 2\)"),
     ("d2t_twice", "d2t maps its 200 draft ids .* twice onto one token"),
+    ("d2t_short", (r"'d2t' has 199 entries; the head's draft_vocab_size is 200 \(its lm_head "
+                  r"rows\): d2t needs one entry per draft id \(draft id i is target token "
+                  r"i \+ d2t\[i\]\)")),
+    ("d2t_2d", (r"'d2t' of shape \(1, 200\) is not a vector; the head's draft_vocab_size is "
+               r"200 \(its lm_head rows\): d2t needs one entry per draft id")),
     ("no_aux", "use_aux_hidden_state=false"),
     ("extra", "'layers.1.mlp.up_proj.weight' matches no parameter of an EAGLE-3 head"),
     ("missing", r"lacks \['fc.weight'\]"),
@@ -251,6 +256,10 @@ def test_head_errors_name_the_field(tiny_llama, tmp_path, change, needle):
     if change == "d2t_twice":
         tensors["d2t"] = tensors["d2t"].clone()
         tensors["d2t"][1] = tensors["d2t"][0] - 1  # draft id 1 -> draft id 0's token
+    elif change == "d2t_short":
+        tensors["d2t"] = tensors["d2t"][:-1].clone()
+    elif change == "d2t_2d":
+        tensors["d2t"] = tensors["d2t"][None].clone()
     elif change == "no_aux":
         config["eagle_config"] = {"use_aux_hidden_state": False}
     elif change == "extra":
