@@ -224,13 +224,18 @@ def _read_videos(paths: list[str], config: EngineConfig) -> list[tuple[str, Any]
     import base64
     import mimetypes
 
-    from kvflow.multimodal.video import decode_video_bytes
+    from kvflow.multimodal.video import PyAVMissingError, decode_video_bytes
 
     out = []
     for path in paths:
         data = _read_file("--video", path)
         try:
             frames = decode_video_bytes(data, config.multimodal_config)
+        except PyAVMissingError:  # its own hint is for an API client (video_url parts)
+            raise ValueError(f"--video {path}: decoding video files needs PyAV, which is not "
+                             "installed: pip install 'kvflow[video]' (or extract the frames "
+                             "and pass them as --image files, which the model then reads as "
+                             "separate images, not as one video)") from None
         except ValueError as e:
             raise ValueError(f"--video {path}: {e}") from None
         # any video/* type but video/jpeg (vLLM's base64-frames form) means "a file" here

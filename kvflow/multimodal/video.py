@@ -50,6 +50,11 @@ class VideoError(MediaError):
     code = "invalid_video"
 
 
+class PyAVMissingError(VideoError):
+    """A video file to decode without PyAV installed (its message is worded for an API
+    client; ``kvflow generate --video`` words its own)."""
+
+
 def video_list(data: Any) -> list[Any]:
     """``multi_modal_data["video"]`` as a list of videos: one video (an array ``(T, H, W,
     3)`` or a list of PIL images) or a list of videos (arrays or lists of PIL images).
@@ -154,15 +159,16 @@ def decode_video_bytes(data: bytes, config: MultiModalConfig) -> list[Image.Imag
     (every frame of a shorter video), as RGB PIL images, decoded with PyAV.
 
     Raises:
-        VideoError: without PyAV, for more than ``max_image_bytes``, frames above
-            ``max_image_pixels`` (from the stream header), or a file that does not decode.
+        VideoError: without PyAV (:class:`PyAVMissingError`), for more than
+            ``max_image_bytes``, frames above ``max_image_pixels`` (from the stream header),
+            or a file that does not decode.
     """
     try:
         import av
     except ImportError:
-        raise VideoError("decoding video files needs PyAV, which is not installed on this "
-                         "server (pip install av); or send the frames as "
-                         "data:video/jpeg;base64,<frame>,<frame>,...") from None
+        raise PyAVMissingError("decoding video files needs PyAV, which is not installed on "
+                               "this server (pip install av); or send the frames as "
+                               "data:video/jpeg;base64,<frame>,<frame>,...") from None
     limit = config.limit("max_image_bytes")
     if len(data) > limit:
         raise VideoError(f"the video has {len(data)} bytes; the limit is {limit} bytes "
