@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from kvflow.chat_template_source import load_chat_template
@@ -178,24 +179,77 @@ def _chat_template_flag(args: argparse.Namespace) -> str | None:
 
 def _read_images(paths: list[str], config: EngineConfig) -> list[tuple[str, Any]]:
     """(data URL, decoded RGB image) of each ``--image`` file, checked against the image
-    limits before the model loads.
+    limits before the model loads; the data URL's type is the bytes' format, not the file
+    name's.
 
     Raises:
         ValueError: for a file that cannot be read, or an image the limits refuse.
     """
-    import base64
-
     from kvflow.multimodal.media import decode_image_bytes, image_format
+
+    return _read_media("--image", paths,
+                       lambda data: decode_image_bytes(data, config.multimodal_config),
+                       lambda path, data: f"image/{image_format(data)}")
+
+
+def _read_videos(paths: list[str], config: EngineConfig) -> list[tuple[str, Any]]:
+    """(data URL, RGB PIL frames) of each ``--video`` file (a video file decoded with PyAV,
+    ``media_io_kwargs`` ``video.num_frames`` frames sampled uniformly), checked against the
+    limits before the model loads.
+
+    Raises:
+        ValueError: for a file that cannot be read, PyAV not installed (``pip install
+            'kvflow[video]'``), or a video the limits or the decoder refuse.
+    """
+    from kvflow.multimodal.video import PyAVMissingError, decode_video_bytes
+
+    def decode(data: bytes) -> Any:
+        """The frames of video file bytes ``data``.
+
+        Raises:
+            ValueError: without PyAV (worded for the command line), or a refused video.
+        """
+        try:
+            return decode_video_bytes(data, config.multimodal_config)
+        except PyAVMissingError:  # its own hint is for an API client (video_url parts)
+            raise ValueError("decoding video files needs PyAV, which is not installed: pip "
+                             "install 'kvflow[video]' (or extract the frames and pass them "
+                             "as --image files, which the model then reads as separate "
+                             "images, not as one video)") from None
+
+    return _read_media("--video", paths, decode, _video_media_type)
+
+
+def _video_media_type(path: str, data: bytes) -> str:
+    """The data URL type of a ``--video`` file: the file name's ``video/*`` type, but never
+    ``video/jpeg`` (vLLM's base64-frames form; a file here is one encoded video), else
+    ``video/mp4``."""
+    import mimetypes
+
+    guess = mimetypes.guess_type(path)[0] or ""
+    return guess if guess.startswith("video/") and guess != "video/jpeg" else "video/mp4"
+
+
+def _read_media(flag: str, paths: list[str], decode: Callable[[bytes], Any],
+                media_type: Callable[[str, bytes], str]) -> list[tuple[str, Any]]:
+    """(data URL, ``decode(bytes)``) of each file that ``flag`` (``--image`` / ``--video``)
+    names; ``media_type(path, bytes)`` is the data URL's type.
+
+    Raises:
+        ValueError: naming the flag and the file, when it cannot be read or ``decode``
+            raises a ValueError.
+    """
+    import base64
 
     out = []
     for path in paths:
-        data = _read_file("--image", path)
+        data = _read_file(flag, path)
         try:
-            image = decode_image_bytes(data, config.multimodal_config)
+            decoded = decode(data)
         except ValueError as e:
-            raise ValueError(f"--image {path}: {e}") from None
-        media_type = f"image/{image_format(data)}"  # the bytes', not the file name's
-        out.append((f"data:{media_type};base64,{base64.b64encode(data).decode()}", image))
+            raise ValueError(f"{flag} {path}: {e}") from None
+        url = f"data:{media_type(path, data)};base64,{base64.b64encode(data).decode()}"
+        out.append((url, decoded))
     return out
 
 
@@ -210,37 +264,3 @@ def _read_file(flag: str, path: str) -> bytes:
             return f.read()
     except OSError as e:
         raise ValueError(f"{flag} {path}: cannot read it ({e.strerror})") from None
-
-
-def _read_videos(paths: list[str], config: EngineConfig) -> list[tuple[str, Any]]:
-    """(data URL, RGB PIL frames) of each ``--video`` file (a video file decoded with PyAV,
-    ``media_io_kwargs`` ``video.num_frames`` frames sampled uniformly), checked against the
-    limits before the model loads.
-
-    Raises:
-        ValueError: for a file that cannot be read, PyAV not installed (``pip install
-            'kvflow[video]'``), or a video the limits or the decoder refuse.
-    """
-    import base64
-    import mimetypes
-
-    from kvflow.multimodal.video import PyAVMissingError, decode_video_bytes
-
-    out = []
-    for path in paths:
-        data = _read_file("--video", path)
-        try:
-            frames = decode_video_bytes(data, config.multimodal_config)
-        except PyAVMissingError:  # its own hint is for an API client (video_url parts)
-            raise ValueError(f"--video {path}: decoding video files needs PyAV, which is not "
-                             "installed: pip install 'kvflow[video]' (or extract the frames "
-                             "and pass them as --image files, which the model then reads as "
-                             "separate images, not as one video)") from None
-        except ValueError as e:
-            raise ValueError(f"--video {path}: {e}") from None
-        # any video/* type but video/jpeg (vLLM's base64-frames form) means "a file" here
-        guess = mimetypes.guess_type(path)[0] or ""
-        media_type = guess if guess.startswith("video/") and guess != "video/jpeg" \
-            else "video/mp4"
-        out.append((f"data:{media_type};base64,{base64.b64encode(data).decode()}", frames))
-    return out

@@ -10,7 +10,10 @@ import sys
 import numpy as np
 import pytest
 
+from kvflow.config import EngineConfig
 from kvflow.entrypoints.cli import main
+from kvflow.entrypoints.cli_generate import _read_videos
+from kvflow.multimodal import video
 from tests.multimodal.conftest import (
     PLACEHOLDER,
     VIDEO_PLACEHOLDER,
@@ -91,6 +94,29 @@ def test_video_file_without_pyav_is_one_error_line(tiny_qwen2_vl, tmp_path, caps
     assert main(["generate", "--model", tiny_qwen2_vl.path, "--prompt", VIDEO_PLACEHOLDER,
                  "--video", str(tmp_path / "nope.mp4"), *ARGS]) == 2
     assert "--video" in capsys.readouterr().err
+
+
+def test_video_file_data_urls(tmp_path, monkeypatch):
+    """The --video data URL (decoder stubbed: PyAV is optional): the file name's video/* type,
+    video/mp4 for another or for video/jpeg (the server's base64-frames form), the bytes in
+    base64; a decoder's ValueError names the flag and file."""
+    frames = [object()]
+    monkeypatch.setattr(video, "decode_video_bytes", lambda data, config: frames)
+    config = EngineConfig.from_kwargs(model="m")
+    paths = []
+    for name in ("a.webm", "b.jpg", "c.bin"):
+        paths.append(str(tmp_path / name))
+        (tmp_path / name).write_bytes(b"abc")  # base64 "YWJj"
+    assert _read_videos(paths, config) == [("data:video/webm;base64,YWJj", frames),
+                                           ("data:video/mp4;base64,YWJj", frames),
+                                           ("data:video/mp4;base64,YWJj", frames)]
+
+    def refuse(data, config):
+        raise video.VideoError("the video has no frames")
+
+    monkeypatch.setattr(video, "decode_video_bytes", refuse)
+    with pytest.raises(ValueError, match=f"^--video {paths[0]}: the video has no frames$"):
+        _read_videos(paths, config)
 
 
 def test_generate_with_a_video_file(tiny_qwen2_vl, tmp_path, capsys):
