@@ -239,16 +239,36 @@ def decode_image_bytes(data: bytes, config: MultiModalConfig) -> Image.Image:
     except Image.DecompressionBombError as e:
         raise MediaError(f"the image is too large: {e} (--max-image-pixels is "
                          f"{config.limit('max_image_pixels')})") from None
-    except UnidentifiedImageError:  # its message names a BytesIO object, nothing useful
-        raise MediaError(f"cannot decode the image: its {len(data)} bytes are not a PNG, "
-                         "JPEG, WebP, GIF or BMP file") from None
-    except (OSError, ValueError) as e:
-        raise MediaError(f"cannot decode the image (not a PNG, JPEG, WebP, GIF or BMP "
-                         f"file?): {e}") from None
+    except (OSError, ValueError) as e:  # UnidentifiedImageError too
+        raise _undecodable(data, e) from None
     if image.format not in IMAGE_FORMATS.values():
         raise MediaError(f"image format {image.format} is not supported: send PNG, JPEG, "
                          "WebP, GIF or BMP")
     return to_rgb(_upright(_loaded(image, config)))
+
+
+# the file signatures (magic numbers) of the formats read, to tell a truncated or damaged file
+# of one of them from bytes that are no image (BMP's two-byte "BM" is too weak to tell)
+_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF87a", "GIF"),
+               (b"GIF89a", "GIF"))
+
+
+def _undecodable(data: bytes, error: Exception) -> MediaError:
+    """The refusal of encoded image bytes that PIL cannot open (``error``): bytes that begin
+    with a PNG, JPEG, GIF or WebP signature are that format's file, truncated or damaged
+    (a header-only PNG), other bytes are no image of a format read."""
+    found = next((kind for signature, kind in _SIGNATURES if data.startswith(signature)),
+                 "WebP" if data[:4] == b"RIFF" and data[8:12] == b"WEBP" else None)
+    # UnidentifiedImageError's message names a BytesIO object, nothing useful
+    detail = "" if isinstance(error, UnidentifiedImageError) else f": {error}"
+    if found is not None:
+        return MediaError(f"cannot decode the image: its {len(data)} bytes begin as a {found} "
+                          f"file, which is truncated or damaged{detail}")
+    if not detail:
+        return MediaError(f"cannot decode the image: its {len(data)} bytes are not a PNG, "
+                          "JPEG, WebP, GIF or BMP file")
+    return MediaError(f"cannot decode the image (not a PNG, JPEG, WebP, GIF or BMP "
+                      f"file?){detail}")
 
 
 def image_format(data: bytes) -> str:

@@ -21,8 +21,16 @@ from kvflow.config import MultiModalConfig
 from kvflow.multimodal.media import MediaError, check_image, decode_image_bytes, load_image_url
 from tests.multimodal.conftest import png_bytes, random_image
 
+
+def _jpeg_bytes(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG")
+    return buf.getvalue()
+
+
 IMAGE = random_image(40, 30, 9)
 PNG = png_bytes(IMAGE)
+JPEG = _jpeg_bytes(IMAGE)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -163,6 +171,23 @@ def test_url_spellings():
     with pytest.raises(MediaError, match="its 3 bytes are not a PNG") as refused:
         load_image_url("data:image/png;base64,AAAA", config)
     assert "BytesIO" not in str(refused.value)
+
+
+@pytest.mark.parametrize("data, detail", [
+    (PNG[:8], "PNG file, which is truncated or damaged"),  # the signature alone
+    (PNG[:16], "PNG file, which is truncated or damaged: Truncated File Read"),  # in IHDR
+    (PNG[:33], "PNG file, which is truncated or damaged"),  # IHDR whole, no image data
+    (JPEG[:10], "JPEG file, which is truncated or damaged: Truncated File Read"),
+    (b"GIF89a\x01", "GIF file, which is truncated or damaged"),
+    (b"RIFF\x04\x00\x00\x00WEBP", "WebP file, which is truncated or damaged"),
+])
+def test_a_truncated_file_of_a_known_format_is_named_so(data, detail):
+    """A PNG cut after its header (valid signature) was refused as "not a PNG": bytes that
+    begin with a format's signature are that format's file, truncated or damaged."""
+    with pytest.raises(MediaError) as refused:
+        decode_image_bytes(data, MultiModalConfig())
+    assert str(refused.value) == f"cannot decode the image: its {len(data)} bytes begin as a " \
+        f"{detail}"
 
 
 def test_url_without_scheme_is_named_as_such():
