@@ -109,16 +109,29 @@ class EagleLlamaHead(nn.Module):
         Raises:
             ValueError: naming a tensor that matches no parameter or does not fit it.
         """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            name = eagle_tensor_name(name)
-            if "rotary_emb.inv_freq" in name:
-                continue
-            target, shard = map_packed(name, EAGLE_PACKED)
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of an "
-                                 "EAGLE-1 head (fc, layers.0, norm, embed_tokens, lm_head)")
-            load_tensor(params[target], name, tensor, shard)
-            loaded.add(target)
-        return loaded
+        return load_head_weights(self, ((eagle_tensor_name(n), t) for n, t in weights),
+                                 "an EAGLE-1 head (fc, layers.0, norm, embed_tokens, lm_head)")
+
+
+def load_head_weights(head: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                      what: str) -> set[str]:
+    """Load an EAGLE head's checkpoint tensors (names already without their ``model.`` /
+    ``midlayer.`` spelling; q/k/v and gate/up into the fused parameters,
+    :data:`EAGLE_PACKED`; a saved ``rotary_emb.inv_freq`` skipped) into ``head``'s
+    parameters; returns the parameters loaded (EAGLE-1's and EAGLE-3's ``load_weights``).
+
+    Raises:
+        ValueError: naming a tensor that matches no parameter of ``what`` (the head, with
+            the parameter names it has), or one that does not fit (``load_tensor``).
+    """
+    params = dict(head.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name:
+            continue
+        target, shard = map_packed(name, EAGLE_PACKED)
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {what}")
+        load_tensor(params[target], name, tensor, shard)
+        loaded.add(target)
+    return loaded

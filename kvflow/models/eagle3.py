@@ -28,7 +28,7 @@ optional ``model.`` prefix; ``midlayer.`` is read as ``layers.0.``, EAGLE's own 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -39,14 +39,12 @@ from kvflow.distributed.parallel_state import ParallelState
 from kvflow.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvflow.layers.linear import QKVParallelLinear
 from kvflow.layers.norm import RMSNorm
-from kvflow.models.eagle import EAGLE_PACKED
+from kvflow.models.eagle import load_head_weights
 from kvflow.models.llama import (
     AttentionBias,
     LlamaDecoderLayer,
     get_head_dim,
-    load_tensor,
     make_rotary_embedding,
-    map_packed,
 )
 
 
@@ -142,26 +140,29 @@ class Eagle3LlamaHead(nn.Module):
                 ``d2t`` other than a vector of ``draft_vocab_size`` entries: its length and
                 ``draft_vocab_size``).
         """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        return load_head_weights(self, self._parameter_weights(weights), "an EAGLE-3 head "
+                                 "(fc, layers.0, norm, embed_tokens, lm_head, d2t)")
+
+    def _parameter_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``weights`` under the head's names (:func:`eagle3_tensor_name`), less ``t2d``
+        (skipped) and ``d2t`` (copied into its buffer on the way).
+
+        Raises:
+            ValueError: for a ``d2t`` other than a vector of ``draft_vocab_size`` entries.
+        """
         for name, tensor in weights:
             name = eagle3_tensor_name(name)
-            if "rotary_emb.inv_freq" in name or name == "t2d":
+            if name == "t2d":
                 continue
-            if name == "d2t":  # a wrong length would map draft ids onto the wrong tokens
-                if tuple(tensor.shape) != tuple(self.d2t.shape):
-                    got = f"has {len(tensor)} entries" if tensor.dim() == 1 else \
-                        f"of shape {tuple(tensor.shape)} is not a vector"
-                    raise ValueError(f"checkpoint tensor 'd2t' {got}; the head's "
-                                     f"draft_vocab_size is {self.draft_vocab_size} (its "
-                                     "lm_head rows): d2t needs one entry per draft id (draft "
-                                     "id i is target token i + d2t[i])")
-                self.d2t.copy_(tensor.to(torch.int64))
+            if name != "d2t":
+                yield name, tensor
                 continue
-            target, shard = map_packed(name, EAGLE_PACKED)
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of an "
-                                 "EAGLE-3 head (fc, layers.0, norm, embed_tokens, lm_head, d2t)")
-            load_tensor(params[target], name, tensor, shard)
-            loaded.add(target)
-        return loaded
+            if tuple(tensor.shape) != tuple(self.d2t.shape):  # would map ids onto wrong tokens
+                got = f"has {len(tensor)} entries" if tensor.dim() == 1 else \
+                    f"of shape {tuple(tensor.shape)} is not a vector"
+                raise ValueError(f"checkpoint tensor 'd2t' {got}; the head's "
+                                 f"draft_vocab_size is {self.draft_vocab_size} (its "
+                                 "lm_head rows): d2t needs one entry per draft id (draft "
+                                 "id i is target token i + d2t[i])")
+            self.d2t.copy_(tensor.to(torch.int64))

@@ -245,7 +245,8 @@ def test_default_layer_ids_are_vllms():
     ("d2t_2d", (r"'d2t' of shape \(1, 200\) is not a vector; the head's draft_vocab_size is "
                r"200 \(its lm_head rows\): d2t needs one entry per draft id")),
     ("no_aux", "use_aux_hidden_state=false"),
-    ("extra", "'layers.1.mlp.up_proj.weight' matches no parameter of an EAGLE-3 head"),
+    ("extra", (r"'layers.1.mlp.up_proj.weight' matches no parameter of an EAGLE-3 head \(fc, "
+              r"layers.0, norm, embed_tokens, lm_head, d2t\)$")),
     ("missing", r"lacks \['fc.weight'\]"),
 ])
 def test_head_errors_name_the_field(tiny_llama, tmp_path, change, needle):

@@ -310,7 +310,8 @@ def test_pytorch_model_bin_head_with_model_prefix(tiny_model_factory, tmp_path, 
 
 @pytest.mark.parametrize("change, needle", [
     ("hidden", "does not fit the target's"),
-    ("extra", "'layers.1.mlp.up_proj.weight' matches no parameter"),
+    ("extra", (r"'layers.1.mlp.up_proj.weight' matches no parameter of an EAGLE-1 head \(fc, "
+              r"layers.0, norm, embed_tokens, lm_head\)$")),
     ("missing", "lacks \\['fc.weight'\\]"),
 ])
 def test_head_checkpoint_errors_name_the_head(tiny_llama, tmp_path, change, needle):
