@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     # the rejection sampler is sampling math beside layers/sampler.py
     "kvflow.spec_decode.draft_model": 5, "kvflow.spec_decode.verification": 5,
     "kvflow.spec_decode.draft_proposal": 5,  # a draft step's proposal (worker level)
+    "kvflow.spec_decode.draft_choice": 5,  # its draft tokens chosen from the logits
     "kvflow.spec_decode.eagle": 5,  # the EAGLE head proposing in the runner (worker side)
     "kvflow.spec_decode.feature_stash": 5, "kvflow.spec_decode.head_loading": 5,  # its parts
     "kvflow.spec_decode.layer_taps": 5,  # EAGLE-3's hooks on the target's layers

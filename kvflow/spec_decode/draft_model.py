@@ -28,12 +28,9 @@ then take TP rank 0's tokens and ``q`` (``share_proposal``), so they verify the 
 On a CPU the draft's passes run on their own thread count (``draft_threads.py``): the faster,
 as measured, of the engine's count and one thread, unless ``draft_cpu_threads`` fixes it.
 
-Draft tokens: the argmax for greedy requests (point masses); for sampled requests a draw from
-``q = softmax(draft logits / temperature)`` within the request's top-k / top-p / min-p, as the
-target's ``p`` is (the request's own generator when seeded), with ``q`` handed to the rejection
-sampler, which keeps the target's distribution exactly whatever ``q`` is
-(kvflow/spec_decode/rejection_sampler.py); truncating ``q`` as ``p`` is only what makes drafts
-likely to be accepted (a draft outside ``p``'s top-k has ``p = 0`` and is always rejected).
+Draft tokens are chosen from each pass's last logits in draft_choice.py: the argmax for
+greedy requests, else a draw from ``q`` (the request's sampling truncation applied), which goes
+to the rejection sampler with the tokens.
 
 Constrained requests (structured output): the grammar lives in the engine core, which hands the
 step its first grammar row per constrained request (what may follow the request's tokens); draft
@@ -60,12 +57,12 @@ from kvflow.config import EngineConfig
 from kvflow.distributed.comm import CommGroup
 from kvflow.kv_cache_interface import DRAFT_LAYER_PREFIX, KVCacheGroupSpec, KVCacheSpec
 from kvflow.layers.rotary import long_prompt_rope
-from kvflow.layers.sampler import apply_top_k_top_p_min_p, scale_by_temperature
 from kvflow.models.generation_config import load_eos_token_ids
 from kvflow.models.loader import load_hf_config, load_model
 from kvflow.models.model_resolver import resolve_model
 from kvflow.quant import get_quant_config
 from kvflow.sched_output import DraftGrammar, GrammarBitmask
+from kvflow.spec_decode.draft_choice import choose_drafts, later_grammar_rows, mask_drafts
 from kvflow.spec_decode.draft_proposal import DraftProposal, share_proposal
 from kvflow.spec_decode.draft_threads import DraftThreads
 from kvflow.spec_decode.draft_vocab import DraftVocab
@@ -139,14 +136,21 @@ class DraftModel:
                    if 0 <= t < hf_config.vocab_size]
         self.vocab = DraftVocab(self.model, vocab_size, end_ids) \
             if vocab_size and vocab_size < hf_config.vocab_size else None
+        self._init_passes(config, device)
+
+    def _init_passes(self, config: EngineConfig, device: torch.device) -> None:
+        """What the passes read, once ``self.model`` is loaded (a draft model's and an EAGLE
+        head's alike): the attention layers by their KV-spec names (``DRAFT_LAYER_PREFIX`` +
+        layer name), the device, the CPU thread count (``draft_cpu_threads``, else the faster
+        of the engine's and 1) and the most tokens of one catch-up mirror pass (a target
+        step's ``max_num_batched_tokens``)."""
         self.attn_layers = {DRAFT_LAYER_PREFIX + name: m for name, m in
                             self.model.named_modules() if isinstance(m, Attention)}
         self.device = device
-        # CPU threads of the draft's passes: fixed, or the faster of the engine's and 1
         engine_threads = torch.get_num_threads()
-        fixed = spec.draft_cpu_threads if device.type == "cpu" else engine_threads
+        fixed = config.speculative_config.draft_cpu_threads if device.type == "cpu" \
+            else engine_threads
         self.threads = DraftThreads([fixed] if fixed else [engine_threads, 1])
-        # a catch-up mirror pass is split so one pass computes no more than a target step
         self.max_tokens_per_pass = config.scheduler_config.max_num_batched_tokens or 2048
 
     # ---- KV cache ----------------------------------------------------------------------------
@@ -241,8 +245,8 @@ class DraftModel:
             if first_grammar is not None and draft_grammar is not None else set()
         for i in range(1, tokens.shape[1]):
             passed = time.perf_counter()
-            grammar = _later_rows(batch, drafting, num_drafts, tokens, i, constrained,
-                                  draft_grammar)
+            grammar = later_grammar_rows(batch, drafting, num_drafts, tokens, i, constrained,
+                                         draft_grammar)
             self._next_draft(batch, num_drafts, drafting, i, block_size, stager, generator,
                              tokens, probs, grammar)
             steady.append(time.perf_counter() - passed)
@@ -283,32 +287,10 @@ class DraftModel:
             left -= query
             sub = np.searchsorted(drafting, done)
             if first_grammar is not None:
-                self._mask_drafts(batch, done, logits, first_grammar)
-            self._choose(batch, done, logits, 0, tokens, probs, generator, sub)
+                mask_drafts(batch, done, logits, first_grammar, self.vocab)
+            choose_drafts(batch, done, logits, 0, tokens, probs, generator, self.vocab, sub)
         batch.num_draft_computed[drafting] = end[drafting]
         return [time.perf_counter() - passed] if steady else []
-
-    def _mask_drafts(self, batch: InputBatch, rows: np.ndarray, logits: torch.Tensor,
-                     grammar: GrammarBitmask) -> None:
-        """Set to -inf, in place, the logits (float32 [len(rows), columns], rows ``rows``) of
-        the tokens a constrained row's grammar forbids as its next draft (``grammar``: one
-        row per constrained request; other rows are left alone). A row whose draft
-        columns (a cut vocabulary) hold no allowed token is left as it is (its draft is
-        then rejected by the masked target)."""
-        grammar_row = {rid: i for i, rid in enumerate(grammar.request_ids)}
-        picked = [(j, grammar_row[batch.req_ids[r]]) for j, r in enumerate(rows.tolist())
-                  if batch.req_ids[r] in grammar_row]
-        if not picked:
-            return
-        words = grammar.bitmask[[g for _, g in picked]].to(logits.device)
-        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-        allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
-        if self.vocab is not None:  # the logits' columns are the cut head's token ids
-            allowed = allowed[:, self.vocab.token_ids]
-        allowed = allowed[:, :logits.shape[1]]
-        keep = allowed.any(dim=1)
-        index = torch.tensor([j for j, _ in picked], device=logits.device)[keep]
-        logits[index] = logits[index].masked_fill(~allowed[keep], float("-inf"))
 
     def _next_draft(self, batch: InputBatch, num_drafts: np.ndarray, drafting: np.ndarray,
                     i: int, block_size: int, stager: InputStager,
@@ -331,8 +313,8 @@ class DraftModel:
         logits = self.run_pass(batch, query, computed, block_size, stager, None, rows)
         batch.num_draft_computed[rows] = position + 1
         if grammar is not None:
-            self._mask_drafts(batch, rows, logits, grammar)
-        self._choose(batch, rows, logits, i, tokens, probs, generator, sub)
+            mask_drafts(batch, rows, logits, grammar, self.vocab)
+        choose_drafts(batch, rows, logits, i, tokens, probs, generator, self.vocab, sub)
 
     def run_pass(self, batch: InputBatch, query: np.ndarray, computed: np.ndarray,
               block_size: int, stager: InputStager,
@@ -353,59 +335,3 @@ class DraftModel:
         if self.vocab is not None:  # columns: self.vocab.token_ids
             return self.vocab.logits(hidden)
         return self.model.compute_logits(hidden)
-
-    def _choose(self, batch: InputBatch, rows: np.ndarray, logits: torch.Tensor, i: int,
-                tokens: np.ndarray, probs: list[list[torch.Tensor]],
-                generator: torch.Generator, sub: np.ndarray | None = None) -> None:
-        """Draft ``i`` of each row in ``rows`` (``sub``: their indices among the drafting
-        rows, default all): argmax for greedy rows, else a draw from ``q``
-        (``_proposal_probs``). With a restricted vocabulary (``self.vocab``) the logits'
-        columns are its token ids and ``q`` is zero outside them (draft_vocab.py: why that
-        stays exact)."""
-        sub = np.arange(len(rows)) if sub is None else sub
-        if not len(rows):
-            return
-        choice = logits.float().argmax(dim=-1)
-        sampled = np.flatnonzero(batch.temperature[rows] > 0)
-        qs = _proposal_probs(logits[torch.from_numpy(sampled).to(logits.device)], batch,
-                             rows[sampled]) if len(sampled) else None
-        for n, j in enumerate(sampled.tolist()):
-            q = qs[n]
-            gen = batch.generators.get(batch.req_ids[rows[j]], generator)
-            noise = torch.empty_like(q).exponential_(generator=gen)
-            choice[j] = (q / noise).argmax()
-            probs[int(sub[j])].append(q if self.vocab is None else self.vocab.to_full(q))
-        if self.vocab is not None:
-            choice = self.vocab.token_ids[choice]
-        tokens[sub, i] = choice.cpu().numpy()
-
-
-def _later_rows(batch: InputBatch, drafting: np.ndarray, num_drafts: np.ndarray,
-                tokens: np.ndarray, i: int, constrained: set[str],
-                draft_grammar: DraftGrammar | None) -> GrammarBitmask | None:
-    """Draft ``i``'s (0-based) grammar rows: ``draft_grammar`` asked with the drafts so far
-    (``tokens[j, :i]``) of the ``constrained`` rows drafting more than ``i`` tokens; None
-    when there is none (the same on every TP rank: the counts come from the step)."""
-    prefixes = {batch.req_ids[r]: tokens[j, :i].tolist() for j, r in enumerate(drafting.tolist())
-                if num_drafts[r] > i and batch.req_ids[r] in constrained}
-    return draft_grammar(prefixes) if prefixes else None
-
-
-def _proposal_probs(logits: torch.Tensor, batch: InputBatch, rows: np.ndarray) -> torch.Tensor:
-    """The draft distributions ``q`` of sampled rows: float32 [len(rows), columns], the softmax
-    of ``logits`` (the draft's, [len(rows), columns]) over each request's temperature within
-    its top-k / top-p / min-p, as the rejection sampler forms the target's ``p``
-    (``_target_probs``): a draft outside ``p``'s top-k / nucleus would always be rejected.
-    Scaled by ``scale_by_temperature`` as ``p`` is: a vanishing temperature is the greedy
-    limit, not a NaN row."""
-    device = logits.device
-
-    def column(values: np.ndarray, off: float) -> torch.Tensor | None:
-        picked = values[rows]
-        return None if (picked == off).all() else torch.from_numpy(picked).to(device)
-
-    temperature = torch.from_numpy(batch.temperature[rows]).to(device)
-    truncated = apply_top_k_top_p_min_p(scale_by_temperature(logits.float(), temperature),
-                                        column(batch.top_k, 0), column(batch.top_p, 1.0),
-                                        column(batch.min_p, 0.0))
-    return torch.softmax(truncated, dim=-1)

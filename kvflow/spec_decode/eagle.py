@@ -49,15 +49,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvflow.attention.layer import Attention, AttentionContext
+from kvflow.attention.layer import AttentionContext
 from kvflow.config import EngineConfig
 from kvflow.distributed.comm import CommGroup
-from kvflow.kv_cache_interface import DRAFT_LAYER_PREFIX
 from kvflow.layers.rotary import long_prompt_rope
 from kvflow.models.loader import load_hf_config
 from kvflow.models.model_resolver import resolve_model
 from kvflow.spec_decode.draft_model import DraftModel, _naming_the_draft
-from kvflow.spec_decode.draft_threads import DraftThreads
 from kvflow.spec_decode.draft_vocab import HeadVocab
 from kvflow.spec_decode.feature_stash import FeatureStash, ramp
 from kvflow.spec_decode.head_loading import load_eagle3, load_head, load_mtp, tensor_names
@@ -112,13 +110,7 @@ class EagleDrafter(DraftModel):
                 self.model = load_head(source.path, hf_config, self.attn_ctx,
                                        tensor_names(source.path), target, dtype, device)
         self.long_prompt_rope = long_prompt_rope(hf_config)
-        self.attn_layers = {DRAFT_LAYER_PREFIX + name: m for name, m in
-                            self.model.named_modules() if isinstance(m, Attention)}
-        self.device = device
-        engine_threads = torch.get_num_threads()
-        fixed = spec.draft_cpu_threads if device.type == "cpu" else engine_threads
-        self.threads = DraftThreads([fixed] if fixed else [engine_threads, 1])
-        self.max_tokens_per_pass = config.scheduler_config.max_num_batched_tokens or 2048
+        self._init_passes(config, device)
         self.stash = FeatureStash(spec.num_speculative_tokens + 1)
         # the head's last outputs, fed back as the next draft's features: batch rows
         # (increasing) and their rows [len, H]

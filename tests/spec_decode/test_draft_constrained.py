@@ -550,12 +550,12 @@ def test_sampling_keeps_the_masked_target_distribution(tiny_llama, tiny_tokenize
 
 
 def test_draft_mask_against_plain_torch():
-    """``DraftModel._mask_drafts`` against the sampler's plain-torch bitmask
+    """``draft_choice.mask_drafts`` against the sampler's plain-torch bitmask
     (``apply_token_bitmask``): full columns, cut columns (a subset of ids, in any order),
     unconstrained rows untouched, a cut row with no allowed column left as it is."""
     from kvflow.layers.sampler import apply_token_bitmask
     from kvflow.sched_output import GrammarBitmask
-    from kvflow.spec_decode.draft_model import DraftModel
+    from kvflow.spec_decode.draft_choice import mask_drafts
 
     vocab, gen = 70, torch.Generator().manual_seed(0)
     bitmask = torch.randint(-2**31, 2**31 - 1, (2, 3), generator=gen, dtype=torch.int64
@@ -565,17 +565,14 @@ def test_draft_mask_against_plain_torch():
     grammar = GrammarBitmask(["a", "c"], bitmask)
     batch = SimpleNamespace(req_ids=["a", "b", "c"])
     rows = np.array([0, 1, 2])
-    drafter = DraftModel.__new__(DraftModel)
     logits = torch.randn(3, vocab, generator=gen)
     expected = logits.clone()
     apply_token_bitmask(expected, [0, 2], bitmask)
-    drafter.vocab = None
     got = logits.clone()
-    drafter._mask_drafts(batch, rows, got, grammar)
+    mask_drafts(batch, rows, got, grammar)
     torch.testing.assert_close(got, expected)
     columns = torch.tensor([9, 3, 64, 0, 41, 17])  # no 5: row "c" has no allowed column
-    drafter.vocab = SimpleNamespace(token_ids=columns)
     cut = logits[:, columns].clone()
-    drafter._mask_drafts(batch, rows, cut, grammar)
+    mask_drafts(batch, rows, cut, grammar, SimpleNamespace(token_ids=columns))
     torch.testing.assert_close(cut[:2], expected[:2, columns])
     torch.testing.assert_close(cut[2], logits[2, columns])
