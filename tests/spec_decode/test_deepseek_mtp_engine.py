@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from kvflow import LLM, SamplingParams
+from tests.spec_decode.head_reference import expected_counts, ref_rollout
 from tests.spec_decode.test_eagle_engine import _record_proposals, _rms
 from tests.spec_decode.test_ngram_engine import PROMPTS, _drafted, _same_outputs
 
@@ -67,23 +67,24 @@ def _ref_logits(hf_model, own: dict, context: list[int], k: int,
     with torch.no_grad():
         feats = hf_model(torch.tensor([context[:-1]]),
                          output_hidden_states=True).hidden_states[-1][0]
-        ids, drafts, rows = list(context[1:]), [], []
-        for i in range(k):
-            t = len(ids)
-            pos = torch.arange(t)
-            e = embed[ids] * (pos != 0).float()[:, None]
-            x = torch.cat([_rms(e, own["enorm.weight"], eps),
-                           _rms(feats, own["hnorm.weight"], eps)], -1) @ own["eh_proj.weight"].T
-            rope = hf_model.model.rotary_emb(x[None], pos[None])
-            mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
-            out = block(x[None], attention_mask=mask, position_ids=pos[None],
-                        position_embeddings=rope)
-            h = (out[0] if isinstance(out, tuple) else out)[0]
-            rows.append(_rms(h[-1], own["shared_head.norm.weight"], eps) @ lm_head.T)
-            drafts.append(int(rows[-1].argmax()) if given is None else given[i])
-            ids.append(drafts[-1])
-            feats = torch.cat([feats, h[-1:]])
-    return drafts, torch.stack(rows)
+
+    def block_pass(ids: list[int], feats: torch.Tensor) -> torch.Tensor:
+        t = len(ids)
+        pos = torch.arange(t)
+        e = embed[ids] * (pos != 0).float()[:, None]
+        x = torch.cat([_rms(e, own["enorm.weight"], eps),
+                       _rms(feats, own["hnorm.weight"], eps)], -1) @ own["eh_proj.weight"].T
+        rope = hf_model.model.rotary_emb(x[None], pos[None])
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        out = block(x[None], attention_mask=mask, position_ids=pos[None],
+                    position_embeddings=rope)
+        return (out[0] if isinstance(out, tuple) else out)[0]
+
+    def readout(last: torch.Tensor) -> tuple[torch.Tensor, int]:
+        logits = _rms(last, own["shared_head.norm.weight"], eps) @ lm_head.T
+        return logits, int(logits.argmax())
+
+    return ref_rollout(block_pass, readout, context, feats, k, given)
 
 
 @pytest.fixture(scope="module")
@@ -129,13 +130,7 @@ def test_greedy_equals_plain_greedy(mtp, monkeypatch, assert_no_leaks):
     ref = base.generate(PROMPTS, params, use_tqdm=False)
     got = spec.generate(PROMPTS, params, use_tqdm=False)
     _same_outputs(ref, got)
-    outputs = [o.prompt_token_ids + o.outputs[0].token_ids for o in got]
-    drafted = accepted = 0
-    for context, drafts, _ in seen:
-        full = next(v for v in outputs if v[:len(context)] == context)
-        truth = full[len(context):len(context) + len(drafts)]
-        drafted += len(drafts)
-        accepted += int(np.cumprod([a == b for a, b in zip(drafts, truth)]).sum())
+    drafted, accepted = expected_counts(seen, got)
     assert _drafted(got) == (drafted, accepted) and drafted > 0
     assert_no_leaks(spec)
 

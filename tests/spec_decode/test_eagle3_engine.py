@@ -18,13 +18,13 @@ import json
 import os
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from kvflow import LLM, SamplingParams
 from kvflow.models.eagle3 import default_aux_layer_ids
+from tests.spec_decode.head_reference import expected_counts, ref_rollout
 from tests.spec_decode.test_eagle_engine import (
     _record_proposals,
     _ref_decoder_layer,
@@ -147,20 +147,16 @@ def _ref_logits(hf_model, head: dict, context: list[int], k: int,
         out = hf_model(torch.tensor([context[:-1]]), output_hidden_states=True)
         taps = torch.cat([out.hidden_states[i][0]
                           for i in cfg["eagle_aux_hidden_state_layer_ids"]], -1)
-        feats = taps @ t["fc.weight"].T
-        embed = hf_model.get_input_embeddings().weight
-        ids, chosen, rows = list(context[1:]), [], []
-        for i in range(k):
-            h = _ref_layer(head, embed, ids, feats)
-            logits = _rms(h[-1], t["norm.weight"], cfg["rms_norm_eps"]) @ t["lm_head.weight"].T
-            full = torch.zeros(cfg["vocab_size"])
-            full[ids_map] = logits.softmax(-1)
-            rows.append(full)
-            token = int(ids_map[logits.argmax()]) if drafts is None else drafts[i]
-            chosen.append(token)
-            ids.append(token)
-            feats = torch.cat([feats, h[-1:]])
-    return chosen, torch.stack(rows)
+    embed = hf_model.get_input_embeddings().weight
+
+    def readout(last: torch.Tensor) -> tuple[torch.Tensor, int]:
+        logits = _rms(last, t["norm.weight"], cfg["rms_norm_eps"]) @ t["lm_head.weight"].T
+        full = torch.zeros(cfg["vocab_size"])
+        full[ids_map] = logits.softmax(-1)
+        return full, int(ids_map[logits.argmax()])
+
+    return ref_rollout(lambda ids, feats: _ref_layer(head, embed, ids, feats), readout,
+                       context, taps @ t["fc.weight"].T, k, drafts)
 
 
 def _engine(path: str, head: str | None, k: int = 3, **kw) -> LLM:
@@ -215,13 +211,7 @@ def test_greedy_equals_plain_greedy(pair, assert_no_leaks, monkeypatch):
     ref = base.generate(PROMPTS, params, use_tqdm=False)
     got = eagle.generate(PROMPTS, params, use_tqdm=False)
     _same_outputs(ref, got)
-    drafted = accepted = 0  # each step's drafts accepted up to the first the output refutes
-    outputs = [o.prompt_token_ids + o.outputs[0].token_ids for o in got]
-    for context, drafts, _ in seen:
-        full = next(v for v in outputs if v[:len(context)] == context)
-        truth = full[len(context):len(context) + len(drafts)]
-        drafted += len(drafts)
-        accepted += int(np.cumprod([a == b for a, b in zip(drafts, truth)]).sum())
+    drafted, accepted = expected_counts(seen, got)  # drafts up to the first the output refutes
     assert _drafted(got) == (drafted, accepted)
     assert drafted > 0
     if kind == "mimic":

@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from kvflow import LLM, SamplingParams
 from kvflow.spec_decode.eagle import EagleDrafter
+from tests.spec_decode.head_reference import expected_counts, ref_rollout
 from tests.spec_decode.test_ngram_engine import PROMPTS, _drafted, _same_outputs
 
 
@@ -133,23 +133,20 @@ def _ref_logits(hf_model, head: dict, context: list[int], k: int,
     """EAGLE-1's k drafts after ``context`` (x[0..n]) and their logits [k, V]: the head over
     positions 0..n-1 with transformers' final (post-norm) hidden states, then its own outputs
     fed back with each draft: the argmax, or ``drafts[i]`` where given (sampled drafts)."""
+    t, eps = head["tensors"], head["config"]["rms_norm_eps"]
     with torch.no_grad():
         out = hf_model(torch.tensor([context[:-1]]), output_hidden_states=True)
-        feats = out.hidden_states[-1][0]  # after the final norm
-        embed = hf_model.get_input_embeddings().weight
-        lm_head = hf_model.get_output_embeddings().weight
-        ids, chosen, rows = list(context[1:]), [], []
-        for i in range(k):
-            h = _ref_head(head, embed, ids, feats)
-            last = h[-1]
-            if "norm.weight" in head["tensors"]:  # before the LM head only
-                last = _rms(last, head["tensors"]["norm.weight"], head["config"]["rms_norm_eps"])
-            rows.append(last @ lm_head.T)
-            token = int(rows[-1].argmax()) if drafts is None else drafts[i]
-            chosen.append(token)
-            ids.append(token)
-            feats = torch.cat([feats, h[-1:]])
-    return chosen, torch.stack(rows)
+    embed = hf_model.get_input_embeddings().weight
+    lm_head = hf_model.get_output_embeddings().weight
+
+    def readout(last: torch.Tensor) -> tuple[torch.Tensor, int]:
+        if "norm.weight" in t:  # before the LM head only
+            last = _rms(last, t["norm.weight"], eps)
+        logits = last @ lm_head.T
+        return logits, int(logits.argmax())
+
+    return ref_rollout(lambda ids, feats: _ref_head(head, embed, ids, feats), readout, context,
+                       out.hidden_states[-1][0], k, drafts)  # features after the final norm
 
 
 def _ref_drafts(hf_model, head: dict, context: list[int], k: int) -> list[int]:
@@ -239,13 +236,7 @@ def test_greedy_equals_plain_greedy_and_transformers(pair, assert_no_leaks, monk
                                       min_new_tokens=max_tokens)
         assert o.outputs[0].token_ids == hf[0, prompt.shape[1]:].tolist()
     # the counters: each step's drafts accepted up to the first the output contradicts
-    expected_drafted = expected_accepted = 0
-    outputs = [o.prompt_token_ids + o.outputs[0].token_ids for o in got]
-    for context, drafts, _ in seen:
-        full = next(v for v in outputs if v[:len(context)] == context)
-        truth = full[len(context):len(context) + len(drafts)]
-        expected_drafted += len(drafts)
-        expected_accepted += int(np.cumprod([a == b for a, b in zip(drafts, truth)]).sum())
+    expected_drafted, expected_accepted = expected_counts(seen, got)
     assert _drafted(got) == (expected_drafted, expected_accepted)
     if max_tokens == 30:
         assert expected_drafted > 0
