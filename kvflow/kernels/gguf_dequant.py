@@ -35,6 +35,8 @@ F32, F16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 8, 12,
 BLOCK_SHAPES: dict[int, tuple[int, int]] = {  # type -> (elements, bytes) per block
     Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q8_0: (32, 34),
     Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+TYPE_NAMES: dict[int, str] = {F32: "F32", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0",
+                              Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:

@@ -182,6 +182,11 @@ class FusedMoE(GemmPathMixin, CustomOp):
         w13_weight: [E, 2 * I_local, H] -- each expert's gate (w1) rows, then up (w3) rows.
         w2_weight: [E, H, I_local] -- each expert's down projection.
 
+    Both are built on the meta device (shapes, no memory) and allocated in the build-time
+    default dtype and device by :meth:`materialize_float_weights` (the first float load, or
+    the model loader once the quantization methods are set); a method that takes checkpoint
+    tensors as they are (GGUF blocks) replaces them without the float stacks ever existing.
+
     Args:
         num_experts: E.
         top_k: experts per token.
@@ -228,20 +233,39 @@ class FusedMoE(GemmPathMixin, CustomOp):
         self.num_local_experts = expert_end - self.expert_start
         self.intermediate_size = intermediate_size // tp_size
         self.hidden_size = hidden_size
-        inter = self.intermediate_size
-        self.w13_weight = nn.Parameter(torch.empty(self.num_local_experts, 2 * inter,
-                                                   hidden_size), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, inter),
-                                      requires_grad=False)
-        for param in (self.w13_weight, self.w2_weight):
-            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        # the float stacks are shapes only (meta) until a float load or the model loader
+        # allocates them here (materialize_float_weights): GGUF's kept blocks never need them
+        self.float_device, self.float_dtype = torch.get_default_device(), torch.get_default_dtype()
+        self._set_float_weights("meta")
         self.quant_method: FusedMoEMethod | None = None  # None: float experts (below)
+
+    def _set_float_weights(self, device: torch.device | str) -> None:
+        """(Re)create ``w13_weight`` [E, 2I, H] and ``w2_weight`` [E, H, I] on ``device``."""
+        e, inter, hidden = self.num_local_experts, self.intermediate_size, self.hidden_size
+        for name, shape in (("w13_weight", (e, 2 * inter, hidden)), ("w2_weight", (e, hidden, inter))):
+            param = nn.Parameter(torch.empty(shape, dtype=self.float_dtype, device=device),
+                                 requires_grad=False)
+            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            setattr(self, name, param)
+
+    def materialize_float_weights(self) -> None:
+        """Allocate the float stacks (uninitialized, in the dtype and on the device that were
+        the defaults when the layer was built) unless they exist or the quantization method
+        takes checkpoint tensors as they are (``FusedMoEMethod.loads_checkpoint``: GGUF's
+        kept experts, whose float stacks are never allocated). The first float
+        :meth:`weight_loader` call does this; the model loader calls it for every layer
+        after the quantization methods are set, before loading."""
+        if self.quant_method is not None and self.quant_method.loads_checkpoint:
+            return
+        if self.w13_weight.is_meta:
+            self._set_float_weights(self.float_device)
 
     def set_quant_method(self, method: FusedMoEMethod) -> None:
         """Quantize the experts with ``method`` (``kvflow/quant/moe.py``; call before loading):
         the float weights still load through :meth:`weight_loader`, the method converts them
         after loading and runs the experts (GGUF's method instead takes the checkpoint's
-        blocks as they are: ``FusedMoEMethod.loads_checkpoint``)."""
+        blocks as they are: ``FusedMoEMethod.loads_checkpoint``, and the float stacks are
+        never allocated)."""
         self.quant_method = method
         method.create_weights(self)
 
@@ -276,6 +300,8 @@ class FusedMoE(GemmPathMixin, CustomOp):
         local = self._local_expert(expert_id)
         if local == -1:
             return  # another expert-parallel rank holds this expert
+        self.materialize_float_weights()
+        param = self.w2_weight if shard_id == "w2" else self.w13_weight  # may have been meta
         if expert_id is None:
             loaded = loaded.narrow(0, self.expert_start, self.num_local_experts)
         if self.quant_method is not None and self.tp_size > 1:  # full tensor, before the slice

@@ -186,6 +186,9 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, ctx, parallel=parallel or ParallelState.single(device))
         apply_quant_config(model, quant_config)
+        for module in model.modules():  # MoE float expert stacks, unless kept as GGUF blocks
+            if hasattr(module, "materialize_float_weights"):
+                module.materialize_float_weights()
     if load_format == "dummy":
         _init_dummy_weights(model, seed)
     else:

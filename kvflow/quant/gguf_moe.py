@@ -13,6 +13,12 @@ tensor); a Q4_K_M file's Q6_K down beside Q4_K gate/up keeps both. Experts the f
 as floats (or in a type without a kept kernel, dequantized by the loader) stay float32
 (type ``F32``). ``KVFLOW_GGUF_MOE=dequantized`` (:func:`kvflow.config.gguf_moe_experts_choice`)
 dequantizes them at load instead.
+
+Tensor parallelism splits every expert as vLLM does: each rank keeps ``I / tp_size`` gate and
+up rows (whole GGML rows) and the matching down columns, which are whole blocks when
+``I / tp_size`` is a multiple of the type's block size (32 elements for Q4_0..Q8_0, 256 for
+the K-quants; otherwise the load is refused); the layer's all-reduce sums the partial down
+outputs. The float stacks of ``FusedMoE`` are never allocated under this method.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.kernels.gguf_dequant import F32, row_elements
+from kvflow.kernels.gguf_dequant import BLOCK_SHAPES, F32, TYPE_NAMES, row_elements
 from kvflow.kernels.moe_ref import grouped_experts
 from kvflow.quant.gguf import as_kept, gguf_cpu_kernels, gguf_linear, gguf_linear_cpu
 from kvflow.quant.moe import FusedMoEMethod
@@ -53,24 +59,29 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
         """Keep one expert's tensor: raw blocks uint8 [rows, row_bytes] tagged ``ggml_type``
         (``kvflow.models.gguf_loader``), or a float [rows, cols].
 
+        With tensor parallelism (``layer.tp_size`` > 1) ``loaded`` is the full expert and
+        this rank keeps its slice, as vLLM shards experts: gate/up (w1/w3) by output rows
+        (whole GGML rows), down (w2) by input columns, whole blocks of the type's 32 or 256
+        elements (the layer's all-reduce sums the partial down outputs).
+
         Raises:
-            ValueError: with tensor parallelism, for a stacked tensor or a ``shard_id`` other
-                than w1/w3/w2, or rows/columns that do not fit the layer.
+            ValueError: for a stacked tensor or a ``shard_id`` other than w1/w3/w2, rows or
+                columns that do not fit the layer, or a down column split that would cut
+                blocks (``intermediate_size / tp_size`` not a multiple of the block size).
         """
-        if layer.tp_size > 1:
-            raise ValueError("GGUF experts kept quantized do not support tensor parallelism; "
-                             "pass --quantization none to dequantize them at load")
         if shard_id not in _SHARDS:
             raise ValueError(f"unknown GGUF expert shard_id {shard_id!r} (w1, w3 or w2)")
         if local_expert is None:
             raise ValueError(f"GGUF experts load one expert at a time, not a stacked "
                              f"{shard_id} tensor")
         tensor, ggml_type = as_kept(loaded)
-        hidden, inter = layer.hidden_size, layer.intermediate_size
-        rows, cols = (hidden, inter) if shard_id == "w2" else (inter, hidden)
+        hidden, full = layer.hidden_size, layer.intermediate_size * layer.tp_size
+        rows, cols = (hidden, full) if shard_id == "w2" else (full, hidden)
         if tensor.dim() != 2 or (tensor.shape[0], _columns(tensor, ggml_type)) != (rows, cols):
             raise ValueError(f"expert weight {shard_id} holds {tuple(tensor.shape)} "
                              f"(GGML type {ggml_type}); expected {rows} rows of {cols} values")
+        if layer.tp_size > 1:
+            tensor = _tp_slice(layer, shard_id, tensor, ggml_type)
         layer.gguf_experts[shard_id][local_expert] = (tensor, ggml_type)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -118,6 +129,33 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
 
         return grouped_experts(hidden, topk_weights, topk_ids, layer.num_local_experts,
                                layer.hidden_size, expert_mlp)
+
+
+def _tp_slice(layer: nn.Module, shard_id: str, tensor: torch.Tensor,
+              ggml_type: int) -> torch.Tensor:
+    """This TP rank's part of one full expert tensor (blocks uint8 [rows, row_bytes] or
+    float32 [rows, cols]): ``I_local = intermediate_size`` rows of w1/w3, or the w2 columns
+    ``[rank * I_local, (rank + 1) * I_local)`` as whole blocks (a copy: the rank keeps only
+    its bytes).
+
+    Raises:
+        ValueError: when ``I_local`` is not a multiple of the type's block size.
+    """
+    inter, rank = layer.intermediate_size, layer.tp_rank
+    if shard_id != "w2":
+        return tensor.narrow(0, rank * inter, inter).clone(memory_format=torch.contiguous_format)
+    if ggml_type == F32:
+        return tensor.narrow(1, rank * inter, inter).clone(memory_format=torch.contiguous_format)
+    block, block_bytes = BLOCK_SHAPES[ggml_type]
+    if inter % block:
+        raise ValueError(
+            f"GGUF expert down weights ({TYPE_NAMES.get(ggml_type, ggml_type)}, blocks of "
+            f"{block} elements) cannot be split by columns over tensor_parallel_size "
+            f"{layer.tp_size}: intermediate_size {inter * layer.tp_size} / {layer.tp_size} = "
+            f"{inter} is not a multiple of {block}; use fewer ranks, expert parallelism, or "
+            "KVFLOW_GGUF_MOE=dequantized")
+    width = inter // block * block_bytes
+    return tensor.narrow(1, rank * width, width).clone(memory_format=torch.contiguous_format)
 
 
 def _stacked(layer: nn.Module, shard_id: str) -> tuple[torch.Tensor, int]:

@@ -66,6 +66,7 @@ def _moe_layer(seed: int) -> FusedMoE:
     num_experts, hidden, inter = 4, 32, 24
     layer = FusedMoE(num_experts, 2, hidden, inter, renormalize=True)
     gen = _gen(seed)
+    layer.materialize_float_weights()  # built as shapes only (meta) until loaded
     layer.w13_weight.data = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / 6
     layer.w2_weight.data = torch.randn(num_experts, hidden, inter, generator=gen) / 5
     return layer
