@@ -60,7 +60,7 @@ class EngineConfig:
             ValueError: for a swap_space given (any size, the default's too) without
                 preemption_mode 'swap'; for context parallelism with a block size it does not divide or a
                 quantized KV cache; for speculative decoding with pipeline or context
-                parallelism, async scheduling or custom logits processors; for GGUF weights kept quantized with tensor parallelism; for async
+                parallelism, async scheduling or custom logits processors; for async
                 scheduling with any executor but uni (several ranks, or
                 distributed_executor_backend mp or ray on one rank; checked here, before any
                 worker starts).
@@ -74,12 +74,6 @@ class EngineConfig:
                              f"of --preemption-mode swap, and this engine preempts by "
                              f"{mode}, which keeps none: add --preemption-mode swap "
                              "(preemption_mode='swap'), or leave --swap-space out")
-        tp = self.parallel_config.tensor_parallel_size
-        if self.model_config.quantization == "gguf" and tp > 1:
-            raise ValueError(f"quantization='gguf' with tensor_parallel_size={tp} is not "
-                             "available (GGUF blocks are kept whole, not split across "
-                             "ranks); use quantization='none' to dequantize the GGUF at load "
-                             "and split it, or tensor_parallel_size=1")
         if self.scheduler_config.async_scheduling and \
                 self.parallel_config.executor_backend != "uni":
             raise ValueError(f"--async-scheduling needs the uni executor (one rank in the "

@@ -13,7 +13,8 @@ torch's GEMM multiplies them. ``KVFLOW_CPU_GGUF=torch`` keeps the plain-torch pa
 Embedding lookups dequantize only the rows they gather. Fused layers whose checkpoint shards
 have different GGML types (a Q4_K_M file's q/k Q4_K beside v Q6_K) keep one block tensor per
 shard and run one GEMM each. Tensors the file stores as floats (F32/F16/BF16) stay floats.
-Tensor parallelism is not supported for kept blocks (a shard would cut blocks apart).
+With tensor parallelism each rank keeps its slice of the blocks (:mod:`kvflow.quant.gguf_tp`:
+whole rows, or input columns in whole blocks where the rank's width allows).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvflow.config import cpu_gguf_choice
 from kvflow.kernels.cpu_native import NativeCpuKernels, native_cpu_kernels
 from kvflow.kernels.gguf_dequant import F32, dequantize_rows
 from kvflow.quant.base import EmbeddingMethod, LinearMethod
+from kvflow.quant.gguf_tp import shard_linear, vocab_rows
 
 TILE_ELEMENTS = 1 << 23  # weights dequantized per tile (32 MB of fp32)
 NATIVE_GEMM_MAX_ROWS = 16  # activation rows up to which the fused native kernel runs
@@ -105,15 +107,17 @@ class GGUFLinearMethod(LinearMethod):
 
     def load(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
              *shard: Any) -> None:
-        """Keep one shard's blocks as they are (placed in row order after loading).
+        """Keep one shard's blocks as they are (placed in row order after loading); with
+        tensor parallelism this rank's rows or whole-block columns of them
+        (:func:`kvflow.quant.gguf_tp.shard_linear`).
 
         Raises:
-            ValueError: with tensor parallelism (blocks cannot be split across ranks).
+            ValueError: for a row-parallel split that would cut blocks.
         """
-        if layer.tp_size > 1:
-            raise ValueError("GGUF weights kept quantized do not support tensor parallelism; "
-                             "pass --quantization none to dequantize them at load")
-        layer.gguf_shards[shard[0] if shard else None] = as_kept(loaded)
+        shard_id = shard[0] if shard else None
+        tensor, ggml_type = as_kept(loaded)
+        layer.gguf_shards[shard_id] = (shard_linear(layer, shard_id, tensor, ggml_type),
+                                       ggml_type)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         parts = [layer.gguf_shards.pop(s) for s in layer.shard_ids if s in layer.gguf_shards]
@@ -158,15 +162,11 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
         layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
 
     def load(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        """Keep the table's blocks (this method does not shard the vocabulary).
-
-        Raises:
-            ValueError: with tensor parallelism.
-        """
-        if layer.tp_size > 1:
-            raise ValueError("GGUF tables kept quantized do not support tensor parallelism; "
-                             "pass --quantization none to dequantize them at load")
+        """Keep the table's blocks; with tensor parallelism this rank's vocabulary rows
+        (``shard_size`` of them from ``vocab_start``, zero blocks past the vocabulary)."""
         tensor, ggml_type = as_kept(loaded)
+        if layer.tp_size > 1:
+            tensor = vocab_rows(tensor, layer.vocab_start, layer.shard_size)
         param.data = tensor
         param.ggml_type = ggml_type  # type: ignore[attr-defined]
 

@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.kernels.gguf_dequant import BLOCK_SHAPES, F32, TYPE_NAMES, row_elements
+from kvflow.kernels.gguf_dequant import F32, row_elements
 from kvflow.kernels.moe_ref import grouped_experts
+from kvflow.quant import gguf_tp
 from kvflow.quant.gguf import as_kept, gguf_cpu_kernels, gguf_linear, gguf_linear_cpu
 from kvflow.quant.moe import FusedMoEMethod
 
@@ -133,29 +134,17 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
 
 def _tp_slice(layer: nn.Module, shard_id: str, tensor: torch.Tensor,
               ggml_type: int) -> torch.Tensor:
-    """This TP rank's part of one full expert tensor (blocks uint8 [rows, row_bytes] or
-    float32 [rows, cols]): ``I_local = intermediate_size`` rows of w1/w3, or the w2 columns
-    ``[rank * I_local, (rank + 1) * I_local)`` as whole blocks (a copy: the rank keeps only
-    its bytes).
+    """This TP rank's part of one full expert tensor: ``I_local = intermediate_size`` rows of
+    w1/w3, or the w2 columns ``[rank * I_local, (rank + 1) * I_local)`` as whole blocks.
 
     Raises:
         ValueError: when ``I_local`` is not a multiple of the type's block size.
     """
-    inter, rank = layer.intermediate_size, layer.tp_rank
     if shard_id != "w2":
-        return tensor.narrow(0, rank * inter, inter).clone(memory_format=torch.contiguous_format)
-    if ggml_type == F32:
-        return tensor.narrow(1, rank * inter, inter).clone(memory_format=torch.contiguous_format)
-    block, block_bytes = BLOCK_SHAPES[ggml_type]
-    if inter % block:
-        raise ValueError(
-            f"GGUF expert down weights ({TYPE_NAMES.get(ggml_type, ggml_type)}, blocks of "
-            f"{block} elements) cannot be split by columns over tensor_parallel_size "
-            f"{layer.tp_size}: intermediate_size {inter * layer.tp_size} / {layer.tp_size} = "
-            f"{inter} is not a multiple of {block}; use fewer ranks, expert parallelism, or "
-            "KVFLOW_GGUF_MOE=dequantized")
-    width = inter // block * block_bytes
-    return tensor.narrow(1, rank * width, width).clone(memory_format=torch.contiguous_format)
+        inter = layer.intermediate_size
+        return gguf_tp.rows(tensor, layer.tp_rank * inter, inter)
+    return gguf_tp.columns(tensor, ggml_type, layer.tp_rank, layer.tp_size,
+                           "expert down weights", "intermediate_size")
 
 
 def _stacked(layer: nn.Module, shard_id: str) -> tuple[torch.Tensor, int]:

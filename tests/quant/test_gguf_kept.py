@@ -12,7 +12,7 @@ import torch
 
 from kvflow.kernels.gguf_dequant import BLOCK_SHAPES, Q4_K, Q6_K, Q8_0
 from kvflow.layers.embedding import ParallelLMHead
-from kvflow.layers.linear import QKVParallelLinear
+from kvflow.layers.linear import QKVParallelLinear, RowParallelLinear
 from kvflow.quant.gguf import GGUFEmbeddingMethod, GGUFLinearMethod
 
 gguf_quants = pytest.importorskip("gguf.quants")
@@ -175,19 +175,60 @@ def test_mixed_gguf_kept_matches_dequantized_load(tmp_path):
     np.testing.assert_allclose(got["gguf"], got["none"], atol=1e-4, rtol=0)
 
 
-def test_kept_gguf_with_tensor_parallelism_is_refused_before_any_worker(
-        smollm_gguf, monkeypatch, capsys):
-    import subprocess
+class _Partial:
+    """One of two TP ranks' groups: collectives return this rank's part, kept in ``part``
+    (the test combines the ranks' parts as the collective would)."""
 
-    from kvflow.entrypoints.cli import main
+    world_size = 2
 
-    def no_spawn(*args, **kw):
-        raise AssertionError("a worker process was started")
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.part = x.clone()
+        return x
 
-    monkeypatch.setattr(subprocess, "Popen", no_spawn)
-    rc = main(["generate", "--model", smollm_gguf, "--prompt", "hi", "--quantization", "gguf",
-               "--tensor-parallel-size", "2"])
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert rc == 2 and len(err) == 1, err
-    assert "--quantization='gguf' with --tensor-parallel-size=2" in err[0]
-    assert "quantization='none'" in err[0]
+
+def test_tp2_dense_layers_keep_their_share_of_the_blocks():
+    """TP=2 with kept blocks, as vLLM shards the float weights: each rank of a fused q/k/v
+    layer keeps its heads' rows (q and k Q4_K, v Q6_K), a row-parallel layer its input
+    columns in whole blocks (the ranks' partial products sum to the full one), a vocabulary
+    table its rows (the last rank padded with zero blocks); a column split that would cut
+    blocks is refused naming the type and the split."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 256, generator=gen)
+    qkv = [_tagged(random_blocks(t, rows, 1, seed=i), t)
+           for i, (rows, t) in enumerate(((128, Q4_K), (64, Q4_K), (64, Q6_K)))]
+    down, down_ref = _tagged(random_blocks(Q4_K, 64, 2, seed=5), Q4_K)
+    table, table_ref = _tagged(random_blocks(Q8_0, 9, 2, seed=6), Q8_0)
+    h, ids, total, embedded, logits = torch.randn(2, 64, generator=gen), \
+        torch.tensor([8, 0, 5, 4]), torch.zeros(3, 64), torch.zeros(4, 64), []
+    for rank in range(2):
+        layer = QKVParallelLinear(256, 32, 4, 2, tp_rank=rank, tp_size=2)
+        layer.set_quant_method(GGUFLinearMethod())
+        for shard, (raw, _) in zip("qkv", qkv):
+            layer.weight.weight_loader(layer.weight, raw, shard)
+        layer.quant_method.process_weights_after_loading(layer)
+        mine = torch.cat([ref[rank * n:(rank + 1) * n] for (_, ref), n in zip(qkv, (64, 32, 32))])
+        _assert_matmul_close(layer(x), x, mine)
+        row = RowParallelLinear(512, 64, tp_rank=rank, tp_size=2, tp_group=_Partial())
+        row.set_quant_method(GGUFLinearMethod())
+        row.weight.weight_loader(row.weight, down, None)
+        row.quant_method.process_weights_after_loading(row)
+        assert row.weight.shape == (64, 144)  # one of the row's two Q4_K blocks
+        xx = torch.cat([x, -x], dim=1)
+        total += row.forward_partial(xx[:, rank * 256:(rank + 1) * 256])
+        head = ParallelLMHead(9, 64, tp_rank=rank, tp_size=2, tp_group=_Partial())
+        head.set_quant_method(GGUFEmbeddingMethod())
+        head.weight.weight_loader(head.weight, table)
+        head(ids)
+        embedded += head.tp_group.part
+        logits.append(head.quant_method.logits(head, h))
+    _assert_matmul_close(total, torch.cat([x, -x], dim=1), down_ref)
+    torch.testing.assert_close(embedded, table_ref[ids])
+    _assert_matmul_close(torch.cat(logits, dim=1)[:, :9], h, table_ref)
+    assert torch.equal(logits[1][:, 4], torch.zeros(2))  # rank 1's padding row (id 9)
+    cut = RowParallelLinear(256, 64, tp_rank=0, tp_size=2, tp_group=_Partial())
+    cut.set_quant_method(GGUFLinearMethod())
+    with pytest.raises(ValueError, match=r"\(Q4_K, blocks of 256 elements\) cannot be split "
+                                         r"by columns over tensor_parallel_size 2: input size "
+                                         r"256 / 2 = 128 is not a multiple of 256"):
+        cut.weight.weight_loader(cut.weight, _tagged(random_blocks(Q4_K, 64, 1, 1), Q4_K)[0],
+                                 None)
