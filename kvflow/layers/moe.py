@@ -235,14 +235,16 @@ class FusedMoE(GemmPathMixin, CustomOp):
         self.hidden_size = hidden_size
         # the float stacks are shapes only (meta) until a float load or the model loader
         # allocates them here (materialize_float_weights): GGUF's kept blocks never need them
-        self.float_device, self.float_dtype = torch.get_default_device(), torch.get_default_dtype()
+        self.float_device = torch.get_default_device()
+        self.float_dtype = torch.get_default_dtype()
         self._set_float_weights("meta")
         self.quant_method: FusedMoEMethod | None = None  # None: float experts (below)
 
     def _set_float_weights(self, device: torch.device | str) -> None:
         """(Re)create ``w13_weight`` [E, 2I, H] and ``w2_weight`` [E, H, I] on ``device``."""
         e, inter, hidden = self.num_local_experts, self.intermediate_size, self.hidden_size
-        for name, shape in (("w13_weight", (e, 2 * inter, hidden)), ("w2_weight", (e, hidden, inter))):
+        for name, shape in (("w13_weight", (e, 2 * inter, hidden)),
+                            ("w2_weight", (e, hidden, inter))):
             param = nn.Parameter(torch.empty(shape, dtype=self.float_dtype, device=device),
                                  requires_grad=False)
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -354,13 +356,17 @@ class FusedMoE(GemmPathMixin, CustomOp):
         its own experts).
 
         Raises:
-            RuntimeError: when ``tp_size > 1`` and the layer was built without a ``tp_group``.
+            RuntimeError: when ``tp_size > 1`` and the layer was built without a ``tp_group``,
+                or float experts were never loaded nor allocated.
         """
         topk_weights, topk_ids = self.select_experts(router_logits)
         if self.ep_group is not None and self.ep_group.world_size > 1:
             topk_weights, topk_ids = self._local_routes(topk_weights, topk_ids)
         if self.quant_method is not None:
             out = self.quant_method.apply(self, hidden, topk_weights, topk_ids)
+        elif self.w13_weight.is_meta:
+            raise RuntimeError("FusedMoE's float experts were never loaded (weight_loader) "
+                               "or allocated (materialize_float_weights)")
         else:
             out = self.implementation_for(hidden.device)(hidden, topk_weights, topk_ids)
         if self.tp_size > 1:

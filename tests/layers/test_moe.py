@@ -179,3 +179,16 @@ def test_expert_parallel_and_tensor_parallel_exclude_each_other():
     layer = FusedMoE(4, 2, 16, 8, True)
     with pytest.raises(ValueError, match="expert_id 4"):
         layer.w2_weight.weight_loader(layer.w2_weight, torch.zeros(16, 8), "w2", 4)
+
+
+def test_float_stacks_are_allocated_on_first_load_not_at_build():
+    """The float stacks are shapes only (meta) after construction; forward before any load
+    is refused; the first float load allocates both in the build-time default dtype."""
+    layer = FusedMoE(4, 2, 16, 8, True)
+    assert layer.w13_weight.is_meta and layer.w2_weight.shape == (4, 16, 8)
+    with pytest.raises(RuntimeError, match="never loaded"):
+        layer(torch.randn(3, 16), torch.randn(3, 4))
+    w2 = _weights(4, 16, 8, seed=3)[2]
+    layer.weight_loader(layer.w2_weight, w2[1], "w2", 1)
+    assert (layer.w13_weight.device.type, layer.w13_weight.dtype) == ("cpu", torch.float32)
+    assert torch.equal(layer.w2_weight[1], w2[1])
