@@ -12,7 +12,7 @@ import torch
 
 from kvflow.kernels.gguf_dequant import BLOCK_SHAPES, Q4_K, Q6_K, Q8_0
 from kvflow.layers.embedding import ParallelLMHead
-from kvflow.layers.linear import QKVParallelLinear, RowParallelLinear
+from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvflow.quant.gguf import GGUFEmbeddingMethod, GGUFLinearMethod
 
 gguf_quants = pytest.importorskip("gguf.quants")
@@ -188,7 +188,8 @@ class _Partial:
 
 def test_tp2_dense_layers_keep_their_share_of_the_blocks():
     """TP=2 with kept blocks, as vLLM shards the float weights: each rank of a fused q/k/v
-    layer keeps its heads' rows (q and k Q4_K, v Q6_K), a row-parallel layer its input
+    layer keeps its heads' rows (q and k Q4_K, v Q6_K), of a gate/up layer its rows of each
+    sub-projection (Q8_0 gate, Q4_K up), a row-parallel layer its input
     columns in whole blocks (the ranks' partial products sum to the full one), a vocabulary
     table its rows (the last rank padded with zero blocks); a column split that would cut
     blocks is refused naming the type and the split."""
@@ -196,6 +197,8 @@ def test_tp2_dense_layers_keep_their_share_of_the_blocks():
     x = torch.randn(3, 256, generator=gen)
     qkv = [_tagged(random_blocks(t, rows, 1, seed=i), t)
            for i, (rows, t) in enumerate(((128, Q4_K), (64, Q4_K), (64, Q6_K)))]
+    merged = [_tagged(random_blocks(t, 64, 256 // BLOCK_SHAPES[t][0], seed=7 + i), t)
+              for i, t in enumerate((Q8_0, Q4_K))]
     down, down_ref = _tagged(random_blocks(Q4_K, 64, 2, seed=5), Q4_K)
     table, table_ref = _tagged(random_blocks(Q8_0, 9, 2, seed=6), Q8_0)
     h, ids, total, embedded, logits = torch.randn(2, 64, generator=gen), \
@@ -208,6 +211,13 @@ def test_tp2_dense_layers_keep_their_share_of_the_blocks():
         layer.quant_method.process_weights_after_loading(layer)
         mine = torch.cat([ref[rank * n:(rank + 1) * n] for (_, ref), n in zip(qkv, (64, 32, 32))])
         _assert_matmul_close(layer(x), x, mine)
+        gate_up = MergedColumnParallelLinear(256, [64, 64], tp_rank=rank, tp_size=2)
+        gate_up.set_quant_method(GGUFLinearMethod())
+        for shard, (raw, _) in enumerate(merged):
+            gate_up.weight.weight_loader(gate_up.weight, raw, shard)
+        gate_up.quant_method.process_weights_after_loading(gate_up)
+        _assert_matmul_close(gate_up(x), x, torch.cat([ref[rank * 32:(rank + 1) * 32]
+                                                       for _, ref in merged]))
         row = RowParallelLinear(512, 64, tp_rank=rank, tp_size=2, tp_group=_Partial())
         row.set_quant_method(GGUFLinearMethod())
         row.weight.weight_loader(row.weight, down, None)
