@@ -38,6 +38,7 @@ from kvflow.kv_cache_interface import FullAttentionSpec
 from kvflow.layers.rotary import long_prompt_rope
 from kvflow.lora.request import LoRARequest
 from kvflow.models.classifier_from_tokens import resolve_classifier_tokens
+from kvflow.models.gguf_tp_checks import check_tp_block_splits
 from kvflow.models.loader import load_hf_config, load_tokenizer
 from kvflow.models.model_resolver import ModelSource
 from kvflow.models.model_task import model_task
@@ -88,7 +89,11 @@ class EngineCoreStartup:
         self.dtype = resolve_dtype(self.config.model_config.dtype, self.hf_config, self.platform,
                                    cpu_dtype_measure(self.platform, self.config.device_config,
                                                      self.hf_config))
-        self.config.parallel_config.verify_with_model(self.hf_config)
+        pc = self.config.parallel_config
+        pc.verify_with_model(self.hf_config)
+        if self.config.model_config.quantization == "gguf" and source.kind == "gguf":
+            check_tp_block_splits(source.path, pc.tensor_parallel_size,
+                                  pc.enable_expert_parallel)
         warn_unread_model_settings(self.config, self.hf_config)
         self._check_cpu_threads()
         self._init_task(source)

@@ -135,3 +135,31 @@ def test_tp_split_cutting_blocks_is_refused():
                                          r"columns over tensor_parallel_size 2: "
                                          r"intermediate_size 32 / 2 = 16 is not a multiple"):
         _gguf_layer(2, 64, 32, experts, 0, 2, _PartialGroup())
+
+
+def test_block_cutting_split_is_refused_before_any_worker(tiny_model_factory, tmp_path,
+                                                         monkeypatch):
+    """Qwen3-MoE with Q8_0 experts of width 32 at TP=2 (16 per rank, half a block): the
+    engine refuses at start-up, from the file's header, naming the tensor, type and split,
+    before any worker starts; experts dequantized at load or placed whole by expert
+    parallelism split fine."""
+    from kvflow import LLM
+    from kvflow.models.gguf_tp_checks import check_tp_block_splits
+
+    tiny = tiny_model_factory("qwen3_moe")
+    path = _write(tiny, tmp_path / "q8.gguf", quantize=Q.Q8_0)
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("workers were started")
+
+    monkeypatch.setattr("kvflow.core.engine_startup.make_executor", no_workers)
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_down_exps\.weight \(Q8_0, blocks of 32 "
+                                         r"elements\) cannot be split by columns over "
+                                         r"tensor_parallel_size 2: 32 / 2 = 16 is not"):
+        LLM(model=path, tokenizer=tiny.path, quantization="gguf", tensor_parallel_size=2)
+    check_tp_block_splits(path, 1)
+    check_tp_block_splits(path, 2, expert_parallel=True)  # attn_output: 128 / 2, whole blocks
+    with pytest.raises(ValueError, match=r"attn_output\.weight \(Q8_0.* 128 / 8 = 16"):
+        check_tp_block_splits(path, 8, expert_parallel=True)
+    monkeypatch.setenv("KVFLOW_GGUF_MOE", "dequantized")
+    check_tp_block_splits(path, 2)
