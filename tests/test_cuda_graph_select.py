@@ -168,11 +168,27 @@ def test_a_capture_out_of_memory_runs_eagerly(monkeypatch):
     assert make_graph_runner(runner, 16) is None
 
 
-def test_an_eagle3_head_keeps_steps_eager(monkeypatch):
-    """EAGLE-3 reads the target's layers through forward hooks, which a replayed graph skips:
-    an engine with such a head (a drafter with ``taps``) captures nothing; without it the same
-    runner is captured."""
+class _TappedModel(torch.nn.Module):
+    """A stand-in target whose forward returns EAGLE-3's taps as LlamaModel does with
+    ``aux_hidden_state_layers`` set: (hidden [T, 8], [T, 8] per tapped layer); row ``t`` is
+    ``id_t`` in hidden and ``id_t + j + 1`` in tap ``j``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = SimpleNamespace(aux_hidden_state_layers=(1, 0))
+
+    def forward(self, input_ids, positions):
+        hidden = input_ids.float()[:, None].expand(-1, 8).clone()
+        return hidden, [hidden + 1, hidden + 2]
+
+
+def test_an_eagle3_target_is_captured_with_static_tap_outputs(monkeypatch):
+    """EAGLE-3's taps come back from the target's forward (no hooks), so an engine with such a
+    head is captured; the captured function copies the taps into static outputs of their own
+    and ``run`` hands back their rows. Checked without a GPU: the captured function runs in
+    place of a replay (what CUDA graph capture itself does is left to tests/gpu)."""
     pytest.importorskip("triton")
+    from kvflow.attention.layer import AttentionContext
     from kvflow.attention.triton_paged import TritonPagedAttentionBackend
     from kvflow.worker.cuda_graphs import CudaGraphRunner
 
@@ -181,11 +197,19 @@ def test_an_eagle3_head_keeps_steps_eager(monkeypatch):
 
     monkeypatch.setattr(CudaGraphRunner, "capture", capture)
     runner = _runner(TritonPagedAttentionBackend(fuse_rotary=False))
-    runner.model = torch.nn.Module()  # no quantized MoE experts (step_graphs walks modules())
+    runner.model = _TappedModel()
     runner.model.config = SimpleNamespace(hidden_size=8)
     runner.device, runner.dtype = torch.device("cpu"), torch.float32
     runner.drafter = SimpleNamespace(taps=object())
-    assert make_graph_runner(runner, 16) is None
-    runner.drafter = SimpleNamespace(taps=None)  # an EAGLE-1 head: captured
     with pytest.raises(RuntimeError, match="captured"):
         make_graph_runner(runner, 16)
+    graphs = CudaGraphRunner(runner.model, AttentionContext(runner.attn_ctx.backend), 4, 4, 16,
+                             4, 8, torch.device("cpu"), torch.float32)
+    for size in graphs.sizes:
+        graphs.metas[size] = graphs._meta(size)
+        graphs.graphs[size] = SimpleNamespace(replay=lambda size=size: graphs._forward(size))
+    ids = torch.tensor([5, 7, 9])
+    hidden, taps = graphs.run(ids, torch.zeros(3, dtype=torch.int64), _decode_meta([3, 2, 1]))
+    assert hidden[:, 0].tolist() == [5, 7, 9]
+    assert [t[:, 0].tolist() for t in taps] == [[6, 8, 10], [7, 9, 11]]
+    assert all(t.data_ptr() == s.data_ptr() for t, s in zip(taps, graphs.aux, strict=True))

@@ -188,9 +188,16 @@ class LlamaModel(nn.Module):
     """The decoder stack of one pipeline stage: the embedding on the first stage, layers
     ``[start_layer, end_layer)`` (``layer_cls``, constructed as :class:`LlamaDecoderLayer`),
     the final norm on the last stage. ``embed_scale`` (None: none) multiplies the embeddings,
-    prompt embeddings included (Granite's ``embedding_multiplier``)."""
+    prompt embeddings included (Granite's ``embedding_multiplier``).
+
+    ``aux_hidden_state_layers`` (vLLM's name; empty by default, then ``forward`` runs its plain
+    loop): layer ids whose input residual stream ``hidden + residual`` (transformers'
+    ``output_hidden_states[i]``) ``forward`` also returns, for an EAGLE-3 head
+    (``spec_decode/layer_taps.py``). Returned by the forward, not read by hooks, so a replayed
+    CUDA graph or CPU step graph produces them too (``worker/step_graphs.py``)."""
 
     embed_scale: float | None = None
+    aux_hidden_state_layers: tuple[int, ...] = ()
 
     def __init__(self, config: Any, ctx: AttentionContext, bias: AttentionBias, qk_norm: bool,
                  parallel: ParallelState, rotary_emb: RotaryEmbedding | None = None,
@@ -222,7 +229,8 @@ class LlamaModel(nn.Module):
         the first reads those from ``intermediate_tensors`` instead of embedding
         ``input_ids``. ``inputs_embeds`` [T, hidden], when given, replaces the embedding of
         ``input_ids`` (vision-language models: image embeddings merged at the placeholders);
-        positions are [3, T] for M-RoPE models."""
+        positions are [3, T] for M-RoPE models. With ``aux_hidden_state_layers`` set the last
+        stage returns ``(hidden, [T, hidden] per tapped layer)`` instead."""
         if self.is_first_stage:
             hidden = inputs_embeds if inputs_embeds is not None else \
                 self.embed_tokens(input_ids)
@@ -232,12 +240,41 @@ class LlamaModel(nn.Module):
         else:
             hidden = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
+        if self.aux_hidden_state_layers and self.is_last_stage:
+            return self._forward_tapped(positions, hidden, residual)
         for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden, residual = layer(positions, hidden, residual)
         if not self.is_last_stage:
             return {"hidden_states": hidden, "residual": residual}
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _forward_tapped(self, positions: torch.Tensor, hidden: torch.Tensor,
+                        residual: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The layer loop of the last stage keeping the residual stream entering each layer of
+        ``aux_hidden_state_layers``: (final hidden [T, H], [T, H] per listed layer id, in
+        that order; a layer listed twice gives the same tensor)."""
+        wanted, taps = set(self.aux_hidden_state_layers), {}
+        for i in range(self.start_layer, self.end_layer):
+            if i in wanted:
+                taps[i] = self._residual_stream(hidden, residual)
+            hidden, residual = self.layers[i](positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden, [taps[i] for i in self.aux_hidden_state_layers]
+
+    def _residual_stream(self, hidden: torch.Tensor, residual: torch.Tensor | None
+                         ) -> torch.Tensor:
+        """``hidden + residual`` [T, H] (``hidden`` when ``residual`` is None) as a tensor no
+        later layer writes: on CPU the native fused add-norm's sum (one C call a CPU step
+        graph records; its norm output is dropped), elsewhere a torch add, or a copy of the
+        first layer's input (the CUDA fused add-norm updates its residual in place)."""
+        if hidden.device.type != "cpu":
+            return hidden.clone() if residual is None else hidden + residual
+        fused = getattr(self.norm, "forward_cpu", None)
+        if residual is None or fused is None:
+            return hidden if residual is None else hidden + residual
+        return fused(hidden, residual)[1]
 
 
 class LlamaForCausalLM(nn.Module):

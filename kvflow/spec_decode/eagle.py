@@ -120,11 +120,12 @@ class EagleDrafter(DraftModel):
 
     # ---- the target's features -----------------------------------------------------------------
     def observe_target(self, batch: InputBatch, inputs: ModelInputs, hidden: torch.Tensor,
-                       block_size: int, stager: InputStager) -> None:
+                       block_size: int, stager: InputStager,
+                       aux: list[torch.Tensor] | None = None) -> None:
         """Take the target's final hidden states of the step just run (``hidden``: [T', H]
         with T' >= the step's tokens, in ``inputs``' token order; EAGLE-3 uses instead ``fc``
-        of its taps on the target's layers, read in the same forward). Call after each target
-        forward. What the head will still read is kept (``FeatureStash``, at most k + 1 rows
+        of its taps on the target's layers, ``aux`` [T', H] each, which the same forward
+        returned). Call after each target forward. What the head will still read is kept (``FeatureStash``, at most k + 1 rows
         per request):
 
         - a row verifying drafts: all its rows (positions ``c .. c + k``); the next mirror
@@ -137,7 +138,7 @@ class EagleDrafter(DraftModel):
           head K/V of their own: acceptance may drop after the gap, the output cannot).
         """
         if self.taps is not None:  # EAGLE-3: fc over the target's layer taps
-            hidden = self.model.combine(self.taps.take())
+            hidden = self.model.combine(self.taps.combine(aux))
         rows = inputs.rows
         if not len(rows):
             return

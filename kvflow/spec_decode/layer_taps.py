@@ -3,15 +3,15 @@ some of its decoder layers, read during each target forward (vLLM's
 ``aux_hidden_state_layers``: ``hidden + residual`` before layer ``i``, i.e. transformers'
 ``output_hidden_states[i]``).
 
-The taps are forward pre-hooks on the target's layers, so the target model is not changed.
-They run only in eager forwards: a replayed CUDA graph skips them, so an engine whose head
-reads taps runs its steps without graphs (``worker/step_graphs.py``).
+The target's forward returns them (``LlamaModel.aux_hidden_state_layers``, as vLLM's Llama
+returns ``(hidden, aux_hidden_states)``): no hooks, so a replayed CUDA graph or CPU step graph
+produces them as the eager forward does, in the graph runner's fixed buffers
+(``worker/step_graphs.py``). With no taps set the target runs its plain layer loop.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -20,12 +20,13 @@ from kvflow.models.llama import LlamaModel
 
 
 class LayerTaps:
-    """Reads the residual stream entering the target's layers ``layer_ids`` on each forward.
+    """Sets the target's decoder stack to return the residual stream entering its layers
+    ``layer_ids`` with each forward, and puts them side by side for the head.
 
     Args:
         target: the target model; its decoder stack (``target.model``) must run
-            :class:`~kvflow.models.llama.LlamaModel`'s layer loop, which calls each layer as
-            ``layer(positions, hidden, residual)`` (Llama, Mistral, Qwen2, Qwen3, ...).
+            :class:`~kvflow.models.llama.LlamaModel`'s forward, which returns the taps
+            (Llama, Mistral, Qwen2, Qwen3, ...).
         layer_ids: the layers tapped, in the order their states are concatenated.
         what: the name the error messages give ``layer_ids`` (the config field).
 
@@ -45,31 +46,23 @@ class LayerTaps:
             raise ValueError(f"{what}={list(layer_ids)}: layer ids must be in [0, "
                              f"{num_layers}) for a target of {num_layers} layers")
         self.layer_ids = tuple(layer_ids)
-        self._states: dict[int, torch.Tensor] = {}
-        self._handles = [stack.layers[i].register_forward_pre_hook(self._hook(i))
-                         for i in sorted(set(self.layer_ids))]
+        self._stack: LlamaModel | None = stack
+        stack.aux_hidden_state_layers = self.layer_ids
 
-    def _hook(self, index: int) -> Any:
-        def tap(module: nn.Module, args: tuple) -> None:
-            _, hidden, residual = args[:3]
-            self._states[index] = hidden if residual is None else hidden + residual
-        return tap
-
-    def take(self) -> torch.Tensor:
-        """[T, len(layer_ids) * H]: the last forward's taps side by side (then forgotten).
+    def combine(self, taps: list[torch.Tensor] | None) -> torch.Tensor:
+        """[T, len(layer_ids) * H]: one forward's taps ([T, H] each, in ``layer_ids`` order:
+        ``worker/forward_pass.py`` ``split_aux_hidden``) side by side.
 
         Raises:
-            RuntimeError: if a tapped layer did not run since the last ``take`` (a replayed
-                graph, a bookkeeping error).
+            RuntimeError: for a forward that returned no taps (a bookkeeping error).
         """
-        missing = [i for i in self.layer_ids if i not in self._states]
-        if missing:
-            raise RuntimeError(f"EAGLE-3: target layers {missing} were not tapped this step")
-        states, self._states = self._states, {}
-        return torch.cat([states[i] for i in self.layer_ids], dim=-1)
+        if taps is None or len(taps) != len(self.layer_ids):
+            raise RuntimeError(f"EAGLE-3: the target's forward returned no taps of layers "
+                               f"{list(self.layer_ids)}")
+        return torch.cat(taps, dim=-1)
 
     def remove(self) -> None:
-        """Unhook from the target's layers."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        """Stop the target's forward returning the taps."""
+        if self._stack is not None:
+            self._stack.aux_hidden_state_layers = ()
+            self._stack = None

@@ -27,9 +27,13 @@ that depend on the step's values) is refused, so it stops paying for recordings.
 eager path is used, as with ``--enforce-eager``. Recording happens inside real steps: no extra
 forward except the one check replay per trusted size.
 
+A forward that also returns aux hidden states (an EAGLE-3 target's layer taps,
+``LlamaModel.aux_hidden_state_layers``) has them planned like the hidden states: written by
+recorded calls, kept to the end of the step, checked bit for bit, replayed from the buffer.
+
 Used only where that holds by construction: the native CPU attention backend with its pool
 closed, one KV-cache group, no LoRA, multimodal, pipeline split, tensor parallel or draft model
-(``kvflow/worker/step_graphs.py`` decides).
+other than an EAGLE / EAGLE-3 head (``kvflow/worker/step_graphs.py`` decides).
 """
 
 from __future__ import annotations
@@ -86,81 +90,106 @@ class CpuGraphRunner:
             :class:`~kvflow.worker.cpu_step_record.ForwardWatch`). A batch size over it is
             refused, and every larger one is then run eagerly without recording (steps of
             more rows allocate more).
+        max_query_len: the query length, in tokens per request, up to which steps where
+            every request has the same one (speculative decoding's verification steps: 1 +
+            ``num_speculative_tokens``) are recorded too; 1: decodes only.
+
+    A batch is keyed by (requests, threads), and a verification step's by (requests, threads,
+    query length).
     """
 
     def __init__(self, model: nn.Module, attn_ctx: AttentionContext, kernels,
                  kv_caches: list[torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int,
-                 block_size: int, max_recording_bytes: int = MAX_RECORDING_BYTES) -> None:
+                 block_size: int, max_recording_bytes: int = MAX_RECORDING_BYTES,
+                 max_query_len: int = 1) -> None:
         self.model, self.attn_ctx, self.kernels = model, attn_ctx, kernels
         self.max_recording_bytes = max_recording_bytes
-        self.max_recorded_rows = max_num_seqs  # lowered when a recording goes over budget
+        self.max_query_len = max_query_len
+        # tokens of the largest step recorded: lowered when a recording goes over budget
+        self.max_recorded_rows = max_num_seqs * max_query_len
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
-        n = max_num_seqs
-        self.input_ids = torch.zeros(n, dtype=torch.int64)
-        self.positions = torch.zeros(n, dtype=torch.int64)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64)
+        n, t = max_num_seqs, max_num_seqs * max_query_len
+        self.input_ids = torch.zeros(t, dtype=torch.int64)
+        self.positions = torch.zeros(t, dtype=torch.int64)
+        self.slot_mapping = torch.full((t,), -1, dtype=torch.int64)
         self.seq_lens = torch.ones(n, dtype=torch.int32)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32)
         self.block_table = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32)
         self.kv_caches = kv_caches
         self.buffer = torch.empty(0, dtype=torch.uint8)  # every program's activations
         self.regions: list[tuple[int, int]] | None = None
-        self.programs: dict[tuple[int, int], StepProgram] = {}
-        self.recorded: dict[tuple[int, int], Recording] = {}
-        self.refused: set[tuple[int, int]] = set()
-        self.mismatches: dict[tuple[int, int], int] = {}
+        self.programs: dict[tuple[int, ...], StepProgram] = {}
+        self.recorded: dict[tuple[int, ...], Recording] = {}
+        self.refused: set[tuple[int, ...]] = set()
+        self.mismatches: dict[tuple[int, ...], int] = {}
         self.disabled: str | None = None
         self.replayed_steps = 0  # statistics (and tests)
+        # EAGLE-3's taps: the forward returns (hidden, aux), both replayed from the buffer
+        self.aux_layers = getattr(getattr(model, "model", None), "aux_hidden_state_layers", ())
+
+    @staticmethod
+    def _key(meta: AttentionMetadata) -> tuple[int, ...]:
+        """(requests, threads), with the query length after them when it is over 1."""
+        q = meta.max_query_len
+        return (meta.num_reqs, torch.get_num_threads()) if q == 1 else \
+            (meta.num_reqs, torch.get_num_threads(), q)
 
     def can_run(self, meta: AttentionMetadata) -> bool:
-        """Whether ``meta``'s step is all decodes this runner may record or replay: one query
-        token per request, at least one of them after a context (a step of only 1-token
-        prompts may take the prefill path, a torch operator, and would refuse the size)."""
-        return self.disabled is None and meta.max_query_len == 1 < meta.max_seq_len \
-            and meta.num_actual_tokens == meta.num_reqs <= self.max_num_seqs \
-            and (meta.num_reqs <= self.max_recorded_rows
-                 or (meta.num_reqs, torch.get_num_threads()) in self.programs) \
+        """Whether ``meta``'s step is one this runner may record or replay: every request has
+        the same query length, 1 (decodes) or up to ``max_query_len`` (verification steps),
+        at least one of them after a context (a step of only whole prompts may take the
+        prefill path, a torch operator, and would refuse the size)."""
+        q = meta.max_query_len
+        return self.disabled is None and 1 <= q <= self.max_query_len \
+            and q < meta.max_seq_len and meta.num_reqs <= self.max_num_seqs \
+            and meta.num_actual_tokens == meta.num_reqs * q \
+            and (meta.num_actual_tokens <= self.max_recorded_rows
+                 or self._key(meta) in self.programs) \
             and meta.block_table.shape[1] <= self.block_table.shape[1] \
-            and (meta.num_reqs, torch.get_num_threads()) not in self.refused
+            and self._key(meta) not in self.refused
 
     def _stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: AttentionMetadata) -> None:
         """Copy the step's inputs into the static buffers."""
-        n, width = meta.num_reqs, meta.block_table.shape[1]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping[:n])
+        n, t, width = meta.num_reqs, meta.num_actual_tokens, meta.block_table.shape[1]
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        self.slot_mapping[:t].copy_(meta.slot_mapping[:t])
         self.seq_lens[:n].copy_(meta.seq_lens)
+        self.query_start_loc[:n + 1].copy_(meta.query_start_loc)
         self.block_table[:n, :width].copy_(meta.block_table)
 
     def _static_meta(self, meta: AttentionMetadata) -> AttentionMetadata:
         """The step's metadata over the static buffers (for a recorded, eager step)."""
-        n = meta.num_reqs
+        n, t = meta.num_reqs, meta.num_actual_tokens
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:n], query_start_loc=self.query_start_loc[:n + 1],
-            seq_lens=self.seq_lens[:n], block_table=self.block_table[:n], max_query_len=1,
-            max_seq_len=meta.max_seq_len, num_actual_tokens=n)
+            slot_mapping=self.slot_mapping[:t], query_start_loc=self.query_start_loc[:n + 1],
+            seq_lens=self.seq_lens[:n], block_table=self.block_table[:n],
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            num_actual_tokens=t)
 
     def _eager(self, static: AttentionMetadata, recorder: StepRecorder | None = None
-               ) -> torch.Tensor:
-        n = static.num_reqs
+               ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        t = static.num_actual_tokens
         with self.attn_ctx.forward_context.bind([static]):
             self.attn_ctx.backend.prepare(static, self.block_size)
             if recorder is None:
-                return self.model(self.input_ids[:n], self.positions[:n])
+                return self.model(self.input_ids[:t], self.positions[:t])
             with recorder:
-                return self.model(self.input_ids[:n], self.positions[:n])
+                return self.model(self.input_ids[:t], self.positions[:t])
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
-        """The step's final hidden states [num_reqs, hidden]: replayed when this batch size is
-        trusted, else computed eagerly (and recorded). A replayed result is a view of the
-        runner's buffer: read it before the next step."""
-        key = (meta.num_reqs, torch.get_num_threads())
+            meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """The step's final hidden states [num_reqs, hidden] (with the model's aux hidden
+        states, EAGLE-3's taps: ``(hidden, [num_reqs, hidden] each)``, as its forward returns
+        them): replayed when this batch size is trusted, else computed eagerly (and
+        recorded). A replayed result is a view of the runner's buffer: read it before the
+        next step."""
+        key = self._key(meta)
         program = self.programs.get(key)
         if program is not None:
-            self.kernels.check_paged_indices(meta.num_reqs, self.kv_caches[0],
+            self.kernels.check_paged_indices(meta.num_actual_tokens, self.kv_caches[0],
                                              meta.query_start_loc, meta.seq_lens,
                                              meta.block_table)
             self._stage(input_ids, positions, meta)
@@ -170,51 +199,56 @@ class CpuGraphRunner:
                 logger.warning("%s; running the step eagerly", exc)  # succeeds on a retry
                 return self._eager(self._static_meta(meta))
             self.replayed_steps += 1
-            return hidden
+            return (hidden, list(program.aux_states)) if self.aux_layers else hidden
         self._stage(input_ids, positions, meta)
         return self._record(key, self._static_meta(meta))
 
-    def _record(self, key: tuple[int, int], static: AttentionMetadata) -> torch.Tensor:
+    def _record(self, key: tuple[int, ...], static: AttentionMetadata
+                ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """Run the step eagerly under a recorder; trust ``key`` when this recording names the
         same calls as the previous one and its planned program, replayed on a NaN-filled
         buffer, reproduces the step."""
         recorder = StepRecorder(self.kernels, self.max_recording_bytes)
-        hidden = self._eager(static, recorder)
+        out = self._eager(static, recorder)
+        hidden, aux = out if isinstance(out, tuple) else (out, [])
         try:
             if recorder.watch.over_budget:
-                self.max_recorded_rows = min(self.max_recorded_rows, key[0] - 1)
+                t = static.num_actual_tokens
+                self.max_recorded_rows = min(self.max_recorded_rows, t - 1)
                 raise NotReplayable(f"its allocations exceed {self.max_recording_bytes} bytes "
-                                    f"(no batch of {key[0]} or more rows is recorded)")
+                                    f"(no step of {t} or more tokens is recorded)")
             if recorder.watch.refused is not None:
                 raise NotReplayable(f"the forward computes with {recorder.watch.refused}")
             recording = normalize(recorder.calls, recorder.watch.blocks, self._regions())
             previous, self.recorded[key] = self.recorded.get(key), recording
             if previous is None:
-                return hidden  # the next step of this size must record the same calls
+                return out  # the next step of this size must record the same calls
             if not previous.same_as(recording):
                 self.mismatches[key] = self.mismatches.get(key, 0) + 1
                 if self.mismatches[key] >= MAX_MISMATCHES:
                     raise NotReplayable(f"{MAX_MISMATCHES} recordings in a row made "
                                         "different calls")
-                return hidden
-            program = plan_program(recording, hidden)
+                return out
+            program = plan_program(recording, hidden, aux)
         except NotReplayable as exc:
             self.refused.add(key)
             self.recorded.pop(key, None)
             logger.info("CPU step graph for batch %d, %d threads: not replayable (%s)",
                         key[0], key[1], exc)
-            return hidden
+            return out
         del self.recorded[key]
         self.mismatches.pop(key, None)
         self._bind(program)
         self.buffer.fill_(255)  # NaN in every float dtype: a write the recording missed shows
-        if not same_bits(program.replay(), hidden):
+        replayed = program.replay()
+        if not same_bits(replayed, hidden) or not all(
+                same_bits(a, b) for a, b in zip(program.aux_states, aux, strict=True)):
             self.disabled = "a replay did not reproduce the eager step"
             logger.warning("CPU step graphs off: %s (batch %d)", self.disabled, key[0])
             self.programs.clear()
             return self._eager(static)  # writes the step's K/V again, eagerly
         self.programs[key] = program
-        return hidden
+        return out
 
     def _regions(self) -> list[tuple[int, int]]:
         if self.regions is None:

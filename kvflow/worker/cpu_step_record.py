@@ -242,6 +242,8 @@ class StepProgram:
         template: [(entry point, args, [(arg index, buffer offset)])].
         size: bytes of buffer the program needs.
         hidden: (buffer offset, shape, stride, dtype) of the final hidden states.
+        aux: the same of each aux hidden state the forward also returned (EAGLE-3's taps,
+            ``LlamaModel.aux_hidden_state_layers``), in order; bound as ``aux_states``.
     """
 
     template: list
@@ -249,6 +251,8 @@ class StepProgram:
     hidden: tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]
     calls: list = field(default_factory=list)
     hidden_states: torch.Tensor | None = None
+    aux: list = field(default_factory=list)
+    aux_states: list = field(default_factory=list)
     replayer: object | None = None  # a kernels.cpu_native_replay.CallReplayer, when bound so
     segments: list = field(default_factory=list)  # the calls encoded for the replayer
 
@@ -265,11 +269,8 @@ class StepProgram:
             self.calls.append((fn, tuple(bound)))
         self.replayer = replayer
         self.segments = replayer.encode(self.calls) if replayer is not None else []
-        offset, shape, stride, dtype = self.hidden
-        extent = (1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))) \
-            * dtype.itemsize
-        self.hidden_states = buffer[offset:offset + extent].view(dtype).as_strided(shape,
-                                                                                 stride)
+        self.hidden_states = _view(buffer, self.hidden)
+        self.aux_states = [_view(buffer, spec) for spec in self.aux]
 
     def replay(self) -> torch.Tensor:
         """Run the calls in order; returns ``hidden_states``.
@@ -287,6 +288,13 @@ class StepProgram:
         return self.hidden_states
 
 
+def _view(buffer: torch.Tensor, spec: tuple) -> torch.Tensor:
+    """The tensor ``spec`` ((offset, shape, stride, dtype)) places in ``buffer`` (uint8)."""
+    offset, shape, stride, dtype = spec
+    extent = (1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))) * dtype.itemsize
+    return buffer[offset:offset + extent].view(dtype).as_strided(shape, stride)
+
+
 def _place(size: int, first: int, placed: list[tuple[int, int, int]]) -> int:
     """Lowest ALIGN-aligned offset for ``size`` bytes that overlaps no block of ``placed``
     ((offset, end, last use)) still live at call ``first``."""
@@ -298,20 +306,26 @@ def _place(size: int, first: int, placed: list[tuple[int, int, int]]) -> int:
     return offset
 
 
-def plan_program(recording: Recording, hidden: torch.Tensor) -> StepProgram:
+def plan_program(recording: Recording, hidden: torch.Tensor,
+                 aux: list[torch.Tensor] = ()) -> StepProgram:
     """Offsets for the step's allocations in one buffer (greedy, in order of first use; see the
     module doc) and the program over them. ``hidden`` is the forward's result (a view of one
-    of the allocations).
+    of the allocations), ``aux`` the aux hidden states it also returned (EAGLE-3's taps):
+    their allocations live to the end of the step too.
 
     Raises:
-        NotReplayable: when ``hidden`` is not in one of the step's allocations.
+        NotReplayable: when ``hidden`` or an ``aux`` tensor is not in one of the step's
+            allocations written by a recorded call.
     """
     sizes, addresses, uses = recording.sizes, recording.addresses, list(recording.uses)
-    owner = next((i for i, (a, n) in enumerate(zip(addresses, sizes, strict=True))
-                  if a <= hidden.data_ptr() < a + n), None)
-    if owner is None or uses[owner] is None:
-        raise NotReplayable("the forward's result is not written by a recorded call")
-    uses[owner] = (uses[owner][0], len(recording.calls))  # read after the step
+    owners = []
+    for result in (hidden, *aux):
+        owner = next((i for i, (a, n) in enumerate(zip(addresses, sizes, strict=True))
+                      if a <= result.data_ptr() < a + n), None)
+        if owner is None or uses[owner] is None:
+            raise NotReplayable("the forward's result is not written by a recorded call")
+        uses[owner] = (uses[owner][0], len(recording.calls))  # read after the step
+        owners.append(owner)
     offsets: dict[int, int] = {}
     placed: list[tuple[int, int, int]] = []
     for i in sorted((i for i, u in enumerate(uses) if u is not None), key=lambda i: uses[i]):
@@ -323,7 +337,7 @@ def plan_program(recording: Recording, hidden: torch.Tensor) -> StepProgram:
         relocs = [(a, offsets[v[1]] + v[2]) for a, v in enumerate(args)
                   if isinstance(v, tuple)]
         template.append((fn, args, relocs))
-    hidden_offset = offsets[owner] + hidden.data_ptr() - addresses[owner]
+    specs = [(offsets[i] + t.data_ptr() - addresses[i], tuple(t.shape), tuple(t.stride()),
+              t.dtype) for i, t in zip(owners, (hidden, *aux), strict=True)]
     size = max((end for _, end, _ in placed), default=0)
-    return StepProgram(template, size, (hidden_offset, tuple(hidden.shape),
-                                        tuple(hidden.stride()), hidden.dtype))
+    return StepProgram(template, size, specs[0], aux=specs[1:])

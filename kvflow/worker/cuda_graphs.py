@@ -4,7 +4,9 @@ A decode step of ``B`` requests is the same sequence of kernels for every step w
 so it is captured once per padded batch size (1, 2, 4, 8, then multiples of 16 up to
 ``max_num_seqs``) and replayed: the host launches one graph instead of hundreds of kernels.
 Inputs are copied into static buffers first. Padding rows write their K/V nowhere
-(``slot_mapping = -1``) and attend to the null block, and their outputs are dropped.
+(``slot_mapping = -1``) and attend to the null block, and their outputs are dropped. A model
+that also returns aux hidden states (an EAGLE-3 target's layer taps) copies them into static
+outputs of their own inside the graph.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ class CudaGraphRunner:
         self.block_table = torch.zeros(n, max_blocks_per_seq, **i32)
         self.query_start_loc = torch.arange(n + 1, **i32)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        # EAGLE-3's taps (``LlamaModel.aux_hidden_state_layers``): static outputs too
+        layers = getattr(getattr(model, "model", None), "aux_hidden_state_layers", ())
+        self.aux = [torch.zeros(n, hidden_size, dtype=dtype, device=device) for _ in layers]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.metas: dict[int, AttentionMetadata] = {}
 
@@ -67,7 +72,12 @@ class CudaGraphRunner:
     def _forward(self, size: int) -> None:
         meta = self.metas[size]
         with self.attn_ctx.forward_context.bind([meta]):  # one KV-cache group
-            self.hidden[:size] = self.model(self.input_ids[:size], self.positions[:size])
+            out = self.model(self.input_ids[:size], self.positions[:size])
+            if isinstance(out, tuple):  # (hidden, aux hidden states)
+                out, aux = out
+                for static, tap in zip(self.aux, aux, strict=True):
+                    static[:size] = tap
+            self.hidden[:size] = out
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -93,8 +103,10 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
-        """Replay the smallest captured size >= the batch; returns hidden [num_reqs, hidden]."""
+            meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """Replay the smallest captured size >= the batch; returns hidden [num_reqs, hidden]
+        (with a model returning aux hidden states, EAGLE-3's taps: ``(hidden, [num_reqs,
+        hidden] each)``, views of the static outputs)."""
         n = meta.num_reqs
         size = next(s for s in self.sizes if s >= n)
         width = meta.block_table.shape[1]
@@ -107,4 +119,6 @@ class CudaGraphRunner:
         self.block_table[:n, :width].copy_(meta.block_table)
         self.block_table[n:size].zero_()
         self.graphs[size].replay()
+        if self.aux:
+            return self.hidden[:n], [static[:n] for static in self.aux]
         return self.hidden[:n]

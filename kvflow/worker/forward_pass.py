@@ -93,7 +93,9 @@ def run_model(model: torch.nn.Module, attn_ctx: AttentionContext, cp_world_size:
     ``cp_world_size`` > 1 a backend's token split (Ring Attention) runs this rank's share of a
     prefill's tokens and gathers the ``rows`` (int64 token indices; None: all) back; the
     step's LoRA mapping bound in ``lora_ctx`` then keeps only that share's tokens.
-    ``counters`` gains the tokens run and the seconds the model took."""
+    ``counters`` gains the tokens run and the seconds the model took. A target returning aux
+    hidden states (EAGLE-3's taps) returns ``(hidden, [T, hidden] each)``
+    (``split_aux_hidden``)."""
     metadata = inputs.attn_metadata
     with attn_ctx.forward_context.bind(metadata):
         prepare_attention(attn_ctx, metadata, block_size)
@@ -111,4 +113,17 @@ def run_model(model: torch.nn.Module, attn_ctx: AttentionContext, cp_world_size:
         else:
             out = model(input_ids, positions, intermediate_tensors, **extra)
         counters.forward_s += time.perf_counter() - start
-        return out if split is None else split.gather(out, rows)
+        if split is None:
+            return out
+        if isinstance(out, tuple):  # an EAGLE-3 target's taps gathered as its hidden states
+            return split.gather(out[0], rows), [split.gather(t, rows) for t in out[1]]
+        return split.gather(out, rows)
+
+
+def split_aux_hidden(out: Any) -> tuple[Any, list[torch.Tensor] | None]:
+    """A forward's output -> (final hidden states [T, H] or the tensors for the next stage,
+    the aux hidden states [T, H] each of a target whose ``aux_hidden_state_layers`` are set
+    (EAGLE-3's taps, ``models/llama.py``), else None)."""
+    if isinstance(out, tuple):
+        return out[0], list(out[1])
+    return out, None

@@ -41,7 +41,12 @@ from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sched_output import DraftGrammar, GrammarBitmask, SchedulerOutput
 from kvflow.spec_decode.eagle import EagleDrafter
 from kvflow.worker.cpu_setup import configure_runner_threads
-from kvflow.worker.forward_pass import ForwardCounters, model_extra_inputs, run_model
+from kvflow.worker.forward_pass import (
+    ForwardCounters,
+    model_extra_inputs,
+    run_model,
+    split_aux_hidden,
+)
 from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.kv_swap import HostKVCache
 from kvflow.worker.logits_procs import RunnerLogitsProcessors
@@ -246,17 +251,17 @@ class ModelRunner(RunnerKVCache):
                 draft_grammar)
             if proposal is not None:
                 self._proposed = proposal.token_ids
-            hidden = self._forward(inputs, recv_from_previous_stage(self.parallel.pp),
-                                   lora_mapping=self._lora_mapping(inputs),
-                                   rows=hidden_rows(inputs, self.input_batch, self.pooling,
-                                                    spec_tokens))
+            hidden, aux = split_aux_hidden(self._forward(
+                inputs, recv_from_previous_stage(self.parallel.pp),
+                lora_mapping=self._lora_mapping(inputs),
+                rows=hidden_rows(inputs, self.input_batch, self.pooling, spec_tokens)))
             if connector_meta is not None:  # and the prompt blocks it completed out after it
                 self.kv_connector.wait_for_save(connector_meta)
             if not send_to_next_stage(self.parallel.pp, hidden):
                 return  # a pipeline stage before the last: no logits here
             if isinstance(self.drafter, EagleDrafter):  # the head reads the target's features
                 self.drafter.observe_target(self.input_batch, inputs, hidden, self.block_size,
-                                            self.stager)
+                                            self.stager, aux)
             self._step = launch_logits(self.model, self.pooling, self.input_batch,
                                        self.requests, sched, inputs, hidden, spec_tokens,
                                        proposal, self.sampler.logprobs_mode.endswith("logits"))

@@ -13,6 +13,7 @@ from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSp
 from kvflow.malloc_env import keep_freed_memory
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.draft_timing import time_draft_passes
+from kvflow.worker.forward_pass import split_aux_hidden
 from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.kv_cache_setup import (
     allocate_kv_caches,
@@ -67,7 +68,8 @@ class RunnerKVCache:
         inputs = build_model_inputs(batch, np.array([num_tokens]), self.block_size,
                                     self.stager, long_prompt_rope=self.long_prompt_rope)
         with torch.inference_mode():
-            hidden = self._forward(inputs, recv_from_previous_stage(self.parallel.pp), batch)
+            hidden, _ = split_aux_hidden(self._forward(
+                inputs, recv_from_previous_stage(self.parallel.pp), batch))
             if send_to_next_stage(self.parallel.pp, hidden) and self.pooling is None:
                 self.model.compute_logits(hidden[-self.config.scheduler_config.max_num_seqs:])
         self.platform.synchronize()

@@ -9,9 +9,10 @@ keeps hidden states across steps while a replayed step's live in a static buffer
 arena (CPU). CUDA graphs are also off for quantized MoE experts (``--quantization int8|fp8|gguf``
 on an MoE model): their grouped loop reads each expert's token count on the host. The CPU
 runner also needs the native CPU attention backend with its
-work-sharing pool closed, an unquantized KV cache, one tensor-parallel rank and no draft model.
-Both are off with an EAGLE-3 head too: its taps on the target's layers are forward hooks,
-which a replay skips (``spec_decode/layer_taps.py``).
+work-sharing pool closed, an unquantized KV cache, one tensor-parallel rank and no draft model
+other than an EAGLE / EAGLE-3 / MTP head (whose passes run eagerly between the target's steps).
+An EAGLE-3 head's taps on the target's layers are returned by the target's forward
+(``spec_decode/layer_taps.py``), so both runners replay them into fixed outputs.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import logging
 import torch
 
 from kvflow.config import cpu_gemm_pool_choice
+from kvflow.spec_decode.eagle import EagleDrafter
 from kvflow.worker.cpu_graphs import CpuGraphRunner
 from kvflow.worker.cuda_graphs import CudaGraphRunner
 
@@ -30,15 +32,15 @@ logger = logging.getLogger(__name__)
 def _common_ok(runner) -> bool:
     return not runner.config.device_config.enforce_eager and runner.lora_manager is None \
         and len(runner.kv_cache_config.kv_cache_groups) == 1 and runner.mm_runner is None \
-        and runner.parallel.pp.world_size == 1 and runner.pooling is None \
-        and getattr(runner.drafter, "taps", None) is None  # EAGLE-3's hooks: eager only
+        and runner.parallel.pp.world_size == 1 and runner.pooling is None
 
 
 def _cpu_ok(runner) -> bool:
     kernels = getattr(runner.attn_ctx.backend, "_kernels", None)
     return runner.device.type == "cpu" and runner.attn_ctx.backend.name == "cpu" \
         and kernels is not None and (kernels.pool is None or not kernels.pool.is_open) \
-        and runner.parallel.tp.world_size == 1 and runner.drafter is None \
+        and runner.parallel.tp.world_size == 1 \
+        and (runner.drafter is None or isinstance(runner.drafter, EagleDrafter)) \
         and all(cache.dtype == runner.dtype for cache in runner.kv_caches)
 
 
@@ -58,12 +60,14 @@ def cpu_step_graphs_expected(config) -> bool:
     """Whether a CPU engine of ``config`` (an EngineConfig) will replay its decode steps as CPU
     step graphs, as far as the config tells before the model loads (what
     ``--cpu-gemm auto`` weighs, ``kernels/gemm_select.py: graph_weighted``): no
-    ``--enforce-eager``, LoRA, draft model, pipeline or tensor split, quantized KV cache or
-    ``--cpu-gemm-pool``. (A multimodal or pooling model, known only once loaded, runs
-    without graphs all the same.)"""
+    ``--enforce-eager``, LoRA, draft model (an EAGLE / EAGLE-3 / MTP head is fine), pipeline
+    or tensor split, quantized KV cache or ``--cpu-gemm-pool``. (A multimodal or pooling
+    model, known only once loaded, runs without graphs all the same.)"""
     pc = config.parallel_config
     return not config.device_config.enforce_eager and not config.lora_config.enable_lora \
-        and config.speculative_config is None and pc.pipeline_parallel_size == 1 \
+        and (config.speculative_config is None
+             or config.speculative_config.method in ("eagle", "eagle3", "deepseek_mtp")) \
+        and pc.pipeline_parallel_size == 1 \
         and pc.tensor_parallel_size == 1 and config.cache_config.kv_cache_dtype == "auto" \
         and not cpu_gemm_pool_choice(config.device_config.cpu_gemm_pool)
 
@@ -96,8 +100,10 @@ def make_graph_runner(runner, max_model_len: int) -> CudaGraphRunner | CpuGraphR
         return graphs
     if _cpu_ok(runner):
         logger.info("CPU step graphs on: decode steps replay their recorded native calls")
+        spec = runner.config.speculative_config  # verification steps: 1 + k tokens a row
         return CpuGraphRunner(runner.model, runner.attn_ctx, runner.attn_ctx.backend._kernels,
-                              runner.kv_caches, max_num_seqs, max_blocks, runner.block_size)
+                              runner.kv_caches, max_num_seqs, max_blocks, runner.block_size,
+                              max_query_len=1 + (spec.num_speculative_tokens if spec else 0))
     return None
 
 

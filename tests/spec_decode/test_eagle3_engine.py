@@ -23,7 +23,9 @@ import torch
 from safetensors.torch import save_file
 
 from kvflow import LLM, SamplingParams
+from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.models.eagle3 import default_aux_layer_ids
+from kvflow.worker.cpu_graphs import CpuGraphRunner
 from tests.spec_decode.head_reference import expected_counts, ref_rollout
 from tests.spec_decode.test_eagle_engine import (
     _record_proposals,
@@ -217,6 +219,39 @@ def test_greedy_equals_plain_greedy(pair, assert_no_leaks, monkeypatch):
     if kind == "mimic":
         assert accepted >= 0.1 * drafted, (accepted, drafted)
     assert_no_leaks(eagle)
+
+
+def test_step_graphs_replay_verification_steps_as_the_eager_run(pair, monkeypatch):
+    """CPU step graphs (on by default) record and replay the EAGLE-3 engine's verification
+    steps (every request 1 + k tokens), the target's layer taps included: proposals (context,
+    drafts, draft distributions), output tokens and drafted / accepted counts equal an
+    ``enforce_eager`` engine's, bit for bit."""
+    if native_cpu_kernels() is None:
+        pytest.skip("no C compiler: no CPU step graphs")
+    *_, kind, path, folder = pair
+    # fresh engines: the pair's has cached blocks, whose stale head K/V change the drafts
+    eagle, eager = _engine(path, folder), _engine(path, folder, enforce_eager=True)
+    graphs = eagle.engine.core.executor.runner.graph_runner
+    assert isinstance(graphs, CpuGraphRunner)
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)] * 2
+    seen = _record_proposals(monkeypatch)
+    before = graphs.replayed_steps
+    got = eagle.generate(PROMPTS, params, use_tqdm=False)
+    replayed, graph_seen = graphs.replayed_steps - before, list(seen)
+    seen.clear()
+    ref = eager.generate(PROMPTS, params, use_tqdm=False)
+    assert eager.engine.core.executor.runner.graph_runner is None
+    assert replayed >= 4, replayed
+    _same_outputs(ref, got)
+    assert _drafted(got) == _drafted(ref)
+    assert len(graph_seen) == len(seen) >= 16
+    for (context, drafts, q), (ref_context, ref_drafts, ref_q) in zip(graph_seen, seen,
+                                                                        strict=True):
+        assert (context, drafts) == (ref_context, ref_drafts)
+        assert (q is None and ref_q is None) or torch.equal(q, ref_q)
+    if kind == "mimic":  # drafts accepted: the replayed taps feed the right features
+        assert _drafted(got)[1] > 0
 
 
 def test_default_layer_ids_are_vllms():
