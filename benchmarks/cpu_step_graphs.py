@@ -17,6 +17,9 @@ The last lines give each mode's medians over the rounds and the ratio graphs / e
 another kvflow tree's (e.g. ``git archive`` of an earlier commit, its step graphs on too)
 instead of eager steps, the processes alternating the same way; ``--no-throughput`` skips
 CPU-W1. Each process also reports ``replayed``, the decode steps its step graphs replayed.
+``--speculative-config JSON`` gives both modes that speculative config (e.g. an EAGLE-3 head
+from ``make_eagle3_head.py``, adaptive lengths off): the steps are then verification steps of
+1 + k tokens per request, which the step graphs replay too.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--before", default=None,
                    help="another kvflow tree to compare with instead of eager steps")
     p.add_argument("--no-throughput", action="store_true", help="skip CPU-W1 throughput")
+    p.add_argument("--speculative-config", default=None,
+                   help="JSON speculative_config for both modes (default: none)")
     p.add_argument("--child", choices=(*MODES, "before"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -54,7 +59,8 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
 
     llm, params_cls, _ = offline_engine.load_engine(
         "kvflow", args.model_dir, args.dtype, enforce_eager=args.child == "eager",
-        quantization=args.quantization)
+        quantization=args.quantization,
+        speculative_config=json.loads(args.speculative_config or "null"))
     vocab = llm.get_tokenizer().vocab_size
     ids = offline_engine.cpu_w1_token_ids(vocab, NUM_PROMPTS)
 
@@ -84,6 +90,8 @@ def compare(args: argparse.Namespace) -> None:
                    args.dtype, "--batches", args.batches, "--child", mode]
             cmd += ["--quantization", args.quantization] if args.quantization else []
             cmd += ["--no-throughput"] if args.no_throughput else []
+            cmd += ["--speculative-config", args.speculative_config] \
+                if args.speculative_config else []
             env = dict(os.environ)
             if mode == "before":  # the other tree's kvflow, imported first
                 env["PYTHONPATH"] = os.pathsep.join(

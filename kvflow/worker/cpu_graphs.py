@@ -1,4 +1,5 @@
-"""CPU step graphs: an all-decode step's native kernel calls, recorded once and replayed.
+"""CPU step graphs: an all-decode step's native kernel calls, recorded once and replayed
+(a speculative verification step's too, where every request has the same 1 + k tokens).
 
 On CPU a decode step of the native kernels is a fixed sequence of C calls (a 64-row step of
 SmolLM2-135M: 302 of them) with Python between them: layers, argument checks, views and

@@ -1,8 +1,9 @@
 """Which decode-step graph runner an engine gets: CUDA graphs on a GPU that supports them
 (``worker/cuda_graphs.py``), recorded native calls on CPU (``worker/cpu_graphs.py``), or none.
 
-Both replay one KV-cache group's block table for batches of single-token queries, so both are
-off with ``--enforce-eager``, LoRA, several KV-cache groups, a multimodal model, a pipeline
+Both replay one KV-cache group's block table for batches of single-token queries (the CPU
+runner also for speculative decoding's verification steps, every request 1 + k tokens), so
+both are off with ``--enforce-eager``, LoRA, several KV-cache groups, a multimodal model, a pipeline
 split or an embedding (pooling) model: it never decodes, an encoder's attention reads
 ``query_start_loc`` on the host (a sync that breaks CUDA stream capture), and a pooling model
 keeps hidden states across steps while a replayed step's live in a static buffer (CUDA) or an
