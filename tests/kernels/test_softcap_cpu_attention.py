@@ -6,10 +6,14 @@ vector and bf16 decode) vs the plain-torch per-request reference with the same c
 Scores are made large (``scale`` 1, unit-normal q and K of head_dim 64: |q.k| ~ 8) and the cap
 small (2), so the cap moves the result by O(1) (checked: a kernel that ignored it would fail).
 Tolerances as tests/kernels/test_cpu_attention.py: fp32 1e-5 (tanhf vs torch.tanh differ by an
-ulp or two); bf16 one unit in the last place.
+ulp or two); bf16 one unit in the last place. The cap itself (AVX2 / AVX-512 builds: the
+vectorized tanh_fast of csrc/cpu_common.h; the portable build: libm tanhf) is also checked
+alone, at every ISA level, against float64 ``torch.tanh``.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
@@ -105,3 +109,26 @@ def test_bad_softcap_raises(bad):
     with pytest.raises(ValueError, match="softcap must be a finite number >= 0"):
         KERNELS.paged_attention(batch["q"], batch["kv_cache"], batch["query_start_loc"],
                                 batch["seq_lens"], batch["block_table"], 1.0, softcap=bad)
+
+
+@pytest.mark.parametrize("cap", [1.0, 2.0, 50.0])
+def test_soft_cap_is_float64_tanh_within_its_error_bound(kernels, cap):
+    """``kvflow_soft_cap`` (the attention kernels' soft_cap_scores) at each ISA level vs float64
+    ``cap * tanh(s / cap)`` of the same fp32 scores, over [-20 cap, 20 cap] and tiny values.
+    Bound: tanh_fast's relative error under 8 fp32 units (2^-24; exp_nonpos's ~2.6e-7 amplified
+    at most 1.13x, plus 3 roundings; measured 4.4; libm's tanhf is within 2), plus the
+    rounding of s / cap (which tanh does not amplify: |y tanh'(y) / tanh(y)| <= 1) and of the
+    product: 10 units relative. (1 - e) / (1 + e) without the small-|y| series (1 - e
+    cancelling) fails it by orders of magnitude."""
+    fn = kernels.lib.kvflow_soft_cap
+    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float]
+    y = torch.linspace(-20, 20, 200_003, dtype=torch.float64)
+    tiny = torch.logspace(-30, 0, 2_001, dtype=torch.float64)
+    s = (torch.cat([y, tiny, -tiny, torch.tensor([0.0, 1e4, -1e4])]) * cap).float()
+    want = cap * torch.tanh(s.double() / cap)
+    got = s.clone()
+    assert fn(got.data_ptr(), got.numel(), cap) == 0
+    rel = (got.double() - want).abs() / want.abs().clamp_min(1e-300)
+    assert float(rel.max()) <= 10 * 2.0**-24, float(rel.max()) / 2.0**-24
+    assert bool((torch.signbit(got) == torch.signbit(s)).all())
+    assert got[-2:].tolist() == [cap, -cap]  # saturated at exactly +-cap

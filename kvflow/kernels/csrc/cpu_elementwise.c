@@ -187,3 +187,11 @@ int kvflow_rotary(const int64_t *positions, void *q, int64_t q_stride, int64_t n
     }
     return failed;
 }
+
+/* s[0:n] (fp32, in place) = cap * tanh(s / cap), the attention kernels' soft cap
+ * (soft_cap_scores in cpu_common.h) as its own entry point, so tests can hold each build's tanh
+ * against a float64 oracle; cap <= 0 leaves s unchanged. Returns 0. */
+int kvflow_soft_cap(float *s, int64_t n, float cap) {
+    soft_cap_scores(s, n, cap);
+    return 0;
+}
