@@ -1,8 +1,10 @@
 """kvflow's native GGUF GEMM (``csrc/cpu_gguf.c``: dequantize inside the product) against
 ``gguf.quants.dequantize`` (numpy, the llama.cpp formulas) + a torch matmul, for every block
 type, at decode (fused kernel) and prefill (native tile dequantization + torch GEMM) row
-counts; and the GGUF layer's CPU path against its plain-torch path, with
-``KVFLOW_CPU_GGUF=torch`` selecting the latter."""
+counts; each ISA level's build (the ``kernels`` fixture: AVX-512, AVX2 and the SSE2 baseline
+widen bytes and fp16 scales differently) against the same oracle, fp16 scale edge cases
+(subnormals, signed zero, the largest half) included; and the GGUF layer's CPU path against its
+plain-torch path, with ``KVFLOW_CPU_GGUF=torch`` selecting the latter."""
 
 from __future__ import annotations
 
@@ -65,6 +67,37 @@ def test_native_gemm_matches_gguf(ggml_type, m):
     if m <= 16:
         torch.testing.assert_close(KERNELS.gguf_gemm(x, raw, ggml_type, ref.shape[1], bias),
                                    got + bias, atol=1e-4, rtol=1e-5)
+
+
+def _gemm_bound(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """fp32 summation over K terms: K eps sum |x_i w_i| (Higham's gamma_K), plus 1e-6."""
+    return ref.shape[1] * 2 ** -24 * (x.abs().double() @ ref.abs().double().T) + 1e-6
+
+
+@pytest.mark.parametrize("ggml_type", sorted(F16_AT))
+def test_every_isa_level_matches_gguf(kernels, ggml_type):
+    raw, ref = _case(ggml_type, 11, seed=ggml_type + 100)
+    got = kernels.gguf_dequantize(raw, ggml_type, ref.shape[1])
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
+    for m in (1, 3):  # the one-row pass, and the two-row pass then one
+        x = torch.randn(m, ref.shape[1], generator=torch.Generator().manual_seed(m))
+        out = kernels.gguf_gemm(x, raw, ggml_type, ref.shape[1])
+        want = x.double() @ ref.double().T
+        assert bool(((out.double() - want).abs() <= _gemm_bound(x, ref)).all())
+
+
+def test_fp16_scale_edge_cases_at_every_level(kernels):
+    """Q8_0 blocks whose fp16 scale is a subnormal (smallest, largest, negative), +-0, the
+    smallest normal or +-65504, each exact in fp32: the dequantized values d q are exact products
+    of an fp32 scale and |q| <= 128, so they equal gguf's bit for bit."""
+    scales = [0x0001, 0x03FF, 0x8001, 0x0000, 0x8000, 0x0400, 0x7BFF, 0xFBFF, 0x3C00, 0xB555]
+    raw = random_blocks(Q8_0, 1, len(scales), seed=7).reshape(len(scales), 34)
+    raw[:, :2] = np.array(scales, dtype=np.uint16)[:, None].view(np.uint8)
+    raw = raw.reshape(1, -1)
+    ref = gguf_quants.dequantize(raw, GGMLQuantizationType(Q8_0)).astype(np.float32)
+    got = kernels.gguf_dequantize(torch.from_numpy(raw), Q8_0, ref.shape[1])
+    assert torch.equal(got, torch.from_numpy(ref))
+    assert float(got.abs().max()) > 1e6 and 0 < float(got[0, :32].abs().max()) < 1e-5
 
 
 def test_bad_inputs_are_value_errors():

@@ -15,6 +15,8 @@
 #include <omp.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
+#elif defined(__SSE2__)
+#include <emmintrin.h>
 #endif
 
 #include "cpu_common.h"
@@ -75,6 +77,23 @@ static inline vf bytes_to_f(v16u8 q, int h, int is_signed) {
     const __m256i w = is_signed ? _mm256_cvtepi8_epi32(x) : _mm256_cvtepu8_epi32(x);
     vi wide;
     memcpy(&wide, &w, sizeof wide);
+#elif defined(__SSE2__)
+    /* the x86-64 baseline: SSE2 has no byte-to-dword widening (GCC's generic conversion went
+     * lane by lane through the stack, ~12x slower than AVX2), so bytes are interleaved with
+     * themselves (signed: then shifted right arithmetically) or with zeros, 8 -> 16 -> 32 bits */
+    __m128i x;
+    memcpy(&x, &q, 16);
+    if (h) x = _mm_unpackhi_epi64(x, x);
+    const __m128i zero = _mm_setzero_si128();
+    const __m128i w16 = is_signed ? _mm_srai_epi16(_mm_unpacklo_epi8(x, x), 8)
+                                  : _mm_unpacklo_epi8(x, zero);
+    const __m128i lo = is_signed ? _mm_srai_epi32(_mm_unpacklo_epi16(w16, w16), 16)
+                                 : _mm_unpacklo_epi16(w16, zero);
+    const __m128i hi = is_signed ? _mm_srai_epi32(_mm_unpackhi_epi16(w16, w16), 16)
+                                 : _mm_unpackhi_epi16(w16, zero);
+    const __m128i parts[2] = {lo, hi};
+    vi wide;
+    memcpy(&wide, parts, sizeof wide);
 #else
     vu8 b;
     memcpy(&b, (const char *)&q + h * VW, VW);
@@ -121,16 +140,52 @@ static inline void emit_f(Sink s, int j, int h, vf v) {
         s.acc[i * split + (split > 1 ? h : 0)] += v * loadv(s.x + i * s.xs + 16 * j + h * VW);
 }
 
+#if defined(__SSE2__) && !defined(__AVX2__)
+#define SSE2_ONLY 1
+/* d in every lane, from two SSE registers (GCC 12 splats a scalar into an 8-lane vector of
+ * the SSE2 build by eight 4-byte stores and a 16-byte reload, which stalls store forwarding). */
+static inline vf splat(float d) {
+    const __m128 h = _mm_set1_ps(d), parts[2] = {h, h};
+    vf v;
+    memcpy(&v, parts, sizeof v);
+    return v;
+}
+#else
+#define SSE2_ONLY 0
+#endif
+
 static inline void emit_q(Sink s, int j, v16u8 q, int is_signed, float d, float m) {
-    for (int h = 0; h < 16 / VW; ++h) emit_f(s, j, h, d * bytes_to_f(q, h, is_signed) + m);
+#if SSE2_ONLY
+    const vf dv = splat(d), mv = splat(m); /* lane for lane the same products and sums */
+#else
+    const float dv = d, mv = m;
+#endif
+    for (int h = 0; h < 16 / VW; ++h) emit_f(s, j, h, dv * bytes_to_f(q, h, is_signed) + mv);
 }
 
 static inline void emit(Sink s, int j, v16u8 q, float d, float m) { emit_q(s, j, q, 0, d, m); }
 
 static inline float f16_at(const uint8_t *p) {
+#if SSE2_ONLY
+    /* the baseline has no F16C: GCC calls libgcc's __extendhfsf2 once a block; the exact
+     * widening by IEEE 754's fields instead (subnormal halves m 2^-24, exact in fp32) */
+    uint16_t h;
+    memcpy(&h, p, 2);
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    uint32_t bits = sign | (e == 31 ? 0x7F800000u | m << 13 : (e + 112) << 23 | m << 13);
+    float f;
+    if (e == 0) {
+        f = (float)m * 0x1p-24f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+#else
     _Float16 h;
     memcpy(&h, p, 2);
     return (float)h;
+#endif
 }
 
 /* Each blk_* dequantizes one block into out (see Sink); inlined into the loops below. */
