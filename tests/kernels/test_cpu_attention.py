@@ -258,11 +258,10 @@ def _seed_cache(cache: Path) -> Path:
 
 
 def _copying_compiler(folder: Path) -> Path:
-    """A CC for the rebuild of the foreign library: ``--version`` is the real compiler's (so the
+    """A CC for the rebuild of a damaged library: ``--version`` is the real compiler's (so the
     library's cached name is the same), and a build copies the library this process loaded to
     the ``-o`` target and logs its command line in ``folder``/cc.log, instead of compiling it
-    a second time (one real compile, of the truncated library, is enough; each takes ~17 s of
-    CPU)."""
+    again (each real compile takes ~17 s of CPU)."""
     from kvflow.kernels import cpu_native
 
     script = folder / "copying-cc"
@@ -278,8 +277,9 @@ while [ $# -gt 1 ]; do [ "$1" = -o ] && cp '{KERNELS.lib._name}' "$2"; shift; do
 def test_damaged_cached_library_is_rebuilt(monkeypatch, tmp_path):
     """A truncated library (would SIGBUS the loader) and a foreign one that lacks kvflow's
     symbols are rebuilt; a compiler that writes nothing means the torch fallback. Three cache
-    dirs, one fresh process each, run side by side. The truncated library is really compiled
-    again; the foreign one's rebuild copies the loaded library (:func:`_copying_compiler`)."""
+    dirs, one fresh process each, run side by side. Both rebuilds copy the loaded library
+    (:func:`_copying_compiler`, each logging to its own folder): the real compile is what the
+    first build of every run does already (~17 s of CPU each)."""
     from kvflow.kernels import cpu_build, cpu_native
 
     intact, truncated, foreign = (_seed_cache(tmp_path / name)  # as a first build leaves it
@@ -289,9 +289,12 @@ def test_damaged_cached_library_is_rebuilt(monkeypatch, tmp_path):
     foreign_c.write_text("int kvflow_unrelated(void) { return 1; }\n")
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(foreign), str(foreign_c)], check=True)
     cpu_build.digest_path(foreign).write_text(hashlib.sha256(foreign.read_bytes()).hexdigest())
-    copying_cc = _copying_compiler(tmp_path)
+    logs = {name: tmp_path / f"cc-{name}" for name in ("truncated", "foreign")}
+    for folder in logs.values():
+        folder.mkdir()
     procs = [_start_fresh_process(lib.parent.parent, cc) for lib, cc in
-             ((intact, None), (truncated, None), (foreign, copying_cc))]
+             ((intact, None), (truncated, _copying_compiler(logs["truncated"])),
+              (foreign, _copying_compiler(logs["foreign"])))]
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "empty"))
     monkeypatch.setenv("CC", "/bin/true")  # "succeeds" without writing a library
     try:
@@ -303,8 +306,9 @@ def test_damaged_cached_library_is_rebuilt(monkeypatch, tmp_path):
     assert list((tmp_path / "intact").rglob("*.so")) == [intact]  # loaded without a build
     assert cpu_build.intact(truncated) and cpu_build.intact(foreign)
     assert b"kvflow_paged_attention" in foreign.read_bytes()
-    # the foreign library's rebuild linked (once) the library of the cached path's name
-    assert (tmp_path / "cc.log").read_text().count(f"/{foreign.name} ") == 1
+    # each damaged library's rebuild linked (once) the library of the cached path's name
+    for name, lib in (("truncated", truncated), ("foreign", foreign)):
+        assert (logs[name] / "cc.log").read_text().count(f"/{lib.name} ") == 1
 
 
 PROMPTS = [[(5 * i + 11 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((3, 9, 21, 34))]
