@@ -3,7 +3,8 @@
 Each source tree runs in its own process (``PYTHONPATH`` set to the tree, the same Python and
 venv) on the packaged SmolLM2-135M-Instruct: a fixed set of chat-style text prompts and the
 CPU-W1 shape (``--num-prompts`` random-token prompts of ``--input-len`` tokens, seed 0 ->
-``--output-len`` greedy tokens, EOS ignored, prefix caching off), fp32. The trees run in turn
+``--output-len`` greedy tokens, EOS ignored, prefix caching off), in ``--dtype`` (default
+float32; ``bfloat16`` for issue 23's offline CPU-W1 comparison). The trees run in turn
 for ``--rounds`` rounds (the order flips every round) so both see the same machine load. The script prints, per tree, the
 median output tokens/s and then how many of the sequences are token-for-token identical to the
 first tree's (and where the first divergence is, if any).
@@ -46,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="float32", help="the model dtype of both trees' runs")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -56,7 +58,7 @@ def run_child(args: argparse.Namespace) -> None:
 
     from kvflow import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype="float32", enable_prefix_caching=False)
+    llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=False)
     vocab = llm.get_tokenizer().vocab_size
     gen = torch.Generator().manual_seed(0)
     random_prompts = [torch.randint(0, vocab, (args.input_len,), generator=gen).tolist()
@@ -87,6 +89,7 @@ def run_tree(tree: str, args: argparse.Namespace) -> dict:
     """One child process for ``tree``; returns its RESULT object."""
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model,
+           "--dtype", args.dtype,
            "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
            "--output-len", str(args.output_len)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
