@@ -319,3 +319,15 @@ def cpu_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     cpu_native.native_cpu_kernels.cache_clear()
     yield request.param
     cpu_native.native_cpu_kernels.cache_clear()  # re-read once monkeypatch restores the env
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm() -> Any:
+    """One engine on the packaged SmolLM2-135M-Instruct GGUF (fp32, chunked prefill of 16
+    tokens a step, 256 blocks, max_model_len 256), shared by the tests that only generate
+    greedily with it (tests/models/test_gguf_loader.py, tests/test_stop_strings.py): the load
+    dequantizes every weight, ~5 s on 2 busy cores, once instead of once per module."""
+    from kvflow import LLM
+
+    return LLM(model="SmolLM2-135M-Instruct", dtype="float32", max_num_batched_tokens=16,
+               num_kv_blocks=256, max_model_len=256)

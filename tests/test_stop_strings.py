@@ -16,7 +16,6 @@ import pytest
 
 from kvflow.detokenizer import IncrementalDetokenizer
 
-MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = ["The quick brown fox", "1, 2, 3, 4,", "Once upon a time, in a small village,",
            "def fibonacci(n):"]
 
@@ -52,10 +51,10 @@ def random_stops(rng: random.Random, text: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def llm():
-    from kvflow import LLM
-
-    return LLM(model=MODEL, dtype="float32", num_kv_blocks=256, max_model_len=256)
+def llm(smollm2_llm):
+    """The session's SmolLM2 engine (tests/conftest.py; also tests/models/test_gguf_loader.py's
+    oracle comparison): one load of the GGUF for both."""
+    return smollm2_llm
 
 
 @pytest.fixture(scope="module")

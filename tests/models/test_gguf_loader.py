@@ -607,15 +607,16 @@ def test_resolve_bad_files(tmp_path):
 # --------------------------------------------------------------------------- engine parity
 
 
-def test_smollm_greedy_matches_transformers(smollm_path, hf_model, smollm_tokenizer):
-    """The packaged GGUF through kvflow (paged KV, batched, chunked prefill) generates the same
-    greedy tokens as transformers' own loading of the same GGUF."""
-    from kvflow import LLM, SamplingParams
+def test_smollm_greedy_matches_transformers(smollm_path, hf_model, smollm_tokenizer,
+                                            smollm2_llm):
+    """The packaged GGUF through kvflow (paged KV, batched, chunked prefill: the session's
+    ``smollm2_llm``, tests/conftest.py) generates the same greedy tokens as transformers' own
+    loading of the same GGUF."""
+    from kvflow import SamplingParams
 
     prompts = ["The capital of France is", "Once upon a time",
                "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\""]
-    llm = LLM(model="SmolLM2-135M-Instruct", dtype="float32", max_num_batched_tokens=16,
-              num_kv_blocks=64)
+    llm = smollm2_llm
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         ids = torch.tensor([smollm_tokenizer.encode(prompt)])
