@@ -9,9 +9,7 @@ The model is the tiny Llama plus ``{"temperature": 0.0, "repetition_penalty": 2.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -143,20 +141,26 @@ def test_cli_generate_uses_defaults_and_flags_win(gen_model, tiny_llama, token_i
     assert capsys.readouterr().out == PROMPT + decode(plain, skip_special_tokens=True) + "\n"
 
 
-def test_python_m_kvflow_with_a_config_file(gen_model, tiny_llama, token_ids, tmp_path):
-    """``python -m kvflow generate --config FILE`` as the kvflow script would run it: the file
-    sets the model, flags and --generation-config none; a typed flag overrides the file."""
+def test_python_m_kvflow_with_a_config_file(gen_model, tiny_llama, token_ids, tmp_path,
+                                            monkeypatch, capsys):
+    """``python -m kvflow generate --config FILE`` as the kvflow script would run it (kvflow's
+    ``__main__`` run by runpy with that command line, in this process: a fresh interpreter
+    running ``python -m kvflow`` is tests/test_platform_plugins.py's): the file sets the
+    model, flags and --generation-config none; a typed flag overrides the file."""
+    import runpy
+
     from transformers import AutoTokenizer
 
     config = tmp_path / "engine.yaml"
     config.write_text(f"model: {gen_model}\ndtype: float32\nnum_kv_blocks: 64\n"
                       f"generation-config: none\ntemperature: 0\nmax-tokens: 9\n"
                       f"ignore_eos: true\nprompt: [{json.dumps(PROMPT)}]\n")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "kvflow", "generate", "--config", str(config),
-                           "--max-tokens", "5"], env=env, check=False, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+    monkeypatch.setattr(sys, "argv", ["kvflow", "generate", "--config", str(config),
+                                      "--max-tokens", "5"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module("kvflow", run_name="__main__", alter_sys=True)
+    out = capsys.readouterr()
+    assert done.value.code == 0, out.err
     expected = hf_greedy(tiny_llama, token_ids(PROMPT), 5)
     decode = AutoTokenizer.from_pretrained(gen_model).decode
-    assert done.stdout == PROMPT + decode(expected, skip_special_tokens=True) + "\n"
+    assert out.out == PROMPT + decode(expected, skip_special_tokens=True) + "\n"
