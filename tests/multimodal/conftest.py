@@ -364,3 +364,34 @@ def tiny_llava_siglip(tmp_path_factory, tiny_tokenizer) -> TinyVL:
                        {"model_type": "mistral", "sliding_window": 8}, seed=17,
                        vision_feature_layer=1, vision_feature_select_strategy="full",
                        multimodal_projector_bias=False, projector_hidden_act="gelu")
+
+
+@pytest.fixture(scope="session")
+def local_media_dir(tmp_path_factory) -> Any:
+    """An empty folder ``allowed`` (with an empty sibling ``outside``) that the shared
+    ``qwen2_vl_server`` reads ``file://`` URLs under (tests/multimodal/test_local_media.py
+    fills both)."""
+    base = tmp_path_factory.mktemp("local_media")
+    (base / "allowed").mkdir()
+    (base / "outside").mkdir()
+    return base / "allowed"
+
+
+QWEN2_VL_SERVER_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256",
+                        "--block-size", "16", "--max-image-bytes", "300000"]
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_server(tiny_qwen2_vl, local_media_dir, tmp_path_factory) -> Any:
+    """One ``kvflow serve`` of ``tiny_qwen2_vl`` (``QWEN2_VL_SERVER_ARGS`` plus
+    ``--allowed-local-media-path local_media_dir``) for test_qwen2_vl_server.py and
+    test_local_media.py (each start takes seconds); stopped at the end of the session."""
+    from tests.e2e.conftest import ServerProcess, wait_ready_or_stop
+
+    server = ServerProcess(tiny_qwen2_vl.path, [*QWEN2_VL_SERVER_ARGS,
+                                                "--allowed-local-media-path",
+                                                str(local_media_dir)],
+                           tmp_path_factory.mktemp("qwen2_vl_server") / "server.log")
+    wait_ready_or_stop(server)
+    yield server
+    server.stop()

@@ -20,20 +20,17 @@ import pytest
 from kvflow import LLM, SamplingParams
 from kvflow.config import MultiModalConfig
 from kvflow.multimodal import MediaError, load_chat_media, load_video_url
-from tests.e2e.conftest import start_server  # noqa: F401 - fixture
 from tests.multimodal.conftest import data_url, hf_generate, png_bytes, random_image
 
 MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def media(tmp_path_factory):
+def media(local_media_dir):
     """(allowed DIR with cat.png and a symlink out, an outside folder with secret.png, the
-    image)."""
-    base = tmp_path_factory.mktemp("local_media")
-    allowed, outside = base / "allowed", base / "outside"
-    allowed.mkdir()
-    outside.mkdir()
+    image); DIR is the shared ``qwen2_vl_server``'s ``--allowed-local-media-path``."""
+    allowed = local_media_dir
+    outside = allowed.parent / "outside"
     image = random_image(70, 98, 5)
     (allowed / "cat.png").write_bytes(png_bytes(image))
     (outside / "secret.png").write_bytes(png_bytes(image))
@@ -137,25 +134,21 @@ def test_a_video_file_url_reads_the_frames_its_data_url_holds(media):
 
 
 def test_server_file_url_equals_transformers_and_escapes_are_400s(
-        media, tiny_qwen2_vl, start_server):  # noqa: F811 - the imported fixture
+        media, tiny_qwen2_vl, qwen2_vl_server):
     allowed, _, image = media
-    server = start_server(tiny_qwen2_vl.path, [
-        "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64", "--block-size", "16",
-        "--allowed-local-media-path", str(allowed)])
-    try:
-        def chat(url: str) -> httpx.Response:
-            body = {"messages": user_turn("image", url), "max_tokens": MAX_TOKENS,
-                    "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-            return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    server = qwen2_vl_server  # started with --allowed-local-media-path DIR
 
-        resp = chat(f"file://{allowed}/cat.png")
-        assert resp.status_code == 200, resp.text
-        assert resp.json()["choices"][0]["token_ids"] == hf_tokens(tiny_qwen2_vl, image)
-        for url, words in escapes(allowed)[:3]:
-            resp = chat(url)
-            assert resp.status_code == 400, resp.text
-            error = resp.json()["error"]
-            assert error["param"] == "messages.0.content.1.image_url"
-            assert words in error["message"], error["message"]
-    finally:
-        server.terminate()
+    def chat(url: str) -> httpx.Response:
+        body = {"messages": user_turn("image", url), "max_tokens": MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+
+    resp = chat(f"file://{allowed}/cat.png")
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["token_ids"] == hf_tokens(tiny_qwen2_vl, image)
+    for url, words in escapes(allowed)[:3]:
+        resp = chat(url)
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "messages.0.content.1.image_url"
+        assert words in error["message"], error["message"]

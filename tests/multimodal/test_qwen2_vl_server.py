@@ -18,7 +18,7 @@ import zlib
 import httpx
 import pytest
 
-from tests.e2e.conftest import ServerProcess, start_server  # noqa: F401 - fixture
+from tests.e2e.conftest import ServerProcess
 from tests.multimodal.conftest import (
     data_url,
     decoded_jpeg_frames,
@@ -33,16 +33,14 @@ from tests.multimodal.conftest import (
 )
 
 MAX_TOKENS = 6
-MAX_IMAGE_BYTES = 300_000
-ENGINE_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256",
-               "--block-size", "16", "--max-image-bytes", str(MAX_IMAGE_BYTES)]
+MAX_IMAGE_BYTES = 300_000  # QWEN2_VL_SERVER_ARGS' --max-image-bytes
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_qwen2_vl):  # noqa: F811 - the imported fixture
-    server = start_server(tiny_qwen2_vl.path, ENGINE_ARGS)
-    yield server
-    server.terminate()
+def server(qwen2_vl_server):
+    """The session's shared Qwen2-VL server (tests/multimodal/conftest.py; its
+    ``--allowed-local-media-path`` is test_local_media.py's)."""
+    return qwen2_vl_server
 
 
 def chat(server: ServerProcess, content: list[dict], max_tokens: int = MAX_TOKENS
@@ -141,8 +139,10 @@ BAD_IMAGES = [  # (id, url, words the message must hold)
     ("text_data_url", "data:text/plain;base64,aGVsbG8=", ["text/plain", "not supported"]),
     ("over_byte_cap", data_url(random_image(448, 448, 7)), ["--max-image-bytes"]),
     ("remote_url_off_by_default", "http://127.0.0.1:9/cat.png", ["--allowed-media-domains"]),
-    ("file_url_without_the_flag", "file:///etc/passwd",
-     ["file:// URLs are refused", "--allowed-local-media-path"]),
+    # the shared server has --allowed-local-media-path (test_local_media.py's folder); a
+    # file:// URL without the flag is refused by the same load_chat_media, checked there
+    ("file_url_outside_the_allowed_path", "file:///etc/passwd",
+     ["not under --allowed-local-media-path"]),
 ]
 
 
