@@ -12,6 +12,7 @@ import concurrent.futures
 import httpx
 import pytest
 
+from tests.distributed.conftest import SLOW
 from tests.lora.adapters import MAX_TOKENS, check_tokens_against_peft, make_adapter
 
 PROMPTS = {"all": [85, 73, 70, 222, 314, 302, 40, 41], "qv": [9, 250, 31, 77, 120, 5],
@@ -36,18 +37,30 @@ def _adapters(tiny_llama, built_models) -> dict[str, str]:
 
 PARALLEL = {"tp": ["--tensor-parallel-size", "2"],
             "cp": ["--context-parallel-size", "2", "--max-num-batched-tokens", "8"]}
+# The CP=2 case is a sibling of the TP=2 one (the same routes, and adapter loads sent to both
+# ranks the same way) in the slow run (scripts/test_distributed_slow.sh); CP=2 + LoRA,
+# including an adapter loaded, run, removed and refused, stays in the default run in
+# tests/distributed/test_lora_context_parallel.py.
+SLOW_PARALLEL = ("cp",)
+
+
+def _declaration(tiny_llama, adapters: dict[str, str], parallel: str) -> tuple:
+    """(model, args, env) of the ``parallel`` server."""
+    return (tiny_llama.path, ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64",
+                              "--block-size", "4", "--served-model-name", "base",
+                              "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+                              *PARALLEL[parallel], "--lora-modules", f"all={adapters['all']}"],
+            None)
 
 
 def prestart_servers(fixture):
-    """This module's servers (one per ``PARALLEL`` entry, in its order), taken with
-    ``start_server.declared`` and started ahead (``_prestart_next_module`` in conftest.py)."""
+    """This module's default-run servers (one per ``PARALLEL`` entry not in
+    ``SLOW_PARALLEL``), started ahead (``_prestart_next_module`` in conftest.py) and taken by
+    ``start_server`` with the same arguments."""
     tiny_llama = fixture("tiny_llama")
     adapters = _adapters(tiny_llama, fixture("built_models"))
-    return [(tiny_llama.path, ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64",
-                               "--block-size", "4", "--served-model-name", "base",
-                               "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-                               *flags, "--lora-modules", f"all={adapters['all']}"], None)
-            for flags in PARALLEL.values()]
+    return [_declaration(tiny_llama, adapters, name) for name in PARALLEL
+            if name not in SLOW_PARALLEL]
 
 
 def _complete(url: str, model: str, prompt: list[int]) -> httpx.Response:
@@ -56,10 +69,12 @@ def _complete(url: str, model: str, prompt: list[int]) -> httpx.Response:
         "ignore_eos": True, "logprobs": 1, "return_token_ids": True})
 
 
-@pytest.mark.parametrize("parallel", list(PARALLEL))
-def test_lora_over_two_ranks(start_server, request, tiny_llama, built_models, parallel):
+@pytest.mark.parametrize("parallel", [pytest.param(name, marks=SLOW if name in SLOW_PARALLEL
+                                                      else ()) for name in PARALLEL])
+def test_lora_over_two_ranks(start_server, tiny_llama, built_models, parallel):
     adapters = _adapters(tiny_llama, built_models)
-    server = start_server.declared(request, list(PARALLEL).index(parallel))
+    model, args, env = _declaration(tiny_llama, adapters, parallel)
+    server = start_server(model, args, env=env)
     url = server.url
     resp = httpx.post(f"{url}/v1/load_lora_adapter", timeout=60,
                       json={"lora_name": "qv", "lora_path": adapters["qv"]})
