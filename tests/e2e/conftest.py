@@ -394,3 +394,26 @@ def smollm2_server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
     server = start_server(SMOLLM2, SMOLLM2_ARGS)
     server.metrics_at_start = server.metrics()
     return server
+
+
+BERT_EMBED_ARGS = ["--dtype", "float32", "--device", "cpu", "--block-size", "4",
+                   "--served-model-name", "bert", "--max-num-batched-tokens", "64",
+                   "--policy", "priority"]  # whole prompts per step; BERT has no KV cache
+
+
+def bert_embed_model(tiny_tokenizer: Any, built_models: BuiltModels) -> tuple[str, Any]:
+    """(folder, SentenceTransformer) of the tiny random BERT with mean pooling
+    (``tests.models.embedding_models.build_bert``), built once per session."""
+    from tests.models.embedding_models import build_bert
+
+    return built_models("bert", lambda folder: build_bert(tiny_tokenizer, folder, "mean"))
+
+
+@pytest.fixture(scope="session")
+def bert_embed_server(start_server: ServerStarter, tiny_tokenizer: Any,
+                      built_models: BuiltModels) -> ServerProcess:
+    """One ``kvflow serve`` of :func:`bert_embed_model` with ``BERT_EMBED_ARGS`` (task embed,
+    served as "bert", ``--policy priority``) for every module that talks to it
+    (tests/e2e/test_openai_embeddings.py, test_openai_score.py); a server of these arguments
+    started ahead is taken. Stopped at the end of the session."""
+    return start_server(bert_embed_model(tiny_tokenizer, built_models)[0], BERT_EMBED_ARGS)

@@ -15,16 +15,18 @@ import numpy as np
 import pytest
 import torch
 
-from tests.e2e.conftest import TINY_CHAT_TEMPLATE, ready_side_by_side
-from tests.models.embedding_models import build_bert, build_decoder, st_embed
+from tests.e2e.conftest import (
+    BERT_EMBED_ARGS,
+    TINY_CHAT_TEMPLATE,
+    bert_embed_model,
+    ready_side_by_side,
+)
+from tests.models.embedding_models import build_decoder, st_embed
 
 INPUTS = ["the quick brown fox", "a lazy dog while kvflow pages keys and values", "tokens"]
 ARGS = ["--dtype", "float32", "--device", "cpu", "--block-size", "4"]
 
 
-# whole prompts per step, and no KV cache to size (an encoder refuses --num-kv-blocks)
-BERT_ARGS = [*ARGS, "--served-model-name", "bert", "--max-num-batched-tokens", "64",
-             "--policy", "priority"]
 DEC_ARGS = [*ARGS, "--num-kv-blocks", "64", "--served-model-name", "dec",
             "--max-num-batched-tokens", "8",  # in chunks
             "--chat-template", TINY_CHAT_TEMPLATE]
@@ -33,29 +35,29 @@ DEC_ARGS = [*ARGS, "--num-kv-blocks", "64", "--served-model-name", "dec",
 def _models(tiny_tokenizer, built_models) -> dict[str, tuple[str, object]]:
     """{"bert": (folder, SentenceTransformer), "decoder": (folder, SentenceTransformer)}, built
     once per session."""
-    return {"bert": built_models("bert",
-                               lambda folder: build_bert(tiny_tokenizer, folder, "mean")),
+    return {"bert": bert_embed_model(tiny_tokenizer, built_models),
             "decoder": built_models("decoder",
                                   lambda folder: build_decoder(tiny_tokenizer, folder,
                                                                "lasttoken"))}
 
 
 def prestart_servers(fixture):
-    """This module's servers, taken with ``start_server.declared`` and started ahead
-    (``_prestart_next_module`` in conftest.py)."""
+    """This module's servers, taken (the BERT one through the session's
+    ``bert_embed_server``) and started ahead (``_prestart_next_module`` in conftest.py)."""
     models = _models(fixture("tiny_tokenizer"), fixture("built_models"))
-    return [(models["bert"][0], BERT_ARGS, None), (models["decoder"][0], DEC_ARGS, None)]
+    return [(models["bert"][0], BERT_EMBED_ARGS, None), (models["decoder"][0], DEC_ARGS, None)]
 
 
 @pytest.fixture(scope="module")
 def servers(start_server, request, tiny_tokenizer, built_models):
     """{"bert": (server, st), "decoder": (server, st)}: both servers come up side by side
-    (every test here but one uses both)."""
+    (every test here but one uses both); the BERT one is the session's ``bert_embed_server``
+    (BERT_EMBED_ARGS, shared with test_openai_score.py), left running."""
     models = _models(tiny_tokenizer, built_models)
     bert_st, dec_st = models["bert"][1], models["decoder"][1]
-    bert_server = start_server.declared(request, 0, wait=False)
     dec_server = start_server.declared(request, 1, wait=False)
-    with ready_side_by_side(bert_server, dec_server):
+    bert_server = request.getfixturevalue("bert_embed_server")  # ready (dec still starting)
+    with ready_side_by_side(dec_server):
         yield {"bert": (bert_server, bert_st), "decoder": (dec_server, dec_st)}
 
 

@@ -1,8 +1,9 @@
 """/v1/score and /v1/rerank against sentence-transformers' CrossEncoder and transformers:
 ``kvflow serve`` with a tiny random BertForSequenceClassification (one label: sigmoid scores)
-and XLMRobertaForSequenceClassification (two labels: the logits); an embedding server scoring
-by cosine similarity (against ``util.cos_sim``), and a generating one that answers these
-routes with a 400 (``wrong_task``)."""
+and XLMRobertaForSequenceClassification (two labels: the logits); an embedding server (the
+session's ``bert_embed_server``) scoring by cosine similarity (against ``util.cos_sim``), and a
+generating one (the session's ``smollm2_server``) that answers these routes with a 400
+(``wrong_task``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from tests.e2e.conftest import ready_side_by_side
+from tests.e2e.conftest import bert_embed_model, ready_side_by_side
 from tests.models.cross_encoder_models import (
     DOCUMENTS,
     QUERY,
@@ -18,45 +19,41 @@ from tests.models.cross_encoder_models import (
     hf_scores,
     st_scores,
 )
-from tests.models.embedding_models import build_bert
 
 ARGS = ["--dtype", "float32", "--device", "cpu", "--max-num-batched-tokens", "64"]
 BERT_ARGS = [*ARGS, "--served-model-name", "ce", "--max-model-len", "16"]
 XLMR_ARGS = [*ARGS, "--served-model-name", "ce2"]
-EMBED_ARGS = [*ARGS, "--served-model-name", "emb"]
-GEN_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64",
-            "--served-model-name", "gen"]
 TOL = 2e-5
 
 
-NAMES = ("bert", "xlmr", "embed", "gen")
+NAMES = ("bert", "xlmr")  # this module's servers; "embed" and "gen" are the session's
 
 
-def _models(tiny_tokenizer, built_models, tiny_llama) -> dict[str, tuple[str, object]]:
-    """{name: (folder, what its builder returned)} (the embedding model's: its
-    SentenceTransformer)."""
-    return {"bert": built_models("ce_bert", lambda f: build_cross_encoder(f, "Bert", 1)),
-            "xlmr": built_models("ce_xlmr", lambda f: build_cross_encoder(f, "XLMRoberta", 2)),
-            "embed": built_models("bert", lambda f: build_bert(tiny_tokenizer, f, "mean")),
-            "gen": (tiny_llama.path, None)}
+def _models(built_models) -> dict[str, str]:
+    """{name: cross-encoder folder} for ``NAMES``."""
+    return {"bert": built_models("ce_bert", lambda f: build_cross_encoder(f, "Bert", 1))[0],
+            "xlmr": built_models("ce_xlmr",
+                                 lambda f: build_cross_encoder(f, "XLMRoberta", 2))[0]}
 
 
 def prestart_servers(fixture):
     """This module's servers (see ``prestart_servers`` in conftest.py)."""
-    models = _models(fixture("tiny_tokenizer"), fixture("built_models"), fixture("tiny_llama"))
-    return [(models[name][0], args, None)
-            for name, args in zip(NAMES, (BERT_ARGS, XLMR_ARGS, EMBED_ARGS, GEN_ARGS))]
+    models = _models(fixture("built_models"))
+    return [(models[name], args, None) for name, args in zip(NAMES, (BERT_ARGS, XLMR_ARGS))]
 
 
 @pytest.fixture(scope="module")
-def servers(start_server, request, tiny_tokenizer, built_models, tiny_llama):
-    """{name: (server, folder)} for ``NAMES`` ("embed": (server, SentenceTransformer)), up
-    side by side."""
-    models = _models(tiny_tokenizer, built_models, tiny_llama)
+def servers(start_server, request, tiny_tokenizer, built_models):
+    """{name: (server, folder)} for ``NAMES``, up side by side, with "embed": (the session's
+    ``bert_embed_server``, its SentenceTransformer) and "gen": (``smollm2_server``, None)."""
+    models = _models(built_models)
     started = [start_server.declared(request, i, wait=False) for i in range(len(NAMES))]
+    shared = {"embed": (request.getfixturevalue("bert_embed_server"),
+                        bert_embed_model(tiny_tokenizer, built_models)[1]),
+              "gen": (request.getfixturevalue("smollm2_server"), None)}
     with ready_side_by_side(*started):
-        yield {name: (server, models[name][1] if name == "embed" else models[name][0])
-               for name, server in zip(NAMES, started)}
+        yield {**{name: (server, models[name]) for name, server in zip(NAMES, started)},
+               **shared}
 
 
 def _post(server, path: str, body: dict) -> httpx.Response:
