@@ -202,6 +202,7 @@ class ServerStarter:
         self._tmp = tmp_path_factory
         self.servers: list[ServerProcess] = []
         self._ahead: dict[tuple, list[ServerProcess]] = {}
+        self._shared: dict[tuple, ServerProcess] = {}
         self.prestarted_modules: set[str] = set()
 
     @staticmethod
@@ -224,6 +225,17 @@ class ServerStarter:
         if wait:
             wait_ready_or_stop(server)
         return server
+
+    def shared(self, model: str, args: list[str], env: dict[str, str] | None = None,
+               threads: int = 1) -> ServerProcess:
+        """One ready server of these arguments for the whole session, handed to every module
+        that asks (modules whose tests do not need a server of their own: their requests
+        leave nothing that another's assertions read); the first call starts it, or takes
+        one started ahead. Not to be terminated by a module: ``stop_all`` stops it."""
+        key = self._key(model, args, env, threads)
+        if key not in self._shared:
+            self._shared[key] = self(model, args, env, threads)
+        return self._shared[key]
 
     def declared(self, request: pytest.FixtureRequest, index: int = 0,
                  wait: bool = True) -> ServerProcess:

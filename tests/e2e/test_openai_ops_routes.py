@@ -29,8 +29,16 @@ ENV = {"KVFLOW_SERVER_DEV_MODE": "1"}
 
 
 def prestart_servers(fixture):
-    """This module's server (see ``prestart_servers`` in conftest.py)."""
+    """This module's server (see ``prestart_servers`` in conftest.py), shared with
+    test_openai_prompt_tokens_details.py (``start_server.shared``)."""
     return [(fixture("tiny_chat_model"), ARGS, ENV)]
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_chat_model):
+    """The session's server of ``ARGS`` (left running: test_openai_prompt_tokens_details.py
+    takes it too)."""
+    return start_server.shared(tiny_chat_model, ARGS, ENV)
 
 
 def _post(server, path: str, body: dict) -> httpx.Response:

@@ -17,17 +17,17 @@ import httpx
 import pytest
 from openai.types import CompletionUsage
 
-MODEL = "tiny"
-BLOCK_SIZE = 4
-ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128",
-        "--block-size", str(BLOCK_SIZE), "--max-model-len", "128",
-        "--served-model-name", MODEL, "--enable-prompt-tokens-details"]
+from tests.e2e.test_openai_ops_routes import ARGS, BLOCK_SIZE, ENV, MODEL
+
+# ARGS has --enable-prompt-tokens-details (and ops routes this module does not call): the server
+# is test_openai_ops_routes.py's, kept for the session. Every prompt here starts with a fresh
+# random word, so requests sent to it earlier give no prefix-cache hit this module counts.
 
 
-def prestart_servers(fixture):
-    """This module's server, taken with ``start_server.declared`` and started ahead
-    (``_prestart_next_module`` in conftest.py)."""
-    return [(fixture("tiny_chat_model"), ARGS, None)]
+@pytest.fixture(scope="module")
+def server(start_server, tiny_chat_model):
+    """The session's server of ``ARGS`` (``start_server.shared``)."""
+    return start_server.shared(tiny_chat_model, ARGS, ENV)
 
 
 @pytest.fixture(scope="module")
