@@ -22,9 +22,15 @@ PROMPT = "the quick brown fox jumps"
 
 
 def prestart_servers(fixture):
-    """This module's servers, taken with ``start_server.declared`` and started ahead
-    (``_prestart_next_module`` in conftest.py)."""
+    """This module's server, started ahead (``_prestart_next_module`` in conftest.py)."""
     return [(fixture("tiny_chat_model"), SERVER_ARGS, None)]
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_chat_model):
+    """The session's server of ``SERVER_ARGS`` (``start_server.shared``; test_run_batch.py
+    compares its batch lines with this server's answers)."""
+    return start_server.shared(tiny_chat_model, SERVER_ARGS)
 
 
 @pytest.fixture(scope="module")

@@ -104,10 +104,11 @@ def _input_lines() -> list[tuple[str, object]]:
     return lines
 
 
-def prestart_servers(fixture):
-    """This module's server, taken with ``start_server.declared`` and started ahead
-    (``_prestart_next_module`` in conftest.py)."""
-    return [(fixture("tiny_chat_model"), SERVER_ARGS, None)]
+@pytest.fixture(scope="module")
+def server(start_server, tiny_chat_model):
+    """The session's server of ``SERVER_ARGS`` (``start_server.shared``), which
+    test_openai_tiny.py (same flags) started: the batch lines' oracle."""
+    return start_server.shared(tiny_chat_model, SERVER_ARGS)
 
 
 _ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
