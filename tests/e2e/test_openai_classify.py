@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.e2e.conftest import ready_side_by_side
+from tests.e2e.test_openai_score import BERT_ARGS as SCORE_ARGS  # one server for both
 from tests.models.classifier_models import (
     NO_TOKEN,
     TEXTS,
@@ -34,7 +35,6 @@ LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 ARGS = ["--dtype", "float32", "--device", "cpu", "--max-num-batched-tokens", "64"]
 CLS_ARGS = [*ARGS, "--task", "classify", "--served-model-name", "cls", "--num-kv-blocks",
             "64", "--max-model-len", "10"]
-SCORE_ARGS = [*ARGS, "--served-model-name", "ce"]
 RERANKER_OVERRIDES = ('{"architectures": ["Qwen3ForSequenceClassification"], '
                       f'"classifier_from_token": ["{NO_TOKEN}", "{YES_TOKEN}"], '
                       '"is_original_qwen3_reranker": true}')
@@ -60,11 +60,15 @@ def prestart_servers(fixture):
 
 @pytest.fixture(scope="module")
 def servers(start_server, request, built_models):
-    """{name: (server, folder)} for ``NAMES``, up side by side."""
+    """{name: (server, folder)} for ``NAMES``, up side by side ("ce" the session's)."""
     models = _models(built_models)
-    started = [start_server.declared(request, i, wait=False) for i in range(len(NAMES))]
-    with ready_side_by_side(*started):
-        yield {name: (server, models[name]) for name, server in zip(NAMES, started)}
+    own = {name: start_server.declared(request, i, wait=False)
+           for i, name in enumerate(NAMES) if name != "ce"}
+    # the cross-encoder's server is kept for test_openai_score.py (its --max-model-len 16
+    # fits every input sent to it here)
+    ce = start_server.shared(models["ce"], SCORE_ARGS)
+    with ready_side_by_side(*own.values()):
+        yield {name: ({**own, "ce": ce}[name], models[name]) for name in NAMES}
 
 
 def _post(server, path: str, body: dict) -> httpx.Response:

@@ -26,7 +26,7 @@ XLMR_ARGS = [*ARGS, "--served-model-name", "ce2"]
 TOL = 2e-5
 
 
-NAMES = ("bert", "xlmr")  # this module's servers; "embed" and "gen" are the session's
+NAMES = ("bert", "xlmr")  # the cross-encoders
 
 
 def _models(built_models) -> dict[str, str]:
@@ -39,21 +39,22 @@ def _models(built_models) -> dict[str, str]:
 def prestart_servers(fixture):
     """This module's servers (see ``prestart_servers`` in conftest.py)."""
     models = _models(fixture("built_models"))
-    return [(models[name], args, None) for name, args in zip(NAMES, (BERT_ARGS, XLMR_ARGS))]
+    return [(models["xlmr"], XLMR_ARGS, None)]
 
 
 @pytest.fixture(scope="module")
 def servers(start_server, request, tiny_tokenizer, built_models):
-    """{name: (server, folder)} for ``NAMES``, up side by side, with "embed": (the session's
+    """{name: (server, folder)} for ``NAMES`` ("bert": the session's server of BERT_ARGS,
+    ``start_server.shared`` with test_openai_classify.py), with "embed": (the session's
     ``bert_embed_server``, its SentenceTransformer) and "gen": (``smollm2_server``, None)."""
     models = _models(built_models)
-    started = [start_server.declared(request, i, wait=False) for i in range(len(NAMES))]
-    shared = {"embed": (request.getfixturevalue("bert_embed_server"),
+    xlmr = start_server.declared(request, 0, wait=False)
+    shared = {"bert": (start_server.shared(models["bert"], BERT_ARGS), models["bert"]),
+              "embed": (request.getfixturevalue("bert_embed_server"),
                         bert_embed_model(tiny_tokenizer, built_models)[1]),
               "gen": (request.getfixturevalue("smollm2_server"), None)}
-    with ready_side_by_side(*started):
-        yield {**{name: (server, models[name]) for name, server in zip(NAMES, started)},
-               **shared}
+    with ready_side_by_side(xlmr):
+        yield {"xlmr": (xlmr, models["xlmr"]), **shared}
 
 
 def _post(server, path: str, body: dict) -> httpx.Response:
