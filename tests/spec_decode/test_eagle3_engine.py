@@ -229,8 +229,22 @@ def test_step_graphs_replay_verification_steps_as_the_eager_run(pair, monkeypatc
     if native_cpu_kernels() is None:
         pytest.skip("no C compiler: no CPU step graphs")
     *_, kind, path, folder = pair
-    # fresh engines: the pair's has cached blocks, whose stale head K/V change the drafts
-    eagle, eager = _engine(path, folder), _engine(path, folder, enforce_eager=True)
+    # fresh engines: the pair's has cached blocks, whose stale head K/V change the drafts. One
+    # GEMM kernel for both: `--cpu-gemm auto` weighs the step graphs' margin only where graphs
+    # run, so the two engines could pick different kernels (other last bits) per shape.
+    # And one thread (the suite's default, which an earlier test may have changed): at two
+    # threads the two engines' kernels split the work differently (last bits differ).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _compare_graph_and_eager_engines(path, folder, kind, monkeypatch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compare_graph_and_eager_engines(path, folder, kind, monkeypatch):
+    eagle = _engine(path, folder, cpu_gemm="native")
+    eager = _engine(path, folder, enforce_eager=True, cpu_gemm="native")
     graphs = eagle.engine.core.executor.runner.graph_runner
     assert isinstance(graphs, CpuGraphRunner)
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
