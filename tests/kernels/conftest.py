@@ -53,15 +53,20 @@ BACKGROUND_RUNS = [
     ("unfused", "qwen3", ("triton", "auto")), ("fused", "qwen3", ("auto", True)),
     ("unfused", "gemma3", ("triton", "auto")), ("fused", "gemma3", ("auto", True)),
     ("fused", "llama", ("int8", True)), ("fused", "llama", ("fp8_e4m3", True))]
+# The runs of test_fused_kernels_engine.py's cases that carry its SLOW marks: started only in
+# the slow run (scripts/test_distributed_slow.sh sets KVFLOW_TEST_DISTRIBUTED_SLOW=1).
+SLOW_RUNS = [("unfused", "qwen3", ("triton", "auto")), ("fused", "qwen3", ("auto", True)),
+             ("unfused", "gemma3", ("triton", "auto")), ("fused", "gemma3", ("auto", True)),
+             ("fused", "llama", ("fp8_e4m3", True))]
 BACKGROUND_MODULES = ("test_engine_triton_cpu.py", "test_fused_kernels_engine.py")
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _engine_runs_started(request: pytest.FixtureRequest) -> Iterator[dict[tuple, Future]]:
     """When the session runs the Triton engine tests (``BACKGROUND_MODULES``), start every
-    ``BACKGROUND_RUNS`` run at the first kernel test, in one spawned worker process: the runs
-    (interpreted Triton, several seconds each) proceed on the other core while the kernel
-    tests before those modules run. {(kind, path, *args): its Future}; empty when not needed,
+    ``BACKGROUND_RUNS`` run (but the ``SLOW_RUNS`` outside the slow run) at the first kernel
+    test, in one spawned worker process: the runs (interpreted Triton, several seconds each)
+    proceed on the other core while the kernel tests before those modules run. {(kind, path, *args): its Future}; empty when not needed,
     when Triton does not run interpreted here, or under pytest-xdist (every worker sees the
     whole session's items, and the other worker keeps the second core busy)."""
     wanted = any(getattr(item, "path", None) is not None and
@@ -74,7 +79,10 @@ def _engine_runs_started(request: pytest.FixtureRequest) -> Iterator[dict[tuple,
     factory = request.getfixturevalue("tiny_model_factory")
     pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     futures = {}
+    slow = os.environ.get("KVFLOW_TEST_DISTRIBUTED_SLOW") == "1"
     for kind, name, args in BACKGROUND_RUNS:
+        if not slow and (kind, name, args) in SLOW_RUNS:
+            continue
         key = (kind, factory(name).path, *args)
         futures[key] = pool.submit(run_in_child, *key)
     yield futures
