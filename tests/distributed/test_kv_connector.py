@@ -30,6 +30,7 @@ from kvflow.distributed.kv_transfer.shared_storage import (
 )
 from kvflow.lora.request import LoRARequest
 from tests.conftest import build_tiny_model
+from tests.distributed.conftest import SLOW
 from tests.lora.adapters import MAX_TOKENS as LORA_MAX_TOKENS
 from tests.lora.adapters import make_adapter, peft_greedy
 from tests.test_prompt_embeds import MAX_TOKENS as EMBEDS_MAX_TOKENS
@@ -180,13 +181,15 @@ def test_tensor_parallel_ranks_store_and_load_their_heads(tiny_llama, tmp_path, 
                                        atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("prefix_caching, backend", [(True, "uni"), (False, "uni"),
-                                                     (True, "mp")])
+@pytest.mark.parametrize("prefix_caching, backend", [
+    (True, "uni"), (False, "uni"), pytest.param(True, "mp", marks=SLOW)])
 def test_consumer_loads_and_computes_the_tail(tiny_llama, tmp_path, plain, prefix_caching,
                                               backend, assert_no_leaks):
     """A fresh consumer (its worker in the engine's process, or in a process of its own:
     the loads cross the step message) loads each prompt's whole blocks but the last
-    token's."""
+    token's. The ``mp`` case runs in scripts/test_distributed_slow.sh: the loads cross the
+    same step message (kvflow/executor/step_codec.py) to both TP=2 worker processes in
+    test_tensor_parallel_ranks_store_and_load_their_heads."""
     prompts = _prompts(tiny_llama.vocab_size)
     _produce(tiny_llama.path, str(tmp_path), prompts)
     consumer = _llm(tiny_llama.path, str(tmp_path), "kv_consumer",
