@@ -249,9 +249,12 @@ class ServerStarter:
     def prestart(self, model: str, args: list[str], env: dict[str, str] | None = None,
                  threads: int = 1) -> None:
         """Start a server now, without waiting, for a later ``start_server`` call with the
-        same arguments (a module's start-up overlaps the module before it)."""
-        server = self._new(model, args, env, threads)
-        self._ahead.setdefault(self._key(model, args, env, threads), []).append(server)
+        same arguments (a module's start-up overlaps the module before it); nothing when the
+        session already shares a server of these arguments (:meth:`shared` returns it)."""
+        key = self._key(model, args, env, threads)
+        if key in self._shared:
+            return
+        self._ahead.setdefault(key, []).append(self._new(model, args, env, threads))
 
     def stop_all(self, warn_unused: bool = True) -> None:
         """Terminate every server, then wait for each (they shut down side by side). With
@@ -290,16 +293,18 @@ PRESTART_AHEAD = 2  # modules whose servers may be starting or idle ahead of the
 
 def _next_prestarting_modules(request: pytest.FixtureRequest) -> list[Any]:
     """The first ``PRESTART_AHEAD`` modules after the current one, in the session's run
-    order, that define ``prestart_servers``; none past a ``TIMING_SENSITIVE`` one (nothing
-    should still be starting while it runs)."""
+    order and in its folder (another folder's fixtures, ``start_server`` among them, are not
+    this module's), that define ``prestart_servers``; none past a ``TIMING_SENSITIVE`` one
+    (nothing should still be starting while it runs)."""
     current, found = request.module, []
+    folder = Path(current.__file__).parent
     seen_current = False
     for item in request.session.items:
         module = getattr(item, "module", None)
         if module is current:
             seen_current = True
         elif (seen_current and module is not None and hasattr(module, "prestart_servers")
-              and module not in found):
+              and module not in found and Path(module.__file__).parent == folder):
             found.append(module)
             if len(found) == PRESTART_AHEAD or getattr(module, "TIMING_SENSITIVE", False):
                 break

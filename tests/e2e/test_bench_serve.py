@@ -11,18 +11,23 @@ import pytest
 
 from kvflow.bench.serve import LOAD_START_LINE
 from kvflow.entrypoints.cli import main
+from tests.e2e.test_openai_tiny import MODEL, SERVER_ARGS
 
-MODEL = "tiny"
-ENGINE_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256",
-               "--block-size", "4", "--max-model-len", "256", "--served-model-name", MODEL]
 STATS = ("mean", "median", "p90", "p99")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def prestart_servers(fixture):
-    """This module's servers, taken with ``start_server.declared`` and started ahead
-    (``_prestart_next_module`` in conftest.py)."""
-    return [(fixture("tiny_chat_model"), ENGINE_ARGS, None)]
+    """This module's server, started ahead (``_prestart_next_module`` in conftest.py) when a
+    module runs before this one."""
+    return [(fixture("tiny_chat_model"), SERVER_ARGS, None)]
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_chat_model):
+    """test_openai_tiny.py's server (``start_server.shared``: the same tiny Llama served as
+    "tiny"; every assertion here reads differences of its counters or this run's results)."""
+    return start_server.shared(tiny_chat_model, SERVER_ARGS)
 
 
 def bench(server, tmp_path, name, *args):
@@ -82,7 +87,7 @@ def test_synthetic_chat_counts_match_usage(server, tmp_path):
 
 
 def test_failures_are_reported_with_error_bodies(server, tmp_path, capsys):
-    # prompts longer than --max-model-len 256: the server answers 400; the probe stops the run
+    # prompts longer than --max-model-len (96): the server answers 400; the probe stops the run
     rc, path = bench(server, tmp_path, "fail", "--num-prompts", "2", "--input-len", "300",
                      "--random-vocab-size", "320")
     assert rc == 1 and not path.exists()

@@ -29,7 +29,7 @@ def prestart_servers(fixture):
 @pytest.fixture(scope="module")
 def server(start_server, tiny_chat_model):
     """The session's server of ``SERVER_ARGS`` (``start_server.shared``; test_run_batch.py
-    compares its batch lines with this server's answers)."""
+    compares its batch lines with this server's answers; test_bench_serve.py loads it)."""
     return start_server.shared(tiny_chat_model, SERVER_ARGS)
 
 
