@@ -15,42 +15,47 @@ import pytest
 import torch
 
 from tests.e2e.conftest import ready_side_by_side
+from tests.e2e.test_openai_score import BERT_ARGS as SCORE_ARGS
+from tests.e2e.test_openai_token_pooling import TE_ARGS, bare_decoder_model, te_server
 from tests.models.classifier_models import TEXTS, build_decoder_classifier, hf_logits
 from tests.models.cross_encoder_models import DOCUMENTS, QUERY, build_cross_encoder
 from tests.models.test_pooling_activation import hf_per_token_logits
-from tests.models.token_models import build_bare_decoder
 
 ARGS = ["--dtype", "float32", "--device", "cpu", "--max-num-batched-tokens", "16",
         "--num-kv-blocks", "64"]
 NAMES = ("cls", "ce", "emb")
-SERVER_ARGS = {"cls": [*ARGS, "--task", "classify"], "emb": ARGS,
-               "ce": ["--dtype", "float32", "--device", "cpu", "--max-num-batched-tokens", "64"]}
 LONG = " ".join(TEXTS)  # ~40 tokens: three prefill chunks of 16
+# the pairs that fit the shared cross-encoder server's --max-model-len 16 (all but the 2nd)
+DOCS = [DOCUMENTS[0], *DOCUMENTS[2:]]
 ATOL = 1e-5  # float32 rounding of two implementations (see tests/models/test_classify.py)
 RAW = {"atol": ATOL, "rtol": 1e-5}  # raw logits are not in (0, 1): rounding relative to size
 
 
-def _models(built_models) -> dict[str, str]:
-    return {"cls": built_models("act_cls_qwen2", lambda f: build_decoder_classifier(
-                f, "Qwen2", 3))[0],
-            "ce": built_models("act_ce_bert", lambda f: build_cross_encoder(f, "Bert", 1))[0],
-            "emb": built_models("act_emb_llama", build_bare_decoder)[0]}
+def _cls_model(built_models) -> str:
+    return built_models("act_cls_qwen2", lambda f: build_decoder_classifier(f, "Qwen2", 3))[0]
 
 
 def prestart_servers(fixture):
-    """This module's servers (see ``prestart_servers`` in conftest.py)."""
-    models = _models(fixture("built_models"))
-    return [(models[name], [*SERVER_ARGS[name], "--served-model-name", name], None)
-            for name in NAMES]
+    """This module's own server and the session's bare-decoder embedding server
+    (test_openai_token_pooling.py's; see ``prestart_servers`` in conftest.py)."""
+    built_models = fixture("built_models")
+    return [(_cls_model(built_models), [*ARGS, "--task", "classify", "--served-model-name",
+                                        "cls"], None),
+            (bare_decoder_model(built_models), TE_ARGS, None)]
 
 
 @pytest.fixture(scope="module")
 def servers(start_server, request, built_models):
-    """{name: (server, folder)} for ``NAMES``, up side by side."""
-    models = _models(built_models)
-    started = [start_server.declared(request, i, wait=False) for i in range(len(NAMES))]
-    with ready_side_by_side(*started):
-        yield {name: (server, models[name]) for name, server in zip(NAMES, started)}
+    """{name: (server, folder)} for ``NAMES``: "cls" this module's; "ce" the session's BERT
+    cross-encoder server (test_openai_score.py's and test_openai_classify.py's,
+    ``start_server.shared``) and "emb" the session's bare-decoder embedding server
+    (test_openai_token_pooling.py's): only refusals are asked of "emb"."""
+    cls = start_server.declared(request, 0, wait=False)
+    ce_folder = built_models("ce_bert", lambda f: build_cross_encoder(f, "Bert", 1))[0]
+    shared = {"ce": (start_server.shared(ce_folder, SCORE_ARGS), ce_folder),
+              "emb": (te_server(start_server, built_models), bare_decoder_model(built_models))}
+    with ready_side_by_side(cls):
+        yield {"cls": (cls, _cls_model(built_models)), **shared}
 
 
 def _post(server, path: str, body: dict) -> httpx.Response:
@@ -98,14 +103,14 @@ def test_score_and_rerank_raw_logits(servers):
     tokenizer = AutoTokenizer.from_pretrained(folder)
     with torch.no_grad():
         logits = torch.stack([model(**tokenizer(QUERY, d, return_tensors="pt")).logits[0, 0]
-                              for d in DOCUMENTS])
-    body = {"text_1": QUERY, "text_2": DOCUMENTS}
+                              for d in DOCS])
+    body = {"text_1": QUERY, "text_2": DOCS}
     default = _post(server, "/v1/score", body).json()["data"]
     torch.testing.assert_close(torch.tensor([d["score"] for d in default]),
                                torch.sigmoid(logits), atol=ATOL, rtol=0)
     raw = _post(server, "/score", {**body, "activation": False}).json()["data"]
     torch.testing.assert_close(torch.tensor([d["score"] for d in raw]), logits, **RAW)
-    ranked = _post(server, "/v1/rerank", {"query": QUERY, "documents": DOCUMENTS,
+    ranked = _post(server, "/v1/rerank", {"query": QUERY, "documents": DOCS,
                                           "use_activation": False}).json()["results"]
     assert [r["index"] for r in ranked] == logits.argsort(descending=True).tolist()
     torch.testing.assert_close(torch.tensor([r["relevance_score"] for r in ranked]),

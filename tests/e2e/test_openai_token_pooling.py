@@ -27,25 +27,40 @@ LONG = " ".join(TEXTS)  # ~40 tokens: three chunks of 16
 ATOL = 1e-5
 
 
+TE_ARGS = [*ARGS, "--served-model-name", "te"]
+
+
 def _models(built_models) -> dict[str, str]:
     return {"tc": built_models("tokcls_llama", lambda f: build_token_classifier(
                 f, "Llama", 3))[0],
-            "te": built_models("tokemb_llama", build_bare_decoder)[0]}
+            "te": bare_decoder_model(built_models)}
+
+
+def bare_decoder_model(built_models) -> str:
+    """The tiny bare LlamaModel embedder's folder (``build_bare_decoder``), once per session."""
+    return built_models("tokemb_llama", build_bare_decoder)[0]
+
+
+def te_server(start_server, built_models):
+    """The session's server of the bare decoder with ``TE_ARGS`` (``start_server.shared``;
+    test_openai_pooling_activation.py's embedding server, started ahead by that module)."""
+    return start_server.shared(bare_decoder_model(built_models), TE_ARGS)
 
 
 def prestart_servers(fixture):
-    """This module's servers (see ``prestart_servers`` in conftest.py)."""
-    models = _models(fixture("built_models"))
-    return [(models[name], [*ARGS, "--served-model-name", name], None) for name in NAMES]
+    """This module's own server (see ``prestart_servers`` in conftest.py); "te" is the
+    session's (:func:`te_server`), declared by test_openai_pooling_activation.py."""
+    return [(_models(fixture("built_models"))["tc"], [*ARGS, "--served-model-name", "tc"], None)]
 
 
 @pytest.fixture(scope="module")
 def servers(start_server, request, built_models):
-    """{name: (server, folder)} for ``NAMES``, up side by side."""
+    """{name: (server, folder)} for ``NAMES``: "tc" this module's, "te" the session's."""
     models = _models(built_models)
-    started = [start_server.declared(request, i, wait=False) for i in range(len(NAMES))]
-    with ready_side_by_side(*started):
-        yield {name: (server, models[name]) for name, server in zip(NAMES, started)}
+    tc = start_server.declared(request, 0, wait=False)
+    te = te_server(start_server, built_models)
+    with ready_side_by_side(tc):
+        yield {"tc": (tc, models["tc"]), "te": (te, models["te"])}
 
 
 def _post(server, body: dict, path: str = "/pooling") -> httpx.Response:
