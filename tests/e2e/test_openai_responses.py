@@ -32,8 +32,11 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "weather",
 CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
               for t in TOOLS]
 EVENTS = TypeAdapter(ResponseStreamEvent)
-# a server of its own (ARGS + the parser flag), so its block count is this module's alone
 SERVER_ARGS = [*ARGS, "--reasoning-parser", "think"]
+STORE_SIZE = 4
+# the server of this module and test_openai_responses_extras.py (``start_server.shared``; it
+# runs first, so its block count is this module's alone): it keeps STORE_SIZE replies
+SHARED_ARGS = [*SERVER_ARGS, "--responses-store-size", str(STORE_SIZE)]
 
 
 def responses_model(tiny_llama, built_models) -> str:
@@ -42,8 +45,14 @@ def responses_model(tiny_llama, built_models) -> str:
 
 
 def prestart_servers(fixture):
-    return [(responses_model(fixture("tiny_llama"), fixture("built_models")), SERVER_ARGS,
+    return [(responses_model(fixture("tiny_llama"), fixture("built_models")), SHARED_ARGS,
              None)]
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_llama, built_models):
+    """The session's server of ``SHARED_ARGS`` (``start_server.shared``)."""
+    return start_server.shared(responses_model(tiny_llama, built_models), SHARED_ARGS)
 
 
 def respond(server, **body) -> httpx.Response:

@@ -15,6 +15,7 @@ from openai.types.responses import ResponseItemList
 
 from tests.e2e.test_openai_responses import (
     SERVER_ARGS,
+    SHARED_ARGS,
     TOOLS,
     chat,
     output_text,
@@ -27,20 +28,28 @@ from tests.e2e.test_openai_responses import (
 LOGPROBS = ["message.output_text.logprobs"]
 
 
-STORE_SIZE = 4
-# this module's server keeps STORE_SIZE replies; the second keeps none
-ARGS = [*SERVER_ARGS, "--responses-store-size", str(STORE_SIZE)]
+# ``server`` (test_openai_responses.py's, the session's) keeps its STORE_SIZE (4) replies; this
+# module's own server keeps none
+ARGS = SHARED_ARGS
 NO_STORE_ARGS = [*SERVER_ARGS, "--responses-store-size", "0"]
 
 
 def prestart_servers(fixture):
+    """This module's own server (the shared one is test_openai_responses.py's)."""
     model = responses_model(fixture("tiny_llama"), fixture("built_models"))
-    return [(model, ARGS, None), (model, NO_STORE_ARGS, None)]
+    return [(model, NO_STORE_ARGS, None)]
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_llama, built_models):
+    """The session's server of ``SHARED_ARGS`` (test_openai_responses.py's,
+    ``start_server.shared``)."""
+    return start_server.shared(responses_model(tiny_llama, built_models), SHARED_ARGS)
 
 
 @pytest.fixture(scope="module")
 def no_store_server(start_server, request):
-    server = start_server.declared(request, 1)
+    server = start_server.declared(request, 0)
     yield server
     server.terminate()
 
