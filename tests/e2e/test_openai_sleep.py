@@ -22,10 +22,11 @@ PROMPT = [5, 9, 23, 41, 7, 77, 120, 3, 64, 200, 11, 12]  # whole blocks of 4: pr
 MAX_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def server(start_server, tiny_llama):
-    return start_server(tiny_llama.path, [*ARGS, "--enable-sleep-mode"],
-                        env={"KVFLOW_SERVER_DEV_MODE": "1"})
+def prestart_servers(fixture):
+    """This module's server, taken by conftest.py's ``server`` fixture and started ahead
+    (``_prestart_next_module`` in conftest.py)."""
+    return [(fixture("tiny_llama").path, [*ARGS, "--enable-sleep-mode"],
+             {"KVFLOW_SERVER_DEV_MODE": "1"})]
 
 
 def _complete(server, **extra) -> httpx.Response:
