@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.conftest import _randomize_
+from tests.e2e.conftest import _prestart_next_module, start_server  # noqa: F401 - fixtures
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -381,17 +382,20 @@ QWEN2_VL_SERVER_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-block
                         "--block-size", "16", "--max-image-bytes", "300000"]
 
 
+def qwen2_vl_server_declaration(fixture: Any) -> tuple[str, list[str], None]:
+    """(model, args, env) of the shared ``qwen2_vl_server``, ``fixture(name)`` giving a
+    session fixture's value (a ``prestart_servers`` entry: test_local_media.py, which uses it
+    first, has it started ahead)."""
+    return (fixture("tiny_qwen2_vl").path,
+            [*QWEN2_VL_SERVER_ARGS, "--allowed-local-media-path",
+             str(fixture("local_media_dir"))], None)
+
+
 @pytest.fixture(scope="session")
-def qwen2_vl_server(tiny_qwen2_vl, local_media_dir, tmp_path_factory) -> Any:
+def qwen2_vl_server(start_server, request) -> Any:  # noqa: F811 - the imported fixture
     """One ``kvflow serve`` of ``tiny_qwen2_vl`` (``QWEN2_VL_SERVER_ARGS`` plus
     ``--allowed-local-media-path local_media_dir``) for test_qwen2_vl_server.py and
-    test_local_media.py (each start takes seconds); stopped at the end of the session."""
-    from tests.e2e.conftest import ServerProcess, wait_ready_or_stop
-
-    server = ServerProcess(tiny_qwen2_vl.path, [*QWEN2_VL_SERVER_ARGS,
-                                                "--allowed-local-media-path",
-                                                str(local_media_dir)],
-                           tmp_path_factory.mktemp("qwen2_vl_server") / "server.log")
-    wait_ready_or_stop(server)
-    yield server
-    server.stop()
+    test_local_media.py (each start takes seconds; ``start_server.shared``, which stops it at
+    the end of the session)."""
+    model, args, env = qwen2_vl_server_declaration(request.getfixturevalue)
+    return start_server.shared(model, args, env)

@@ -13,17 +13,24 @@ import json
 import httpx
 import pytest
 
-from tests.e2e.conftest import ServerProcess, start_server  # noqa: F401 - fixture
+from tests.e2e.conftest import ServerProcess
 from tests.multimodal.conftest import data_url, hf_generate, random_image
 
 MAX_TOKENS = 6
+ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128", "--block-size", "16",
+        "--limit-mm-per-prompt", json.dumps({"image": 2})]
+
+
+def prestart_servers(fixture):
+    """This module's server, started ahead by a module before it in this folder
+    (``_prestart_next_module`` in tests/e2e/conftest.py, a fixture of
+    tests/multimodal/conftest.py too)."""
+    return [(fixture("tiny_llava").path, ARGS, None)]
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_llava):  # noqa: F811 - the imported fixture
-    server = start_server(tiny_llava.path, [
-        "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128", "--block-size",
-        "16", "--limit-mm-per-prompt", json.dumps({"image": 2})])
+def server(start_server, request):
+    server = start_server.declared(request)
     yield server
     server.terminate()
 

@@ -20,9 +20,20 @@ import pytest
 from kvflow import LLM, SamplingParams
 from kvflow.config import MultiModalConfig
 from kvflow.multimodal import MediaError, load_chat_media, load_video_url
-from tests.multimodal.conftest import data_url, hf_generate, png_bytes, random_image
+from tests.multimodal.conftest import (
+    data_url,
+    hf_generate,
+    png_bytes,
+    qwen2_vl_server_declaration,
+    random_image,
+)
 
 MAX_TOKENS = 6
+
+
+def prestart_servers(fixture):
+    """The shared ``qwen2_vl_server``, started ahead (``_prestart_next_module``)."""
+    return [qwen2_vl_server_declaration(fixture)]
 
 
 @pytest.fixture(scope="module")
