@@ -12,6 +12,6 @@ cd "$(dirname "$0")/.."
 export KVFLOW_TEST_DISTRIBUTED_SLOW=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec .venv/bin/python -m pytest -q -m distributed_slow tests/distributed \
     tests/e2e/test_data_parallel.py tests/e2e/test_openai_lora_tp.py \
-    tests/multimodal/test_qwen2_vl_parallel.py \
+    tests/multimodal/test_qwen2_vl_parallel.py tests/multimodal/test_llava.py \
     tests/kernels/test_fused_kernels_engine.py \
     tests/spec_decode/test_eagle_tp.py "$@"

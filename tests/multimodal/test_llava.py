@@ -218,9 +218,14 @@ def test_processor_chat_template_json_is_read(tiny_llava, tmp_path):
     assert out.outputs[0].token_ids == hf_generate(tiny_llava, out.prompt, [image], MAX_TOKENS)
 
 
+@pytest.mark.distributed_slow
+@pytest.mark.skipif(os.environ.get("KVFLOW_TEST_DISTRIBUTED_SLOW") != "1",
+                    reason="slow: run scripts/test_distributed_slow.sh")
 def test_tensor_parallel_greedy_tokens_equal_transformers(tiny_llava):
     """TP=2 over 2 worker processes (gloo on CPU): the decoder split, the vision tower and
-    projector replicated on both ranks."""
+    projector replicated on both ranks. In scripts/test_distributed_slow.sh (~11 s): the
+    default suite keeps Qwen2-VL's TP=2 case (tests/multimodal/test_qwen2_vl_parallel.py: the
+    same split decoder with a replicated tower and image rows merged into the prompt)."""
     llm = LLM(tiny_llava.path, dtype="float32", num_kv_blocks=128, block_size=16,
               tensor_parallel_size=2)
     try:
