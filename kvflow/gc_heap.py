@@ -16,7 +16,8 @@ later are collected as before (cyclic garbage of requests and steps included), a
 collection then walks only those. vLLM's engine core, workers and API server freeze their
 start-up heap for the same reason. kvflow freezes only processes it owns (the engine-core
 process, the workers of a multi-process or Ray executor, ``kvflow serve``'s API process): the
-offline ``LLM`` runs in the caller's process and leaves its collector alone.
+offline ``LLM`` runs in the caller's process: it freezes the caller's heap only while one of its
+calls steps the engine (:func:`caller_heap_frozen`), and hands it back when the call returns.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,36 @@ def freeze_startup_heap(process: str) -> int:
     logger.info("froze %d start-up objects of the %s process out of the garbage collector's "
                 "reach (a full collection of them took %.0f ms)", frozen, process, collect_ms)
     return frozen
+
+
+@contextmanager
+def caller_heap_frozen() -> Iterator[bool]:
+    """Freeze the caller's heap while an offline call (``LLM.generate``, ``embed``, ...) steps
+    the engine in the caller's process, and hand it back when the call returns or raises.
+
+    CPython (3.8-3.13, ``Modules/gcmodule.c``) collects the oldest generation once the objects
+    promoted into it since its last collection exceed a quarter of that collection's
+    survivors. Loading a model promotes hundreds of thousands of objects, so the first
+    ``generate`` after it met a full collection of the whole start-up heap: one 162 ms pause in
+    the first CPU-W1 run on the 2-core Zen 4 EPYC, none in later runs (docs/benchmarks.md,
+    session 38). Frozen (``gc.freeze``: every tracked object moves to the permanent
+    generation, O(1)), a collection during the call walks only the objects made since it
+    began; ``gc.unfreeze`` (O(1)) puts the others back in the oldest generation, so the
+    caller's garbage is collected as before, after the call. Objects made during the call
+    are collected as usual. A caller that froze objects itself (``gc.get_freeze_count() >
+    0``) is left alone: unfreezing would hand its objects back too.
+
+    Yields:
+        Whether this call froze the heap.
+    """
+    if gc.get_freeze_count():
+        yield False
+        return
+    gc.freeze()
+    try:
+        yield True
+    finally:
+        gc.unfreeze()
 
 
 def unfreeze_heap() -> None:

@@ -17,6 +17,7 @@ from kvflow.chat_tool_calls import check_tool_call_ids, check_tool_calls, messag
 from kvflow.config import EngineConfig
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.engine.streams import RequestRefused
+from kvflow.gc_heap import caller_heap_frozen
 from kvflow.llm_inputs import (
     as_prompt_list,
     beam_search_prompts,
@@ -317,9 +318,9 @@ class LLM(LLMPooling):
              on_output: Callable[[int, Any], None] | None = None) -> list[Any]:
         finished: dict[str, Any] = {}
         index = {rid: i for i, rid in enumerate(request_ids)}
-        try:
-            with tqdm(total=len(request_ids), desc="Processed prompts",
-                      disable=not use_tqdm) as bar:
+        try:  # no full collection of the caller's heap between steps (kvflow/gc_heap.py)
+            with caller_heap_frozen(), tqdm(total=len(request_ids), desc="Processed prompts",
+                                            disable=not use_tqdm) as bar:
                 while self.engine.has_unfinished_requests():
                     for out in self.engine.step():
                         if on_output is not None:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SEMANTICS = textwrap.dedent("""
     import gc, weakref
     from kvflow.gc_heap import freeze_startup_heap, unfreeze_heap
@@ -160,3 +162,79 @@ def test_worker_freeze_returns_the_frozen_count():
     finally:
         unfreeze_heap()
     assert gc.get_freeze_count() == 0
+
+
+FROZEN_CALL = textwrap.dedent("""
+    import gc, sys
+    from kvflow.gc_heap import caller_heap_frozen
+
+    gc.disable()                  # a model load: 500,000 tracked objects made since the
+    startup = [[i] for i in range(500_000)]  # process's last full collection
+    gc.enable()
+    walked = []                   # objects tracked when each full collection starts
+
+    def watch(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            walked.append(sum(len(gc.get_objects(generation=g)) for g in range(3)))
+
+    gc.callbacks.append(watch)
+    if sys.argv[1] == "frozen":
+        with caller_heap_frozen() as froze:
+            steps = [[i] for i in range(100_000)]   # a first run's new survivors
+        assert froze and gc.get_freeze_count() == 0
+    else:
+        steps = [[i] for i in range(100_000)]
+    print(max(walked, default=0))
+""")
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 14), reason="CPython 3.14's incremental collector "
+                    "has no oldest-generation threshold")
+def test_a_frozen_call_never_walks_the_startup_heap():
+    """Oracle: CPython's rule for collecting the oldest generation (Modules/gcmodule.c: once
+    the objects promoted since its last collection exceed a quarter of its survivors) and
+    gc.freeze's documented effect, observed with gc.callbacks in fresh interpreters: after a
+    500,000-object load, the first 100,000 new survivors meet a full collection that walks
+    all 600,000; inside caller_heap_frozen the collections walk only the new objects."""
+    walked = {}
+    for mode in ("plain", "frozen"):
+        done = subprocess.run([sys.executable, "-c", FROZEN_CALL, mode], check=False,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        walked[mode] = int(done.stdout.strip())
+    assert walked["plain"] >= 500_000 and walked["frozen"] < 200_000, walked
+
+
+def test_offline_calls_freeze_the_caller_heap_only_while_stepping(monkeypatch, tiny_llama):
+    """LLM._run (generate, chat, embed, ...) steps the engine with the caller's heap frozen
+    and unfrozen again afterwards, also when a step raises; a caller's own freeze is kept."""
+    import gc
+
+    from kvflow import LLM, SamplingParams
+
+    llm = LLM(tiny_llama.path, dtype="float32", num_kv_blocks=32)
+    seen: list[int] = []
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: seen.append(gc.get_freeze_count()) or step())
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 3
+        assert len(seen) == 3 and min(seen) > 1000, seen
+        assert gc.get_freeze_count() == 0
+        monkeypatch.setattr(llm.engine, "step", lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            llm.generate([[5, 6, 7]], params)
+        assert gc.get_freeze_count() == 0
+        gc.freeze()  # the caller's own: left as it is
+        mine = gc.get_freeze_count()
+        monkeypatch.setattr(llm.engine, "step", lambda: seen.append(gc.get_freeze_count()) or
+                            step())
+        seen.clear()
+        llm.generate([[5, 6, 7]], params)
+        # neither unfrozen (0) nor frozen again (more objects: the request's): as it was,
+        # less what refcounting freed
+        assert len(seen) == 3 and 0 < min(seen) and max(seen) <= mine, (seen, mine)
+        assert 0 < gc.get_freeze_count() <= mine
+    finally:
+        gc.unfreeze()
+        llm.shutdown()
