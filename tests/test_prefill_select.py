@@ -73,6 +73,25 @@ def test_auto_picks_the_faster_per_length_class_and_caches_the_timings(tmp_path)
     assert again.pick(torch.bfloat16, 6, 2, 64, 512) == "native" and again_calls == []
 
 
+def test_damaged_timings_are_measured_again_with_one_warning(tmp_path, caplog):
+    """A cache file of ``null`` times (valid JSON) failed the choice with a TypeError; now it
+    is read as empty, warned about once (the merge on save reads it quietly), measured
+    again with the fake timer (sdpa 1 s, native 2 s) and rewritten with those times."""
+    path = tmp_path / "t.json"
+    shape = PrefillShape(torch.bfloat16, 3, 64)
+    path.write_text(json.dumps({shape.key(c, n): None for c in ("native", "sdpa")
+                                for n in LENGTH_CLASSES}))
+    calls: list = []
+    winners = dict.fromkeys(LENGTH_CLASSES, "sdpa")
+    choice = PrefillAttentionChoice("auto", timings=PrefillTimings(
+        path, None, fake_measure(winners, calls)))
+    assert choice.pick(torch.bfloat16, 9, 3, 64, 128) == "sdpa"
+    assert calls == [(shape, n) for n in LENGTH_CLASSES]
+    assert json.loads(path.read_text()) == {shape.key(c, n): 1.0 if c == "sdpa" else 2.0
+                                            for c in ("native", "sdpa") for n in LENGTH_CLASSES}
+    assert caplog.text.count("ignoring 6 of 6 entries") == 1
+
+
 def test_a_tie_keeps_native(tmp_path):
     timings = PrefillTimings(tmp_path / "t.json", None,
                              lambda shape, length, kernels: {"native": 1.0, "sdpa": 1.0})

@@ -175,7 +175,7 @@ class PrefillTimings:
     def _save(self) -> None:
         logger.info("timed CPU prefill attention in %.2f s (cached in %s)", self.measuring_s,
                     self.path)
-        write_timings(self.path, {**read_timings(self.path), **self.seconds},
+        write_timings(self.path, {**read_timings(self.path, warn=False), **self.seconds},
                       "attention timings")
 
 

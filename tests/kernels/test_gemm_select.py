@@ -268,6 +268,30 @@ def test_candidates_are_timed_alternately(tmp_path, monkeypatch):
     assert len(json.loads(json.dumps(timings.seconds))) == 2 * len(ROW_CLASSES)
 
 
+def test_damaged_timings_are_measured_again_not_a_crash(tmp_path, monkeypatch, caplog):
+    """A cache file whose times are 0 (or null, or a string) made ``choose`` divide by zero
+    (or fail on the type) and the engine start die with a traceback. Now those entries are
+    dropped with a warning, measured again (here: hand-set fake times, native 1 ms, oneDNN
+    2 ms at every row class, so native wins), and the file is rewritten with the new times
+    only."""
+    shape = GemmShape(64, 32, torch.float32)
+    cands = ("native", "onednn")
+    damaged = {shape.key(c, r): 0 for c in cands for r in ROW_CLASSES}
+    damaged[shape.key("onednn", 1)] = None
+    damaged[shape.key("native", 64)] = "fast"
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(damaged))
+    fake = {"native": 1e-3, "onednn": 2e-3}
+    monkeypatch.setattr(gemm_select, "time_candidates", lambda shape, candidates, rows, k: {
+        c: {r: fake[c] for r in rows} for c in candidates})
+    timings = GemmTimings(path, None)
+    assert choose(shape, cands, timings) == "native"
+    timings.save()
+    assert json.loads(path.read_text()) == {shape.key(c, r): fake[c] for c in cands
+                                            for r in ROW_CLASSES}
+    assert "ignoring 6 of 6 entries" in caplog.text
+
+
 @native
 def test_timings_are_measured_once_then_read_back(tmp_path, monkeypatch):
     calls = []
