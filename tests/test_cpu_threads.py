@@ -27,6 +27,8 @@ def test_parse_cpu_list():
     for bad in ["", "a", "1-", "-1", "3-1", "0,0", "1-2,2", "0;1"]:
         with pytest.raises(ValueError, match="cpu list"):
             parse_cpu_list(bad)
+    with pytest.raises(ValueError, match=r"cpu list '0-2,1,0' names CPU\(s\) \[0, 1\] twice"):
+        parse_cpu_list("0-2,1,0")
 
 
 def _write(folder, **files):
@@ -75,7 +77,8 @@ def test_resolve_threads():
     assert resolve_threads(None, "5,3", allowed, None, current=8) == (2, [5, 3])
     with pytest.raises(ValueError, match="outside"):
         resolve_threads(None, "0-1", allowed, None, current=8)
-    with pytest.raises(ValueError, match="pinned"):
+    with pytest.raises(ValueError, match=r"cpu_threads=6 cannot be pinned to the 4 CPUs "
+                       r"\[2, 3, 4, 5\] .*give at most 4 threads, or cpu_threads_bind='none'"):
         resolve_threads(6, "auto", allowed, None, current=8)
 
 
@@ -101,8 +104,13 @@ def test_engine_flags_are_checked_before_loading():
         EngineConfig.from_kwargs(cpu_threads=0)
     with pytest.raises(ValueError, match="cpu list"):
         EngineConfig.from_kwargs(cpu_threads_bind="1-0")
-    with pytest.raises(ValueError, match=r"cpu_threads_bind='foo': cpu list .*'auto' or 'none'"):
+    with pytest.raises(ValueError, match=r"cpu_threads_bind='foo': cpu list 'foo' is invalid: "
+                       r"expected CPU numbers and ranges such as 0-3,6 \(it also takes 'auto' "
+                       r"or 'none'\)$"):
         EngineConfig.from_kwargs(cpu_threads_bind="foo")
+    with pytest.raises(ValueError, match=r"cpu_threads_bind='0,0': cpu list '0,0' names CPU\(s\) "
+                       r"\[0\] twice: give each thread a CPU of its own \(it also takes"):
+        EngineConfig.from_kwargs(cpu_threads_bind="0,0")
     with pytest.raises(ValueError, match="one CPU per thread"):
         EngineConfig.from_kwargs(cpu_threads=3, cpu_threads_bind="0-1")
     with pytest.raises(ValueError, match="one CPU per thread"):

@@ -113,13 +113,16 @@ def parse_cpu_list(spec: str) -> list[int]:
     for part in spec.split(","):
         lo, sep, hi = part.strip().partition("-")
         if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"cpu list {spec!r} is invalid: expected e.g. 0-3,6")
+            raise ValueError(f"cpu list {spec!r} is invalid: expected CPU numbers and ranges "
+                             "such as 0-3,6")
         first, last = int(lo), int(hi) if sep else int(lo)
         if last < first:
             raise ValueError(f"cpu list {spec!r} has a reversed range {part.strip()!r}")
         cpus.extend(range(first, last + 1))
-    if len(set(cpus)) != len(cpus):
-        raise ValueError(f"cpu list {spec!r} names a CPU twice")
+    twice = sorted({cpu for cpu in cpus if cpus.count(cpu) > 1})
+    if twice:
+        raise ValueError(f"cpu list {spec!r} names CPU(s) {twice} twice: give each thread a "
+                         "CPU of its own")
     return cpus
 
 
@@ -303,8 +306,8 @@ class DeviceConfig:
                 try:
                     cpus = parse_cpu_list(part)
                 except ValueError as e:
-                    raise ValueError(f"cpu_threads_bind={self.cpu_threads_bind!r}: {e}, or "
-                                     "'auto' or 'none'") from None
+                    raise ValueError(f"cpu_threads_bind={self.cpu_threads_bind!r}: {e} "
+                                     "(it also takes 'auto' or 'none')") from None
                 if self.cpu_threads is not None and self.cpu_threads != len(cpus):
                     raise ValueError(f"cpu_threads={self.cpu_threads} but cpu_threads_bind="
                                      f"{self.cpu_threads_bind!r} names {len(cpus)} CPUs for a "

@@ -65,7 +65,9 @@ def resolve_threads(cpu_threads: int | None, bind: str | None, allowed: list[int
             return threads, (share if 1 < threads == len(share) else None)
         if threads > len(share):
             raise ValueError(f"cpu_threads={threads} cannot be pinned to the {len(share)} "
-                             f"CPUs {share} of rank {rank} (affinity mask {allowed})")
+                             f"CPUs {share} of rank {rank} (affinity mask {allowed}): "
+                             f"cpu_threads_bind='auto' pins one thread per CPU; give at most "
+                             f"{len(share)} threads, or cpu_threads_bind='none'")
         return threads, share[:threads]
     parts = bind.split("|")
     if len(parts) != ranks:
