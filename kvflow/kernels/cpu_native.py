@@ -21,12 +21,14 @@ checks in :mod:`~kvflow.kernels.cpu_native_common`; :class:`NativeCpuKernels` jo
 from __future__ import annotations
 
 import _ctypes
+import atexit
 import ctypes
 import functools
 import logging
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -91,6 +93,7 @@ def _load(cc: str, sources: list[Path], level: cpu_build.IsaLevel) -> NativeCpuK
     target = cpu_build.library_path(cc, sources, cache_dir(), level)
     built = not cpu_build.intact(target)
     if built:
+        target = _writable_target(target)
         cpu_build.build(cc, sources, target, level)
     try:
         return _open(target, level.name)
@@ -100,6 +103,33 @@ def _load(cc: str, sources: list[Path], level: cpu_build.IsaLevel) -> NativeCpuK
         logger.warning("cached native CPU kernels %s do not load (%s); rebuilding", target, exc)
     cpu_build.build(cc, sources, target, level)
     return _open(target, level.name)
+
+
+def _writable_target(target: Path) -> Path:
+    """``target`` when its folder (the kernel cache) can be created and written to, else the
+    same name in a temporary folder of this process, with a warning: an unwritable
+    ``KVFLOW_CACHE_DIR`` or home (a read-only container) then costs a compile per start, not
+    the native kernels (the build used to fail there and torch's kernels ran instead, under a
+    warning that blamed the compiler)."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent):
+            return target
+    except OSError as exc:
+        folder = _process_kernel_dir()
+        logger.warning("cannot write the kernel cache %s (%s): building kvflow's native CPU "
+                       "kernels in %s for this process only, so each start compiles them "
+                       "again; point KVFLOW_CACHE_DIR at a writable folder to keep them",
+                       target.parent, exc, folder)
+        return folder / target.name
+
+
+@functools.cache
+def _process_kernel_dir() -> Path:
+    """A temporary folder for kernels built by this process, removed at its exit."""
+    folder = Path(tempfile.mkdtemp(prefix="kvflow-kernels-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def native_kernels_for(x: torch.Tensor) -> NativeCpuKernels | None:

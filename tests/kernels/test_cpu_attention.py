@@ -311,6 +311,31 @@ def test_damaged_cached_library_is_rebuilt(monkeypatch, tmp_path):
         assert (logs[name] / "cc.log").read_text().count(f"/{lib.name} ") == 1
 
 
+def test_unwritable_cache_builds_the_kernels_in_a_temporary_folder(tmp_path):
+    """A KVFLOW_CACHE_DIR that cannot hold the kernels (here a file where the folder should
+    be; a read-only home or container is the same OSError) made every level's build fail:
+    torch's kernels ran, under a warning that blamed the compiler and said to set
+    KVFLOW_NATIVE_CPU=0. Now the kernels build in a temporary folder of the process (one
+    build, by the copying compiler), load and compute RMSNorm as the formula does; one
+    warning names the cache and KVFLOW_CACHE_DIR, and the folder is removed at exit."""
+    blocker = tmp_path / "cache"
+    blocker.write_text("")
+    log = tmp_path / "cc"
+    log.mkdir()
+    proc = _start_fresh_process(blocker, _copying_compiler(log))
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert stdout.strip().splitlines()[-1:] == ["OK"], stderr[-2000:]
+    assert stderr.count("cannot write the kernel cache") == 1, stderr[-2000:]
+    assert f"cannot write the kernel cache {blocker / 'kernels'} (" in stderr
+    assert "point KVFLOW_CACHE_DIR at a writable folder" in stderr
+    assert "did not build" not in stderr
+    folder = stderr.split("kernels in ", 1)[1].split(" for this process only")[0]
+    links = [line for line in (log / "cc.log").read_text().splitlines() if "-shared" in line]
+    assert len(links) == 1 and f" -o {folder}/" in links[0]
+    assert not Path(folder).exists() and blocker.read_text() == ""
+
+
 PROMPTS = [[(5 * i + 11 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((3, 9, 21, 34))]
 PROMPTS.append(PROMPTS[3][:32] + [7, 8])  # shares two full blocks with prompt 3
 
