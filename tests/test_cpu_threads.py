@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -304,5 +305,34 @@ def test_pool_is_not_claimed_without_the_native_kernels(monkeypatch, caplog):
     finally:
         torch.set_num_threads(before)
     assert (threads, cpus) == (2, None)
-    assert "CPU compute threads: 2" in caplog.text
+    assert "CPU compute threads: 2; native CPU kernels off (torch's kernels run)" in caplog.text
     assert "kvflow's pool" not in caplog.text
+
+
+@pytest.mark.skipif(native_cpu_kernels() is None, reason="no C compiler")
+def test_start_up_line_names_the_isa_level_loaded(monkeypatch, caplog):
+    """Nothing in the log said which build of the native kernels an engine loaded, so a user
+    forcing KVFLOW_CPU_ISA=avx2 could not see it take effect. The start-up line now names the
+    level: with KVFLOW_CPU_ISA unset, the first of the levels whose features /proc/cpuinfo
+    lists (the oracle: the flags file read here, not kvflow's detection)."""
+    import torch
+
+    from kvflow.config.cpu_isa import isa_levels
+    from kvflow.kernels import cpu_threads
+
+    monkeypatch.delenv("KVFLOW_CPU_ISA", raising=False)
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo
+                  if line.startswith(("flags", "Features"))), [])
+    best = next(level.name for level in isa_levels() if level.cpu_features <= set(flags))
+    before = torch.get_num_threads()
+    try:
+        with caplog.at_level("INFO", logger="kvflow.kernels.cpu_threads"):
+            cpu_threads.configure_cpu_threads(1, "none")
+    finally:
+        torch.set_num_threads(before)
+    assert f"CPU compute threads: 1; native CPU kernels: {best} (the best this CPU runs)" \
+        in caplog.text
+    monkeypatch.setenv("KVFLOW_CPU_ISA", best)
+    assert cpu_threads.native_kernels_note(native_cpu_kernels()) == \
+        f"native CPU kernels: {best} (forced by KVFLOW_CPU_ISA)"

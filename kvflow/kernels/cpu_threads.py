@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 
 from kvflow.config import parse_cpu_list
+from kvflow.config.cpu_isa import forced_isa_level
 from kvflow.kernels.cpu_native import NativeCpuKernels, native_cpu_kernels
 from kvflow.kernels.cpu_pool import CpuPool
 from kvflow.platforms.cpu_contention import GovernorSettings, ThreadGovernor, runqueue_wait_ns
@@ -172,10 +173,21 @@ def configure_cpu_threads(cpu_threads: int | None, bind: str | None, rank: int =
                            "%s, its threads not pinned one by one", cpus)
             os.sched_setaffinity(0, cpus)
     use_gemm_pool(kernels, threads, cpus, gemm_pool)
-    logger.info("CPU compute threads: %d%s%s", threads, f", pinned to {cpus}" if cpus else "",
+    logger.info("CPU compute threads: %d%s%s; %s", threads, f", pinned to {cpus}" if cpus else "",
                 ", GEMM work shared by kvflow's pool"
-                if gemm_pool and threads > 1 and kernels is not None else "")
+                if gemm_pool and threads > 1 and kernels is not None else "",
+                native_kernels_note(kernels))
     return threads, cpus, caller
+
+
+def native_kernels_note(kernels: NativeCpuKernels | None) -> str:
+    """The start-up line's word on kvflow's native CPU kernels: the ISA level of the library
+    loaded (the best this CPU runs, or the one ``KVFLOW_CPU_ISA`` forced), or that torch's
+    kernels run (``KVFLOW_NATIVE_CPU=0`` or a failed build)."""
+    if kernels is None:
+        return "native CPU kernels off (torch's kernels run)"
+    how = "forced by KVFLOW_CPU_ISA" if forced_isa_level() else "the best this CPU runs"
+    return f"native CPU kernels: {kernels.isa} ({how})"
 
 
 def use_gemm_pool(kernels: NativeCpuKernels | None, threads: int, cpus: list[int] | None,
