@@ -30,6 +30,7 @@ makes the step unreplayable), so a near-tie at a decode row class is decided for
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import math
@@ -67,12 +68,13 @@ GRAPH_MARGIN = 1 / (1 - GRAPH_STEP_SAVING / (GEMM_STEP_SHARE * (1 + GRAPH_STEP_S
 REPLAYABLE = frozenset({"native"})  # kernels a CPU step graph records (kvflow's ctypes calls)
 ROW_CLASSES = (1, 64, 512)  # rows per call: decode of one request, a batch of decodes, prefill
 LARGE_N = 8192  # wider weights (LM heads) are timed on a LARGE_N-column slice, scaled up
-POOL_BYTES = 160 << 20  # weights cycled per one-row timing: more than the L3 cache (105 MB on
-MAX_COPIES = 256        # the AMX Xeon), as in a model whose weights stream from memory
+# weights cycled per one-row timing, as in a model whose weights stream from memory: twice the
+# last-level cache (timing_pool_bytes), within these bounds; POOL_BYTES where sysfs does not say
+POOL_BYTES, POOL_MIN_BYTES, POOL_MAX_BYTES = 160 << 20, 32 << 20, 256 << 20
+CPU_CACHE_SYSFS = "/sys/devices/system/cpu/cpu0/cache"
+MAX_COPIES = 256
 REPEATS = 4
 SPLIT_MAX_BYTES = 512 << 20  # GEMM weights (one copy) up to which a shape may be packed twice
-# part of the cache key: timings of another method or other row classes are redone
-TIMING_METHOD = f"cpu-time-1-thread|alternating-4|rows {ROW_CLASSES}|pool {POOL_BYTES}"
 
 
 @dataclass(frozen=True)
@@ -92,15 +94,48 @@ class GemmShape:
         return f"{str(self.dtype).removeprefix('torch.')}|{self.timed_n}x{self.k}|{candidate}|{rows}"
 
 
-def _pack(candidate: str, weight: torch.Tensor, kernels: NativeCpuKernels | None
-          ) -> Callable[[torch.Tensor], torch.Tensor]:
+def timing_pool_bytes(sysfs: str = CPU_CACHE_SYSFS) -> int:
+    """Bytes of distinct weight copies a one-row timing cycles through: twice the largest
+    cache Linux lists for CPU 0 (``index*/size``, e.g. ``32768K``: the last-level cache), so
+    each call reads its weight from memory, clamped to [POOL_MIN_BYTES, POOL_MAX_BYTES];
+    POOL_BYTES where sysfs lists no cache (another OS, a container hiding it)."""
+    sizes = []
+    for path in Path(sysfs).glob("index*/size"):
+        try:
+            text = path.read_text().strip().upper()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text[:-1] if unit > 1 else text
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    if not sizes:
+        return POOL_BYTES
+    return min(POOL_MAX_BYTES, max(POOL_MIN_BYTES, 2 * max(sizes)))
+
+
+def timing_method(pool_bytes: int) -> str:
+    """How GEMM timings are measured, part of their cache key: timings of another method,
+    other row classes or another pool are redone."""
+    return f"cpu-time-1-thread|alternating-{REPEATS}|rows {ROW_CLASSES}|pool {pool_bytes}"
+
+
+def _pack(candidate: str, weight: torch.Tensor, kernels: NativeCpuKernels | None,
+          copies: int) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """``copies`` distinct packed copies of ``weight`` for ``candidate``: packed once, the
+    others byte copies of that packing (``clone``: 1.5-4x cheaper than packing again)."""
     from kvflow.kernels.gemm import NativePackedWeight, OneDnnPackedWeight
 
+    first = NativePackedWeight(weight, kernels) if candidate == "native" else \
+        OneDnnPackedWeight(weight, 64)
+    packs = [first]
+    for _ in range(copies - 1):
+        twin = copy.copy(first)
+        twin.packed = first.packed.clone()
+        packs.append(twin)
     if candidate == "native":
-        packed = NativePackedWeight(weight, kernels)
-        return lambda x: packed(x, None, x.dtype)
-    onednn = OneDnnPackedWeight(weight, 64)
-    return lambda x: onednn(x, None)
+        return [lambda x, p=p: p(x, None, x.dtype) for p in packs]
+    return [lambda x, p=p: p(x, None) for p in packs]
 
 
 def time_candidates(shape: GemmShape, candidates: Iterable[str], rows_list: Iterable[int],
@@ -116,8 +151,9 @@ def time_candidates(shape: GemmShape, candidates: Iterable[str], rows_list: Iter
     cost). So each call runs on one thread and counts the process's CPU time, which other
     processes barely change; both kernels split a call over output columns the same way, so
     one thread ranks them as the engine's threads would. One-row calls cycle through a pool of
-    distinct weights larger than the last-level cache (so they read their weight from memory,
-    as decode does in a model); larger calls, which are compute-bound, use two of them."""
+    distinct weights twice the last-level cache (:func:`timing_pool_bytes`), so they read
+    their weight from memory as decode does in a model; larger calls, which are
+    compute-bound, use two of them."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -130,10 +166,11 @@ def _time_on_this_thread(shape: GemmShape, candidates: tuple[str, ...],
                          rows_list: Iterable[int], kernels: NativeCpuKernels | None
                          ) -> dict[str, dict[int, float]]:
     n, k = shape.timed_n, shape.k
-    copies = max(2, min(MAX_COPIES, POOL_BYTES // max(1, n * k * shape.dtype.itemsize)))
+    weight_bytes = max(1, n * k * shape.dtype.itemsize)
+    copies = max(2, min(MAX_COPIES, timing_pool_bytes() // weight_bytes))
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(n, k, generator=gen).to(shape.dtype)
-    fns = {c: [_pack(c, weight, kernels) for _ in range(copies)] for c in candidates}
+    fns = {c: _pack(c, weight, kernels, copies) for c in candidates}
     result: dict[str, dict[int, float]] = {c: {} for c in fns}
     for rows in rows_list:
         x = torch.randn(rows, k, generator=gen).to(shape.dtype)
@@ -158,10 +195,12 @@ def time_candidate(shape: GemmShape, candidate: str, rows_list: Iterable[int],
     return time_candidates(shape, (candidate,), rows_list, kernels)[candidate]
 
 
-def cache_key(num_threads: int, isa: str = "", method: str = TIMING_METHOD) -> str:
+def cache_key(num_threads: int, isa: str = "", method: str | None = None) -> str:
     """What the timings depend on: the CPU model and flags, torch, kvflow's kernel sources,
     the ISA level of the loaded kernels, the thread count and how they are measured
-    (``method``: another kernel's timings name theirs)."""
+    (``method``: another kernel's timings name theirs; default: :func:`timing_method` of
+    :func:`timing_pool_bytes`, so a CPU with another cache size is timed again)."""
+    method = timing_method(timing_pool_bytes()) if method is None else method
     digest = hashlib.sha256()
     csrc = Path(cpu_build.__file__).parent / "csrc"
     for part in [cpu_build.cpu_fingerprint(), torch.__version__, str(num_threads), isa,

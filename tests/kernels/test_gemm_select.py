@@ -251,13 +251,62 @@ def test_timing_measures_each_row_class(dtype):
     assert set(got) == set(ROW_CLASSES) and all(0 < s < 1 for s in got.values())
 
 
+def _sysfs_cache(root, sizes):
+    for i, size in enumerate(sizes):
+        (root / f"index{i}").mkdir(parents=True)
+        (root / f"index{i}" / "size").write_text(size + "\n")
+    return str(root)
+
+
+def test_timing_pool_is_twice_the_largest_cache(tmp_path):
+    """Hand-computed: L1 32K, L2 1024K, L3 32768K -> 2 x 32 MiB; clamped to [32, 256] MiB; no
+    readable size (another OS, a container hiding sysfs) -> POOL_BYTES; entries that are not
+    sizes are skipped."""
+    zen4 = _sysfs_cache(tmp_path / "zen4", ["32K", "32K", "1024K", "32768K"])
+    assert gemm_select.timing_pool_bytes(zen4) == 64 << 20
+    xeon = _sysfs_cache(tmp_path / "xeon", ["48K", "2048K", "107520K"])  # 105 MiB L3
+    assert gemm_select.timing_pool_bytes(xeon) == 2 * 107520 * 1024
+    big = _sysfs_cache(tmp_path / "big", ["48K", "2048K", "384M"])
+    assert gemm_select.timing_pool_bytes(big) == gemm_select.POOL_MAX_BYTES == 256 << 20
+    small = _sysfs_cache(tmp_path / "small", ["32K", "512K", "8M"])
+    assert gemm_select.timing_pool_bytes(small) == gemm_select.POOL_MIN_BYTES == 32 << 20
+    odd = _sysfs_cache(tmp_path / "odd", ["?", "12345"])  # bytes without a unit
+    assert gemm_select.timing_pool_bytes(odd) == gemm_select.POOL_MIN_BYTES
+    assert gemm_select.timing_pool_bytes(str(tmp_path / "none")) == gemm_select.POOL_BYTES
+    assert gemm_select.timing_method(64 << 20) != gemm_select.timing_method(32 << 20)
+
+
+@pytest.mark.parametrize("candidate", ["native", "onednn"])
+def test_timing_copies_are_distinct_and_compute_the_product(candidate):
+    """Each copy a one-row timing cycles through is its own memory (a byte copy of one
+    packing) and multiplies like the weight: oracle, a float64 matmul of the same bf16 values
+    (bound: the bf16 result's rounding, unit roundoff 2^-8 of each value, plus 1e-4 for the
+    fp32 sums of 64 products)."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 64, generator=gen).bfloat16()
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    kernels = native_cpu_kernels() if candidate == "native" else None
+    if candidate == "native" and kernels is None:
+        pytest.skip("native CPU kernels not built here")
+    fns = gemm_select._pack(candidate, weight, kernels, 3)
+    want = x.double() @ weight.double().T
+    outs = [fn(x) for fn in fns]
+    for out in outs:
+        assert out.shape == (3, 40)
+        assert ((out.double() - want).abs() <= 2.0 ** -8 * want.abs() + 1e-4).all()
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    cells = [fn.__defaults__[0].packed for fn in fns]
+    ptrs = {c.data_ptr() if c.layout == torch.strided else id(c) for c in cells}
+    assert len(ptrs) == 3
+
+
 def test_candidates_are_timed_alternately(tmp_path, monkeypatch):
     """Each candidate's passes alternate with the others' (A, B, A, B per row class), and the
     timings of all of them land in the cache at once: a load change between candidates cannot
     favour the one timed in the quieter moment (timings are kept for good)."""
     order = []
-    monkeypatch.setattr(gemm_select, "_pack", lambda cand, weight, kernels: (
-        lambda x: order.append((cand, x.shape[0]))))
+    monkeypatch.setattr(gemm_select, "_pack", lambda cand, weight, kernels, copies: [
+        lambda x: order.append((cand, x.shape[0]))] * copies)
     timings = GemmTimings(tmp_path / "t.json", None)
     shape = GemmShape(64, 32, torch.float32)
     got = timings.get_all(shape, ("native", "onednn"))
