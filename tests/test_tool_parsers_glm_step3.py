@@ -2,7 +2,8 @@
 ``hunyuan_a13b``, ``step3`` and ``granite-20b-fc`` tool-call parsers: model outputs written by
 hand in each family's format (its chat template / vLLM's docs); the expected calls (name,
 arguments JSON text) and content are written out by hand. Every stream, split at every point
-into two and three pieces and character by character, joins to exactly the whole reply."""
+into two pieces, character by character, and into three pieces (``stream_splits3``'s sample:
+every short middle piece, a stride of far cut pairs), joins to exactly the whole reply."""
 
 from __future__ import annotations
 

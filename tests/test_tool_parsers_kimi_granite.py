@@ -2,7 +2,8 @@
 parsers, and ``pythonic`` streaming a call as soon as its closing parenthesis arrives. Model
 outputs written by hand in each family's documented format (vLLM's docs and parser tests);
 the expected calls (name, arguments JSON text), content and ids are written out by hand. Every
-stream, split at every point into two and three pieces and character by character, joins to
+stream, split at every point into two pieces, character by character, and into three pieces
+(``stream_splits3``'s sample: every short middle piece, a stride of far cut pairs), joins to
 exactly the whole reply."""
 
 from __future__ import annotations
