@@ -278,6 +278,23 @@ def tiny_llama(tiny_model_factory: Callable[[str], TinyModel]) -> TinyModel:
     return tiny_model_factory("llama")
 
 
+@pytest.fixture(scope="session")
+def _session_num_threads() -> int:
+    """``torch.get_num_threads()`` as the session starts (after this conftest set it)."""
+    return torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _torch_num_threads_restored(_session_num_threads: int) -> Iterator[None]:
+    """Put torch's intra-op thread count back after each test that changed it (an engine
+    started in-process sets it for the whole process): fp32 results can differ in the last
+    bits between thread counts, so a later bitwise comparison would pass or fail by which
+    tests ran before it. ``set_num_threads`` is called only when the count differs."""
+    yield
+    if torch.get_num_threads() != _session_num_threads:
+        torch.set_num_threads(_session_num_threads)
+
+
 @pytest.fixture(autouse=True)
 def _kvflow_log_level_restored() -> Iterator[None]:
     """Put the ``kvflow`` logger's level back after each test: ``kvflow serve`` run in-process

@@ -121,7 +121,7 @@ def test_engine_with_and_without_the_pool_agree(tiny_llama, monkeypatch):
     monkeypatch.setenv("KVFLOW_CPU_GEMM", "native")
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
     prompts = ["hello world", "the cat sat on the mat and", "a"]
-    results = []
+    results, threads = [], torch.get_num_threads()
     try:
         for on in (True, False):
             llm = LLM(model=tiny_llama.path, device="cpu", dtype="float32", cpu_threads=2,
@@ -133,6 +133,7 @@ def test_engine_with_and_without_the_pool_agree(tiny_llama, monkeypatch):
             del llm
     finally:
         native_cpu_kernels().pool = None
+        torch.set_num_threads(threads)  # cpu_threads=2 set it for the whole process
     assert results[0] == results[1]
 
 
