@@ -377,13 +377,14 @@ def test_content_parts_are_capped_per_request(client, route):
     server held meanwhile) and accepted. A request holds at most MAX_CONTENT_PARTS parts,
     all messages together (a string content counting as one): one more is a 400 naming the
     message that passes the limit, the limit and the count, found before any part is
-    validated (the bad part at the end is not what is reported); the limit itself passes."""
+    validated (the bad part at the end is not what is reported); the limit itself passes.
+    (One part over the limit takes the same path as 200,000 parts, which cost ~1 s here.)"""
     first = {"role": "system", "content": "s"}  # counts as one part
     at_limit = [first, {"role": "user", "content": [PART] * (MAX_CONTENT_PARTS - 1)}]
     resp = client.post(route, json={"messages": at_limit})
     assert resp.status_code == 200, resp.text[:300]
     assert len(resp.json()["messages"][1]["content"]) == MAX_CONTENT_PARTS - 1
-    for parts, total in ((MAX_CONTENT_PARTS, MAX_CONTENT_PARTS + 1), (200_000, 200_001)):
+    for parts, total in ((MAX_CONTENT_PARTS, MAX_CONTENT_PARTS + 1),):
         over = [first, {"role": "user", "content": [*[PART] * (parts - 1),
                                                     {"type": "text", "text": 5}]}]
         resp = client.post(route, json={"messages": over})
@@ -421,12 +422,13 @@ def test_tools_are_capped_per_request(client, route):
     schema checked: seconds) and accepted. A request holds at most MAX_TOOLS tools: one more
     is a 400 at ``tools`` saying the limit and the count (hand-written oracle), found before
     any tool is validated (the bad tool at the end is not what is reported); the limit
-    itself passes."""
+    itself passes. (One tool over the limit takes the same path as 100,000 tools, which cost
+    ~1 s here.)"""
     resp = client.post(route, json={"messages": HI, "tools": [_tool(i)
                                                              for i in range(MAX_TOOLS)]})
     assert resp.status_code == 200, resp.text[:300]
     assert len(resp.json()["tools"]) == MAX_TOOLS
-    for count in (MAX_TOOLS + 1, 100_000):
+    for count in (MAX_TOOLS + 1,):
         tools = [*[_tool(i) for i in range(count - 1)], {"type": "function", "function": 5}]
         resp = client.post(route, json={"messages": HI, "tools": tools})
         assert resp.status_code == 400, resp.text[:300]
@@ -440,7 +442,8 @@ def test_tool_calls_are_capped_per_request(client, route):
     """An assistant turn with 100,000 tool_calls was validated on the event loop (2.3 s) and
     rendered. A request holds at most MAX_TOOL_CALLS calls, all messages together: one more
     is a 400 naming ``messages.N.tool_calls`` of the message that passes the limit, the
-    limit and the count, before any call is validated; the limit itself passes."""
+    limit and the count, before any call is validated; the limit itself passes. (The turn
+    that passes the limit by one takes the same path as one of 100,000 calls.)"""
     def turns(*counts: int) -> list[dict]:
         out = [*HI]
         for n in counts:
@@ -450,7 +453,7 @@ def test_tool_calls_are_capped_per_request(client, route):
 
     resp = client.post(route, json={"messages": turns(1000, MAX_TOOL_CALLS - 1000)})
     assert resp.status_code == 200, resp.text[:300]
-    for counts in ((1000, MAX_TOOL_CALLS - 999), (100_000,)):
+    for counts in ((1000, MAX_TOOL_CALLS - 999), (MAX_TOOL_CALLS + 1,)):
         messages = turns(*counts)
         messages[-2]["tool_calls"][-1] = {"id": 5}  # invalid, but never reached
         resp = client.post(route, json={"messages": messages})
