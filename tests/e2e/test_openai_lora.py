@@ -1,16 +1,17 @@
 """Multi-LoRA over HTTP: ``kvflow serve --enable-lora --lora-modules`` with the tiny Llama and
 random PEFT adapters; the adapters and the base model answer concurrent requests (batched in
 one engine step) with transformers + peft's greedy tokens; adapters load and unload at run
-time and show in /v1/models; bad names and adapters get vLLM's 4xx."""
+time and show in /v1/models; bad names and adapters get vLLM's 4xx, and a bad
+``--lora-modules`` adapter stops ``kvflow serve`` before the model loads."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import re
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import wait_ready_or_stop
 from tests.lora.adapters import MAX_TOKENS, make_adapter, peft_greedy
 
 PROMPTS = {"all": "the quick brown fox jumps over", "qv": "prefix caching reuses them, chunked",
@@ -42,35 +43,16 @@ def _server_args(adapters: dict[str, str]) -> dict[str, list[str]]:
 
 
 def prestart_servers(fixture):
-    """This module's servers, taken with ``start_server.declared`` and started ahead
+    """This module's server (conftest.py's ``server`` fixture takes it), started ahead
     (``_prestart_next_module`` in conftest.py)."""
     tiny_llama = fixture("tiny_llama")
     args = _server_args(_adapters(tiny_llama, fixture("built_models")))
-    return [(tiny_llama.path, args["good"], None), (tiny_llama.path, args["bad"], None)]
+    return [(tiny_llama.path, args["good"], None)]
 
 
 @pytest.fixture(scope="module")
 def adapters(tiny_llama, built_models) -> dict[str, str]:
     return _adapters(tiny_llama, built_models)
-
-
-@pytest.fixture(scope="module")
-def servers(start_server, request):
-    """{"good": the LoRA server the tests talk to, "bad": one given a rank-16 adapter over
-    --max-lora-rank 8, which must stop at start-up}, started side by side."""
-    started = {"good": start_server.declared(request, 0, wait=False),
-               "bad": start_server.declared(request, 1, wait=False)}
-    try:
-        wait_ready_or_stop(started["good"])
-        yield started
-    finally:
-        for server in started.values():
-            server.terminate()
-
-
-@pytest.fixture(scope="module")
-def server(servers):
-    return servers["good"]
 
 
 def complete(server, model: str, prompt: str) -> httpx.Response:
@@ -159,9 +141,21 @@ def test_load_inplace_replaces_the_adapter(server, tiny_llama, adapters, tiny_to
     assert "load_inplace" not in server.log()
 
 
-def test_bad_lora_module_stops_start_up(servers):
-    """Refused from its adapter_config.json before the model loads: one line naming the
-    flag (tests/test_lora_modules_precheck.py has the exact line)."""
-    with pytest.raises(RuntimeError, match=r"--lora-modules big=.*rank 16 exceeds "
-                                           r"--max-lora-rank=8"):
-        wait_ready_or_stop(servers["bad"])
+def test_bad_lora_module_stops_start_up(tiny_llama, adapters, monkeypatch, capsys):
+    """A rank-16 adapter over --max-lora-rank 8: refused from its adapter_config.json before
+    the model loads, one line naming the flag, exit status 2
+    (tests/test_lora_modules_precheck.py has the exact line). ``kvflow serve`` runs
+    in-process with its engine replaced by a failure: a server process started only to be
+    refused cost a whole process start-up."""
+    from kvflow.engine import async_llm
+    from kvflow.entrypoints.cli import main
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine was started")
+
+    monkeypatch.setattr(async_llm.AsyncLLM, "__init__", no_engine)
+    rc = main(["serve", tiny_llama.path, *_server_args(adapters)["bad"]])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(err) == 1, err
+    assert re.fullmatch(r"kvflow: error: --lora-modules big=.*rank 16 exceeds "
+                        r"--max-lora-rank=8 .*", err[0]), err
