@@ -10,6 +10,7 @@ field, before any model loads.
 
 from __future__ import annotations
 
+import os
 import time
 
 import msgspec
@@ -20,7 +21,12 @@ from transformers import AutoTokenizer
 from kvflow import LLM, SamplingParams
 from kvflow.config import EngineConfig, KVEventsConfig
 from kvflow.core.block_pool import hash_block_tokens
-from kvflow.core.kv_event_publisher import END_OF_REPLAY, ZmqEventPublisher, offset_endpoint
+from kvflow.core.kv_event_publisher import (
+    END_OF_REPLAY,
+    ZmqEventPublisher,
+    make_kv_event_publisher,
+    offset_endpoint,
+)
 from kvflow.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -295,10 +301,41 @@ def test_a_decoder_of_the_six_vllm_0_11_fields_ignores_the_later_ones():
     assert old == OldBatch(2.0, [OldBlockStored([9], 8, [1, 2], 2, 4, "CPU")])
 
 
+def test_a_replicas_publisher_binds_its_endpoint_and_stamps_its_rank(tmp_path):
+    """What each data-parallel replica's engine core builds (``make_kv_event_publisher`` with
+    its ``data_parallel_rank``): replica 1's publisher binds the endpoint with ``_dp1`` (ipc)
+    and stamps rank 1 on the batches that carry none, leaving a rank a batch carries. The
+    two-replica engine run is in scripts/test_distributed_slow.sh (below); this case, the
+    offsets above and the one-replica engine cases keep its code paths in the default run."""
+    base = f"ipc://{tmp_path}/pub"
+    publisher = make_kv_event_publisher(
+        KVEventsConfig(enable_kv_cache_events=True, endpoint=base), data_parallel_rank=1)
+    ctx = zmq.Context()
+    try:
+        assert publisher.endpoint == base + "_dp1"
+        sub = Subscriber(ctx, base + "_dp1")
+        stored = BlockStored([7, 8], None, [5] * 8, BLOCK_SIZE, None, "CPU", None)
+        publisher.publish(KVEventBatch(ts=1.0, events=[stored]))
+        publisher.publish(KVEventBatch(ts=2.0, events=[AllBlocksCleared()],
+                                       data_parallel_rank=3))
+        batches = [decode_kv_event_batch(p) for _, p in sub.drain()]
+        assert [(b.ts, b.data_parallel_rank) for b in batches] == [(1.0, 1), (2.0, 3)]
+        assert batches[0].events == [stored]
+    finally:
+        publisher.shutdown()
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.distributed_slow
+@pytest.mark.skipif(os.environ.get("KVFLOW_TEST_DISTRIBUTED_SLOW") != "1",
+                    reason="slow: run scripts/test_distributed_slow.sh")
 def test_data_parallel_replicas_publish_on_their_own_endpoints(tiny, tmp_path):
     """Two replicas: replica r binds the endpoint with ``_dp{r}`` (ipc) and stamps rank r.
     Two prompts with no common first block go to replica 0 then 1 (no prefix affinity; least
-    depth), so each replica stores exactly its prompt's chain."""
+    depth), so each replica stores exactly its prompt's chain. In
+    scripts/test_distributed_slow.sh (two engine-core processes: ~6 s on 2 quiet cores); the
+    default run keeps the publisher of replica 1 (above) and data-parallel routing
+    (tests/e2e/test_data_parallel.py)."""
     prompts = [PROMPTS[0], "prefix caching reuses them, chunked prefill splits long prompts"]
     tok = AutoTokenizer.from_pretrained(tiny.path)
     base = f"ipc://{tmp_path}/pub"
