@@ -38,6 +38,7 @@
 #define BATCH_INVARIANT 3
 
 enum { SB = 64, MR_T = 6 }; /* keys per super-block and rows per register tile (tiled path) */
+enum { SB_DP = 128 }; /* keys per super-block of the bf16 dot-product path (>= SB) */
 enum { PF_SCRATCH_BYTES = 8192 }; /* >= sizeof(PfStream), checked where it is defined */
 
 typedef struct {
@@ -56,10 +57,10 @@ typedef struct {
  * block (k, v: every head; kh, vh: one), and for decode items every head's scores over the
  * longest context of the call (p); for tiled prefill items the tile's transposed queries (qt,
  * or bf16 pairs on the dot-product path), the packed P and V of a super-block (pp, vpk: that
- * path only) and one KV head's scores over a
- * super-block of keys (st). */
+ * path only), one KV head's scores over a super-block of keys (st) and their max per row (mx:
+ * that path only). */
 typedef struct {
-    float *q, *s, *m, *l, *corr, *acc, *kb, *vb, *p, *qt, *st;
+    float *q, *s, *m, *l, *corr, *acc, *kb, *vb, *p, *qt, *st, *mx;
     const float **k, **v, **kh, **vh;
     const char **kp, **vp, **qrow; /* tiled path: key / value rows, operand rows */
     int32_t *pp, *vpk; /* bf16 dot-product path: P and V of a super-block in pairs */
@@ -83,26 +84,27 @@ static int scratch_alloc(Scratch *w, int64_t rows, int64_t block_size, int64_t h
     w->v = malloc(sizeof(float *) * block_size * num_kv_heads);
     w->kh = malloc(sizeof(float *) * block_size);
     w->vh = malloc(sizeof(float *) * block_size);
-    /* tiled path: rows of one KV head padded to 16; keys of a super-block */
+    /* tiled paths: rows of one KV head padded to 16; keys of a super-block (SB_DP >= SB) */
     const int64_t ld = (TILE * (num_heads / num_kv_heads) + 15) / 16 * 16;
-    const int64_t keys = block_size >= SB ? block_size : SB / block_size * block_size;
+    const int64_t keys = block_size >= SB_DP ? block_size : SB_DP / block_size * block_size;
     w->qt = malloc(sizeof(float) * num_kv_heads * head_dim * ld);
-    w->st = malloc(sizeof(float) * keys * ld);
-    w->kp = malloc(sizeof(char *) * keys);
+    w->st = malloc(sizeof(float) * (keys + 8) * ld); /* + the dot path's padding keys */
+    w->mx = malloc(sizeof(float) * ld);
+    w->kp = malloc(sizeof(char *) * (keys + 8)); /* + padding keys of the dot path's tiles */
     w->vp = malloc(sizeof(char *) * keys);
     w->qrow = malloc(sizeof(char *) * (head_dim > ld ? head_dim : ld));
     w->pp = malloc(sizeof(int32_t) * (keys + 1) / 2 * ld);
     w->vpk = malloc(sizeof(int32_t) * (keys + 1) / 2 * head_dim);
     w->pf = malloc(PF_SCRATCH_BYTES);
     return w->q && w->s && w->m && w->corr && w->l && w->acc && w->kb && w->vb && w->k && w->v
-        && w->kh && w->vh && w->p && w->qt && w->st && w->kp && w->vp && w->qrow && w->pp
-        && w->vpk && w->pf;
+        && w->kh && w->vh && w->p && w->qt && w->st && w->mx && w->kp && w->vp && w->qrow
+        && w->pp && w->vpk && w->pf;
 }
 
 static void scratch_free(Scratch *w) {
     free(w->q); free(w->s); free(w->m); free(w->corr); free(w->l); free(w->acc); free(w->kb);
     free(w->vb); free(w->k); free(w->v); free(w->kh); free(w->vh); free(w->p); free(w->qt);
-    free(w->st); free(w->kp); free(w->vp); free(w->qrow); free(w->pp); free(w->vpk);
+    free(w->st); free(w->mx); free(w->kp); free(w->vp); free(w->qrow); free(w->pp); free(w->vpk);
     free(w->pf);
 }
 

@@ -93,9 +93,9 @@ static void tile_gemm(int64_t rows, int64_t kc, const char *const *arow, int64_t
     }
 }
 
-/* Keys per super-block: whole blocks, about SB keys (at least one block). */
-static inline int64_t super_blocks(int64_t block_size) {
-    return block_size >= SB ? 1 : SB / block_size;
+/* Blocks per super-block: whole blocks, about sb keys (at least one block); sb = SB here. */
+static inline int64_t super_blocks(int64_t block_size, int64_t sb) {
+    return block_size >= sb ? 1 : sb / block_size;
 }
 
 /* Q^T of the tile for every KV head: qt[h][d][r] (row stride ld = rows_h rounded up to 16,
@@ -167,7 +167,7 @@ static void attend_tile_tiled(const Args *a, Scratch *w, int64_t r, int64_t j0, 
     const int64_t first_pos = a->seq_lens[r] - qlen + j0, last_pos = first_pos + nq - 1;
     const int64_t lo = a->window > 0 && first_pos - a->window + 1 > 0
         ? first_pos - a->window + 1 : 0;
-    const int64_t nblk = super_blocks(bs), row = Hkv * D;
+    const int64_t nblk = super_blocks(bs, SB), row = Hkv * D;
     const int32_t *bt = a->block_table + r * a->bt_stride;
     const size_t es = elem_size(a->dtype);
     const char **keys = w->kp, **vals = w->vp, **qrows = w->qrow;
