@@ -50,23 +50,23 @@
 enum { MR_DP = 8, NV_DP = 3, MR_PV = 4, NV_PV = 4 };
 
 /* exp((s - m) a) on 16 lanes for s <= m (s = -inf allowed), given k = a log2(e) and km = k m:
- * t = s k - km (one FMA), 2^t = 2^n 2^f with n = round(t), f = t - n in [-1/2, 1/2], 2^f by a
- * degree-5 polynomial (least-squares fit of 2^f at Chebyshev nodes of [-1/2, 1/2]: relative
- * error 1.5e-7 with its fp32 coefficients), 2^n applied by VSCALEFPS; t below -125 (weights
- * under 2^-125 of the row's largest) gives 0. t's own rounding adds |t| 2^-24 ln 2 relative,
- * largest for the smallest weights (at most 2e-8 of the row's largest weight). */
+ * t = s k - km (one FMA), 2^t = 2^floor(t) 2^f with f = t - floor(t) in [0, 1] (VREDUCEPS;
+ * 0 for t = -inf), 2^f by a degree-5 polynomial (least-squares fit of 2^f at Chebyshev nodes
+ * of [0, 1]: relative error 1e-7 with its fp32 coefficients), 2^floor(t) applied by VSCALEFPS
+ * (which takes the floor itself); t below -126 (weights under 2^-126 of the row's largest,
+ * masked keys) gives exactly 0, never a subnormal. t's own rounding adds |t| 2^-24 ln 2
+ * relative, largest for the smallest weights (at most 2e-8 of the row's largest weight). */
 static inline __m512 exp16_shifted(__m512 s, __m512 k, __m512 km) {
-    const __m512 t = _mm512_max_ps(_mm512_fmsub_ps(s, k, km), _mm512_set1_ps(-126.f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.3266971e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.67546e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507425e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022122e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314694e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001f));
-    const __mmask16 keep = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.f), _CMP_GE_OQ);
-    return _mm512_maskz_scalef_ps(keep, p, n);
+    const __m512 t = _mm512_fmsub_ps(s, k, km);
+    const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 p = _mm512_set1_ps(1.8762329e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.992584e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5823606e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4015453e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9315296e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.99999994f));
+    const __mmask16 keep = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
+    return _mm512_maskz_scalef_ps(keep, p, t);
 }
 
 /* What the score tile's epilogue needs: the super-block's first key position, the tile's
@@ -220,16 +220,19 @@ static void softmax_pack_dp(const float *st, int64_t n, int64_t ld, float a, con
         const __m512 cr = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), live,
                                              exp16_shifted(m_old, k, km));
         __m512 lv = _mm512_mul_ps(_mm512_loadu_ps(l + c), cr);
-        for (int64_t t = 0; t < n; t += 2) {
+        int64_t t = 0;
+        for (; t + 2 <= n; t += 2) {
             const __m512 p0 = exp16_shifted(_mm512_loadu_ps(st + t * ld + c), k, km);
-            lv = _mm512_add_ps(lv, p0);
-            __m512 p1 = _mm512_setzero_ps();
-            if (t + 1 < n) {
-                p1 = exp16_shifted(_mm512_loadu_ps(st + (t + 1) * ld + c), k, km);
-                lv = _mm512_add_ps(lv, p1);
-            }
+            const __m512 p1 = exp16_shifted(_mm512_loadu_ps(st + (t + 1) * ld + c), k, km);
+            lv = _mm512_add_ps(_mm512_add_ps(lv, p0), p1);
             /* lanes 0-15: p0's 16 values, 16-31: p1's, then interleaved into pairs */
             const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+            _mm512_storeu_si512(pp + (t / 2) * ld + c, _mm512_permutexvar_epi16(order, both));
+        }
+        if (t < n) { /* an odd n's last key, paired with 0 */
+            const __m512 p0 = exp16_shifted(_mm512_loadu_ps(st + t * ld + c), k, km);
+            lv = _mm512_add_ps(lv, p0);
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), p0);
             _mm512_storeu_si512(pp + (t / 2) * ld + c, _mm512_permutexvar_epi16(order, both));
         }
         _mm512_storeu_ps(m + c, m_new);
@@ -300,17 +303,22 @@ static void pack_values_dp(const char *const *vals, int64_t n, int64_t D, int32_
                                         40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
                                         32, 0);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    const uint16_t zero[32] = {0};
     for (int64_t t = 0; t < n; t += 2) {
         const uint16_t *v0 = (const uint16_t *)vals[t];
-        const uint16_t *v1 = t + 1 < n ? (const uint16_t *)vals[t + 1] : NULL;
+        const uint16_t *v1 = t + 1 < n ? (const uint16_t *)vals[t + 1] : zero;
+        const int64_t step = t + 1 < n ? 32 : 0; /* the odd tail's zero row stays put */
         int32_t *dst = vp + (t / 2) * D;
-        for (int64_t d = 0; d < D; d += 32) {
-            const __mmask32 k = D - d >= 32 ? 0xffffffffu : 0xffffu; /* D % 32 == 16: a half */
-            const __m512i x0 = _mm512_maskz_loadu_epi16(k, v0 + d);
-            const __m512i x1 = v1 ? _mm512_maskz_loadu_epi16(k, v1 + d) : _mm512_setzero_si512();
+        int64_t d = 0;
+        for (; d + 32 <= D; d += 32, v1 += step) {
+            const __m512i x0 = _mm512_loadu_si512(v0 + d), x1 = _mm512_loadu_si512(v1);
             _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(x0, lo, x1));
-            if (D - d >= 32)
-                _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(x0, hi, x1));
+            _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(x0, hi, x1));
+        }
+        if (d < D) { /* D % 32 == 16: a half */
+            const __m512i x0 = _mm512_maskz_loadu_epi16(0xffffu, v0 + d);
+            const __m512i x1 = _mm512_maskz_loadu_epi16(0xffffu, v1);
+            _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(x0, lo, x1));
         }
     }
 }
