@@ -70,14 +70,14 @@ static inline __m512 exp16_shifted(__m512 s, __m512 k, __m512 km) {
 }
 
 /* What the score tile's epilogue needs: the super-block's first key position, the tile's
- * first query position, the GQA group, and the call's scale / softcap / window; mask: the
- * super-block reaches the diagonal or the window's edge; scaled: S is stored times scale (and
+ * first / last query positions, the GQA group, and the call's scale / softcap / window;
+ * scaled: S is stored times scale (and
  * soft-capped), else as the raw products q . k (scale > 0, no softcap: the max commutes with
  * the scale, which the softmax then folds into its exponent). */
 typedef struct {
-    int64_t base, first_pos, group, window;
+    int64_t base, first_pos, last_pos, group, window;
     float scale, softcap;
-    int mask, scaled;
+    int scaled;
 } ScoreEpilogue;
 
 /* A row bound clamped to [0, 2^30] (rows are fewer), for a 32-bit lane compare. */
@@ -88,10 +88,11 @@ static inline int32_t row_index(int64_t x) {
 /* Scores of keys t0 .. t0 + MR_DP - 1 (key rows keys[0..MR_DP); padding keys past the
  * super-block repeat its last key, so their scores never raise the max) against the NV x 16
  * rows c .. of Q^T pairs qp (row stride ld, 32-bit pairs): st[t][c + j] = S^T (mode 2: scaled
- * and soft-capped), masked (mode 1; mode 2 where e->mask), mx[j] the running max. */
+ * and soft-capped), masked (mode 1; mode 2 where mask), mx[j] the running max. */
 static inline __attribute__((always_inline)) void score_tile(
         int NV, int mode, int64_t pairs, const char *const *keys, const int32_t *qp,
-        int64_t ld, int64_t t0, int64_t c, const ScoreEpilogue *e, float *st, float *mx) {
+        int64_t ld, int64_t t0, int64_t c, const ScoreEpilogue *e, int mask, float *st,
+        float *mx) {
     __m512 acc[MR_DP][NV_DP];
     const int32_t *k[MR_DP];
     for (int r = 0; r < MR_DP; ++r) {
@@ -111,7 +112,7 @@ static inline __attribute__((always_inline)) void score_tile(
     const __m512 scale = _mm512_set1_ps(e->scale);
     const float cap = e->softcap; /* locals: st's stores may not alias them */
     const int64_t window = e->window, group = e->group, rel = e->base + t0 - e->first_pos;
-    const int masked = mode == 1 || (mode == 2 && e->mask);
+    const int masked = mode == 1 || (mode == 2 && mask);
     __m512 m[NV_DP];
     for (int v = 0; v < NV; ++v) m[v] = _mm512_loadu_ps(mx + 16 * v);
     for (int r = 0; r < MR_DP; ++r) {
@@ -170,20 +171,27 @@ static inline __attribute__((always_inline)) void value_tile(
 }
 
 /* S^T of the n keys for all ld rows into st (rows up to n rounded up to MR_DP written; those
- * past n, of padding keys, unused), mx the rows' max. */
+ * past n, of padding keys, unused), mx the rows' max. A key tile is masked only where one of
+ * its keys lies past the first query (causal) or, with a window, at or before the last query
+ * minus the window. */
 static void scores_dp(int64_t n, int64_t pairs, const char *const *keys, const int32_t *qp,
                       int64_t ld, const ScoreEpilogue *e, float *st, float *mx) {
-    const int mode = e->scaled ? 2 : e->mask ? 1 : 0;
     for (int64_t r = 0; r < ld; ++r) mx[r] = -INFINITY;
-    for (int64_t t0 = 0; t0 < n; t0 += MR_DP)
+    for (int64_t t0 = 0; t0 < n; t0 += MR_DP) {
+        const int64_t k0 = e->base + t0; /* positions k0 .. k0 + MR_DP - 1 (padding too) */
+        const int mask = k0 + MR_DP - 1 > e->first_pos
+            || (e->window > 0 && k0 <= e->last_pos - e->window);
+        const int mode = e->scaled ? 2 : mask ? 1 : 0;
         for (int64_t c = 0; c < ld; c += 16 * NV_DP) {
             const int64_t nv = (ld - c) / 16;
-#define STILE(NV, M) score_tile(NV, M, pairs, keys + t0, qp + c, ld, t0, c, e, st, mx + c)
+#define STILE(NV, M) \
+    score_tile(NV, M, pairs, keys + t0, qp + c, ld, t0, c, e, mask, st, mx + c)
 #define SMODE(NV) (mode == 0 ? STILE(NV, 0) : mode == 1 ? STILE(NV, 1) : STILE(NV, 2))
             if (nv >= 3) SMODE(3); else if (nv == 2) SMODE(2); else SMODE(1);
 #undef SMODE
 #undef STILE
         }
+    }
 }
 
 /* O = O corr + P V for the rows [0, rows) (a multiple of MR_PV) of one KV head: pp the P pairs
@@ -364,12 +372,11 @@ static void attend_tile_dp(const Args *a, Scratch *w, int64_t r, int64_t j0, int
     }
     memset(w->acc, 0, sizeof(float) * Hkv * ld * D);
     const int scaled = a->softcap > 0.f || !(a->scale > 0.f);
-    ScoreEpilogue e = {0, first_pos, group, a->window, a->scale, a->softcap, 0, scaled};
+    ScoreEpilogue e = {0, first_pos, last_pos, group, a->window, a->scale, a->softcap, scaled};
     for (int64_t b0 = lo / bs; b0 * bs <= last_pos; b0 += nblk) {
         const int64_t base = b0 * bs, end = base + nblk * bs <= last_pos + 1
             ? base + nblk * bs : last_pos + 1, n = end - base;
         e.base = base;
-        e.mask = end - 1 > first_pos || (a->window > 0 && base <= last_pos - a->window);
         for (int64_t h = 0; h < Hkv; ++h) {
             int64_t t = 0; /* key / value rows of the super-block, block by block */
             for (int64_t b = b0; t < n; ++b) {
