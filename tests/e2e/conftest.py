@@ -434,3 +434,79 @@ def bert_embed_server(start_server: ServerStarter, tiny_tokenizer: Any,
     (tests/e2e/test_openai_embeddings.py, test_openai_score.py); a server of these arguments
     started ahead is taken. Stopped at the end of the session."""
     return start_server(bert_embed_model(tiny_tokenizer, built_models)[0], BERT_EMBED_ARGS)
+
+
+class BatchRun:
+    """What ``kvflow run-batch`` run in this process left: its exit status (``cli.main``'s
+    return value, the process's exit status, tests/test_cli.py), and the text it wrote to
+    stdout and stderr (file descriptors 1 and 2 too: its engine-core process's)."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+_BATCH_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+
+
+def run_batch_in_process(argv: list[str], stdin: str, folder: Path) -> BatchRun:
+    """``kvflow run-batch`` (``argv``: what follows the command name) run by ``cli.main`` in
+    this process, as the command line would, without a fresh interpreter's torch and
+    transformers imports (about 3-4 s each on 2 busy cores): ``sys.stdin`` reads ``stdin``
+    (a file in ``folder``; run-batch reads its file descriptor), descriptors 1 and 2 and
+    ``sys.stdout`` / ``sys.stderr`` append to files there, the environment holds the flags the subprocess
+    runs had (offline hub, one OpenMP thread: the engine-core process inherits them), and
+    the root logger starts with no handler, so ``main``'s ``logging.basicConfig`` prints to
+    that stderr as in its own process; all of it is put back after."""
+    import logging
+
+    from kvflow.entrypoints.cli import main
+
+    paths = {name: folder / f"run_batch.{name}" for name in ("stdin", "stdout", "stderr")}
+    paths["stdin"].write_text(stdin, encoding="utf-8")
+    for name in ("stdout", "stderr"):
+        paths[name].write_text("", encoding="utf-8")
+    root, served = logging.getLogger(), logging.getLogger("kvflow.entrypoints.serving_base")
+    saved_logging = (root.handlers[:], root.level, served.level)
+    saved_env = {key: os.environ.get(key) for key in _BATCH_ENV}
+    saved_fds = {fd: os.dup(fd) for fd in (1, 2)}
+    saved_streams = (sys.stdin, sys.stdout, sys.stderr)
+    opened = {1: os.open(paths["stdout"], os.O_WRONLY | os.O_APPEND),
+              2: os.open(paths["stderr"], os.O_WRONLY | os.O_APPEND)}
+    given = open(paths["stdin"], "rb")  # noqa: SIM115
+    out = open(paths["stdout"], "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+    err = open(paths["stderr"], "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+    try:
+        os.environ.update(_BATCH_ENV)
+        for fd, target in opened.items():
+            os.dup2(target, fd)
+        sys.stdin, sys.stdout, sys.stderr = given, out, err  # run-batch reads stdin's fileno()
+        root.handlers = []
+        status = main(["run-batch", *argv])
+    finally:
+        sys.stdin, sys.stdout, sys.stderr = saved_streams
+        for handler in root.handlers:
+            handler.close()
+        root.handlers, _, _ = saved_logging
+        root.setLevel(saved_logging[1])
+        served.setLevel(saved_logging[2])
+        for fd, saved in saved_fds.items():
+            os.dup2(saved, fd)
+            os.close(saved)
+        for fd in opened.values():
+            os.close(fd)
+        given.close()
+        out.close()
+        err.close()
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return BatchRun(status, paths["stdout"].read_text(encoding="utf-8"),
+                    paths["stderr"].read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="session")
+def run_batch_here() -> Callable[[list[str], str, Path], BatchRun]:
+    """:func:`run_batch_in_process`, for the run-batch test modules."""
+    return run_batch_in_process

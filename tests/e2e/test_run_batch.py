@@ -1,6 +1,8 @@
 """``kvflow run-batch`` end to end on the tiny Llama: one batch file (read from stdin) mixing
 greedy chat, completion and Responses API requests, requests the server refuses with a 4xx,
-and lines the batch format refuses, run by the command in a subprocess. The oracle for every
+and lines the batch format refuses, run by the command in this process (``cli.main``, stdin
+and stderr its file descriptors 0 and 2: ``run_batch_here``; the SIGTERM test runs it as its own
+process). The oracle for every
 line that reaches an endpoint is ``kvflow serve`` with the same flags, sent the same body over
 HTTP: same status, same body but for ids and creation times. The refused lines are checked against
 hand-written error objects, the output line format field by field."""
@@ -115,21 +117,25 @@ _ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "1"}
 
 
+def _args(model, out) -> list[str]:
+    """``kvflow run-batch``'s arguments: read stdin, write ``out``."""
+    return ["-i", "-", "-o", str(out), "--model", model, *SERVER_ARGS]
+
+
 def _command(model, out) -> list[str]:
-    """``kvflow run-batch`` reading stdin, writing ``out``."""
-    return [sys.executable, "-m", "kvflow.entrypoints.cli", "run-batch", "-i", "-",
-            "-o", str(out), "--model", model, *SERVER_ARGS]
+    """``kvflow run-batch`` reading stdin, writing ``out``, as its own process."""
+    return [sys.executable, "-m", "kvflow.entrypoints.cli", "run-batch", *_args(model, out)]
 
 
 @pytest.fixture(scope="module")
-def batch_run(tiny_chat_model, tmp_path_factory):
-    """The command run once over the input (stdin), ``--max-concurrency 4``: (completed
-    process, output lines parsed)."""
-    out = tmp_path_factory.mktemp("run_batch") / "out.jsonl"
+def batch_run(tiny_chat_model, tmp_path_factory, run_batch_here):
+    """The command run once over the input (stdin), ``--max-concurrency 4``, in this process
+    (``run_batch_here``; the SIGTERM test below runs it as its own process): (its exit
+    status and output text, output lines parsed)."""
+    folder = tmp_path_factory.mktemp("run_batch")
+    out = folder / "out.jsonl"
     text = "".join(line + "\n" for line, _ in _input_lines())
-    proc = subprocess.run([*_command(tiny_chat_model, out), "--max-concurrency", "4"],
-                          input=text, capture_output=True, text=True, env=_ENV, timeout=300,
-                          check=False)
+    proc = run_batch_here([*_args(tiny_chat_model, out), "--max-concurrency", "4"], text, folder)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
 
@@ -236,7 +242,7 @@ GREETING = ("{% if greeting is defined %}[{{ greeting }}]{% endif %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
-def test_vllm_chat_flags_reach_the_lines(tiny_chat_model, tmp_path):
+def test_vllm_chat_flags_reach_the_lines(tiny_chat_model, tmp_path, run_batch_here):
     """vLLM's chat flags work in a batch as on the server: ``--response-role`` names the
     reply's role, ``--default-chat-template-kwargs`` reaches the template (the prompt's
     tokens are the tokenizer's ids of the text the template prints with it; a line's own
@@ -250,12 +256,11 @@ def test_vllm_chat_flags_reach_the_lines(tiny_chat_model, tmp_path):
              for cid, extra in (("default", {}),
                                 ("own", {"chat_template_kwargs": {"greeting": "yo"}}))]
     out = tmp_path / "out.jsonl"
-    proc = subprocess.run(
-        [*_command(tiny_chat_model, out), "--chat-template", GREETING, "--response-role", "bot",
+    proc = run_batch_here(
+        [*_args(tiny_chat_model, out), "--chat-template", GREETING, "--response-role", "bot",
          "--default-chat-template-kwargs", json.dumps({"greeting": "hello"}),
          "--enable-log-requests", "--max-log-len", "3"],
-        input="".join(line + "\n" for line in lines), capture_output=True, text=True,
-        env=_ENV, timeout=300, check=False)
+        "".join(line + "\n" for line in lines), tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = {o["custom_id"]: o["response"]["body"]
            for o in map(json.loads, out.read_text(encoding="utf-8").splitlines())}
@@ -303,7 +308,8 @@ BERT_ARGS = ["--dtype", "float32", "--device", "cpu", "--block-size", "4",
              "--served-model-name", "bert", "--max-num-batched-tokens", "64"]
 
 
-def test_embeddings_lines_match_sentence_transformers(built_models, tiny_tokenizer, tmp_path):
+def test_embeddings_lines_match_sentence_transformers(built_models, tiny_tokenizer, tmp_path,
+                                                      run_batch_here):
     """/v1/embeddings lines on a tiny random BERT (mean pooling), against
     sentence-transformers: float and base64 vectors in input order, one input or several,
     usage counted in tokens; ``dimensions`` on a model without Matryoshka is the 400 the
@@ -322,10 +328,8 @@ def test_embeddings_lines_match_sentence_transformers(built_models, tiny_tokeniz
              _envelope("b64", EMBD, {"input": EMBED_INPUTS[1], "encoding_format": "base64"}),
              _envelope("dims", EMBD, {"input": EMBED_INPUTS[2], "dimensions": 8})]
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "kvflow.entrypoints.cli", "run-batch", "-i", "-", "-o",
-           str(out), "--model", folder, *BERT_ARGS, "--no-progress"]
-    proc = subprocess.run(cmd, input="".join(line + "\n" for line in lines), text=True,
-                          capture_output=True, env=_ENV, timeout=300, check=False)
+    proc = run_batch_here(["-i", "-", "-o", str(out), "--model", folder, *BERT_ARGS,
+                           "--no-progress"], "".join(line + "\n" for line in lines), tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = {line["custom_id"]: line["response"] for line in
            map(json.loads, out.read_text().splitlines())}

@@ -1,14 +1,12 @@
 """``kvflow run-batch`` with /v1/score and /v1/rerank lines on a tiny random
 BertForSequenceClassification, against sentence-transformers' CrossEncoder: the bodies
 ``kvflow serve`` would answer, in input order, a too-long pair's 400 included; and
-/v1/classify lines on a tiny random Qwen2ForSequenceClassification against transformers."""
+/v1/classify lines on a tiny random Qwen2ForSequenceClassification against transformers. Each
+runs in this process (``cli.main``: ``run_batch_here``), not a fresh interpreter."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import torch
 
@@ -16,25 +14,21 @@ from tests.models.cross_encoder_models import DOCUMENTS, QUERY, build_cross_enco
 
 ARGS = ["--dtype", "float32", "--device", "cpu", "--max-num-batched-tokens", "64",
         "--max-model-len", "16", "--served-model-name", "ce", "--no-progress"]
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-       "OMP_NUM_THREADS": "1"}
 
 
 def _line(custom_id: str, url: str, body: dict) -> str:
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
 
 
-def test_score_and_rerank_lines_match_cross_encoder(built_models, tmp_path):
+def test_score_and_rerank_lines_match_cross_encoder(built_models, tmp_path, run_batch_here):
     folder, _ = built_models("ce_bert", lambda f: build_cross_encoder(f, "Bert", 1))
     docs = [DOCUMENTS[0], DOCUMENTS[2], DOCUMENTS[3]]  # pairs that fit in 16 tokens
     lines = [_line("score", "/v1/score", {"model": "ce", "text_1": QUERY, "text_2": docs}),
              _line("rerank", "/v1/rerank", {"query": QUERY, "documents": docs, "top_n": 2}),
              _line("long", "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS[1]})]
     out = tmp_path / "out.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "kvflow.entrypoints.cli", "run-batch", "-i",
-                           "-", "-o", str(out), "--model", folder, *ARGS],
-                          input="".join(line + "\n" for line in lines), text=True,
-                          capture_output=True, env=ENV, timeout=300, check=False)
+    proc = run_batch_here(["-i", "-", "-o", str(out), "--model", folder, *ARGS],
+                          "".join(line + "\n" for line in lines), tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert [g["custom_id"] for g in got] == ["score", "rerank", "long"]
@@ -54,7 +48,7 @@ def test_score_and_rerank_lines_match_cross_encoder(built_models, tmp_path):
     assert long["body"]["error"]["message"].startswith("pair 0 (text_1, text_2) has 18 tokens")
 
 
-def test_classify_lines_match_transformers(built_models, tmp_path):
+def test_classify_lines_match_transformers(built_models, tmp_path, run_batch_here):
     """/v1/classify lines on a tiny random Qwen2ForSequenceClassification (--task classify):
     the probabilities of transformers' logits -> softmax, an empty input's 400 in place."""
     from tests.models.classifier_models import TEXTS, build_decoder_classifier, hf_logits
@@ -65,11 +59,9 @@ def test_classify_lines_match_transformers(built_models, tmp_path):
              _line("wrong", "/v1/completions", {"prompt": "paris", "max_tokens": 2})]
     out = tmp_path / "out.jsonl"
     args = [a for a in ARGS if a not in ("--max-model-len", "16")]
-    proc = subprocess.run([sys.executable, "-m", "kvflow.entrypoints.cli", "run-batch", "-i",
-                           "-", "-o", str(out), "--model", folder, "--task", "classify",
+    proc = run_batch_here(["-i", "-", "-o", str(out), "--model", folder, "--task", "classify",
                            "--num-kv-blocks", "64", *args],
-                          input="".join(line + "\n" for line in lines), text=True,
-                          capture_output=True, env=ENV, timeout=300, check=False)
+                          "".join(line + "\n" for line in lines), tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert [g["custom_id"] for g in got] == ["many", "empty", "wrong"]
