@@ -38,7 +38,7 @@ import torch
 from kvflow.attention.backend import AttentionMetadata
 from kvflow.config import cache_dir, cpu_attention_choice
 from kvflow.kernels.cpu_native import NativeCpuKernels
-from kvflow.kernels.gemm_select import cache_key
+from kvflow.kernels.gemm_timing import cache_key
 from kvflow.kernels.timings_file import read_timings, write_timings
 
 logger = logging.getLogger(__name__)

@@ -24,13 +24,8 @@ from kvflow.kernels.gemm import (
     prepack_gemm_weights,
     widen_half_gemms,
 )
-from kvflow.kernels.gemm_select import (
-    SPLIT_MAX_BYTES,
-    GemmShape,
-    candidates_for,
-    choose,
-    gemm_timings,
-)
+from kvflow.kernels.gemm_select import SPLIT_MAX_BYTES, candidates_for, choose
+from kvflow.kernels.gemm_timing import GemmShape, gemm_timings
 from kvflow.layers.embedding import VocabParallelEmbedding
 from kvflow.layers.linear import LinearBase
 from kvflow.platforms import Platform

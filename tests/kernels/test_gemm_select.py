@@ -13,7 +13,7 @@ from transformers import LlamaConfig, MixtralConfig
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import EngineConfig, cpu_gemm_choice
-from kvflow.kernels import gemm_select
+from kvflow.kernels import gemm_select, gemm_timing
 from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.kernels.gemm import (
     NativePackedWeight,
@@ -22,9 +22,6 @@ from kvflow.kernels.gemm import (
     prepack_gemm_weights,
 )
 from kvflow.kernels.gemm_select import (
-    ROW_CLASSES,
-    GemmShape,
-    GemmTimings,
     KernelSplit,
     best_candidate,
     candidates_for,
@@ -33,9 +30,9 @@ from kvflow.kernels.gemm_select import (
     graph_weighted,
     row_class_winners,
     split_candidate,
-    time_candidate,
     transformer_gemm_shapes,
 )
+from kvflow.kernels.gemm_timing import ROW_CLASSES, GemmShape, GemmTimings, time_candidate
 
 native = pytest.mark.skipif(native_cpu_kernels() is None, reason="no C compiler")
 
@@ -263,17 +260,17 @@ def test_timing_pool_is_twice_the_largest_cache(tmp_path):
     readable size (another OS, a container hiding sysfs) -> POOL_BYTES; entries that are not
     sizes are skipped."""
     zen4 = _sysfs_cache(tmp_path / "zen4", ["32K", "32K", "1024K", "32768K"])
-    assert gemm_select.timing_pool_bytes(zen4) == 64 << 20
+    assert gemm_timing.timing_pool_bytes(zen4) == 64 << 20
     xeon = _sysfs_cache(tmp_path / "xeon", ["48K", "2048K", "107520K"])  # 105 MiB L3
-    assert gemm_select.timing_pool_bytes(xeon) == 2 * 107520 * 1024
+    assert gemm_timing.timing_pool_bytes(xeon) == 2 * 107520 * 1024
     big = _sysfs_cache(tmp_path / "big", ["48K", "2048K", "384M"])
-    assert gemm_select.timing_pool_bytes(big) == gemm_select.POOL_MAX_BYTES == 256 << 20
+    assert gemm_timing.timing_pool_bytes(big) == gemm_timing.POOL_MAX_BYTES == 256 << 20
     small = _sysfs_cache(tmp_path / "small", ["32K", "512K", "8M"])
-    assert gemm_select.timing_pool_bytes(small) == gemm_select.POOL_MIN_BYTES == 32 << 20
+    assert gemm_timing.timing_pool_bytes(small) == gemm_timing.POOL_MIN_BYTES == 32 << 20
     odd = _sysfs_cache(tmp_path / "odd", ["?", "12345"])  # bytes without a unit
-    assert gemm_select.timing_pool_bytes(odd) == gemm_select.POOL_MIN_BYTES
-    assert gemm_select.timing_pool_bytes(str(tmp_path / "none")) == gemm_select.POOL_BYTES
-    assert gemm_select.timing_method(64 << 20) != gemm_select.timing_method(32 << 20)
+    assert gemm_timing.timing_pool_bytes(odd) == gemm_timing.POOL_MIN_BYTES
+    assert gemm_timing.timing_pool_bytes(str(tmp_path / "none")) == gemm_timing.POOL_BYTES
+    assert gemm_timing.timing_method(64 << 20) != gemm_timing.timing_method(32 << 20)
 
 
 @pytest.mark.parametrize("candidate", ["native", "onednn"])
@@ -288,7 +285,7 @@ def test_timing_copies_are_distinct_and_compute_the_product(candidate):
     kernels = native_cpu_kernels() if candidate == "native" else None
     if candidate == "native" and kernels is None:
         pytest.skip("native CPU kernels not built here")
-    fns = gemm_select._pack(candidate, weight, kernels, 3)
+    fns = gemm_timing._pack(candidate, weight, kernels, 3)
     want = x.double() @ weight.double().T
     outs = [fn(x) for fn in fns]
     for out in outs:
@@ -305,7 +302,7 @@ def test_candidates_are_timed_alternately(tmp_path, monkeypatch):
     timings of all of them land in the cache at once: a load change between candidates cannot
     favour the one timed in the quieter moment (timings are kept for good)."""
     order = []
-    monkeypatch.setattr(gemm_select, "_pack", lambda cand, weight, kernels, copies: [
+    monkeypatch.setattr(gemm_timing, "_pack", lambda cand, weight, kernels, copies: [
         lambda x: order.append((cand, x.shape[0]))] * copies)
     timings = GemmTimings(tmp_path / "t.json", None)
     shape = GemmShape(64, 32, torch.float32)
@@ -313,7 +310,7 @@ def test_candidates_are_timed_alternately(tmp_path, monkeypatch):
     assert set(got) == {"native", "onednn"} and all(set(t) == set(ROW_CLASSES)
                                                     for t in got.values())
     passes = [cand for cand, rows in order if rows == 64][2 * 1:]  # after each warm-up call
-    assert passes == ["native", "native", "onednn", "onednn"] * gemm_select.REPEATS
+    assert passes == ["native", "native", "onednn", "onednn"] * gemm_timing.REPEATS
     assert len(json.loads(json.dumps(timings.seconds))) == 2 * len(ROW_CLASSES)
 
 
@@ -331,7 +328,7 @@ def test_damaged_timings_are_measured_again_not_a_crash(tmp_path, monkeypatch, c
     path = tmp_path / "t.json"
     path.write_text(json.dumps(damaged))
     fake = {"native": 1e-3, "onednn": 2e-3}
-    monkeypatch.setattr(gemm_select, "time_candidates", lambda shape, candidates, rows, k: {
+    monkeypatch.setattr(gemm_timing, "time_candidates", lambda shape, candidates, rows, k: {
         c: {r: fake[c] for r in rows} for c in candidates})
     timings = GemmTimings(path, None)
     assert choose(shape, cands, timings) == "native"
@@ -344,13 +341,13 @@ def test_damaged_timings_are_measured_again_not_a_crash(tmp_path, monkeypatch, c
 @native
 def test_timings_are_measured_once_then_read_back(tmp_path, monkeypatch):
     calls = []
-    real = gemm_select.time_candidate
+    real = gemm_timing.time_candidate
 
     def counting(*args):
         calls.append(args[:2])
         return real(*args)
 
-    monkeypatch.setattr(gemm_select, "time_candidate", counting)
+    monkeypatch.setattr(gemm_timing, "time_candidate", counting)
     shape = GemmShape(20000, 16, torch.float32)  # timed as 8192 columns, scaled by 20000/8192
     first = GemmTimings(tmp_path / "t.json", native_cpu_kernels())
     got = first.get(shape, "native")
@@ -399,8 +396,8 @@ def test_engine_keeps_native_decode_gemms_where_step_graphs_replay(tiny_llama, t
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
     secs = {"native": {1: 1.12, 64: 1.12, 512: 1.05}, "onednn": {1: 1.0, 64: 1.0, 512: 1.0}}
     fake = lambda shape, cands, rows, kernels: {c: {r: secs[c][r] for r in rows} for c in cands}
-    monkeypatch.setattr(gemm_select, "time_candidates", fake)
-    monkeypatch.setattr(gemm_select, "time_candidate",
+    monkeypatch.setattr(gemm_timing, "time_candidates", fake)
+    monkeypatch.setattr(gemm_timing, "time_candidate",
                         lambda shape, cand, rows, kernels: fake(shape, (cand,), rows, kernels)[cand])
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for eager in (False, True):
@@ -432,8 +429,8 @@ def test_auto_dtype_is_the_faster_one_by_timing(faster, tmp_path, monkeypatch):
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
     fake = lambda shape, cands, rows, kernels: {
         c: {r: (1.0 if shape.dtype == faster else 2.0) * r for r in rows} for c in cands}
-    monkeypatch.setattr(gemm_select, "time_candidates", fake)
-    monkeypatch.setattr(gemm_select, "time_candidate",
+    monkeypatch.setattr(gemm_timing, "time_candidates", fake)
+    monkeypatch.setattr(gemm_timing, "time_candidate",
                         lambda shape, cand, rows, kernels: fake(shape, (cand,), rows, kernels)[cand])
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, vocab_size=300)

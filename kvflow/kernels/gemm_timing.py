@@ -1,0 +1,224 @@
+"""Timing the CPU GEMM kernels on this CPU for ``--cpu-gemm auto`` (the choice itself:
+:mod:`kvflow.kernels.gemm_select`): each GEMM shape class (:class:`GemmShape`) with each
+candidate kernel at :data:`ROW_CLASSES` rows, on one thread by process CPU time, the candidates'
+passes alternating, and the results cached in ``<cache_dir>/cpu_gemm/`` per CPU model and
+flags, torch version, kernel sources, thread count and timing method (:func:`cache_key`), so
+the next start measures nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvflow.config import cache_dir
+from kvflow.kernels import cpu_build
+from kvflow.kernels.cpu_native import NativeCpuKernels
+from kvflow.kernels.timings_file import read_timings, write_timings
+
+logger = logging.getLogger(__name__)
+
+ROW_CLASSES = (1, 64, 512)  # rows per call: decode of one request, a batch of decodes, prefill
+LARGE_N = 8192  # wider weights (LM heads) are timed on a LARGE_N-column slice, scaled up
+# weights cycled per one-row timing, as in a model whose weights stream from memory: twice the
+# last-level cache (timing_pool_bytes), within these bounds; POOL_BYTES where sysfs does not say
+POOL_BYTES, POOL_MIN_BYTES, POOL_MAX_BYTES = 160 << 20, 32 << 20, 256 << 20
+CPU_CACHE_SYSFS = "/sys/devices/system/cpu/cpu0/cache"
+MAX_COPIES = 256
+REPEATS = 4
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """A weight [n, k] of dtype ``dtype`` (one shape class; ``n`` above LARGE_N is timed on a
+    slice)."""
+
+    n: int
+    k: int
+    dtype: torch.dtype
+
+    @property
+    def timed_n(self) -> int:
+        return min(self.n, LARGE_N)
+
+    def key(self, candidate: str, rows: int) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}|{self.timed_n}x{self.k}|{candidate}|{rows}"
+
+
+def timing_pool_bytes(sysfs: str = CPU_CACHE_SYSFS) -> int:
+    """Bytes of distinct weight copies a one-row timing cycles through: twice the largest
+    cache Linux lists for CPU 0 (``index*/size``, e.g. ``32768K``: the last-level cache), so
+    each call reads its weight from memory, clamped to [POOL_MIN_BYTES, POOL_MAX_BYTES];
+    POOL_BYTES where sysfs lists no cache (another OS, a container hiding it)."""
+    sizes = []
+    for path in Path(sysfs).glob("index*/size"):
+        try:
+            text = path.read_text().strip().upper()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text[:-1] if unit > 1 else text
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    if not sizes:
+        return POOL_BYTES
+    return min(POOL_MAX_BYTES, max(POOL_MIN_BYTES, 2 * max(sizes)))
+
+
+def timing_method(pool_bytes: int) -> str:
+    """How GEMM timings are measured, part of their cache key: timings of another method,
+    other row classes or another pool are redone."""
+    return f"cpu-time-1-thread|alternating-{REPEATS}|rows {ROW_CLASSES}|pool {pool_bytes}"
+
+
+def _pack(candidate: str, weight: torch.Tensor, kernels: NativeCpuKernels | None,
+          copies: int) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """``copies`` distinct packed copies of ``weight`` for ``candidate``: packed once, the
+    others byte copies of that packing (``clone``: 1.5-4x cheaper than packing again)."""
+    from kvflow.kernels.gemm import NativePackedWeight, OneDnnPackedWeight
+
+    first = NativePackedWeight(weight, kernels) if candidate == "native" else \
+        OneDnnPackedWeight(weight, 64)
+    packs = [first]
+    for _ in range(copies - 1):
+        twin = copy.copy(first)
+        twin.packed = first.packed.clone()
+        packs.append(twin)
+    if candidate == "native":
+        return [lambda x, p=p: p(x, None, x.dtype) for p in packs]
+    return [lambda x, p=p: p(x, None) for p in packs]
+
+
+def time_candidates(shape: GemmShape, candidates: Iterable[str], rows_list: Iterable[int],
+                    kernels: NativeCpuKernels | None) -> dict[str, dict[int, float]]:
+    """CPU seconds per call of each of ``candidates`` on ``shape`` for each row count, on one
+    thread: the minimum over REPEATS passes, the candidates' passes alternating (A, B, A, B,
+    ...). Timings are cached for good, and on a shared machine the load changes from one second
+    to the next: one candidate timed after the other could win by running in the quieter moment
+    (measured on a 2-core EPYC at load 5: a cached native 3072 x 576 bf16 GEMM at 64 rows of
+    2.8 ms against oneDNN's 0.61, where both run ~1.2 ms on a quiet core). Wall time of a
+    multi-threaded call is worse still: a thread descheduled for a scheduler slice stalls the
+    call (a 2-core Xeon at load 6 timed a one-row 960 x 576 bf16 GEMM at 15 ms, ~100x its
+    cost). So each call runs on one thread and counts the process's CPU time, which other
+    processes barely change; both kernels split a call over output columns the same way, so
+    one thread ranks them as the engine's threads would. One-row calls cycle through a pool of
+    distinct weights twice the last-level cache (:func:`timing_pool_bytes`), so they read
+    their weight from memory as decode does in a model; larger calls, which are
+    compute-bound, use two of them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _time_on_this_thread(shape, tuple(candidates), rows_list, kernels)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _time_on_this_thread(shape: GemmShape, candidates: tuple[str, ...],
+                         rows_list: Iterable[int], kernels: NativeCpuKernels | None
+                         ) -> dict[str, dict[int, float]]:
+    n, k = shape.timed_n, shape.k
+    weight_bytes = max(1, n * k * shape.dtype.itemsize)
+    copies = max(2, min(MAX_COPIES, timing_pool_bytes() // weight_bytes))
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(n, k, generator=gen).to(shape.dtype)
+    fns = {c: _pack(c, weight, kernels, copies) for c in candidates}
+    result: dict[str, dict[int, float]] = {c: {} for c in fns}
+    for rows in rows_list:
+        x = torch.randn(rows, k, generator=gen).to(shape.dtype)
+        pools = {c: pool if rows == 1 else pool[:2] for c, pool in fns.items()}
+        for pool in pools.values():
+            pool[0](x)  # warm-up (first-call allocations)
+        best = dict.fromkeys(pools, float("inf"))
+        for _ in range(REPEATS):
+            for c, pool in pools.items():
+                start = time.process_time()
+                for fn in pool:
+                    fn(x)
+                best[c] = min(best[c], (time.process_time() - start) / len(pool))
+        for c in pools:
+            result[c][rows] = best[c]
+    return result
+
+
+def time_candidate(shape: GemmShape, candidate: str, rows_list: Iterable[int],
+                   kernels: NativeCpuKernels | None) -> dict[int, float]:
+    """:func:`time_candidates` of one candidate."""
+    return time_candidates(shape, (candidate,), rows_list, kernels)[candidate]
+
+
+def cache_key(num_threads: int, isa: str = "", method: str | None = None) -> str:
+    """What the timings depend on: the CPU model and flags, torch, kvflow's kernel sources,
+    the ISA level of the loaded kernels, the thread count and how they are measured
+    (``method``: another kernel's timings name theirs; default: :func:`timing_method` of
+    :func:`timing_pool_bytes`, so a CPU with another cache size is timed again)."""
+    method = timing_method(timing_pool_bytes()) if method is None else method
+    digest = hashlib.sha256()
+    csrc = Path(cpu_build.__file__).parent / "csrc"
+    for part in [cpu_build.cpu_fingerprint(), torch.__version__, str(num_threads), isa,
+                 method,
+                 *(p.read_text() for p in sorted(csrc.glob("*.[ch]")))]:
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+class GemmTimings:
+    """Seconds per GEMM call by (shape class, candidate, rows), measured on demand and cached
+    in a JSON file. One engine start at a time writes it (rename into place)."""
+
+    def __init__(self, path: Path, kernels: NativeCpuKernels | None) -> None:
+        self.path, self.kernels = path, kernels
+        self.seconds: dict[str, float] = read_timings(path)
+        self._dirty = False
+        self.measuring_s = 0.0  # spent timing kernels in this process
+
+    def get(self, shape: GemmShape, candidate: str) -> dict[int, float]:
+        """Seconds per call of ``candidate`` on ``shape`` at each of ROW_CLASSES, scaled to
+        the full ``n`` of a sliced (wide) shape."""
+        keys = {rows: shape.key(candidate, rows) for rows in ROW_CLASSES}
+        missing = [rows for rows, key in keys.items() if key not in self.seconds]
+        if missing:
+            start = time.perf_counter()
+            measured = time_candidate(shape, candidate, missing, self.kernels)
+            self.measuring_s += time.perf_counter() - start
+            self.seconds.update({keys[rows]: s for rows, s in measured.items()})
+            self._dirty = True
+        scale = shape.n / shape.timed_n
+        return {rows: self.seconds[key] * scale for rows, key in keys.items()}
+
+    def get_all(self, shape: GemmShape, candidates: Iterable[str]) -> dict[str, dict[int, float]]:
+        """:meth:`get` of each candidate; those not cached yet are timed together, their
+        passes alternating (:func:`time_candidates`)."""
+        candidates = tuple(candidates)
+        missing = [c for c in candidates
+                   if any(shape.key(c, rows) not in self.seconds for rows in ROW_CLASSES)]
+        if len(missing) > 1:
+            start = time.perf_counter()
+            measured = time_candidates(shape, missing, ROW_CLASSES, self.kernels)
+            self.measuring_s += time.perf_counter() - start
+            for c, secs in measured.items():
+                self.seconds.update({shape.key(c, rows): s for rows, s in secs.items()})
+            self._dirty = True
+        return {c: self.get(shape, c) for c in candidates}
+
+    def save(self) -> None:
+        """Write new timings (atomically); a failure to write is logged, not raised."""
+        if not self._dirty:
+            return
+        logger.info("timed CPU GEMM kernels in %.2f s (cached in %s)", self.measuring_s,
+                    self.path)
+        if write_timings(self.path, self.seconds, "GEMM timings"):
+            self._dirty = False
+
+
+def gemm_timings(kernels: NativeCpuKernels | None) -> GemmTimings:
+    """The timings cache of this CPU, torch, kernel sources and thread count, under
+    ``<cache_dir>/cpu_gemm/``."""
+    name = f"{cache_key(torch.get_num_threads(), kernels.isa if kernels else '')}.json"
+    return GemmTimings(Path(cache_dir()) / "cpu_gemm" / name, kernels)
