@@ -4,6 +4,7 @@ engine's CPU KV cache goes through it."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import pytest
@@ -52,3 +53,78 @@ def test_cpu_kv_cache_is_allocated_through_it(monkeypatch, tiny_llama):
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
     assert calls and all(shape[0] == 2 and len(shape) == 5 for shape, _ in calls)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+def test_arena_places_tensors_side_by_side_on_aligned_segments():
+    arena = cpu_memory.HugePageArena(segment_bytes=4 * HUGE_PAGE)
+    sizes = [(1000, torch.float32), (3, torch.bfloat16), (HUGE_PAGE // 2, torch.bfloat16),
+             (5, torch.uint8), (HUGE_PAGE, torch.float32)]  # 4000, 6, 1 MiB, 5, 4 MiB bytes
+    tensors = [arena.empty(n, dt) for n, dt in sizes]
+    assert [(t.numel(), t.dtype, t.dim()) for t in tensors] == [(n, dt, 1) for n, dt in sizes]
+    spans = [_span(t) for t in tensors]
+    first = spans[0][0]
+    assert first % HUGE_PAGE == 0  # a segment starts on a huge page
+    # hand-computed offsets: each tensor starts on the next 64-byte boundary
+    assert [s - first for s, _ in spans[:4]] == [0, 4032, 4096, 4096 + HUGE_PAGE // 2 * 2]
+    # the 4 MiB tensor equals the segment size: its own segment, on a huge page
+    assert spans[4][0] % HUGE_PAGE == 0 and not spans[0][0] <= spans[4][0] < first + 4 * HUGE_PAGE
+    ordered = sorted(spans)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(ordered))
+    for i, t in enumerate(tensors):  # writable, and no tensor overlaps another
+        t.fill_(i + 1)
+    assert [int(t[0]) for t in tensors] == [1, 2, 3, 4, 5]
+    assert [int(t[-1]) for t in tensors] == [1, 2, 3, 4, 5]
+
+
+def test_arena_opens_a_new_segment_when_the_current_one_is_full():
+    arena = cpu_memory.HugePageArena(segment_bytes=HUGE_PAGE)
+    a = arena.empty(HUGE_PAGE * 3 // 4, torch.uint8)
+    b = arena.empty(HUGE_PAGE // 2, torch.uint8)  # does not fit behind a
+    c = arena.empty(HUGE_PAGE // 4 - 64, torch.uint8)  # fits behind b
+    assert a.data_ptr() % HUGE_PAGE == 0 and b.data_ptr() % HUGE_PAGE == 0
+    assert b.data_ptr() != a.data_ptr() + HUGE_PAGE * 3 // 4
+    assert c.data_ptr() == b.data_ptr() + HUGE_PAGE // 2
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    assert b.untyped_storage().data_ptr() == c.untyped_storage().data_ptr()
+
+
+@linux
+def test_arena_segments_are_advised_whole():
+    arena = cpu_memory.HugePageArena(segment_bytes=2 * HUGE_PAGE)
+    arena.empty(10, torch.float32)
+    arena.empty(HUGE_PAGE + 1, torch.float32)  # 8 MiB + 4 bytes: its own segment of 10 MiB
+    assert arena.advised_bytes == 2 * HUGE_PAGE + 5 * HUGE_PAGE
+
+
+def test_arena_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="segment_bytes"):
+        cpu_memory.HugePageArena(segment_bytes=0)
+    with pytest.raises(ValueError, match="numel"):
+        cpu_memory.HugePageArena().empty(-1, torch.float32)
+
+
+def test_engine_packs_the_native_gemm_weights_into_shared_segments(tiny_llama):
+    from kvflow import LLM
+    from kvflow.kernels.cpu_native import native_cpu_kernels
+    from kvflow.kernels.gemm import NativePackedWeight
+    from kvflow.quant.base import weight_bytes
+
+    if native_cpu_kernels() is None:
+        pytest.skip("no native CPU kernels here")
+    llm = LLM(model=tiny_llama.path, kv_cache_memory="16MiB", enable_prefix_caching=False,
+              cpu_gemm="native")
+    model = llm.engine.core.executor.runner.model
+    packed = {id(m.packed_weight): m.packed_weight.packed for m in model.modules()
+              if isinstance(getattr(m, "packed_weight", None), NativePackedWeight)}
+    assert len(packed) >= 4
+    storages = {t.untyped_storage().data_ptr() for t in packed.values()}
+    assert len(storages) == 1  # a tiny model's weights share one segment
+    # weight_bytes counts each packed copy's own bytes, not the 32 MiB segment
+    plain = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                 for t in [*model.parameters(), *model.buffers()]}.values())
+    own = sum(t.numel() * t.element_size() for t in packed.values())
+    assert weight_bytes(model) == plain + own

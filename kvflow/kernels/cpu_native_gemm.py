@@ -63,13 +63,27 @@ class GemmKernels:
             size = self._packed_sizes[key] = self._gemm_packed_size(n, k, code)
         return size
 
-    def gemm_pack(self, weight: torch.Tensor) -> torch.Tensor:
+    def gemm_packed_numel(self, n: int, k: int, dtype: torch.dtype) -> int:
+        """Elements of :meth:`gemm_pack`'s result for a weight [n, k] of ``dtype`` (fp32, bf16
+        or fp16). Raises ValueError on another dtype."""
+        if dtype not in DTYPE_CODES:
+            raise ValueError(f"gemm_packed_numel: no packing for {dtype}")
+        return self._packed_size(n, k, DTYPE_CODES[dtype])
+
+    def gemm_pack(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Pack ``weight`` [N, K] (fp32, bf16 or fp16 CPU, unit stride along K) once for
         :meth:`gemm`.
 
-        Returns a 1-D tensor of the weight's dtype in the library's panel layout (panels of 16
-        or 32 output columns, k-major; bf16 in k-pairs where the CPU has AVX512-BF16; see
-        ``csrc/cpu_gemm.c``). Raises ValueError on another dtype, device or layout.
+        Args:
+            weight: [N, K] the weight.
+            out: where to pack (e.g. a :class:`~kvflow.platforms.cpu_memory.HugePageArena`
+                tensor): a contiguous 1-D CPU tensor of the weight's dtype with
+                :meth:`gemm_packed_numel` elements; None allocates one.
+
+        Returns a 1-D tensor of the weight's dtype (``out`` when given) in the library's panel
+        layout (panels of 16 or 32 output columns, k-major; bf16 in k-pairs where the CPU has
+        AVX512-BF16; see ``csrc/cpu_gemm.c``). Raises ValueError on another dtype, device or
+        layout, or an ``out`` of the wrong dtype, size or layout.
         """
         if weight.dtype not in DTYPE_CODES or weight.device.type != "cpu" \
                 or weight.dim() != 2 or weight.stride(1) != 1:
@@ -78,10 +92,17 @@ class GemmKernels:
                              f"{weight.device}")
         n, k = weight.shape
         code = DTYPE_CODES[weight.dtype]
-        packed = torch.empty(self._gemm_packed_size(n, k, code), dtype=weight.dtype)
-        self._gemm_pack(weight.data_ptr(), weight.stride(0), n, k, code, packed.data_ptr(),
+        numel = self._packed_size(n, k, code)
+        if out is None:
+            out = torch.empty(numel, dtype=weight.dtype)
+        elif out.dtype != weight.dtype or out.device.type != "cpu" or out.dim() != 1 \
+                or out.numel() != numel or not out.is_contiguous():
+            raise ValueError(f"gemm_pack's out must be a contiguous 1-D {weight.dtype} CPU "
+                             f"tensor of {numel} elements, got {out.dtype} "
+                             f"{tuple(out.shape)} on {out.device}")
+        self._gemm_pack(weight.data_ptr(), weight.stride(0), n, k, code, out.data_ptr(),
                         torch.get_num_threads())
-        return packed
+        return out
 
     def gemm_rows(self, packed: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the weight [n, k] that :meth:`gemm_pack` packed into ``packed``:

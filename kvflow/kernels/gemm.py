@@ -36,6 +36,7 @@ from torch import nn
 
 from kvflow.config import cpu_gemm_choice
 from kvflow.kernels.cpu_native import NativeCpuKernels, native_cpu_kernels
+from kvflow.platforms.cpu_memory import HugePageArena
 
 
 class GemmWorkspace:
@@ -92,13 +93,17 @@ class NativePackedWeight:
     """A weight packed for kvflow's C GEMM (``kernels/csrc/cpu_gemm.c``): panels of 16 (32 on
     AVX512) output columns, multiplied by a 6-row register-tiled micro-kernel. fp32 weights,
     fp16 weights widened in registers, bf16 weights widened or (AVX512-BF16) multiplied as bf16
-    pairs; accumulation and the result are fp32."""
+    pairs; accumulation and the result are fp32. With an ``arena`` the packed copy lies in
+    it (on huge pages: a decode step streams it), else in a tensor of its own."""
 
-    def __init__(self, weight: torch.Tensor, kernels: NativeCpuKernels) -> None:
+    def __init__(self, weight: torch.Tensor, kernels: NativeCpuKernels,
+                 arena: HugePageArena | None = None) -> None:
         self.kernels = kernels
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        self.packed = kernels.gemm_pack(weight.detach())
+        out = None if arena is None else arena.empty(
+            kernels.gemm_packed_numel(*weight.shape, weight.dtype), weight.dtype)
+        self.packed = kernels.gemm_pack(weight.detach(), out)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -144,12 +149,14 @@ PackedWeight = OneDnnPackedWeight | NativePackedWeight | RowSplitWeight
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int,
-                kernels: NativeCpuKernels | None = None) -> PackedWeight:
+                kernels: NativeCpuKernels | None = None,
+                arena: HugePageArena | None = None) -> PackedWeight:
     """``weight`` [N, K] CPU packed once for :func:`linear`'s ``packed`` argument: for
-    kvflow's C GEMM when ``kernels`` is given, else for oneDNN. ``batch_hint``: typical rows per
-    call (oneDNN tunes its layout to it; any count works)."""
+    kvflow's C GEMM when ``kernels`` is given (in ``arena`` when given), else for oneDNN
+    (whose packed tensors are its own allocations). ``batch_hint``: typical rows per call
+    (oneDNN tunes its layout to it; any count works)."""
     if kernels is not None:
-        return NativePackedWeight(weight, kernels)
+        return NativePackedWeight(weight, kernels, arena)
     return OneDnnPackedWeight(weight, batch_hint)
 
 
@@ -249,12 +256,14 @@ def cpu_gemm_kernels(choice: str | None = None) -> NativeCpuKernels | None:
 def prepack_gemm_weights(model: nn.Module, batch_hint: int,
                          kernels: NativeCpuKernels | None = None,
                          pick: Callable[[torch.Tensor], object] | None = None,
-                         dtype: torch.dtype = torch.float32) -> Counter[str]:
+                         dtype: torch.dtype = torch.float32,
+                         arena: HugePageArena | None = None) -> Counter[str]:
     """Pack the 2-D ``dtype`` weight of every GEMM module of ``model`` once: for the kernel
     ``pick(weight)`` names ("native": kvflow's C GEMM, needs ``kernels``; "onednn"; or a
     :class:`~kvflow.kernels.gemm_select.KernelSplit` of the two: packed for both, a
     :class:`RowSplitWeight`), by default kvflow's C GEMM when ``kernels`` is given, else
-    oneDNN (see :func:`pack_weight`). Returns how many modules each kernel got.
+    oneDNN (see :func:`pack_weight`); kvflow's packed copies go into ``arena`` when given.
+    Returns how many modules each kernel got.
 
     Called once after loading on CPU. A module that owns its weight (not one tied to the
     embedding table) keeps only the packed copy: its plain ``weight`` becomes an empty [0, K]
@@ -271,7 +280,7 @@ def prepack_gemm_weights(model: nn.Module, batch_hint: int,
                 or module.packed_weight is not None:  # e.g. a 16-bit LM head packed for fp32
             continue
         kernel = pick(weight) if pick else ("native" if kernels is not None else "onednn")
-        module.packed_weight = _pack_for(weight, batch_hint, kernels, kernel)
+        module.packed_weight = _pack_for(weight, batch_hint, kernels, kernel, arena)
         if id(weight) not in tied:
             module.weight = nn.Parameter(weight.new_empty(0, weight.shape[1]),
                                          requires_grad=False)
@@ -280,21 +289,22 @@ def prepack_gemm_weights(model: nn.Module, batch_hint: int,
 
 
 def _pack_for(weight: torch.Tensor, batch_hint: int, kernels: NativeCpuKernels | None,
-              kernel: object) -> PackedWeight:
+              kernel: object, arena: HugePageArena | None) -> PackedWeight:
     """``weight`` packed for ``kernel`` ("native", "onednn" or a KernelSplit of the two)."""
     small = getattr(kernel, "small", None)
     if small is not None:
-        return RowSplitWeight(_pack_for(weight, batch_hint, kernels, small),
-                              _pack_for(weight, batch_hint, kernels, kernel.large),
+        return RowSplitWeight(_pack_for(weight, batch_hint, kernels, small, arena),
+                              _pack_for(weight, batch_hint, kernels, kernel.large, arena),
                               kernel.max_small_rows)
-    return pack_weight(weight, batch_hint, kernels if kernel == "native" else None)
+    return pack_weight(weight, batch_hint, kernels if kernel == "native" else None, arena)
 
 
 def pack_logits_head(head: nn.Module, batch_hint: int,
-                     kernels: NativeCpuKernels | None = None) -> PackedWeight | None:
+                     kernels: NativeCpuKernels | None = None,
+                     arena: HugePageArena | None = None) -> PackedWeight | None:
     """Pack a 16-bit LM head's weight [vocab, hidden] (CPU) so its logits come out in fp32
     without rounding to 16 bits: for kvflow's C GEMM when ``kernels`` is given (16-bit panels
-    widened in registers), else an fp32 copy for oneDNN; None when neither is possible (the
+    widened in registers; in ``arena`` when given), else an fp32 copy for oneDNN; None when neither is possible (the
     head then runs :func:`linear`'s fallback). The plain weight is kept (it is usually the
     embedding table too; :func:`drop_plain_head_weight` frees it where the packed copy can
     serve the lookups). Returns the packed weight, also set as ``head.packed_weight``.
@@ -305,7 +315,7 @@ def pack_logits_head(head: nn.Module, batch_hint: int,
             or weight.dtype not in (torch.bfloat16, torch.float16):
         return None
     if kernels is not None:
-        head.packed_weight = NativePackedWeight(weight, kernels)
+        head.packed_weight = NativePackedWeight(weight, kernels, arena)
     elif torch.backends.mkldnn.is_available():
         head.packed_weight = OneDnnPackedWeight(weight.float(), batch_hint)
     return head.packed_weight

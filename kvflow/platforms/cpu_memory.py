@@ -7,6 +7,12 @@ blocks. On the issue-23 Xeon (KVM guest) one core read 6 KB blocks in random ord
 on 4 KB pages and 8.7 GB/s on huge pages, both with software prefetch
 (``benchmarks/cpu_kv_bandwidth.c``, docs/benchmarks.md).
 
+A decode step also streams every weight once. The CPU GEMM's packed weights are mostly 0.5-4 MB
+each, too small for a 2 MB page of their own, so :class:`HugePageArena` places them side by side
+in a few large advised allocations: with 4 KB pages the hardware prefetchers stop at every page
+boundary and each 4 KB of weights costs a TLB miss (docs/benchmarks.md, "session 39: packed
+weights on huge pages").
+
 Linux backs an advised range with huge pages as it first touches it, where
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` or ``always`` (with ``never``
 the advice is a no-op). Only whole 2 MB-aligned pages inside the tensor are advised.
@@ -37,13 +43,13 @@ def _madvise():
 
 
 def advise_huge_pages(t: torch.Tensor) -> int:
-    """Advise the kernel to back ``t``'s memory (a CPU tensor, best not yet touched) with
-    transparent huge pages. Returns the bytes advised: 0 for a tensor smaller than a 2 MB page,
-    off Linux, on another device, or when the kernel refuses."""
+    """Advise the kernel to back ``t``'s memory (a contiguous CPU tensor, best not yet touched)
+    with transparent huge pages. Returns the bytes advised: 0 for a tensor smaller than a 2 MB
+    page, off Linux, on another device, or when the kernel refuses."""
     madvise = _madvise()
     if madvise is None or t.device.type != "cpu":
         return 0
-    ptr, nbytes = t.data_ptr(), t.untyped_storage().nbytes()
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
     start = (ptr + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
     end = (ptr + nbytes) // HUGE_PAGE * HUGE_PAGE
     if end <= start or madvise(start, end - start, MADV_HUGEPAGE) != 0:
@@ -57,3 +63,59 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     t = torch.empty(shape, dtype=dtype)
     advise_huge_pages(t)
     return t.zero_()
+
+
+class HugePageArena:
+    """Hands out 1-D CPU tensors placed side by side in large allocations ("segments") whose
+    whole 2 MB pages are advised onto transparent huge pages before anything touches them.
+
+    For many weights of 0.5-4 MB each (a small model's packed GEMM weights), which a tensor of
+    their own could not put on huge pages. A tensor larger than ``segment_bytes`` gets a
+    segment of its own. Each tensor starts on a ``ALIGN``-byte boundary. The tensors keep
+    their segment alive (they are views of it), so the arena itself may be dropped once the
+    tensors are made. A segment's unused tail is virtual memory never touched (up to one
+    2 MB page of it backed where the last tensor ends inside that page).
+
+    Args:
+        segment_bytes: size of a shared segment (default 32 MiB); must be > 0.
+
+    Raises:
+        ValueError: for a non-positive ``segment_bytes``.
+    """
+
+    ALIGN = 64  # a cache line: the GEMM's loads need no more
+
+    def __init__(self, segment_bytes: int = 32 << 20) -> None:
+        if segment_bytes <= 0:
+            raise ValueError(f"segment_bytes must be > 0, got {segment_bytes}")
+        self.segment_bytes = segment_bytes
+        self._segment: torch.Tensor | None = None  # uint8, starts on a 2 MB boundary
+        self._used = 0
+        self.advised_bytes = 0  # over all segments: what the kernel accepted
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized 1-D tensor of ``numel`` elements of ``dtype`` in the arena.
+
+        Raises:
+            ValueError: for a negative ``numel``.
+        """
+        if numel < 0:
+            raise ValueError(f"numel must be >= 0, got {numel}")
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        start = -(-self._used // self.ALIGN) * self.ALIGN
+        if self._segment is None or start + nbytes > self._segment.numel():
+            if nbytes > self.segment_bytes:
+                return self._new_segment(nbytes)[:nbytes].view(dtype)
+            self._segment, start = self._new_segment(self.segment_bytes), 0
+        self._used = start + nbytes
+        return self._segment[start:start + nbytes].view(dtype)
+
+    def _new_segment(self, nbytes: int) -> torch.Tensor:
+        """A fresh advised uint8 tensor of ``nbytes`` (rounded up to whole 2 MB pages)
+        starting on a 2 MB boundary (the allocation is one page larger to allow for that)."""
+        size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+        raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
+        skip = -raw.data_ptr() % HUGE_PAGE
+        segment = raw[skip:skip + size]
+        self.advised_bytes += advise_huge_pages(segment)
+        return segment

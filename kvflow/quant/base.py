@@ -102,26 +102,29 @@ def check_stored_dtype(param: nn.Parameter, loaded: torch.Tensor) -> None:
 def weight_bytes(model: nn.Module) -> int:
     """Bytes the model's weights occupy: every parameter and buffer (each storage counted once,
     so a tied LM head is not counted twice) plus the CPU GEMM's packed copies
-    (``packed_weight.packed``), which replace the plain weights they were made from."""
+    (``packed_weight.packed``), which replace the plain weights they were made from. A packed
+    copy counts its own bytes, not its storage's: several lie in one
+    :class:`~kvflow.platforms.cpu_memory.HugePageArena` segment, whose unused tail is never
+    touched."""
     seen: set[int] = set()
     total = 0
-    tensors = [*model.parameters(), *model.buffers()]
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type == "meta" or t.numel() == 0:
+            continue
+        key, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+        if key not in seen:
+            seen.add(key)
+            total += nbytes
     for module in model.modules():
         packed_weight = getattr(module, "packed_weight", None)
         for part in getattr(packed_weight, "parts", (packed_weight,)):  # a RowSplitWeight: 2
             packed = getattr(part, "packed", None)
-            if isinstance(packed, torch.Tensor):
-                tensors.append(packed)
-    for t in tensors:
-        if t.device.type == "meta" or t.numel() == 0:
-            continue
-        try:
-            key, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-        except NotImplementedError:  # oneDNN's packed (opaque) tensors have no storage
-            key, nbytes = id(t), t.numel() * t.element_size()
-        if key not in seen:
-            seen.add(key)
-            total += nbytes
+            # oneDNN's packed (opaque) tensors have no storage: id() keys them
+            key = packed.data_ptr() if isinstance(packed, torch.Tensor) \
+                and not packed.is_mkldnn else id(packed)
+            if isinstance(packed, torch.Tensor) and key not in seen:
+                seen.add(key)
+                total += packed.numel() * packed.element_size()
     return total
 
 

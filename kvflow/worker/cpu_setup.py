@@ -29,6 +29,7 @@ from kvflow.kernels.gemm_timing import GemmShape, gemm_timings
 from kvflow.layers.embedding import VocabParallelEmbedding
 from kvflow.layers.linear import LinearBase
 from kvflow.platforms import Platform
+from kvflow.platforms.cpu_memory import HugePageArena
 from kvflow.quant.int8 import Int8EmbeddingMethod
 from kvflow.quant.unquantized import UnquantizedEmbeddingMethod
 from kvflow.worker.deterministic import CHANGES as DETERMINISTIC_CHANGES
@@ -91,10 +92,11 @@ def choose_gemm_path(model: torch.nn.Module, config: EngineConfig, platform: Pla
         return
     timings = gemm_timings(kernels) if choice == "auto" and len(candidates) > 1 else None
     head = getattr(model, "lm_head", None)
+    arena = HugePageArena()  # kvflow's packed weights side by side on huge pages
     if dtype != torch.float32:
         # logits in fp32: the 16-bit LM head's accumulation is never rounded to 16 bits
         pack_logits_head(head, config.scheduler_config.max_num_seqs,
-                         None if choice == "onednn" else kernels)
+                         None if choice == "onednn" else kernels, arena)
     split = timings is not None and _gemm_weight_bytes(model, dtype) <= SPLIT_MAX_BYTES
     # a oneDNN decode GEMM would cost the step graph: near-ties go to kvflow's GEMM
     graphs = timings is not None and cpu_step_graphs_expected(config)
@@ -102,14 +104,15 @@ def choose_gemm_path(model: torch.nn.Module, config: EngineConfig, platform: Pla
         model, config.scheduler_config.max_num_seqs, kernels,
         lambda w: choose(GemmShape(w.shape[0], w.shape[1], dtype), candidates, timings, split,
                          graphs),
-        dtype)
+        dtype, arena)
     if timings is not None:
         timings.save()
     freed = drop_plain_head_weight(model, head) if head is not None else 0
     if freed:
         logger.info("LM head: its plain table freed (%.1f MiB); the head and a tied "
                     "embedding read the packed copy", freed / 2**20)
-    logger.info("GEMM kernels (--cpu-gemm %s, %s): %s", choice, dtype, dict(counts))
+    logger.info("GEMM kernels (--cpu-gemm %s, %s): %s; %.1f MiB of packed weights advised "
+                "onto huge pages", choice, dtype, dict(counts), arena.advised_bytes / 2**20)
     if not counts and cpu_gemm_choice(config.device_config.cpu_gemm) != "auto":
         logger.warning("--cpu-gemm %s (or KVFLOW_CPU_GEMM) took no layer of this model: "
                        "quantized layers run their method's kernel, and a dtype neither "

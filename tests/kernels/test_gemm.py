@@ -210,6 +210,30 @@ def test_native_gemm_reads_strided_rows_and_ignores_thread_count():
 
 
 @native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_gemm_packs_into_an_arena_bit_for_bit(dtype):
+    from kvflow.platforms.cpu_memory import HugePageArena
+
+    gen = torch.Generator().manual_seed(5)
+    kernels = native_cpu_kernels()
+    arena = HugePageArena(segment_bytes=1 << 20)
+    weights = [torch.randn(n, 96, generator=gen).to(dtype) for n in (70, 33, 128)]
+    x = torch.randn(9, 96, generator=gen).to(dtype)
+    for w in weights:
+        alone = NativePackedWeight(w, kernels)
+        placed = NativePackedWeight(w, kernels, arena)
+        assert placed.packed.numel() == kernels.gemm_packed_numel(*w.shape, dtype)
+        assert torch.equal(placed.packed, alone.packed)
+        assert torch.equal(placed(x, None), alone(x, None))
+        _fp32_oracle_check(placed(x, None), x, w, None)
+    with pytest.raises(ValueError, match="out must be"):
+        kernels.gemm_pack(weights[0], torch.empty(5, dtype=dtype))
+    with pytest.raises(ValueError, match="out must be"):
+        numel = kernels.gemm_packed_numel(*weights[0].shape, dtype)
+        kernels.gemm_pack(weights[0], torch.empty(numel, dtype=torch.float16))
+
+
+@native
 def test_native_gemm_rejects_bad_operands():
     kernels = native_cpu_kernels()
     with pytest.raises(ValueError, match="float32"):
