@@ -14,7 +14,9 @@ best of 5), the GEMM rate (``torch.mm`` of [2048, 1024] x [1024, 4096] in --dtyp
 best of 5), both on the process's torch threads, and, per batch size B, decode ms/step =
 (t(65 tokens) - t(1 token)) / 64 on the first B prompts of CPU-W1, each the median of 3.
 Prints per B the median step, the floor (from the medians of the rounds' rates) and
-floor / step (1.0: the step runs at the floor).
+floor / step (1.0: the step runs at the floor). ``--cpu-time`` (kvflow): one compute thread,
+steps timed by process CPU time, for A/Bs on a busy machine (the floor's rates stay wall-time
+figures on the process's threads).
 
 Served at a fixed rate, the last of N requests is sent at N / rate seconds
 (``kvflow.bench.datasets.arrival_intervals`` scales the gaps so), so a run of compare_cpu.sh's
@@ -107,7 +109,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(BYTES))
     parser.add_argument("--batches", default="1,4,8,16")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="kvflow on one compute thread (cpu_threads=1), timed by process "
+                        "CPU time: an A/B little disturbed by other processes")
     args = parser.parse_args()
+    if args.cpu_time and args.engine != "kvflow":
+        parser.error("--cpu-time is for --engine kvflow")
     batches = parse_batches(parser, args.batches)
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -115,10 +122,15 @@ def main() -> None:
             not (Path(args.model_dir) / "config.json").is_file():
         parser.error(f"{args.model_dir} is not an HF folder with config.json and *.safetensors "
                      "(export one: benchmarks/export_hf.py out/smollm2-hf)")
-    llm, sampling_params, wrap = load_engine(args.engine, args.model_dir, args.dtype)
+    options = {"cpu_threads": 1} if args.cpu_time else {}
+    llm, sampling_params, wrap = load_engine(args.engine, args.model_dir, args.dtype, **options)
     prompts = [wrap(row) for row in cpu_w1_token_ids(llm.get_tokenizer().vocab_size)]
 
     def seconds(batch: list, max_tokens: int) -> float:
+        if args.cpu_time:
+            start = time.process_time()
+            greedy_run(llm, sampling_params, batch, max_tokens)
+            return time.process_time() - start
         return greedy_run(llm, sampling_params, batch, max_tokens)[0]
 
     seconds(prompts[:2], 4)  # warm-up
