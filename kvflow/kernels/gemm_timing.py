@@ -22,6 +22,7 @@ from kvflow.config import cache_dir
 from kvflow.kernels import cpu_build
 from kvflow.kernels.cpu_native import NativeCpuKernels
 from kvflow.kernels.timings_file import read_timings, write_timings
+from kvflow.platforms.cpu_memory import HugePageArena
 
 logger = logging.getLogger(__name__)
 
@@ -75,21 +76,25 @@ def timing_pool_bytes(sysfs: str = CPU_CACHE_SYSFS) -> int:
 def timing_method(pool_bytes: int) -> str:
     """How GEMM timings are measured, part of their cache key: timings of another method,
     other row classes or another pool are redone."""
-    return f"cpu-time-1-thread|alternating-{REPEATS}|rows {ROW_CLASSES}|pool {pool_bytes}"
+    return f"cpu-time-1-thread|alternating-{REPEATS}|rows {ROW_CLASSES}|pool {pool_bytes}" \
+        "|native on huge pages"
 
 
 def _pack(candidate: str, weight: torch.Tensor, kernels: NativeCpuKernels | None,
           copies: int) -> list[Callable[[torch.Tensor], torch.Tensor]]:
     """``copies`` distinct packed copies of ``weight`` for ``candidate``: packed once, the
-    others byte copies of that packing (``clone``: 1.5-4x cheaper than packing again)."""
+    others byte copies of that packing (1.5-4x cheaper than packing again). kvflow's copies
+    lie in a :class:`HugePageArena`, as the engine's packed weights do."""
     from kvflow.kernels.gemm import NativePackedWeight, OneDnnPackedWeight
 
-    first = NativePackedWeight(weight, kernels) if candidate == "native" else \
+    arena = HugePageArena() if candidate == "native" else None
+    first = NativePackedWeight(weight, kernels, arena) if arena is not None else \
         OneDnnPackedWeight(weight, 64)
     packs = [first]
     for _ in range(copies - 1):
         twin = copy.copy(first)
-        twin.packed = first.packed.clone()
+        twin.packed = first.packed.clone() if arena is None else \
+            arena.empty(first.packed.numel(), first.packed.dtype).copy_(first.packed)
         packs.append(twin)
     if candidate == "native":
         return [lambda x, p=p: p(x, None, x.dtype) for p in packs]
