@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,6 +32,9 @@ os.environ.setdefault("KVFLOW_CPU_ADAPTIVE_THREADS", "0")
 torch.set_num_threads(int(os.environ.get("KVFLOW_TEST_NUM_THREADS", "1")))
 
 EOS_TOKEN, BOS_TOKEN = "<eos>", "<bos>"
+# A tiny chat template: "<user>hi\n<assistant>".
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<assistant>{% endif %}")
 TOKENIZER_VOCAB = 320
 
 # MLA and DeepSeekMoE sizes shared by the tiny DeepSeek models
@@ -276,6 +280,62 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory,
 def tiny_llama(tiny_model_factory: Callable[[str], TinyModel]) -> TinyModel:
     """The tiny Llama (untied, plain RoPE)."""
     return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tiny_llama: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Llama copied to a folder of its own with ``TINY_CHAT_TEMPLATE`` added; returns
+    the folder (the model the e2e servers serve most)."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny_chat") / "model"
+    shutil.copytree(tiny_llama.path, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def start_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[Any]:
+    """``start_server(model, args, env=None, threads=1, wait=True)`` -> a ready
+    ``ServerProcess`` (``ServerStarter`` in tests/e2e/conftest.py, for tests/e2e and
+    tests/multimodal); every server started is stopped at the end of the session (modules
+    may stop theirs earlier). ``wait=False`` returns it starting: the caller starts others
+    (they come up side by side) and waits with ``ready_side_by_side`` (or
+    ``wait_ready_or_stop``). A module's servers may have been started ahead (see
+    ``_prestart_next_module`` and :func:`_e2e_servers_started_early`);
+    ``start_server.declared(request, index, wait=True)`` gives one of them. Servers started
+    ahead and never used are warned about at the end, unless the session stopped early
+    (``-x``, ``--maxfail``)."""
+    from tests.e2e.conftest import ServerStarter
+
+    starter = ServerStarter(tmp_path_factory)
+    yield starter
+    session = request.session
+    starter.stop_all(warn_unused=not (session.shouldfail or session.shouldstop))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _e2e_servers_started_early(request: pytest.FixtureRequest) -> None:
+    """When the session runs tests in tests/e2e, start the servers of its first module there
+    that declares them as the session starts (``prestart_first_module`` in
+    tests/e2e/conftest.py): they come up on the core that the modules before tests/e2e leave
+    idle. Skipped when a fixture of that declaration is not one of this file's (the servers
+    then start as before, in that module's set-up), and under pytest-xdist (see
+    ``_prestart_next_module``)."""
+    e2e = os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e")
+    if os.environ.get("PYTEST_XDIST_WORKER") or not any(
+            os.path.dirname(str(item.path)) == e2e for item in request.session.items):
+        return
+    from tests.e2e.conftest import prestart_first_module
+
+    starter = request.getfixturevalue("start_server")
+    try:
+        prestart_first_module(request.session, starter, request.getfixturevalue)
+    except pytest.FixtureLookupError:
+        pass
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,9 @@ Each test module starts its servers (module-scoped fixtures) and sends them SIGT
 ends (``ServerProcess.terminate``: they shut down while the next module runs; every server is
 waited for at the end of the session). A module that lists its servers in
 ``prestart_servers`` gets them started during one of the modules before it
-(``_prestart_next_module``), so its start-up overlaps their tests; its fixtures take them with
+(``_prestart_next_module``; the session's first module with servers in this folder gets them
+started as the session starts, ``prestart_first_module``), so its start-up overlaps their
+tests; its fixtures take them with
 ``start_server.declared(request, index)``, so each server is stated once (a server started
 ahead that no test took is reported as a warning at the end of the session). The packaged
 SmolLM2 server is shared by the modules that use it (``smollm2_server``).
@@ -32,9 +34,6 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-# A tiny chat template: "<user>hi\n<assistant>".
-TINY_CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                      "{% if add_generation_prompt %}<assistant>{% endif %}")
 START_TIMEOUT_S = 180
 
 
@@ -152,19 +151,6 @@ def post_at_once(url: str, body: dict[str, Any], count: int) -> list[httpx.Respo
     return responses
 
 
-@pytest.fixture(scope="session")
-def tiny_chat_model(tiny_llama: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The tiny Llama copied to a folder of its own with a chat template added; returns it."""
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("tiny_chat") / "model"
-    shutil.copytree(tiny_llama.path, folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.chat_template = TINY_CHAT_TEMPLATE
-    tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
 def wait_ready_or_stop(server: ServerProcess) -> None:
     """``server.wait_ready()``; a server that fails to come up is stopped before the
     RuntimeError propagates."""
@@ -256,6 +242,16 @@ class ServerStarter:
             return
         self._ahead.setdefault(key, []).append(self._new(model, args, env, threads))
 
+    def wait_ahead_ready(self) -> None:
+        """Wait until every server started ahead and not taken yet is ready (one that fails
+        to come up is left for the module that takes it: its ``wait_ready`` raises then)."""
+        for ahead in self._ahead.values():
+            for server in ahead:
+                try:
+                    server.wait_ready()
+                except RuntimeError:
+                    pass
+
     def stop_all(self, warn_unused: bool = True) -> None:
         """Terminate every server, then wait for each (they shut down side by side). With
         ``warn_unused``, warn about each server started ahead that no call took (its module's
@@ -271,44 +267,50 @@ class ServerStarter:
             server.stop()
 
 
-@pytest.fixture(scope="session")
-def start_server(request: pytest.FixtureRequest,
-                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerStarter]:
-    """``start_server(model, args, env=None, threads=1, wait=True)`` -> a ready ServerProcess;
-    every server started is stopped at the end of the session (modules may stop theirs
-    earlier). ``wait=False`` returns it starting: the caller starts others (they come up side
-    by side) and waits with :func:`ready_side_by_side` (or :func:`wait_ready_or_stop`).
-    A module's servers may have been started ahead (see :func:`_prestart_next_module`);
-    ``start_server.declared(request, index, wait=True)`` gives one of them. Servers started
-    ahead and never used are warned about at the end, unless the session stopped early
-    (``-x``, ``--maxfail``)."""
-    starter = ServerStarter(tmp_path_factory)
-    yield starter
-    session = request.session
-    starter.stop_all(warn_unused=not (session.shouldfail or session.shouldstop))
-
-
 PRESTART_AHEAD = 2  # modules whose servers may be starting or idle ahead of their turn
 
 
-def _next_prestarting_modules(request: pytest.FixtureRequest) -> list[Any]:
-    """The first ``PRESTART_AHEAD`` modules after the current one, in the session's run
-    order and in its folder (another folder's fixtures, ``start_server`` among them, are not
-    this module's), that define ``prestart_servers``; none past a ``TIMING_SENSITIVE`` one
-    (nothing should still be starting while it runs)."""
-    current, found = request.module, []
-    folder = Path(current.__file__).parent
-    seen_current = False
-    for item in request.session.items:
+def _next_prestarting_modules(session: pytest.Session, current: Any,
+                              folder: Path) -> list[Any]:
+    """The first ``PRESTART_AHEAD`` modules after ``current`` (None: from the session's
+    start), in the session's run order and in ``folder`` (another folder's fixtures, the
+    model folders among them, are not this folder's), that define ``prestart_servers``."""
+    found, seen_current = [], current is None
+    for item in session.items:
         module = getattr(item, "module", None)
         if module is current:
             seen_current = True
         elif (seen_current and module is not None and hasattr(module, "prestart_servers")
               and module not in found and Path(module.__file__).parent == folder):
             found.append(module)
-            if len(found) == PRESTART_AHEAD or getattr(module, "TIMING_SENSITIVE", False):
+            if len(found) == PRESTART_AHEAD:
                 break
     return found
+
+
+def _prestart_modules(modules: list[Any], start_server: ServerStarter,
+                      fixture: Callable[[str], Any]) -> None:
+    """Start the declared servers of each of ``modules`` not started yet (see
+    :func:`_prestart_next_module`), without waiting."""
+    for module in modules:
+        if module.__name__ not in start_server.prestarted_modules:
+            declared = module.prestart_servers(fixture)
+            start_server.prestarted_modules.add(module.__name__)
+            for model, args, env in declared:
+                start_server.prestart(model, args, env)
+
+
+def prestart_first_module(session: pytest.Session, start_server: ServerStarter,
+                          fixture: Callable[[str], Any]) -> None:
+    """Start the servers of the session's first module in this folder that declares them
+    (``prestart_servers``), now: called by tests/conftest.py as the session starts, so they
+    come up while the modules before this folder's run (most run on one core: the pytest
+    process has one torch thread, tests/conftest.py), instead of during that module's
+    set-up, where nothing before them in this folder could have started them (18.5 s of
+    test_bench_serve.py's set-up in a CI rehearsal). ``fixture(name)`` gives a session
+    fixture's value (those of tests/conftest.py)."""
+    _prestart_modules(_next_prestarting_modules(session, None, Path(__file__).parent)[:1],
+                      start_server, fixture)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -326,17 +328,20 @@ def _prestart_next_module(request: pytest.FixtureRequest, start_server: ServerSt
     once. A plain ``start_server(model, args, env=env)`` call with exactly the declared
     arguments also gets it (the shared ``smollm2_server``); a server started ahead that no
     call takes is only stopped, and warned about, at the end. A module that times its
-    server's answers sets ``TIMING_SENSITIVE = True``: nothing is started while it runs (the
-    module after it starts the next modules' servers instead; servers started earlier may
-    still be coming up). Off under pytest-xdist (``-n``): a worker does not know which module it
-    gets next, and the other worker keeps the second core busy anyway."""
-    if getattr(request.module, "TIMING_SENSITIVE", False) or os.environ.get("PYTEST_XDIST_WORKER"):
+    server's answers sets ``TIMING_SENSITIVE = True``: nothing is starting while it runs (it
+    starts none, and first waits until every server started ahead, its own and those that
+    the modules before it started for the modules after it, is ready; the module after it
+    starts the next modules' servers). Off under pytest-xdist (``-n``): a worker does not
+    know which module it gets next, and the other worker keeps the second core busy
+    anyway."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
         return  # under pytest-xdist the next module may run in another worker
-    for module in _next_prestarting_modules(request):
-        if module.__name__ not in start_server.prestarted_modules:
-            start_server.prestarted_modules.add(module.__name__)
-            for model, args, env in module.prestart_servers(request.getfixturevalue):
-                start_server.prestart(model, args, env)
+    if getattr(request.module, "TIMING_SENSITIVE", False):
+        start_server.wait_ahead_ready()  # nothing is starting while it runs
+        return
+    _prestart_modules(_next_prestarting_modules(request.session, request.module,
+                                                Path(request.module.__file__).parent),
+                      start_server, request.getfixturevalue)
 
 
 class BuiltModels:

@@ -15,12 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.e2e.conftest import (
-    BERT_EMBED_ARGS,
-    TINY_CHAT_TEMPLATE,
-    bert_embed_model,
-    ready_side_by_side,
-)
+from tests.conftest import TINY_CHAT_TEMPLATE
+from tests.e2e.conftest import BERT_EMBED_ARGS, bert_embed_model, ready_side_by_side
 from tests.models.embedding_models import build_decoder, st_embed
 
 INPUTS = ["the quick brown fox", "a lazy dog while kvflow pages keys and values", "tokens"]

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.conftest import _randomize_
-from tests.e2e.conftest import _prestart_next_module, start_server  # noqa: F401 - fixtures
+from tests.e2e.conftest import _prestart_next_module  # noqa: F401 - a fixture
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -392,7 +392,7 @@ def qwen2_vl_server_declaration(fixture: Any) -> tuple[str, list[str], None]:
 
 
 @pytest.fixture(scope="session")
-def qwen2_vl_server(start_server, request) -> Any:  # noqa: F811 - the imported fixture
+def qwen2_vl_server(start_server, request) -> Any:
     """One ``kvflow serve`` of ``tiny_qwen2_vl`` (``QWEN2_VL_SERVER_ARGS`` plus
     ``--allowed-local-media-path local_media_dir``) for test_qwen2_vl_server.py and
     test_local_media.py (each start takes seconds; ``start_server.shared``, which stops it at
