@@ -14,11 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.config import EngineConfig, parse_cpu_list
+from kvflow.config import EngineConfig, cpu_limits, parse_cpu_list
+from kvflow.config.cpu_limits import (
+    cgroup_cpu_limit,
+    check_thread_limit,
+    default_num_threads,
+    granted_cpus,
+)
 from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.kernels.cpu_threads import resolve_threads
 from kvflow.openmp_env import DEFAULT_SPINCOUNT, set_openmp_defaults
-from kvflow.platforms.cpu_threads import cgroup_cpu_limit, default_num_threads
 
 
 def test_parse_cpu_list():
@@ -144,16 +149,96 @@ def test_tensor_parallel_bind_is_checked_before_any_worker_starts(tiny_llama, mo
         assert rc == 2 and len(err) == 1 and needle in err[0], (bind, err)
 
 
-def test_more_threads_than_cpus_is_warned_about(caplog):
+def test_granted_cpus_and_the_thread_limit():
+    """The CPUs a process may keep busy: the mask's size, capped by the quota rounded up;
+    a count above it is refused with the value, the limit and where the limit comes from."""
+    assert granted_cpus([0, 1, 2, 3], None) == 4
+    assert granted_cpus(list(range(8)), 2.5) == 3
+    assert granted_cpus(list(range(8)), 0.5) == 1
+    assert granted_cpus([4, 5], 8.0) == 2
+    check_thread_limit(4, [0, 1, 2, 3], None)
+    check_thread_limit(3, list(range(8)), 2.5)
+    with pytest.raises(ValueError, match=re.escape(
+            "cpu_threads=5 exceeds the 4 CPUs this process may use (its affinity mask has 4 "
+            "CPUs): threads beyond the CPUs only wait for each other at every parallel step; "
+            "give at most 4, or leave it out")):
+        check_thread_limit(5, [0, 1, 2, 3], None)
+    with pytest.raises(ValueError, match=re.escape(
+            "cpu_threads=4 exceeds the 3 CPUs this process may use (its affinity mask has 8 "
+            "CPUs, its cgroup CPU quota is 2.5 CPUs)")):
+        check_thread_limit(4, list(range(8)), 2.5)
+
+
+def _fake_cpus(monkeypatch, allowed: list[int], quota: float | None) -> None:
+    """This process's affinity mask and cgroup quota as kvflow reads them, replaced."""
+    from kvflow.kernels import cpu_threads
+
+    for module in (cpu_limits, cpu_threads):
+        monkeypatch.setattr(module, "usable_cpus", lambda: list(allowed))
+        monkeypatch.setattr(module, "cgroup_cpu_limit", lambda: quota)
+
+
+def test_more_threads_than_cpus_is_refused_and_the_ranks_sum_warned_about(monkeypatch, caplog):
+    """Mask of 4 CPUs, quota 3: 3 threads per process pass, 4 are refused where the engine
+    runs too; 2 threads for each of 2 worker processes (4 > 3) are warned about."""
     from kvflow.kernels.cpu_threads import check_cpu_threads
 
-    cpus = len(os.sched_getaffinity(0))
+    _fake_cpus(monkeypatch, [0, 1, 2, 3], 3.0)
     with caplog.at_level("WARNING", logger="kvflow.kernels.cpu_threads"):
-        check_cpu_threads(cpus, None, 1)
-    assert not caplog.records
-    with caplog.at_level("WARNING", logger="kvflow.kernels.cpu_threads"):
-        check_cpu_threads(cpus + 1, None, 1)
-    assert f"cpu_threads={cpus + 1}" in caplog.text and f"exceeds the {cpus} CPUs" in caplog.text
+        check_cpu_threads(3, None, 1)
+        assert not caplog.records
+        with pytest.raises(ValueError, match=r"^cpu_threads=4 exceeds the 3 CPUs"):
+            check_cpu_threads(4, None, 1)
+        check_cpu_threads(2, None, 2)
+    assert "cpu_threads=2 for each of 2 worker process(es) exceeds the 3 CPUs" in caplog.text
+
+
+def test_engine_config_refuses_more_threads_than_cpus(monkeypatch):
+    """Refused at config time (mask of 6 CPUs, quota 2.5: 3 threads at most), except on a
+    device that refuses the option as CPU-only later; zero, negative and non-integer counts
+    are refused too."""
+    _fake_cpus(monkeypatch, [0, 1, 2, 3, 4, 5], 2.5)
+    assert EngineConfig.from_kwargs(cpu_threads=3).device_config.cpu_threads == 3
+    with pytest.raises(ValueError, match=r"^cpu_threads=4 exceeds the 3 CPUs this process may "
+                       r"use \(its affinity mask has 6 CPUs, its cgroup CPU quota is 2\.5 "
+                       r"CPUs\)"):
+        EngineConfig.from_kwargs(cpu_threads=4)
+    with pytest.raises(ValueError, match=r"^cpu_threads=999 exceeds the 3 CPUs"):
+        EngineConfig.from_kwargs(cpu_threads=999, tensor_parallel_size=2)
+    assert EngineConfig.from_kwargs(cpu_threads=4, device="cuda").device_config.cpu_threads == 4
+    for bad, needle in ((0, "cpu_threads=0 must be >= 1"), (-1, "cpu_threads=-1 must be >= 1"),
+                        (2.5, "cpu_threads=2.5 is invalid; it must be int or None"),
+                        ("2", "cpu_threads='2' is invalid; it must be int or None"),
+                        (True, "cpu_threads=True is invalid; it must be int or None")):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            EngineConfig.from_kwargs(cpu_threads=bad)
+
+
+def test_too_many_threads_is_one_line_before_any_model_loads(tiny_llama, monkeypatch, capsys):
+    """``kvflow generate`` / ``kvflow serve --cpu-threads N`` above the CPUs: one
+    ``kvflow: error:`` line naming the flag (exit 2), no engine started; ``LLM(cpu_threads=N)``
+    raises ValueError (it used to warn, then start N OpenMP threads)."""
+    from kvflow import llm as llm_module
+    from kvflow.engine import async_llm
+    from kvflow.entrypoints.cli import main
+
+    def no_engine(*args, **kw):
+        raise AssertionError("the engine was started")
+
+    monkeypatch.setattr(llm_module, "LLMEngine", no_engine)
+    monkeypatch.setattr(async_llm.AsyncLLM, "__init__", no_engine)
+    _fake_cpus(monkeypatch, [0, 1], None)
+    expected = ("kvflow: error: --cpu-threads=3 exceeds the 2 CPUs this process may use (its "
+                "affinity mask has 2 CPUs): threads beyond the CPUs only wait for each other "
+                "at every parallel step; give at most 2, or leave it out (the default is "
+                "torch's count capped by these CPUs)")
+    for command in (["generate", "--model", tiny_llama.path, "--prompt", "hi"],
+                    ["serve", tiny_llama.path]):
+        rc = main([*command, "--device", "cpu", "--cpu-threads", "3"])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert (rc, err) == (2, [expected]), command
+    with pytest.raises(ValueError, match=r"^cpu_threads=3 exceeds the 2 CPUs"):
+        llm_module.LLM(model=tiny_llama.path, device="cpu", cpu_threads=3)
 
 
 @pytest.mark.parametrize("env, kwargs, needle", [

@@ -54,15 +54,20 @@ def test_adaptive_threads_off_is_logged_by_the_rank_told_to(caplog):
         "--cpu-adaptive-threads is off: not available with 2 worker processes"]
 
 
-def test_too_many_threads_is_logged_by_the_replica_told_to(caplog):
-    cpus = len(os.sched_getaffinity(0))
+def test_too_many_threads_is_logged_by_the_replica_told_to(caplog, monkeypatch):
+    """2 threads for each of 2 worker processes on a 3-CPU mask: one warning, from the
+    replica told to warn."""
+    from kvflow.kernels import cpu_threads
+
+    monkeypatch.setattr(cpu_threads, "usable_cpus", lambda: [0, 1, 2])
+    monkeypatch.setattr(cpu_threads, "cgroup_cpu_limit", lambda: None)
     with caplog.at_level(logging.WARNING, logger="kvflow"):
-        check_cpu_threads(cpus + 1, None, 2, warn=False)
+        check_cpu_threads(2, None, 2, warn=False)
         assert _messages(caplog) == []
-        check_cpu_threads(cpus + 1, None, 2)
+        check_cpu_threads(2, None, 2)
     assert len(caplog.records) == 1
     assert caplog.records[0].getMessage().startswith(
-        f"cpu_threads={cpus + 1} for each of 2 worker process(es) exceeds the ")
+        "cpu_threads=2 for each of 2 worker process(es) exceeds the 3 CPUs ")
 
 
 def _counts_everywhere(lines: list[str], caplog, capfd) -> list[int]:

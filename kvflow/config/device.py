@@ -263,9 +263,10 @@ class DeviceConfig:
                               "GEMM for every projection, token-by-token attention; slower; "
                               "so it refuses --cpu-gemm other than native and, without a "
                               "draft model, any --cpu-attention)")
-    cpu_threads: int | None = opt(None, "CPU compute threads (default: torch's count, capped by "
-                                   "the CPUs of the affinity mask and the cgroup CPU quota; "
-                                   "the length of --cpu-threads-bind when that is a list)")
+    cpu_threads: int | None = opt(None, "CPU compute threads, at most the CPUs of the "
+                                   "affinity mask and the cgroup CPU quota (default: torch's "
+                                   "count, capped by those CPUs; the length of "
+                                   "--cpu-threads-bind when that is a list)")
     cpu_threads_bind: str | None = opt(None, "pin CPU thread i to the i-th CPU of this list "
                                         "(e.g. 0-3 or 0,2,4,6; one part per worker process "
                                         "with parallelism: 0-3|4-7; 'auto': each worker's "

@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvflow.config import cpu_limits
 from kvflow.config.cache import CacheConfig
 from kvflow.config.device import DeviceConfig
 from kvflow.config.kv_events import KVEventsConfig
@@ -63,9 +64,11 @@ class EngineConfig:
                 parallelism, async scheduling or custom logits processors; for async
                 scheduling with any executor but uni (several ranks, or
                 distributed_executor_backend mp or ray on one rank; checked here, before any
-                worker starts).
+                worker starts); for ``cpu_threads`` above the CPUs this process may use
+                (``_check_cpu_threads``).
         """
         self._check_speculative()
+        self._check_cpu_threads()
         self.kv_events_config = KVEventsConfig.from_value(self.kv_events_config)
         self._check_kv_transfer()
         cc, mode = self.cache_config, self.scheduler_config.preemption_mode
@@ -86,6 +89,19 @@ class EngineConfig:
         if cp > 1 and cc.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype={cc.kv_cache_dtype!r} is not available with "
                              f"context_parallel_size={cp}")
+
+    def _check_cpu_threads(self) -> None:
+        """``cpu_threads`` (each worker process's threads) refused above the CPUs of this
+        process's affinity mask and cgroup quota, before any model loads
+        (:func:`~kvflow.config.cpu_limits.check_thread_limit`). Not checked with Ray, whose
+        workers may run on other machines, nor for a device other than cpu or auto, which
+        refuses the option as CPU-only (``kvflow.core.unread_options``)."""
+        dc = self.device_config
+        if dc.cpu_threads is None or dc.device not in ("auto", "cpu") or \
+                self.parallel_config.executor_backend == "ray":
+            return
+        cpu_limits.check_thread_limit(dc.cpu_threads, cpu_limits.usable_cpus(),
+                                      cpu_limits.cgroup_cpu_limit())
 
     def _check_kv_transfer(self) -> None:
         """``kv_transfer_config`` as a KVTransferConfig, refused with the settings the

@@ -4,7 +4,7 @@
 torch's intra-op threads and kvflow's native kernels share one OpenMP pool
 (:mod:`kvflow.kernels.cpu_native`), so one ``torch.set_num_threads`` sizes both. The default
 keeps torch's count (which honours ``OMP_NUM_THREADS`` and the affinity mask) but never exceeds
-the CPUs the affinity mask grants or the cgroup CPU quota (:mod:`kvflow.platforms.cpu_threads`).
+the CPUs the affinity mask grants or the cgroup CPU quota (:mod:`kvflow.config.cpu_limits`).
 Pinning thread i to CPU i of a list keeps each thread on its core's caches and keeps two of
 the engine's threads off one core beside a busy process. vLLM pins every thread by default;
 kvflow, when its threads fill the CPUs, pins the OpenMP workers for good and the calling
@@ -14,7 +14,6 @@ thread only while it runs a model step (:class:`CallerPin`).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -24,10 +23,16 @@ import torch
 
 from kvflow.config import parse_cpu_list
 from kvflow.config.cpu_isa import forced_isa_level
+from kvflow.config.cpu_limits import (
+    cgroup_cpu_limit,
+    check_thread_limit,
+    default_num_threads,
+    granted_cpus,
+    usable_cpus,
+)
 from kvflow.kernels.cpu_native import NativeCpuKernels, native_cpu_kernels
 from kvflow.kernels.cpu_pool import CpuPool
 from kvflow.platforms.cpu_contention import GovernorSettings, ThreadGovernor, runqueue_wait_ns
-from kvflow.platforms.cpu_threads import cgroup_cpu_limit, default_num_threads, usable_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -93,16 +98,20 @@ def check_cpu_threads(cpu_threads: int | None, bind: str | None, ranks: int,
     """Check ``--cpu-threads`` / ``--cpu-threads-bind`` for every one of ``ranks`` worker
     processes on this machine before any starts (each worker resolves its own share later
     with :func:`resolve_threads`), so a bad list is one error in the calling process rather
-    than a failed worker. Warns (when ``warn``: one data-parallel replica's engine core of
-    several) when more threads are asked for than the CPUs granted.
+    than a failed worker. ``EngineConfig`` refuses a count above the CPUs already; this
+    checks it again where the engine runs. Warns (when ``warn``: one data-parallel
+    replica's engine core of several) when the ranks' threads together exceed those CPUs.
 
     Raises:
-        ValueError: see :func:`resolve_threads`.
+        ValueError: see :func:`resolve_threads` and
+            :func:`~kvflow.config.cpu_limits.check_thread_limit`.
     """
     allowed, quota = usable_cpus(), cgroup_cpu_limit()
+    if cpu_threads is not None:
+        check_thread_limit(cpu_threads, allowed, quota)
     for rank in range(ranks):
         resolve_threads(cpu_threads, bind, allowed, quota, torch.get_num_threads(), rank, ranks)
-    granted = min(len(allowed), math.ceil(quota)) if quota is not None else len(allowed)
+    granted = granted_cpus(allowed, quota)
     if warn and cpu_threads is not None and cpu_threads * ranks > granted:
         logger.warning("cpu_threads=%d for each of %d worker process(es) exceeds the %d CPUs "
                        "this process may use (affinity mask %s, CPU quota %s): threads will "

@@ -5,6 +5,10 @@ in a container, for at most a CPU quota per scheduling period (cgroup v2 ``cpu.m
 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``; ``docker --cpus``). OpenMP (and so torch) counts
 only the mask: a 2-CPU quota on a 64-core host would otherwise start 64 threads that the kernel
 throttles in turn, each parallel region then waiting for its slowest, throttled thread.
+
+Pure reading of the OS, no threads started: it sits with the configuration so that
+``EngineConfig`` can refuse a ``cpu_threads`` above these CPUs before anything loads
+(:func:`check_thread_limit`); :mod:`kvflow.kernels.cpu_threads` sizes and pins the threads.
 """
 
 from __future__ import annotations
@@ -87,3 +91,31 @@ def default_num_threads(current: int, cpus: int, quota: float | None) -> int:
     region it joins). At least 1."""
     cap = cpus if quota is None else min(cpus, math.floor(quota + 1e-6))
     return max(1, min(current, cap))
+
+
+def granted_cpus(allowed: list[int], quota: float | None) -> int:
+    """CPUs a process with affinity mask ``allowed`` and cgroup CPU ``quota`` (CPUs, None:
+    none) may keep busy at once: the mask's size, capped by the quota rounded up (a 1.5-CPU
+    quota runs 2 threads, each part of the time). At least 1 for a non-empty mask."""
+    return len(allowed) if quota is None else min(len(allowed), math.ceil(quota))
+
+
+def check_thread_limit(cpu_threads: int, allowed: list[int], quota: float | None) -> None:
+    """Refuse ``cpu_threads`` (``--cpu-threads``, the threads of one worker process) above
+    :func:`granted_cpus` of the affinity mask ``allowed`` and the cgroup ``quota`` (CPUs).
+    Threads beyond the CPUs only wait for each other at every parallel region (a user's
+    ``--cpu-threads 999`` was reported to take 67 s to start; it only warned then).
+
+    Raises:
+        ValueError: naming ``cpu_threads``, its value, the limit and where the limit comes from.
+    """
+    granted = granted_cpus(allowed, quota)
+    if cpu_threads <= granted:
+        return
+    source = f"its affinity mask has {len(allowed)} CPUs"
+    if quota is not None:
+        source += f", its cgroup CPU quota is {quota:g} CPUs"
+    raise ValueError(f"cpu_threads={cpu_threads} exceeds the {granted} CPUs this process may "
+                     f"use ({source}): threads beyond the CPUs only wait for each other at "
+                     f"every parallel step; give at most {granted}, or leave it out (the "
+                     "default is torch's count capped by these CPUs)")
