@@ -96,12 +96,25 @@ static inline v4f sum8x4(v8f a0, v8f a1, v8f a2, v8f a3) {
     return SHUFFLE4(c0, c1, 0, 1, 4, 5) + SHUFFLE4(c0, c1, 2, 3, 6, 7);
 }
 
+/* floor(y) for |y| < 2^31, written so loops over it vectorize at every ISA level: with SSE4.1
+ * (and off x86) the compiler's floor (ROUNDPS, FRINTM); in the x86-64 baseline build (SSE2
+ * only), where floorf has no vector form and kept every loop calling it scalar, y truncated
+ * toward zero (CVTTPS2DQ) less 1 where that rounded up: the same value, exactly. */
+static inline float floor_vec(float y) {
+#if defined(__SSE2__) && !defined(__SSE4_1__)
+    const float t = (float)(int32_t)y;
+    return t > y ? t - 1.f : t;
+#else
+    return __builtin_floorf(y);
+#endif
+}
+
 /* exp(x) for x <= 0 in fp32 (max rel. error ~2e-7), written so loops over it vectorize:
  * exp(x) = 2^n * exp(r) with n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2], exp(r) by
  * its degree-6 Taylor polynomial; inputs below -87 return 0 (masked keys arrive as -inf). */
 static inline float exp_nonpos(float x) {
     const float xc = x < -87.f ? -87.f : x;
-    const float n = __builtin_floorf(xc * 1.44269504f + 0.5f);
+    const float n = floor_vec(xc * 1.44269504f + 0.5f);
     const float r = (xc - n * 0.693145752f) - n * 1.42860677e-6f;
     float p = 1.f / 720.f;
     p = p * r + 1.f / 120.f;
