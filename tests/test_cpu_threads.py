@@ -35,6 +35,28 @@ def test_parse_cpu_list():
             parse_cpu_list(bad)
     with pytest.raises(ValueError, match=r"cpu list '0-2,1,0' names CPU\(s\) \[0, 1\] twice"):
         parse_cpu_list("0-2,1,0")
+    with pytest.raises(ValueError, match="cpu list '\u00b2' is invalid"):  # '²'.isdigit()
+        parse_cpu_list("\u00b2")
+    # a typo'd range is an error, not 10^11 ints (a MemoryError with a traceback)
+    with pytest.raises(ValueError, match=r"^cpu list '0-99999999999' names CPU 99999999999: "
+                       r"CPU numbers go below 65536$"):
+        parse_cpu_list("0-99999999999")
+    assert parse_cpu_list("65535") == [65535]
+    with pytest.raises(ValueError, match=r"names CPU\(s\) \[3\] twice"):
+        parse_cpu_list("0-65535,3")
+
+
+def test_cpu_lists_in_messages_are_short():
+    from kvflow.kernels.cpu_threads import cpus_text
+
+    assert cpus_text([2, 5]) == "[2, 5]"
+    assert cpus_text(list(range(16))) == str(list(range(16)))
+    assert cpus_text([*range(4), *range(8, 65536), 70000]) == \
+        "[0-3, 8-65535, 70000] (65533 CPUs)"
+    with pytest.raises(ValueError, match=r"^cpu_threads_bind='0-65535' names CPUs "
+                       r"\[2-65535\] \(65534 CPUs\) outside this process's affinity mask "
+                       r"\[0, 1\]$"):
+        resolve_threads(None, "0-65535", [0, 1], None, current=2)
 
 
 def _write(folder, **files):
@@ -217,7 +239,8 @@ def test_engine_config_refuses_more_threads_than_cpus(monkeypatch):
 def test_too_many_threads_is_one_line_before_any_model_loads(tiny_llama, monkeypatch, capsys):
     """``kvflow generate`` / ``kvflow serve --cpu-threads N`` above the CPUs: one
     ``kvflow: error:`` line naming the flag (exit 2), no engine started; ``LLM(cpu_threads=N)``
-    raises ValueError (it used to warn, then start N OpenMP threads)."""
+    raises ValueError (it used to warn, then start N OpenMP threads). Likewise a CPU number
+    no machine has in ``--cpu-threads-bind``."""
     from kvflow import llm as llm_module
     from kvflow.engine import async_llm
     from kvflow.entrypoints.cli import main
@@ -239,6 +262,13 @@ def test_too_many_threads_is_one_line_before_any_model_loads(tiny_llama, monkeyp
         assert (rc, err) == (2, [expected]), command
     with pytest.raises(ValueError, match=r"^cpu_threads=3 exceeds the 2 CPUs"):
         llm_module.LLM(model=tiny_llama.path, device="cpu", cpu_threads=3)
+    rc = main(["generate", "--model", tiny_llama.path, "--prompt", "hi", "--device", "cpu",
+               "--cpu-threads-bind", "0-99999999999"])  # was a MemoryError traceback
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    expected = ("kvflow: error: --cpu-threads-bind='0-99999999999': cpu list '0-99999999999' "
+                "names CPU 99999999999: CPU numbers go below 65536 (it also takes 'auto' or "
+                "'none')")
+    assert (rc, err) == (2, [expected])
 
 
 @pytest.mark.parametrize("env, kwargs, needle", [

@@ -4,6 +4,7 @@ readers for environment variables and the on-disk cache folder."""
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass
 
 from kvflow.config.cpu_isa import forced_isa_level
@@ -103,27 +104,44 @@ def _bool_choice(value: bool | None, variable: str, default: str) -> bool:
     return env == "1"
 
 
+# CPU numbers a cpu list may name: Linux numbers CPUs below its NR_CPUS build setting (at most
+# a few thousand), so a larger number is a typo; bounding it keeps "0-99999999999" an error
+# message rather than a list of 10^11 ints (a MemoryError with a traceback).
+CPU_NUMBER_LIMIT = 1 << 16
+
+
 def parse_cpu_list(spec: str) -> list[int]:
     """``"0-3,6,8-9"`` -> [0, 1, 2, 3, 6, 8, 9] (the Linux cpulist format, order kept).
 
     Raises:
-        ValueError: on anything else (empty, negative, a reversed range, a repeated CPU).
+        ValueError: on anything else (empty, negative, not ASCII digits, a reversed range, a
+            repeated CPU, a CPU number of ``CPU_NUMBER_LIMIT`` or more).
     """
     cpus: list[int] = []
     for part in spec.split(","):
         lo, sep, hi = part.strip().partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
+        if not _is_number(lo) or (sep and not _is_number(hi)):
             raise ValueError(f"cpu list {spec!r} is invalid: expected CPU numbers and ranges "
                              "such as 0-3,6")
         first, last = int(lo), int(hi) if sep else int(lo)
         if last < first:
             raise ValueError(f"cpu list {spec!r} has a reversed range {part.strip()!r}")
+        if last >= CPU_NUMBER_LIMIT:
+            raise ValueError(f"cpu list {spec!r} names CPU {last}: CPU numbers go below "
+                             f"{CPU_NUMBER_LIMIT}")
         cpus.extend(range(first, last + 1))
-    twice = sorted({cpu for cpu in cpus if cpus.count(cpu) > 1})
+    counts = Counter(cpus)
+    twice = sorted(cpu for cpu, n in counts.items() if n > 1)
     if twice:
         raise ValueError(f"cpu list {spec!r} names CPU(s) {twice} twice: give each thread a "
                          "CPU of its own")
     return cpus
+
+
+def _is_number(text: str) -> bool:
+    """Whether ``text`` is a non-negative whole number in ASCII digits (``str.isdigit`` also
+    takes '²' and other Unicode digits, which ``int`` refuses)."""
+    return text.isascii() and text.isdigit()
 
 
 def native_cpu_choice() -> bool:

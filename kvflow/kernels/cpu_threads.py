@@ -83,14 +83,30 @@ def resolve_threads(cpu_threads: int | None, bind: str | None, allowed: list[int
     others = {c for r, cs in enumerate(lists) if r != rank for c in cs}
     shared = sorted(others & set(lists[rank]))
     if shared:
-        raise ValueError(f"cpu_threads_bind={bind!r} gives CPUs {shared} to more than one "
-                         "worker process; give each rank CPUs of its own")
+        raise ValueError(f"cpu_threads_bind={bind!r} gives CPUs {cpus_text(shared)} to more "
+                         "than one worker process; give each rank CPUs of its own")
     cpus = lists[rank]
     outside = sorted(set(cpus) - set(allowed))
     if outside:
-        raise ValueError(f"cpu_threads_bind={bind!r} names CPUs {outside} outside this "
-                         f"process's affinity mask {allowed}")
+        raise ValueError(f"cpu_threads_bind={bind!r} names CPUs {cpus_text(outside)} outside "
+                         f"this process's affinity mask {cpus_text(allowed)}")
     return len(cpus), cpus
+
+
+def cpus_text(cpus: list[int]) -> str:
+    """A CPU list for a message: as a Python list up to 16 CPUs (``[2, 5]``), else as runs
+    with the count (``[0-3, 8-65535] (65532 CPUs)``), so a typo such as ``0-65535`` is not
+    one line of 65,536 numbers."""
+    if len(cpus) <= 16:
+        return str(cpus)
+    runs: list[list[int]] = []
+    for cpu in cpus:
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    text = ", ".join(f"{lo}-{hi}" if hi > lo else f"{lo}" for lo, hi in runs)
+    return f"[{text}] ({len(cpus)} CPUs)"
 
 
 def check_cpu_threads(cpu_threads: int | None, bind: str | None, ranks: int,
