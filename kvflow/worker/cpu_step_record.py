@@ -131,7 +131,7 @@ class StepRecorder:
             self._lock.release()
 
 
-def _held_tensors(value, depth: int, seen: set[int]) -> list[torch.Tensor]:
+def held_tensors(value, depth: int, seen: set[int]) -> list[torch.Tensor]:
     """Tensors held by ``value`` (a tensor, or an object's attributes ``depth`` levels down:
     a packed weight, a split of two)."""
     if isinstance(value, torch.Tensor):
@@ -140,7 +140,7 @@ def _held_tensors(value, depth: int, seen: set[int]) -> list[torch.Tensor]:
             or not hasattr(value, "__dict__"):
         return []
     seen.add(id(value))
-    return [t for v in vars(value).values() for t in _held_tensors(v, depth - 1, seen)]
+    return [t for v in vars(value).values() for t in held_tensors(v, depth - 1, seen)]
 
 
 def _spans(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
@@ -166,7 +166,7 @@ def lasting_regions(model: nn.Module, extra: list[torch.Tensor]) -> list[tuple[i
     seen: set[int] = set()
     for module in model.modules():
         for value in vars(module).values():
-            tensors += _held_tensors(value, 3, seen)
+            tensors += held_tensors(value, 3, seen)
     return _spans(tensors)
 
 

@@ -4,6 +4,7 @@ speculative-decoding draft model. ``ModelRunner`` keeps the running state."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, NamedTuple
 
 import torch
@@ -20,6 +21,7 @@ from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource
 from kvflow.models.registry import attention_soft_cap, uses_mla
 from kvflow.platforms import Platform
+from kvflow.platforms.cpu_memory import HugePageArena
 from kvflow.quant import get_quant_config
 from kvflow.spec_decode.draft_model import DraftModel
 from kvflow.spec_decode.eagle import EagleDrafter
@@ -30,7 +32,10 @@ from kvflow.worker.attention_backends import (
     soft_cap_backend,
 )
 from kvflow.worker.cpu_setup import choose_gemm_path
+from kvflow.worker.cpu_weight_pages import place_weights_on_huge_pages
 from kvflow.worker.deterministic import check_supported as check_deterministic
+
+logger = logging.getLogger(__name__)
 
 
 class LoadedModel(NamedTuple):
@@ -60,7 +65,17 @@ def load_runner_model(config: EngineConfig, platform: Platform, source: ModelSou
     model = load_model(source, hf_config, attn_ctx, dtype, device, mc.load_format, mc.seed,
                        quant_config, parallel)
     choose_gemm_path(model, config, platform, device, dtype)
+    _streamed_weights_on_huge_pages(model, device)
     return LoadedModel(model, attn_ctx, quant_config)
+
+
+def _streamed_weights_on_huge_pages(model: nn.Module, device: torch.device) -> None:
+    """On CPU, the weights no packed GEMM copy replaced (quantized layers, MoE experts, torch's
+    GEMMs) moved onto huge pages (:func:`place_weights_on_huge_pages`)."""
+    if device.type == "cpu":
+        moved = place_weights_on_huge_pages(model, HugePageArena())
+        if moved:
+            logger.info("%.1f MiB of further weights moved onto huge pages", moved / 2**20)
 
 
 def choose_attention_backend(config: EngineConfig, platform: Platform,
@@ -144,4 +159,5 @@ def make_draft_model(config: EngineConfig, platform: Platform, source: ModelSour
                          load_eos_token_ids(source, hf_config), tp_group)
     # unpacked, a bf16 draft cost more than it saved
     choose_gemm_path(drafter.model, config, platform, device, dtype)
+    _streamed_weights_on_huge_pages(drafter.model, device)
     return drafter
