@@ -100,31 +100,48 @@ def check_stored_dtype(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights occupy: every parameter and buffer (each storage counted once,
-    so a tied LM head is not counted twice) plus the CPU GEMM's packed copies
-    (``packed_weight.packed``), which replace the plain weights they were made from. A packed
-    copy counts its own bytes, not its storage's: several lie in one
-    :class:`~kvflow.platforms.cpu_memory.HugePageArena` segment, whose unused tail is never
-    touched."""
-    seen: set[int] = set()
-    total = 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.device.type == "meta" or t.numel() == 0:
-            continue
-        key, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-        if key not in seen:
-            seen.add(key)
-            total += nbytes
+    """Bytes the model's weights occupy: every parameter and buffer plus the CPU GEMM's packed
+    copies (``packed_weight.packed``), which replace the plain weights they were made from.
+    Bytes shared by several tensors (a tied LM head, views of one storage) count once: the
+    union of the tensors' byte ranges, so the unused tail of a
+    :class:`~kvflow.platforms.cpu_memory.HugePageArena` segment, which several weights share,
+    is not counted. oneDNN's packed (opaque) tensors count their elements' bytes."""
+    tensors = [*model.parameters(), *model.buffers()]
     for module in model.modules():
         packed_weight = getattr(module, "packed_weight", None)
         for part in getattr(packed_weight, "parts", (packed_weight,)):  # a RowSplitWeight: 2
             packed = getattr(part, "packed", None)
-            # oneDNN's packed (opaque) tensors have no storage: id() keys them
-            key = packed.data_ptr() if isinstance(packed, torch.Tensor) \
-                and not packed.is_mkldnn else id(packed)
-            if isinstance(packed, torch.Tensor) and key not in seen:
-                seen.add(key)
-                total += packed.numel() * packed.element_size()
+            if isinstance(packed, torch.Tensor):
+                tensors.append(packed)
+    spans, opaque = [], {}
+    for t in tensors:
+        if t.device.type == "meta" or t.numel() == 0:
+            continue
+        if t.is_mkldnn:  # no storage, no address
+            opaque[id(t)] = t.numel() * t.element_size()
+            continue
+        start = t.data_ptr()
+        spans.append((start, start + _extent_bytes(t)))
+    return _union_bytes(spans) + sum(opaque.values())
+
+
+def _extent_bytes(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to the end of its last one (its strides taken into
+    account; ``numel * element_size`` for a contiguous tensor)."""
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return (last + 1) * t.element_size()
+
+
+def _union_bytes(spans: list[tuple[int, int]]) -> int:
+    """Bytes covered by the union of the [start, end) ranges ``spans``."""
+    total, reach = 0, None
+    for start, end in sorted(spans):
+        if reach is None or start >= reach:
+            total += end - start
+            reach = end
+        elif end > reach:
+            total += end - reach
+            reach = end
     return total
 
 
