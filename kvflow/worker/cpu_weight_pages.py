@@ -19,7 +19,7 @@ from torch import nn
 from kvflow.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvflow.platforms.cpu_memory import HugePageArena
 from kvflow.worker.cpu_step_record import held_tensors
-from kvflow.worker.sleep_mode import MovedTensor
+from kvflow.worker.sleep_mode import MovedTensor, collect_module_tensors
 
 MIN_BYTES = 64 << 10  # smaller tensors (norms, biases, scales) are not worth a copy
 
@@ -56,23 +56,12 @@ def place_weights_on_huge_pages(model: nn.Module, arena: HugePageArena,
 def _streamed_slots(model: nn.Module) -> list[MovedTensor]:
     """Each tensor object a module of ``model`` holds directly (parameter, buffer, plain
     attribute) once, outside embedding tables other than LM heads (a tied table counts as the
-    head's); the KV tensors bound to attention layers are left out."""
-    slots, seen = [], set()
-    # LM heads first: a head tied to the embedding table is streamed, and so moved
-    for module in sorted(model.modules(), key=lambda m: not isinstance(m, ParallelLMHead)):
-        if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):
-            seen.update(id(p) for p in module._parameters.values())  # a tied head's table too
-            continue
-        named = [("param", n, p) for n, p in module._parameters.items()] + \
-            [("buffer", n, b) for n, b in module._buffers.items()] + \
-            [("attr", n, v) for n, v in vars(module).items()
-             if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)
-             and n not in ("kv_cache", "kv_scales")]
-        for kind, name, t in named:
-            if t is not None and id(t) not in seen:
-                seen.add(id(t))
-                slots.append(MovedTensor(module, kind, name, t.device))
-    return slots
+    head's: heads come first); the KV tensors bound to attention layers are left out."""
+    modules = sorted(model.modules(), key=lambda m: not isinstance(m, ParallelLMHead))
+    return collect_module_tensors(
+        [m for m in modules
+         if isinstance(m, ParallelLMHead) or not isinstance(m, VocabParallelEmbedding)],
+        lambda t: True)
 
 
 def _reachable_tensors(model: nn.Module) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,18 +98,24 @@ def collect_tensors(models: list[nn.Module],
     """Every tensor of ``models`` that ``select`` picks: parameters, buffers and tensors kept
     as plain module attributes (packed or quantized copies, RoPE tables), each object once (a
     tied weight is one parameter); the KV tensors bound to attention layers are left out."""
+    return collect_module_tensors([m for model in models for m in model.modules()], select)
+
+
+def collect_module_tensors(modules: Iterable[nn.Module],
+                           select: Callable[[torch.Tensor], bool]) -> list[MovedTensor]:
+    """:func:`collect_tensors` over the given modules only (not their children), in their
+    order: a tensor several of them hold is named by the first."""
     found, seen = [], set()
-    for model in models:
-        for module in model.modules():
-            tensors = [("param", n, p) for n, p in module._parameters.items()] + \
-                [("buffer", n, b) for n, b in module._buffers.items()] + \
-                [("attr", n, v) for n, v in vars(module).items()
-                 if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)
-                 and n not in ("kv_cache", "kv_scales")]
-            for kind, name, t in tensors:
-                if t is not None and id(t) not in seen and select(t):
-                    seen.add(id(t))
-                    found.append(MovedTensor(module, kind, name, t.device))
+    for module in modules:
+        tensors = [("param", n, p) for n, p in module._parameters.items()] + \
+            [("buffer", n, b) for n, b in module._buffers.items()] + \
+            [("attr", n, v) for n, v in vars(module).items()
+             if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)
+             and n not in ("kv_cache", "kv_scales")]
+        for kind, name, t in tensors:
+            if t is not None and id(t) not in seen and select(t):
+                seen.add(id(t))
+                found.append(MovedTensor(module, kind, name, t.device))
     return found
 
 
