@@ -128,3 +128,12 @@ def test_engine_packs_the_native_gemm_weights_into_shared_segments(tiny_llama):
                  for t in [*model.parameters(), *model.buffers()]}.values())
     own = sum(t.numel() * t.element_size() for t in packed.values())
     assert weight_bytes(model) == plain + own
+
+
+def test_thp_mode_reads_the_bracketed_word(tmp_path):
+    path = tmp_path / "enabled"
+    for text, mode in [("always [madvise] never\n", "madvise"), ("[always] madvise never", "always"),
+                       ("always madvise [never]\n", "never"), ("garbled\n", "unavailable")]:
+        path.write_text(text)
+        assert cpu_memory.thp_mode(str(path)) == mode
+    assert cpu_memory.thp_mode(str(tmp_path / "missing")) == "unavailable"

@@ -29,6 +29,7 @@ import torch
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 @functools.cache
@@ -40,6 +41,20 @@ def _madvise():
     fn = libc.madvise
     fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return fn
+
+
+def thp_mode(path: str = THP_ENABLED) -> str:
+    """The kernel's transparent-huge-page mode, the bracketed word of ``path`` (``always``,
+    ``madvise`` or ``never``: with ``never`` advised memory stays on 4 KB pages), or
+    ``"unavailable"`` where the file is missing or unreadable (another OS, a kernel without
+    THP)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError):
+        return "unavailable"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else "unavailable"
 
 
 def advise_huge_pages(t: torch.Tensor) -> int:

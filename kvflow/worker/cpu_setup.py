@@ -29,7 +29,7 @@ from kvflow.kernels.gemm_timing import GemmShape, gemm_timings
 from kvflow.layers.embedding import VocabParallelEmbedding
 from kvflow.layers.linear import LinearBase
 from kvflow.platforms import Platform
-from kvflow.platforms.cpu_memory import HugePageArena
+from kvflow.platforms.cpu_memory import HugePageArena, thp_mode
 from kvflow.quant.int8 import Int8EmbeddingMethod
 from kvflow.quant.unquantized import UnquantizedEmbeddingMethod
 from kvflow.worker.deterministic import CHANGES as DETERMINISTIC_CHANGES
@@ -112,7 +112,8 @@ def choose_gemm_path(model: torch.nn.Module, config: EngineConfig, platform: Pla
         logger.info("LM head: its plain table freed (%.1f MiB); the head and a tied "
                     "embedding read the packed copy", freed / 2**20)
     logger.info("GEMM kernels (--cpu-gemm %s, %s): %s; %.1f MiB of packed weights advised "
-                "onto huge pages", choice, dtype, dict(counts), arena.advised_bytes / 2**20)
+                "onto huge pages (THP mode: %s)", choice, dtype, dict(counts),
+                arena.advised_bytes / 2**20, thp_mode())
     if not counts and cpu_gemm_choice(config.device_config.cpu_gemm) != "auto":
         logger.warning("--cpu-gemm %s (or KVFLOW_CPU_GEMM) took no layer of this model: "
                        "quantized layers run their method's kernel, and a dtype neither "
