@@ -4,6 +4,7 @@ the kernel its weight is packed for (on CUDA: the batch-invariant GEMMs of --det
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import torch
 
@@ -90,6 +91,27 @@ def choose_gemm_path(model: torch.nn.Module, config: EngineConfig, platform: Pla
             logger.info("no native %s matmul: %d GEMM modules run on fp32 units",
                         dtype, switched)
         return
+    counts, arena = _pack_cpu_gemms(model, config, kernels, choice, candidates, dtype)
+    logger.info("GEMM kernels (--cpu-gemm %s, %s): %s; %.1f MiB of packed weights advised "
+                "onto huge pages (THP mode: %s)", choice, dtype, dict(counts),
+                arena.advised_bytes / 2**20, thp_mode())
+    if not counts and cpu_gemm_choice(config.device_config.cpu_gemm) != "auto":
+        logger.warning("--cpu-gemm %s (or KVFLOW_CPU_GEMM) took no layer of this model: "
+                       "quantized layers run their method's kernel, and a dtype neither "
+                       "kernel packs runs torch's matmul", choice)
+    if deterministic:
+        check_all_packed(model)
+        logger.info("deterministic mode (batch-invariant kernels): %s",
+                    "; ".join(DETERMINISTIC_CHANGES))
+
+
+def _pack_cpu_gemms(model: torch.nn.Module, config: EngineConfig, kernels, choice: str,
+                    candidates, dtype: torch.dtype) -> tuple[Counter[str], HugePageArena]:
+    """Pack ``model``'s GEMM weights for :func:`choose_gemm_path` (kvflow's copies side by side
+    in a :class:`HugePageArena`): a 16-bit LM head for fp32 logits, then every GEMM module's
+    weight for the kernel ``choose`` picks (timed under ``auto``), dropping the head's plain
+    table where its packed copy serves the lookups. Returns the modules per kernel and the
+    arena (for its advised bytes)."""
     timings = gemm_timings(kernels) if choice == "auto" and len(candidates) > 1 else None
     head = getattr(model, "lm_head", None)
     arena = HugePageArena()  # kvflow's packed weights side by side on huge pages
@@ -111,17 +133,7 @@ def choose_gemm_path(model: torch.nn.Module, config: EngineConfig, platform: Pla
     if freed:
         logger.info("LM head: its plain table freed (%.1f MiB); the head and a tied "
                     "embedding read the packed copy", freed / 2**20)
-    logger.info("GEMM kernels (--cpu-gemm %s, %s): %s; %.1f MiB of packed weights advised "
-                "onto huge pages (THP mode: %s)", choice, dtype, dict(counts),
-                arena.advised_bytes / 2**20, thp_mode())
-    if not counts and cpu_gemm_choice(config.device_config.cpu_gemm) != "auto":
-        logger.warning("--cpu-gemm %s (or KVFLOW_CPU_GEMM) took no layer of this model: "
-                       "quantized layers run their method's kernel, and a dtype neither "
-                       "kernel packs runs torch's matmul", choice)
-    if deterministic:
-        check_all_packed(model)
-        logger.info("deterministic mode (batch-invariant kernels): %s",
-                    "; ".join(DETERMINISTIC_CHANGES))
+    return counts, arena
 
 
 def use_native_embeddings(model: torch.nn.Module, kernels) -> None:
