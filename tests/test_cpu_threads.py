@@ -47,7 +47,7 @@ def test_parse_cpu_list():
 
 
 def test_cpu_lists_in_messages_are_short():
-    from kvflow.kernels.cpu_threads import cpus_text
+    from kvflow.config.cpu_limits import cpus_text
 
     assert cpus_text([2, 5]) == "[2, 5]"
     assert cpus_text(list(range(16))) == str(list(range(16)))
@@ -127,7 +127,8 @@ def test_worker_processes_share_the_cpus():
             resolve_threads(None, "0-1|1-2", allowed, None, 8, rank=rank, ranks=2)
 
 
-def test_engine_flags_are_checked_before_loading():
+def test_engine_flags_are_checked_before_loading(monkeypatch):
+    _fake_cpus(monkeypatch, list(range(8)), None)
     with pytest.raises(ValueError, match="cpu_threads"):
         EngineConfig.from_kwargs(cpu_threads=0)
     with pytest.raises(ValueError, match="cpu list"):
@@ -191,6 +192,31 @@ def test_granted_cpus_and_the_thread_limit():
         check_thread_limit(4, list(range(8)), 2.5)
 
 
+def test_bind_cpus_outside_the_mask_are_refused_at_config_time(monkeypatch):
+    """Mask [2, 3, 4, 5]: a --cpu-threads-bind naming CPUs 1 and 6 is refused by EngineConfig,
+    every worker's part checked, with the CPUs outside and the mask; the engine-start check
+    (one rank's part) gives the same message. Lists inside the mask, auto and none pass, and
+    so does any list on a device that refuses the option as CPU-only later."""
+    _fake_cpus(monkeypatch, [2, 3, 4, 5], None)
+    message = ("cpu_threads_bind='2-3|6,1' names CPUs [1, 6] outside this process's affinity "
+               "mask [2, 3, 4, 5]")
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        EngineConfig.from_kwargs(cpu_threads_bind="2-3|6,1", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        resolve_threads(None, "2-3|6,1", [2, 3, 4, 5], None, 4, rank=1, ranks=2)
+    with pytest.raises(ValueError, match=re.escape(
+            "cpu_threads_bind='0-2' names CPUs [0, 1] outside this process's affinity mask "
+            "[2, 3, 4, 5]")):
+        EngineConfig.from_kwargs(cpu_threads_bind="0-2", device="cpu")
+    for bind in ("5,2", "auto", "none"):
+        assert EngineConfig.from_kwargs(cpu_threads_bind=bind).device_config.cpu_threads_bind \
+            == bind
+    assert EngineConfig.from_kwargs(cpu_threads_bind="2-3|4-5", tensor_parallel_size=2) \
+        .device_config.bind_cpus() == [2, 3, 4, 5]
+    assert EngineConfig.from_kwargs(cpu_threads_bind="0-1", device="cuda") \
+        .device_config.cpu_threads_bind == "0-1"
+
+
 def _fake_cpus(monkeypatch, allowed: list[int], quota: float | None) -> None:
     """This process's affinity mask and cgroup quota as kvflow reads them, replaced."""
     from kvflow.kernels import cpu_threads
@@ -240,7 +266,8 @@ def test_too_many_threads_is_one_line_before_any_model_loads(tiny_llama, monkeyp
     """``kvflow generate`` / ``kvflow serve --cpu-threads N`` above the CPUs: one
     ``kvflow: error:`` line naming the flag (exit 2), no engine started; ``LLM(cpu_threads=N)``
     raises ValueError (it used to warn, then start N OpenMP threads). Likewise a CPU number
-    no machine has in ``--cpu-threads-bind``."""
+    no machine has in ``--cpu-threads-bind``, or one outside the affinity mask (it used to be
+    found only once the engine started: for ``serve``, in the engine-core process)."""
     from kvflow import llm as llm_module
     from kvflow.engine import async_llm
     from kvflow.entrypoints.cli import main
@@ -251,15 +278,19 @@ def test_too_many_threads_is_one_line_before_any_model_loads(tiny_llama, monkeyp
     monkeypatch.setattr(llm_module, "LLMEngine", no_engine)
     monkeypatch.setattr(async_llm.AsyncLLM, "__init__", no_engine)
     _fake_cpus(monkeypatch, [0, 1], None)
-    expected = ("kvflow: error: --cpu-threads=3 exceeds the 2 CPUs this process may use (its "
+    too_many = ("kvflow: error: --cpu-threads=3 exceeds the 2 CPUs this process may use (its "
                 "affinity mask has 2 CPUs): threads beyond the CPUs only wait for each other "
                 "at every parallel step; give at most 2, or leave it out (the default is "
                 "torch's count capped by these CPUs)")
+    outside = ("kvflow: error: --cpu-threads-bind='0,5' names CPUs [5] outside this process's "
+               "affinity mask [0, 1]")
     for command in (["generate", "--model", tiny_llama.path, "--prompt", "hi"],
                     ["serve", tiny_llama.path]):
-        rc = main([*command, "--device", "cpu", "--cpu-threads", "3"])
-        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-        assert (rc, err) == (2, [expected]), command
+        for flags, expected in ((["--cpu-threads", "3"], too_many),
+                                (["--cpu-threads-bind", "0,5"], outside)):
+            rc = main([*command, "--device", "cpu", *flags])
+            err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+            assert (rc, err) == (2, [expected]), (command, flags)
     with pytest.raises(ValueError, match=r"^cpu_threads=3 exceeds the 2 CPUs"):
         llm_module.LLM(model=tiny_llama.path, device="cpu", cpu_threads=3)
     rc = main(["generate", "--model", tiny_llama.path, "--prompt", "hi", "--device", "cpu",

@@ -116,22 +116,25 @@ def test_listen_address_checked_before_the_model_loads(monkeypatch, capsys, take
 
 
 @pytest.mark.parametrize("flags, needle", [
-    (["--cpu-threads-bind", "OUTSIDE"], "outside this process's affinity mask"),
+    (["--tensor-parallel-size", "2", "--cpu-threads-bind", "SHARED"],
+     "to more than one worker process"),
     (["--max-model-len", "10000000"], "--max-model-len=10000000 exceeds the positions"),
 ], ids=["cpu_threads_bind", "max_model_len"])
 def test_engine_start_up_error_is_the_only_line(tiny_llama, caplog, capfd, flags, needle):
-    """A configuration error the engine-core process finds (a --cpu-threads-bind CPU outside
-    the affinity mask; a --max-model-len beyond the model's positions): the error line alone
-    on stderr, the core's included (``engine core process started`` was logged at INFO
-    before it; the max_model_len check came after the workers had loaded the weights, with
-    their INFO lines)."""
+    """A configuration error the engine-core process finds (a --cpu-threads-bind CPU given to
+    both tensor-parallel ranks, checked before any worker starts; a --max-model-len beyond
+    the model's positions): the error line alone on stderr, the core's included (``engine
+    core process started`` was logged at INFO before it; the max_model_len check came after
+    the workers had loaded the weights, with their INFO lines). A CPU outside the affinity
+    mask, once found there too, is refused by EngineConfig in the CLI process now
+    (tests/test_cpu_threads.py)."""
     import logging
     import os
 
     from kvflow.entrypoints.cli import main
 
-    outside = str(max(os.sched_getaffinity(0)) + 1)
-    flags = [outside if f == "OUTSIDE" else f for f in flags]
+    cpu = min(os.sched_getaffinity(0))
+    flags = [f"{cpu}|{cpu}" if f == "SHARED" else f for f in flags]
     level = logging.getLogger("kvflow").level
     try:
         with caplog.at_level(logging.INFO):

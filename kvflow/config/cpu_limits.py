@@ -7,8 +7,10 @@ only the mask: a 2-CPU quota on a 64-core host would otherwise start 64 threads 
 throttles in turn, each parallel region then waiting for its slowest, throttled thread.
 
 Pure reading of the OS, no threads started: it sits with the configuration so that
-``EngineConfig`` can refuse a ``cpu_threads`` above these CPUs before anything loads
-(:func:`check_thread_limit`); :mod:`kvflow.kernels.cpu_threads` sizes and pins the threads.
+``EngineConfig`` can refuse a ``cpu_threads`` (and ``SpeculativeConfig`` a ``draft_cpu_threads``)
+above these CPUs (:func:`check_thread_limit`), and a ``cpu_threads_bind`` CPU outside the mask
+(:func:`check_bind_cpus`), before anything loads; :mod:`kvflow.kernels.cpu_threads` sizes and
+pins the threads, with the same checks where the engine starts.
 """
 
 from __future__ import annotations
@@ -100,14 +102,18 @@ def granted_cpus(allowed: list[int], quota: float | None) -> int:
     return len(allowed) if quota is None else min(len(allowed), math.ceil(quota))
 
 
-def check_thread_limit(cpu_threads: int, allowed: list[int], quota: float | None) -> None:
-    """Refuse ``cpu_threads`` (``--cpu-threads``, the threads of one worker process) above
-    :func:`granted_cpus` of the affinity mask ``allowed`` and the cgroup ``quota`` (CPUs).
-    Threads beyond the CPUs only wait for each other at every parallel region (a user's
-    ``--cpu-threads 999`` was reported to take 67 s to start; it only warned then).
+def check_thread_limit(cpu_threads: int, allowed: list[int], quota: float | None,
+                       name: str = "cpu_threads",
+                       default: str = "torch's count capped by these CPUs") -> None:
+    """Refuse ``cpu_threads`` (the option ``name``: ``--cpu-threads``, the threads of one worker
+    process, or ``speculative_config draft_cpu_threads``, the draft model's) above
+    :func:`granted_cpus` of the affinity mask ``allowed`` and the cgroup ``quota`` (CPUs);
+    ``default`` says what leaving the option out gives. Threads beyond the CPUs only wait for
+    each other at every parallel region (a user's ``--cpu-threads 999`` was reported to take
+    67 s to start; it only warned then).
 
     Raises:
-        ValueError: naming ``cpu_threads``, its value, the limit and where the limit comes from.
+        ValueError: naming ``name``, its value, the limit and where the limit comes from.
     """
     granted = granted_cpus(allowed, quota)
     if cpu_threads <= granted:
@@ -115,7 +121,38 @@ def check_thread_limit(cpu_threads: int, allowed: list[int], quota: float | None
     source = f"its affinity mask has {len(allowed)} CPUs"
     if quota is not None:
         source += f", its cgroup CPU quota is {quota:g} CPUs"
-    raise ValueError(f"cpu_threads={cpu_threads} exceeds the {granted} CPUs this process may "
+    raise ValueError(f"{name}={cpu_threads} exceeds the {granted} CPUs this process may "
                      f"use ({source}): threads beyond the CPUs only wait for each other at "
                      f"every parallel step; give at most {granted}, or leave it out (the "
-                     "default is torch's count capped by these CPUs)")
+                     f"default is {default})")
+
+
+def check_bind_cpus(bind: str, cpus: list[int], allowed: list[int]) -> None:
+    """Refuse a ``cpu_threads_bind`` list ``bind`` whose CPUs ``cpus`` (ids; one worker's part
+    where the engine starts, all parts together in ``EngineConfig``) include any outside the
+    affinity mask ``allowed``: a thread cannot be pinned there.
+
+    Raises:
+        ValueError: naming ``cpu_threads_bind``, the CPUs outside the mask and the mask
+            (:func:`cpus_text`).
+    """
+    outside = sorted(set(cpus) - set(allowed))
+    if outside:
+        raise ValueError(f"cpu_threads_bind={bind!r} names CPUs {cpus_text(outside)} outside "
+                         f"this process's affinity mask {cpus_text(allowed)}")
+
+
+def cpus_text(cpus: list[int]) -> str:
+    """A CPU list for a message: as a Python list up to 16 CPUs (``[2, 5]``), else as runs
+    with the count (``[0-3, 8-65535] (65532 CPUs)``), so a typo such as ``0-65535`` is not
+    one line of 65,536 numbers."""
+    if len(cpus) <= 16:
+        return str(cpus)
+    runs: list[list[int]] = []
+    for cpu in cpus:
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    text = ", ".join(f"{lo}-{hi}" if hi > lo else f"{lo}" for lo, hi in runs)
+    return f"[{text}] ({len(cpus)} CPUs)"

@@ -285,7 +285,8 @@ class DeviceConfig:
                                    "affinity mask and the cgroup CPU quota (default: torch's "
                                    "count, capped by those CPUs; the length of "
                                    "--cpu-threads-bind when that is a list)")
-    cpu_threads_bind: str | None = opt(None, "pin CPU thread i to the i-th CPU of this list "
+    cpu_threads_bind: str | None = opt(None, "pin CPU thread i to the i-th CPU of this list, "
+                                        "CPUs of the affinity mask "
                                         "(e.g. 0-3 or 0,2,4,6; one part per worker process "
                                         "with parallelism: 0-3|4-7; 'auto': each worker's "
                                         "share of the affinity mask; 'none': no thread "
@@ -331,6 +332,14 @@ class DeviceConfig:
                     raise ValueError(f"cpu_threads={self.cpu_threads} but cpu_threads_bind="
                                      f"{self.cpu_threads_bind!r} names {len(cpus)} CPUs for a "
                                      "worker; give one CPU per thread")
+
+    def bind_cpus(self) -> list[int]:
+        """Every CPU id ``cpu_threads_bind`` names, its ``|`` parts (one per worker process)
+        together, in order; [] when it is unset, ``auto`` or ``none``. The list parsed in
+        ``__post_init__`` (its errors raised there)."""
+        if self.cpu_threads_bind in (None, "auto", "none"):
+            return []
+        return [cpu for part in self.cpu_threads_bind.split("|") for cpu in parse_cpu_list(part)]
 
     def cpu_only_options(self) -> list[str]:
         """The CPU-only options given here (``name=value``), set to something a CPU engine

@@ -64,8 +64,8 @@ class EngineConfig:
                 parallelism, async scheduling or custom logits processors; for async
                 scheduling with any executor but uni (several ranks, or
                 distributed_executor_backend mp or ray on one rank; checked here, before any
-                worker starts); for ``cpu_threads`` above the CPUs this process may use
-                (``_check_cpu_threads``).
+                worker starts); for ``cpu_threads`` above the CPUs this process may use or
+                a ``cpu_threads_bind`` CPU outside its affinity mask (``_check_cpu_threads``).
         """
         self._check_speculative()
         self._check_cpu_threads()
@@ -92,16 +92,23 @@ class EngineConfig:
 
     def _check_cpu_threads(self) -> None:
         """``cpu_threads`` (each worker process's threads) refused above the CPUs of this
-        process's affinity mask and cgroup quota, before any model loads
-        (:func:`~kvflow.config.cpu_limits.check_thread_limit`). Not checked with Ray, whose
-        workers may run on other machines, nor for a device other than cpu or auto, which
-        refuses the option as CPU-only (``kvflow.core.unread_options``)."""
+        process's affinity mask and cgroup quota
+        (:func:`~kvflow.config.cpu_limits.check_thread_limit`), and a ``cpu_threads_bind``
+        list naming a CPU outside the mask (:func:`~kvflow.config.cpu_limits.check_bind_cpus`,
+        every worker's part), before any model loads; the engine checks both again where it
+        starts (``kvflow.kernels.cpu_threads.check_cpu_threads``, for engines built without
+        an EngineConfig). Not checked with Ray, whose workers may run on other machines, nor
+        for a device other than cpu or auto, which refuses the options as CPU-only
+        (``kvflow.core.unread_options``)."""
         dc = self.device_config
-        if dc.cpu_threads is None or dc.device not in ("auto", "cpu") or \
-                self.parallel_config.executor_backend == "ray":
+        if dc.device not in ("auto", "cpu") or self.parallel_config.executor_backend == "ray":
             return
-        cpu_limits.check_thread_limit(dc.cpu_threads, cpu_limits.usable_cpus(),
-                                      cpu_limits.cgroup_cpu_limit())
+        allowed = cpu_limits.usable_cpus()
+        if dc.cpu_threads is not None:
+            cpu_limits.check_thread_limit(dc.cpu_threads, allowed, cpu_limits.cgroup_cpu_limit())
+        bound = dc.bind_cpus()
+        if bound:
+            cpu_limits.check_bind_cpus(dc.cpu_threads_bind, bound, allowed)
 
     def _check_kv_transfer(self) -> None:
         """``kv_transfer_config`` as a KVTransferConfig, refused with the settings the

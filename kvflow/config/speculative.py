@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from kvflow.config import cpu_limits
 from kvflow.config.options import check_choices, json_config_dict, unknown_fields
 
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "deepseek_mtp")
 HEAD_METHODS = ("eagle", "eagle3", "deepseek_mtp")  # heads fed the target's hidden states
 
 
-def usable_cpu_count() -> int:
-    """CPUs this process may run on: its affinity mask's size (``os.cpu_count()`` where the
-    platform has no ``sched_getaffinity``). More draft threads than that wait for each other
-    at every kernel's barrier."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 # A draft model's "auto" settings on a CPU (README, docs/benchmarks.md issue 17: with the
 # Qwen2.5-Coder pair a pass cost 0.18 of a target step instead of 0.45)
 CPU_DRAFT_QUANTIZATION = "int8"
@@ -70,7 +63,9 @@ class SpeculativeConfig:
     Raises:
         ValueError: from the constructor for an unknown method, a missing or empty draft
             model, a size out of range, ``draft_cpu_threads`` above the CPUs of the process's
-            affinity mask (:func:`usable_cpu_count`), or a key of the other method (``_check_method_keys``).
+            affinity mask and cgroup CPU quota
+            (:func:`~kvflow.config.cpu_limits.check_thread_limit`), or a key of the other
+            method (``_check_method_keys``).
     """
 
     method: str = "ngram"
@@ -113,12 +108,11 @@ class SpeculativeConfig:
                 not isinstance(self.draft_cpu_threads, int) or self.draft_cpu_threads < 1):
             raise ValueError(f"speculative_config draft_cpu_threads="
                              f"{self.draft_cpu_threads!r} must be an integer >= 1")
-        cpus = usable_cpu_count()
-        if self.draft_cpu_threads is not None and self.draft_cpu_threads > cpus:
-            raise ValueError(f"speculative_config draft_cpu_threads={self.draft_cpu_threads} "
-                             f"exceeds the {cpus} CPUs this process may run on (its affinity "
-                             f"mask): give at most {cpus}, or leave it out to choose by "
-                             "measurement")
+        if self.draft_cpu_threads is not None:
+            cpu_limits.check_thread_limit(
+                self.draft_cpu_threads, cpu_limits.usable_cpus(), cpu_limits.cgroup_cpu_limit(),
+                name="speculative_config draft_cpu_threads",
+                default="the faster, as measured, of the engine's count and 1")
         vocab = self.draft_vocab_size
         if vocab not in (None, "auto") and (
                 isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 0):

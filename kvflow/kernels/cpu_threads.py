@@ -25,7 +25,9 @@ from kvflow.config import parse_cpu_list
 from kvflow.config.cpu_isa import forced_isa_level
 from kvflow.config.cpu_limits import (
     cgroup_cpu_limit,
+    check_bind_cpus,
     check_thread_limit,
+    cpus_text,
     default_num_threads,
     granted_cpus,
     usable_cpus,
@@ -56,7 +58,8 @@ def resolve_threads(cpu_threads: int | None, bind: str | None, allowed: list[int
     "session 8").
 
     Raises:
-        ValueError: when ``bind`` names a CPU outside ``allowed``, has not one ``|`` part per
+        ValueError: when ``bind`` names a CPU outside ``allowed``
+            (:func:`~kvflow.config.cpu_limits.check_bind_cpus`), has not one ``|`` part per
             rank or gives a CPU to two ranks, or ``auto`` pinning is asked for more threads
             than the rank's CPUs.
     """
@@ -86,27 +89,8 @@ def resolve_threads(cpu_threads: int | None, bind: str | None, allowed: list[int
         raise ValueError(f"cpu_threads_bind={bind!r} gives CPUs {cpus_text(shared)} to more "
                          "than one worker process; give each rank CPUs of its own")
     cpus = lists[rank]
-    outside = sorted(set(cpus) - set(allowed))
-    if outside:
-        raise ValueError(f"cpu_threads_bind={bind!r} names CPUs {cpus_text(outside)} outside "
-                         f"this process's affinity mask {cpus_text(allowed)}")
+    check_bind_cpus(bind, cpus, allowed)
     return len(cpus), cpus
-
-
-def cpus_text(cpus: list[int]) -> str:
-    """A CPU list for a message: as a Python list up to 16 CPUs (``[2, 5]``), else as runs
-    with the count (``[0-3, 8-65535] (65532 CPUs)``), so a typo such as ``0-65535`` is not
-    one line of 65,536 numbers."""
-    if len(cpus) <= 16:
-        return str(cpus)
-    runs: list[list[int]] = []
-    for cpu in cpus:
-        if runs and cpu == runs[-1][1] + 1:
-            runs[-1][1] = cpu
-        else:
-            runs.append([cpu, cpu])
-    text = ", ".join(f"{lo}-{hi}" if hi > lo else f"{lo}" for lo, hi in runs)
-    return f"[{text}] ({len(cpus)} CPUs)"
 
 
 def check_cpu_threads(cpu_threads: int | None, bind: str | None, ranks: int,
@@ -114,9 +98,11 @@ def check_cpu_threads(cpu_threads: int | None, bind: str | None, ranks: int,
     """Check ``--cpu-threads`` / ``--cpu-threads-bind`` for every one of ``ranks`` worker
     processes on this machine before any starts (each worker resolves its own share later
     with :func:`resolve_threads`), so a bad list is one error in the calling process rather
-    than a failed worker. ``EngineConfig`` refuses a count above the CPUs already; this
-    checks it again where the engine runs. Warns (when ``warn``: one data-parallel
-    replica's engine core of several) when the ranks' threads together exceed those CPUs.
+    than a failed worker. ``EngineConfig`` refuses a count above the CPUs and a list CPU
+    outside the affinity mask already; this checks both again (the same functions,
+    :mod:`kvflow.config.cpu_limits`) where the engine runs, for engines built without one.
+    Warns (when ``warn``: one data-parallel replica's engine core of several) when the
+    ranks' threads together exceed those CPUs.
 
     Raises:
         ValueError: see :func:`resolve_threads` and

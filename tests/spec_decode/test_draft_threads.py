@@ -4,12 +4,12 @@ config rejects a bad count."""
 
 from __future__ import annotations
 
-import os
+import re
 
 import pytest
 import torch
 
-from kvflow.config import SpeculativeConfig
+from kvflow.config import SpeculativeConfig, cpu_limits
 from kvflow.spec_decode.draft_threads import DraftThreads
 
 
@@ -94,10 +94,25 @@ def test_config_rejects_a_bad_thread_count(bad):
                              draft_cpu_threads=1).draft_cpu_threads == 1
 
 
-def test_draft_threads_above_the_affinity_mask_are_refused():
-    cpus = len(os.sched_getaffinity(0))
+def test_draft_threads_above_the_mask_or_the_quota_are_refused(monkeypatch):
+    """The limit is --cpu-threads' (the affinity mask, capped by the cgroup CPU quota rounded
+    up), here faked: a mask of 6 CPUs with a 2.5-CPU quota grants 3; a mask of 2, no quota, 2.
+    The message names the field, the value, the limit and where it comes from."""
     base = {"method": "draft_model", "model": "any", "num_speculative_tokens": 2}
-    assert SpeculativeConfig(**base, draft_cpu_threads=cpus).draft_cpu_threads == cpus
-    with pytest.raises(ValueError, match=rf"draft_cpu_threads={cpus + 1} exceeds the {cpus} "
-                                         rf"CPUs this process may run on .*give at most {cpus}"):
-        SpeculativeConfig(**base, draft_cpu_threads=cpus + 1)
+    monkeypatch.setattr(cpu_limits, "usable_cpus", lambda: [0, 1, 2, 3, 4, 5])
+    monkeypatch.setattr(cpu_limits, "cgroup_cpu_limit", lambda: 2.5)
+    assert SpeculativeConfig(**base, draft_cpu_threads=3).draft_cpu_threads == 3
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "speculative_config draft_cpu_threads=4 exceeds the 3 CPUs this process may use "
+            "(its affinity mask has 6 CPUs, its cgroup CPU quota is 2.5 CPUs): threads beyond "
+            "the CPUs only wait for each other at every parallel step; give at most 3, or "
+            "leave it out (the default is the faster, as measured, of the engine's count and "
+            "1)") + "$"):
+        SpeculativeConfig(**base, draft_cpu_threads=4)
+    monkeypatch.setattr(cpu_limits, "usable_cpus", lambda: [4, 7])
+    monkeypatch.setattr(cpu_limits, "cgroup_cpu_limit", lambda: None)
+    assert SpeculativeConfig(**base, draft_cpu_threads=2).draft_cpu_threads == 2
+    with pytest.raises(ValueError, match=re.escape(
+            "speculative_config draft_cpu_threads=3 exceeds the 2 CPUs this process may use "
+            "(its affinity mask has 2 CPUs): ")):
+        SpeculativeConfig(**base, draft_cpu_threads=3)
