@@ -3,8 +3,8 @@
 A tiny dummy-weight Llama (hidden 64, 2 layers, vocab 512) runs 256 requests of 512 random
 prompt tokens that each generate 128 tokens (EOS ignored), so every decode step carries 256
 running requests whose contexts grow from 512 to 640 tokens (576 on average). A step's host
-time is ``EngineCore.step()`` minus the time spent inside the model's forward,
-``compute_logits`` and the sampler (device work). Only steps in which every request decodes
+time is ``EngineCore.step()`` minus the time spent inside the model's forward (or the
+replay of its recorded CPU step graph), ``compute_logits`` and the sampler (device work). Only steps in which every request decodes
 count. Times are the thread's CPU time (``time.thread_time``): on an idle machine they equal
 the wall-clock time (the step's host work is one thread that never waits), and on a shared one
 they do not count the time other processes hold the core. Wall-clock medians are printed too.
@@ -97,7 +97,12 @@ class DecodeBench:
         self.device = Stopwatch()
         runner.model.forward = self.device.wrap(runner.model.forward)
         runner.model.compute_logits = self.device.wrap(runner.model.compute_logits)
-        runner.sampler = self.device.wrap(runner.sampler)
+        if runner.graph_runner is not None:  # a replayed decode step is device work too
+            runner.graph_runner.run = self.device.wrap(runner.graph_runner.run)
+        timed_call = self.device.wrap(type(runner.sampler).__call__)
+        # a subclass, not a wrapped function: the runner reads the sampler's attributes too
+        runner.sampler.__class__ = type("TimedSampler", (type(runner.sampler),),
+                                        {"__call__": timed_call})
         self.prompts = np.random.default_rng(0).integers(
             3, TINY_LLAMA["vocab_size"], (args.num_requests, args.input_len)).tolist()
         self.params = SamplingParams(max_tokens=args.output_len, ignore_eos=True,
