@@ -50,7 +50,8 @@ import combo_fuzz as cf  # sets the thread environment and sys.path first
 import combo_fuzz_structured as cfs
 import httpx
 
-from tests.e2e.conftest import TINY_CHAT_TEMPLATE, ServerProcess
+from tests.conftest import TINY_CHAT_TEMPLATE
+from tests.e2e.conftest import ServerProcess
 
 NUM_KV_BLOCKS = 48
 SERVERS = {
