@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,6 +31,25 @@ os.environ.setdefault("KVFLOW_CPU_ADAPTIVE_THREADS", "0")
 # The test models are tiny: intra-op threads only add contention on a shared CPU (a 10x
 # slowdown measured on 2 busy cores). Override with KVFLOW_TEST_NUM_THREADS.
 torch.set_num_threads(int(os.environ.get("KVFLOW_TEST_NUM_THREADS", "1")))
+
+
+def _bytecode_written() -> None:
+    """Let this process and every process it starts write compiled bytecode (``__pycache__``,
+    ignored by git) where the environment forbids it (``PYTHONDONTWRITEBYTECODE``, set in some
+    containers). Otherwise every ``kvflow serve``, engine-core and worker process that the
+    suite starts compiles the ~350 kvflow modules it imports from source again: 0.3 of the
+    0.6 s of CPU that importing kvflow's API server takes on the 2-core EPYC
+    (docs/benchmarks.md, session 40). Only kvflow's and the tests' own folders gain ``__pycache__`` entries: pip already
+    compiled the installed packages. A spawned child of this process still gets ``-B`` (its
+    flags are copied from ``sys.flags``, fixed at start-up): it reads what others wrote.
+    (``PYTHONPYCACHEPREFIX`` would keep the tree clean but moves every package's bytecode
+    there, torch's included, to be compiled again: slower, measured.)"""
+    if sys.dont_write_bytecode:
+        sys.dont_write_bytecode = False
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+
+_bytecode_written()
 
 EOS_TOKEN, BOS_TOKEN = "<eos>", "<bos>"
 # A tiny chat template: "<user>hi\n<assistant>".
