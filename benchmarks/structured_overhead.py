@@ -19,8 +19,8 @@ import torch
 
 import kvflow.layers.sampler as sampler_module
 from kvflow import LLM, SamplingParams
-from kvflow.core.scheduler import Scheduler
 from kvflow.structured import StructuredOutputsParams
+from kvflow.structured.manager import RequestStructuredOutput
 
 # Seconds spent in the structured-output work itself, by part (robust to machine noise: the
 # whole-step comparison is only meaningful on a quiet machine).
@@ -39,12 +39,13 @@ def _timed(name: str, fn):
 
 def instrument(llm: LLM) -> None:
     """Time the three structured-output parts: bitmask fill (engine core), bitmask apply
-    (sampler), token accept (scheduler)."""
+    (sampler), token accept (the scheduler's matcher advance)."""
     manager = llm.engine.core.structured_output
     manager.grammar_bitmask = _timed("fill", manager.grammar_bitmask)
     sampler_module.apply_token_bitmask_fast = _timed("apply",
                                                      sampler_module.apply_token_bitmask_fast)
-    Scheduler._accept_structured = staticmethod(_timed("accept", Scheduler._accept_structured))
+    # the scheduler advances each constrained request's matcher by one token per call
+    RequestStructuredOutput.accept_token = _timed("accept", RequestStructuredOutput.accept_token)
 
 SCHEMA = {"type": "object",
           "properties": {"city": {"type": "string"},
