@@ -56,19 +56,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class Stopwatch:
-    """Accumulates the wall-clock and thread CPU seconds spent inside wrapped callables."""
+    """Accumulates the wall-clock and thread CPU seconds spent inside wrapped callables; a
+    wrapped call made inside another (the model's forward inside the step graph runner's
+    ``run`` while it records a step) is counted once, by the outer one."""
 
     def __init__(self) -> None:
         self.wall = self.cpu = 0.0
+        self.depth = 0
 
     def wrap(self, fn):
         def timed(*args, **kwargs):
+            if self.depth:
+                return fn(*args, **kwargs)
+            self.depth += 1
             w0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.wall += time.perf_counter() - w0
                 self.cpu += time.thread_time() - c0
+                self.depth -= 1
         return timed
 
 
