@@ -121,15 +121,18 @@ class AsyncLLM(AsyncLLMCalls):
         try:
             mc = config.model_config
             source = resolve_model(mc.model, mc.download_dir, mc.revision)  # a Hub download happens here
-            # config.json checked before anything reads it: the tokenizer below (transformers
-            # may read it to pick the tokenizer class) would call a broken one a tokenizer
-            # failure, and no core process starts for it
+            # the core processes start now (their resolve_model then finds the snapshot
+            # cached) and import the engine while config.json is checked here, before
+            # anything reads it: the tokenizer below (transformers may read it to pick the
+            # tokenizer class) would call a broken one a tokenizer failure, and the cores
+            # load nothing of a model whose config failed (they wait for release())
+            self.replicas.start(gated=True)
             load_hf_config(source, hf_overrides=mc.hf_overrides,
                            trust_remote_code=mc.trust_remote_code)
             self.sampling_defaults = load_sampling_defaults(source, mc.generation_config,
                                                            mc.override_generation_config)
             self._eos_token_ids = load_eos_token_ids(source)
-            self.replicas.start()  # their resolve_model then finds the snapshot cached
+            self.replicas.release()
             # while the core processes load the model:
             self.tokenizer = None if mc.skip_tokenizer_init else \
                 load_tokenizer(source, mc.tokenizer, mc.download_dir, mc.tokenizer_options)

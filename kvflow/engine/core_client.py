@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import zmq
@@ -82,14 +83,16 @@ class CoreProcess:
         self.state = ReplicaState.STARTING
         self.death: BaseException | None = None  # why it died
 
-    def start(self, log_level: int) -> None:
-        """Spawn the core process (it loads the model, then reports ``EngineReady``)."""
+    def start(self, log_level: int, go: Any = None) -> None:
+        """Spawn the core process (it loads the model, then reports ``EngineReady``; with
+        ``go``, a ``multiprocessing`` Event of the spawn context, only once it is set:
+        ``run_engine_core``)."""
         ctx = multiprocessing.get_context("spawn")  # no forked CUDA or torch thread state
         name = "kvflow-engine-core" + ("" if self.config.parallel_config.data_parallel_size
                                        == 1 else f"-{self.index}")
         self.proc = ctx.Process(target=engine_core_process, name=name, daemon=True,
                                 args=(self.config, self.input_addr, self.output_addr,
-                                      log_level, core_process_env(self.config)))
+                                      log_level, core_process_env(self.config), go))
         self.proc.start()
         self.state = ReplicaState.STARTING
         self.death = None

@@ -12,6 +12,8 @@ the process freezes its start-up heap (model, tokenizer) out of the garbage coll
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 import math
 import multiprocessing
@@ -56,7 +58,8 @@ _BUSY_RETRY_AFTER_S = 1.0  # Retry-After of a refusal for saturated grammar comp
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
-                    log_level: int = logging.WARNING, env: dict[str, str] | None = None) -> None:
+                    log_level: int = logging.WARNING, env: dict[str, str] | None = None,
+                    go: Any = None) -> None:
     """Process entry point: build the EngineCore, report ready (or failed), serve until told
     to shut down or until the parent process dies.
 
@@ -66,6 +69,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
             our PUSH -> its PULL).
         log_level: logging level of this process.
         env: environment variables to set first (``core_client.core_process_env``).
+        go: a ``multiprocessing`` Event, or None. The API process starts the core before it
+            has checked config.json, so that this process's imports (torch, the engine:
+            seconds) overlap that check; the core reads nothing of the model until ``go``
+            is set (:func:`wait_for_go`), and ends quietly on ``Shutdown`` meanwhile.
     """
     os.environ.update(env or {})
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API process, which stops us
@@ -81,6 +88,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     index = config.parallel_config.data_parallel_rank
     core = None
     try:
+        if go is not None and not wait_for_go(go, inp):
+            return
         try:
             core = EngineCore(config)
         except ValueError as e:  # bad input: one line, no traceback (the caller re-raises it)
@@ -100,6 +109,19 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         inp.close(linger=0)
         out.close(linger=2000)
         ctx.term()
+
+
+def wait_for_go(go: Any, inp: zmq.Socket, poll_ms: int = 20) -> bool:
+    """Wait until the API process sets ``go`` (True), or until it sends ``Shutdown`` on
+    ``inp`` or exits (False: its config check failed, or it is gone; nothing was loaded)."""
+    parent = multiprocessing.parent_process()
+    if not go.is_set():  # meanwhile, the imports its config load will need
+        with contextlib.suppress(ImportError):
+            importlib.import_module("transformers.activations")  # 5.x: most of AutoConfig's
+    while not go.wait(poll_ms / 1e3):
+        if inp.poll(0) or (parent is not None and not parent.is_alive()):
+            return False  # only Shutdown is ever sent to a core before it is ready
+    return True
 
 
 def engine_core_process(*args: Any) -> NoReturn:

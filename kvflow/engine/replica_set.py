@@ -10,6 +10,7 @@ do with the messages that come back is their own.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -60,14 +61,24 @@ class ReplicaSet:
         self.decoder = output_decoder()
         self.cores: list[CoreProcess] = []
         self.hurry = False
+        self._go = None  # the start gate of start(gated=True)
 
-    def start(self) -> None:
-        """Start one core process per replica (they load the model on their own)."""
+    def start(self, gated: bool = False) -> None:
+        """Start one core process per replica (they load the model on their own; ``gated``:
+        only once :meth:`release` is called, so that the caller can check the model's
+        config.json while the processes import the engine)."""
+        go = multiprocessing.get_context("spawn").Event() if gated else None
+        self._go = go
         for index in range(self.num_replicas):
             self.cores.append(CoreProcess(self.ctx, self.ipc_dir,
                                           replica_config(self.config, index),
                                           self.output_addr))
-            self.cores[index].start(_log_level())
+            self.cores[index].start(_log_level(), go)
+
+    def release(self) -> None:
+        """Let cores started ``gated`` load the model (no-op otherwise)."""
+        if self._go is not None:
+            self._go.set()
 
     def wait_ready(self, timeout: float,
                    on_ready: Callable[[EngineReady], None] | None = None) -> dict[int, EngineReady]:

@@ -249,21 +249,24 @@ def test_truncated_tokenizer_json_fails_before_the_weights_load(tiny_llama, tmp_
     assert read == []
 
 
-def test_served_model_with_invalid_config_json_is_named_before_any_core_starts(
+def test_served_model_with_invalid_config_json_is_named_before_any_core_loads(
         tiny_llama, tmp_path, monkeypatch, capsys):
     """``kvflow serve`` started the core processes, then loaded the tokenizer in the API
     process; transformers read the broken config.json to pick the tokenizer class, so the
     server exited with "cannot load a tokenizer from <folder>: It looks like the config file
-    ... is not a valid JSON file", without the line and column."""
+    ... is not a valid JSON file", without the line and column. The cores now start gated
+    (they import the engine while config.json is checked) and are never let load it."""
     import socket
 
     from kvflow.engine.replica_set import ReplicaSet
     from kvflow.entrypoints.cli import main
 
-    def no_core(self):
-        raise AssertionError("a core process was started")
+    def no_release(self):
+        raise AssertionError("the core processes were let load the model")
 
-    monkeypatch.setattr(ReplicaSet, "start", no_core)
+    started = []
+    monkeypatch.setattr(ReplicaSet, "start", lambda self, gated=False: started.append(gated))
+    monkeypatch.setattr(ReplicaSet, "release", no_release)
     config_path = _config_copy(tiny_llama, tmp_path / "model")
     with open(config_path, "w") as f:
         f.write('{"hidden_size": 64,')
@@ -276,3 +279,4 @@ def test_served_model_with_invalid_config_json_is_named_before_any_core_starts(
     assert err[-1] == (f"kvflow: error: model config {config_path!r} is not valid JSON: "
                        "Expecting property name enclosed in double quotes: line 1 column 20 "
                        "(char 19)"), err
+    assert started == [True]
