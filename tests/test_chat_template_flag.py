@@ -299,7 +299,7 @@ def test_async_llm_hands_over_the_tokenizer_before_waiting_for_the_model(monkeyp
         events.append("wait for the model")
         raise Loading
 
-    monkeypatch.setattr(async_llm.ReplicaSet, "start", lambda self: None)
+    monkeypatch.setattr(async_llm.ReplicaSet, "start", lambda self, gated=False: None)
     monkeypatch.setattr(async_llm.AsyncLLM, "_wait_ready", wait_ready)
     config = EngineConfig.from_kwargs(model="SmolLM2-135M-Instruct", device="cpu")
     with pytest.raises(Loading):
