@@ -20,27 +20,27 @@ def _pair() -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
     return ctx, push, pull
 
 
-def test_go_set_later_lets_the_core_load():
+def test_go_created_later_lets_the_core_load(tmp_path):
     ctx, push, pull = _pair()
-    go = threading.Event()
-    timer = threading.Timer(0.1, go.set)
+    go = tmp_path / "go"
+    timer = threading.Timer(0.1, go.touch)
     timer.start()
     try:
-        assert wait_for_go(go, pull) is True
-        assert go.is_set()
+        assert wait_for_go(str(go), pull) is True
+        assert go.exists()
     finally:
         timer.cancel()
         push.close(0), pull.close(0), ctx.term()
 
 
-def test_shutdown_before_go_ends_the_wait_without_loading():
+def test_shutdown_before_go_ends_the_wait_without_loading(tmp_path):
     import msgspec
 
     ctx, push, pull = _pair()
-    go = threading.Event()
+    go = tmp_path / "go"
     push.send(msgspec.msgpack.encode(Shutdown()))
     try:
-        assert wait_for_go(go, pull) is False
-        assert not go.is_set()
+        assert wait_for_go(str(go), pull) is False
+        assert not go.exists()
     finally:
         push.close(0), pull.close(0), ctx.term()

@@ -18,7 +18,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 import zmq
@@ -83,10 +82,9 @@ class CoreProcess:
         self.state = ReplicaState.STARTING
         self.death: BaseException | None = None  # why it died
 
-    def start(self, log_level: int, go: Any = None) -> None:
+    def start(self, log_level: int, go: str | None = None) -> None:
         """Spawn the core process (it loads the model, then reports ``EngineReady``; with
-        ``go``, a ``multiprocessing`` Event of the spawn context, only once it is set:
-        ``run_engine_core``)."""
+        ``go``, a file path, only once that file exists: ``run_engine_core``)."""
         ctx = multiprocessing.get_context("spawn")  # no forked CUDA or torch thread state
         name = "kvflow-engine-core" + ("" if self.config.parallel_config.data_parallel_size
                                        == 1 else f"-{self.index}")

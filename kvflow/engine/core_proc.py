@@ -59,7 +59,7 @@ _BUSY_RETRY_AFTER_S = 1.0  # Retry-After of a refusal for saturated grammar comp
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
                     log_level: int = logging.WARNING, env: dict[str, str] | None = None,
-                    go: Any = None) -> None:
+                    go: str | None = None) -> None:
     """Process entry point: build the EngineCore, report ready (or failed), serve until told
     to shut down or until the parent process dies.
 
@@ -69,10 +69,12 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
             our PUSH -> its PULL).
         log_level: logging level of this process.
         env: environment variables to set first (``core_client.core_process_env``).
-        go: a ``multiprocessing`` Event, or None. The API process starts the core before it
-            has checked config.json, so that this process's imports (torch, the engine:
-            seconds) overlap that check; the core reads nothing of the model until ``go``
-            is set (:func:`wait_for_go`), and ends quietly on ``Shutdown`` meanwhile.
+        go: a file path, or None. The API process starts the core before it has checked
+            config.json, so that this process's imports (torch, the engine: seconds) overlap
+            that check; the core reads nothing of the model until the API process creates
+            ``go`` (:func:`wait_for_go`), and ends quietly on ``Shutdown`` meanwhile. (A
+            file in the API process's private IPC folder rather than a ``multiprocessing``
+            Event, whose semaphores the resource tracker reported leaked at every Ctrl-C.)
     """
     os.environ.update(env or {})
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API process, which stops us
@@ -111,15 +113,16 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         ctx.term()
 
 
-def wait_for_go(go: Any, inp: zmq.Socket, poll_ms: int = 20) -> bool:
-    """Wait until the API process sets ``go`` (True), or until it sends ``Shutdown`` on
-    ``inp`` or exits (False: its config check failed, or it is gone; nothing was loaded)."""
+def wait_for_go(go: str, inp: zmq.Socket, poll_ms: int = 20) -> bool:
+    """Wait until the file ``go`` exists (True), or until the API process sends
+    ``Shutdown`` on ``inp`` or exits (False: its config check failed, or it is gone; nothing
+    was loaded). Polls every ``poll_ms`` milliseconds."""
     parent = multiprocessing.parent_process()
-    if not go.is_set():  # meanwhile, the imports its config load will need
+    if not os.path.exists(go):  # meanwhile, the imports its config load will need
         with contextlib.suppress(ImportError):
             importlib.import_module("transformers.activations")  # 5.x: most of AutoConfig's
-    while not go.wait(poll_ms / 1e3):
-        if inp.poll(0) or (parent is not None and not parent.is_alive()):
+    while not os.path.exists(go):
+        if inp.poll(poll_ms) or (parent is not None and not parent.is_alive()):
             return False  # only Shutdown is ever sent to a core before it is ready
     return True
 

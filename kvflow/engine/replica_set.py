@@ -10,7 +10,6 @@ do with the messages that come back is their own.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -67,7 +66,7 @@ class ReplicaSet:
         """Start one core process per replica (they load the model on their own; ``gated``:
         only once :meth:`release` is called, so that the caller can check the model's
         config.json while the processes import the engine)."""
-        go = multiprocessing.get_context("spawn").Event() if gated else None
+        go = os.path.join(self.ipc_dir, "go") if gated else None  # a file: no semaphores
         self._go = go
         for index in range(self.num_replicas):
             self.cores.append(CoreProcess(self.ctx, self.ipc_dir,
@@ -78,7 +77,7 @@ class ReplicaSet:
     def release(self) -> None:
         """Let cores started ``gated`` load the model (no-op otherwise)."""
         if self._go is not None:
-            self._go.set()
+            open(self._go, "w").close()
 
     def wait_ready(self, timeout: float,
                    on_ready: Callable[[EngineReady], None] | None = None) -> dict[int, EngineReady]:
