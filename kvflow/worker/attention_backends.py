@@ -30,13 +30,18 @@ def make_attention_backend(name: str, batch_invariant: bool = False,
         from kvflow.attention.cpu_paged import CpuPagedAttentionBackend
         from kvflow.attention.prefill_select import PrefillAttentionChoice
         from kvflow.config import cpu_attention_choice
+        from kvflow.config.device import native_cpu_choice
         from kvflow.kernels.cpu_native import native_cpu_kernels
 
         kernels = native_cpu_kernels()
         if kernels is not None:
             prefill = PrefillAttentionChoice(cpu_attention_choice(cpu_attention), kernels)
             return CpuPagedAttentionBackend(kernels, batch_invariant, prefill)
-        logger.warning("attention backend 'cpu' unavailable; using 'torch'")
+        if native_cpu_choice():  # the kernels failed to build (their warning says why)
+            logger.warning("attention backend 'cpu' unavailable; using 'torch'")
+        else:  # asked for: not worth a warning
+            logger.info("attention backend 'torch' (KVFLOW_NATIVE_CPU=0 turns kvflow's native "
+                        "CPU kernels off)")
         name = "torch"
     if name == "torch":
         from kvflow.attention.torch_paged import TorchPagedAttentionBackend

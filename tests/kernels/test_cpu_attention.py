@@ -428,3 +428,29 @@ def test_store_kv_writes_what_index_copy_writes(dtype):
     with pytest.raises(ValueError):
         KERNELS.store_kv(k.float() if dtype != torch.float32 else k.half(), v, cache, slots,
                          tokens)
+
+
+def test_native_kernels_turned_off_choose_torch_without_a_warning(monkeypatch, caplog):
+    """``KVFLOW_NATIVE_CPU=0`` asks for torch's kernels: the "cpu" backend falls back to
+    the torch one with an INFO line naming the setting, not the warning a failed build gets
+    (a newcomer read "unavailable" as a fault)."""
+    import logging
+
+    from kvflow.attention.torch_paged import TorchPagedAttentionBackend
+    from kvflow.kernels.cpu_native import native_cpu_kernels
+    from kvflow.worker.attention_backends import make_attention_backend
+
+    monkeypatch.setenv("KVFLOW_NATIVE_CPU", "0")
+    native_cpu_kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="kvflow.worker.attention_backends"):
+            backend = make_attention_backend("cpu")
+    finally:
+        monkeypatch.delenv("KVFLOW_NATIVE_CPU")
+        native_cpu_kernels.cache_clear()
+    assert isinstance(backend, TorchPagedAttentionBackend)
+    records = [(r.levelname, r.getMessage()) for r in caplog.records
+               if r.name == "kvflow.worker.attention_backends"]
+    expected = ("attention backend 'torch' (KVFLOW_NATIVE_CPU=0 turns kvflow's native CPU "
+                "kernels off)")
+    assert records == [("INFO", expected)]
