@@ -321,25 +321,34 @@ class DeviceConfig:
         self._check_native_choices()
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads={self.cpu_threads} must be >= 1")
-        if self.cpu_threads_bind not in (None, "auto", "none"):
-            for part in self.cpu_threads_bind.split("|"):
-                try:
-                    cpus = parse_cpu_list(part)
-                except ValueError as e:
-                    raise ValueError(f"cpu_threads_bind={self.cpu_threads_bind!r}: {e} "
-                                     "(it also takes 'auto' or 'none')") from None
-                if self.cpu_threads is not None and self.cpu_threads != len(cpus):
-                    raise ValueError(f"cpu_threads={self.cpu_threads} but cpu_threads_bind="
-                                     f"{self.cpu_threads_bind!r} names {len(cpus)} CPUs for a "
-                                     "worker; give one CPU per thread")
+        for cpus in self.bind_parts():
+            if self.cpu_threads is not None and self.cpu_threads != len(cpus):
+                raise ValueError(f"cpu_threads={self.cpu_threads} but cpu_threads_bind="
+                                 f"{self.cpu_threads_bind!r} names {len(cpus)} CPUs for a "
+                                 "worker; give one CPU per thread")
 
-    def bind_cpus(self) -> list[int]:
-        """Every CPU id ``cpu_threads_bind`` names, its ``|`` parts (one per worker process)
-        together, in order; [] when it is unset, ``auto`` or ``none``. The list parsed in
-        ``__post_init__`` (its errors raised there)."""
+    def bind_parts(self) -> list[list[int]]:
+        """The CPU ids of each ``|`` part of ``cpu_threads_bind`` (one per worker process), in
+        order; [] when it is unset, ``auto`` or ``none``.
+
+        Raises:
+            ValueError: naming ``cpu_threads_bind`` for a part that is not a CPU list.
+        """
         if self.cpu_threads_bind in (None, "auto", "none"):
             return []
-        return [cpu for part in self.cpu_threads_bind.split("|") for cpu in parse_cpu_list(part)]
+        parts = []
+        for part in self.cpu_threads_bind.split("|"):
+            try:
+                parts.append(parse_cpu_list(part))
+            except ValueError as e:
+                raise ValueError(f"cpu_threads_bind={self.cpu_threads_bind!r}: {e} "
+                                 "(it also takes 'auto' or 'none')") from None
+        return parts
+
+    def bind_cpus(self) -> list[int]:
+        """Every CPU id ``cpu_threads_bind`` names, its parts together, in order
+        (:meth:`bind_parts`)."""
+        return [cpu for cpus in self.bind_parts() for cpu in cpus]
 
     def cpu_only_options(self) -> list[str]:
         """The CPU-only options given here (``name=value``), set to something a CPU engine
