@@ -133,9 +133,10 @@ class Server:
         return completion_in_thread(self.url, {**LONG, "stream": stream, "user": user}, into)
 
     def engine_cores(self) -> list[psutil.Process]:
-        """The engine-core processes (spawned by multiprocessing)."""
+        """The engine-core processes (named ``kvflow-core``, ``kvflow-core-N`` with data
+        parallelism; forked or spawned: kvflow/engine/start_method.py)."""
         return [c for c in psutil.Process(self.proc.pid).children(recursive=True)
-                if "spawn_main" in " ".join(c.cmdline())]
+                if c.name().startswith("kvflow-core")]
 
     def signal_and_wait(self, sig: signal.Signals, resume: list[psutil.Process] = (),
                         timeout: float = 15) -> tuple[int | None, float]:

@@ -95,6 +95,9 @@ class AsyncLLM(AsyncLLMCalls):
             as it is loaded, while the core processes still load the model: the server's
             start-up checks of it (a model chat template that does not compile is reported
             then, not minutes later); what it raises ends the start-up.
+        start_method: how the core processes start, ``"spawn"`` or ``"fork"``
+            (:func:`kvflow.engine.start_method.core_start_method`); a restarted one is always
+            spawned.
 
     Raises:
         RuntimeError: if a core process fails to start or exceeds ``start_timeout``.
@@ -103,7 +106,8 @@ class AsyncLLM(AsyncLLMCalls):
 
     def __init__(self, config: EngineConfig, metrics: ServerMetrics | None = None,
                  start_timeout: float = 600.0,
-                 on_tokenizer: Callable[[Any], None] | None = None) -> None:
+                 on_tokenizer: Callable[[Any], None] | None = None,
+                 start_method: str = "spawn") -> None:
         self.config = config
         self.metrics = metrics or ServerMetrics(config.model_config.model)
         self.tracker = RequestStatsTracker(self.metrics)
@@ -116,7 +120,7 @@ class AsyncLLM(AsyncLLMCalls):
         self.sleep_state = EngineSleep(config.model_config.enable_sleep_mode)
         # Called (in the event loop) when a core process dies or fails; see start().
         self.on_dead: Callable[[EngineDeadError], None] | None = None
-        self.replicas = ReplicaSet(config)
+        self.replicas = ReplicaSet(config, start_method=start_method)
         self._restarts = ReplicaRestarts(self.replicas)
         try:
             mc = config.model_config

@@ -82,10 +82,12 @@ class CoreProcess:
         self.state = ReplicaState.STARTING
         self.death: BaseException | None = None  # why it died
 
-    def start(self, log_level: int, go: str | None = None) -> None:
-        """Spawn the core process (it loads the model, then reports ``EngineReady``; with
-        ``go``, a file path, only once that file exists: ``run_engine_core``)."""
-        ctx = multiprocessing.get_context("spawn")  # no forked CUDA or torch thread state
+    def start(self, log_level: int, go: str | None = None, method: str = "spawn") -> None:
+        """Start the core process (it loads the model, then reports ``EngineReady``; with
+        ``go``, a file path, only once that file exists: ``run_engine_core``). ``method``:
+        multiprocessing's ``"spawn"`` (a new interpreter) or ``"fork"`` (only where
+        ``kvflow.engine.start_method.core_start_method`` says this process may fork)."""
+        ctx = multiprocessing.get_context(method)
         name = "kvflow-engine-core" + ("" if self.config.parallel_config.data_parallel_size
                                        == 1 else f"-{self.index}")
         self.proc = ctx.Process(target=engine_core_process, name=name, daemon=True,

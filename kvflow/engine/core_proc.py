@@ -13,6 +13,7 @@ the process freezes its start-up heap (model, tokenizer) out of the garbage coll
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import logging
 import math
@@ -54,6 +55,7 @@ from kvflow.models.loader import resolve_eos_token_id
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is alive
+_PR_SET_NAME = 15  # prctl option (linux/prctl.h)
 _BUSY_RETRY_AFTER_S = 1.0  # Retry-After of a refusal for saturated grammar compiles
 
 
@@ -81,7 +83,12 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     signal.signal(signal.SIGTERM, _unwind_on_sigterm)
     dp = config.parallel_config
     tag = "core" if dp.data_parallel_size == 1 else f"core {dp.data_parallel_rank}"
-    logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s [{tag}]: %(message)s")
+    own = multiprocessing.parent_process() is not None  # a core process, not a test's call
+    if own:
+        name_process(f"kvflow-{tag.replace(' ', '-')}")  # what ps -o comm / top show
+    # force: a forked core has the API process's root handlers (kvflow/engine/start_method.py)
+    logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s [{tag}]: %(message)s",
+                        force=own)
     ctx = zmq.Context()
     inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inp.connect(input_addr)
@@ -111,6 +118,15 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         inp.close(linger=0)
         out.close(linger=2000)
         ctx.term()
+
+
+def name_process(name: str) -> None:
+    """Set this process's name as the kernel shows it (``/proc/<pid>/comm``: ``ps -o comm``,
+    ``top``; at most 15 bytes kept), as vLLM names its ``EngineCore`` process: a forked core's
+    command line is the API process's. Linux's ``prctl(PR_SET_NAME)``; elsewhere a no-op."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
 
 
 def wait_for_go(go: str, inp: zmq.Socket, poll_ms: int = 20) -> bool:

@@ -29,6 +29,7 @@ from kvflow.engine.core_client import (
     wait_ready,
 )
 from kvflow.engine.messages import EngineReady, Shutdown, output_decoder
+from kvflow.engine.start_method import method_now
 
 
 class ReplicaSet:
@@ -38,6 +39,9 @@ class ReplicaSet:
     Args:
         config: the engine configuration (replica ``i`` runs it with ``data_parallel_rank=i``).
         prefix: the name prefix of the private IPC directory.
+        start_method: how :meth:`start` starts the core processes, ``"spawn"`` or ``"fork"``
+            (``kvflow.engine.start_method.core_start_method``); :meth:`respawn` always spawns
+            (this process has been running the engine by then).
 
     Attributes:
         output: the PULL socket every replica's core pushes its messages to (bound here).
@@ -47,8 +51,9 @@ class ReplicaSet:
             a core still in its step SIGTERM at once instead of after ``STEP_GRACE_S``.
     """
 
-    def __init__(self, config: EngineConfig, prefix: str = "kvflow-") -> None:
-        self.config = config
+    def __init__(self, config: EngineConfig, prefix: str = "kvflow-",
+                 start_method: str = "spawn") -> None:
+        self.config, self.start_method = config, start_method
         self.num_replicas = config.parallel_config.data_parallel_size
         self.ipc_dir = tempfile.mkdtemp(prefix=prefix)
         self.ctx = zmq.Context()
@@ -72,7 +77,7 @@ class ReplicaSet:
             self.cores.append(CoreProcess(self.ctx, self.ipc_dir,
                                           replica_config(self.config, index),
                                           self.output_addr))
-            self.cores[index].start(_log_level(), go)
+            self.cores[index].start(_log_level(), go, method_now(self.start_method))
 
     def release(self) -> None:
         """Let cores started ``gated`` load the model (no-op otherwise)."""

@@ -32,6 +32,7 @@ from kvflow.chat_template import check_default_template_kwargs
 from kvflow.chat_template_source import load_chat_template, warn_if_model_template_broken
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.engine.async_llm import AsyncLLM
+from kvflow.engine.start_method import core_start_method
 from kvflow.entrypoints.body_limit import BodySizeLimitMiddleware
 from kvflow.entrypoints.http_guards import (
     ApiKeyMiddleware,
@@ -256,11 +257,14 @@ def check_listen_address(host: str, port: int) -> None:
                                  f"({e.strerror})") from None
 
 
-def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+def run_server(engine_config: EngineConfig, server_config: ServerConfig,
+               fresh_process: bool = False) -> None:
     """Load the model (engine-core process), then serve HTTP until SIGINT/SIGTERM (which
     abort the open requests first: ``server_shutdown.AbortingServer``). Without
     ``--chat-template``, a model chat template that does not compile is logged as a warning
-    as soon as the tokenizer is loaded (``warn_if_model_template_broken``).
+    as soon as the tokenizer is loaded (``warn_if_model_template_broken``). ``fresh_process``:
+    this process runs nothing but this server (``kvflow serve`` from the command line), so the
+    engine-core processes may be forked from it (``kvflow.engine.start_method``).
 
     Raises:
         RuntimeError: if the engine fails to start, or died while serving (under
@@ -275,6 +279,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     check_ssl_files(server_config)
     check_default_template_kwargs(server_config.default_chat_template_kwargs)
     check_lora_modules(server_config.lora_modules or (), engine_config, names)
+    start_method = core_start_method(fresh_process)
     template = None if server_config.chat_template is None else \
         load_chat_template(server_config.chat_template)  # the one read: served as checked
     # without --chat-template, the model's template is checked once the tokenizer is loaded,
@@ -282,7 +287,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     check_tokenizer = warn_if_model_template_broken if template is None else None
     with sigterm_stops_loading():  # as Ctrl-C does (uvicorn handles both once serving)
         engine = AsyncLLM(engine_config, ServerMetrics(model_name),
-                          server_config.engine_start_timeout, on_tokenizer=check_tokenizer)
+                          server_config.engine_start_timeout, on_tokenizer=check_tokenizer,
+                          start_method=start_method)
     try:
         app = build_app(engine, server_config, model_name, template)
         http_options = uvicorn_options(server_config)

@@ -67,7 +67,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     server_config = ServerConfig.from_cli_args(args)
     logging.getLogger("kvflow").setLevel(server_config.uvicorn_log_level.upper())
     try:
-        run_server(EngineConfig.from_cli_args(args), server_config)
+        run_server(EngineConfig.from_cli_args(args), server_config,
+                   fresh_process=getattr(args, "fresh_process", False))
     except RuntimeError as e:
         print(f"kvflow: error: {e}", file=sys.stderr)
         return 1
@@ -169,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
               "vLLM's name for it): give one", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # this process runs only this command: serve / run-batch may fork their engine cores
+    args.fresh_process = own_process  # (kvflow/engine/start_method.py)
     try:
         status = args.func(args)
     except ValueError as e:  # name the flags the user typed (or the file's keys), not the

@@ -291,6 +291,7 @@ def _run(engine_config: EngineConfig, server_config: ServerConfig, source: Batch
 
     from kvflow.chat_template_source import load_chat_template, warn_if_model_template_broken
     from kvflow.engine.async_llm import AsyncLLM
+    from kvflow.engine.start_method import core_start_method
     from kvflow.entrypoints.api_server import build_app, check_lora_modules
     from kvflow.metrics import ServerMetrics
 
@@ -302,7 +303,8 @@ def _run(engine_config: EngineConfig, server_config: ServerConfig, source: Batch
     total = source.count_lines()
     engine = AsyncLLM(engine_config, ServerMetrics(model_name),
                       server_config.engine_start_timeout,
-                      on_tokenizer=warn_if_model_template_broken if template is None else None)
+                      on_tokenizer=warn_if_model_template_broken if template is None else None,
+                      start_method=core_start_method(getattr(args, "fresh_process", False)))
     try:
         app = build_app(engine, server_config, model_name, template)
         with tqdm(total=total, desc="run-batch", unit="line", disable=args.no_progress,

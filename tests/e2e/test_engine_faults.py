@@ -25,19 +25,28 @@ ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "96", "--blo
         "--max-num-seqs", "4", "--uvicorn-log-level", "info"]
 RESTART_ARGS = [*ARGS, "--engine-failure", "restart"]
 LONG = {"prompt": "the quick brown fox", "max_tokens": 200, "ignore_eos": True}
+# the exiting server's core is spawned from the start (the variable), the restarting one's
+# forked (kvflow serve's default) until its restart
+SPAWN_ENV = {"KVFLOW_WORKER_MULTIPROC_METHOD": "spawn"}
 
 
 def core_pid(server_pid: int) -> int:
-    """The engine-core process: the server's child started by multiprocessing's spawn."""
+    """The engine-core process: the server's child named ``kvflow-core`` (``comm``; forked at
+    the first start, spawned on a restart: kvflow/engine/start_method.py)."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (stat.parent / "cmdline").read_bytes()
+            comm = (stat.parent / "comm").read_text().strip()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == server_pid and b"spawn_main" in cmdline:
+        if ppid == server_pid and comm == "kvflow-core":
             return int(stat.parent.name)
     raise AssertionError("no engine-core process found")
+
+
+def cmdline(pid: int) -> bytes:
+    """``/proc/<pid>/cmdline`` (arguments separated by NUL bytes)."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
 def wait_for(predicate, timeout: float = 60.0, step: float = 0.1):
@@ -74,14 +83,15 @@ def assert_ends_with_error_event(events: list[dict]) -> None:
 def prestart_servers(fixture):
     """This module's servers, taken with ``start_server.declared`` and started ahead
     (``_prestart_next_module`` in conftest.py)."""
-    return [(fixture("tiny_chat_model"), ARGS, None),
+    return [(fixture("tiny_chat_model"), ARGS, SPAWN_ENV),
             (fixture("tiny_chat_model"), RESTART_ARGS, None)]
 
 
 @pytest.fixture(scope="module")
 def servers(start_server, request):
-    """{"exiting": a server with the default --engine-failure, "restarting": one with
-    ``--engine-failure restart``}, started side by side."""
+    """{"exiting": a server with the default --engine-failure (its core spawned:
+    ``SPAWN_ENV``), "restarting": one with ``--engine-failure restart``}, started side by
+    side."""
     started = {"exiting": start_server.declared(request, 0, wait=False),
                "restarting": start_server.declared(request, 1, wait=False)}
     with ready_side_by_side(*started.values()):
@@ -90,6 +100,7 @@ def servers(start_server, request):
 
 def test_killed_core_exits_the_server(servers):
     server = servers["exiting"]
+    assert b"multiprocessing.spawn" in cmdline(core_pid(server.proc.pid))  # SPAWN_ENV
     assert_ends_with_error_event(stream_then_kill(server))
     assert server.proc.wait(30) == 1
     log = server.log()
@@ -104,6 +115,8 @@ def restarting(servers):
 def test_killed_core_restarts_with_the_flag(restarting):
     server = restarting
     old_pid = core_pid(server.proc.pid)
+    # the first core was forked from the server process (its command line), a restart spawns
+    assert cmdline(old_pid) == cmdline(server.proc.pid)
     assert_ends_with_error_event(stream_then_kill(server))
     refused = httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=60)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
@@ -111,7 +124,9 @@ def test_killed_core_restarts_with_the_flag(restarting):
     resp = httpx.post(f"{server.url}/v1/completions", timeout=60,  # sampled: ignore EOS
                       json={"prompt": "the quick", "max_tokens": 3, "ignore_eos": True})
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
-    assert core_pid(server.proc.pid) != old_pid and "engine core restarted" in server.log()
+    new_pid = core_pid(server.proc.pid)
+    assert new_pid != old_pid and "engine core restarted" in server.log()
+    assert b"multiprocessing.spawn" in cmdline(new_pid)
     m = server.metrics()
     assert server.value(m, "kvflow:kv_cache_free_blocks") == 95  # the new core's pool, idle
 

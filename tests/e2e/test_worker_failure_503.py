@@ -41,7 +41,15 @@ def _descendants(pid: int) -> dict[int, str]:
 def _engine_processes(server_pid: int) -> dict[int, str]:
     """The engine-core process and its worker processes."""
     return {p: cmd for p, cmd in _descendants(server_pid).items()
-            if "kvflow.executor.mp_worker" in cmd or "spawn_main" in cmd}
+            if "kvflow.executor.mp_worker" in cmd or _comm(p) == "kvflow-core"}
+
+
+def _comm(pid: int) -> str:
+    """The process's kernel name (the engine core names itself ``kvflow-core``)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _alive(pid: int) -> bool:
