@@ -34,7 +34,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.e2e.zygote import Zygote
+
 START_TIMEOUT_S = 180
+SERVER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # every server's
 
 
 def free_port() -> int:
@@ -53,21 +56,26 @@ class ServerProcess:
         log_path: file receiving the server's stdout and stderr.
         env: extra environment variables.
         threads: torch intra-op threads of both server processes (OMP_NUM_THREADS).
+        zygote: where to fork the server from (``tests/e2e/zygote.py``), when its
+            environment allows; else (and without one) a new interpreter.
     """
 
     def __init__(self, model: str, args: list[str], log_path: Path,
-                 env: dict[str, str] | None = None, threads: int = 1) -> None:
+                 env: dict[str, str] | None = None, threads: int = 1,
+                 zygote: Zygote | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "kvflow.entrypoints.cli", "serve", model,
-               "--host", "127.0.0.1", "--port", str(self.port),
-               "--uvicorn-log-level", "warning", *args]
-        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                    "OMP_NUM_THREADS": str(threads), **(env or {})}
+        argv = ["serve", model, "--host", "127.0.0.1", "--port", str(self.port),
+                "--uvicorn-log-level", "warning", *args]
+        full_env = {**os.environ, **SERVER_ENV, "OMP_NUM_THREADS": str(threads), **(env or {})}
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=full_env)
+        if zygote is not None and zygote.usable_for(full_env):
+            self.proc = zygote.start(argv, full_env, str(log_path))
+        else:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvflow.entrypoints.cli", *argv],
+                                         stdout=self._log, stderr=subprocess.STDOUT,
+                                         env=full_env)
         self._terminated = False
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
@@ -186,6 +194,7 @@ class ServerStarter:
 
     def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
         self._tmp = tmp_path_factory
+        self.zygote: Zygote | None = None  # started with the first server
         self.servers: list[ServerProcess] = []
         self._ahead: dict[tuple, list[ServerProcess]] = {}
         self._shared: dict[tuple, ServerProcess] = {}
@@ -197,8 +206,10 @@ class ServerStarter:
 
     def _new(self, model: str, args: list[str], env: dict[str, str] | None,
              threads: int) -> ServerProcess:
+        if self.zygote is None:
+            self.zygote = Zygote({**os.environ, **SERVER_ENV})
         server = ServerProcess(model, args, self._tmp.mktemp("server") / "server.log", env,
-                               threads)
+                               threads, self.zygote)
         self.servers.append(server)
         return server
 
@@ -265,6 +276,8 @@ class ServerStarter:
             server.terminate()
         for server in self.servers:
             server.stop()
+        if self.zygote is not None:
+            self.zygote.stop()
 
 
 PRESTART_AHEAD = 2  # modules whose servers may be starting or idle ahead of their turn
