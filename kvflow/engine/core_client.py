@@ -113,8 +113,15 @@ class CoreProcess:
         return self.state is ReplicaState.LIVE and self.is_alive
 
     def send(self, payload: bytes) -> None:
-        """Queue an encoded message for the core (never blocks)."""
-        self.input.send(payload, flags=zmq.NOBLOCK)
+        """Queue an encoded message for the core (never blocks). A core whose process has
+        ended (its socket has no peer left: ``zmq.Again``) gets nothing; its open requests and
+        calls fail once the output loop finds it dead. (Was: the error reached the caller, so
+        SIGTERM to the server and its core at once, as ``pkill -f "kvflow serve"`` or a
+        systemd stop sends, ended the server's shutdown with a traceback and exit status 1.)"""
+        try:
+            self.input.send(payload, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.debug("engine core %d is gone: a message to it was dropped", self.index)
 
     def ask_to_stop(self, shutdown_payload: bytes) -> None:
         """Send ``Shutdown`` without waiting (``stop`` then waits)."""

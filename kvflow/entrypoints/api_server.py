@@ -119,8 +119,15 @@ class _StartingServer(AbortingServer):
 def _on_engine_dead(app: FastAPI, error: BaseException) -> None:
     """A core process (a data-parallel replica's) died: exit the server (``--engine-failure
     exit``, the default; the exit status is 1) or start a new core for it in the background
-    (``restart``; the other replicas keep serving)."""
+    (``restart``; the other replicas keep serving). Once the server is shutting down (a
+    signal), a core's end is part of it: logged at INFO, neither restarted nor an error (the
+    server ends as the signal says)."""
     config: ServerConfig = app.state.config
+    server = getattr(app.state, "uvicorn_server", None)
+    if server is not None and server.should_exit:  # the core stopped with the server: a
+        # SIGTERM sent to both (pkill -f, a systemd stop, kill of the process group)
+        logger.info("engine core exited while the server shuts down (%s)", error)
+        return
     if config.engine_failure == "restart":
         logger.error("engine core died (%s); restarting it (--engine-failure restart)", error)
         previous = getattr(app.state, "restart_task", None)

@@ -170,8 +170,9 @@ def test_disconnect_storm_leaves_no_block_held(restarting):
 
 
 def test_sigterm_aborts_open_requests(restarting):
-    """SIGTERM (``docker stop``; Ctrl-C is handled the same) with a stream and a whole reply in
-    flight: both end at once with code ``server_shutting_down`` (the stream with an error event
+    """SIGTERM to the server and its core (``pkill -f "kvflow serve"``, a systemd stop;
+    ``docker stop`` and Ctrl-C reach the server alone and are handled the same) with a stream
+    and a whole reply in flight: both end at once with code ``server_shutting_down`` (the stream with an error event
     then ``[DONE]``), not after uvicorn's 5 s graceful timeout with the stream cut. The engine
     core is stopped (SIGSTOP) once the stream has its first token, so neither request can
     finish before the signal however fast the machine (on a quiet one the tiny model's 200
@@ -199,6 +200,9 @@ def test_sigterm_aborts_open_requests(restarting):
             time.sleep(0.3)  # and has handed it to the engine client (it opens it at once)
             sent = time.monotonic()
             server.terminate()
+            # and the core, as pkill -f "kvflow serve" (the forked core has the server's
+            # command line) or a systemd stop (the whole group) do: delivered at SIGCONT
+            os.kill(core, signal.SIGTERM)
             # the core stays stopped until the server has aborted both requests: continued at
             # once (was), a fast CPU (Zen 5, CI) generated the stream's remaining tokens before
             # the API process handled the signal, and the stream ended with a normal finish
@@ -220,3 +224,8 @@ def test_sigterm_aborts_open_requests(restarting):
     assert whole["resp"].json()["error"]["code"] == "server_shutting_down"
     assert took < 3.0  # uvicorn alone cut the stream after its 5 s graceful timeout
     assert "aborted 2 open request(s)" in server.log()
+    # the core's end is part of the shutdown: no traceback (was: zmq.Again from the abort,
+    # exit 1), no "engine core died", no restart; the server ends by the signal
+    assert server.proc.wait(30) == -signal.SIGTERM, server.log()
+    log = server.log()
+    assert "Traceback" not in log and "engine core died" not in log, log
