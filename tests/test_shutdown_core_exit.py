@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import zmq
 
 from kvflow.config import EngineConfig, ServerConfig
-from kvflow.engine.core_client import CoreProcess
+from kvflow.engine.core_client import CoreProcess, ReplicaState
+from kvflow.engine.output_loop import OutputLoop
 from kvflow.entrypoints import api_server
 
 
@@ -69,3 +70,30 @@ def test_a_core_dying_while_serving_still_ends_the_server(caplog):
     assert [r.levelname for r in caplog.records] == ["ERROR"]
     assert app.state.calls == [("fail_all", "killed")]
     assert app.state.engine_died and app.state.uvicorn_server.should_exit
+
+
+def _lost_log_level(stopping: bool, caplog) -> list[str]:
+    """The level of the output loop's line for a lost replica (``OutputLoop._replica_died``
+    on stand-ins for its collaborators)."""
+    failed = []
+    core = SimpleNamespace(state=ReplicaState.LIVE, death=None)
+    loop = SimpleNamespace(
+        replicas=SimpleNamespace(cores=[core], stopping=stopping, name=lambda i: "the engine core"),
+        requests=SimpleNamespace(balancer=SimpleNamespace(requests_on=lambda i: ["r1"],
+                                                          forget_replica=lambda i: None),
+                                 fail=lambda rid, error: failed.append(rid)),
+        metrics=SimpleNamespace(reset_engine=lambda i: None), is_healthy=lambda: False,
+        calls=SimpleNamespace(fail=lambda error, i: None),
+        restarts=SimpleNamespace(died=lambda i: None), on_lost=lambda error, live: None)
+    with caplog.at_level(logging.INFO, logger="kvflow"):
+        caplog.clear()
+        OutputLoop._replica_died(loop, 0, RuntimeError("exited with code 143"))
+    assert failed == ["r1"] and core.state is ReplicaState.DEAD
+    return [r.levelname for r in caplog.records]
+
+
+def test_a_replica_lost_during_shutdown_is_logged_at_info(caplog):
+    """``AsyncLLM.begin_shutdown`` (the server's signal handler) sets ``stopping``: the lost
+    replica's line is INFO then, ERROR otherwise; its requests fail either way."""
+    assert _lost_log_level(stopping=True, caplog=caplog) == ["INFO"]
+    assert _lost_log_level(stopping=False, caplog=caplog) == ["ERROR"]

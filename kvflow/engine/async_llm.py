@@ -372,6 +372,13 @@ class AsyncLLM(AsyncLLMCalls):
         self._calls.fail(error)
         return count
 
+    def begin_shutdown(self) -> None:
+        """Note that the server is stopping (a signal): a core ending from now on is part of
+        it, logged at INFO rather than as a lost replica's ERROR (SIGTERM to the server and
+        its core at once: ``pkill -f "kvflow serve"``, a systemd stop). Only sets a flag, so
+        it may run in a signal handler."""
+        self.replicas.stopping = True
+
     def hurry_shutdown(self) -> None:
         """Stop the engine cores without their grace: from now on :meth:`close` (or
         :meth:`shutdown`) sends a core still in its step SIGTERM at once instead of after

@@ -128,9 +128,10 @@ class OutputLoop:
         failed = balancer.requests_on(index)
         balancer.forget_replica(index)
         self.metrics.reset_engine(index)
-        logger.error("%s lost (%s): ending its %d open requests with an error%s",
-                     self.replicas.name(index), error, len(failed),
-                     "" if self.is_healthy() else "; new requests get 503")
+        logger.log(logging.INFO if self.replicas.stopping else logging.ERROR,  # a shutdown's
+                   "%s lost (%s): ending its %d open requests with an error%s",
+                   self.replicas.name(index), error, len(failed),
+                   "" if self.is_healthy() else "; new requests get 503")
         for request_id in failed:
             self.requests.fail(request_id, error)
         self.calls.fail(error, index)

@@ -49,6 +49,8 @@ class ReplicaSet:
         cores: one ``CoreProcess`` per replica, by index.
         hurry: True once the caller wants no waiting (a second Ctrl-C): ``close`` then sends
             a core still in its step SIGTERM at once instead of after ``STEP_GRACE_S``.
+        stopping: True once the caller is shutting down (a signal reached the server): a
+            replica ending from then on is part of it (the output loop logs it at INFO).
     """
 
     def __init__(self, config: EngineConfig, prefix: str = "kvflow-",
@@ -65,6 +67,7 @@ class ReplicaSet:
         self.decoder = output_decoder()
         self.cores: list[CoreProcess] = []
         self.hurry = False
+        self.stopping = False
         self._go = None  # the start gate of start(gated=True)
 
     def start(self, gated: bool = False) -> None:

@@ -57,10 +57,12 @@ class AbortingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        """uvicorn's signal handler; a second Ctrl-C (uvicorn's ``force_exit``) also stops
-        the engine cores without their grace (``AsyncLLM.hurry_shutdown``): one still in a
-        long step gets SIGTERM at once (was: the second Ctrl-C still waited out its 1 s)."""
+        """uvicorn's signal handler: the engine notes the shutdown (``begin_shutdown``); a
+        second Ctrl-C (uvicorn's ``force_exit``) also stops the engine cores without their
+        grace (``AsyncLLM.hurry_shutdown``): one still in a long step gets SIGTERM at once
+        (was: the second Ctrl-C still waited out its 1 s)."""
         super().handle_exit(sig, frame)
+        self.engine.begin_shutdown()
         if self.force_exit:
             self.engine.hurry_shutdown()
 

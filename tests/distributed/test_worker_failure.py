@@ -447,6 +447,7 @@ def test_a_second_ctrl_c_hurries_the_engine_cores():
         server = AbortingServer(uvicorn.Config(app=None), engine)
         server.handle_exit(signal.SIGINT, None)
         assert server.should_exit and engine.replicas.hurry is False
+        assert engine.replicas.stopping is True  # begin_shutdown: a core's end is expected
         server.handle_exit(second, None)
         assert engine.replicas.hurry is hurried
 
