@@ -23,7 +23,7 @@ def cache_dir() -> str:
     return os.path.join(base, "kvflow")
 
 
-def _flag_or_env_choice(value: str | None, flag: str, env: str, default: str,
+def flag_or_env_choice(value: str | None, flag: str, env: str, default: str,
                         choices: tuple[str, ...]) -> str:
     """``value`` (from the flag ``flag``) if given, else ``$env``, else ``default``; checked
     against ``choices``.
@@ -48,7 +48,7 @@ def cpu_gemm_choice(value: str | None = None) -> str:
     Raises:
         ValueError: on another value (naming the flag or variable it came from).
     """
-    return _flag_or_env_choice(value, "cpu_gemm", "KVFLOW_CPU_GEMM", "auto", CPU_GEMM_CHOICES)
+    return flag_or_env_choice(value, "cpu_gemm", "KVFLOW_CPU_GEMM", "auto", CPU_GEMM_CHOICES)
 
 
 CPU_ATTENTION_CHOICES = ("auto", "native", "sdpa")
@@ -63,7 +63,7 @@ def cpu_attention_choice(value: str | None = None) -> str:
     Raises:
         ValueError: on another value (naming the flag or variable it came from).
     """
-    return _flag_or_env_choice(value, "cpu_attention", "KVFLOW_CPU_ATTENTION", "auto",
+    return flag_or_env_choice(value, "cpu_attention", "KVFLOW_CPU_ATTENTION", "auto",
                                CPU_ATTENTION_CHOICES)
 
 
@@ -202,7 +202,7 @@ def lora_kernel_choice(value: str | None = None) -> str:
     Raises:
         ValueError: on another value (naming the variable when it came from there).
     """
-    return _flag_or_env_choice(value, "kernel", "KVFLOW_LORA_KERNEL", "triton",
+    return flag_or_env_choice(value, "kernel", "KVFLOW_LORA_KERNEL", "triton",
                                LORA_KERNEL_CHOICES)
 
 

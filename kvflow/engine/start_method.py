@@ -29,6 +29,8 @@ import os
 import sys
 import threading
 
+from kvflow.config.device import flag_or_env_choice
+
 START_METHOD_VARIABLE = "KVFLOW_WORKER_MULTIPROC_METHOD"
 START_METHOD_CHOICES = ("auto", "fork", "spawn")
 
@@ -45,10 +47,9 @@ def core_start_method(fresh_process: bool) -> str:
         ValueError: when ``KVFLOW_WORKER_MULTIPROC_METHOD`` is set to something other than
             auto, fork or spawn (naming the variable and the choices).
     """
-    choice = os.environ.get(START_METHOD_VARIABLE) or "auto"
-    if choice not in START_METHOD_CHOICES:
-        raise ValueError(f"{START_METHOD_VARIABLE}={choice!r} is invalid; choose one of "
-                         f"{list(START_METHOD_CHOICES)}")
+    choice = flag_or_env_choice(os.environ.get(START_METHOD_VARIABLE) or "auto",  # empty: auto
+                                START_METHOD_VARIABLE, START_METHOD_VARIABLE, "auto",
+                                START_METHOD_CHOICES)
     if choice == "spawn" or not sys.platform.startswith("linux"):
         return "spawn"
     return "fork" if choice == "fork" or fresh_process else "spawn"
