@@ -38,18 +38,20 @@ def test_a_message_to_a_core_that_is_gone_is_dropped(tmp_path):
         ctx.term()
 
 
-def _app(should_exit: bool, engine_failure: str) -> SimpleNamespace:
+def _app(stopping: bool, engine_failure: str) -> SimpleNamespace:
+    """A stand-in app whose engine has had ``begin_shutdown`` called (``stopping``) or not."""
     calls = []
-    engine = SimpleNamespace(fail_all=lambda error: calls.append(("fail_all", str(error))))
+    engine = SimpleNamespace(fail_all=lambda error: calls.append(("fail_all", str(error))),
+                             is_stopping=stopping)
+    engine.begin_shutdown = lambda: setattr(engine, "is_stopping", True)
     state = SimpleNamespace(config=ServerConfig(engine_failure=engine_failure), engine=engine,
-                            uvicorn_server=SimpleNamespace(should_exit=should_exit),
-                            calls=calls)
+                            uvicorn_server=SimpleNamespace(should_exit=False), calls=calls)
     return SimpleNamespace(state=state)
 
 
 def test_a_core_ending_during_shutdown_is_neither_an_error_nor_restarted(caplog):
     for policy in ("restart", "exit"):
-        app = _app(should_exit=True, engine_failure=policy)
+        app = _app(stopping=True, engine_failure=policy)
         with caplog.at_level(logging.INFO, logger="kvflow"):
             caplog.clear()
             api_server._on_engine_dead(app, RuntimeError("engine core process exited with "
@@ -64,12 +66,13 @@ def test_a_core_ending_during_shutdown_is_neither_an_error_nor_restarted(caplog)
 def test_a_core_dying_while_serving_still_ends_the_server(caplog):
     """The guard is only for a shutdown in progress: ``--engine-failure exit`` still logs the
     death at ERROR, fails the open requests and ends the server with status 1."""
-    app = _app(should_exit=False, engine_failure="exit")
+    app = _app(stopping=False, engine_failure="exit")
     with caplog.at_level(logging.INFO, logger="kvflow"):
         api_server._on_engine_dead(app, RuntimeError("killed"))
     assert [r.levelname for r in caplog.records] == ["ERROR"]
     assert app.state.calls == [("fail_all", "killed")]
     assert app.state.engine_died and app.state.uvicorn_server.should_exit
+    assert app.state.engine.is_stopping  # a second replica's end is then part of the stop
 
 
 def _lost_log_level(stopping: bool, caplog) -> list[str]:

@@ -379,6 +379,11 @@ class AsyncLLM(AsyncLLMCalls):
         it may run in a signal handler."""
         self.replicas.stopping = True
 
+    @property
+    def is_stopping(self) -> bool:
+        """Whether :meth:`begin_shutdown` was called."""
+        return self.replicas.stopping
+
     def hurry_shutdown(self) -> None:
         """Stop the engine cores without their grace: from now on :meth:`close` (or
         :meth:`shutdown`) sends a core still in its step SIGTERM at once instead of after

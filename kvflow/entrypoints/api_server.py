@@ -123,9 +123,8 @@ def _on_engine_dead(app: FastAPI, error: BaseException) -> None:
     signal), a core's end is part of it: logged at INFO, neither restarted nor an error (the
     server ends as the signal says)."""
     config: ServerConfig = app.state.config
-    server = getattr(app.state, "uvicorn_server", None)
-    if server is not None and server.should_exit:  # the core stopped with the server: a
-        # SIGTERM sent to both (pkill -f, a systemd stop, kill of the process group)
+    if app.state.engine.is_stopping:  # the core stopped with the server: a SIGTERM sent
+        # to both (pkill -f, a systemd stop, kill of the process group)
         logger.info("engine core exited while the server shuts down (%s)", error)
         return
     if config.engine_failure == "restart":
@@ -154,6 +153,7 @@ async def _restart_engine(app: FastAPI) -> None:
 
 def _on_engine_dead_exit(app: FastAPI) -> None:
     app.state.engine_died = True
+    app.state.engine.begin_shutdown()  # another replica's end is part of it now
     server = getattr(app.state, "uvicorn_server", None)
     if server is not None:
         server.should_exit = True
