@@ -202,14 +202,14 @@ def test_a_step_of_one_token_prompts_does_not_refuse_its_batch_size(tiny_model_f
     llm = _engine(tiny.path, "float32", cpu_attention="sdpa")
     assert run(llm) == expected
     graphs = _graphs(llm)
-    assert not graphs.refused and graphs.replayed_steps == 8 - 1 - 2  # 2 recorded steps
+    assert not graphs.refused and graphs.replayed_steps == 8 - 1 - 3  # an eager step, 2 recorded
 
 
 def test_a_size_whose_recordings_keep_differing_is_refused(tiny_model_factory, monkeypatch):
-    """Recordings that never match (as if the calls depended on the step's values): batch 4
-    records 1 + MAX_MISMATCHES of its 5 decode steps (the shortest request's 6 tokens: one from
-    the prefill, 5 decoded by all four), is refused, and its last step runs without a recorder;
-    every result equals the eager engine's."""
+    """Recordings that never match (as if the calls depended on the step's values): batch 4's
+    5 decode steps (the shortest request's 6 tokens: one from the prefill, 5 decoded by all
+    four) are a first step without a recorder, then 1 + MAX_MISMATCHES recordings, after which
+    the size is refused; every result equals the eager engine's."""
     tiny = tiny_model_factory("llama")
     expected = _generate(_engine(tiny.path, "float32", enforce_eager=True))
     monkeypatch.setattr(Recording, "same_as", lambda self, other: False)
@@ -274,6 +274,55 @@ def test_recorders_on_two_threads_record_their_own_calls_and_restore_the_kernels
     reference = torch.nn.functional.silu(x[:, :4]) * x[:, 4:]
     for y in results.values():
         torch.testing.assert_close(y, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_a_sizes_first_step_runs_without_a_recorder(tiny_model_factory, monkeypatch):
+    """One request, 8 greedy tokens: its 7 decode steps (batch 1) are one eager step without a
+    recorder, two recorded steps (the second trusts the size after its check replay) and 4
+    replays; the tokens equal transformers' greedy ones."""
+    tiny = tiny_model_factory("llama")
+    recorded: list[int] = []
+
+    class Counting(StepRecorder):
+        def __enter__(self):
+            recorded.append(1)
+            return super().__enter__()
+    monkeypatch.setattr(cpu_graphs, "StepRecorder", Counting)
+    llm = _engine(tiny.path, "float32")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    assert list(out.token_ids) == _hf_greedy(tiny, PROMPTS[0], 8)
+    graphs = _graphs(llm)
+    assert len(recorded) == 2 and graphs.replayed_steps == 4
+    assert list(graphs.programs) == [(1, torch.get_num_threads())]
+
+
+def test_a_failing_check_replay_leaves_the_size_untrusted(tiny_model_factory, monkeypatch):
+    """The check replay that would trust a size fails (its scratch could not be allocated):
+    that step keeps its eager result and the size is not trusted; one request's 9 decode
+    steps are then an eager step, two recordings (the failed check), two more (a good check)
+    and 4 replays, with transformers' greedy tokens and the eager engine's logprobs."""
+    tiny = tiny_model_factory("llama")
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+
+    def run(llm: LLM) -> list:
+        out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+        return [list(out.token_ids), [{t: lp.logprob for t, lp in s.items()} for s in out.logprobs]]
+    expected = run(_engine(tiny.path, "float32", enforce_eager=True))
+    assert expected[0] == _hf_greedy(tiny, PROMPTS[0], 10)
+    failures: list[int] = []
+    replay = StepProgram.replay
+
+    def fail_once(self):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("replayed native call kvflow_gemm failed")
+        return replay(self)
+    monkeypatch.setattr(StepProgram, "replay", fail_once)
+    llm = _engine(tiny.path, "float32")
+    assert run(llm) == expected
+    graphs = _graphs(llm)
+    assert failures == [1] and graphs.disabled is None and graphs.replayed_steps == 4
 
 
 def test_a_failing_replay_runs_the_step_eagerly(tiny_model_factory, monkeypatch):

@@ -18,8 +18,11 @@ shape. :class:`CpuGraphRunner` arranges that:
 * the step's allocations are planned into one buffer shared by every batch size, reusing bytes
   between allocations whose lifetimes do not overlap (about one layer's activations).
 
-A batch size (with a thread count) is trusted only after two steps of that size recorded the
-same calls with the same arguments (so nothing in them depends on the step's values) and one
+A batch size's (with a thread count's) first step runs eagerly without a recorder: a size that
+comes once, such as each step of a finishing batch's shrinking tail, never pays for a recording
+(a recorded step of 17-48 rows of SmolLM2-135M took 10-16 ms more than an eager one on the Zen 4
+EPYC, docs/benchmarks.md session 42). A size is trusted only after two later steps of that size
+recorded the same calls with the same arguments (so nothing in them depends on the step's values) and one
 replay, on a buffer filled with NaN, reproduced the eager step's hidden states bit for bit (so
 no computation escaped the recording: a kernel bound elsewhere, numpy work; compared as bit
 patterns, so a step whose eager result holds NaN can still be trusted). From then on its
@@ -122,6 +125,7 @@ class CpuGraphRunner:
         self.programs: dict[tuple[int, ...], StepProgram] = {}
         self.recorded: dict[tuple[int, ...], Recording] = {}
         self.refused: set[tuple[int, ...]] = set()
+        self.seen: set[tuple[int, ...]] = set()  # sizes whose first (eager) step has run
         self.mismatches: dict[tuple[int, ...], int] = {}
         self.disabled: str | None = None
         self.replayed_steps = 0  # statistics (and tests)
@@ -185,8 +189,8 @@ class CpuGraphRunner:
         """The step's final hidden states [num_reqs, hidden] (with the model's aux hidden
         states, EAGLE-3's taps: ``(hidden, [num_reqs, hidden] each)``, as its forward returns
         them): replayed when this batch size is trusted, else computed eagerly (and
-        recorded). A replayed result is a view of the runner's buffer: read it before the
-        next step."""
+        recorded from a size's second step on). A replayed result is a view of the runner's
+        buffer: read it before the next step."""
         key = self._key(meta)
         program = self.programs.get(key)
         if program is not None:
@@ -202,6 +206,9 @@ class CpuGraphRunner:
             self.replayed_steps += 1
             return (hidden, list(program.aux_states)) if self.aux_layers else hidden
         self._stage(input_ids, positions, meta)
+        if key not in self.seen:  # a size seen once may not come back: no recording yet
+            self.seen.add(key)
+            return self._eager(self._static_meta(meta))
         return self._record(key, self._static_meta(meta))
 
     def _record(self, key: tuple[int, ...], static: AttentionMetadata
@@ -241,7 +248,11 @@ class CpuGraphRunner:
         self.mismatches.pop(key, None)
         self._bind(program)
         self.buffer.fill_(255)  # NaN in every float dtype: a write the recording missed shows
-        replayed = program.replay()
+        try:
+            replayed = program.replay()
+        except RuntimeError as exc:  # as in run(): the step's eager result stands, the size
+            logger.warning("%s; batch %d not trusted yet", exc, key[0])  # records again later
+            return out
         if not same_bits(replayed, hidden) or not all(
                 same_bits(a, b) for a, b in zip(program.aux_states, aux, strict=True)):
             self.disabled = "a replay did not reproduce the eager step"
