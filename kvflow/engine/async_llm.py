@@ -95,19 +95,21 @@ class AsyncLLM(AsyncLLMCalls):
             as it is loaded, while the core processes still load the model: the server's
             start-up checks of it (a model chat template that does not compile is reported
             then, not minutes later); what it raises ends the start-up.
-        start_method: how the core processes start, ``"spawn"`` or ``"fork"``
-            (:func:`kvflow.engine.start_method.core_start_method`); a restarted one is always
-            spawned.
+        start_method: how the core processes start, ``"spawn"``, ``"fork"`` or
+            ``"forkserver"`` (:func:`kvflow.engine.start_method.core_start_method`); None (the
+            default) reads ``KVFLOW_WORKER_MULTIPROC_METHOD`` for a process not known to be
+            fresh (the forkserver on Linux). A restarted core starts the same way, but is
+            spawned where the first ones were forked.
 
     Raises:
         RuntimeError: if a core process fails to start or exceeds ``start_timeout``.
-        ValueError: for a bad model or tokenizer.
+        ValueError: for a bad model or tokenizer, or a bad ``KVFLOW_WORKER_MULTIPROC_METHOD``.
     """
 
     def __init__(self, config: EngineConfig, metrics: ServerMetrics | None = None,
                  start_timeout: float = 600.0,
                  on_tokenizer: Callable[[Any], None] | None = None,
-                 start_method: str = "spawn") -> None:
+                 start_method: str | None = None) -> None:
         self.config = config
         self.metrics = metrics or ServerMetrics(config.model_config.model)
         self.tracker = RequestStatsTracker(self.metrics)

@@ -24,6 +24,7 @@ import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.engine.core_proc import engine_core_process
+from kvflow.engine.forkserver_start import PRELOAD, ParentState
 from kvflow.engine.messages import EngineFailed, EngineReady
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def core_process_env(config: EngineConfig) -> dict[str, str]:
 
 
 class CoreProcess:
-    """A data-parallel replica: a spawned engine-core process fed through a PUSH socket.
+    """A data-parallel replica: an engine-core process fed through a PUSH socket.
 
     Args:
         ctx: the API process's ZMQ context.
@@ -85,14 +86,21 @@ class CoreProcess:
     def start(self, log_level: int, go: str | None = None, method: str = "spawn") -> None:
         """Start the core process (it loads the model, then reports ``EngineReady``; with
         ``go``, a file path, only once that file exists: ``run_engine_core``). ``method``:
-        multiprocessing's ``"spawn"`` (a new interpreter) or ``"fork"`` (only where
-        ``kvflow.engine.start_method.core_start_method`` says this process may fork)."""
+        multiprocessing's ``"spawn"`` (a new interpreter), ``"fork"`` (only where
+        ``kvflow.engine.start_method.core_start_method`` says this process may fork) or
+        ``"forkserver"`` (forked from the forkserver, which imports
+        ``kvflow.engine.forkserver_start.PRELOAD`` first; the core takes this process's
+        environment and standard output and error with it: ``ParentState``)."""
         ctx = multiprocessing.get_context(method)
+        parent = None
+        if method == "forkserver":
+            ctx.set_forkserver_preload(list(PRELOAD))  # read when the forkserver starts
+            parent = ParentState(os.environ)
         name = "kvflow-engine-core" + ("" if self.config.parallel_config.data_parallel_size
                                        == 1 else f"-{self.index}")
         self.proc = ctx.Process(target=engine_core_process, name=name, daemon=True,
                                 args=(self.config, self.input_addr, self.output_addr,
-                                      log_level, core_process_env(self.config), go))
+                                      log_level, core_process_env(self.config), go, parent))
         self.proc.start()
         self.state = ReplicaState.STARTING
         self.death = None

@@ -29,6 +29,7 @@ import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
+from kvflow.engine.forkserver_start import ParentState
 from kvflow.engine.messages import (
     AbortRequests,
     AddLoRA,
@@ -61,7 +62,7 @@ _BUSY_RETRY_AFTER_S = 1.0  # Retry-After of a refusal for saturated grammar comp
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
                     log_level: int = logging.WARNING, env: dict[str, str] | None = None,
-                    go: str | None = None) -> None:
+                    go: str | None = None, parent: ParentState | None = None) -> None:
     """Process entry point: build the EngineCore, report ready (or failed), serve until told
     to shut down or until the parent process dies.
 
@@ -77,7 +78,12 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
             ``go`` (:func:`wait_for_go`), and ends quietly on ``Shutdown`` meanwhile. (A
             file in the API process's private IPC folder rather than a ``multiprocessing``
             Event, whose semaphores the resource tracker reported leaked at every Ctrl-C.)
+        parent: for a core forked from the forkserver, the API process's environment and
+            standard output and error, applied before anything else
+            (``kvflow/engine/forkserver_start.py``); None otherwise.
     """
+    if parent is not None:
+        parent.apply()
     os.environ.update(env or {})
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API process, which stops us
     signal.signal(signal.SIGTERM, _unwind_on_sigterm)

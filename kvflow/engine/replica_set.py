@@ -29,7 +29,7 @@ from kvflow.engine.core_client import (
     wait_ready,
 )
 from kvflow.engine.messages import EngineReady, Shutdown, output_decoder
-from kvflow.engine.start_method import method_now
+from kvflow.engine.start_method import core_start_method, method_now, restart_method
 
 
 class ReplicaSet:
@@ -39,9 +39,16 @@ class ReplicaSet:
     Args:
         config: the engine configuration (replica ``i`` runs it with ``data_parallel_rank=i``).
         prefix: the name prefix of the private IPC directory.
-        start_method: how :meth:`start` starts the core processes, ``"spawn"`` or ``"fork"``
-            (``kvflow.engine.start_method.core_start_method``); :meth:`respawn` always spawns
-            (this process has been running the engine by then).
+        start_method: how :meth:`start` starts the core processes, ``"spawn"``, ``"fork"`` or
+            ``"forkserver"``; None (the default): ``core_start_method(fresh_process=False)``
+            (``kvflow/engine/start_method.py``: the forkserver on Linux unless
+            ``KVFLOW_WORKER_MULTIPROC_METHOD`` says otherwise). :meth:`respawn` starts a core
+            the same way, but spawns where the first ones were forked
+            (``start_method.restart_method``).
+
+    Raises:
+        ValueError: from the constructor, for a bad ``KVFLOW_WORKER_MULTIPROC_METHOD`` (with
+            ``start_method=None``).
 
     Attributes:
         output: the PULL socket every replica's core pushes its messages to (bound here).
@@ -54,8 +61,9 @@ class ReplicaSet:
     """
 
     def __init__(self, config: EngineConfig, prefix: str = "kvflow-",
-                 start_method: str = "spawn") -> None:
-        self.config, self.start_method = config, start_method
+                 start_method: str | None = None) -> None:
+        self.config = config
+        self.start_method = core_start_method(False) if start_method is None else start_method
         self.num_replicas = config.parallel_config.data_parallel_size
         self.ipc_dir = tempfile.mkdtemp(prefix=prefix)
         self.ctx = zmq.Context()
@@ -109,7 +117,7 @@ class ReplicaSet:
         core = CoreProcess(self.ctx, self.ipc_dir, old.config, self.output_addr,
                            old.generation + 1)
         self.cores[index] = core
-        core.start(_log_level())
+        core.start(_log_level(), method=method_now(restart_method(self.start_method)))
         return core
 
     def send(self, index: int, msg: msgspec.Struct) -> None:
