@@ -26,6 +26,7 @@ from kvflow.engine import forkserver_start, start_method
 from kvflow.engine.forkserver_start import (
     PRELOAD,
     ParentState,
+    current_environment,
     forkserver_pid,
     forkserver_usable,
     import_time_differences,
@@ -194,6 +195,28 @@ def test_a_process_environment_is_read_from_proc():
     assert process_environment(proc.pid) is None  # gone (reaped)
 
 
+def test_the_current_environment_is_what_a_new_process_gets(monkeypatch):
+    """A variable set by a library through the C library only (GNU readline sets ``COLUMNS``
+    and ``LINES`` so): ``os.environ`` misses it, a new process has it, and so does
+    :func:`current_environment`."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    monkeypatch.setenv("KVFLOW_PROBE", "through os.environ")
+    assert libc.setenv(b"COLUMNS_PROBE", b"set by C", 1) == 0
+    try:
+        code = "import json, os; print(json.dumps(dict(os.environ)))"
+        child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               check=True, timeout=60)
+        now = current_environment()
+    finally:
+        libc.unsetenv(b"COLUMNS_PROBE")
+    assert "COLUMNS_PROBE" not in os.environ
+    assert now == json.loads(child.stdout)  # the oracle: what exec passed on
+    assert now["COLUMNS_PROBE"] == "set by C" and now["KVFLOW_PROBE"] == "through os.environ"
+    assert "COLUMNS_PROBE" not in current_environment()
+
+
 def test_only_variables_read_at_import_count():
     a = {"KVFLOW_CPU_GEMM": "native", "PYTEST_CURRENT_TEST": "x", "OMP_NUM_THREADS": "2"}
     assert import_time_differences(a, {**a, "KVFLOW_CPU_GEMM": "onednn",
@@ -248,7 +271,7 @@ def test_a_forkserver_child_gets_the_parent_environment_and_output_of_now(monkey
         with open(printed, "w") as out:
             os.dup2(out.fileno(), 1)
         child = ctx.Process(target=exec, args=(_CHILD, {
-            "parent": ParentState(os.environ), "path": str(result),
+            "parent": ParentState(current_environment()), "path": str(result),
             "names": ["KVFLOW_PROBE", "PATH"]}))
         child.start()
         child.join(60)
@@ -301,10 +324,11 @@ def _environment_of_the_forkserver(monkeypatch) -> None:
     read at import differs (an earlier test may have started it under another one), so that
     the engine below is forked from it."""
     started = process_environment(_forkserver_running())
-    for name in import_time_differences(os.environ, started):
+    for name in import_time_differences(current_environment(), started):
         if name in started:
             monkeypatch.setenv(name, started[name])
-        else:
+        else:  # (setenv first: one set behind os.environ's back, readline's COLUMNS, say)
+            monkeypatch.setenv(name, "")
             monkeypatch.delenv(name)
     assert forkserver_usable()
 

@@ -24,7 +24,7 @@ import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.engine.core_proc import engine_core_process
-from kvflow.engine.forkserver_start import PRELOAD, ParentState
+from kvflow.engine.forkserver_start import PRELOAD, ParentState, current_environment
 from kvflow.engine.messages import EngineFailed, EngineReady
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class CoreProcess:
         parent = None
         if method == "forkserver":
             ctx.set_forkserver_preload(list(PRELOAD))  # read when the forkserver starts
-            parent = ParentState(os.environ)
+            parent = ParentState(current_environment())
         name = "kvflow-engine-core" + ("" if self.config.parallel_config.data_parallel_size
                                        == 1 else f"-{self.index}")
         self.proc = ctx.Process(target=engine_core_process, name=name, daemon=True,

@@ -11,10 +11,10 @@ preload setting are ``multiprocessing``'s own state, not kvflow's.
 
 A forkserver child differs from a spawned one in what the forkserver had when it started:
 
-* its environment, not the parent's ``os.environ`` of now. :class:`ParentState` carries the
-  parent's current environment with the child's arguments, and :meth:`ParentState.apply`
-  replaces the inherited one first thing. That is enough for what is read when the engine
-  runs: every ``KVFLOW_*`` variable (none is read at import, and no cache kvflow fills from
+* its environment, not the parent's of now. :class:`ParentState` carries the parent's
+  current environment (:func:`current_environment`: what a spawned child would get) with the
+  child's arguments, and :meth:`ParentState.apply` replaces the inherited one first thing.
+  That is enough for what is read when the engine runs: every ``KVFLOW_*`` variable (none is read at import, and no cache kvflow fills from
   one is filled at import) and pytest's ``PYTEST_*``. What torch, transformers, glibc or the
   OpenMP runtime read when the forkserver started (``OMP_*``, ``MALLOC_*``, ``HF_*`` folders,
   ``LD_PRELOAD``, ...) cannot be read again, so :func:`forkserver_usable` is false when any
@@ -33,6 +33,7 @@ preparation data, as for a spawned child.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -54,6 +55,24 @@ def import_time_differences(a: Mapping[str, str], b: Mapping[str, str]) -> list[
     between the environments ``a`` and ``b`` (set in one only counts); empty when none does."""
     names = set(a) | set(b)
     return sorted(k for k in names if not k.startswith(RUN_TIME_PREFIXES) and a.get(k) != b.get(k))
+
+
+def current_environment() -> dict[str, str]:
+    """The environment a process started now gets: the C library's ``environ``, which ``exec``
+    passes on (spawned cores and the forkserver get it). A library that calls ``setenv`` itself
+    changes it behind ``os.environ``'s back: GNU readline, once imported (pytest's debugger
+    imports it), sets ``COLUMNS`` and ``LINES``. ``os.environ`` where ``environ`` cannot be
+    read (no such symbol)."""
+    try:
+        entries = ctypes.POINTER(ctypes.c_char_p).in_dll(ctypes.CDLL(None), "environ")
+    except (OSError, ValueError, AttributeError):
+        return dict(os.environ)
+    env, i = {}, 0
+    while entries[i] is not None:
+        name, _, value = entries[i].partition(b"=")
+        env[os.fsdecode(name)] = os.fsdecode(value)
+        i += 1
+    return env
 
 
 def forkserver_pid() -> int | None:
@@ -78,16 +97,16 @@ def process_environment(pid: int) -> dict[str, str] | None:
 def forkserver_usable(environ: Mapping[str, str] | None = None) -> bool:
     """Whether an engine core may be forked from this process's forkserver now: the platform
     has one, and either none runs yet (the next start runs one with the current environment) or
-    the running one started with the same environment as ``environ`` (default ``os.environ``)
-    but for ``KVFLOW_*`` and ``PYTEST_*`` (module docstring). False where that environment
-    cannot be read."""
+    the running one started with the same environment as ``environ`` (default:
+    :func:`current_environment`, what a spawned core would get) but for ``KVFLOW_*`` and
+    ``PYTEST_*`` (module docstring). False where that environment cannot be read."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return False
     pid = forkserver_pid()
     if pid is None:
         return True
     started = process_environment(pid)
-    environ = os.environ if environ is None else environ
+    environ = current_environment() if environ is None else environ
     differ = ["(unreadable)"] if started is None else import_time_differences(environ,
                                                                                    started)
     if differ:
@@ -106,8 +125,8 @@ def _open(fd: int) -> bool:
 
 class ParentState:
     """What a forkserver child takes from the process that started it: that process's
-    environment (a copy of ``environ`` when made) and, once unpickled in the child, its
-    standard output and error.
+    environment (a copy of ``environ`` when made: :func:`current_environment`, as a spawned
+    child would get it) and, once unpickled in the child, its standard output and error.
 
     Pickle it only as an argument of a ``forkserver`` (or ``spawn``) ``Process``: its fds
     travel with the process (``multiprocessing.reduction.DupFd``).
@@ -141,5 +160,6 @@ class ParentState:
                 os.close(fd)
 
 
-__all__ = ["PRELOAD", "RUN_TIME_PREFIXES", "ParentState", "forkserver_pid", "forkserver_usable",
-           "import_time_differences", "process_environment"]
+__all__ = ["PRELOAD", "RUN_TIME_PREFIXES", "ParentState", "current_environment",
+           "forkserver_pid", "forkserver_usable", "import_time_differences",
+           "process_environment"]
