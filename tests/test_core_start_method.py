@@ -221,6 +221,10 @@ def test_only_variables_read_at_import_count():
     a = {"KVFLOW_CPU_GEMM": "native", "PYTEST_CURRENT_TEST": "x", "OMP_NUM_THREADS": "2"}
     assert import_time_differences(a, {**a, "KVFLOW_CPU_GEMM": "onednn",
                                        "PYTEST_CURRENT_TEST": "y", "KVFLOW_NEW": "1"}) == []
+    # set by libraries imported later (GNU readline; scikit-learn, under sentence-transformers)
+    assert import_time_differences(a, {**a, "COLUMNS": "80", "LINES": "24",
+                                       "KMP_DUPLICATE_LIB_OK": "True",
+                                       "KMP_INIT_AT_FORK": "FALSE"}) == []
     assert import_time_differences(a, {**a, "OMP_NUM_THREADS": "3", "HF_HOME": "/h"}) == [
         "HF_HOME", "OMP_NUM_THREADS"]  # a changed one, and one set on one side only
 

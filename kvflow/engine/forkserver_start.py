@@ -14,12 +14,14 @@ A forkserver child differs from a spawned one in what the forkserver had when it
 * its environment, not the parent's of now. :class:`ParentState` carries the parent's
   current environment (:func:`current_environment`: what a spawned child would get) with the
   child's arguments, and :meth:`ParentState.apply` replaces the inherited one first thing.
-  That is enough for what is read when the engine runs: every ``KVFLOW_*`` variable (none is read at import, and no cache kvflow fills from
-  one is filled at import) and pytest's ``PYTEST_*``. What torch, transformers, glibc or the
-  OpenMP runtime read when the forkserver started (``OMP_*``, ``MALLOC_*``, ``HF_*`` folders,
-  ``LD_PRELOAD``, ...) cannot be read again, so :func:`forkserver_usable` is false when any
-  other variable differs from the forkserver's start environment, and the core is spawned
-  (``tests/e2e/zygote.py`` applies the same rule to the servers it forks).
+  That is enough for what is read when the engine runs: every ``KVFLOW_*`` variable (none
+  is read at import, and no cache kvflow fills from one is filled at import), pytest's
+  ``PYTEST_*``, and :data:`LIBRARY_SET` (set by libraries imported after the forkserver
+  started). What torch, transformers, glibc or the OpenMP runtime read when the forkserver
+  started (``OMP_*``, ``MALLOC_*``, ``HF_*`` folders, ``LD_PRELOAD``, ...) cannot be read
+  again, so :func:`forkserver_usable` is false when any other variable differs from the
+  forkserver's start environment, and the core is spawned (``tests/e2e/zygote.py`` applies
+  the same rule to the servers it forks).
 * its standard output and error: the forkserver's (under pytest, the capture file of whichever
   test started it). :class:`ParentState` passes the parent's current fds 1 and 2 (sent to the
   forkserver over its socket, as ``multiprocessing`` sends a ``Connection``) and the child puts
@@ -48,13 +50,21 @@ logger = logging.getLogger(__name__)
 PRELOAD = ("kvflow.engine.core_proc", "transformers.activations")
 # variables read when kvflow runs, never at import: a forkserver started with other values serves
 RUN_TIME_PREFIXES = ("KVFLOW_", "PYTEST_")
+# variables libraries set in this process when imported, harmless to a forkserver started
+# without them (its child gets them with the rest of the environment): the terminal size GNU
+# readline exports (read when asked: shutil.get_terminal_size), and scikit-learn's settings for
+# Intel's OpenMP runtime (torch's Linux wheels load GNU's; Intel's would read them when it
+# loads, and its default for the one that matters at a fork, KMP_INIT_AT_FORK, is the safe one)
+LIBRARY_SET = ("COLUMNS", "LINES", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK")
 
 
 def import_time_differences(a: Mapping[str, str], b: Mapping[str, str]) -> list[str]:
-    """The names of the variables, other than ``KVFLOW_*`` and ``PYTEST_*``, whose values differ
-    between the environments ``a`` and ``b`` (set in one only counts); empty when none does."""
+    """The names of the variables whose values differ between the environments ``a`` and ``b``
+    (set in one only counts), but for ``KVFLOW_*``, ``PYTEST_*`` and :data:`LIBRARY_SET`;
+    empty when none does."""
     names = set(a) | set(b)
-    return sorted(k for k in names if not k.startswith(RUN_TIME_PREFIXES) and a.get(k) != b.get(k))
+    return sorted(k for k in names if not k.startswith(RUN_TIME_PREFIXES)
+                  and k not in LIBRARY_SET and a.get(k) != b.get(k))
 
 
 def current_environment() -> dict[str, str]:
@@ -160,6 +170,6 @@ class ParentState:
                 os.close(fd)
 
 
-__all__ = ["PRELOAD", "RUN_TIME_PREFIXES", "ParentState", "current_environment",
+__all__ = ["LIBRARY_SET", "PRELOAD", "RUN_TIME_PREFIXES", "ParentState", "current_environment",
            "forkserver_pid", "forkserver_usable", "import_time_differences",
            "process_environment"]
