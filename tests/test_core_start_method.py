@@ -253,21 +253,27 @@ def test_method_now_spawns_where_the_forkserver_cannot_serve(monkeypatch):
 
 _CHILD = """
 parent.apply()
-import json, os
+import json, os, sys
 print("printed by the child", flush=True)
 with open(path, "w") as f:
-    json.dump({"ppid": os.getppid(), **{name: os.environ.get(name) for name in names}}, f)
+    json.dump({"ppid": os.getppid(), "cwd": os.getcwd(), "path_entry": entry in sys.path,
+               **{name: os.environ.get(name) for name in names}}, f)
 """
 
 
 def test_a_forkserver_child_gets_the_parent_environment_and_output_of_now(monkeypatch,
                                                                           tmp_path):
-    """Set after the forkserver started: a ``KVFLOW_*`` variable (set), ``PATH`` (removed);
-    fd 1 pointed at a file the forkserver never had; the child sees all three."""
+    """Set after the forkserver started: a ``KVFLOW_*`` variable (set), ``PATH`` (removed),
+    fd 1 pointed at a file the forkserver never had, the working directory and a ``sys.path``
+    entry (multiprocessing's preparation data); the child sees them all."""
     pid = _forkserver_running()
     assert "PATH" in process_environment(pid)
     monkeypatch.setenv("KVFLOW_PROBE", "set after the forkserver started")
     monkeypatch.delenv("PATH")
+    entry = str(tmp_path / "on_sys_path")
+    monkeypatch.syspath_prepend(entry)
+    monkeypatch.chdir(tmp_path)
+    assert os.readlink(f"/proc/{pid}/cwd") != str(tmp_path)
     result, printed = tmp_path / "env.json", tmp_path / "stdout"
     ctx = multiprocessing.get_context("forkserver")
     saved = os.dup(1)
@@ -276,15 +282,16 @@ def test_a_forkserver_child_gets_the_parent_environment_and_output_of_now(monkey
             os.dup2(out.fileno(), 1)
         child = ctx.Process(target=exec, args=(_CHILD, {
             "parent": ParentState(current_environment()), "path": str(result),
-            "names": ["KVFLOW_PROBE", "PATH"]}))
+            "entry": entry, "names": ["KVFLOW_PROBE", "PATH"]}))
         child.start()
         child.join(60)
     finally:
         os.dup2(saved, 1)
         os.close(saved)
     assert child.exitcode == 0
-    assert json.loads(result.read_text()) == {"ppid": pid, "PATH": None,
-                                              "KVFLOW_PROBE": "set after the forkserver started"}
+    assert json.loads(result.read_text()) == {
+        "ppid": pid, "PATH": None, "KVFLOW_PROBE": "set after the forkserver started",
+        "cwd": str(tmp_path), "path_entry": True}
     assert printed.read_text() == "printed by the child\n"
 
 
