@@ -110,7 +110,8 @@ class BeamSearchSequence:
         tokens: the prompt's token ids followed by the generated ones (a final EOS
             included), as in vLLM.
         logprobs: per generated token, the step's {token_id: Logprob} (its ``2 *
-            beam_width`` most likely tokens, natural log).
+            beam_width`` most likely tokens, or the ``num_logprobs`` the server's search
+            was asked for when more; natural log).
         cum_logprob: sum of the generated tokens' logprobs (nats).
         text: set on the returned sequences: ``tokens`` decoded, prompt included (as
             vLLM's ``LLM.beam_search``), special tokens skipped, a final EOS only with
@@ -194,11 +195,14 @@ class BeamSearch:
         """The token ids of every live beam: this step's engine prompts, in beam order."""
         return [beam.tokens for beam in self.live]
 
-    def step_params(self) -> SamplingParams:
-        """One greedy token with the ``2 * beam_width`` top logprobs, every logit
-        transformation off (set explicitly, so a model's sampling defaults fill none)."""
+    def step_params(self, num_logprobs: int = 0) -> SamplingParams:
+        """One greedy token with the ``2 * beam_width`` top logprobs (more when the caller
+        returns more per token: ``num_logprobs``; only the first ``2 * beam_width`` are
+        candidates, see ``advance``), every logit transformation off (set explicitly, so a
+        model's sampling defaults fill none)."""
         return SamplingParams(n=1, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
-                              max_tokens=1, logprobs=2 * self.params.beam_width,
+                              max_tokens=1,
+                              logprobs=max(2 * self.params.beam_width, num_logprobs),
                               presence_penalty=0.0, frequency_penalty=0.0,
                               repetition_penalty=1.0, ignore_eos=True)
 
@@ -207,7 +211,9 @@ class BeamSearch:
 
         Args:
             step_logprobs: per live beam, in ``live_prompts`` order, its next token's top
-                logprobs ({token_id: Logprob}).
+                logprobs ({token_id: Logprob}); only ranks up to ``2 * beam_width`` are
+                candidates (a step may carry more for the caller's ``logprobs``), so the
+                search is the same whatever the caller returns.
 
         Raises:
             ValueError: if there is not one mapping per live beam.
@@ -219,6 +225,8 @@ class BeamSearch:
         for beam, step in zip(self.live, step_logprobs):
             ranked = sorted(step.items(), key=lambda kv: kv[1].rank)
             for token_id, lp in ranked:
+                if lp.rank > 2 * self.params.beam_width:
+                    break
                 child = BeamSearchSequence(beam.tokens + [token_id], beam.logprobs + [dict(step)],
                                            beam.cum_logprob + lp.logprob)
                 if token_id in self.eos_token_ids:
@@ -305,16 +313,19 @@ async def beam_search_async(engine: Any, request_id: str, prompt_token_ids: list
                             params: BeamSearchParams, *, priority: int = 0,
                             client_id: str = "", lora_request: Any = None,
                             skip_special_tokens: bool = True,
-                            cache_salt: str | None = None) -> RequestOutput:
+                            cache_salt: str | None = None,
+                            num_logprobs: int = 0) -> RequestOutput:
     """One prompt's beam search on the server's ``AsyncLLM``; its step requests are named
     ``{request_id}-s{step}-b{beam}`` and each carries ``lora_request`` and ``cache_salt``. If this coroutine is cancelled (the client went
-    away) or fails, every step request still in flight is aborted.
+    away) or fails, every step request still in flight is aborted. ``num_logprobs``: the
+    top logprobs the caller returns per token (a request's ``logprobs`` / ``top_logprobs``);
+    each step asks for that many when it is more than ``2 * beam_width``.
 
     Returns:
         a finished RequestOutput whose ``outputs`` are the best beams, best first
         (``index`` 0, 1, ...; ``token_ids`` the generated tokens, a final EOS included;
         ``text`` per ``generated_text`` with ``skip_special_tokens``; ``cumulative_logprob``; ``logprobs`` each step's
-        top ``2 * beam_width``).
+        top ``max(2 * beam_width, num_logprobs)``).
 
     Raises:
         ValueError: if the engine refuses a step request.
@@ -329,7 +340,7 @@ async def beam_search_async(engine: Any, request_id: str, prompt_token_ids: list
             for i, tokens in enumerate(search.live_prompts()):
                 streams.append(engine.add_request(
                     f"{request_id}-s{search.num_steps}-b{i}", None, tokens,
-                    search.step_params(), priority, None, client_id, lora_request,
+                    search.step_params(num_logprobs), priority, None, client_id, lora_request,
                     cache_salt))
             for stream in streams:
                 await engine.admitted(stream)

@@ -138,7 +138,8 @@ class BeamSearches:
                                           priority=priority, client_id=client_id,
                                           lora_request=lora_request,
                                           skip_special_tokens=skip_special_tokens,
-                                          cache_salt=cache_salt)
+                                          cache_salt=cache_salt,
+                                          num_logprobs=num_logprobs or 0)
         except ValueError as e:
             stream.put(invalid_request(e))
         except AdmissionRejected as e:

@@ -112,6 +112,38 @@ def test_chat_beams_match_the_reference(server, hf_model, tiny_chat_model, free_
     assert_no_leak(server, free_at_start)
 
 
+@pytest.mark.parametrize("path,width,k", [(C, 2, 6), (CH, 3, 8)])
+def test_more_top_logprobs_than_a_step_ranks_are_returned(server, hf_model, tiny_chat_model,
+                                                          path, width, k, free_at_start):
+    """``logprobs`` (``top_logprobs``) above the ``2 * n`` candidates a beam step ranks: each
+    token still has the ``k`` alternatives asked for, transformers' top k at that position
+    (they were cut to ``2 * n`` before: 4 of the 6 asked), and the beams stay the
+    reference's (only the top ``2 * n`` are candidates)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    base = {"prompt": "the quick brown fox", "logprobs": k} if path == C else \
+        {"messages": HI, "logprobs": True, "top_logprobs": k}
+    resp = ok(server, path, {**base, "use_beam_search": True, "n": width, "max_tokens": 6,
+                             "return_token_ids": True, "return_tokens_as_token_ids": True})
+    prompt = resp.get("prompt_token_ids") or tok.encode(base.get("prompt", ""))
+    ref = reference_beam_search(hf_model, prompt, width, 6, tok.eos_token_id, 1.0)
+    _check_choices(resp["choices"], prompt, ref, tok.eos_token_id)
+    for c in resp["choices"]:
+        tops = c["logprobs"]["top_logprobs"] if path == C else \
+            [{e["token"]: e["logprob"] for e in t["top_logprobs"]}
+             for t in c["logprobs"]["content"]]
+        assert len(tops) == len(c["token_ids"])
+        for j, top in enumerate(tops):
+            with torch.no_grad():
+                logits = hf_model(torch.tensor([prompt + c["token_ids"][:j]])).logits[0, -1]
+            want = torch.topk(torch.log_softmax(logits.float(), dim=-1), k)
+            assert sorted(top) == sorted(f"token_id:{t}" for t in want.indices.tolist())
+            for value, t in zip(want.values.tolist(), want.indices.tolist()):
+                assert top[f"token_id:{t}"] == pytest.approx(value, abs=TOLERANCE)
+    assert_no_leak(server, free_at_start)
+
+
 def _streamed(server, path: str, body: dict) -> tuple[dict[int, dict], list[dict]]:
     """The SSE chunks of a streamed request, merged per choice index: text (or content) and
     token ids joined, the last finish_reason kept; and every chunk."""
