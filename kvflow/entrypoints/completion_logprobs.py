@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvflow.entrypoints.prompt_logprobs import cut_prompt_logprobs
 from kvflow.entrypoints.protocol import CompletionLogProbs
 from kvflow.entrypoints.serving_base import MIN_LOGPROB
 from kvflow.entrypoints.text_offsets import TokenTextOffsets
@@ -13,11 +14,16 @@ from kvflow.outputs import Logprob, RequestOutput
 
 
 def prompt_logprobs_legacy(tokenizer: Any, ids: list[int], out: RequestOutput, text_end: int,
-                          as_token_ids: bool = False) -> CompletionLogProbs:
+                          as_token_ids: bool = False, num_logprobs: int | None = None
+                          ) -> CompletionLogProbs:
     """The echoed prompt's logprobs (OpenAI legacy form: the first token has none); the
     offsets index the echo (``tokenizer.decode(ids)``, ``text_end`` characters);
-    ``as_token_ids``: tokens as ``token_id:{id}`` (``completion_logprobs``)."""
+    ``as_token_ids``: tokens as ``token_id:{id}`` (``completion_logprobs``);
+    ``num_logprobs``: each token's alternatives cut to that many (the request's
+    ``logprobs``; the engine may have computed more for ``prompt_logprobs``)."""
     entries = out.prompt_logprobs or [None] * len(ids)
+    if num_logprobs is not None:
+        entries = cut_prompt_logprobs(entries, ids, num_logprobs)
     lp = CompletionLogProbs()
     offsets = TokenTextOffsets(tokenizer, 0, skip_special_tokens=False)
     for token_id, step, offset in zip(ids, entries, offsets.next_offsets(ids, text_end)):

@@ -18,3 +18,16 @@ def vllm_prompt_logprobs(entries: list[dict[int, Logprob] | None] | None
                                      decoded_token=lp.decoded_token)
              for tid, lp in step.items()}
             for step in entries or []]
+
+
+def cut_prompt_logprobs(entries: list[dict[int, Logprob] | None] | None, ids: list[int],
+                        num_logprobs: int) -> list[dict[int, Logprob] | None] | None:
+    """Each prompt token's entry cut to its ``num_logprobs`` most likely alternatives (rank
+    ``<= num_logprobs``) and the prompt's own token ``ids[p]``: the engine computed one k for
+    two lists that ask for their own (/v1/completions with ``echo`` + ``logprobs`` and
+    ``prompt_logprobs``: it runs the larger)."""
+    if entries is None:
+        return None
+    return [None if step is None else
+            {tid: lp for tid, lp in step.items() if lp.rank <= num_logprobs or tid == own}
+            for own, step in zip(ids, entries)]

@@ -21,7 +21,7 @@ from kvflow.entrypoints.completion_logprobs import (
 )
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.preprocess import off_loop
-from kvflow.entrypoints.prompt_logprobs import vllm_prompt_logprobs
+from kvflow.entrypoints.prompt_logprobs import cut_prompt_logprobs, vllm_prompt_logprobs
 from kvflow.entrypoints.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -268,10 +268,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 if req.echo and choice.logprobs is not None:
                     echoed = await off_loop(len(prompts[i][1]), prompt_logprobs_legacy,
                                             self.tokenizer, prompts[i][1], out, len(echo),
-                                            req.return_tokens_as_token_ids)  # decodes all
+                                            req.return_tokens_as_token_ids,
+                                            req.logprobs)  # decodes all
                     choice.logprobs = with_prompt(echoed, choice.logprobs)
                 if req.prompt_logprobs is not None:
-                    choice.prompt_logprobs = vllm_prompt_logprobs(out.prompt_logprobs)
+                    choice.prompt_logprobs = vllm_prompt_logprobs(cut_prompt_logprobs(
+                        out.prompt_logprobs, prompts[i][1], req.prompt_logprobs))
                 choices.append(choice)
                 if req.return_token_ids:
                     choices[-1].prompt_token_ids = prompts[i][1]
@@ -344,11 +346,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     echoed = await off_loop(len(prompts[i][1]), prompt_logprobs_legacy,
                                             self.tokenizer, prompts[i][1],
                                             prompt_outputs.get(i, delta), len(echo),
-                                            req.return_tokens_as_token_ids)
+                                            req.return_tokens_as_token_ids, req.logprobs)
                     choice.logprobs = with_prompt(echoed, choice.logprobs)
                 if first and req.prompt_logprobs is not None:
-                    choice.prompt_logprobs = vllm_prompt_logprobs(
-                        prompt_outputs.get(i, delta).prompt_logprobs)
+                    choice.prompt_logprobs = vllm_prompt_logprobs(cut_prompt_logprobs(
+                        prompt_outputs.get(i, delta).prompt_logprobs, prompts[i][1],
+                        req.prompt_logprobs))
                 if first and req.return_token_ids:  # as vLLM: with the choice's first chunk
                     choice.prompt_token_ids = prompts[i][1]
                 usage = self._usage(prompts, num_generated, sum(cached.values())) \

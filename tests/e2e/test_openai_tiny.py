@@ -385,6 +385,49 @@ def test_echo_with_logprobs_scores_the_prompt(client, tokenizer, tiny_llama):
     assert streamed == lp.token_logprobs
 
 
+@pytest.mark.parametrize("logprobs,prompt_logprobs", [(1, 4), (4, 1)])
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_and_prompt_logprobs_each_give_their_own_k(server, tokenizer, tiny_llama,
+                                                        logprobs, prompt_logprobs, stream):
+    """echo + logprobs + prompt_logprobs with two different k: the echoed prompt's
+    ``top_logprobs`` hold ``logprobs`` alternatives (as the completion's tokens do) and
+    ``prompt_logprobs`` holds ``prompt_logprobs`` ones, each HF's top k plus the prompt's own
+    token; the engine computes the larger k once (both lists had 5 entries per token)."""
+    import json
+
+    import httpx
+    import torch
+
+    ids = tokenizer.encode(PROMPT)
+    body = {"model": MODEL, "prompt": ids, "echo": True, "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs, "max_tokens": 2, "temperature": 0,
+            "return_tokens_as_token_ids": True, "stream": stream}
+    if stream:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                          timeout=60) as resp:
+            chunks = [json.loads(line[6:]) for line in resp.iter_lines()
+                      if line.startswith("data: {")]
+        choices = [c for chunk in chunks for c in chunk["choices"]]
+        tops = [t for c in choices if c["logprobs"] for t in c["logprobs"]["top_logprobs"]]
+        entries = next(c["prompt_logprobs"] for c in choices if c.get("prompt_logprobs"))
+    else:
+        resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        choice = resp.json()["choices"][0]
+        tops, entries = choice["logprobs"]["top_logprobs"], choice["prompt_logprobs"]
+    with torch.no_grad():
+        ref = torch.log_softmax(tiny_llama.hf_model(torch.tensor([ids])).logits[0].float(), -1)
+    assert tops[0] is None and entries[0] is None
+    for p in range(1, len(ids)):
+        want = set(ref[p - 1].topk(logprobs).indices.tolist()) | {ids[p]}
+        assert set(tops[p]) == {f"token_id:{t}" for t in want}
+        want = set(ref[p - 1].topk(prompt_logprobs).indices.tolist()) | {ids[p]}
+        assert set(entries[p]) == {str(t) for t in want}
+        for t in want:
+            assert entries[p][str(t)]["logprob"] == pytest.approx(float(ref[p - 1, t]),
+                                                                  abs=1e-4)
+    assert all(len(top) == logprobs for top in tops[len(ids):])  # greedy: in its top k
+
+
 def test_echo_text_offsets_index_the_returned_text_across_split_characters(client, tokenizer):
     """echo + logprobs with a prompt whose 2- and 3-byte characters are split across byte
     tokens: each piece decoded alone to U+FFFD and the prompt's offsets summed those, so they
