@@ -24,6 +24,8 @@ _CANDIDATES = "beam search considers the 2 * n most likely tokens of each beam"
 _RAW = "beam search ranks the model's own, unpenalized and unbiased logprobs"
 _STOPS = "beam search ends beams at EOS or max_tokens only"
 _STRUCTURED = "structured output is not supported with beam search"
+_TARGETS = ("a beam search runs as one-token requests per beam and step, which a service-level "
+            "target for one request does not fit")
 
 # request field -> (its values that ask for nothing beam search ignores, why it is refused)
 _SAMPLING_ONLY = {
@@ -38,6 +40,7 @@ _SAMPLING_ONLY = {
     "structured_outputs": ((None,), _STRUCTURED), "guided_json": ((None,), _STRUCTURED),
     "guided_regex": ((None,), _STRUCTURED), "guided_choice": ((None,), _STRUCTURED),
     "guided_grammar": ((None,), _STRUCTURED),
+    "target_ttft_ms": ((None,), _TARGETS), "target_tpot_ms": ((None,), _TARGETS),
     "prompt_logprobs": ((None,), "prompt logprobs are not returned with beam search"),
     "echo": ((None, False), "the prompt is not echoed with beam search"),
     "vllm_xargs": ((None, {}),
@@ -51,8 +54,9 @@ def check_beam_request(req: SamplingRequest) -> bool:
     Raises:
         OpenAIError: 400 naming the field: ``length_penalty`` other than 1 without
             ``use_beam_search`` (it applies to beam search only); with it, ``n`` above
-            ``MAX_BEAM_WIDTH``, any sampling, stop, penalty or structured-output field set
-            to something beam search would ignore, ``response_format`` other than
+            ``MAX_BEAM_WIDTH``, any sampling, stop, penalty, structured-output or
+            service-level (``target_ttft_ms`` / ``target_tpot_ms``) field set to something
+            beam search would ignore, ``response_format`` other than
             ``text``, or ``echo``. With ``stream`` the reply comes as one chunk per beam when the
             search ends (vLLM's behaviour: beams change until the last step).
     """

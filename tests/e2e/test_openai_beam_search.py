@@ -196,7 +196,7 @@ def test_streamed_beams_equal_the_whole_reply(server, hf_model, tiny_chat_model,
     (CH, "response_format", {"type": "json_object"}), (C, "guided_regex", "[a-z]+"),
     (C, "echo", True), (C, "prompt_logprobs", 1), (C, "presence_penalty", 1.0),
     (C, "min_tokens", 2), (C, "n", 129), (CH, "early_stopping", True),
-    (C, "length_penalty", float("inf")),
+    (C, "length_penalty", float("inf")), (C, "target_ttft_ms", 500), (CH, "target_tpot_ms", 50),
 ])
 def test_what_beam_search_does_not_honour_is_refused(server, path, field, value,
                                                      free_at_start):
