@@ -52,6 +52,18 @@ def _generate(llm: LLM) -> list:
             for o in outs]
 
 
+def _count_recordings(monkeypatch) -> list[int]:
+    """A list that gets one item each time a step runs under a recorder (from now on)."""
+    recorded: list[int] = []
+
+    class Counting(StepRecorder):
+        def __enter__(self):
+            recorded.append(1)
+            return super().__enter__()
+    monkeypatch.setattr(cpu_graphs, "StepRecorder", Counting)
+    return recorded
+
+
 def _hf_greedy(tiny, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = tiny.hf_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n,
@@ -213,13 +225,7 @@ def test_a_size_whose_recordings_keep_differing_is_refused(tiny_model_factory, m
     tiny = tiny_model_factory("llama")
     expected = _generate(_engine(tiny.path, "float32", enforce_eager=True))
     monkeypatch.setattr(Recording, "same_as", lambda self, other: False)
-    recorded: list[int] = []
-
-    class Counting(StepRecorder):
-        def __enter__(self):
-            recorded.append(1)
-            return super().__enter__()
-    monkeypatch.setattr(cpu_graphs, "StepRecorder", Counting)
+    recorded = _count_recordings(monkeypatch)
     llm = _engine(tiny.path, "float32")
     sizes: list[int] = []
     run = CpuGraphRunner._record
@@ -281,13 +287,7 @@ def test_a_sizes_first_step_runs_without_a_recorder(tiny_model_factory, monkeypa
     recorder, two recorded steps (the second trusts the size after its check replay) and 4
     replays; the tokens equal transformers' greedy ones."""
     tiny = tiny_model_factory("llama")
-    recorded: list[int] = []
-
-    class Counting(StepRecorder):
-        def __enter__(self):
-            recorded.append(1)
-            return super().__enter__()
-    monkeypatch.setattr(cpu_graphs, "StepRecorder", Counting)
+    recorded = _count_recordings(monkeypatch)
     llm = _engine(tiny.path, "float32")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
