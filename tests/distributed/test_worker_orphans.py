@@ -1,0 +1,58 @@
+"""Tensor-parallel workers do not outlive their engine's process (kvflow/executor/mp_worker.py:
+the death pipe). Oracle: /proc, read for the worker pids the engine's process printed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc")
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live (not zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_workers_exit_when_the_engine_process_is_killed(tiny_model_factory, tmp_path):
+    """A script (no main guard) that builds a two-rank offline LLM prints its workers' pids and
+    is SIGKILLed: nothing could tell the workers to stop, yet both exit within seconds (their
+    end of the death pipe reads EOF), instead of holding their memory and cores forever."""
+    script = tmp_path / "engine.py"
+    script.write_text(textwrap.dedent(f"""
+        import time
+        from kvflow import LLM
+        llm = LLM(model={tiny_model_factory("llama").path!r}, dtype="float32",
+                  num_kv_blocks=64, tensor_parallel_size=2)
+        print(*[p.pid for p in llm.engine.core.executor._procs], flush=True)
+        time.sleep(600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    pids: list[int] = []
+    try:
+        pids = [int(x) for x in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(_running(pid) for pid in pids)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+            time.sleep(0.1)
+        assert not [pid for pid in pids if _running(pid)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+        for pid in pids:  # a failed run leaves no worker behind either
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
