@@ -8,6 +8,9 @@ inputs), hand-built arenas and pointers for the guards, and the step counts the 
 from __future__ import annotations
 
 import ctypes
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -236,6 +239,23 @@ def test_a_size_whose_recordings_keep_differing_is_refused(tiny_model_factory, m
     assert sizes.count(4) == 1 + MAX_MISMATCHES and len(recorded) == len(sizes)
     assert (4, torch.get_num_threads()) in graphs.refused
     assert graphs.replayed_steps == 0 and not graphs.recorded.get((4, torch.get_num_threads()))
+
+
+def test_a_forward_watch_does_not_import_dynamo():
+    """A fresh interpreter's first ForwardWatch (the first recorded step of an engine) keeps
+    its allocation and names the computing operator without importing torch._dynamo (which
+    TorchDispatchMode's default wrapper does at its first call: ~0.5 s of a first request)."""
+    code = textwrap.dedent("""
+        import sys, torch
+        from kvflow.worker.cpu_step_record import ForwardWatch
+        with ForwardWatch() as watch:
+            x = torch.empty(3)
+            y = x.view(3, 1) + 1
+        print(len(watch.blocks), watch.refused, "torch._dynamo" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == ["1", "aten.add.Tensor", "False"]
 
 
 def test_same_bits_compares_bit_patterns():

@@ -60,6 +60,14 @@ class ForwardWatch(TorchDispatchMode):
     ``max_bytes`` plus what the forward holds itself.
     """
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False: no step runs under ``torch.compile``, so ``__torch_dispatch__`` needs no
+        ``torch._disable_dynamo`` wrapper (``TorchDispatchMode``'s default), whose first call
+        imports ``torch._dynamo``: ~0.5 s inside the engine's first recorded step, a late
+        token of its first request (docs/benchmarks.md, session 42)."""
+        return False
+
     def __init__(self, max_bytes: int | None = None) -> None:
         super().__init__()
         self.blocks: list[torch.Tensor] = []
