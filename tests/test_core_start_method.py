@@ -18,6 +18,7 @@ import sys
 import threading
 import types
 from multiprocessing import forkserver as mp_forkserver
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -83,6 +84,45 @@ def test_an_in_process_engine_refuses_a_bad_value_before_starting_a_core(monkeyp
     with pytest.raises(ValueError) as err:
         AsyncLLM(EngineConfig.from_kwargs(model=tiny_llama.path, dtype="float32"))
     assert str(err.value) == BAD_VALUE_MESSAGE and started == []
+
+
+def test_an_offline_llm_without_replicas_refuses_a_bad_value_too(monkeypatch, tiny_llama):
+    """One process, no core process to start: the variable is still read (a typo is not
+    ignored in one mode and refused in another), with the same message, before any load."""
+    from kvflow import LLM
+    from kvflow.engine import llm_engine
+
+    loads = []
+    monkeypatch.setattr(llm_engine, "resolve_model", lambda *a: loads.append(a))
+    monkeypatch.setenv(START_METHOD_VARIABLE, "threads")
+    with pytest.raises(ValueError) as err:
+        LLM(model=tiny_llama.path, dtype="float32")
+    assert str(err.value) == BAD_VALUE_MESSAGE and loads == []
+
+
+@pytest.mark.parametrize(("method", "exitcode", "file", "spec", "hinted"), [
+    ("forkserver", 1, "/home/u/dp.py", None, True), ("spawn", 1, "/home/u/dp.py", None, True),
+    ("fork", 1, "/home/u/dp.py", None, False),  # a forked child runs no top level again
+    ("forkserver", -9, "/home/u/dp.py", None, False),  # killed: not the guard
+    ("forkserver", 1, None, None, False),  # a notebook or python -c: nothing to run again
+    ("forkserver", 1, "/x/pkg/__main__.py", "pkg.__main__", False),  # -m: multiprocessing skips
+])
+def test_a_core_exiting_at_start_names_the_main_guard_only_where_it_can_be_the_cause(
+        monkeypatch, method, exitcode, file, spec, hinted):
+    """The RuntimeError of a core that exited while starting ends with a hint about the
+    ``__main__`` guard exactly when the core re-ran a script's top level and exited with 1."""
+    import types
+
+    from kvflow.engine.core_client import main_guard_hint
+
+    main = types.ModuleType("__main__")
+    main.__file__, main.__spec__ = file, spec
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    core = SimpleNamespace(method=method, proc=SimpleNamespace(exitcode=exitcode))
+    hint = main_guard_hint(core)
+    assert (hint == " (it ran dp.py's top level again, as a spawned or forkserver process does: "
+            "a script that starts engine processes needs that code under `if __name__ == "
+            "\"__main__\":`; README, \"Several processes\")") if hinted else hint == ""
 
 
 @pytest.mark.parametrize(("first", "restart"), [

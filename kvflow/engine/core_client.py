@@ -80,6 +80,7 @@ class CoreProcess:
         self.input.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a send
         self.input.bind(self.input_addr)
         self.proc: multiprocessing.process.BaseProcess | None = None
+        self.method: str | None = None  # how start() started it
         self.state = ReplicaState.STARTING
         self.death: BaseException | None = None  # why it died
 
@@ -98,6 +99,7 @@ class CoreProcess:
             parent = ParentState(current_environment())
         name = "kvflow-engine-core" + ("" if self.config.parallel_config.data_parallel_size
                                        == 1 else f"-{self.index}")
+        self.method = method
         self.proc = ctx.Process(target=engine_core_process, name=name, daemon=True,
                                 args=(self.config, self.input_addr, self.output_addr,
                                       log_level, core_process_env(self.config), go, parent))
@@ -170,6 +172,22 @@ def replica_name(index: int, num_replicas: int) -> str:
     return "engine core" if num_replicas == 1 else f"engine core {index} of {num_replicas}"
 
 
+def main_guard_hint(core: CoreProcess) -> str:
+    """The likeliest cause of a core that exited with status 1 before it reported, when it was
+    spawned or forked from the forkserver by a script run by path: such a child runs the
+    script's top level again (``multiprocessing``), and one without the ``__main__`` guard
+    starts an engine there, which ``multiprocessing`` refuses (its message is in the child's
+    stderr, above). "" otherwise."""
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None)
+    if core.proc.exitcode != 1 or core.method not in ("spawn", "forkserver") or not script \
+            or getattr(main, "__spec__", None) is not None:
+        return ""
+    return (f" (it ran {os.path.basename(script)}'s top level again, as a spawned or "
+            "forkserver process does: a script that starts engine processes needs that code "
+            "under `if __name__ == \"__main__\":`; README, \"Several processes\")")
+
+
 def wait_ready(output: zmq.Socket, decoder: msgspec.msgpack.Decoder, cores: list[CoreProcess],
                timeout: float,
                on_ready: Callable[[EngineReady], None] | None = None) -> dict[int, EngineReady]:
@@ -199,7 +217,7 @@ def wait_ready(output: zmq.Socket, decoder: msgspec.msgpack.Decoder, cores: list
         for core in cores:
             if not core.is_alive and core.index not in ready:
                 raise RuntimeError(f"{replica_name(core.index, n)} process exited with code "
-                                   f"{core.proc.exitcode} while starting")
+                                   f"{core.proc.exitcode} while starting{main_guard_hint(core)}")
     if len(ready) < n:
         raise RuntimeError(f"engine core did not start within {timeout:.0f} s")
     return ready

@@ -14,6 +14,7 @@ from typing import Any
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
 from kvflow.engine.dp_client import DPCoreClient
+from kvflow.engine.start_method import core_start_method
 from kvflow.engine.streams import RequestRefused
 from kvflow.input_processor import InputProcessor
 from kvflow.logits_process import load_logits_processors
@@ -39,7 +40,8 @@ class LLMEngine:
     image processor before the core loads any weight, so a broken one fails in seconds.
 
     Raises:
-        ValueError: from the constructor for a bad config, tokenizer or model; from
+        ValueError: from the constructor for a bad config, tokenizer or model, or a bad
+            ``KVFLOW_WORKER_MULTIPROC_METHOD`` (also without data parallelism); from
             ``add_request`` for a bad prompt or parameters (other requests keep running).
         RuntimeError: with data parallelism, from the constructor if a replica fails to start
             and from ``step`` if one dies (naming it).
@@ -47,6 +49,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        core_start_method(fresh_process=False)  # a bad variable is refused, replicas or not
         mc = config.model_config
         source = resolve_model(mc.model, mc.download_dir, mc.revision)  # a Hub download happens here
         # The model folder's small files first, so a bad one fails in seconds, not after the

@@ -1,0 +1,45 @@
+"""README's ``AsyncLLM`` example ("In an asyncio program"), run as the README shows it: a
+script file with the ``__main__`` guard, its engine core in a process of its own. The model
+name is swapped for a tiny model's folder. Oracle: transformers' greedy continuation of the
+prompt (the streamed pieces, joined, are its decoded text) and the finished flags."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _example() -> str:
+    text = README.read_text()
+    section = text[text.index("### In an asyncio program (`AsyncLLM`)"):]
+    return re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+
+
+def test_the_readme_asyncllm_example_streams_the_greedy_text(tiny_llama, tmp_path):
+    code = _example()
+    assert 'model="SmolLM2-135M-Instruct"' in code and 'if __name__ == "__main__":' in code
+    script = tmp_path / "example.py"
+    script.write_text(code.replace('"SmolLM2-135M-Instruct"', repr(tiny_llama.path)))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300, check=True, cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.splitlines()
+    pieces = [line.rsplit(" ", 1) for line in out]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama.path)
+    ids = tokenizer.encode("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        greedy = tiny_llama.hf_model.generate(ids, do_sample=False, max_new_tokens=8,
+                                              pad_token_id=0)[0, ids.shape[1]:]
+    eos_at = (greedy == tiny_llama.eos_token_id).nonzero()
+    greedy = greedy[:int(eos_at[0]) + 1] if len(eos_at) else greedy  # the engine stops at EOS
+    assert "".join(ast.literal_eval(text) for text, _ in pieces) == \
+        tokenizer.decode(greedy, skip_special_tokens=True)
+    assert [flag for _, flag in pieces] == ["False"] * (len(pieces) - 1) + ["True"]
