@@ -269,12 +269,18 @@ def test_only_variables_read_at_import_count():
         "HF_HOME", "OMP_NUM_THREADS"]  # a changed one, and one set on one side only
 
 
-def test_the_forkserver_is_used_unless_its_start_environment_differs(monkeypatch):
+def test_the_forkserver_is_used_unless_its_start_environment_differs(monkeypatch, caplog):
+    """A difference in an import-time variable is said at INFO, naming the variable (why this
+    core starts slower)."""
     pid = _forkserver_running()
     started = process_environment(pid)
     assert started is not None and "PATH" in started
     assert forkserver_usable({**started, "KVFLOW_CPU_GEMM": "onednn", "PYTEST_X": "1"})
-    assert not forkserver_usable({**started, "MALLOC_ARENA_MAX": "2"})
+    with caplog.at_level(logging.INFO, logger="kvflow.engine.forkserver_start"):
+        assert not forkserver_usable({**started, "MALLOC_ARENA_MAX": "2"})
+    said = ("engine core spawned (a new interpreter, its imports again), not forked from the "
+            "forkserver: MALLOC_ARENA_MAX changed since the forkserver started (read at import)")
+    assert [r.getMessage() for r in caplog.records] == [said]
     assert not forkserver_usable({k: v for k, v in started.items() if k != "PATH"})
     monkeypatch.setattr(forkserver_start, "forkserver_pid", lambda: None)
     assert forkserver_usable({"MALLOC_ARENA_MAX": "2"})  # none runs yet: it starts with these

@@ -120,8 +120,9 @@ def forkserver_usable(environ: Mapping[str, str] | None = None) -> bool:
     differ = ["(unreadable)"] if started is None else import_time_differences(environ,
                                                                                    started)
     if differ:
-        logger.debug("the forkserver started with another environment (%s differ): spawning "
-                     "the engine core", ", ".join(differ[:5]))
+        logger.info("engine core spawned (a new interpreter, its imports again), not forked "
+                    "from the forkserver: %s changed since the forkserver started (read at "
+                    "import)", ", ".join(differ[:5]))
     return not differ
 
 
