@@ -144,3 +144,45 @@ def test_the_load_route_and_model_lookups_answer_400_naming_the_field():
         OpenAIServing.check_model(serving, " ")
     assert (e.value.status, e.value.param, e.value.code) == (400, "model", "invalid_value")
     assert OpenAIServing.check_model(serving, "sql").lora_path == "/adapters/a"
+
+
+@pytest.mark.parametrize("replace", [False, True])
+@pytest.mark.parametrize("name", ["base", "alias"])
+def test_a_served_model_name_is_refused_as_the_served_model(name, replace):
+    """``lora_name`` equal to one of the base model's served names (``--served-model-name
+    base alias``) was refused as "the LoRA adapter 'alias' has already been loaded", naming
+    an adapter that does not exist (/v1/models lists none, unloading it is a 404); the
+    refusal now says it is the served model's name, as ``--lora-modules`` does at start-up
+    (api_server.check_lora_modules); over HTTP its ``param`` is ``lora_name`` (the route
+    named ``lora_path`` for any message but "already been loaded"). Nothing reaches the
+    engine, with or without ``load_inplace``."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from kvflow.entrypoints.http_guards import add_error_handlers
+    from kvflow.entrypoints.openai_routes import add_lora_routes
+    from kvflow.lora.request import LoRANameError
+
+    engine = _SlowEngine()
+    engine.release.set()
+    models = ServingModels(engine, "base", aliases=("alias",))
+    expected = (f"lora_name {name!r} is a name of the served model "
+                "(--served-model-name): give the adapter another name")
+    with pytest.raises(LoRANameError) as e:
+        asyncio.run(models.load(name, "/adapters/a", replace=replace))
+    assert str(e.value) == expected
+    app = FastAPI()
+    add_error_handlers(app)
+    add_lora_routes(app)
+    app.state.models = models
+    app.state.unknown_fields = SimpleNamespace(check=lambda req, endpoint: None)
+    resp = TestClient(app).post("/v1/load_lora_adapter", json={
+        "lora_name": name, "lora_path": "/adapters/a", "load_inplace": replace})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["message"], error["param"], error["code"]) == (
+        expected, "lora_name", "invalid_value"), error
+    assert engine.added == [] and models.names() == ["base", "alias"]
+    assert models.resolve(name) is None  # still the base model

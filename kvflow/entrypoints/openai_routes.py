@@ -100,8 +100,9 @@ def add_lora_routes(app: FastAPI) -> None:
         replaces an adapter served under that name.
 
         Raises:
-            OpenAIError: 400 for a name in use (without ``load_inplace``), empty, whitespace
-                only or holding a control character, or an adapter the
+            OpenAIError: 400 for a name in use (without ``load_inplace``), one of the
+                served model's names, empty, whitespace only or holding a control
+                character (``param`` ``lora_name``), or an adapter the
                 engine refuses (rank above --max-lora-rank, target modules kvflow cannot
                 adapt, no --enable-lora) or a field kvflow does not declare.
         """

@@ -77,20 +77,21 @@ class ServingModels:
 
         Raises:
             LoRANameError: (a ValueError) for a name that is empty, whitespace only or holds
-                a control character.
-            ValueError: for the base model's name, a name in use or still being loaded by
-                another request (without ``replace``), or an adapter the engine refuses
-                (rank above --max-lora-rank, target modules kvflow cannot adapt, no
-                --enable-lora, ...).
+                a control character, or is one of the base model's served names (with or
+                without ``replace``).
+            ValueError: for a name in use or still being loaded by another request
+                (without ``replace``), or an adapter the engine refuses (rank above
+                --max-lora-rank, target modules kvflow cannot adapt, no --enable-lora, ...).
         """
         check_lora_name(name)
+        if name in self.base_names:  # never an adapter's: load_inplace cannot take it either
+            raise LoRANameError(f"lora_name {name!r} is a name of the served model "
+                             "(--served-model-name): give the adapter another name")
         loading = " (by a request whose load is still running)" \
             if name not in self.loras and self._loading[name] else ""
-        if name in self.base_names or (not replace and (name in self.loras or loading)):
-            hint = "" if name in self.base_names else \
-                "; send load_inplace: true to replace it"
+        if not replace and (name in self.loras or loading):
             raise ValueError(f"the LoRA adapter {name!r} has already been loaded"
-                             f"{loading}{hint}")
+                             f"{loading}; send load_inplace: true to replace it")
         lora = LoRARequest(name, next(self._ids), path)
         self._loading[name] += 1
         try:
