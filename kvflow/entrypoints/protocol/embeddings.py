@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kvflow.entrypoints.protocol.base import (
     INT32_MAX,
     OpenAIBaseModel,
     RequestBody,
     now,
+    unsupported_field,
 )
 
 
@@ -42,6 +43,20 @@ class EmbeddingRequest(RequestBody):
     add_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _messages_instead_of_input(cls, data: Any, handler: Any) -> Any:
+        """vLLM's chat-style body (``messages``, no ``input``) is a 400 naming ``messages``
+        (pointing to /pooling, which renders them), not "input: a required field". A
+        subclass declaring ``messages`` (/pooling's PoolingRequest) reads them itself."""
+        if "messages" not in cls.model_fields and isinstance(data, dict) \
+                and data.get("input") is None and data.get("messages") is not None:
+            raise unsupported_field("messages", "/v1/embeddings takes input only (vLLM's "
+                                    "chat-style embedding request is not served here): send "
+                                    "the text as input, or POST the messages to /pooling, "
+                                    "which renders them with the chat template")
+        return handler(data)
 
 
 class EmbeddingData(OpenAIBaseModel):
