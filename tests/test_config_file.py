@@ -157,3 +157,25 @@ def test_binary_config_file_is_named(tmp_path, capsys):
     assert main(["bench", "latency", "--config", str(path)]) == 2
     assert capsys.readouterr().err == (f"kvflow: error: config file {str(path)!r} is not UTF-8 "
                                        "text (byte 14: invalid start byte)\n")
+
+
+@pytest.mark.parametrize("text, shape", [
+    ("stop: {a: 1}\n", 'a mapping: {"a": 1}'),
+    ("stop: [x, [y]]\n", 'a nested list: ["y"]'),
+    ("prompt: [{text: hi}]\n", 'a mapping: {"text": "hi"}'),
+])
+def test_a_text_list_flag_refuses_a_mapping_or_nested_list(config, text, shape):
+    """A mapping or a nested list for a repeated text flag was passed on as its JSON text
+    (``stop: {a: 1}`` became the stop string '{"a": 1}', silently); it is refused naming the
+    key, while a flag that takes JSON items still gets them as JSON text."""
+    path = config(text)
+    key = text.split(":")[0]
+    with pytest.raises(ValueError) as e:
+        _parse(["generate", "--config", path])
+    flag = "--" + key
+    assert str(e.value) == (f"{path}: key {key!r}: {flag} takes text values (a value or a "
+                            f"list of them), not {shape}")
+    args = _parse(["serve", "--config", config(
+        'lora_modules: [{name: a, path: /p}, b=/q]\nallowed-origins: [["https://x"]]\n')])
+    assert args.lora_modules == ['{"name": "a", "path": "/p"}', "b=/q"]
+    assert args.allowed_origins == ['["https://x"]']

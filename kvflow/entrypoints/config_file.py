@@ -2,7 +2,8 @@
 
 Keys are the command's flag names, with ``-`` or ``_`` (``max-num-seqs: 64`` or
 ``max_num_seqs: 64``); values are YAML scalars, ``true``/``false`` for on/off flags, lists for
-repeated flags (``stop: ["\\n", "###"]``) and mappings for JSON flags. The file is expanded into
+repeated flags (``stop: ["\\n", "###"]``; their items are text, mappings only where the flag
+takes JSON items, as ``--lora-modules``) and mappings for JSON flags. The file is expanded into
 command-line words placed before everything typed after the subcommand, so argparse converts and
 checks its values exactly like typed ones, and a flag on the command line wins: a later value
 replaces an earlier one, and a repeated flag given on the command line (``--stop``) replaces the
@@ -19,6 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CONFIG_FLAG = "--config"
+# Repeated (list) flags whose items may be JSON (vLLM's forms): a mapping or list item of the
+# file goes to them as JSON text. Every other repeated flag takes plain text (``--stop``,
+# ``--prompt``, ``--image``, ...), where JSON text would be a wrong value taken silently.
+_JSON_ITEM_FLAGS = frozenset({"--lora-modules", "--allowed-origins", "--allowed-methods",
+                              "--allowed-headers"})
 
 
 @dataclass(frozen=True)
@@ -197,7 +203,17 @@ def _words(parser: argparse.ArgumentParser, action: argparse.Action, value: Any,
         if isinstance(action, argparse.BooleanOptionalAction):
             return [flag if value else "--no-" + flag[2:]]
         return [flag] if value else []
-    items = [_text(item) for item in (value if isinstance(value, list) else [value])]
+    raw = value if isinstance(value, list) else [value]
+    repeated = isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*") \
+        or isinstance(action.nargs, int)
+    if repeated and flag not in _JSON_ITEM_FLAGS:
+        nested = next((item for item in raw if isinstance(item, (dict, list))), None)
+        if nested is not None:
+            raise ValueError(
+                f"{where}: {flag} takes text values (a value or a list of them), not "
+                f"{'a mapping' if isinstance(nested, dict) else 'a nested list'}: "
+                f"{json.dumps(nested)}")
+    items = [_text(item) for item in raw]
     if isinstance(action, argparse._AppendAction):  # --flag=value: values may start with "-"
         _check_items(parser, action, items, where)
         return [f"{flag}={item}" for item in items]
