@@ -13,23 +13,13 @@ from __future__ import annotations
 import sys
 import time
 
+from cpu_graph_step_kinds import time_graph_steps
+
 from kvflow import LLM, SamplingParams
-from kvflow.worker import cpu_graphs
 
 
 def main() -> None:
-    steps: list[tuple[str, int, float]] = []
-    run = cpu_graphs.CpuGraphRunner.run
-
-    def timed(self, input_ids, positions, meta):
-        key = self._key(meta)
-        kind = "replay" if key in self.programs else \
-            "record" if key in getattr(self, "seen", {key}) else "eager"
-        start = time.perf_counter()
-        out = run(self, input_ids, positions, meta)
-        steps.append((kind, meta.num_reqs, round(1e3 * (time.perf_counter() - start), 1)))
-        return out
-    cpu_graphs.CpuGraphRunner.run = timed
+    steps = time_graph_steps()
     llm = LLM(sys.argv[1], dtype="bfloat16", kv_cache_memory="256MiB")
     params = SamplingParams(temperature=0, max_tokens=8)
     for i in range(2):
@@ -37,7 +27,7 @@ def main() -> None:
         start = time.perf_counter()
         llm.generate(["The capital of France is"], params, use_tqdm=False)
         print(f"request {i}: {1e3 * (time.perf_counter() - start):.0f} ms;",
-              ", ".join(f"{kind} {ms}" for kind, _, ms in steps))
+              ", ".join(f"{kind} {ms:.1f}" for kind, _, ms in steps))
 
 
 if __name__ == "__main__":

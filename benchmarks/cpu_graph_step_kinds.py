@@ -23,8 +23,11 @@ import time
 from offline_engine import cpu_w1_token_ids, greedy_run, load_engine
 
 
-def main() -> None:
-    model_dir, dtype = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "bfloat16"
+def time_graph_steps() -> list[tuple[str, int, float]]:
+    """A list that gets ``(kind, rows, ms)`` for every step the CPU step graphs take from now
+    on (``CpuGraphRunner.run`` wrapped): ``eager`` (a size's first step; every untrusted step
+    counts as ``record`` on a tree from before session 42), ``record`` or ``replay``. Shared
+    with cpu_first_request.py."""
     from kvflow.worker import cpu_graphs
 
     steps: list[tuple[str, int, float]] = []
@@ -36,9 +39,15 @@ def main() -> None:
             "record" if key in getattr(self, "seen", {key}) else "eager"
         start = time.perf_counter()
         out = run(self, input_ids, positions, meta)
-        steps.append((kind, meta.num_actual_tokens, time.perf_counter() - start))
+        steps.append((kind, meta.num_actual_tokens, 1e3 * (time.perf_counter() - start)))
         return out
     cpu_graphs.CpuGraphRunner.run = timed
+    return steps
+
+
+def main() -> None:
+    model_dir, dtype = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "bfloat16"
+    steps = time_graph_steps()
     llm, sampling_params, _ = load_engine("kvflow", model_dir, dtype)
     prompts = cpu_w1_token_ids(llm.get_tokenizer().vocab_size)
     greedy_run(llm, sampling_params, prompts[:2], 4)  # warm-up, as offline_engine.py
@@ -46,8 +55,8 @@ def main() -> None:
     elapsed, produced = greedy_run(llm, sampling_params, prompts, 64)
     print(f"{produced / elapsed:.1f} out tok/s ({elapsed:.2f} s)")
     by_kind = collections.defaultdict(list)
-    for kind, rows, seconds in steps:
-        by_kind[(kind, rows)].append(1e3 * seconds)
+    for kind, rows, ms in steps:
+        by_kind[(kind, rows)].append(ms)
     print("| kind | rows | steps | first ms | median ms |\n|---|---|---|---|---|")
     for (kind, rows), ms in sorted(by_kind.items(), key=lambda item: (-item[0][1], item[0][0])):
         print(f"| {kind} | {rows} | {len(ms)} | {', '.join(f'{x:.0f}' for x in ms[:4])} | "
