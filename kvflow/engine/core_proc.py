@@ -82,19 +82,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
             standard output and error, applied before anything else
             (``kvflow/engine/forkserver_start.py``); None otherwise.
     """
-    if parent is not None:
-        parent.apply()
-    os.environ.update(env or {})
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API process, which stops us
-    signal.signal(signal.SIGTERM, _unwind_on_sigterm)
-    dp = config.parallel_config
-    tag = "core" if dp.data_parallel_size == 1 else f"core {dp.data_parallel_rank}"
-    own = multiprocessing.parent_process() is not None  # a core process, not a test's call
-    if own:
-        name_process(f"kvflow-{tag.replace(' ', '-')}")  # what ps -o comm / top show
-    # force: a forked core has the API process's root handlers (kvflow/engine/start_method.py)
-    logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s [{tag}]: %(message)s",
-                        force=own)
+    tag = _set_up_process(config, log_level, env, parent)
     ctx = zmq.Context()
     inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inp.connect(input_addr)
@@ -124,6 +112,26 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         inp.close(linger=0)
         out.close(linger=2000)
         ctx.term()
+
+
+def _set_up_process(config: EngineConfig, log_level: int, env: dict[str, str] | None,
+                    parent: ParentState | None) -> str:
+    """The core process's environment (the forkserver's child takes its API process's first),
+    signal handlers, name and logging; returns its log tag ("core" or "core <replica>")."""
+    if parent is not None:
+        parent.apply()
+    os.environ.update(env or {})
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API process, which stops us
+    signal.signal(signal.SIGTERM, _unwind_on_sigterm)
+    dp = config.parallel_config
+    tag = "core" if dp.data_parallel_size == 1 else f"core {dp.data_parallel_rank}"
+    own = multiprocessing.parent_process() is not None  # a core process, not a test's call
+    if own:
+        name_process(f"kvflow-{tag.replace(' ', '-')}")  # what ps -o comm / top show
+    # force: a forked core has the API process's root handlers (kvflow/engine/start_method.py)
+    logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s [{tag}]: %(message)s",
+                        force=own)
+    return tag
 
 
 def name_process(name: str) -> None:
