@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import types
 from multiprocessing import forkserver as mp_forkserver
 from types import SimpleNamespace
@@ -210,11 +211,25 @@ def test_the_cli_refuses_a_bad_value_before_the_model_loads(tiny_chat_model):
 # ---- the forkserver ---------------------------------------------------------------------------
 def _forkserver_running() -> int:
     """This process's forkserver, started as an engine core starts it (kvflow's preload) unless
-    it runs already; returns its pid."""
+    it runs already; returns its pid once it has exec'd (``ensure_running`` returns as soon as
+    it forked; /proc/<pid>/environ read while it execs is empty)."""
     if forkserver_pid() is None:
         multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
     mp_forkserver.ensure_running()
-    return forkserver_pid()
+    pid = forkserver_pid()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (b"multiprocessing.forkserver" not in _cmdline(pid)
+                                           or process_environment(pid) is None):
+        time.sleep(0.01)
+    return pid
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def _ppid(pid: int) -> int:
