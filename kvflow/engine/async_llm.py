@@ -95,11 +95,8 @@ class AsyncLLM(AsyncLLMCalls):
             as it is loaded, while the core processes still load the model: the server's
             start-up checks of it (a model chat template that does not compile is reported
             then, not minutes later); what it raises ends the start-up.
-        start_method: how the core processes start, ``"spawn"``, ``"fork"`` or
-            ``"forkserver"`` (:func:`kvflow.engine.start_method.core_start_method`); None (the
-            default) reads ``KVFLOW_WORKER_MULTIPROC_METHOD`` for a process not known to be
-            fresh (the forkserver on Linux). A restarted core starts the same way, but is
-            spawned where the first ones were forked.
+        start_method: how the core processes start, as ``ReplicaSet``'s argument (None:
+            the rule of ``kvflow/engine/start_method.py``).
 
     Raises:
         RuntimeError: if a core process fails to start or exceeds ``start_timeout``.

@@ -86,7 +86,7 @@ class ServingModels:
         check_lora_name(name)
         if name in self.base_names:  # never an adapter's: load_inplace cannot take it either
             raise LoRANameError(f"lora_name {name!r} is a name of the served model "
-                             "(--served-model-name): give the adapter another name")
+                                "(--served-model-name): give the adapter another name")
         loading = " (by a request whose load is still running)" \
             if name not in self.loras and self._loading[name] else ""
         if not replace and (name in self.loras or loading):
