@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvflow.attention.backend import AttentionBackend, AttentionMetadata
-from kvflow.config.device import fused_kernels_enabled
+from kvflow.config.kernel_choices import fused_kernels_enabled
 from kvflow.kernels.kv_store import store_kvcache
 from kvflow.kernels.paged_attention import paged_attention
 from kvflow.kernels.rotary_kv_store import rotary_store_kvcache

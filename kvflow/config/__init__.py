@@ -8,11 +8,12 @@ model, cache, scheduler, device, parallel, multimodal, speculative, lora, server
 """
 
 from kvflow.config.cache import CacheConfig
-from kvflow.config.device import (
+from kvflow.config.device import DeviceConfig
+from kvflow.config.engine import EngineConfig
+from kvflow.config.kernel_choices import (
     CPU_ATTENTION_CHOICES,
     CPU_GEMM_CHOICES,
     LORA_KERNEL_CHOICES,
-    DeviceConfig,
     cache_dir,
     cpu_adaptive_threads_choice,
     cpu_attention_choice,
@@ -27,7 +28,6 @@ from kvflow.config.device import (
     native_cpu_choice,
     parse_cpu_list,
 )
-from kvflow.config.engine import EngineConfig
 from kvflow.config.kv_events import KVEventsConfig
 from kvflow.config.kv_transfer import KVTransferConfig
 from kvflow.config.lora import LoRAConfig

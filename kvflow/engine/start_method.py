@@ -39,7 +39,7 @@ import os
 import sys
 import threading
 
-from kvflow.config.device import flag_or_env_choice
+from kvflow.config.kernel_choices import flag_or_env_choice
 from kvflow.engine.forkserver_start import forkserver_usable
 
 START_METHOD_VARIABLE = "KVFLOW_WORKER_MULTIPROC_METHOD"

@@ -30,7 +30,7 @@ def make_attention_backend(name: str, batch_invariant: bool = False,
         from kvflow.attention.cpu_paged import CpuPagedAttentionBackend
         from kvflow.attention.prefill_select import PrefillAttentionChoice
         from kvflow.config import cpu_attention_choice
-        from kvflow.config.device import native_cpu_choice
+        from kvflow.config.kernel_choices import native_cpu_choice
         from kvflow.kernels.cpu_native import native_cpu_kernels
 
         kernels = native_cpu_kernels()

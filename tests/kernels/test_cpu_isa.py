@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvflow.config.device import native_cpu_choice
+from kvflow.config.kernel_choices import native_cpu_choice
 from kvflow.kernels import cpu_build, cpu_native
 from kvflow.kernels.attention_ref import paged_attention_ref
 from kvflow.kernels.cpu_attention_kvq import paged_attention_kvq
