@@ -179,33 +179,15 @@ def test_vllm_fields_pass_where_declared_and_are_refused_elsewhere():
 
 
 @pytest.mark.parametrize("extra", [{}, {"input": None}])
-def test_embeddings_messages_without_input_names_messages(extra):
-    """vLLM's chat-style embedding body (``messages`` instead of ``input`` on
-    /v1/embeddings) was answered "input: a required field, not sent", never naming the field
-    sent (the unknown-field check runs after the schema); now a 400 naming ``messages``
-    (``unsupported_parameter``) that points to /pooling, which renders ``messages``. With
-    ``input`` too, ``messages`` stays an unknown field (test above); without either, ``input``
-    is still the required field."""
-    from fastapi.exceptions import RequestValidationError
-    from pydantic import ValidationError
-
-    from kvflow.entrypoints.validation_errors import validation_error
-
-    def served_error(body: dict) -> dict:
-        with pytest.raises(ValidationError) as e:
-            protocol.EmbeddingRequest.model_validate(body)
-        errors = [{**x, "loc": ("body", *x["loc"])} for x in e.value.errors()]
-        return validation_error(RequestValidationError(errors)).body()["error"]
-
-    error = served_error({"messages": HI, **extra})
-    assert (error["param"], error["code"]) == ("messages", "unsupported_parameter"), error
-    assert error["message"] == (
-        "messages: /v1/embeddings takes input only (vLLM's chat-style embedding request is "
-        "not served here): send the text as input, or POST the messages to /pooling, which "
-        "renders them with the chat template"), error
-    error = served_error({})
-    assert (error["param"], error["code"]) == ("input", "missing_required_parameter"), error
-    body = protocol.EmbeddingRequest.model_validate({"input": "hi", "messages": HI})
-    assert list(body.unknown_fields) == ["messages"]
-    pooling = protocol.PoolingRequest.model_validate({"messages": HI, **extra})
-    assert pooling.input is None and pooling.messages[0].content == "hi"  # /pooling takes them
+def test_embeddings_take_messages(extra):
+    """vLLM's chat-style embedding body (``messages`` instead of ``input`` on /v1/embeddings)
+    is a declared field there, as on /pooling: parsed (not an unknown field), with the chat
+    template fields; the handler refuses both or neither (tests/e2e/test_openai_embeddings.py).
+    """
+    for request_type in (protocol.EmbeddingRequest, protocol.PoolingRequest):
+        body = request_type.model_validate({"messages": HI, "add_generation_prompt": True,
+                                            **extra})
+        assert body.input is None and body.messages[0].content == "hi", request_type
+        assert body.add_generation_prompt is True and not body.unknown_fields, request_type
+        both = request_type.model_validate({"input": "hi", "messages": HI})
+        assert not both.unknown_fields and both.input == "hi", request_type

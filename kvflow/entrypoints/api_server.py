@@ -185,7 +185,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
                                        chat_template)
     app.state.responses = OpenAIServingResponses(
         app.state.chat, ResponseStore(config.responses_store_size))
-    app.state.embedding = OpenAIServingEmbedding(engine, config, model_name, models, unknown)
+    app.state.embedding = OpenAIServingEmbedding(engine, config, model_name, models, unknown,
+                                                 app.state.chat)
     app.state.score = OpenAIServingScore(engine, config, model_name, models, unknown)
     app.state.classify = OpenAIServingClassification(engine, config, model_name, models,
                                                      unknown)

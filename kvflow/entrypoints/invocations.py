@@ -1,9 +1,10 @@
 """POST /invocations (SageMaker's inference route, as vLLM serves it): the JSON body goes to the
 endpoint whose request it is, judged by its shape, among the endpoints the served model
 serves, in vLLM's order: chat completions (``messages``), completions (``prompt`` or
-``prompt_embeds``), embeddings (``input``, an embedding model), classify (``input``, a
-classifier), score (``text_1`` / ``text_2``), rerank (``query`` / ``documents``). The body
-is answered exactly as that endpoint's own route answers it, refusals included.
+``prompt_embeds``), embeddings (``input`` or ``messages``, an embedding model), classify
+(``input``, a classifier), score (``text_1`` / ``text_2``), rerank (``query`` /
+``documents``). The body is answered exactly as that endpoint's own route answers it,
+refusals included.
 
 vLLM tries each endpoint's request model in that order and takes the first that accepts the
 body; a well-formed body goes to the same endpoint here, but a malformed one gets the
@@ -53,7 +54,7 @@ INVOCATIONS = (  # vLLM's order: the first whose keys the body has wins
     Invocation(CompletionRequest, "completion", "create_completion", "/v1/completions",
                ("prompt", "prompt_embeds"), lambda h: h.serves("generate")),
     Invocation(EmbeddingRequest, "embedding", "create_embedding", "/v1/embeddings",
-               ("input",), lambda h: h.serves("embed")),
+               ("input", "messages"), lambda h: h.serves("embed")),
     Invocation(ClassificationRequest, "classify", "create_classify", "/v1/classify",
                ("input",), lambda h: h.serves("classify")),
     Invocation(ScoreRequest, "score", "create_score", "/v1/score", ("text_1", "text_2"),

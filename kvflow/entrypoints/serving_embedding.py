@@ -10,7 +10,10 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from kvflow.config import ServerConfig
+from kvflow.engine.async_llm import AsyncLLM
 from kvflow.engine.streams import RequestStream
+from kvflow.entrypoints.chat_options import ChatOptions
 from kvflow.entrypoints.engine_requests import pooled_vector
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.pooling_encoding import (
@@ -27,8 +30,11 @@ from kvflow.entrypoints.protocol import (
     EmbeddingUsage,
 )
 from kvflow.entrypoints.protocol.base import now
-from kvflow.entrypoints.serving_base import OpenAIServing, request_ids
+from kvflow.entrypoints.serving_base import OpenAIServing, body_size, request_ids
+from kvflow.entrypoints.serving_chat import OpenAIServingChat
 from kvflow.entrypoints.serving_checks import check_token_ids
+from kvflow.entrypoints.serving_models import ServingModels
+from kvflow.entrypoints.unknown_fields import UnknownFields
 from kvflow.pooling_params import PoolingParams
 from kvflow.prompt_truncation import keep_last_tokens, truncation_length
 
@@ -36,22 +42,34 @@ Prompt = tuple[str | None, list[int]]
 
 
 class OpenAIServingEmbedding(OpenAIServing):
-    """Handler of /v1/embeddings (see OpenAIServing for the constructor)."""
+    """Handler of /v1/embeddings (see OpenAIServing for the constructor's first arguments).
+
+    Args:
+        chat: the server's chat handler, which renders ``messages`` (None: a handler that
+            never reads a request's ``messages``, such as /classify's).
+    """
+
+    def __init__(self, engine: AsyncLLM, config: ServerConfig, model_name: str,
+                 models: ServingModels | None = None,
+                 unknown_fields: UnknownFields | None = None,
+                 chat: OpenAIServingChat | None = None) -> None:
+        super().__init__(engine, config, model_name, models, unknown_fields)
+        self.chat = chat
 
     async def create_embedding(self, req: EmbeddingRequest, raw: Request) -> Response:
         """Validate every input, queue them, answer with their vectors in input order.
 
         Raises:
-            OpenAIError: 400 for bad input, a ``dimensions`` the model cannot give, or a text
-                model; 404 for another model; 503 when overloaded.
+            OpenAIError: 400 for bad input (both or neither of ``input`` and ``messages``:
+                ``_inputs_of``), a ``dimensions`` the model cannot give, or a text model; 404
+                for another model; 503 when overloaded.
         """
         self.check_fields(req, "/v1/embeddings")
         self.check_model(req.model)
         self.check_task("embed")
         check_encoding(req.encoding_format, req.embed_dtype, req.endianness)
         self.check_priority(req.priority)
-        prompts = await self._request_inputs(req.input, req.truncate_prompt_tokens,
-                                             req.add_special_tokens)
+        prompts = await self._inputs_of(req, raw)
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
         self.check_admission(len(prompts), "input")
         reply_id, request_id = request_ids("embd", req.request_id)
@@ -60,6 +78,64 @@ class OpenAIServingEmbedding(OpenAIServing):
                                   req.priority)
         return await self.respond(raw, streams, self._response(req, reply_id, prompts,
                                                                streams))
+
+    async def _inputs_of(self, req: EmbeddingRequest, raw: Request) -> list[Prompt]:
+        """The request's prompts: its ``input`` as /v1/embeddings reads it, or its
+        ``messages`` rendered (``_conversation``).
+
+        Raises:
+            OpenAIError: 400 (param ``messages``) for both, (``input``, code
+                ``missing_required_parameter``) for neither; see ``_request_inputs``.
+        """
+        if req.input is not None and req.messages is not None:
+            raise OpenAIError("give input or messages, not both", param="messages",
+                              code="invalid_value")
+        if req.messages is not None:
+            return [await self._conversation(req, raw)]
+        if req.input is None:
+            raise OpenAIError("give input (or messages)", param="input",
+                              code="missing_required_parameter")
+        for name in ("add_generation_prompt", "continue_final_message", "chat_template",
+                     "chat_template_kwargs"):
+            if getattr(req, name) != EmbeddingRequest.model_fields[name].default:
+                raise OpenAIError(f"{name} applies to messages only", param=name,
+                                  code="invalid_value")
+        return await self._request_inputs(req.input, req.truncate_prompt_tokens,
+                                          req.add_special_tokens is not False)
+
+    async def _conversation(self, req: EmbeddingRequest, raw: Request) -> Prompt:
+        """``messages`` rendered with the chat template (the chat handler's ``render``;
+        special tokens only with ``add_special_tokens: true``), cut to
+        ``truncate_prompt_tokens`` as the tokenizer truncates the rendered text.
+
+        Raises:
+            OpenAIError: what ``render`` refuses (a model without a chat template, ...); 400
+                (param ``messages``, code ``context_length_exceeded``) for a conversation
+                longer than ``--max-model-len`` and no ``truncate_prompt_tokens``.
+        """
+        options = ChatOptions(req.add_generation_prompt, req.continue_final_message,
+                              bool(req.add_special_tokens), req.chat_template, None,
+                              req.chat_template_kwargs)
+        if self.chat is None:
+            raise OpenAIError("this endpoint takes input, not messages", param="messages",
+                              code="unsupported_parameter")
+        text, ids = await self.chat.render(req.messages, options, check_length=False,
+                                           size=body_size(raw))
+        try:
+            limit = truncation_length(req.truncate_prompt_tokens, self.engine.max_model_len)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="truncate_prompt_tokens",
+                              code="invalid_value") from None
+        if limit is not None and len(ids) > limit:
+            tokenizer = self.tokenizer
+            ids = await off_loop(len(text), lambda: list(tokenizer(
+                text, add_special_tokens=options.add_special_tokens, truncation=True,
+                max_length=limit)["input_ids"]))
+        if len(ids) > self.engine.max_model_len:
+            raise OpenAIError(f"the conversation has {len(ids)} tokens but max_model_len is "
+                              f"{self.engine.max_model_len}: send truncate_prompt_tokens to "
+                              "cut it", param="messages", code="context_length_exceeded")
+        return text, ids
 
     async def _request_inputs(self, value: str | list[int] | list[str] | list[list[int]],
                               truncate_prompt_tokens: int | None,

@@ -13,26 +13,18 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from kvflow.config import ServerConfig
-from kvflow.engine.async_llm import AsyncLLM
-from kvflow.entrypoints.chat_options import ChatOptions
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.pooling_encoding import check_encoding
-from kvflow.entrypoints.preprocess import off_loop
 from kvflow.entrypoints.protocol import (
     PoolingData,
     PoolingRequest,
     PoolingResponse,
     UsageInfo,
 )
-from kvflow.entrypoints.serving_base import body_size, request_activation, request_ids
-from kvflow.entrypoints.serving_chat import OpenAIServingChat
-from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding, Prompt
-from kvflow.entrypoints.serving_models import ServingModels
-from kvflow.entrypoints.unknown_fields import UnknownFields
+from kvflow.entrypoints.serving_base import request_activation, request_ids
+from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding
 from kvflow.models.pooling_config import TASK_VERB
 from kvflow.pooling_params import PoolingParams
-from kvflow.prompt_truncation import truncation_length
 
 # vLLM's pooling tasks kvflow does not run on /pooling, and what to use instead
 OTHER_TASKS = {
@@ -48,17 +40,7 @@ _RESULT = {"embed": "embeddings", "token_classify": "per-token classes"}
 
 
 class OpenAIServingPooling(OpenAIServingEmbedding):
-    """Handler of /pooling (see OpenAIServing for the constructor's first arguments).
-
-    Args:
-        chat: the server's chat handler, which renders ``messages``.
-    """
-
-    def __init__(self, engine: AsyncLLM, config: ServerConfig, model_name: str,
-                 models: ServingModels | None, unknown_fields: UnknownFields | None,
-                 chat: OpenAIServingChat) -> None:
-        super().__init__(engine, config, model_name, models, unknown_fields)
-        self.chat = chat
+    """Handler of /pooling (see OpenAIServingEmbedding for the constructor)."""
 
     async def create_pooling(self, req: PoolingRequest, raw: Request) -> Response:
         """Pool every input (or the conversation); answer in input order.
@@ -165,58 +147,3 @@ class OpenAIServingPooling(OpenAIServingEmbedding):
                               param=name, code="invalid_value")
         return PoolingParams(task=task, dimensions=req.dimensions, normalize=req.normalize,
                              use_activation=use_activation)
-
-    async def _inputs_of(self, req: PoolingRequest, raw: Request) -> list[Prompt]:
-        """The request's prompts: its ``input`` as /v1/embeddings reads it, or its
-        ``messages`` rendered (``_conversation``).
-
-        Raises:
-            OpenAIError: 400 (param ``messages``) for both, (``input``, code
-                ``missing_required_parameter``) for neither; see ``_request_inputs``.
-        """
-        if req.input is not None and req.messages is not None:
-            raise OpenAIError("give input or messages, not both", param="messages",
-                              code="invalid_value")
-        if req.messages is not None:
-            return [await self._conversation(req, raw)]
-        if req.input is None:
-            raise OpenAIError("give input (or messages)", param="input",
-                              code="missing_required_parameter")
-        for name in ("add_generation_prompt", "continue_final_message", "chat_template",
-                     "chat_template_kwargs"):
-            if getattr(req, name) != PoolingRequest.model_fields[name].default:
-                raise OpenAIError(f"{name} applies to messages only", param=name,
-                                  code="invalid_value")
-        return await self._request_inputs(req.input, req.truncate_prompt_tokens,
-                                          req.add_special_tokens is not False)
-
-    async def _conversation(self, req: PoolingRequest, raw: Request) -> Prompt:
-        """``messages`` rendered with the chat template (the chat handler's ``render``;
-        special tokens only with ``add_special_tokens: true``), cut to
-        ``truncate_prompt_tokens`` as the tokenizer truncates the rendered text.
-
-        Raises:
-            OpenAIError: what ``render`` refuses (a model without a chat template, ...); 400
-                (param ``messages``, code ``context_length_exceeded``) for a conversation
-                longer than ``--max-model-len`` and no ``truncate_prompt_tokens``.
-        """
-        options = ChatOptions(req.add_generation_prompt, req.continue_final_message,
-                              bool(req.add_special_tokens), req.chat_template, None,
-                              req.chat_template_kwargs)
-        text, ids = await self.chat.render(req.messages, options, check_length=False,
-                                           size=body_size(raw))
-        try:
-            limit = truncation_length(req.truncate_prompt_tokens, self.engine.max_model_len)
-        except ValueError as e:
-            raise OpenAIError(str(e), param="truncate_prompt_tokens",
-                              code="invalid_value") from None
-        if limit is not None and len(ids) > limit:
-            tokenizer = self.tokenizer
-            ids = await off_loop(len(text), lambda: list(tokenizer(
-                text, add_special_tokens=options.add_special_tokens, truncation=True,
-                max_length=limit)["input_ids"]))
-        if len(ids) > self.engine.max_model_len:
-            raise OpenAIError(f"the conversation has {len(ids)} tokens but max_model_len is "
-                              f"{self.engine.max_model_len}: send truncate_prompt_tokens to "
-                              "cut it", param="messages", code="context_length_exceeded")
-        return text, ids

@@ -18,7 +18,7 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
         ctx = first.get("ctx", {})
         return OpenAIError(f"{ctx.get('param')}: {ctx.get('why')}", param=ctx.get("param"),
                            code="invalid_unicode")
-    if first.get("type") in ("request_limit", "request_field"):  # raised before validation
+    if first.get("type") == "request_limit":  # raised before validation
         ctx = first.get("ctx", {})
         return OpenAIError(f"{ctx.get('param')}: {ctx.get('why')}", param=ctx.get("param"),
                            code=ctx.get("code"))

@@ -299,17 +299,27 @@ def test_pooling_embeds_inputs(bert, decoder):
                           "chat_template_kwargs")):
         resp = httpx.post(f"{server.url}/pooling", json=extra)
         assert (resp.status_code, resp.json()["error"]["param"]) == (400, param), resp.text
-    resp = httpx.post(f"{bert[0].url}/pooling", json={"messages": [{"role": "user",
-                                                                    "content": "hi"}]})
-    assert (resp.status_code, resp.json()["error"]["code"]) == (400, "no_chat_template")
+    for endpoint in ("/pooling", "/v1/embeddings"):
+        resp = httpx.post(f"{bert[0].url}{endpoint}",
+                          json={"messages": [{"role": "user", "content": "hi"}]})
+        assert (resp.status_code, resp.json()["error"]["code"]) == (400, "no_chat_template")
 
 
-def test_pooling_messages(decoder, tiny_tokenizer):
-    """/pooling with ``messages``: the conversation rendered by the server's chat template
-    (``--chat-template``, as /v1/chat/completions renders it; no generation prompt unless
-    asked) is embedded as that text would be (sentence-transformers' vector of the rendered
-    text, rendered here by hand); ``truncate_prompt_tokens`` keeps the rendered text's first
-    tokens."""
+def _vector(body: dict) -> list[float]:
+    """The first vector of a /pooling or /v1/embeddings reply."""
+    first = body["data"][0]
+    return first["data"] if "data" in first else first["embedding"]
+
+
+@pytest.mark.parametrize("endpoint", ["/pooling", "/v1/embeddings", "/invocations"])
+def test_pooling_messages(decoder, tiny_tokenizer, endpoint):
+    """``messages`` on /pooling and (vLLM's chat-style embedding request) /v1/embeddings, and
+    /invocations routing them there on an embedding server: the conversation rendered by the
+    server's chat template (``--chat-template``, as /v1/chat/completions renders it; no
+    generation prompt unless asked) is embedded as that text would be (sentence-transformers'
+    vector of the rendered text, rendered here by hand); ``truncate_prompt_tokens`` keeps the
+    rendered text's first tokens; both ``input`` and ``messages``, or a chat field with
+    ``input``, is a 400 naming the field."""
     server, st = decoder
     messages = [{"role": "system", "content": "be brief"},
                 {"role": "user", "content": "the quick brown fox"}]
@@ -317,24 +327,29 @@ def test_pooling_messages(decoder, tiny_tokenizer):
     assert tiny_tokenizer.encode(text) == tiny_tokenizer.encode(text, add_special_tokens=False)
     for extra, rendered in (({}, text),
                             ({"add_generation_prompt": True}, text + "<assistant>")):
-        body = httpx.post(f"{server.url}/pooling", timeout=60, json={
-            "messages": messages, **extra}).json()
-        _close(body["data"][0]["data"], st_embed(st, [rendered])[0])
+        body = httpx.post(f"{server.url}{endpoint}", timeout=60, json={
+            "messages": messages, "encoding_format": "float", **extra}).json()
+        _close(_vector(body), st_embed(st, [rendered])[0])
         n = len(tiny_tokenizer.encode(rendered))
         assert body["usage"]["prompt_tokens"] == n
     ids = tiny_tokenizer.encode(text)
-    body = httpx.post(f"{server.url}/pooling", timeout=60, json={
-        "messages": messages, "truncate_prompt_tokens": 5}).json()
+    body = httpx.post(f"{server.url}{endpoint}", timeout=60, json={
+        "messages": messages, "truncate_prompt_tokens": 5, "encoding_format": "float"}).json()
     same = httpx.post(f"{server.url}/pooling", timeout=60, json={"input": ids[:5]}).json()
-    _close(body["data"][0]["data"], torch.tensor(same["data"][0]["data"]))
+    _close(_vector(body), torch.tensor(same["data"][0]["data"]))
     assert body["usage"]["prompt_tokens"] == 5
+    for extra, param in (({"input": "a", "messages": messages}, "messages"),
+                         ({"input": "a", "add_generation_prompt": True},
+                          "add_generation_prompt")):
+        resp = httpx.post(f"{server.url}{endpoint}", json=extra, timeout=60)
+        assert (resp.status_code, resp.json()["error"]["param"]) == (400, param), resp.text
 
 
 def test_invocations_embeds_and_scores(bert):
     """SageMaker's /invocations on an embedding server: ``input`` embeds (equal to
     /v1/embeddings' answer and to sentence-transformers), ``text_1``/``text_2`` score as
-    /v1/score does; a chat body (no endpoint here takes ``messages``) is a 400 listing the
-    fields it could have had."""
+    /v1/score does; a body with none of the endpoints' fields is a 400 listing the fields it
+    could have had."""
     server, st = bert
     body = {"input": INPUTS, "encoding_format": "float"}
     routed = httpx.post(f"{server.url}/invocations", json=body, timeout=60).json()
@@ -348,8 +363,8 @@ def test_invocations_embeds_and_scores(bert):
     routed = httpx.post(f"{server.url}/invocations", json=body, timeout=60).json()
     direct = httpx.post(f"{server.url}/v1/score", json=body, timeout=60).json()
     assert [d["score"] for d in routed["data"]] == [d["score"] for d in direct["data"]]
-    refused = httpx.post(f"{server.url}/invocations", timeout=60,
-                         json={"messages": [{"role": "user", "content": "hi"}]})
+    refused = httpx.post(f"{server.url}/invocations", timeout=60, json={"text": "hi"})
     assert refused.status_code == 400
     message = refused.json()["error"]["message"]
-    assert "input for /v1/embeddings" in message and "text_1 or text_2 for /v1/score" in message
+    assert "input or messages for /v1/embeddings" in message, message
+    assert "text_1 or text_2 for /v1/score" in message, message

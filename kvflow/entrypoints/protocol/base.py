@@ -80,15 +80,6 @@ def request_limit(param: str, why: str) -> PydanticCustomError:
                                {"param": param, "code": "array_above_max_length", "why": why})
 
 
-def unsupported_field(param: str, why: str) -> PydanticCustomError:
-    """The error for a body field kvflow does not take on this endpoint, raised before the
-    body is validated, so that a missing required field does not hide it: the server
-    answers it with a 400 at ``param`` (code ``unsupported_parameter``) saying ``why``
-    (``validation_errors``)."""
-    return PydanticCustomError("request_field", "{why}",
-                               {"param": param, "code": "unsupported_parameter", "why": why})
-
-
 # ---- shared request fields -----------------------------------------------------------------------
 class RequestBody(RequestModel):
     """A top-level request body: all its text is checked for lone surrogates before

@@ -11,8 +11,8 @@ from kvflow.entrypoints.protocol.base import (
     OpenAIBaseModel,
     RequestBody,
     now,
-    unsupported_field,
 )
+from kvflow.entrypoints.protocol.chat import ChatMessage, check_list_caps
 
 
 class EmbeddingRequest(RequestBody):
@@ -33,29 +33,26 @@ class EmbeddingRequest(RequestBody):
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
-    input: str | list[int] | list[str] | list[list[int]]  # ids first: see CompletionRequest
+    input: str | list[int] | list[str] | list[list[int]] | None = None  # ids first: see
+    messages: list[ChatMessage] | None = Field(None, min_length=1)  # CompletionRequest
     encoding_format: Literal["float", "base64", "bytes"] = "float"
     embed_dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "float32"
     endianness: Literal["native", "big", "little"] = "native"
     dimensions: int | None = Field(None, ge=1, le=INT32_MAX)
     user: str | None = None
     normalize: bool | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="wrap")
     @classmethod
-    def _messages_instead_of_input(cls, data: Any, handler: Any) -> Any:
-        """vLLM's chat-style body (``messages``, no ``input``) is a 400 naming ``messages``
-        (pointing to /pooling, which renders them), not "input: a required field". A
-        subclass declaring ``messages`` (/pooling's PoolingRequest) reads them itself."""
-        if "messages" not in cls.model_fields and isinstance(data, dict) \
-                and data.get("input") is None and data.get("messages") is not None:
-            raise unsupported_field("messages", "/v1/embeddings takes input only (vLLM's "
-                                    "chat-style embedding request is not served here): send "
-                                    "the text as input, or POST the messages to /pooling, "
-                                    "which renders them with the chat template")
+    def _cap_lists(cls, data: Any, handler: Any) -> Any:
+        check_list_caps(data)  # as chat's: before the body's other checks
         return handler(data)
 
 

@@ -3,46 +3,27 @@ an embedding model's vectors, a sequence classifier's class probabilities."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from kvflow.entrypoints.protocol.base import OpenAIBaseModel, now
-from kvflow.entrypoints.protocol.chat import ChatMessage, check_list_caps
 from kvflow.entrypoints.protocol.embeddings import EmbeddingRequest
 from kvflow.entrypoints.protocol.responses import UsageInfo
 
 
 class PoolingRequest(EmbeddingRequest):
-    """POST /pooling: /v1/embeddings' fields (their meaning and checks), with exactly one of
-    ``input`` (as /v1/embeddings takes it) and ``messages`` (one chat conversation rendered
-    with the chat template as /v1/chat/completions renders it, with its template fields
-    ``add_generation_prompt`` (default false here, as vLLM's pooling chat request),
-    ``continue_final_message``, ``chat_template`` and ``chat_template_kwargs``).
-    ``add_special_tokens`` defaults to true for ``input`` and false for ``messages`` (the
-    template writes them). vLLM's ``task``: ``embed`` or ``classify``, where the server's
-    model runs it (None: ``embed`` on an embedding server, else ``classify``); ``dimensions``
-    and ``normalize`` apply to ``embed`` only; ``activation`` / ``use_activation`` to the head
+    """POST /pooling: /v1/embeddings' fields (their meaning and checks: ``input`` or
+    ``messages``) and vLLM's ``task``: ``embed`` or ``classify``, where the server's model
+    runs it (None: ``embed`` on an embedding server, else ``classify``); ``dimensions`` and
+    ``normalize`` apply to ``embed`` only; ``activation`` / ``use_activation`` to the head
     tasks, and vLLM 0.10's reward-model ``softmax`` (the same switch) to ``token_classify``
     only."""
 
-    input: str | list[int] | list[str] | list[list[int]] | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = False
-    continue_final_message: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
     task: str | None = None
     activation: bool | None = None  # vLLM 0.10's name of use_activation
     use_activation: bool | None = None  # False: raw head logits, no softmax / sigmoid
     softmax: bool | None = None  # vLLM 0.10's reward-model name of it: token_classify only
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _cap_lists(cls, data: Any, handler: Any) -> Any:
-        check_list_caps(data)  # as chat's: before the body's other checks
-        return handler(data)
 
 
 class PoolingData(OpenAIBaseModel):
