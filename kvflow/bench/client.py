@@ -29,10 +29,11 @@ class RequestResult:
     Attributes:
         success: a 200 response whose stream ended without an error event.
         start: when the request was sent.
-        token_times: arrival of every chunk carrying generated tokens (text, token ids or
-            the finishing chunk, whose text may be empty).
+        token_times: arrival of every chunk carrying generated tokens (text, a chat delta's
+            reasoning or tool-call pieces, token ids or the finishing chunk, whose text may be
+            empty).
         end: when the response ended (after the usage chunk and ``[DONE]``).
-        text: the generated text.
+        text: the generated text (a chat reply's reasoning and tool-call pieces included).
         prompt_tokens / completion_tokens: from the server's usage chunk (None if not sent).
         error: HTTP status and error body, or the exception, of a failed request.
     """
@@ -66,16 +67,38 @@ def _chunk_text(obj: dict[str, Any], endpoint: str) -> tuple[str, bool]:
     """Generated text of one stream chunk, and whether the chunk carries generated tokens:
     text, token ids (vLLM's ``return_token_ids``) or a ``finish_reason`` (the chunk that ends
     the choice carries its last tokens, whose text may be empty: an EOS or other special
-    token). Role-only and usage-only chunks carry none."""
+    token). A chat delta's tokens may also be reasoning (``reasoning_content``, or vLLM's
+    newer ``reasoning``, under a reasoning parser) or a tool call's name and arguments
+    (``tool_calls``, under a tool parser): their text is part of the generated text, and
+    their chunks carry tokens as ``content`` chunks do. Role-only and usage-only chunks carry
+    none."""
     choices = obj.get("choices") or []
     if not choices:
         return "", False
     choice = choices[0]
     if endpoint == "chat":
-        text = (choice.get("delta") or {}).get("content") or ""
+        delta = choice.get("delta") or {}
+        text = "".join(_delta_texts(delta))
+        carries = bool(text or delta.get("tool_calls"))
     else:
         text = choice.get("text") or ""
-    return text, bool(text or choice.get("token_ids") or choice.get("finish_reason"))
+        carries = bool(text)
+    return text, bool(carries or choice.get("token_ids") or choice.get("finish_reason"))
+
+
+def _delta_texts(delta: dict[str, Any]) -> list[str]:
+    """The generated text pieces of one chat delta: reasoning (``reasoning_content``, else
+    ``reasoning``: a server may send both, the same text), content, then each tool call's
+    name and arguments (non-string values are left out)."""
+    reasoning = delta.get("reasoning_content")
+    if not isinstance(reasoning, str):
+        reasoning = delta.get("reasoning")
+    pieces = [reasoning, delta.get("content")]
+    for call in delta.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            pieces += [function.get("name"), function.get("arguments")]
+    return [p for p in pieces if isinstance(p, str)]
 
 
 def _apply_event(result: RequestResult, data: str, endpoint: str, now: float) -> bool:

@@ -127,6 +127,36 @@ def test_ttft_waits_for_a_token_chunk_not_the_role_chunk():
     assert r["itls"] == [pytest.approx([0.2])] and r["mean_tpot_ms"] == pytest.approx(200.0)
 
 
+def test_reasoning_and_tool_call_chunks_carry_tokens():
+    # a server with a reasoning parser streams the thinking as reasoning_content deltas
+    # (10.1, 10.2), then the answer as content (10.9), then a tool call's pieces (11.0, 11.1):
+    # every one of them carries generated tokens, so TTFT is the first reasoning chunk's
+    # (was: the first content chunk's, 900 ms, and the 10.2 -> 10.9 gap was one ITL)
+    def delta(finish=None, **fields):
+        return {"choices": [{"index": 0, "delta": fields, "finish_reason": finish}]}
+
+    call = {"index": 0, "id": "c1", "type": "function",
+            "function": {"name": "get", "arguments": ""}}
+    args = {"index": 0, "function": {"arguments": '{"x": 1}'}}
+    res = _streamed([(10.01, delta(role="assistant", content="")),
+                     (10.1, delta(reasoning_content="Let me")),
+                     (10.2, delta(reasoning_content=" think")),
+                     (10.9, delta(content="Sure")),
+                     (11.0, delta(tool_calls=[call])),
+                     (11.1, delta("tool_calls", tool_calls=[args])),
+                     (11.2, _usage(4, 6))], endpoint="chat")
+    assert res.token_times == [10.1, 10.2, 10.9, 11.0, 11.1]
+    assert res.text == 'Let me thinkSureget{"x": 1}'
+    r = _summary([res])
+    assert r["mean_ttft_ms"] == pytest.approx(100.0)
+    assert r["itls"] == [pytest.approx([0.1, 0.7, 0.1, 0.1])]
+    assert r["mean_tpot_ms"] == pytest.approx(200.0)  # (1100 - 100) / (6 - 1)
+    # vLLM's newer field name; a server sending both names (the same text) counts it once
+    both = _streamed([(10.3, delta(reasoning="a", reasoning_content="a")),
+                      (10.4, delta("stop", reasoning="b"))], endpoint="chat")
+    assert both.token_times == [10.3, 10.4] and both.text == "ab"
+
+
 def test_result_has_vllm_e2el_keys():
     # two requests: last token chunks at 10.3 and 10.5 (sent at 10.0) -> E2E 300 and 500 ms
     a = _streamed([(10.1, _chunk("a")), (10.3, _chunk("b", "length")), (10.4, _usage(4, 2))])
