@@ -15,7 +15,11 @@ from kvflow.core.encoder_cache_manager import EncoderCacheManager
 from kvflow.core.engine_dtype import cpu_dtype_measure, resolve_dtype
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.kv_cache_sizing import make_kv_cache_config, model_positions
-from kvflow.core.kv_cache_utils import kv_bytes_per_token, max_tokens_per_request
+from kvflow.core.kv_cache_utils import (
+    kv_bytes_per_token,
+    max_concurrency,
+    max_tokens_per_request,
+)
 from kvflow.core.kv_event_publisher import make_kv_event_publisher
 from kvflow.core.kv_events import MEDIUM_CPU, MEDIUM_GPU
 from kvflow.core.kv_swap import SwapManager
@@ -198,8 +202,8 @@ class EngineCoreStartup:
                                                     self.dtype)
         self.num_blocks = self.kv_cache_config.num_blocks
         self.executor.initialize_kv_cache(self.kv_cache_config)
-        capacity = max_tokens_per_request(self.kv_cache_config,
-                                          self.config.scheduler_config.max_num_batched_tokens)
+        step_tokens = self.config.scheduler_config.max_num_batched_tokens
+        capacity = max_tokens_per_request(self.kv_cache_config, step_tokens)
         model_len = self.config.model_config.max_model_len or positions or capacity
         if model_len > capacity:
             logger.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it",
@@ -217,7 +221,9 @@ class EngineCoreStartup:
                     "%d; max concurrency at full length %.1f requests; %d bytes per token; "
                     "weights %.1f MiB", self.num_blocks,
                     cc.block_size, capacity, len(self.kv_cache_config.kv_cache_groups),
-                    self.max_model_len, capacity / self.max_model_len, self.kv_bytes_per_token,
+                    self.max_model_len,
+                    max_concurrency(self.kv_cache_config, step_tokens, self.max_model_len),
+                    self.kv_bytes_per_token,
                     self.weight_bytes / 2**20)
         log_scheduling(self.config.scheduler_config)
 

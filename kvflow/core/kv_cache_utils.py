@@ -75,6 +75,23 @@ def max_tokens_per_request(config: KVCacheConfig, max_num_batched_tokens: int) -
     return lo
 
 
+def max_concurrency(config: KVCacheConfig, max_num_batched_tokens: int,
+                    max_model_len: int) -> float:
+    """Requests of ``max_model_len`` tokens the pool holds at once: usable blocks over the
+    blocks one such request holds (every full-attention group all of its blocks, a
+    sliding-window group at most its window plus one step's chunk), as vLLM's "maximum
+    concurrency" at start-up. Fractional (1.5: one request, and half of another).
+
+    Args:
+        config: the sized pool (block 0 is the null block and never handed out).
+        max_num_batched_tokens: the scheduler's token budget per step.
+        max_model_len: tokens of one request (>= 1).
+    """
+    need = sum(g.kv_cache_spec.max_num_blocks(max_model_len, max_num_batched_tokens)
+               for g in config.kv_cache_groups)
+    return (config.num_blocks - 1) / need
+
+
 def kv_bytes_per_token(config: KVCacheConfig) -> int:
     """KV-cache bytes one token occupies: one slot of a block in every group's layers (with a
     quantized cache's scales, as the specs count them), and in a draft model's layers."""

@@ -1,11 +1,18 @@
-"""The KV-cache grouping rule and the per-request capacity, against hand-worked layouts."""
+"""The KV-cache grouping rule, the per-request capacity and the concurrency at full length,
+against hand-worked layouts."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
 
-from kvflow.core.kv_cache_utils import group_kv_cache_specs, max_tokens_per_request
+from kvflow.core.kv_cache_utils import (
+    group_kv_cache_specs,
+    max_concurrency,
+    max_tokens_per_request,
+)
 from kvflow.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -69,3 +76,36 @@ def test_capacity_counts_full_groups_in_full_and_sliding_groups_by_window():
     # ceil(n/4) + min(ceil(n/4), 7) blocks, so n = 14 * 4 = 56 tokens is the longest that fits.
     two = KVCacheConfig(22, (KVCacheGroupSpec(("a",), FULL), KVCacheGroupSpec(("b",), local())))
     assert max_tokens_per_request(two, 16) == 56
+
+
+def test_concurrency_counts_the_blocks_one_full_length_request_holds():
+    one = KVCacheConfig(11, (KVCacheGroupSpec(("a",), FULL),))
+    assert max_concurrency(one, 16, 20) == 10 / 5  # 10 usable blocks, 5 per 20 tokens
+    # 1 full + 1 sliding group (window 8, chunk 16: at most 7 blocks), 21 usable blocks: a
+    # 16-token request holds 4 + 4 blocks, so 21 / 8 of them fit (capacity / length would
+    # say 56 / 16 = 3.5); a 56-token one holds 14 + 7
+    two = KVCacheConfig(22, (KVCacheGroupSpec(("a",), FULL), KVCacheGroupSpec(("b",), local())))
+    assert max_concurrency(two, 16, 16) == 21 / 8
+    assert max_concurrency(two, 16, 56) == 1.0
+    # sliding layers only (Mistral): a request holds at most 7 blocks however long it is, so
+    # three requests of the longest length (84 tokens) fit, not one
+    mistral = KVCacheConfig(22, (KVCacheGroupSpec(("a",), local()),))
+    assert max_tokens_per_request(mistral, 16) == 84
+    assert max_concurrency(mistral, 16, 84) == 3.0
+
+
+def test_startup_line_states_the_concurrency_of_a_hybrid_model(tiny_model_factory, caplog):
+    """Gemma 3's tiny model (one full and one local layer, window 8) with 21 usable blocks of
+    4 tokens and max_model_len 16: each request holds 4 blocks per group, so 21 / 8 = 2.6
+    requests fit (the line said capacity / max_model_len: 56 / 16 = 3.5)."""
+    from kvflow import LLM
+
+    with caplog.at_level(logging.INFO, logger="kvflow"):
+        llm = LLM(model=tiny_model_factory("gemma3").path, dtype="float32", device="cpu",
+                  num_kv_blocks=22, block_size=BS, max_model_len=16,
+                  max_num_batched_tokens=16, enforce_eager=True)
+    llm.shutdown()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+    assert "one request can hold 56 tokens, in 2 group(s); max_model_len 16; max " \
+           "concurrency at full length 2.6 requests" in lines[0]
