@@ -29,9 +29,8 @@ class RequestResult:
     Attributes:
         success: a 200 response whose stream ended without an error event.
         start: when the request was sent.
-        token_times: arrival of every chunk carrying generated tokens (text, a chat delta's
-            reasoning or tool-call pieces, token ids or the finishing chunk, whose text may be
-            empty).
+        token_times: arrival of every chunk carrying generated tokens: every chunk with a
+            choice but a chat role chunk (see ``_chunk_text``).
         end: when the response ended (after the usage chunk and ``[DONE]``).
         text: the generated text (a chat reply's reasoning and tool-call pieces included).
         prompt_tokens / completion_tokens: from the server's usage chunk (None if not sent).
@@ -64,26 +63,27 @@ def build_payload(req: BenchRequest, endpoint: str, model: str, ignore_eos: bool
 
 
 def _chunk_text(obj: dict[str, Any], endpoint: str) -> tuple[str, bool]:
-    """Generated text of one stream chunk, and whether the chunk carries generated tokens:
-    text, token ids (vLLM's ``return_token_ids``) or a ``finish_reason`` (the chunk that ends
-    the choice carries its last tokens, whose text may be empty: an EOS or other special
-    token). A chat delta's tokens may also be reasoning (``reasoning_content``, or vLLM's
-    newer ``reasoning``, under a reasoning parser) or a tool call's name and arguments
-    (``tool_calls``, under a tool parser): their text is part of the generated text, and
-    their chunks carry tokens as ``content`` chunks do. Role-only and usage-only chunks carry
-    none."""
+    """Generated text of one stream chunk, and whether the chunk carries generated tokens.
+
+    Every chunk with a choice does, its text possibly empty (vLLM's rule): a server streams
+    a chunk for tokens that have no text yet (vLLM's, for part of a UTF-8 character or a
+    skipped special token; kvflow's with ``logprobs`` or ``return_token_ids``), and the chunk
+    that ends the choice carries its last tokens (an EOS: no text). A chat delta's tokens may
+    also be reasoning (``reasoning_content``, or vLLM's newer ``reasoning``, under a
+    reasoning parser) or a tool call's name and arguments (``tool_calls``, under a tool
+    parser): their text is part of the generated text. Only a chat role chunk (a ``role``
+    and no text: the reply's announcement, which some servers send before the prefill) and
+    usage-only chunks carry none."""
     choices = obj.get("choices") or []
     if not choices:
         return "", False
     choice = choices[0]
-    if endpoint == "chat":
-        delta = choice.get("delta") or {}
-        text = "".join(_delta_texts(delta))
-        carries = bool(text or delta.get("tool_calls"))
-    else:
-        text = choice.get("text") or ""
-        carries = bool(text)
-    return text, bool(carries or choice.get("token_ids") or choice.get("finish_reason"))
+    if endpoint != "chat":
+        return choice.get("text") or "", True
+    delta = choice.get("delta") or {}
+    text = "".join(_delta_texts(delta))
+    role_only = "role" in delta and not text and not delta.get("tool_calls")
+    return text, not role_only or bool(choice.get("token_ids") or choice.get("finish_reason"))
 
 
 def _delta_texts(delta: dict[str, Any]) -> list[str]:

@@ -127,6 +127,29 @@ def test_ttft_waits_for_a_token_chunk_not_the_role_chunk():
     assert r["itls"] == [pytest.approx([0.2])] and r["mean_tpot_ms"] == pytest.approx(200.0)
 
 
+def test_chunks_of_tokens_without_text_yet_are_token_chunks():
+    # vLLM's server streams one chunk per step, its text empty while a character's UTF-8
+    # bytes are incomplete: " a" at 10.1, the first byte of an emoji at 10.2 (""), the rest
+    # at 10.3, then "b" at 10.4 (finishing): 4 tokens, 3 gaps of 100 ms (was: the empty
+    # chunk skipped, 2 gaps of 100 and 200 ms)
+    res = _streamed([(10.1, _chunk(" a")), (10.2, _chunk("")), (10.3, _chunk("\U0001F600")),
+                     (10.4, _chunk("b", "length")), (10.5, _usage(4, 4))])
+    assert res.token_times == [10.1, 10.2, 10.3, 10.4] and res.text == " a\U0001F600b"
+    r = _summary([res])
+    assert r["itls"] == [pytest.approx([0.1, 0.1, 0.1])]
+    assert r["mean_tpot_ms"] == pytest.approx(100.0)
+    # a first token without text: TTFT is its chunk's (was: the next one's, 200 ms)
+    first = _streamed([(10.1, _chunk("")), (10.2, _chunk("\u00e9", "length"))])
+    assert _summary([first])["mean_ttft_ms"] == pytest.approx(100.0)
+    # chat: the role chunk carries no token, a later empty content chunk does
+    chat = _streamed([(10.05, {"choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                     "content": ""}}]}),
+                      (10.1, {"choices": [{"index": 0, "delta": {"content": ""}}]}),
+                      (10.2, {"choices": [{"index": 0, "delta": {"content": "\u00e9"},
+                                           "finish_reason": "length"}]})], endpoint="chat")
+    assert chat.token_times == [10.1, 10.2] and chat.text == "\u00e9"
+
+
 def test_reasoning_and_tool_call_chunks_carry_tokens():
     # a server with a reasoning parser streams the thinking as reasoning_content deltas
     # (10.1, 10.2), then the answer as content (10.9), then a tool call's pieces (11.0, 11.1):
