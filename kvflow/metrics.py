@@ -291,7 +291,8 @@ class RequestStatsTracker:
             m.request_success.labels(m.model_name, finish_reason).inc()
 
     def forget(self, request_id: str) -> None:
-        """Drop a request that never ran (refused by admission control): nothing recorded."""
+        """Drop a request that never ran (refused by admission control, or by the engine core
+        before scheduling it: the client got an error): nothing recorded."""
         self._requests.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:

@@ -46,8 +46,9 @@ def test_ttft_tpot_and_lengths_by_hand():
 
 
 def test_a_request_that_ends_without_a_token_has_no_ttft():
-    """The engine refused it (an abort output with no token): nothing was served, so no
-    time to first token and no prompt tokens are recorded; it counts as aborted."""
+    """The engine aborted it before its first token (an abort output with no token and no
+    error: a refusal with an error is forgotten instead, see below): nothing was served, so
+    no time to first token and no prompt tokens are recorded; it counts as aborted."""
     metrics = ServerMetrics("m")
     tracker = RequestStatsTracker(metrics)
     tracker.start("r", 10.0, 3, 1)
@@ -56,3 +57,45 @@ def test_a_request_that_ends_without_a_token_has_no_ttft():
     assert got["kvflow:time_to_first_token_seconds_count"] == 0
     assert got["kvflow:prompt_tokens_total"] == 0
     assert metrics.request_success.labels("m", "abort")._value.get() == 1
+
+
+def _open_requests(tokenizer, n: int):
+    """OpenRequests of one server (one replica) holding request "r": ``n`` samples of a
+    3-token prompt, arrived at t=10."""
+    from kvflow.engine.dp_balancer import DPLoadBalancer
+    from kvflow.engine.open_requests import OpenRequests
+    from kvflow.input_processor import InputProcessor
+    from kvflow.output_processor import OutputProcessor
+    from kvflow.sampling_params import SamplingParams
+
+    metrics = ServerMetrics("m")
+    requests = InputProcessor(tokenizer, 128, len(tokenizer), tokenizer.eos_token_id) \
+        .make_requests("r", [5, 6, 7], SamplingParams(n=n, max_tokens=4))
+    open_requests = OpenRequests(OutputProcessor(tokenizer), RequestStatsTracker(metrics),
+                                 DPLoadBalancer(1, 16), metrics, admission_control=False)
+    stream = open_requests.open("r", None, requests, 10.0, 0)
+    return metrics, open_requests, stream, [r.request_id for r in requests]
+
+
+def test_a_request_the_core_refuses_is_not_counted_as_finished(tiny_tokenizer):
+    """The core refuses both samples of an n=2 request before scheduling them (its grammar
+    did not compile): the client gets a 400, so /metrics records nothing for it, as for a
+    request admission control refuses (was: 2 samples counted as finished with reason
+    abort); a client's abort of a running request still counts."""
+    from kvflow.engine.messages import EngineOutputs
+    from kvflow.engine.streams import RequestRefused
+    from kvflow.engine_outputs import EngineCoreOutput, EngineStats
+
+    metrics, open_requests, stream, sample_ids = _open_requests(tiny_tokenizer, 2)
+    refused = [EngineCoreOutput(sid, [], finish_reason="abort", error="the grammar did not "
+                                "compile") for sid in sample_ids]
+    open_requests.deliver(EngineOutputs(refused, EngineStats()))
+    assert isinstance(stream._queue.get_nowait(), RequestRefused)
+    for reason in ("stop", "length", "abort"):
+        assert metrics.request_success.labels("m", reason)._value.get() == 0
+    assert _samples(metrics)["kvflow:e2e_request_latency_seconds_count"] == 0
+
+    metrics, open_requests, _, sample_ids = _open_requests(tiny_tokenizer, 2)
+    open_requests.deliver(EngineOutputs([EngineCoreOutput(sample_ids[0], [9])], EngineStats()))
+    assert open_requests.abort("r")[0] == sample_ids  # the client went away
+    assert metrics.request_success.labels("m", "abort")._value.get() == 2

@@ -90,11 +90,14 @@ class OpenRequests:
                 retry_after_s: float | None = None) -> list[str]:
         """End the user request of ``sample_id`` with ``RequestRefused(message)`` (busy:
         ``retry_after_s`` set); returns
-        its sample ids (to abort on the core: the others may still be waiting there)."""
+        its sample ids (to abort on the core: the others may still be waiting there). The
+        client gets an error (400, or 429 when busy), so the metrics forget the request, as
+        they do one admission control refuses: it is not a finished (aborted) request."""
         parent = self.output_processor.parent_of(sample_id)
         if parent is None:
             return []
         stream = self.streams.get(parent)
+        self.tracker.forget(parent)
         sample_ids, _ = self.abort(parent)
         if stream is not None:
             error = RequestRefused(message, retry_after_s=retry_after_s)
