@@ -73,17 +73,22 @@ def _chunk_text(obj: dict[str, Any], endpoint: str) -> tuple[str, bool]:
     reasoning parser) or a tool call's name and arguments (``tool_calls``, under a tool
     parser): their text is part of the generated text. Only a chat role chunk (a ``role``
     and no text: the reply's announcement, which some servers send before the prefill) and
-    usage-only chunks carry none."""
+    usage chunks carry none: one without choices, or one whose choice is empty (no text,
+    token ids or finish reason: a server's final usage chunk with an empty choice)."""
     choices = obj.get("choices") or []
     if not choices:
         return "", False
     choice = choices[0]
-    if endpoint != "chat":
-        return choice.get("text") or "", True
-    delta = choice.get("delta") or {}
-    text = "".join(_delta_texts(delta))
-    role_only = "role" in delta and not text and not delta.get("tool_calls")
-    return text, not role_only or bool(choice.get("token_ids") or choice.get("finish_reason"))
+    if endpoint == "chat":
+        delta = choice.get("delta") or {}
+        text = "".join(_delta_texts(delta))
+        filled, role_chunk = bool(text or delta.get("tool_calls")), "role" in delta
+    else:
+        text = choice.get("text") or ""
+        filled, role_chunk = bool(text), False
+    if filled or choice.get("token_ids") or choice.get("finish_reason"):
+        return text, True
+    return text, not role_chunk and not obj.get("usage")  # empty: tokens without text yet
 
 
 def _delta_texts(delta: dict[str, Any]) -> list[str]:

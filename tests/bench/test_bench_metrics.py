@@ -148,6 +148,12 @@ def test_chunks_of_tokens_without_text_yet_are_token_chunks():
                       (10.2, {"choices": [{"index": 0, "delta": {"content": "\u00e9"},
                                            "finish_reason": "length"}]})], endpoint="chat")
     assert chat.token_times == [10.1, 10.2] and chat.text == "\u00e9"
+    # a final usage chunk whose choice is empty carries no token either (E2E stays at 10.2)
+    usage_in_choice = {"choices": [{"index": 0, "text": "", "finish_reason": None}],
+                       "usage": {"prompt_tokens": 4, "completion_tokens": 2}}
+    late = _streamed([(10.1, _chunk("a")), (10.2, _chunk("b", "length")),
+                      (10.6, usage_in_choice)])
+    assert late.token_times == [10.1, 10.2] and late.completion_tokens == 2
 
 
 def test_reasoning_and_tool_call_chunks_carry_tokens():
