@@ -4,7 +4,8 @@
 ``KVFLOW_SERVER_DEV_MODE`` parsing; /reset_prefix_cache's answers for a reset, a refusal and
 a query parameter; /server_info's config (the key masked); /invocations' refusals equal the
 direct endpoint's for the same bad body, and a body of no known shape is a 400 naming the
-fields it could have had. The served model's answers: tests/e2e/test_openai_ops_routes.py."""
+fields it could have had; /load's counter covers every generation and pooling route. The
+served model's answers: tests/e2e/test_openai_ops_routes.py."""
 
 from __future__ import annotations
 
@@ -122,3 +123,27 @@ def test_invocations_body_of_no_known_shape():
     assert "prompt or prompt_embeds for /v1/completions" in message
     assert "/v1/embeddings" not in message
     assert client.post("/invocations", json=[1]).status_code == 400
+
+
+ENGINE_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings",
+                 "/pooling", "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank",
+                 "/classify", "/v1/classify", "/invocations"]
+
+
+@pytest.mark.parametrize("path, counted", [*((p, 1) for p in ENGINE_ROUTES),
+                                           ("/tokenize", 0), ("/detokenize", 0)])
+def test_server_load_counts_every_generation_and_pooling_route(path, counted):
+    """/load counts a POST to each route README lists as generation or pooling while it
+    runs (was: /pooling, /score and /v2/rerank uncounted), not /tokenize's."""
+    import asyncio
+
+    from kvflow.entrypoints.server_load import ServerLoad, ServerLoadMiddleware
+
+    load, seen = ServerLoad(), []
+
+    async def app(scope, receive, send):
+        seen.append(load.value)
+
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": ""}
+    asyncio.run(ServerLoadMiddleware(app, load)(scope, None, None))
+    assert (seen, load.value) == ([counted], 0)

@@ -9,8 +9,9 @@ from typing import Any
 
 # POST routes whose requests run on the engine (vLLM counts the same kinds of endpoint)
 TRACKED_PATHS = frozenset({
-    "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings",
-    "/v1/score", "/v1/rerank", "/rerank", "/classify", "/v1/classify", "/invocations"})
+    "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/pooling",
+    "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank", "/classify", "/v1/classify",
+    "/invocations"})
 
 
 class ServerLoad:
