@@ -197,7 +197,9 @@ class ServerMetrics:
         self.num_waiting.labels(self.model_name, engine).set(0)
 
     def _record_spec_decode(self, stats: EngineStats, last: EngineStats, engine: str) -> None:
-        """Speculative decoding's counters and gauges of one replica."""
+        """Speculative decoding's counters and gauges of one replica. Every counter's series
+        exists (at 0) from the first draft on, accepted tokens and each drafted position's
+        too, so a ratio of two of them is defined before the first acceptance."""
         name = self.model_name
         for counter, now, before in (
                 (self.spec_drafts, stats.spec_decode_num_drafts, last.spec_decode_num_drafts),
@@ -205,13 +207,15 @@ class ServerMetrics:
                  last.spec_decode_num_draft_tokens),
                 (self.spec_accepted_tokens, stats.spec_decode_num_accepted_tokens,
                  last.spec_decode_num_accepted_tokens)):
+            series = counter.labels(name, engine)
             if now > before:
-                counter.labels(name, engine).inc(now - before)
+                series.inc(now - before)
         before_pos = last.spec_decode_num_accepted_tokens_per_pos
         for pos, now in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
             before = before_pos[pos] if pos < len(before_pos) else 0
+            series = self.spec_accepted_per_pos.labels(name, engine, str(pos))
             if now > before:
-                self.spec_accepted_per_pos.labels(name, engine, str(pos)).inc(now - before)
+                series.inc(now - before)
         if stats.spec_decode_num_draft_tokens:
             self.spec_acceptance_rate.labels(name, engine).set(
                 stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens)

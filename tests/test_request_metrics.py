@@ -99,3 +99,26 @@ def test_a_request_the_core_refuses_is_not_counted_as_finished(tiny_tokenizer):
     open_requests.deliver(EngineOutputs([EngineCoreOutput(sample_ids[0], [9])], EngineStats()))
     assert open_requests.abort("r")[0] == sample_ids  # the client went away
     assert metrics.request_success.labels("m", "abort")._value.get() == 2
+
+
+def test_spec_decode_series_exist_at_zero_before_the_first_acceptance():
+    """Two verification steps of 2 drafts each, none accepted: the accepted-token counters
+    (in total and at positions 0 and 1) are exported at 0 beside the 2 drafts and 4 draft
+    tokens (was: absent until a draft token was accepted), the acceptance rate at 0."""
+    from kvflow.engine_outputs import EngineStats
+
+    metrics = ServerMetrics("m")
+    stats = EngineStats()
+    stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens = 2, 4
+    stats.spec_decode_num_accepted_tokens_per_pos = [0, 0]
+    metrics.record_engine_stats(stats)
+    got = {(s.name, s.labels.get("position")): s.value
+           for fam in text_string_to_metric_families(metrics.render().decode())
+           for s in fam.samples if s.name.startswith("kvflow:spec_decode")}
+    assert got[("kvflow:spec_decode_num_drafts_total", None)] == 2
+    assert got[("kvflow:spec_decode_num_draft_tokens_total", None)] == 4
+    assert got[("kvflow:spec_decode_num_accepted_tokens_total", None)] == 0
+    assert got[("kvflow:spec_decode_num_accepted_tokens_per_pos_total", "0")] == 0
+    assert got[("kvflow:spec_decode_num_accepted_tokens_per_pos_total", "1")] == 0
+    assert got[("kvflow:spec_decode_draft_acceptance_rate", None)] == 0
+    assert got[("kvflow:spec_decode_mean_acceptance_length", None)] == 1
