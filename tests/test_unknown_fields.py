@@ -191,3 +191,61 @@ def test_embeddings_take_messages(extra):
         assert body.add_generation_prompt is True and not body.unknown_fields, request_type
         both = request_type.model_validate({"input": "hi", "messages": HI})
         assert not both.unknown_fields and both.input == "hi", request_type
+
+
+def _served_error(model: type, body: dict, ignore: bool = False) -> dict:
+    """The 400 body the server answers for ``body`` when the schema refuses it."""
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from kvflow.entrypoints.validation_errors import validation_error
+
+    with pytest.raises(ValidationError) as e:
+        model.model_validate(body)
+    errors = [{**x, "loc": ("body", *x["loc"])} for x in e.value.errors()]
+    return validation_error(RequestValidationError(errors), UnknownFields(ignore),
+                            "/x").body()["error"]
+
+
+# the endpoints whose minimal body's first field is required, with that field
+REQUIRED = {endpoint: next(iter(body)) for endpoint, (model, body) in BODIES.items()
+            if model.model_fields[next(iter(body))].is_required()}
+
+
+def test_required_fields_cover_the_endpoints_that_have_one():
+    """(/v1/completions, /v1/embeddings, /pooling and /tokenize take either of two fields: a
+    handler says so after the unknown-field check.)"""
+    assert set(REQUIRED) == set(BODIES) - {"/v1/completions", "/v1/embeddings", "/pooling",
+                                           "/tokenize"}
+
+
+@pytest.mark.parametrize("endpoint", REQUIRED)
+def test_a_misspelled_required_field_is_named_with_the_missing_one(endpoint):
+    """``{"inptu": "x"}`` on /classify answered only "input: a required field, not
+    sent" (the unknown-field check runs on a validated body), never naming the field sent;
+    now the unknown field's 400 (param ``inptu``), saying the required field is missing
+    too. Under --ignore-unknown-fields the missing field's 400, naming the ignored one."""
+    model, body = BODIES[endpoint]
+    name = REQUIRED[endpoint]
+    sent = {**{k: v for k, v in body.items() if k != name}, name[:-1]: body[name]}
+    error = _served_error(model, sent)
+    assert (error["param"], error["code"]) == (name[:-1], "unknown_parameter"), error
+    assert error["message"].startswith(f"Unrecognized request argument supplied: {name[:-1]} (")
+    assert error["message"].endswith(f"; and {name}: a required field, not sent")
+    error = _served_error(model, sent, ignore=True)
+    assert (error["param"], error["code"]) == (name, "missing_required_parameter"), error
+    assert error["message"] == (f"{name}: a required field, not sent (the body's fields "
+                                f"kvflow does not know, ignored: {name[:-1]})")
+
+
+def test_a_missing_field_with_unsupported_or_harmless_fields():
+    """An UNSUPPORTED field keeps its own message (then the missing field); a harmless value
+    of one (``"store": false``) leaves the missing field's plain 400."""
+    error = _served_error(protocol.ClassificationRequest, {"prompt_embeds": "x"})
+    assert (error["param"], error["code"]) == ("prompt_embeds", "unsupported_parameter")
+    assert error["message"].endswith("; and input: a required field, not sent")
+    for ignore in (False, True):
+        error = _served_error(protocol.ClassificationRequest, {"store": False}, ignore)
+        assert error == {"message": "input: a required field, not sent",
+                         "type": "invalid_request_error", "param": "input",
+                         "code": "missing_required_parameter"}

@@ -93,7 +93,9 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def schema_error(raw: Request, exc: RequestValidationError) -> JSONResponse:
         # a body not sent as JSON: say so, not what failed to parse in it
-        return error_response(body_header_error(raw) or validation_error(exc))
+        unknown = getattr(raw.app.state, "unknown_fields", None)
+        return error_response(body_header_error(raw)
+                              or validation_error(exc, unknown, raw.url.path))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(raw: Request, exc: StarletteHTTPException) -> JSONResponse:

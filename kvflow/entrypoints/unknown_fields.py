@@ -11,7 +11,8 @@ logged once per field name for the whole server, whichever endpoint they come to
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.protocol import RequestBody
@@ -93,22 +94,22 @@ HARMLESS = {"modalities": [["text"]], "bad_words": [[]], "early_stopping": [Fals
             "service_tier": ["auto", "default"]}
 
 
-def refuse_unsupported(req: RequestBody) -> None:
-    """Raises OpenAIError 400 (code ``unsupported_parameter``) naming the first field of
-    ``req`` that kvflow does not declare but that would change the reply (``UNSUPPORTED``);
+def refuse_unsupported(unknown: Mapping[str, Any]) -> None:
+    """Raises OpenAIError 400 (code ``unsupported_parameter``) naming the first of a body's
+    ``unknown`` fields (name -> value sent) that would change the reply (``UNSUPPORTED``);
     null, and the values in ``HARMLESS`` (``"modalities": ["text"]``), ask for nothing and
     pass."""
-    for name, value in req.unknown_values.items():
+    for name, value in unknown.items():
         if name in UNSUPPORTED and value is not None and value not in HARMLESS.get(name, []):
             raise OpenAIError(f"{name} is not supported by kvflow: {UNSUPPORTED[name]}",
                               param=name, code="unsupported_parameter")
 
 
-def refuse_unknown(req: RequestBody) -> None:
+def refuse_unknown(names: Iterable[str]) -> None:
     """Raises OpenAIError 400 (code ``unknown_parameter``, ``param`` the first name in sorted
-    order) naming every field of ``req`` that kvflow does not declare, except the
+    order) naming every one of a body's undeclared field ``names``, except the
     ``UNSUPPORTED`` ones that ``refuse_unsupported`` let pass (null, ``HARMLESS``)."""
-    unknown = [name for name in req.unknown_fields if name not in UNSUPPORTED]
+    unknown = [name for name in sorted(names) if name not in UNSUPPORTED]
     if unknown:
         raise OpenAIError(f"Unrecognized request argument supplied: {', '.join(unknown)} "
                           "(kvflow does not know it, so it is refused rather than ignored: "
@@ -162,8 +163,17 @@ class UnknownFields:
             OpenAIError: 400 naming the field (``unsupported_parameter``) or every unknown
                 field (``unknown_parameter``).
         """
-        refuse_unsupported(req)
+        self.check_values(req.unknown_values, endpoint)
+
+    def check_values(self, unknown: Mapping[str, Any], endpoint: str) -> None:
+        """``check`` for a body's undeclared fields given as name -> value sent (a body the
+        schema refused has no model to ask).
+
+        Raises:
+            OpenAIError: as ``check``.
+        """
+        refuse_unsupported(unknown)
         if self.ignore:
-            self.log.note(req, endpoint)
+            self.log.note_names(unknown, endpoint)
         else:
-            refuse_unknown(req)
+            refuse_unknown(unknown)

@@ -7,13 +7,20 @@ from fastapi.exceptions import RequestValidationError
 
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.protocol import RequestModel
+from kvflow.entrypoints.unknown_fields import UNSUPPORTED, UnknownFields
 from kvflow.validation_words import TYPE_WORDS, error_code, field_message, sent_value
 
 
-def validation_error(exc: RequestValidationError) -> OpenAIError:
+def validation_error(exc: RequestValidationError, unknown: UnknownFields | None = None,
+                     endpoint: str = "") -> OpenAIError:
     """A 400 naming the first offending field (or the JSON syntax error), with a message
-    that says the field's limit and what was sent (see ``kvflow.validation_words``)."""
+    that says the field's limit and what was sent (see ``kvflow.validation_words``). A body
+    that misses a required field and sends undeclared ones (``{"inptu": "x"}``) is answered
+    as ``unknown`` (the server's ``UnknownFields``; default: refuse them) answers those
+    fields, sent to ``endpoint``, and names the missing field too."""
     first = _reported(exc.errors())
+    if first.get("type") == "unknown_and_missing":
+        return _unknown_and_missing(first["ctx"], unknown or UnknownFields(), endpoint)
     if first.get("type") == "invalid_unicode":
         ctx = first.get("ctx", {})
         return OpenAIError(f"{ctx.get('param')}: {ctx.get('why')}", param=ctx.get("param"),
@@ -45,6 +52,22 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     if param and len(alternatives) > 1:  # fits no member: say what the field takes
         message = f"{param}: expected {', '.join(alternatives[:-1])} or {alternatives[-1]}"
     return OpenAIError(message, param=param, code=error_code(first))
+
+
+def _unknown_and_missing(ctx: dict, unknown: UnknownFields, endpoint: str) -> OpenAIError:
+    """The refusal of the undeclared fields ``ctx["unknown"]`` (as ``unknown`` refuses
+    them) followed by "``ctx["missing"]``: a required field, not sent"; where ``unknown``
+    ignores them (``--ignore-unknown-fields``: logged), the missing field's 400, naming the
+    fields ignored."""
+    missing = f"{ctx['missing']}: a required field, not sent"
+    try:
+        unknown.check_values(ctx["unknown"], endpoint)
+    except OpenAIError as e:
+        return OpenAIError(f"{e}; and {missing}", param=e.param, code=e.code)
+    ignored = [name for name in ctx["unknown"] if name not in UNSUPPORTED]  # else harmless
+    if ignored:
+        missing += f" (the body's fields kvflow does not know, ignored: {', '.join(ignored)})"
+    return OpenAIError(missing, param=ctx["missing"], code="missing_required_parameter")
 
 
 def _union_members(errors: list[dict], first: dict) -> list[str]:

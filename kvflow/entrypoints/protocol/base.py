@@ -11,6 +11,7 @@ from pydantic import (
     ConfigDict,
     PrivateAttr,
     SerializerFunctionWrapHandler,
+    ValidationError,
     model_serializer,
     model_validator,
 )
@@ -80,6 +81,16 @@ def request_limit(param: str, why: str) -> PydanticCustomError:
                                {"param": param, "code": "array_above_max_length", "why": why})
 
 
+def unknown_and_missing(unknown: dict[str, Any], missing: str) -> PydanticCustomError:
+    """The error for a body that misses a required field (``missing``) and sends fields the
+    model does not declare (``unknown``: name -> value sent), likely that field misspelled
+    (``{"inptu": "x"}``): the server answers it as it answers the unknown fields (a 400
+    naming them, or under ``--ignore-unknown-fields`` the missing field), saying both
+    (``validation_errors``)."""
+    return PydanticCustomError("unknown_and_missing", "{missing}: a required field, not sent",
+                               {"unknown": unknown, "missing": missing})
+
+
 # ---- shared request fields -----------------------------------------------------------------------
 class RequestBody(RequestModel):
     """A top-level request body: all its text is checked for lone surrogates before
@@ -104,13 +115,27 @@ class RequestBody(RequestModel):
             data = {k: v for k, v in data.items()
                     if v is not None or k not in cls.model_fields
                     or cls.model_fields[k].is_required() or cls.model_fields[k].default is None}
-        model = handler(data)
-        if isinstance(data, dict):
-            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values()
-                                             if f.alias}
-            model._unknown_fields = tuple(sorted(k for k in data if k not in known))
-            model._unknown_values = {k: data[k] for k in model._unknown_fields}
+        unknown = cls._undeclared(data)
+        try:
+            model = handler(data)
+        except ValidationError as e:
+            missing = [err["loc"][0] for err in e.errors()
+                       if err["type"] == "missing" and len(err["loc"]) == 1]
+            if unknown and missing:  # the unknown field is likely the one misspelled
+                raise unknown_and_missing(unknown, str(missing[0])) from None
+            raise
+        model._unknown_fields = tuple(unknown)
+        model._unknown_values = unknown
         return model
+
+    @classmethod
+    def _undeclared(cls, data: Any) -> dict[str, Any]:
+        """The top-level fields of body ``data`` that ``cls`` does not declare (by name or
+        alias), sorted by name, with the values sent; {} for a body that is no object."""
+        if not isinstance(data, dict):
+            return {}
+        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        return {k: data[k] for k in sorted(data) if k not in known}
 
     @property
     def unknown_fields(self) -> tuple[str, ...]:
