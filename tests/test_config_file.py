@@ -179,3 +179,64 @@ def test_a_text_list_flag_refuses_a_mapping_or_nested_list(config, text, shape):
         'lora_modules: [{name: a, path: /p}, b=/q]\nallowed-origins: [["https://x"]]\n')])
     assert args.lora_modules == ['{"name": "a", "path": "/p"}', "b=/q"]
     assert args.allowed_origins == ['["https://x"]']
+
+
+def _single_flags() -> list[tuple[str, str]]:
+    """(command, flag) for every single-valued flag that takes a value, of every command."""
+    import argparse
+
+    from kvflow.entrypoints.config_file import leaf_parsers
+
+    found = []
+    for leaf in leaf_parsers(build_parser()):
+        command = leaf.prog.split(" ", 1)[1]
+        for action in leaf._actions:
+            flag = action.option_strings[0] if action.option_strings else None
+            if flag in (None, "-h", "--config") or action.nargs is not None or isinstance(
+                    action, (argparse._AppendAction, argparse.BooleanOptionalAction,
+                             argparse._StoreTrueAction, argparse._HelpAction)):
+                continue
+            found.append((command, next(f for f in action.option_strings
+                                        if f.startswith("--"))))
+    return found
+
+
+# the single-valued flags that take a JSON object (config_file._JSON_FLAGS)
+JSON_FLAGS = {"--hf-overrides", "--override-generation-config", "--limit-mm-per-prompt",
+              "--media-io-kwargs", "--speculative-config", "--kv-events-config",
+              "--kv-transfer-config", "--default-chat-template-kwargs", "--extra-body"}
+
+
+def test_a_single_value_flag_refuses_a_mapping_unless_it_takes_json(config):
+    """A mapping for a single-valued flag was passed on as its JSON text
+    (``chat-template: {a: 1}`` became the template '{"a": 1}', ``served-model-name: {x: 1}``
+    the name '{"x": 1}', silently); it is refused naming the key, as a repeated text flag's
+    (d188b2b). The flags that take a JSON object still get it as JSON text."""
+    parser = build_parser()
+    flags = _single_flags()
+    assert JSON_FLAGS <= {flag for _, flag in flags}
+    for command, flag in flags:
+        key = flag[2:]
+        path = config(f"{key}: {{a: 1}}\n")
+        argv = [*command.split(), *(["m"] if command == "serve" else []), "--config", path]
+        if flag in JSON_FLAGS:
+            words = expand_config_file(parser, argv)
+            assert f'{flag}={{"a": 1}}' in words, (command, flag)
+            continue
+        with pytest.raises(ValueError) as e:
+            expand_config_file(parser, argv)
+        assert str(e.value).startswith(f"{path}: key {key!r}: "), (command, flag)
+        assert str(e.value).endswith(' takes one value, not a mapping: {"a": 1}'), \
+            (command, flag)
+
+
+def test_served_model_name_and_chat_template_mappings_exit_2(config, capsys):
+    path = config("chat-template: {a: 1}\n")
+    assert main(["generate", "--config", path]) == 2
+    assert capsys.readouterr().err == (f"kvflow: error: {path}: key 'chat-template': "
+                                       '--chat-template takes one value, not a mapping: '
+                                       '{"a": 1}\n')
+    path = config("served-model-name: {x: 1}\n")  # a repeated flag: refused since d188b2b
+    assert main(["serve", "m", "--config", path]) == 2
+    assert "'served-model-name': --served-model-name takes text values" in \
+        capsys.readouterr().err

@@ -3,9 +3,10 @@
 Keys are the command's flag names, with ``-`` or ``_`` (``max-num-seqs: 64`` or
 ``max_num_seqs: 64``); values are YAML scalars, ``true``/``false`` for on/off flags, lists for
 repeated flags (``stop: ["\\n", "###"]``; their items are text, mappings only where the flag
-takes JSON items, as ``--lora-modules``) and mappings for JSON flags. The file is expanded into
-command-line words placed before everything typed after the subcommand, so argparse converts and
-checks its values exactly like typed ones, and a flag on the command line wins: a later value
+takes JSON items, as ``--lora-modules``) and mappings for JSON flags (``hf-overrides``,
+``speculative-config``, ...: ``_JSON_FLAGS``; a mapping for any other flag is refused). The
+file is expanded into command-line words placed before everything typed after the subcommand,
+so argparse converts and checks its values exactly like typed ones, and a flag on the command line wins: a later value
 replaces an earlier one, and a repeated flag given on the command line (``--stop``) replaces the
 file's list instead of adding to it. Flags themselves are still generated from
 ``kvflow/config/`` (and the sampling fields); this module only reads values for them.
@@ -25,6 +26,13 @@ CONFIG_FLAG = "--config"
 # ``--prompt``, ``--image``, ...), where JSON text would be a wrong value taken silently.
 _JSON_ITEM_FLAGS = frozenset({"--lora-modules", "--allowed-origins", "--allowed-methods",
                               "--allowed-headers"})
+# Single-valued flags that take a JSON object: a mapping of the file goes to them as JSON
+# text. Every other single-valued flag refuses one (``chat-template: {a: 1}`` would be the
+# template ``{"a": 1}``, silently).
+_JSON_FLAGS = frozenset({"--hf-overrides", "--override-generation-config",
+                         "--limit-mm-per-prompt", "--media-io-kwargs", "--speculative-config",
+                         "--kv-events-config", "--kv-transfer-config",
+                         "--default-chat-template-kwargs", "--extra-body"})
 
 
 @dataclass(frozen=True)
@@ -223,6 +231,9 @@ def _words(parser: argparse.ArgumentParser, action: argparse.Action, value: Any,
     if isinstance(value, list):
         raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
             f"{where}: {flag} takes one value, not a list")
+    if isinstance(value, dict) and flag not in _JSON_FLAGS:
+        raise ValueError(
+            f"{where}: {flag} takes one value, not a mapping: {json.dumps(value)}")
     _check_items(parser, action, items, where)
     return [f"{flag}={items[0]}"]
 
