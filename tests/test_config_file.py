@@ -240,3 +240,21 @@ def test_served_model_name_and_chat_template_mappings_exit_2(config, capsys):
     assert main(["serve", "m", "--config", path]) == 2
     assert "'served-model-name': --served-model-name takes text values" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, key", [
+    ("generate", "prompt"), ("generate", "stop"), ("generate", "image"),
+    ("serve m", "served-model-name"), ("serve m", "allowed-origins"),
+    ("serve m", "lora-modules"), ("bench serve", "goodput"),
+])
+def test_an_empty_list_for_a_repeated_flag_is_refused(config, capsys, command, key):
+    """``prompt: []`` in a kvflow generate config fell back to the default prompt ('Once upon
+    a time'), ``allowed-origins: []`` to CORS's default ('*' once another CORS key is set):
+    an empty list gave no words, so the flag kept its default, silently; a flag taking one
+    or more values failed in argparse without naming the file. Now each is one line naming
+    the file and the key, status 2."""
+    path = config(f"{key}: []\n")
+    assert main([*command.split(), "--config", path]) == 2
+    assert capsys.readouterr().err == (
+        f"kvflow: error: {path}: key {key!r}: --{key} takes at least one value, not an empty "
+        "list (leave the key out, or set it to null, for the default)\n")

@@ -214,6 +214,9 @@ def _words(parser: argparse.ArgumentParser, action: argparse.Action, value: Any,
     raw = value if isinstance(value, list) else [value]
     repeated = isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*") \
         or isinstance(action.nargs, int)
+    if repeated and value == []:  # no words would leave the flag at its default, silently
+        raise ValueError(f"{where}: {flag} takes at least one value, not an empty list (leave "
+                         "the key out, or set it to null, for the default)")
     if repeated and flag not in _JSON_ITEM_FLAGS:
         nested = next((item for item in raw if isinstance(item, (dict, list))), None)
         if nested is not None:
