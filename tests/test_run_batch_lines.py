@@ -142,6 +142,35 @@ def test_refused_lines_say_why(raw, expected):
     assert out["error"] == {"code": code, "message": message, "param": param, "line": 7}
 
 
+@pytest.mark.parametrize("changes, custom_id, message, param", [
+    ({"metadata": {"k": "v"}}, "a", ("line 7: unrecognized key metadata: a batch line holds "
+     "custom_id, method, url and body only (the request's fields go in body; run-batch "
+     "--ignore-unknown-fields ignores such keys)"), "metadata"),
+    # a misspelled key is named, not the key it misses
+    ({"body": ..., "bdy": {"prompt": "x"}, "uri": "/v1/completions"}, "a",
+     ("line 7: unrecognized keys bdy, uri: a batch line holds custom_id, method, url and body "
+     "only (the request's fields go in body; run-batch --ignore-unknown-fields ignores such "
+     "keys)"), "bdy"),
+    ({"custom_id": ..., "customid": "a"}, None, ("line 7: unrecognized key customid: a batch "
+     "line holds custom_id, method, url and body only (the request's fields go in body; "
+     "run-batch --ignore-unknown-fields ignores such keys)"), "customid"),
+])
+def test_a_key_beyond_the_four_is_refused_unless_ignored(changes, custom_id, message, param):
+    """A line's key other than custom_id / method / url / body was dropped silently (a
+    misspelled one reported as the missing key it stood for), where the server refuses a
+    body's unknown field; now the line's error names it (code ``unknown_parameter``), and
+    under --ignore-unknown-fields the line runs, carrying the names (logged once)."""
+    seen: set[str] = set()
+    assert parse_line(_line(**changes), 7, seen) == LineError(
+        7, custom_id, "unknown_parameter", message, param)
+    assert seen == ({"a"} if custom_id else set())
+    got = parse_line(_line(**changes), 8, set(), ignore_unknown=True)
+    if "body" in changes or "custom_id" in changes:  # still missing the key misspelled
+        assert got.code == "missing_required_parameter"
+    else:
+        assert got == BatchRequest(8, "a", "/v1/completions", GOOD["body"], ("metadata",))
+
+
 def test_a_repeated_custom_id_is_refused_even_after_a_refused_first_line():
     seen: set[str] = set()
     assert parse_line(_line(method="GET"), 1, seen).code == "invalid_method"

@@ -14,7 +14,8 @@ Output line, one per input line, in input order::
 ``response`` holds what the endpoint answered, a 4xx with its OpenAI error body included (as
 OpenAI's batch output does). ``error`` (``response`` null) holds a line the batch refused
 before any endpoint saw it: its envelope is not a JSON object, lacks or mistypes
-``custom_id`` / ``method`` / ``url`` / ``body``, has a method other than POST, a url other
+``custom_id`` / ``method`` / ``url`` / ``body`` or holds another key (unless
+``--ignore-unknown-fields``), has a method other than POST, a url other
 than the batch endpoints (``BATCH_URLS``), a ``custom_id`` an earlier line used, a body asking
 to stream, or a /v1/responses body naming a ``previous_response_id``. The error object is
 ``{"code", "message", "param", "line"}`` (OpenAI's batch validation errors' fields; ``line``
@@ -36,6 +37,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+# the keys of an input line (OpenAI's batch request format)
+ENVELOPE_KEYS = ("custom_id", "method", "url", "body")
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
               "/v1/score", "/v1/rerank", "/v1/classify")
 
@@ -48,6 +51,7 @@ class BatchRequest:
     custom_id: str
     url: str
     body: dict[str, Any]
+    ignored: tuple[str, ...] = ()  # keys beyond the four, under --ignore-unknown-fields
 
 
 @dataclass(frozen=True)
@@ -84,11 +88,15 @@ def response_line(custom_id: str, status_code: int, body: Any) -> dict[str, Any]
             "error": None}
 
 
-def parse_line(raw: bytes, line: int, seen_ids: set[str]) -> BatchRequest | LineError:
+def parse_line(raw: bytes, line: int, seen_ids: set[str],
+               ignore_unknown: bool = False) -> BatchRequest | LineError:
     """Read input line number ``line`` (1-based; ``raw`` its bytes, line ending included or
     not). A string ``custom_id`` is added to ``seen_ids`` at its first line, whether or not
     that line is accepted, so a later line reusing it is refused (``duplicate_custom_id``) and
-    each accepted custom_id names one response.
+    each accepted custom_id names one response. A key other than ``ENVELOPE_KEYS`` is refused
+    (``unknown_parameter``, before a missing key: ``bdy`` is named, not ``body``), as the
+    server refuses a body's unknown fields; with ``ignore_unknown``
+    (``--ignore-unknown-fields``) the request carries their names in ``ignored``.
 
     Returns:
         The accepted request, or the ``LineError`` saying why the line was refused; never
@@ -106,15 +114,24 @@ def parse_line(raw: bytes, line: int, seen_ids: set[str]) -> BatchRequest | Line
         return LineError(line, None, "invalid_json_line",
                          f"line {line} is a JSON {type(value).__name__}, not an object")
     custom_id = value.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id:
-        return _field_error(line, None, value, "custom_id", "a non-empty string")
-    if custom_id in seen_ids:
+    named = isinstance(custom_id, str) and bool(custom_id)
+    if named and custom_id in seen_ids:
         return LineError(line, custom_id, "duplicate_custom_id",
                          f"line {line}: custom_id {custom_id!r} was used by an earlier line; "
                          "each line needs its own", "custom_id")
-    seen_ids.add(custom_id)
+    if named:
+        seen_ids.add(custom_id)
+    unknown = tuple(sorted(str(k) for k in value if k not in ENVELOPE_KEYS))
+    if unknown and not ignore_unknown:
+        return LineError(line, custom_id if named else None, "unknown_parameter",
+                         f"line {line}: unrecognized key{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(unknown)}: a batch line holds custom_id, method, url "
+                         "and body only (the request's fields go in body; run-batch "
+                         "--ignore-unknown-fields ignores such keys)", unknown[0])
+    if not named:
+        return _field_error(line, None, value, "custom_id", "a non-empty string")
     return _envelope_error(line, custom_id, value) or \
-        BatchRequest(line, custom_id, value["url"], value["body"])
+        BatchRequest(line, custom_id, value["url"], value["body"], unknown)
 
 
 def _envelope_error(line: int, custom_id: str, value: dict[str, Any]) -> LineError | None:

@@ -88,6 +88,7 @@ class BatchClient:
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         self._http = httpx.AsyncClient(transport=transport, base_url="http://run-batch",
                                        timeout=None)
+        self._unknown = app.state.unknown_fields
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -98,6 +99,9 @@ class BatchClient:
         cancellation): a failure of kvflow's own is a status-500 line, so no line is lost."""
         if isinstance(request, LineError):
             return request.output()
+        if request.ignored:  # --ignore-unknown-fields: logged once per name, as body fields
+            self._unknown.log.note_names(request.ignored, "run-batch lines",
+                                         "batch line keys kvflow does not know")
         try:
             resp = await self._http.post(request.url, content=json.dumps(request.body),
                                          headers={"content-type": "application/json"})
@@ -121,9 +125,11 @@ def _body(resp: httpx.Response) -> Any:
 async def run_lines(lines: Iterator[bytes],
                     answer: Callable[[BatchRequest | LineError], Any],
                     write: Callable[[dict[str, Any]], None],
-                    max_concurrency: int | None = None) -> BatchCounts:
+                    max_concurrency: int | None = None,
+                    ignore_unknown: bool = False) -> BatchCounts:
     """Parse and answer every line of ``lines`` concurrently, and ``write`` each output line
-    in input order as soon as the lines before it are written. At most ``max_concurrency``
+    in input order as soon as the lines before it are written (``ignore_unknown``: a line's
+    keys beyond the four pass, ``batch_lines.parse_line``). At most ``max_concurrency``
     lines (None: no bound) are read but not yet written: a slow line holds back the reading
     of further lines, so memory stays bounded on a huge file. Lines are read by a thread of
     their own (``batch_files.LineReader``: stdin may block).
@@ -143,7 +149,7 @@ async def run_lines(lines: Iterator[bytes],
     try:
         while (raw := await reader.next()) is not None:
             number += 1
-            request = parse_line(raw, number, seen_ids)
+            request = parse_line(raw, number, seen_ids, ignore_unknown)
             pending.append(asyncio.ensure_future(answer(request)))
             while pending and (pending[0].done() or len(pending) >= (max_concurrency or
                                                                      float("inf"))):
@@ -173,7 +179,8 @@ async def run_batch(app: FastAPI, lines: Iterator[bytes], write: Callable[[dict]
     try:
         client = BatchClient(app)
         try:
-            counts = await run_lines(lines, client.answer, write, max_concurrency)
+            counts = await run_lines(lines, client.answer, write, max_concurrency,
+                                     app.state.unknown_fields.ignore)
         finally:
             await client.aclose()
     finally:
