@@ -258,3 +258,32 @@ def test_an_empty_list_for_a_repeated_flag_is_refused(config, capsys, command, k
     assert capsys.readouterr().err == (
         f"kvflow: error: {path}: key {key!r}: --{key} takes at least one value, not an empty "
         "list (leave the key out, or set it to null, for the default)\n")
+
+
+def test_text_values_are_taken_as_written(config):
+    """YAML 1.1 reads ``no`` as false, ``1.10`` as 1.1 and ``0123`` as 83: a text flag's value
+    was that value's str() ('stop: [no]' the stop string 'false', 'api-key: 0123' the key
+    '83', 'served-model-name: 1.10' the name '1.1'), silently. A text flag now takes the
+    file's text as written; typed flags (YAML's ints: 0x10 is 16) and JSON flags (YAML's
+    types inside the object) read YAML's values as before."""
+    args = _parse(["generate", "--config", config(
+        "stop: [no, 1.10, 0123, '~', on]\nprompt: yes\nmax-tokens: 0x10\n"
+        "hf-overrides: {rope_theta: 1.10, tie: yes}\n")])
+    assert args.stop == ["no", "1.10", "0123", "~", "on"]
+    assert args.prompt == ["yes"]
+    assert args.max_tokens == 16
+    assert args.hf_overrides == '{"rope_theta": 1.1, "tie": true}'
+    args = _parse(["serve", "m", "--config", config(
+        "served-model-name: [1.10, v2]\napi-key: 0123\nresponse-role: off\n"
+        "chat-template: null\n")])
+    assert (args.served_model_name, args.api_key, args.response_role) == \
+        (["1.10", "v2"], "0123", "off")
+    assert args.chat_template is None  # null: the flag unset, as before
+
+
+def test_a_null_item_of_a_text_list_is_refused(config, capsys):
+    """``stop: [".", null]`` gave the stop string 'None'; now refused naming the key."""
+    path = config('stop: [".", null]\n')
+    assert main(["generate", "--config", path]) == 2
+    assert capsys.readouterr().err == (f"kvflow: error: {path}: key 'stop': --stop takes text "
+                                       "values; item 1 of the list is null\n")

@@ -105,7 +105,7 @@ def read_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> Config
     if path is None:
         return ConfigFileArgs(argv)
     leaf, depth = _leaf_for(parser, argv)
-    values = _load_yaml(path)
+    values, written = _load_yaml(path)
     words, keys = [], {}
     for key, value in values.items():
         action = _action_for(leaf, key, path)
@@ -113,6 +113,8 @@ def read_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> Config
             raise ValueError(f"{path}: key {key!r}: config files do not nest")
         if _given_on_command_line(action, argv):
             continue  # a repeated flag typed on the command line replaces the file's list
+        if _takes_text(action) and str(key) in written:
+            value = _as_written(written[str(key)], value)
         words += _words(leaf, action, value, f"{path}: key {key!r}")
         keys[action.dest] = str(key)
     at = next((i for i in range(depth, len(argv)) if argv[i].startswith("-")), len(argv))
@@ -155,12 +157,23 @@ def _leaf_for(parser: argparse.ArgumentParser, argv: list[str]
         depth += 1
 
 
-def _load_yaml(path: str) -> dict[str, Any]:
+def _load_yaml(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The file's mapping (``yaml.safe_load``'s values) and each key's value node (by the
+    key as written), whose scalars keep their text as written (``_as_written``).
+
+    Raises:
+        ValueError: the file cannot be read, is not UTF-8 or YAML, or is not a mapping.
+    """
     import yaml
 
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            loader = yaml.SafeLoader(f)
+            try:
+                node = loader.get_single_node()
+                data = None if node is None else loader.construct_document(node)
+            finally:
+                loader.dispose()
     except OSError as e:
         raise ValueError(f"cannot read config file {path!r}: {e.strerror}") from None
     except UnicodeDecodeError as e:
@@ -170,12 +183,34 @@ def _load_yaml(path: str) -> dict[str, Any]:
         detail = " ".join(str(e).split())
         raise ValueError(f"config file {path!r} is not valid YAML: {detail}") from None
     if data is None:
-        return {}
+        return {}, {}
     if not isinstance(data, dict):
         raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
             f"config file {path!r} must be a mapping of flag names to values, not a "
             f"{type(data).__name__}")
-    return data
+    # after construct_document: merge keys (<<) are flattened into node.value
+    written = {k.value: v for k, v in node.value if isinstance(k, yaml.ScalarNode)}
+    return data, written
+
+
+def _takes_text(action: argparse.Action) -> bool:
+    """Whether ``action`` takes text values (no type conversion, no JSON): its values from
+    the file are taken as written (``stop: [no]`` is the text ``no``, not false)."""
+    return action.type in (None, str) and action.nargs != 0 \
+        and action.option_strings[0] not in _JSON_FLAGS | _JSON_ITEM_FLAGS
+
+
+def _as_written(node: Any, value: Any) -> Any:
+    """``value`` (a key's value as YAML read it) with each scalar replaced by its text as
+    written (YAML 1.1 reads ``1.10`` as 1.1, ``0123`` as 83, ``no`` as false); null stays
+    None, mappings stay as read."""
+    import yaml
+
+    if isinstance(node, yaml.ScalarNode):
+        return None if value is None else node.value
+    if isinstance(node, yaml.SequenceNode) and isinstance(value, list):
+        return [_as_written(item, v) for item, v in zip(node.value, value)]
+    return value
 
 
 def _action_for(parser: argparse.ArgumentParser, key: Any, path: str) -> argparse.Action:
@@ -214,6 +249,9 @@ def _words(parser: argparse.ArgumentParser, action: argparse.Action, value: Any,
     raw = value if isinstance(value, list) else [value]
     repeated = isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*") \
         or isinstance(action.nargs, int)
+    if repeated and None in raw:  # its text would be the word None
+        raise ValueError(f"{where}: {flag} takes text values; item {raw.index(None)} of the "
+                         "list is null")
     if repeated and value == []:  # no words would leave the flag at its default, silently
         raise ValueError(f"{where}: {flag} takes at least one value, not an empty list (leave "
                          "the key out, or set it to null, for the default)")
