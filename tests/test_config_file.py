@@ -279,6 +279,11 @@ def test_text_values_are_taken_as_written(config):
     assert (args.served_model_name, args.api_key, args.response_role) == \
         (["1.10", "v2"], "0123", "off")
     assert args.chat_template is None  # null: the flag unset, as before
+    args = _parse(["serve", "m", "--config", config(
+        "lora-modules: [{name: a, path: /p, base_model_name: 1.10}, b=/q]\n"
+        "allowed-origins: [on]\n")])  # JSON items keep YAML's values, text items as written
+    assert args.lora_modules == ['{"name": "a", "path": "/p", "base_model_name": 1.1}', "b=/q"]
+    assert args.allowed_origins == ["on"]
 
 
 def test_a_null_item_of_a_text_list_is_refused(config, capsys):

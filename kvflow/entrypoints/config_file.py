@@ -194,10 +194,11 @@ def _load_yaml(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _takes_text(action: argparse.Action) -> bool:
-    """Whether ``action`` takes text values (no type conversion, no JSON): its values from
-    the file are taken as written (``stop: [no]`` is the text ``no``, not false)."""
+    """Whether ``action`` takes text values (no type conversion, no JSON object): its values
+    from the file are taken as written (``stop: [no]`` is the text ``no``, not false; a
+    ``_JSON_ITEM_FLAGS`` mapping item stays a mapping, see ``_as_written``)."""
     return action.type in (None, str) and action.nargs != 0 \
-        and action.option_strings[0] not in _JSON_FLAGS | _JSON_ITEM_FLAGS
+        and action.option_strings[0] not in _JSON_FLAGS
 
 
 def _as_written(node: Any, value: Any) -> Any:
