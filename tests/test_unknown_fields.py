@@ -249,3 +249,11 @@ def test_a_missing_field_with_unsupported_or_harmless_fields():
         assert error == {"message": "input: a required field, not sent",
                          "type": "invalid_request_error", "param": "input",
                          "code": "missing_required_parameter"}
+
+
+def test_a_body_validated_again_keeps_its_unknown_fields():
+    """``model_validate`` of a parsed body (not a dict) keeps its unknown fields (a first
+    version of the missing-field change reset them to none)."""
+    body = protocol.CompletionRequest.model_validate({"prompt": "x", "max_token": 1})
+    assert protocol.CompletionRequest.model_validate(body).unknown_fields == ("max_token",)
+    assert body.unknown_values == {"max_token": 1}

@@ -124,8 +124,9 @@ class RequestBody(RequestModel):
             if unknown and missing:  # the unknown field is likely the one misspelled
                 raise unknown_and_missing(unknown, str(missing[0])) from None
             raise
-        model._unknown_fields = tuple(unknown)
-        model._unknown_values = unknown
+        if isinstance(data, dict):  # not a model instance validated again: it keeps its own
+            model._unknown_fields = tuple(unknown)
+            model._unknown_values = unknown
         return model
 
     @classmethod
