@@ -203,8 +203,10 @@ class EngineCoreStartup:
         self.num_blocks = self.kv_cache_config.num_blocks
         self.executor.initialize_kv_cache(self.kv_cache_config)
         step_tokens = self.config.scheduler_config.max_num_batched_tokens
-        capacity = max_tokens_per_request(self.kv_cache_config, step_tokens)
-        model_len = self.config.model_config.max_model_len or positions or capacity
+        wanted = self.config.model_config.max_model_len or positions
+        # only sliding-window layers: any length fits a pool holding one window (and chunk)
+        capacity = max_tokens_per_request(self.kv_cache_config, step_tokens, wanted or 0)
+        model_len = wanted or capacity
         if model_len > capacity:
             logger.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it",
                            model_len, capacity)

@@ -54,13 +54,18 @@ def group_kv_cache_specs(layer_specs: dict[str, KVCacheSpec]) -> tuple[KVCacheGr
               for i in range(0, len(local), n)))
 
 
-def max_tokens_per_request(config: KVCacheConfig, max_num_batched_tokens: int) -> int:
+def max_tokens_per_request(config: KVCacheConfig, max_num_batched_tokens: int,
+                           limit: int = 0) -> int:
     """Longest sequence (tokens) whose blocks fit the pool alone: every full-attention group
     holds all its blocks, a sliding-window group at most its window plus one step's chunk.
+    With only sliding-window groups a request's blocks stop growing at that bound, so a pool
+    holding it holds a sequence of any length: the answer is then at least ``limit``.
 
     Args:
         config: the sized pool (block 0 is the null block and never handed out).
         max_num_batched_tokens: the scheduler's token budget per step.
+        limit: the longest sequence asked for (the model's context; 0: none), the search's
+            upper end where the pool's own token count is lower.
     """
     specs = [g.kv_cache_spec for g in config.kv_cache_groups]
     usable = config.num_blocks - 1
@@ -68,7 +73,8 @@ def max_tokens_per_request(config: KVCacheConfig, max_num_batched_tokens: int) -
     def need(num_tokens: int) -> int:
         return sum(s.max_num_blocks(num_tokens, max_num_batched_tokens) for s in specs)
 
-    lo, hi = 0, usable * config.block_size  # need(lo) <= usable < need(hi + 1)
+    # need(lo) <= usable, and need(hi + 1) > usable or hi is the search's end
+    lo, hi = 0, max(usable * config.block_size, limit)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if need(mid) <= usable else (lo, mid - 1)

@@ -109,3 +109,15 @@ def test_startup_line_states_the_concurrency_of_a_hybrid_model(tiny_model_factor
     assert len(lines) == 1, [r.getMessage() for r in caplog.records]
     assert "one request can hold 56 tokens, in 2 group(s); max_model_len 16; max " \
            "concurrency at full length 2.6 requests" in lines[0]
+def test_sliding_window_groups_alone_hold_any_length():
+    """Only sliding-window groups: a request never holds more than its window plus a chunk
+    (7 blocks here, of 10 usable), so the pool holds any length; the capacity is then the
+    ``limit`` asked for (it was the pool's 40 tokens, capping a longer context for no
+    reason), and a full group still bounds it by its blocks."""
+    sliding = KVCacheConfig(11, (KVCacheGroupSpec(("a",), local()),))
+    assert max_tokens_per_request(sliding, 16, limit=4096) == 4096
+    assert max_tokens_per_request(sliding, 16) == 10 * BS  # no limit: the old bound
+    too_small = KVCacheConfig(7, (KVCacheGroupSpec(("a",), local()),))  # 6 usable < 7
+    assert max_tokens_per_request(too_small, 16, limit=4096) == 6 * BS
+    one = KVCacheConfig(11, (KVCacheGroupSpec(("a",), FULL),))
+    assert max_tokens_per_request(one, 16, limit=4096) == 10 * BS

@@ -74,6 +74,24 @@ def test_long_prompt_matches_hf_with_bounded_window_blocks(name, tiny_model_fact
     assert_no_leaks(llm)
 
 
+def test_sliding_window_model_serves_contexts_longer_than_the_pool(tiny_model_factory,
+                                                                    assert_no_leaks):
+    """A model whose every layer is windowed (Mistral's layout) holds at most its window plus
+    one chunk per request: a pool of 7 usable blocks (28 tokens, the window of 8 plus a chunk
+    of 4 needs 4) serves prompts of 33-50 tokens and 20 more, as HF computes them, preempting
+    under the pressure and leaking nothing. ``max_model_len`` was capped at the pool's 28
+    tokens and these prompts refused."""
+    tiny = tiny_model_factory("mistral_sliding_window")
+    llm = LLM(model=tiny.path, dtype="float32", num_kv_blocks=8, block_size=BS,
+              max_model_len=96, max_num_batched_tokens=4)
+    assert llm.engine.core.max_model_len == 96
+    prompts = _prompts([40, 33, 50], tiny.vocab_size, seed=3)
+    for out in llm.generate(prompts, greedy(20), use_tqdm=False):
+        assert_matches_hf(tiny, out, 20)
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert_no_leaks(llm)
+
+
 # ---- the KV-cache manager's groups, without a model ---------------------------------------
 
 def _request(rid: str, prompt: list[int]) -> Request:
