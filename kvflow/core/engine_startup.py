@@ -50,6 +50,7 @@ from kvflow.models.pooling_config import TASK_VERB
 from kvflow.models.registry import is_multimodal, model_traits
 from kvflow.platforms import get_platform
 from kvflow.sched_output import SchedulerOutput
+from kvflow.spec_decode.draft_positions import draft_positions
 from kvflow.spec_decode.speculator import Speculator
 from kvflow.structured.manager import StructuredOutputManager
 
@@ -242,9 +243,15 @@ class EngineCoreStartup:
         # an EAGLE / MTP head is one decoder layer: its pass costs about one target layer's share
         ratio = 1.0 / max(getattr(self.hf_config, "num_hidden_layers", 1), 1) \
             if spec.method in HEAD_METHODS else 1.0
+        positions = draft_positions(self.config)
+        if positions is not None and positions < self.max_model_len:
+            logger.info("the draft covers %d positions, max_model_len is %d: requests past "
+                        "%d tokens decode without drafts", positions, self.max_model_len,
+                        positions - 1)
         speculator = Speculator(
             spec, self.max_model_len, draft_cost_ratio=ratio,
-            constrained_draft_model=self.executor.splits_draft_steps)
+            constrained_draft_model=self.executor.splits_draft_steps,
+            draft_positions=positions)
         if spec.method == "draft_model":
             passes = self.executor.collective_rpc("time_draft_passes")[0]
             speculator.observe_draft_passes(passes)

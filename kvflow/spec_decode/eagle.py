@@ -58,7 +58,13 @@ from kvflow.models.model_resolver import resolve_model
 from kvflow.spec_decode.draft_model import DraftModel, _naming_the_draft
 from kvflow.spec_decode.draft_vocab import HeadVocab
 from kvflow.spec_decode.feature_stash import FeatureStash, ramp
-from kvflow.spec_decode.head_loading import load_eagle3, load_head, load_mtp, tensor_names
+from kvflow.spec_decode.head_loading import (
+    extend_head_positions,
+    load_eagle3,
+    load_head,
+    load_mtp,
+    tensor_names,
+)
 from kvflow.spec_decode.layer_taps import LayerTaps
 from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
@@ -96,6 +102,8 @@ class EagleDrafter(DraftModel):
                              f"of vocabulary {hf_config.vocab_size} and hidden size "
                              f"{hf_config.hidden_size} does not fit the target's "
                              f"{target_vocab_size} and {target_hidden}")
+        if spec.method != "deepseek_mtp":  # an MTP head is under the target's own config
+            extend_head_positions(hf_config, target.config)
         self.attn_ctx = AttentionContext(backend)
         with _naming_the_draft(spec.model):
             self.vocab: HeadVocab | None = None

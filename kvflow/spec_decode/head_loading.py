@@ -13,6 +13,7 @@ import torch
 
 from kvflow.attention.layer import AttentionContext
 from kvflow.config import EngineConfig
+from kvflow.layers.rotary import rope_max_positions
 from kvflow.models.eagle import EagleLlamaHead
 from kvflow.models.eagle3 import Eagle3LlamaHead, default_aux_layer_ids
 from kvflow.models.loader import checkpoint_tensor_names, iter_safetensors, load_model
@@ -140,3 +141,16 @@ def load_eagle3(folder: str, hf_config: Any, ctx: AttentionContext, target: torc
         taps.remove()
         raise
     return head, HeadVocab(head, token_ids, vocab), taps
+
+
+def extend_head_positions(head_config: Any, target_config: Any) -> None:
+    """Give an EAGLE head's config at least the target's positions (``max_position_embeddings``
+    raised to the target's rotary table length), in place, before the head is built. A head
+    applies the target's RoPE at the target's positions; checkpoints often declare fewer
+    (2048 for the common Llama 3 EAGLE and EAGLE-3 heads), and a table that short made every
+    step past it raise. SGLang overrides it the same way."""
+    if getattr(head_config, "max_position_embeddings", None) is None or \
+            getattr(target_config, "max_position_embeddings", None) is None:
+        return
+    head_config.max_position_embeddings = max(head_config.max_position_embeddings,
+                                              rope_max_positions(target_config))

@@ -7,7 +7,8 @@ fills at the start of the step. The scheduler then treats them as more tokens to
 that request (the scheduling rule does not change: ``num_computed_tokens`` catches up toward
 ``num_tokens`` plus the drafts). After the step, ``record`` counts what the target accepted.
 
-How many: up to ``num_speculative_tokens``, never past ``max_tokens`` or ``max_model_len``;
+How many: up to ``num_speculative_tokens``, never past ``max_tokens``, ``max_model_len`` or
+the draft model's own context (``draft_positions.py``);
 with ``adaptive`` the lengths come from ``cost_model.choose_draft_lengths`` (each request's
 running acceptance rate against the measured step costs), and a step whose base token count
 has no recent measurement runs without drafts once to measure it.
@@ -59,12 +60,20 @@ class Speculator:
         constrained_draft_model: whether a draft model drafts for constrained requests (the
             step loop must then fill their bitmask rows after the runner proposed: an
             executor that splits steps); ignored for n-gram drafts, which always do.
+        draft_positions: the positions the draft model's rotary table covers
+            (``draft_positions.draft_positions``; None: no limit but ``max_model_len``):
+            drafts never reach past it either, so a request longer than the draft's context
+            decodes without drafts (its passes would index past the table).
     """
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int,
-                 draft_cost_ratio: float = 1.0, constrained_draft_model: bool = False) -> None:
+                 draft_cost_ratio: float = 1.0, constrained_draft_model: bool = False,
+                 draft_positions: int | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        # drafts stay below both contexts (the target's and the drafter's)
+        self.draft_len_limit = max_model_len if draft_positions is None else \
+            min(max_model_len, draft_positions)
         self.uses_draft_model = config.method in ("draft_model", *HEAD_METHODS)
         self.constrained_draft_model = constrained_draft_model
         self.draft_cost_ratio = draft_cost_ratio  # the fallback before any draft pass is timed
@@ -103,14 +112,15 @@ class Speculator:
 
     def _room(self, request: Request) -> int:
         """Drafts the request can take: 0 unless it is a decode; capped by K, max_tokens
-        (the bonus token counts) and max_model_len."""
+        (the bonus token counts), max_model_len and the draft model's positions."""
         num_tokens = len(request.all_token_ids)
         if num_tokens - request.num_computed_tokens != 1:
             return 0
         params = request.sampling_params
         left = params.max_tokens - (num_tokens - len(request.prompt_token_ids)) - 1 \
             if params.max_tokens is not None else self.config.num_speculative_tokens
-        return min(self.config.num_speculative_tokens, left, self.max_model_len - num_tokens - 1)
+        return min(self.config.num_speculative_tokens, left,
+                   self.draft_len_limit - num_tokens - 1)
 
     def _candidate_drafts(self, request: Request, room: int) -> np.ndarray:
         """The proposer's tokens (int64 [<= room]) before the length choice."""

@@ -268,3 +268,33 @@ def test_draft_passes_try_each_thread_count_and_keep_greedy_output(base, self_dr
     assert torch.get_num_threads() == before
     assert threads.candidates == list(dict.fromkeys([before, 1]))
     assert all(s is not None and s > 0 for s in threads.seconds)
+
+
+def test_draft_with_a_shorter_context_stops_drafting_before_it(tiny_llama, base, tmp_path,
+                                                               assert_no_leaks):
+    """A draft covering 32 positions (its max_position_embeddings) for a target of 256: a
+    20-token prompt drafts until its sequence would reach position 31, a 40-token prompt
+    never drafts, and both decode on to 30 tokens, equal to plain greedy output. The
+    draft's passes indexed its rotary table at every position: the first step past 32
+    raised ("rotary: positions must lie in [0, 32)"), failing the step's requests."""
+    import json
+    import shutil
+
+    short = tmp_path / "draft32"
+    shutil.copytree(tiny_llama.path, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32}))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, tiny_llama.vocab_size, (n,), generator=gen).tolist()
+               for n in (20, 40)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    spec = _engine(tiny_llama.path, str(short))
+    got = _generate(spec, params, prompts)
+    _same_outputs(_generate(base, params, prompts), got)
+    # the 20-token prompt drafts from 21 tokens on, at most 3 a step up to 28 tokens, then
+    # 2 at 29 and 1 at 30 (position 31 the last a draft reaches): 27 if none were accepted
+    assert 0 < got[0].metrics.num_draft_tokens <= 27
+    assert got[0].metrics.num_accepted_tokens > 0  # the same weights: its drafts are right
+    assert got[1].metrics.num_draft_tokens == 0
+    assert spec.engine.core.speculator.draft_len_limit == 32
+    assert_no_leaks(spec)

@@ -349,3 +349,36 @@ def test_constrained_greedy_equals_plain_constrained(pair, assert_no_leaks, monk
         text = tokenizer.decode(context[prompt_len:] + drafts[:1], skip_special_tokens=True)
         assert regex.fullmatch(REGEX, text, partial=True), text
     assert_no_leaks(eagle)
+
+
+
+def test_head_declaring_fewer_positions_than_the_target_drafts_everywhere(tiny_model_factory,
+                                                                          tmp_path,
+                                                                          assert_no_leaks):
+    """A head whose config declares 32 positions (the common Llama 3 EAGLE heads declare
+    2048 for 8k-128k targets) on a target of 256: its rotary table is extended to the
+    target's, so prompts of 40-60 tokens draft exactly as a head declaring 256 does (same
+    drafts, same acceptance), with plain greedy output. Its table had 32 rows: the first
+    step past position 31 raised "rotary: positions must lie in [0, 32)", failing its
+    requests."""
+    target = tiny_model_factory("llama_1layer")
+    full, short = str(tmp_path / "head256"), str(tmp_path / "head32")
+    _save_mimic_head(full, target)
+    _save_mimic_head(short, target)
+    with open(os.path.join(short, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(short, "config.json"), "w") as f:
+        json.dump({**config, "max_position_embeddings": 32}, f)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, target.vocab_size, (n,), generator=gen).tolist()
+               for n in (40, 60)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ref = _engine(target.path, None).generate(prompts, params, use_tqdm=False)
+    runs = {}
+    for name, head in (("full", full), ("short", short)):
+        llm = _engine(target.path, head)
+        runs[name] = llm.generate(prompts, params, use_tqdm=False)
+        _same_outputs(ref, runs[name])
+        assert_no_leaks(llm)
+    assert _drafted(runs["short"]) == _drafted(runs["full"])
+    assert _drafted(runs["short"])[1] > 0
