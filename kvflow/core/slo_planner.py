@@ -275,18 +275,22 @@ class SLOPlanner:
 
 def plan_step(model: StepTimeModel, running: Iterable[Request],
               slos: dict[str, RequestSLO], now: float) -> StepBudget:
-    """The step's budget for ``running`` (objects with ``request_id``, ``num_tokens`` and
-    ``num_computed_tokens``) whose targets are in ``slos``: the step may last as long as the
+    """The step's budget for ``running`` (objects with ``request_id``, ``num_tokens``,
+    ``num_computed_tokens`` and ``num_output_placeholders``) whose targets are in ``slos``:
+    the step may last as long as the
     tightest ``step_allowance`` of a running request (``PLAN_MARGIN`` of it, at most
     ``MAX_STEP_TPOTS`` targets). A request that ``is_lost`` cannot be helped by cutting
     prefill, so it does not shrink the budget (that would starve admissions and help no one);
     with none left to protect the budget is unbounded (the fixed token budget applies).
+    Under async scheduling a decode's token from the step in flight is a placeholder, not
+    yet in ``num_tokens``, and it is what this step computes: it counts (without it every
+    decode looked caught up, the step decode-free, and its first prefill chunk went uncut).
     """
     tpot_min = math.inf
     num_decodes = decode_context = num_running = running_context = 0
     timed: list[tuple[RequestSLO, int]] = []
     for r in running:
-        n = r.num_tokens
+        n = r.num_tokens + r.num_output_placeholders
         if n - r.num_computed_tokens == 1:
             num_decodes += 1
             decode_context += n

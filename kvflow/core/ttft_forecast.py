@@ -30,15 +30,18 @@ class _Twin:
     """A request as the forecast moves it along."""
 
     request_id: str
-    num_tokens: int
+    num_tokens: int  # async scheduling's token in flight included
     num_computed_tokens: int
     tokens_left: int  # output tokens still to generate
+    num_output_placeholders: int = 0  # folded into num_tokens (``plan_step`` reads it)
 
 
 def _twin(request: Request, computed: int | None = None) -> _Twin:
-    """A running request as it is, or a waiting one with ``computed`` prefix-cache hits."""
-    left = (request.sampling_params.max_tokens or 1) - request.num_output_tokens
-    return _Twin(request.request_id, request.num_tokens,
+    """A running request as it is (a token of a step in flight counted in: async
+    scheduling), or a waiting one with ``computed`` prefix-cache hits."""
+    pending = request.num_output_placeholders
+    left = (request.sampling_params.max_tokens or 1) - request.num_output_tokens - pending
+    return _Twin(request.request_id, request.num_tokens + pending,
                  request.num_computed_tokens if computed is None else computed, max(1, left))
 
 

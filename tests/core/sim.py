@@ -22,6 +22,7 @@ from kvflow.core.step_time_model import StepFeatures
 from kvflow.request import Request, RequestStatus
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sampling_params import SamplingParams
+from kvflow.sched_output import SchedulerOutput
 from tests.core.fake_kv import fake_kv_cache_config
 
 
@@ -118,11 +119,14 @@ def simulate(workload: list[SimRequest], clock: FakeClock, scheduler: Scheduler,
              admission: Callable[[Request], bool] | None = None,
              max_steps: int = 200_000) -> SimResult:
     """Run ``workload`` to completion. ``admission(request) -> accept?`` is asked at each
-    arrival (admission control); a refused request is recorded as rejected."""
+    arrival (admission control); a refused request is recorded as rejected. A scheduler
+    with ``async_scheduling`` runs as the engine runs it: step N + 1 is scheduled before
+    step N's tokens are folded in (they come out when step N ends)."""
     pending = sorted(workload, key=lambda r: r.arrival)
     timelines = {r.rid: Timeline(r.arrival) for r in workload}
     clients = {r.rid: r.client for r in workload}
     tokens_by_client: dict[str, list[tuple[float, int]]] = {}
+    in_flight: tuple[SchedulerOutput, list[str]] | None = None  # async: the step not folded
     steps = 0
     while pending or scheduler.has_unfinished_requests():
         while pending and pending[0].arrival <= clock.now + 1e-12:
@@ -136,31 +140,58 @@ def simulate(workload: list[SimRequest], clock: FakeClock, scheduler: Scheduler,
             if pending:
                 clock.now = pending[0].arrival
             continue
+        placeholders = {rid: r.num_output_placeholders for rid, r in scheduler.requests.items()}
         out = scheduler.schedule()
+        sampled = _sampling(scheduler, out, placeholders)
+        if in_flight is not None:  # async: the previous step ended at clock.now
+            _fold(scheduler, *in_flight, timelines, clock.now)
+            in_flight = None
         duration = step_time(step_features(out, scheduler.requests)) if not out.is_empty \
             else 0.001
         clock.now += duration
-        runner_output = ModelRunnerOutput()
         per_client: dict[str, int] = {}
         for rid, n in out.num_scheduled_tokens.items():
             per_client[clients[rid]] = per_client.get(clients[rid], 0) + n
-            request = scheduler.requests[rid]
-            if request.num_computed_tokens == request.num_tokens:
-                runner_output.req_ids.append(rid)
-                runner_output.sampled_token_ids.append([100 + request.num_tokens % 900])
         for client, n in per_client.items():
             tokens_by_client.setdefault(client, []).append((clock.now, n))
-        for output in scheduler.update_from_output(out, runner_output):
-            tl = timelines[output.request_id]
-            for _ in output.new_token_ids:
-                tl.first_token = clock.now if tl.first_token is None else tl.first_token
-                tl.last_token = clock.now
-                tl.num_tokens += 1
-                tl.token_times.append(clock.now)
+        if scheduler.async_scheduling:
+            in_flight = (out, sampled)
+        else:
+            _fold(scheduler, out, sampled, timelines, clock.now)
         scheduler.record_step_time(duration)
         steps += 1
         assert steps < max_steps, "simulation did not finish"
     return SimResult(timelines, clock.now, steps, tokens_by_client, scheduler)
+
+
+def _sampling(scheduler: Scheduler, out: SchedulerOutput,
+              placeholders: dict[str, int]) -> list[str]:
+    """The requests step ``out`` samples: those caught up (lock-step), or whose token
+    placeholders it raised (async: ``placeholders`` holds the counts before it)."""
+    requests = scheduler.requests
+    if scheduler.async_scheduling:
+        return [rid for rid in out.num_scheduled_tokens
+                if requests[rid].num_output_placeholders > placeholders.get(rid, 0)]
+    return [rid for rid in out.num_scheduled_tokens
+            if requests[rid].num_computed_tokens == requests[rid].num_tokens]
+
+
+def _fold(scheduler: Scheduler, out: SchedulerOutput, sampled: list[str],
+          timelines: dict[str, Timeline], now: float) -> None:
+    """"Sample" a token for each of ``sampled`` and fold step ``out`` in at ``now``."""
+    runner_output = ModelRunnerOutput()
+    for rid in sampled:
+        request = scheduler.requests.get(rid)
+        if request is not None:
+            runner_output.req_ids.append(rid)
+            runner_output.sampled_token_ids.append([100 + request.num_tokens % 900])
+    for output in scheduler.update_from_output(out, runner_output):
+        tl = timelines[output.request_id]
+        for _ in output.new_token_ids:
+            tl.first_token = now if tl.first_token is None else tl.first_token
+            tl.last_token = now
+            tl.num_tokens += 1
+            tl.token_times.append(now)
 
 
 def assert_idle(scheduler: Scheduler) -> None:

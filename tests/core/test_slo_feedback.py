@@ -162,6 +162,7 @@ def test_a_lost_request_does_not_starve_the_others():
     class Running:
         def __init__(self, rid):
             self.request_id, self.num_tokens, self.num_computed_tokens = rid, 10, 9
+            self.num_output_placeholders = 0
 
     budget = planner.step_budget([Running("lost"), Running("ok")], now=1.0)
     # "ok": first token at 0.9, next due 0.95 -> allowance max(-0.05, (0.9 + 32*0.05 - 1)/32)
