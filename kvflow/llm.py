@@ -37,6 +37,9 @@ from kvflow.outputs import (
 from kvflow.prompt_inputs import ProcessedPrompt, PromptType
 from kvflow.sampling_params import SamplingParams
 
+# vLLM's chat_template_content_format values (kvflow.chat_template.render_chat's content_format)
+CONTENT_FORMATS = ("auto", "string", "openai")
+
 
 class LLM(LLMPooling):
     """Offline batch generation, and pooling (``embed``, ``encode``, ``classify``,
@@ -262,14 +265,19 @@ class LLM(LLMPooling):
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = True,
-             chat_template_kwargs: dict | None = None, continue_final_message: bool = False,
-             chat_template: str | None = None, tools: list[dict] | None = None,
-             documents: list[dict] | None = None,
-             on_output: Callable[[int, RequestOutput], None] | None = None,
-             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             use_tqdm: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
+             priority: Sequence[int] | None = None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, documents: list[dict] | None = None,
+             on_output: Callable[[int, RequestOutput], None] | None = None
              ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them and generate.
+
+        The positional arguments are vLLM's first four (``messages``, ``sampling_params``,
+        ``use_tqdm``, ``lora_request``); the rest are keyword-only (vLLM's order after those
+        differs between its versions, so a positional one would bind to another argument).
 
         Message ``content`` may be a string, a list of text (and, for a vision-language
         model, ``image_url`` and ``video_url``) parts or None (see ``kvflow.chat_messages``;
@@ -280,11 +288,16 @@ class LLM(LLMPooling):
         message instead of starting a new turn; ``chat_template`` replaces the model's;
         ``tools`` / ``documents`` / ``chat_template_kwargs`` become template variables;
         ``on_output`` is ``generate``'s (the outputs it sees have no ``prompt`` text: ``chat``
-        sets it on the ones it returns); ``lora_request`` is ``generate``'s too (one adapter
-        for every conversation, or one per conversation).
+        sets it on the ones it returns); ``lora_request`` and ``priority`` are ``generate``'s
+        too (one adapter for every conversation, or one per conversation; one priority per
+        conversation); ``chat_template_content_format`` is vLLM's: ``auto`` (content as a
+        list of parts for a template that loops over a message's content, else one string),
+        ``string`` (always one string) or ``openai`` (always a list of ``{type, ...}``
+        parts), as ``kvflow serve --chat-template-content-format``.
 
         Raises:
-            ValueError: if the model has no chat template, or for a message or option the
+            ValueError: for a ``chat_template_content_format`` other than the three, if the
+                model has no chat template, or for a message or option the
                 template cannot honour (``ChatTemplateError`` names the field): an
                 assistant's ``tool_calls`` not in the server's shape
                 (``messages.N.tool_calls.M.id`` for an empty id, ...), or a tool message's
@@ -293,6 +306,9 @@ class LLM(LLMPooling):
         """
         if not isinstance(messages, list) or not messages:
             raise ValueError("chat() needs a non-empty list of messages (or of conversations)")
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r} "
+                             f"must be one of {', '.join(CONTENT_FORMATS)}")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         for conversation in conversations:  # what the server's schema checks
             if isinstance(conversation, list):
@@ -300,7 +316,8 @@ class LLM(LLMPooling):
                 check_tool_call_ids(message_turns(conversation))
         options = {"continue_final_message": continue_final_message,
                    "chat_template": chat_template, "tools": tools, "documents": documents,
-                   "template_kwargs": chat_template_kwargs}
+                   "template_kwargs": chat_template_kwargs,
+                   "content_format": chat_template_content_format}
         prompts = [self.engine.processor.apply_chat_template(c, add_generation_prompt,
                                                              **options)
                    for c in conversations]
@@ -308,7 +325,7 @@ class LLM(LLMPooling):
         token_prompts = [with_images(tokenizer.encode(p, add_special_tokens=False),
                                      *self.engine.processor.load_chat_media(c))
                          for p, c in zip(prompts, conversations)]
-        outputs = self.generate(token_prompts, sampling_params, use_tqdm,
+        outputs = self.generate(token_prompts, sampling_params, use_tqdm, priority=priority,
                                 lora_request=lora_request, on_output=on_output)
         for out, text in zip(outputs, prompts):
             out.prompt = text

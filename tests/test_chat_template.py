@@ -178,6 +178,41 @@ def test_llm_chat_null_content_and_continue(chat_llm):
     assert out[0].prompt == "<user>a\n<assistant>"
 
 
+def test_llm_chat_takes_vllms_positional_arguments(chat_llm):
+    """``chat(messages, params, False)`` is vLLM's ``use_tqdm=False``: the third positional
+    argument was ``add_generation_prompt``, so the prompt silently lost its
+    ``<assistant>`` header; the fourth is vLLM's ``lora_request`` (None here), and the ones
+    after it are keyword-only (vLLM's order there differs between versions)."""
+    params = SamplingParams(temperature=0, max_tokens=2)
+    hi = [{"role": "user", "content": "a"}]
+    assert chat_llm.chat(hi, params, False)[0].prompt == "<user>a\n<assistant>"
+    assert chat_llm.chat(hi, params, False, None)[0].prompt == "<user>a\n<assistant>"
+    with pytest.raises(TypeError):
+        chat_llm.chat(hi, params, False, None, "{{ messages }}")
+
+
+def test_llm_chat_priority_and_content_format(chat_llm):
+    """vLLM's ``priority`` (one per conversation: the lowest value runs first on the one
+    running slot) and ``chat_template_content_format`` (``string``: the text itself;
+    ``openai``: the list of parts, as the template prints it; ``auto``: a string for this
+    template, which does not loop over the content) reach the engine and the template."""
+    params = SamplingParams(temperature=0, max_tokens=3)
+    convs = [[{"role": "user", "content": t}] for t in ("a b", "c d", "e f")]
+    outs = chat_llm.chat(convs, params, use_tqdm=False, priority=[5, -5, 0])
+    order = sorted(range(3), key=lambda i: outs[i].metrics.first_token_time)
+    assert order == [1, 2, 0]
+    with pytest.raises(ValueError, match="priority"):
+        chat_llm.chat(convs, params, priority=[1, 2])
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}]}]
+    prompt = {fmt: chat_llm.chat(parts, params, chat_template_content_format=fmt)[0].prompt
+              for fmt in ("auto", "string", "openai")}
+    assert prompt["auto"] == prompt["string"] == "<user>a\n<assistant>"
+    assert prompt["openai"] == "<user>[{'type': 'text', 'text': 'a'}]\n<assistant>"
+    with pytest.raises(ValueError, match="chat_template_content_format='json' must be one "
+                       "of auto, string, openai"):
+        chat_llm.chat(parts, params, chat_template_content_format="json")
+
+
 def test_generate_priority_orders_the_queue(chat_llm, assert_no_leaks):
     """One running slot: the prompts run one at a time, lowest priority value first."""
     params = SamplingParams(temperature=0, max_tokens=3)
