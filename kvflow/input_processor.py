@@ -251,9 +251,11 @@ class InputProcessor(PoolingInputs):
         requests = []
         for i in range(params.n):
             seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
-            child = dataclasses.replace(params, n=1, seed=seed,
+            child = dataclasses.replace(params, n=1,
                                         stop_token_ids=self._stop_token_ids(params),
                                         bad_words_token_ids=bad_words_ids)
+            child.seed = seed  # set after the copy: its checks would read a seed + i of -1
+            # as "unseeded" (SamplingParams.seed)
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
             requests.append(Request(rid, token_ids, child, self.eos_token_id, arrival_time,
                                     priority, parent_id=request_id, sample_index=i,

@@ -46,8 +46,11 @@ class SamplingParams:
         top_k: keep the k most likely tokens; 0 or -1 disables.
         min_p: drop tokens whose probability is below min_p * p(max); 0 disables.
         seed: per-request RNG seed (a signed 64-bit integer); the same seed gives the same
-            tokens whatever else is batched. On CPU torch's generator uses only its low 32
-            bits: seeds that differ by a multiple of 2**32 sample alike.
+            tokens whatever else is batched. -1 given to the constructor is None
+            (unseeded), as in vLLM, whose ``SamplingParams`` turns it into None (sample
+            ``i`` of a request seeded ``s`` is seeded ``s + i``, which may be -1: the engine
+            sets that after constructing, so it stays a seed). On CPU torch's generator uses
+            only its low 32 bits: seeds that differ by a multiple of 2**32 sample alike.
         max_tokens: maximum number of generated tokens (>= 1); None: as many as the context
             leaves (``max_model_len`` minus the prompt), as in vLLM.
         min_tokens: no stop condition ends the request before this many tokens are generated:
@@ -167,6 +170,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self._check_types()
+        if self.seed == -1 and "seed" in self.fields_set:  # vLLM's "no seed"; a decoded
+            self.seed = None  # copy (msgspec: no fields_set) keeps a sample's seed + i of -1
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -87,6 +87,30 @@ def test_n_gives_n_samples(llm, assert_no_leaks):
     assert_no_leaks(llm)
 
 
+def test_seed_minus_one_is_unseeded_as_in_vllm(llm, assert_no_leaks):
+    """``seed=-1`` is vLLM's "no seed" (its SamplingParams sets None): kvflow took it as an
+    ordinary seed, so every call gave the same sample. A sample ``i`` of a request seeded
+    ``s`` is still seeded ``s + i`` where that is -1 (seed -2, n=2): reproducible, also
+    through msgspec (the engine-core process's copy)."""
+    import msgspec
+
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-2).seed == -2 and SamplingParams(seed=0).seed == 0
+    draws = {tuple(_tokens(llm.generate([PROMPTS[0]], hot(seed=-1, temperature=3.0),
+                                        use_tqdm=False))[0]) for _ in range(3)}
+    assert len(draws) == 3  # 12 tokens at temperature 3 over 320 ids: no repeats
+    (first,) = llm.generate([PROMPTS[0]], hot(seed=-2, n=2), use_tqdm=False)
+    (again,) = llm.generate([PROMPTS[0]], hot(seed=-2, n=2), use_tqdm=False)
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in first.outputs]
+    assert first.outputs[0].token_ids != first.outputs[1].token_ids
+    child = llm.engine.processor.make_requests("r", PROMPTS[0], hot(seed=-2, n=2), 0.0)[1]
+    assert child.sampling_params.seed == -1
+    copy = msgspec.msgpack.decode(msgspec.msgpack.encode(child.sampling_params),
+                                  type=SamplingParams)
+    assert copy.seed == -1
+    assert_no_leaks(llm)
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["pc_on", "pc_off"])
 def test_n_samples_share_prompt_blocks(tiny_llama, prefix_caching, assert_no_leaks):
     """The n samples of a request share their prompt's KV blocks (also with prefix caching
