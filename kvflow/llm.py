@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -142,7 +144,8 @@ class LLM(LLMPooling):
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 use_tqdm: bool | Callable[..., Any] = True,
+                 priority: Sequence[int] | None = None,
                  user: Sequence[str] | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  on_output: Callable[[int, RequestOutput], None] | None = None
@@ -157,6 +160,9 @@ class LLM(LLMPooling):
                 vLLM's, so that only prompts with the same salt share prefix-cache blocks),
                 or a list of these.
             sampling_params: one for all prompts or one per prompt (default: SamplingParams()).
+            use_tqdm: show a progress bar (for more than one prompt); a callable is vLLM's
+                tqdm factory (e.g. ``functools.partial(tqdm, leave=False)``), called with
+                ``total`` and ``desc`` (likewise for ``chat`` and the pooling methods).
             priority: one integer per prompt, lower first (needs ``policy="priority"`` or
                 ``"fair"``).
             user: one client name per prompt (needs ``policy="fair"``; default: one client).
@@ -190,7 +196,7 @@ class LLM(LLMPooling):
         prompts = processed_prompts(self.engine.processor, prompts, params)
         loras = broadcast_loras(lora_request, len(prompts))
         ids = self._queue_requests(prompts, params, priorities, users, loras)
-        return self._run(ids, use_tqdm and len(ids) > 1, on_output)
+        return self._run(ids, use_tqdm, on_output)
 
     def _queue_requests(self, prompts: list[ProcessedPrompt], params: list[SamplingParams],
                         priorities: list[int], users: list[str],
@@ -265,7 +271,7 @@ class LLM(LLMPooling):
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True,
+             use_tqdm: bool | Callable[..., Any] = True,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
              priority: Sequence[int] | None = None, chat_template: str | None = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
@@ -331,13 +337,21 @@ class LLM(LLMPooling):
             out.prompt = text
         return outputs
 
-    def _run(self, request_ids: list[str], use_tqdm: bool,
+    def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any],
              on_output: Callable[[int, Any], None] | None = None) -> list[Any]:
+        """Step the engine until ``request_ids`` finished; their last outputs, in order.
+        A progress bar when ``use_tqdm`` and more than one request: ``use_tqdm`` itself
+        where it is a callable (vLLM's: a tqdm-like factory, e.g. ``functools.partial(tqdm,
+        leave=False)``, called with ``total`` and ``desc``; its bar needs ``update`` and
+        ``close``), else tqdm's."""
         finished: dict[str, Any] = {}
         index = {rid: i for i, rid in enumerate(request_ids)}
+        show = bool(use_tqdm) and len(request_ids) > 1
+        bar_factory = use_tqdm if show and callable(use_tqdm) else \
+            functools.partial(tqdm, disable=not show)
         try:  # no full collection of the caller's heap between steps (kvflow/gc_heap.py)
-            with caller_heap_frozen(), tqdm(total=len(request_ids), desc="Processed prompts",
-                                            disable=not use_tqdm) as bar:
+            bar = bar_factory(total=len(request_ids), desc="Processed prompts")
+            with caller_heap_frozen(), contextlib.closing(bar):
                 while self.engine.has_unfinished_requests():
                     for out in self.engine.step():
                         if on_output is not None:

@@ -5,7 +5,7 @@ and ``score`` over an embedding, classification or cross-encoder engine, mixed i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ class LLMPooling:
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              use_tqdm: bool = True, user: Sequence[str] | None = None,
+              use_tqdm: bool | Callable[..., Any] = True, user: Sequence[str] | None = None,
               truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in order (``out.outputs.embedding``: a list of floats),
         batched by the same scheduler as generation (prompts only, nothing sampled).
@@ -85,7 +85,7 @@ class LLMPooling:
 
     def encode(self, prompts: PromptType | Sequence[PromptType],
                pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-               use_tqdm: bool = True,
+               use_tqdm: bool | Callable[..., Any] = True,
                lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                pooling_task: str | None = None, user: Sequence[str] | None = None,
                truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
@@ -132,7 +132,8 @@ class LLMPooling:
                                     truncate_prompt_tokens=truncate_prompt_tokens)]
 
     def _pool(self, prompts: list[PromptType], params: list[PoolingParams | None],
-              use_tqdm: bool, user: Sequence[str] | None, name_prompts: bool = False,
+              use_tqdm: bool | Callable[..., Any], user: Sequence[str] | None,
+              name_prompts: bool = False,
               truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """Queue one pooling request per prompt (with its params; None: an embedding's
         defaults) after checking them all, run them; outputs in prompt order. With
@@ -160,7 +161,7 @@ class LLMPooling:
                     raise
                 raise ValueError(f"prompt {i}: {e}") from None
         ids = self._queue_all(list(zip(prompts, params)), users)
-        return self._run(ids, use_tqdm and len(ids) > 1)
+        return self._run(ids, use_tqdm)
 
     def _queue_all(self, requests: Sequence[tuple[Any, PoolingParams | None]],
                    users: Sequence[str]) -> list[str]:
@@ -178,7 +179,8 @@ class LLMPooling:
         return ids
 
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
-              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool | Callable[..., Any] = True,
               user: Sequence[str] | None = None,
               pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
         """A cross-encoder's score of each text pair, in pair order
@@ -227,7 +229,7 @@ class LLMPooling:
         return [ScoringRequestOutput(o.request_id, o.prompt_token_ids,
                                      ScoringOutput(score_value(o.outputs.embedding)),
                                      o.finished, o.metrics)
-                for o in self._run(request_ids, use_tqdm and len(request_ids) > 1)]
+                for o in self._run(request_ids, use_tqdm)]
 
     def _pair_requests(self, pairs: list[tuple[str, str]], limit: int | None,
                        use_activation: bool | None
@@ -251,7 +253,8 @@ class LLMPooling:
             prompts.append((ids, params))
         return prompts
 
-    def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
+    def classify(self, prompts: PromptType | Sequence[PromptType],
+                 use_tqdm: bool | Callable[..., Any] = True,
                  user: Sequence[str] | None = None, truncate_prompt_tokens: int | None = None,
                  pooling_params: PoolingParams | Sequence[PoolingParams] | None = None
                  ) -> list[ClassificationRequestOutput]:
@@ -290,7 +293,7 @@ class LLMPooling:
                 for o in outs]
 
     def _score_embeddings(self, pairs: list[tuple[str, str]],
-                          truncate_prompt_tokens: int | None, use_tqdm: bool,
+                          truncate_prompt_tokens: int | None, use_tqdm: bool | Callable[..., Any],
                           user: Sequence[str] | None) -> list[ScoringRequestOutput]:
         """``score`` on an embedding model: each distinct text embedded once (as ``embed``
         does), a pair's score the cosine similarity of its two embeddings (vLLM's rule); its

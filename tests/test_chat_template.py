@@ -213,6 +213,46 @@ def test_llm_chat_priority_and_content_format(chat_llm):
         chat_llm.chat(parts, params, chat_template_content_format="json")
 
 
+class _Bar:
+    """A tqdm-like bar that counts its updates."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Bars:
+    """A tqdm-like factory (vLLM's ``use_tqdm`` callable): records each bar it makes."""
+
+    def __init__(self) -> None:
+        self.made: list[dict] = []
+
+    def __call__(self, **kwargs) -> _Bar:
+        self.made.append({"kwargs": kwargs, "bar": _Bar()})
+        return self.made[-1]["bar"]
+
+
+def test_use_tqdm_callable_is_the_progress_bar(chat_llm):
+    """vLLM's ``use_tqdm`` may be a tqdm factory: ``generate``, ``chat`` (and the pooling
+    methods, through the same loop) make their bar with it, one update per finished
+    prompt; it was taken as True and tqdm's own bar shown."""
+    params = SamplingParams(temperature=0, max_tokens=2)
+    bars = _Bars()
+    chat_llm.generate(["a b", "c d", "e f"], params, use_tqdm=bars)
+    chat_llm.chat([[{"role": "user", "content": "a"}]] * 2, params, bars)
+    assert all(b["bar"].closed for b in bars.made)
+    assert [(b["kwargs"], b["bar"].n) for b in bars.made] == [
+        ({"total": 3, "desc": "Processed prompts"}, 3),
+        ({"total": 2, "desc": "Processed prompts"}, 2)]
+    chat_llm.generate(["a b"], params, use_tqdm=bars)  # one prompt: no bar, as with True
+    assert len(bars.made) == 2
+
+
 def test_generate_priority_orders_the_queue(chat_llm, assert_no_leaks):
     """One running slot: the prompts run one at a time, lowest priority value first."""
     params = SamplingParams(temperature=0, max_tokens=3)
