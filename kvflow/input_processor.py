@@ -253,7 +253,8 @@ class InputProcessor(PoolingInputs):
             seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
             child = dataclasses.replace(params, n=1,
                                         stop_token_ids=self._stop_token_ids(params),
-                                        bad_words_token_ids=bad_words_ids)
+                                        bad_words_token_ids=bad_words_ids,
+                                        **self._whole_vocab_logprobs(params))
             child.seed = seed  # set after the copy: its checks would read a seed + i of -1
             # as "unseeded" (SamplingParams.seed)
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
@@ -263,6 +264,12 @@ class InputProcessor(PoolingInputs):
                                     lora_request=lora_request, cache_salt=cache_salt,
                                     prompt_embeds=prompt_embeds))
         return requests
+
+    def _whole_vocab_logprobs(self, params: SamplingParams) -> dict[str, int]:
+        """``logprobs`` / ``prompt_logprobs`` of -1 (vLLM's "every token") as the vocabulary
+        size, by field name (the fields that are -1 only)."""
+        return {name: self.vocab_size for name in ("logprobs", "prompt_logprobs")
+                if getattr(params, name) == -1}
 
     def _truncated(self, token_ids: list[int], params: SamplingParams,
                    mm_features: list[MultiModalFeature] | None,

@@ -61,10 +61,12 @@ class SamplingParams:
             characters each.
         stop_token_ids: token ids that end generation (kept in ``token_ids``).
         ignore_eos: keep generating past the EOS token.
-        logprobs: if set, return this many top logprobs per generated token (plus the sampled).
+        logprobs: if set, return this many top logprobs per generated token (plus the sampled);
+            -1: every token of the vocabulary (vLLM's), resolved when the request is queued.
         prompt_logprobs: if set, return this many top logprobs per prompt token (plus the
             prompt token's own) in ``RequestOutput.prompt_logprobs``; the first prompt token has
-            none (None). Such a request takes no prefix-cache hits for its prompt.
+            none (None); -1: the whole vocabulary, as for ``logprobs``. Such a request takes no
+            prefix-cache hits for its prompt.
         include_stop_str_in_output: keep the matched stop string in the text.
         skip_special_tokens: drop special tokens when detokenizing.
         presence_penalty: subtracted once from the logit of every token already generated;
@@ -266,10 +268,10 @@ class SamplingParams:
             (self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0"),
             (self.min_tokens <= max_tokens, "min_tokens", self.min_tokens,
              f"must be <= max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs,
-             "must be >= 0"),
-            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
-             self.prompt_logprobs, "must be >= 0"),
+            (self.logprobs is None or self.logprobs >= -1, "logprobs", self.logprobs,
+             "must be >= 0, or -1 (the whole vocabulary)"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= -1, "prompt_logprobs",
+             self.prompt_logprobs, "must be >= 0, or -1 (the whole vocabulary)"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
              "must be non-empty strings"),
             (find_lone_surrogate(self.stop) is None, "stop", self.stop,

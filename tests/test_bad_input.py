@@ -169,7 +169,7 @@ def test_on_output_must_be_callable(llm, assert_no_leaks):
     ({"top_k": -2}, "top_k"),
     ({"min_p": 1.5}, "min_p"),
     ({"n": 0}, "n"),
-    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": -2}, "logprobs"),  # -1 is vLLM's whole vocabulary
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
     ({"stop": [""]}, "stop"),
     # wrong types: never a TypeError from deep in torch, never a silent truncation

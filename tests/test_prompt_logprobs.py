@@ -66,6 +66,6 @@ def test_prompt_logprobs_ignore_prefix_cache_and_survive_preemption(tiny_llama):
 
 def test_bad_prompt_logprobs():
     with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=-1)
+        SamplingParams(prompt_logprobs=-2)  # -1: the whole vocabulary (vLLM's)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=1.5)

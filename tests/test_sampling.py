@@ -111,6 +111,29 @@ def test_seed_minus_one_is_unseeded_as_in_vllm(llm, assert_no_leaks):
     assert_no_leaks(llm)
 
 
+def test_logprobs_minus_one_is_the_whole_vocabulary(llm, tiny_llama):
+    """``logprobs=-1`` / ``prompt_logprobs=-1`` are vLLM's "every token": each position's
+    entry holds all ``vocab_size`` tokens with transformers' log-softmax (was a ValueError);
+    -2 is still refused, naming the field."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=-1,
+                            prompt_logprobs=-1)
+    (out,) = llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    ids = PROMPTS[0] + out.outputs[0].token_ids
+    with torch.no_grad():
+        want = torch.log_softmax(tiny_llama.hf_model(torch.tensor([ids])).logits[0].double(), -1)
+    vocab = tiny_llama.vocab_size
+    rows = [(len(PROMPTS[0]) - 1 + j, entry) for j, entry in enumerate(out.outputs[0].logprobs)]
+    rows += [(j - 1, entry) for j, entry in enumerate(out.prompt_logprobs) if entry is not None]
+    assert len(rows) == 3 + len(PROMPTS[0]) - 1
+    for row, entry in rows:
+        assert sorted(entry) == list(range(vocab))
+        got = torch.tensor([entry[t].logprob for t in range(vocab)], dtype=torch.float64)
+        assert torch.allclose(got, want[row], atol=1e-4)
+    with pytest.raises(ValueError, match=r"SamplingParams.logprobs=-2 is invalid: it must be "
+                       r">= 0, or -1 \(the whole vocabulary\)"):
+        SamplingParams(logprobs=-2)
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["pc_on", "pc_off"])
 def test_n_samples_share_prompt_blocks(tiny_llama, prefix_caching, assert_no_leaks):
     """The n samples of a request share their prompt's KV blocks (also with prefix caching
