@@ -100,14 +100,19 @@ class LLM(LLMPooling):
         """
         self.engine.local_core("sleep").sleep(level)
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> bool:
         """Give back what :meth:`sleep` freed: ``tags`` "weights" and/or "kv_cache" (None:
         both); the KV cache has as many blocks as before. A no-op while awake.
+
+        Returns:
+            True when the engine is fully awake after it (every tag woken), as vLLM's
+            ``LLM.wake_up``; False while a tag still sleeps.
 
         Raises:
             ValueError: for an unknown tag.
         """
         self.engine.local_core("wake_up").wake_up(tags)
+        return not self.is_sleeping()
 
     def is_sleeping(self) -> bool:
         """True from :meth:`sleep` until every tag woke up."""

@@ -129,12 +129,12 @@ def test_weights_then_kv_cache_woken_separately(tiny_llama):
     llm = _engine(tiny_llama.path)
     expected = _greedy(llm)
     llm.sleep(level=2)
-    llm.wake_up(tags=["weights"])
+    assert llm.wake_up(tags=["weights"]) is False  # vLLM's return: not fully awake yet
     assert llm.is_sleeping() and _kv_bytes(llm) == 0
     llm.collective_rpc("reload_weights")  # no KV tensor to rebind yet
     with pytest.raises(ValueError, match="asleep"):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
-    llm.wake_up(tags=["kv_cache"])
+    assert llm.wake_up(tags=["kv_cache"]) is True
     assert not llm.is_sleeping() and _kv_bytes(llm) > 0
     assert _greedy(llm) == expected
 
@@ -158,7 +158,7 @@ def test_sleep_with_a_request_in_flight_is_refused(tiny_llama, assert_no_leaks):
 def test_double_sleep_and_wake_while_awake_are_no_ops(tiny_llama, caplog):
     llm = _engine(tiny_llama.path)
     expected = _greedy(llm)
-    llm.wake_up()  # awake: nothing to do
+    assert llm.wake_up() is True  # awake: nothing to do (was None: vLLM returns a bool)
     assert not llm.is_sleeping() and _kv_bytes(llm) > 0
     llm.sleep(1)
     with caplog.at_level("WARNING", logger="kvflow"):
