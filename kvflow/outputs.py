@@ -215,6 +215,12 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache (``metrics.num_cached_tokens``), where
+        vLLM's ``RequestOutput`` has them."""
+        return self.metrics.num_cached_tokens
+
 
 def token_rows(values: list[float], num_prompt_tokens: int) -> Any:
     """A per-token request's flattened output (``PoolingState._per_token``: row-major, the

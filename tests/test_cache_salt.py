@@ -48,6 +48,7 @@ def test_only_the_same_salt_hits(llm, tiny_model_factory, assert_no_leaks):
             {"prompt_token_ids": prompt, "cache_salt": salt}
         (out,) = llm.generate([p], params, use_tqdm=False)
         assert out.metrics.num_cached_tokens == hits, (salt, hits)
+        assert out.num_cached_tokens == hits  # where vLLM's RequestOutput has it
         assert out.outputs[0].token_ids == expected, salt
     assert_no_leaks(llm)
 
