@@ -30,6 +30,7 @@ class _SampleState:
     output: CompletionOutput
     detokenizer: IncrementalDetokenizer | None
     want_logprobs: bool
+    decode: bool = True  # SamplingParams.detokenize: logprobs' decoded_token filled in
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs_start: int = 0  # index in output.logprobs where the pending delta starts
@@ -61,6 +62,7 @@ class _RequestState:
     prompt_logprobs_sent: bool = False
     pooling: bool = False  # an embedding request
     embedding: list[float] | None = None
+    decode: bool = True  # SamplingParams.detokenize: prompt logprobs' decoded_token
 
     @property
     def finished(self) -> bool:
@@ -98,18 +100,20 @@ class OutputProcessor:
         for r in requests:
             p = r.sampling_params
             detok = None
-            if self.tokenizer is not None and r.pooling_params is None:
+            if self.tokenizer is not None and r.pooling_params is None and p.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids,
                                                p.skip_special_tokens, p.stop,
                                                p.include_stop_str_in_output, p.min_tokens)
             out = CompletionOutput(index=r.sample_index,
                                    logprobs=[] if p.logprobs is not None else None,
                                    cumulative_logprob=0.0 if p.logprobs is not None else None)
-            samples[r.request_id] = _SampleState(out, detok, p.logprobs is not None)
+            samples[r.request_id] = _SampleState(out, detok, p.logprobs is not None,
+                                                 p.detokenize)
             self._parent_of[r.request_id] = first.parent_id
         self._states[first.parent_id] = _RequestState(
             prompt, first.prompt_token_ids, samples, RequestMetrics(first.arrival_time), delta,
-            pooling=first.pooling_params is not None)
+            pooling=first.pooling_params is not None,
+            decode=first.sampling_params.detokenize)
 
     def has_unfinished(self) -> bool:
         return bool(self._states)
@@ -147,7 +151,7 @@ class OutputProcessor:
                 state.embedding = eco.pooling_output
             if eco.prompt_logprobs is not None and state.prompt_logprobs is None:
                 state.prompt_logprobs = self._prompt_logprobs(state.prompt_token_ids,
-                                                              eco.prompt_logprobs)
+                                                              eco.prompt_logprobs, state.decode)
             if self._update_sample(sample, eco, not state.delta):
                 to_abort.append(eco.request_id)
             if eco.num_draft_tokens:
@@ -194,7 +198,7 @@ class OutputProcessor:
         sample.delta_token_ids.extend(new_token_ids)
         sample.changed = True
         if sample.want_logprobs and eco.new_logprobs:
-            self._add_logprobs(out, new_token_ids, eco.new_logprobs)
+            self._add_logprobs(out, new_token_ids, eco.new_logprobs, sample.decode)
         if finish is not None:
             out.finish_reason, out.stop_reason = finish
         return stopped_by_string
@@ -217,31 +221,37 @@ class OutputProcessor:
                 return DetokenizerDelta("".join(text), delta.stop_str), i + 1
         return DetokenizerDelta("".join(text)), len(token_ids)
 
-    def _add_logprobs(self, out: CompletionOutput, token_ids: list[int], entries: list) -> None:
+    def _add_logprobs(self, out: CompletionOutput, token_ids: list[int], entries: list,
+                      decode: bool) -> None:
+        """Append each token's {token_id: Logprob} (the sampled token, then the top-k;
+        ``decode``: with their text) and add to the cumulative logprob."""
         for token_id, (top_ids, top_lps, sampled_lp, rank) in zip(token_ids, entries):
-            step = {token_id: Logprob(sampled_lp, rank, self._decode(token_id))}
+            step = {token_id: Logprob(sampled_lp, rank, self._decode(token_id, decode))}
             for r, (tid, lp) in enumerate(zip(top_ids, top_lps), start=1):
-                step.setdefault(tid, Logprob(lp, r, self._decode(tid)))
+                step.setdefault(tid, Logprob(lp, r, self._decode(tid, decode)))
             out.logprobs.append(step)
             out.cumulative_logprob += sampled_lp
 
-    def _prompt_logprobs(self, prompt: list[int], entries: list
+    def _prompt_logprobs(self, prompt: list[int], entries: list, decode: bool
                          ) -> list[dict[int, Logprob] | None]:
-        """Per prompt token {token_id: Logprob} (the prompt token first, then the top-k)."""
+        """Per prompt token {token_id: Logprob} (the prompt token first, then the top-k;
+        ``decode``: with their text)."""
         out: list[dict[int, Logprob] | None] = []
         for token_id, entry in zip(prompt, entries):
             if entry is None:
                 out.append(None)
                 continue
             top_ids, top_lps, lp, rank = entry
-            step = {token_id: Logprob(lp, rank, self._decode(token_id))}
+            step = {token_id: Logprob(lp, rank, self._decode(token_id, decode))}
             for r, (tid, tlp) in enumerate(zip(top_ids, top_lps), start=1):
-                step.setdefault(tid, Logprob(tlp, r, self._decode(tid)))
+                step.setdefault(tid, Logprob(tlp, r, self._decode(tid, decode)))
             out.append(step)
         return out
 
-    def _decode(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+    def _decode(self, token_id: int, decode: bool = True) -> str | None:
+        """One token's text; None without a tokenizer or with ``decode`` False."""
+        return None if self.tokenizer is None or not decode else \
+            self.tokenizer.decode([token_id])
 
     @staticmethod
     def _request_output(parent: str, state: _RequestState

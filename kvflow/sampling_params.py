@@ -69,6 +69,10 @@ class SamplingParams:
             prefix-cache hits for its prompt.
         include_stop_str_in_output: keep the matched stop string in the text.
         skip_special_tokens: drop special tokens when detokenizing.
+        detokenize: False: no text (vLLM's): ``CompletionOutput.text`` stays "" and the
+            ``decoded_token`` of every logprob (and prompt logprob) is None; only the token
+            ids come back, which saves detokenizing them. Stop strings need text: refused
+            with False.
         presence_penalty: subtracted once from the logit of every token already generated;
             in [-2, 2] (OpenAI semantics).
         frequency_penalty: subtracted from a token's logit once per time it was generated;
@@ -143,6 +147,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     extra_args: dict[str, Any] | None = None
+    detokenize: bool = True
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         self = super().__new__(cls)
@@ -233,7 +238,8 @@ class SamplingParams:
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     raise bad(name, value, "a number of milliseconds or None")
                 setattr(self, name, float(value))
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, getattr(self, name), "True or False")
         if not (self.stop is None or isinstance(self.stop, (str, list, tuple))):
@@ -274,6 +280,8 @@ class SamplingParams:
              self.prompt_logprobs, "must be >= 0, or -1 (the whole vocabulary)"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
              "must be non-empty strings"),
+            (self.detokenize or not self.stop, "detokenize", self.detokenize,
+             "must be True with stop strings (they are matched on the text; vLLM's rule)"),
             (find_lone_surrogate(self.stop) is None, "stop", self.stop,
              "must be valid Unicode (no lone UTF-16 surrogates)"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty,

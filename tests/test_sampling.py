@@ -134,6 +134,36 @@ def test_logprobs_minus_one_is_the_whole_vocabulary(llm, tiny_llama):
         SamplingParams(logprobs=-2)
 
 
+def test_detokenize_false_returns_ids_without_text(llm, tiny_llama):
+    """vLLM's ``detokenize=False``: the same token ids (and logprobs) as with text, but
+    ``text`` "" and every ``decoded_token`` None; with True the text is the tokenizer's
+    decoding of the ids. Stop strings need text: refused, naming ``detokenize`` (the field
+    was a TypeError)."""
+    from transformers import AutoTokenizer
+
+    def run(detokenize: bool):
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2,
+                                prompt_logprobs=1, detokenize=detokenize)
+        return llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+
+    text, ids_only = run(True), run(False)
+    sample = ids_only.outputs[0]
+    assert sample.token_ids == text.outputs[0].token_ids and sample.text == ""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama.path)
+    assert text.outputs[0].text == tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+    entries = [*sample.logprobs, *ids_only.prompt_logprobs[1:]]
+    assert entries and all(lp.decoded_token is None for e in entries for lp in e.values())
+    for a, b in zip(sample.logprobs, text.outputs[0].logprobs):
+        assert {t: lp.logprob for t, lp in a.items()} == {t: lp.logprob for t, lp in b.items()}
+    assert all(lp.decoded_token is not None for e in text.outputs[0].logprobs
+               for lp in e.values())
+    with pytest.raises(ValueError, match=r"SamplingParams.detokenize=False is invalid: it must "
+                       r"be True with stop strings"):
+        SamplingParams(stop=["x"], detokenize=False)
+    with pytest.raises(ValueError, match=r"SamplingParams.detokenize=0 is invalid"):
+        SamplingParams(detokenize=0)
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["pc_on", "pc_off"])
 def test_n_samples_share_prompt_blocks(tiny_llama, prefix_caching, assert_no_leaks):
     """The n samples of a request share their prompt's KV blocks (also with prefix caching
