@@ -150,7 +150,7 @@ class LLM(LLMPooling):
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | Callable[..., Any] = True,
-                 priority: Sequence[int] | None = None,
+                 priority: int | Sequence[int] | None = None,
                  user: Sequence[str] | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  on_output: Callable[[int, RequestOutput], None] | None = None
@@ -168,8 +168,8 @@ class LLM(LLMPooling):
             use_tqdm: show a progress bar (for more than one prompt); a callable is vLLM's
                 tqdm factory (e.g. ``functools.partial(tqdm, leave=False)``), called with
                 ``total`` and ``desc`` (likewise for ``chat`` and the pooling methods).
-            priority: one integer per prompt, lower first (needs ``policy="priority"`` or
-                ``"fair"``).
+            priority: one integer per prompt, or one for all (vLLM's), lower first (needs
+                ``policy="priority"`` or ``"fair"``).
             user: one client name per prompt (needs ``policy="fair"``; default: one client).
             lora_request: the LoRA adapter for all prompts, or one per prompt (None: the base
                 model); needs ``enable_lora=True``. Adapters of different prompts share steps.
@@ -278,7 +278,7 @@ class LLM(LLMPooling):
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | Callable[..., Any] = True,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
-             priority: Sequence[int] | None = None, chat_template: str | None = None,
+             priority: int | Sequence[int] | None = None, chat_template: str | None = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None, documents: list[dict] | None = None,

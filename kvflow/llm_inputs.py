@@ -156,24 +156,27 @@ def broadcast_loras(lora: Any, n: int) -> list[LoRARequest | None]:
     return loras
 
 
-def check_priorities(priority: Sequence[int] | None, n: int, policy: str) -> list[int]:
-    """One priority per prompt (0 when None).
+def check_priorities(priority: int | Sequence[int] | None, n: int, policy: str) -> list[int]:
+    """One priority per prompt (0 when None; one integer is every prompt's, as vLLM's
+    ``LLM.generate`` takes it).
 
     Raises:
-        ValueError: for a value that is not a list, a wrong count, a non-integer, or a
-            non-zero priority while the scheduling policy is not ``priority`` (it would be
-            ignored).
+        ValueError: for a value that is neither an integer nor a list, a wrong count, a
+            non-integer, or a non-zero priority while the scheduling policy is not
+            ``priority`` (it would be ignored).
     """
     if priority is None:
         return [0] * n
+    if isinstance(priority, int) and not isinstance(priority, bool):
+        priority = [priority] * n
     try:  # a bare int is no list: named below, not a TypeError from list()
         priorities = list(priority)
     except TypeError:
         priorities = None
     if priorities is None or len(priorities) != n or not all(isinstance(p, int) and not isinstance(p, bool)
                                        for p in priorities):
-        raise ValueError(f"priority must be a list of {n} integers (one per prompt), got "
-                         f"{priority!r}")
+        raise ValueError(f"priority must be an integer or a list of {n} integers (one per "
+                         f"prompt), got {priority!r}")
     if policy not in ("priority", "fair") and any(priorities):
         raise ValueError(f"priority={priorities} needs the priority or fair scheduling policy "
                          f"(policy='priority' or 'fair'); this engine runs {policy!r}")
