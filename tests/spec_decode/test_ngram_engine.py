@@ -258,3 +258,61 @@ def test_sampled_tokens_keep_the_target_distribution(tiny_llama):
     assert_sampled_token_follows(outs, 1, marginal)
     drafted, accepted = _drafted(outs)
     assert drafted > n // 3 and 0 < accepted < drafted // 2
+
+
+def test_sampled_tokens_keep_the_processed_distribution(tiny_llama):
+    """As above with the sampler's other settings: temperature 0.8, min_p 0.05, presence
+    penalty 1.0 and a logit_bias that raises the draft d and lowers another token. The
+    target the rejection sampler must keep is then plain decoding's processed distribution:
+    t2's probabilities after the bias and the penalty on t1 (an output token), scaled by
+    the temperature and cut by min-p, computed here from transformers' logits. 3,000
+    requests, chi-square p > 0.001 on t2's marginal, and d's frequency after c (where it
+    was drafted) within 4.5 standard deviations of its probability."""
+    hf = tiny_llama.hf_model
+    temperature, min_p, presence = 0.8, 0.05, 1.0
+
+    def logits_after(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return hf(torch.tensor([ids])).logits[0, -1].double()
+
+    def probs(prompt: list[int], output: list[int], bias: dict[int, float]) -> torch.Tensor:
+        logits = logits_after(prompt + output)
+        for token, value in bias.items():
+            logits[token] += value
+        for token in set(output):
+            logits[token] -= presence
+        p = torch.softmax(logits / temperature, 0)
+        p = torch.where(p >= min_p * p.max(), p, torch.zeros_like(p))
+        return p / p.sum()
+
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2000):  # a prompt "c d head" after which c is likely, and d after c
+        head = torch.randint(2, tiny_llama.vocab_size, (6,), generator=gen).tolist()
+        c = int(probs(head, [], {}).argmax())
+        d = int(logits_after(head + [c]).topk(2).indices[1])
+        prompt = [c, d] + head
+        bias = {d: 1.0, int(logits_after(prompt).topk(2).indices[1]): -0.5}
+        p1 = probs(prompt, [], bias)
+        p2 = probs(prompt, [c], bias)
+        if c != d and c not in head and p1[c] > 0.3 and 0.1 < p2[d] < 0.6:
+            break
+    else:
+        pytest.fail("no prompt with a likely first token")
+    support = p1.nonzero().flatten().tolist()
+    marginal = sum(p1[t1] * probs(prompt, [t1], bias) for t1 in support)
+    spec = _engine(tiny_llama.path, {**NGRAM, "num_speculative_tokens": 1},
+                   num_kv_blocks=4000, max_num_seqs=256)
+    n = 3000
+    params = SamplingParams(temperature=temperature, min_p=min_p, presence_penalty=presence,
+                            logit_bias=bias, max_tokens=3, ignore_eos=True)
+    outs = _generate(spec, params, [prompt] * n)
+    from tests.spec_decode.test_rejection_sampler import assert_sampled_token_follows
+
+    assert_sampled_token_follows(outs, 1, marginal)
+    # the drafted case alone (t1 = c, so d was drafted): d's frequency is p2[d], within 4.5
+    # standard deviations (a sampler accepting d 1.5x too often moves it by ~7)
+    after_c = [o.outputs[0].token_ids[1] for o in outs if o.outputs[0].token_ids[0] == c]
+    share, want = sum(t == d for t in after_c) / len(after_c), float(p2[d])
+    assert abs(share - want) < 4.5 * (want * (1 - want) / len(after_c)) ** 0.5, (share, want)
+    drafted, accepted = _drafted(outs)
+    assert drafted > n // 6 and 0 < accepted < drafted
