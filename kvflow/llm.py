@@ -300,8 +300,8 @@ class LLM(LLMPooling):
         ``tools`` / ``documents`` / ``chat_template_kwargs`` become template variables;
         ``on_output`` is ``generate``'s (the outputs it sees have no ``prompt`` text: ``chat``
         sets it on the ones it returns); ``lora_request`` and ``priority`` are ``generate``'s
-        too (one adapter for every conversation, or one per conversation; one priority per
-        conversation); ``chat_template_content_format`` is vLLM's: ``auto`` (content as a
+        too (one adapter or priority for every conversation, or one per conversation);
+        ``chat_template_content_format`` is vLLM's: ``auto`` (content as a
         list of parts for a template that loops over a message's content, else one string),
         ``string`` (always one string) or ``openai`` (always a list of ``{type, ...}``
         parts), as ``kvflow serve --chat-template-content-format``.
