@@ -25,6 +25,7 @@ from kvflow.llm_inputs import (
     beam_search_prompts,
     broadcast_loras,
     broadcast_params,
+    check_concurrency_limit,
     check_priorities,
     check_users,
     processed_prompts,
@@ -228,8 +229,9 @@ class LLM(LLMPooling):
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams,
-                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-                    ) -> list[BeamSearchOutput]:
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                    use_tqdm: bool | Callable[..., Any] = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """Beam search over each prompt (vLLM's ``LLM.beam_search``; the algorithm and its
         source: ``kvflow.beam_search``): one BeamSearchOutput per prompt, in order, its
         ``sequences`` the ``beam_width`` best beams, best first, each with ``tokens``
@@ -244,18 +246,23 @@ class LLM(LLMPooling):
             params: the search's parameters (``kvflow.beam_search.BeamSearchParams``).
             lora_request: the LoRA adapter every beam of a prompt runs with, one for all
                 prompts or one (or None: the base model) per prompt, as for ``generate``.
+            use_tqdm: a progress bar over the prompts searched (vLLM's argument; a callable
+                is a tqdm factory, as for ``generate``).
+            concurrency_limit: search at most this many prompts at once (vLLM's; None: all),
+                the next ones when those finished: the same results, fewer beams per step.
 
         Raises:
             ValueError: for a bad prompt, an engine whose --logprobs-mode reports logits, a
                 prompt that leaves no room for
                 ``params.max_tokens`` in the context, ``params`` that is not a
-                BeamSearchParams, or a ``lora_request`` ``generate`` would refuse (nothing
-                is run then).
+                BeamSearchParams, a ``lora_request`` ``generate`` would refuse, or a
+                ``concurrency_limit`` that is not a positive integer (nothing is run then).
         """
         if not isinstance(params, BeamSearchParams):
             raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
                 f"params must be a BeamSearchParams, got {type(params).__name__}")
         check_logprobs_mode(self.engine.config.model_config.logprobs_mode)
+        check_concurrency_limit(concurrency_limit)
         processor = self.engine.processor
         checked = beam_search_prompts(processor, as_prompt_list(prompts), params.max_tokens)
         token_prompts, salts = [p.token_ids for p in checked], [p.cache_salt for p in checked]
@@ -266,13 +273,24 @@ class LLM(LLMPooling):
 
         def generate(batch: list[list[int]], sp: SamplingParams,
                      owners: list[int]) -> list[RequestOutput]:
+            owners = [start + i for i in owners]  # in the whole list, not the chunk's
             steps = [ids if salts[i] is None else {"prompt_token_ids": ids,
                                                    "cache_salt": salts[i]}
                      for ids, i in zip(batch, owners)]
             return self.generate(steps, sp, use_tqdm=False,
                                  lora_request=[loras[i] for i in owners])
 
-        return beam_search_offline(generate, token_prompts, params, eos, self.engine.tokenizer)
+        limit = concurrency_limit or max(len(token_prompts), 1)
+        bar = (use_tqdm if callable(use_tqdm) else functools.partial(
+            tqdm, disable=not use_tqdm))(total=len(token_prompts), desc="Beam search")
+        results: list[BeamSearchOutput] = []
+        with contextlib.closing(bar):
+            for start in range(0, len(token_prompts), limit):
+                chunk = token_prompts[start:start + limit]
+                results += beam_search_offline(generate, chunk, params, eos,
+                                               self.engine.tokenizer)
+                bar.update(len(chunk))
+        return results
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -183,6 +183,17 @@ def check_priorities(priority: int | Sequence[int] | None, n: int, policy: str) 
     return priorities
 
 
+def check_concurrency_limit(limit: Any) -> None:
+    """``LLM.beam_search``'s ``concurrency_limit``: None or an integer >= 1.
+
+    Raises:
+        ValueError: naming ``concurrency_limit`` for anything else.
+    """
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                              or limit < 1):
+        raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got {limit!r}")
+
+
 def check_users(user: Sequence[str] | None, n: int, policy: str) -> list[str]:
     """One client name per prompt ("" when None).
 

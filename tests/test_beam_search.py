@@ -133,6 +133,49 @@ def test_a_batch_is_each_prompt_alone(beam_llm):
             [s.cum_logprob for s in b.sequences], abs=TOLERANCE)
 
 
+def test_concurrency_limit_and_use_tqdm_are_vllms(beam_llm, tiny_llama, monkeypatch):
+    """vLLM's ``beam_search(..., use_tqdm, concurrency_limit)`` (a TypeError before): with a
+    limit of 2 the searches run two prompts at a time (no step holds more than 2 x width
+    beams) and each result is the torch reference's; the tqdm factory counts every prompt;
+    a limit of 0 is refused naming it. A salted prompt after the first chunk keeps its
+    salt (the step requests' owners are offset by the chunk's start)."""
+    prompts = [case[0] for case in CASES[3:]] + [EOS_PROMPT]
+    width, max_tokens = 3, 5
+    refs = [reference_beam_search(tiny_llama.hf_model, p, width, max_tokens,
+                                  tiny_llama.eos_token_id, 1.0) for p in prompts]
+    batches: list[int] = []
+    generate = beam_llm.generate
+
+    def counting(steps, *args, **kwargs):
+        batches.append(len(steps))
+        return generate(steps, *args, **kwargs)
+
+    monkeypatch.setattr(beam_llm, "generate", counting)
+    made = []
+
+    def factory(**kwargs):
+        from tqdm.auto import tqdm
+
+        made.append(kwargs)
+        return tqdm(disable=True, **kwargs)
+
+    salted = [*prompts[:3], {"prompt_token_ids": prompts[3], "cache_salt": "eve"}]
+    outs = beam_llm.beam_search(salted, BeamSearchParams(width, max_tokens),
+                                use_tqdm=factory, concurrency_limit=2)
+    for out, prompt, ref in zip(outs, prompts, refs):
+        _check(out, prompt, ref)
+    assert max(batches) <= 2 * width < max(len(prompts), 3) * width
+    assert made == [{"total": 4, "desc": "Beam search"}]
+    monkeypatch.undo()
+    from kvflow import SamplingParams
+
+    hits = beam_llm.generate([{"prompt_token_ids": prompts[3], "cache_salt": "eve"}],
+                             SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    assert hits[0].metrics.num_cached_tokens > 0
+    with pytest.raises(ValueError, match="concurrency_limit must be an integer >= 1"):
+        beam_llm.beam_search(prompts, BeamSearchParams(2, 2), concurrency_limit=0)
+
+
 @pytest.mark.parametrize("width", [2, 4])
 def test_matches_transformers_generate_without_eos(beam_llm, tiny_llama, width):
     """With ignore_eos every beam has max_tokens tokens, so length_penalty=0 ranks by
