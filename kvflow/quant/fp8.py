@@ -140,7 +140,9 @@ class Fp8LinearMethod(LinearMethod):
         if not self.prequantized:
             return
         shards = len(layer.shard_ids)
-        scale_shape = (output_size, 1) if self.weight_strategy == "channel" else (shards,)
+        # channel scales: one per output row, [N] (a checkpoint's [N, 1] loads into it: a
+        # row-parallel rank keeps every row's scale rather than cutting it by column)
+        scale_shape = (output_size,) if self.weight_strategy == "channel" else (shards,)
         layer.weight_scale = nn.Parameter(torch.ones(scale_shape, dtype=torch.float32),
                                           requires_grad=False)
         if self.static_input:
@@ -149,8 +151,8 @@ class Fp8LinearMethod(LinearMethod):
 
     def load(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
              *shard) -> None:
-        """Weights and per-channel scales go to their rows (the layer's loader); a per-tensor
-        scale goes to its shard's slot.
+        """Weights and per-channel scales go to their rows (the layer's loader; a checkpoint's
+        per-channel scale [N, 1] lands as [N]); a per-tensor scale goes to its shard's slot.
 
         Raises:
             ValueError: for a per-tensor scale that is not one value, an unknown shard, or a
@@ -161,6 +163,8 @@ class Fp8LinearMethod(LinearMethod):
         if not per_shard:
             if param is layer.weight and self.prequantized:
                 check_stored_dtype(param, loaded)
+            if param is getattr(layer, "weight_scale", None) and loaded.dim() == 2:
+                loaded = loaded.reshape(-1)
             if param is layer.weight and not self.prequantized and layer.tp_size > 1:
                 # the whole checkpoint tensor's absmax: the scale one process takes
                 note_absmax(layer, shard[0] if shard else None, loaded.float().abs().amax())
@@ -189,9 +193,6 @@ class Fp8LinearMethod(LinearMethod):
             layer.weight_scale = nn.Parameter(
                 torch.repeat_interleave(layer.weight_scale.data, torch.tensor(sizes)),
                 requires_grad=False)
-        else:
-            layer.weight_scale = nn.Parameter(layer.weight_scale.data.reshape(n),
-                                              requires_grad=False)
         if self.static_input:  # fused shards share one input: the largest scale covers all
             layer.input_scale = nn.Parameter(layer.input_scale.data.amax(), requires_grad=False)
         else:

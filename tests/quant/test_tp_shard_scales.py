@@ -1,7 +1,8 @@
 """Scales quantized on load are the same on a tensor-parallel rank as in one process: each rank
 of a row-parallel INT8 layer (and of the experts' down projection) takes its rows' absmax over
 the full checkpoint row, and FP8 takes every checkpoint tensor's absmax over the whole tensor,
-not over the rank's shard.
+not over the rank's shard. A pre-quantized (compressed-tensors) channel-wise checkpoint's
+scales go with their rows.
 
 Oracle: the quantization rules written out here (INT8 absmax/127 per row, FP8 absmax/448 per
 tensor, e4m3 casts) applied to the full weight (per expert for MoE layers), then sliced as the ranks slice it. No worker
@@ -13,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.layers.linear import QKVParallelLinear, RowParallelLinear
+from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvflow.layers.moe import FusedMoE
 from kvflow.quant.fp8 import Fp8LinearMethod
 from kvflow.quant.int8 import Int8WeightOnlyMethod
@@ -124,3 +125,53 @@ def test_tensor_parallel_experts_use_the_full_tensors_scales(scheme, stacked):
         torch.testing.assert_close(_moe_dequant(layer, "w2"), rounded["w2"][:, :, part],
                                    rtol=0, atol=1e-6)
         assert not hasattr(layer, "_load_absmax")
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+def test_prequantized_channel_scales_shard_with_their_rows(scheme):
+    """A compressed-tensors checkpoint's channel-wise weight (float8_e4m3fn or int8 [N, K] with
+    a float32 ``weight_scale`` [N, 1]) at TP=2: a row-parallel rank takes its columns and every
+    row's scale, a column-parallel rank of gate/up its rows and their scales. (The FP8 [N, 1]
+    scale was cut by column like the weight: rank 1 of o_proj/down_proj failed to load,
+    'start (1) + length (1) exceeds dimension size (1)'.)"""
+    gen = torch.Generator().manual_seed(3)
+    if scheme == "fp8":
+        def method():
+            return Fp8LinearMethod(prequantized=True, weight_strategy="channel",
+                                   quantize_input=False)
+        stored = torch.float8_e4m3fn
+    else:
+        def method():
+            return Int8WeightOnlyMethod(prequantized=True)
+        stored = torch.int8
+
+    def checkpoint(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q = torch.randint(-100, 101, (rows, cols), generator=gen).to(stored)
+        return q, torch.rand(rows, 1, generator=gen) + 0.5
+
+    def dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return q.float() * s
+
+    wq, ws = checkpoint(24, 32)
+    x = torch.randn(3, 32, generator=gen)
+    partial = []
+    for rank, xs in zip(range(TP), x.chunk(TP, dim=1)):
+        layer = RowParallelLinear(32, 24, tp_rank=rank, tp_size=TP)
+        layer.set_quant_method(method())
+        layer.weight.weight_loader(layer.weight, wq)
+        layer.weight_scale.weight_loader(layer.weight_scale, ws)
+        layer.quant_method.process_weights_after_loading(layer)
+        torch.testing.assert_close(_dequant(layer), dequant(wq, ws).chunk(TP, dim=1)[rank],
+                                   rtol=0, atol=0)
+        partial.append(layer.quant_method.apply(layer, xs))
+    torch.testing.assert_close(sum(partial), x @ dequant(wq, ws).T, rtol=1e-5, atol=1e-4)
+    gate, up = checkpoint(16, 32), checkpoint(16, 32)
+    for rank in range(TP):
+        layer = MergedColumnParallelLinear(32, [16, 16], tp_rank=rank, tp_size=TP)
+        layer.set_quant_method(method())
+        for shard, (q, s) in enumerate((gate, up)):
+            layer.weight.weight_loader(layer.weight, q, shard)
+            layer.weight_scale.weight_loader(layer.weight_scale, s, shard)
+        layer.quant_method.process_weights_after_loading(layer)
+        want = torch.cat([dequant(q, s).chunk(TP)[rank] for q, s in (gate, up)])
+        torch.testing.assert_close(_dequant(layer), want, rtol=0, atol=0)
