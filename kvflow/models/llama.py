@@ -28,6 +28,7 @@ from kvflow.layers.rotary import (
     get_rotary_dim,
     rope_max_positions,
 )
+from kvflow.models.fused_shards import note_loaded_shard
 from kvflow.models.hf_config_checks import WINDOWLESS_MODEL_TYPES
 from kvflow.models.parallel_utils import PPMissingLayer, is_pp_missing, make_layers
 
@@ -433,7 +434,8 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 def load_tensor(param: nn.Parameter, name: str, tensor: torch.Tensor, shard: Any = None) -> None:
     """Load checkpoint tensor ``name`` into ``param`` through the parameter's
     ``weight_loader`` (:func:`default_weight_loader` without one), passing ``shard`` (the
-    part of a fused parameter it fills: "q", 0, ...) unless it is None.
+    part of a fused parameter it fills: "q", 0, ...) unless it is None, and records the part as
+    loaded (:func:`~kvflow.models.fused_shards.note_loaded_shard`).
 
     Raises:
         ValueError: naming the tensor, when the loader refuses it (a shape that does not fit).
@@ -443,6 +445,7 @@ def load_tensor(param: nn.Parameter, name: str, tensor: torch.Tensor, shard: Any
         loader(param, tensor, *(() if shard is None else (shard,)))
     except ValueError as e:
         raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+    note_loaded_shard(param, shard)
 
 
 def map_packed(name: str, mapping: dict[str, tuple[str, Any]]) -> tuple[str, Any]:

@@ -102,6 +102,34 @@ def test_integer_weight_in_unquantized_checkpoint_is_refused(tiny_llama, tmp_pat
         _llm(folder)
 
 
+@pytest.mark.parametrize("arch, dropped, quantization", [
+    ("llama", ("model.layers.0.self_attn.k_proj.weight",), None),
+    ("llama", ("model.layers.1.mlp.up_proj.weight",), "int8"),
+    ("qwen2", ("model.layers.1.self_attn.v_proj.bias",), None),
+    ("qwen2", ("model.layers.0.self_attn.q_proj.weight",
+               "model.layers.0.mlp.gate_proj.weight"), None),
+], ids=["k_proj", "up_proj-int8", "v_proj-bias", "two-parts"])
+def test_checkpoint_without_one_part_of_a_fused_layer_is_refused(tiny_model_factory, tmp_path,
+                                                                 arch, dropped, quantization):
+    """kvflow fuses q/k/v into qkv_proj and gate/up into gate_up_proj: a checkpoint that lacks
+    one of the parts loaded the others and ran with the missing part's rows left as the
+    uninitialized memory they were allocated with (garbage text, no error: a parameter counted
+    as loaded once any part reached it). Now the missing tensors are named, as for a missing
+    unfused weight."""
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(tiny_model_factory(arch).path, str(tmp_path / "model"))
+    weights_path = os.path.join(folder, "model.safetensors")
+    weights = load_file(weights_path)
+    for name in dropped:
+        del weights[name]
+    save_file(weights, weights_path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(
+            f"checkpoint {folder!r} lacks weights for {sorted(dropped)}")):
+        LLM(model=folder, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4,
+            quantization=quantization)
+
+
 @pytest.mark.parametrize("target", ["loop", "missing"])
 def test_symlink_that_leads_nowhere_is_named(tmp_path, target):
     """Was "does not exist (no such file or directory)", though the path is right there."""

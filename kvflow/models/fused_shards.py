@@ -1,0 +1,61 @@
+"""Which parts of a fused parameter a checkpoint filled.
+
+kvflow fuses checkpoint tensors into one parameter (q/k/v into ``qkv_proj``, gate/up into
+``gate_up_proj``: ``packed_modules_mapping``). The loader counts a parameter as loaded once any
+tensor reached it, so a checkpoint that lacks one part (``k_proj.weight`` but not ``q_proj`` or
+``v_proj``) would leave that part's rows as the uninitialized memory they were allocated with.
+:func:`note_loaded_shard` records each part as it loads (on the parameter, as
+``weight_loader`` is); :func:`missing_shard_tensors` names the checkpoint tensors of the parts
+still missing, and forgets the records.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+_RECORD = "kvflow_loaded_shards"  # parameter attribute: set of shards, or None (loaded whole)
+
+
+def note_loaded_shard(param: nn.Parameter, shard: Any) -> None:
+    """Record that ``shard`` of ``param`` (``"q"``, ``0``, ...) was loaded; ``shard`` None: a
+    tensor filled the whole parameter (a checkpoint that stores the fused tensor)."""
+    if shard is None:
+        setattr(param, _RECORD, None)
+    elif getattr(param, _RECORD, set()) is not None:
+        setattr(param, _RECORD, {*getattr(param, _RECORD, set()), shard})
+
+
+def missing_shard_tensors(model: nn.Module, packed_modules_mapping: dict[str, tuple[str, Any]]
+                          ) -> list[str]:
+    """Checkpoint names of the fused-parameter parts no tensor filled, sorted.
+
+    Args:
+        model: the model after ``load_weights``; each fused layer (``shard_ids`` of more than
+            one part) whose parameters :func:`note_loaded_shard` saw is checked, and the
+            records are removed.
+        packed_modules_mapping: the model's checkpoint module -> (fused module, shard) map,
+            used to name a missing part as the checkpoint would (``k_proj`` for shard ``"k"`` of
+            ``qkv_proj``).
+
+    Returns:
+        e.g. ``["model.layers.0.self_attn.k_proj.weight"]``; empty when nothing is missing.
+    """
+    names = {(dst, shard): src for src, (dst, shard) in packed_modules_mapping.items()}
+    missing: list[str] = []
+    for prefix, module in model.named_modules():
+        shard_ids = getattr(module, "shard_ids", (None,))
+        if len(shard_ids) < 2:
+            continue
+        fused = prefix.rsplit(".", 1)[-1]
+        for pname, param in module.named_parameters(recurse=False):
+            if not hasattr(param, _RECORD):
+                continue
+            seen = getattr(param, _RECORD)
+            delattr(param, _RECORD)
+            for shard in () if seen is None else shard_ids:
+                if shard not in seen:
+                    part = names.get((fused, shard), f"{fused}[{shard}]")
+                    missing.append(f"{prefix.rsplit('.', 1)[0]}.{part}.{pname}")
+    return sorted(missing)
