@@ -14,7 +14,7 @@ from torch import nn
 
 from kvflow.attention.layer import AttentionContext
 from kvflow.distributed.parallel_state import ParallelState
-from kvflow.models.fused_shards import missing_shard_tensors
+from kvflow.models.fused_shards import missing_expert_tensors, missing_shard_tensors
 from kvflow.models.hf_config_checks import (
     check_rope_parameters,
     read_config_json,
@@ -206,8 +206,9 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
                    if not getattr(p, "optional_in_checkpoint", False)} - loaded
         if missing:
             raise ValueError(f"checkpoint {source.path!r} lacks weights for {sorted(missing)[:5]}")
-        parts = missing_shard_tensors(model, getattr(model, "packed_modules_mapping", {}))
-        if parts:  # one part of a fused parameter (k_proj of qkv_proj) never loaded
+        parts = missing_shard_tensors(model, getattr(model, "packed_modules_mapping", {})) + \
+            missing_expert_tensors(model)
+        if parts:  # one part of a fused parameter (k_proj of qkv_proj, an expert) never loaded
             raise ValueError(f"checkpoint {source.path!r} lacks weights for {parts[:5]}")
     with torch.device(device):
         process_weights_after_loading(model)

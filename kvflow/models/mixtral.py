@@ -29,6 +29,7 @@ from kvflow.layers.linear import ReplicatedLinear
 from kvflow.layers.moe import FusedMoE
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
+from kvflow.models.fused_shards import note_loaded_expert
 from kvflow.models.llama import (
     AttentionBias,
     LlamaDecoderLayer,
@@ -179,7 +180,8 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
             Raises:
                 ValueError: for an expert tensor that matches no parameter.
             """
-            for name, tensor in weights:
+            for stored, tensor in weights:
+                name = stored
                 for old, new in self.checkpoint_renames.items():
                     name = name.replace(old, new)
                 target = _expert_target(name)
@@ -197,6 +199,7 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
                     param.weight_loader(param, tensor, shard_id, expert_id)
                 except ValueError as e:
                     raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+                note_loaded_expert(param, shard_id, expert_id, stored)
                 loaded.add(param_name)
 
         return loaded | super().load_weights(dense_weights())

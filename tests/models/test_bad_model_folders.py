@@ -130,6 +130,31 @@ def test_checkpoint_without_one_part_of_a_fused_layer_is_refused(tiny_model_fact
             quantization=quantization)
 
 
+@pytest.mark.parametrize("dropped", [
+    ("model.layers.0.block_sparse_moe.experts.1.w2.weight",),
+    ("model.layers.1.block_sparse_moe.experts.3.w3.weight",
+     "model.layers.1.block_sparse_moe.experts.0.w1.weight"),
+], ids=["one-down", "gate-and-up"])
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_checkpoint_without_one_experts_tensor_is_refused(tiny_model_factory, tmp_path,
+                                                          dropped, quantization):
+    """Mixtral's checkpoint holds one tensor per expert and projection (w1/w3/w2), stacked by
+    kvflow into w13_weight / w2_weight: one expert's tensor missing left its slice of the
+    stack uninitialized (garbage text, no error). Now it is named as stored."""
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(tiny_model_factory("mixtral").path, str(tmp_path / "model"))
+    weights_path = os.path.join(folder, "model.safetensors")
+    weights = load_file(weights_path)
+    for name in dropped:
+        del weights[name]
+    save_file(weights, weights_path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(
+            f"checkpoint {folder!r} lacks weights for {sorted(dropped)}")):
+        LLM(model=folder, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4,
+            quantization=quantization)
+
+
 @pytest.mark.parametrize("target", ["loop", "missing"])
 def test_symlink_that_leads_nowhere_is_named(tmp_path, target):
     """Was "does not exist (no such file or directory)", though the path is right there."""
