@@ -20,6 +20,7 @@ from kvflow.attention.encoder import EncoderAttention
 from kvflow.attention.layer import AttentionContext
 from kvflow.distributed.parallel_state import ParallelState
 from kvflow.layers.linear import QKVParallelLinear, ReplicatedLinear
+from kvflow.models.fused_shards import note_loaded_shard
 
 
 def _activation(name: str) -> nn.Module:
@@ -187,5 +188,6 @@ class BertModel(nn.Module):
                     loader(param, tensor, *(() if shard is None else (shard,)))
             except ValueError as e:
                 raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+            note_loaded_shard(param, shard)
             loaded.add(target)
         return loaded

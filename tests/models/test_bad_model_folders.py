@@ -155,6 +155,25 @@ def test_checkpoint_without_one_experts_tensor_is_refused(tiny_model_factory, tm
             quantization=quantization)
 
 
+def test_encoder_checkpoint_without_its_key_projection_is_refused(tiny_tokenizer, tmp_path):
+    """BERT's query/key/value load into one qkv_proj: a checkpoint without one layer's key
+    ran with those rows uninitialized; now the missing tensor is named."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.models.embedding_models import build_bert
+
+    folder = str(tmp_path / "bert")
+    build_bert(tiny_tokenizer, folder, "mean")
+    weights_path = os.path.join(folder, "model.safetensors")
+    weights = load_file(weights_path)
+    (name,) = [n for n in weights if n.endswith("layer.1.attention.self.key.weight")]
+    del weights[name]
+    save_file(weights, weights_path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(
+            "lacks weights for ['encoder.layer.1.attention.self.key.weight']")):
+        LLM(model=folder, dtype="float32", device="cpu")
+
+
 @pytest.mark.parametrize("target", ["loop", "missing"])
 def test_symlink_that_leads_nowhere_is_named(tmp_path, target):
     """Was "does not exist (no such file or directory)", though the path is right there."""
