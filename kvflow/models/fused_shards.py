@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-_RECORD = "kvflow_loaded_shards"  # parameter attribute: set of shards, or None (loaded whole)
+_RECORD = "kvflow_loaded_shards"  # parameter attribute: the set of shards loaded so far
 _EXPERTS = "kvflow_loaded_experts"  # parameter attribute: {(shard_id, expert_id): name}
 # the per-expert parts each stacked expert parameter needs, and the stacked tensor covering them
 _EXPERT_PARTS = {"w13_weight": (("w1", "w3"), "w13"), "w2_weight": (("w2",), "w2")}
@@ -25,11 +25,13 @@ _EXPERT_PARTS = {"w13_weight": (("w1", "w3"), "w13"), "w2_weight": (("w2",), "w2
 
 def note_loaded_shard(param: nn.Parameter, shard: Any) -> None:
     """Record that ``shard`` of ``param`` (``"q"``, ``0``, ...) was loaded; ``shard`` None: a
-    tensor filled the whole parameter (a checkpoint that stores the fused tensor)."""
+    tensor filled the whole parameter (an unfused one, or a checkpoint that stores the fused
+    tensor), which needs no record (and drops any)."""
     if shard is None:
-        setattr(param, _RECORD, None)
-    elif getattr(param, _RECORD, set()) is not None:
-        setattr(param, _RECORD, {*getattr(param, _RECORD, set()), shard})
+        if hasattr(param, _RECORD):
+            delattr(param, _RECORD)
+        return
+    setattr(param, _RECORD, {*getattr(param, _RECORD, set()), shard})
 
 
 def missing_shard_tensors(model: nn.Module, packed_modules_mapping: dict[str, tuple[str, Any]]
@@ -59,7 +61,7 @@ def missing_shard_tensors(model: nn.Module, packed_modules_mapping: dict[str, tu
                 continue
             seen = getattr(param, _RECORD)
             delattr(param, _RECORD)
-            for shard in () if seen is None else shard_ids:
+            for shard in shard_ids:
                 if shard not in seen:
                     part = names.get((fused, shard), f"{fused}[{shard}]")
                     missing.append(f"{prefix.rsplit('.', 1)[0]}.{part}.{pname}")

@@ -14,8 +14,9 @@ import torch
 from kvflow.attention.layer import AttentionContext
 from kvflow.config import EngineConfig
 from kvflow.layers.rotary import rope_max_positions
-from kvflow.models.eagle import EagleLlamaHead
+from kvflow.models.eagle import EAGLE_PACKED, EagleLlamaHead
 from kvflow.models.eagle3 import Eagle3LlamaHead, default_aux_layer_ids
+from kvflow.models.fused_shards import missing_shard_tensors
 from kvflow.models.loader import checkpoint_tensor_names, iter_safetensors, load_model
 from kvflow.quant import get_quant_config, process_weights_after_loading
 from kvflow.spec_decode.draft_vocab import HeadVocab
@@ -93,6 +94,9 @@ def load_head(folder: str, hf_config: Any, ctx: AttentionContext, names: list[st
     missing = {n for n, _ in head.named_parameters()} - loaded
     if missing:
         raise ValueError(f"the EAGLE head checkpoint lacks {sorted(missing)[:5]}")
+    parts = missing_shard_tensors(head, EAGLE_PACKED)  # k_proj beside q_proj and v_proj
+    if parts:
+        raise ValueError(f"the EAGLE head checkpoint lacks {parts[:5]}")
     with torch.device(device):
         process_weights_after_loading(head)
     return head.eval()

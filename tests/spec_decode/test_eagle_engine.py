@@ -304,6 +304,8 @@ def test_pytorch_model_bin_head_with_model_prefix(tiny_model_factory, tmp_path, 
     ("extra", (r"'layers.1.mlp.up_proj.weight' matches no parameter of an EAGLE-1 head \(fc, "
               r"layers.0, norm, embed_tokens, lm_head\)$")),
     ("missing", "lacks \\['fc.weight'\\]"),
+    # one part of the fused qkv_proj: the head ran with k's rows uninitialized
+    ("missing_part", "lacks \\['layers.0.self_attn.k_proj.weight'\\]"),
 ])
 def test_head_checkpoint_errors_name_the_head(tiny_llama, tmp_path, change, needle):
     head = _save_head(str(tmp_path), tiny_llama.path, seed=3, bias=False)
@@ -313,6 +315,8 @@ def test_head_checkpoint_errors_name_the_head(tiny_llama, tmp_path, change, need
         (tmp_path / "config.json").write_text(json.dumps(head["config"]))
     elif change == "extra":
         tensors["layers.1.mlp.up_proj.weight"] = tensors["layers.0.mlp.up_proj.weight"].clone()
+    elif change == "missing_part":
+        del tensors["layers.0.self_attn.k_proj.weight"]
     else:
         del tensors["fc.weight"]
     save_file(tensors,
