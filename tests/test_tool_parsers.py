@@ -286,3 +286,37 @@ def test_reply_that_is_all_reasoning_has_null_content(parser):
                                                                           "length")
     assert (message.reasoning_content, message.content) == ("a b", None)
     assert ChatOutputParser(None, None).message("", "stop")[0].content == ""
+
+
+QWEN3_THINKING_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+
+
+@pytest.mark.parametrize("parser", [None, HermesToolParser()], ids=["no-tools", "hermes"])
+@pytest.mark.parametrize(("prompt", "text", "reasoning", "content"), [
+    # the template opened the block (Qwen3-Thinking-2507): the reply writes only </think>
+    (QWEN3_THINKING_PROMPT, "Add 2 and 2.\n</think>\n\nIt is 4.", "Add 2 and 2.\n", "It is 4."),
+    (QWEN3_THINKING_PROMPT, "Still thinking", "Still thinking", None),  # cut by max_tokens
+    (QWEN3_THINKING_PROMPT, "<think>r</think>Hi", "r", "Hi"),  # the reply opens it again
+    # the prompt did not open it: a reply without <think> stays content, </think> included
+    ("<|im_start|>assistant\n", "a</think>b", None, "a</think>b"),
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "Hi", None, "Hi"),  # closed: no think
+])
+def test_prompt_that_opens_the_think_block(parser, prompt, text, reasoning, content):
+    """A chat template that ends its generation prompt with <think> (Qwen3's 2507 thinking
+    models, DeepSeek-R1's): the reply is "reasoning</think>answer". qwen3 read it all as
+    content, '</think>' included (vLLM reads the reasoning: its qwen3 parser takes the text
+    before </think> as reasoning without an opening tag); the rendered prompt's end now says
+    the reply starts in the block. Whole and streamed, character by character."""
+    from kvflow.entrypoints.chat_output import ChatOutputParser
+    from kvflow.entrypoints.tool_parsers import make_reasoning_parser
+
+    out = ChatOutputParser(parser, make_reasoning_parser("qwen3", {}))
+    out.note_prompt(prompt)
+    message, _ = out.message(text, "stop")
+    assert (message.reasoning_content, message.content) == (reasoning, content)
+    state, streamed, sent = out.stream_state(), "", ""
+    for i, char in enumerate(text):
+        delta, _ = out.delta(state, char, "stop" if i == len(text) - 1 else None)
+        streamed += (delta.reasoning_content or "") if delta else ""
+        sent += (delta.content or "") if delta else ""
+    assert (streamed or None, sent or None) == (reasoning, content)

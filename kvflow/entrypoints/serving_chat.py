@@ -127,6 +127,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         text, ids = await self.render(req.messages, ChatOptions.of(req), self.template_tools(
             req, mode), check_length=limit is None, size=body_size(raw),
             tool_instructions=mode is not None)
+        parser.note_prompt(text)  # a template that opens the think block itself
         prompt = await self.attach_images(req.messages, text, ids)
         text, ids = _truncated(text, prompt.token_ids, limit, prompt.mm_features)
         params = self._params(req, ids, tool_grammar)

@@ -17,6 +17,7 @@ ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128", "--bl
 TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }} "
             "{% endfor %}\n{% endif %}{% for m in messages %}<{{ m['role'] }}>"
             "{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>"
+            "{% if open_think is defined and open_think %}<think>\n{% endif %}"
             "{% endif %}{% if enable_thinking is defined and not enable_thinking %}"
             "{% endif %}")  # reads enable_thinking (a key no template reads is a 400)
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
@@ -92,3 +93,17 @@ def test_a_reply_without_calls_has_no_eos_text(client):
         model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=20,
         stream=True, **forced))
     assert (content, calls, finish) == ("Plain.", [], "stop")
+
+
+def test_a_prompt_that_opens_the_think_block(client):
+    """A template whose generation prompt ends with ``<think>`` (Qwen3's 2507 thinking models):
+    the reply writes only ``reasoning</think>answer``, read as reasoning and content, whole
+    and streamed (it was all content, ``</think>`` included)."""
+    kwargs = {"extra_body": {"structured_outputs": {"regex": r"hm\n</think>\n\nPlain\."},
+                             "chat_template_kwargs": {"open_think": True}}}
+    choice = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
+                                            max_tokens=30, **kwargs).choices[0]
+    assert (choice.message.reasoning_content, choice.message.content) == ("hm\n", "Plain.")
+    content, reasoning, _, _ = _streamed(client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=30, stream=True, **kwargs))
+    assert (reasoning, content) == ("hm\n", "Plain.")

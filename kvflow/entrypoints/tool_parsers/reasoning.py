@@ -3,7 +3,9 @@
 Each is a pure function of the text so far, ``split(text, final)``: an opening marker at the
 start of the reply (after whitespace), the reasoning, a closing marker, the content. While
 streaming, a possible start of a marker is held back; reasoning and content only ever grow, so
-the streamed pieces join to what the whole text gives.
+the streamed pieces join to what the whole text gives. A rendered prompt that ends with an
+opening marker (``note_prompt``: a template that opens the block itself, as Qwen3's 2507
+thinking models do) starts the reply inside the block, for every parser.
 
 - ``think``: ``<think>reasoning</think>content``; a reply that does not open with ``<think>``
   is all content; a block that never closes (cut by ``max_tokens``) is all reasoning.
@@ -56,6 +58,20 @@ class ReasoningParser:
     on_switch: str | None = None
     keeps_special_tokens = False
 
+    def __init__(self) -> None:
+        #: the prompt opened the block (``note_prompt``): the reply starts in the reasoning
+        self.opened = False
+
+    def note_prompt(self, prompt: str) -> None:
+        """Read the end of the rendered prompt (text): a template that opens the block
+        itself, its prompt ending (but for whitespace) with an opening marker (Qwen3's 2507
+        thinking models, ``<|im_start|>assistant\n<think>\n``; DeepSeek-R1's), starts the
+        reply inside the reasoning: text before the end marker is reasoning though the reply
+        writes no opening marker, and all of it without one (``deepseek_r1``'s reading, as
+        vLLM's parsers read such replies)."""
+        tail = prompt.rstrip()
+        self.opened = any(tail.endswith(s.strip()) for s in self.STARTS)
+
     def split(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning so far, content so far), holding back partial markers unless ``final``."""
         stripped = text.lstrip()
@@ -64,7 +80,7 @@ class ReasoningParser:
             body = stripped[len(start):]
         elif not final and any(s.startswith(stripped) for s in self.STARTS):
             return "", ""  # the opening marker may be coming
-        elif self.opening_optional:
+        elif self.opening_optional or self.opened:
             body = text
         else:
             return "", self.unwrap(text, final)
