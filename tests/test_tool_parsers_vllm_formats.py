@@ -260,3 +260,39 @@ def test_flags_accept_vllm_names_and_refuse_others():
         make_tool_parser("bogus")
     with pytest.raises(ValueError, match="choose one of.*granite"):
         make_reasoning_parser("bogus")
+
+
+# Qwen3-Coder often leaves out the opening <tool_call> (and keeps the closing one)
+BARE_CALLS = [
+    ("I'll check.\n\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+     + "</function>\n</tool_call>", "I'll check.", [("get_weather", '{"city": "Paris"}')]),
+    ("<function=get_time>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
+     + "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>", None,
+     [("get_time", "{}"), ("get_weather", '{"days": 2}')]),
+    ("<tool_call>\n<function=get_time>\n</function>\n</tool_call>\n<function=get_weather>\n"
+     + "<parameter=city>\nP\n</parameter>\n</function>", None,
+     [("get_time", "{}"), ("get_weather", '{"city": "P"}')]),
+]
+
+
+@pytest.mark.parametrize("name", ["qwen3_coder", "qwen3_xml", "seed_oss"])
+@pytest.mark.parametrize("text, content, calls", BARE_CALLS, ids=["orphan-close", "then-wrapped",
+                                                                  "after-wrapped"])
+def test_a_call_without_its_opening_tag(name, text, content, calls):
+    """A bare <function=NAME> block (no <tool_call> before it) is a call, as vLLM reads it:
+    it was content, the raw XML shown to the user and the call lost (and a wrapped call
+    after it read, so the reply mixed both). Whole and in every 2-piece and 1-char split."""
+    if name == "seed_oss":
+        text = text.replace("tool_call>", "seed:tool_call>")
+    check_calls(name, text, content, calls, stream_splits(text))
+
+
+@pytest.mark.parametrize("name", ["qwen3_coder", "seed_oss"])
+@pytest.mark.parametrize("text", ["Write <function=foo> in your code.",
+                                  "Call <function=get_time> later, or now.",
+                                  "Use <function=get_time>x</function> there",
+                                  "It is <function=get weather>\n</function>"])
+def test_function_tag_in_prose_stays_content(name, text):
+    """``<function=`` in prose (a function not offered, or not followed by a parameter or
+    ``</function>``) is not read as a bare call: the reply is content, streamed or not."""
+    check_content_only(name, text, stream_splits(text))

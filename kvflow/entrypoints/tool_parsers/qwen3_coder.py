@@ -19,6 +19,12 @@ between and after the blocks is dropped (as vLLM's parser drops it). Streaming s
 read, then each parameter as its closing tag arrives, then ``}``: the pieces join to the
 whole reply's arguments. A call to a function the request did not offer ends the reading
 (with no call read, the whole reply is content).
+
+Qwen3-Coder often leaves out the opening ``<tool_call>`` (writing ``<function=...>`` ...
+``</function>``, often then an orphan ``</tool_call>``): a bare ``<function=NAME>`` is a
+block too when NAME is a function the request offered and a ``<parameter=`` or
+``</function>`` follows it (vLLM's parsers read bare blocks as well); other text with
+``<function=`` in it (prose about the syntax) stays content.
 """
 
 from __future__ import annotations
@@ -31,10 +37,14 @@ from typing import Any
 from kvflow.entrypoints.json_spans import skip_ws
 from kvflow.entrypoints.tool_parsers.base import (
     ParsedCall,
+    ParsedOutput,
     TaggedBlocksToolParser,
     arguments_items,
+    calls_or_content,
+    held_back,
     is_plain_name,
     json_member,
+    read_blocks,
 )
 
 
@@ -44,6 +54,56 @@ class Qwen3CoderToolParser(TaggedBlocksToolParser):
     FUNCTION, FUNCTION_END = "<function=", "</function>"
     PARAM, PARAM_END = "<parameter=", "</parameter>"
     CALL_EXAMPLE = "\n<function=name>\n<parameter=arg>\nvalue\n</parameter>\n</function>\n"
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        first = self._next_block(text, 0)
+        if first < 0:  # no block (yet): while streaming a possible start of one waits
+            hold = max(held_back(text, m) for m in (self.START, self.FUNCTION))
+            return ParsedOutput(text if final else text[:len(text) - hold].rstrip())
+        out = ParsedOutput(text[:first].rstrip())
+        read_blocks(out, text, first, lambda pos: self._read_block(text, pos),
+                    lambda end: self._next_block(text, end))
+        return calls_or_content(out, text, final)
+
+    def _next_block(self, text: str, i: int) -> int:
+        """Where the first block at or after ``text[i]`` starts: a ``<tool_call>``, or an
+        earlier bare ``<function=`` that is (or may still become) a call; -1: none."""
+        tag = text.find(self.START, i)
+        k = text.find(self.FUNCTION, i)
+        while 0 <= k and (tag < 0 or k < tag):
+            if self._bare_call(text, k) is not False:
+                return k
+            k = text.find(self.FUNCTION, k + 1)
+        return tag
+
+    def _bare_call(self, text: str, k: int) -> bool | None:
+        """Whether the ``<function=`` at ``text[k]`` (no ``<tool_call>`` before it) opens a
+        call: a function the request offered, then a ``<parameter=`` or ``</function>``;
+        None while the text so far may still become one."""
+        head = text[k + len(self.FUNCTION):]
+        close = head.find(">")
+        name = (head if close < 0 else head[:close]).strip()
+        if name and not is_plain_name(name):
+            return False
+        if close < 0:  # the name is still coming
+            return None if self.schemas is None or any(
+                f.startswith(name) for f in self.schemas) else False
+        if not self.knows(name):
+            return False
+        rest = head[close + 1:].lstrip()
+        if rest.startswith((self.PARAM, self.FUNCTION_END)):
+            return True
+        return None if self.PARAM.startswith(rest) or self.FUNCTION_END.startswith(rest) \
+            else False
+
+    def _read_block(self, text: str, pos: int) -> tuple[ParsedCall | None, int | None]:
+        """The call of the block at ``text[pos]``, a ``<tool_call>`` or a bare
+        ``<function=`` (read once it surely is a call), and the block's end."""
+        if text.startswith(self.START, pos):
+            return self._read_call(text, pos + len(self.START))
+        if not self._bare_call(text, pos):
+            return None, None
+        return self._read_call(text, pos)
 
     def _read_call(self, text: str, i: int) -> tuple[ParsedCall | None, int | None]:
         """The call whose ``<function=`` is at or after ``text[i]`` (None until its name is

@@ -10,7 +10,7 @@
 
 Read as ``qwen3_coder`` reads its blocks: values typed by the tool's JSON schema, text before
 the first block content, text between and after the blocks dropped, a parameter streamed as
-it closes. The tags are special tokens of Seed-OSS's tokenizer: the reply is decoded with them.
+it closes, a bare ``<function=`` block without its opening tag read too. The tags are special tokens of Seed-OSS's tokenizer: the reply is decoded with them.
 (A ``<seed:think>`` block before the calls is the ``seed_oss`` reasoning parser's.)
 """
 
