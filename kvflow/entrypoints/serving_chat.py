@@ -127,10 +127,14 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         text, ids = await self.render(req.messages, ChatOptions.of(req), self.template_tools(
             req, mode), check_length=limit is None, size=body_size(raw),
             tool_instructions=mode is not None)
-        parser.note_prompt(text)  # a template that opens the think block itself
+        rendered = text
         prompt = await self.attach_images(req.messages, text, ids)
         text, ids = _truncated(text, prompt.token_ids, limit, prompt.mm_features)
         params = self._params(req, ids, tool_grammar)
+        if params.structured_outputs is None:
+            # a template that opens the think block itself; under a grammar (applied from the
+            # first token on) the reply is what the grammar says, with no reasoning before it
+            parser.note_prompt(rendered)
         if parser.keeps_special_tokens:  # the call markers are special tokens
             params.skip_special_tokens = False
         self.check_admission(1)

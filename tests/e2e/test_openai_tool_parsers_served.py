@@ -95,15 +95,30 @@ def test_a_reply_without_calls_has_no_eos_text(client):
     assert (content, calls, finish) == ("Plain.", [], "stop")
 
 
+
 def test_a_prompt_that_opens_the_think_block(client):
     """A template whose generation prompt ends with ``<think>`` (Qwen3's 2507 thinking models):
-    the reply writes only ``reasoning</think>answer``, read as reasoning and content, whole
-    and streamed (it was all content, ``</think>`` included)."""
-    kwargs = {"extra_body": {"structured_outputs": {"regex": r"hm\n</think>\n\nPlain\."},
-                             "chat_template_kwargs": {"open_think": True}}}
-    choice = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
-                                            max_tokens=30, **kwargs).choices[0]
-    assert (choice.message.reasoning_content, choice.message.content) == ("hm\n", "Plain.")
-    content, reasoning, _, _ = _streamed(client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=30, stream=True, **kwargs))
-    assert (reasoning, content) == ("hm\n", "Plain.")
+    the reply is reasoning until ``</think>`` though it writes no opening tag (it was all
+    content); the tiny model's reply (no ``</think>``) is all reasoning, whole and streamed.
+    Under a grammar (a regex, a named tool) the reply is what the grammar forces: no
+    reasoning."""
+    def ask(opened, stream=False, **extra):
+        return client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, temperature=0, max_tokens=6, stream=stream,
+            extra_body={"ignore_eos": True, **extra,
+                        "chat_template_kwargs": {"open_think": opened}})
+
+    message = ask(True).choices[0].message
+    assert message.content is None and message.reasoning_content
+    content, reasoning, _, _ = _streamed(ask(True, stream=True))
+    assert (content, reasoning) == ("", message.reasoning_content)
+    plain = ask(False).choices[0].message
+    assert plain.content and getattr(plain, "reasoning_content", None) is None
+    forced = ask(True, structured_outputs={"regex": r"Plain\."}).choices[0].message
+    assert (forced.content, getattr(forced, "reasoning_content", None)) == ("Plain.", None)
+    named = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=40,
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        extra_body={"chat_template_kwargs": {"open_think": True}}).choices[0].message
+    assert getattr(named, "reasoning_content", None) is None
+    assert [c.function.name for c in named.tool_calls] == ["add"]

@@ -5,7 +5,8 @@ start of the reply (after whitespace), the reasoning, a closing marker, the cont
 streaming, a possible start of a marker is held back; reasoning and content only ever grow, so
 the streamed pieces join to what the whole text gives. A rendered prompt that ends with an
 opening marker (``note_prompt``: a template that opens the block itself, as Qwen3's 2507
-thinking models do) starts the reply inside the block, for every parser.
+thinking models do) starts the reply inside the block, for every parser (unless a grammar
+constrains the reply: the server then does not call it).
 
 - ``think``: ``<think>reasoning</think>content``; a reply that does not open with ``<think>``
   is all content; a block that never closes (cut by ``max_tokens``) is all reasoning.
