@@ -320,3 +320,37 @@ def test_prompt_that_opens_the_think_block(parser, prompt, text, reasoning, cont
         streamed += (delta.reasoning_content or "") if delta else ""
         sent += (delta.content or "") if delta else ""
     assert (streamed or None, sent or None) == (reasoning, content)
+
+
+@pytest.mark.parametrize("name", ["deepseek_r1", "step3", "seed_oss", "ernie45", "deepseek_v3",
+                                  "qwen3"])
+@pytest.mark.parametrize("prompt", ["<|im_start|>assistant\n", QWEN3_THINKING_PROMPT])
+def test_grammar_forced_reply_is_not_reasoning(name, prompt):
+    """Under a grammar (tool_choice required / named, response_format), applied from the first
+    token, the reply is the forced JSON: parsers whose opening marker is optional
+    (deepseek_r1, step3, seed_oss, ernie45, deepseek_v3) read it, having no </think>, as all
+    reasoning, so the forced calls were lost (no tool_calls, content null, finish stop) and
+    a forced JSON reply had null content. A reply that writes the opening marker still has
+    its reasoning. Whole and char-by-char streamed."""
+    from kvflow.entrypoints.chat_output import ChatOutputParser
+    from kvflow.entrypoints.tool_parsers import make_reasoning_parser
+
+    def reply(tool_parser, text, calls_finish="tool_calls"):
+        out = ChatOutputParser(tool_parser, make_reasoning_parser(name, {"thinking": True}),
+                               calls_finish=calls_finish)
+        out.note_prompt(prompt, grammar=True)
+        message, finish = out.message(text, "stop")
+        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+        return out, (message.content, message.reasoning_content, calls or None, finish)
+
+    out, whole = reply(RequiredToolParser(), '[{"name": "add", "arguments": {"a": 1}}]')
+    assert whole == (None, None, [("add", '{"a": 1}')], "tool_calls")
+    text = '[{"name": "add", "arguments": {"a": 1}}]'
+    assert _chat_stream(out, text, 1, "stop") == (None, [("add", '{"a": 1}')], "tool_calls")
+    assert reply(NamedToolParser("add"), '{"a": 2}', "stop")[1] == \
+        (None, None, [("add", '{"a": 2}')], "stop")
+    assert reply(None, '{"a": 3}')[1] == ('{"a": 3}', None, None, "stop")
+    markers = make_reasoning_parser(name, {"thinking": True})
+    if markers.STARTS:  # a forced reply that writes the block itself (a regex) keeps it
+        text = f"{markers.STARTS[0]}r{markers.ENDS[0]}Hi"
+        assert reply(None, text)[1][:2] == ("Hi", "r")

@@ -53,11 +53,12 @@ class ChatOutputParser:
         return (self.tool_parser is not None and self.tool_parser.keeps_special_tokens) or \
             (self.reasoning is not None and self.reasoning.keeps_special_tokens)
 
-    def note_prompt(self, prompt: str) -> None:
+    def note_prompt(self, prompt: str, grammar: bool = False) -> None:
         """Read the rendered prompt's end (see ``ReasoningParser.note_prompt``): one that
-        opens the reasoning block starts the reply inside it."""
+        opens the reasoning block starts the reply inside it, unless a ``grammar`` constrains
+        the reply."""
         if self.reasoning is not None:
-            self.reasoning.note_prompt(prompt)
+            self.reasoning.note_prompt(prompt, grammar)
 
     def message(self, text: str, finish_reason: str | None
                 ) -> tuple[ChatResponseMessage, str | None]:

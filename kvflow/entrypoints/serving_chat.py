@@ -131,10 +131,9 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         prompt = await self.attach_images(req.messages, text, ids)
         text, ids = _truncated(text, prompt.token_ids, limit, prompt.mm_features)
         params = self._params(req, ids, tool_grammar)
-        if params.structured_outputs is None:
-            # a template that opens the think block itself; under a grammar (applied from the
-            # first token on) the reply is what the grammar says, with no reasoning before it
-            parser.note_prompt(rendered)
+        # a template that opens the think block itself; under a grammar (applied from the
+        # first token on) the reply is what the grammar forces, with no reasoning before it
+        parser.note_prompt(rendered, grammar=params.structured_outputs is not None)
         if parser.keeps_special_tokens:  # the call markers are special tokens
             params.skip_special_tokens = False
         self.check_admission(1)

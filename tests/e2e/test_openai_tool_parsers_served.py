@@ -14,6 +14,8 @@ MODEL = "tiny"
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128", "--block-size", "8",
         "--max-model-len", "256", "--served-model-name", MODEL,
         "--tool-call-parser", "mistral", "--reasoning-parser", "qwen3"]
+# the opening <think> optional: a reply without </think> is all reasoning
+R1_ARGS = [*ARGS[:-1], "deepseek_r1"]
 TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }} "
             "{% endfor %}\n{% endif %}{% for m in messages %}<{{ m['role'] }}>"
             "{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>"
@@ -29,7 +31,7 @@ FORCED = r'<think>hm</think>Sure\.\[TOOL_CALLS\]add\[ARGS\]\{"a": 7\}'
 def prestart_servers(fixture):
     model = fixture("built_models").with_chat_template("tiny_tool_parsers",
                                                        fixture("tiny_llama").path, TEMPLATE)
-    return [(model, ARGS, None)]
+    return [(model, ARGS, None), (model, R1_ARGS, None)]
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +124,36 @@ def test_a_prompt_that_opens_the_think_block(client):
         extra_body={"chat_template_kwargs": {"open_think": True}}).choices[0].message
     assert getattr(named, "reasoning_content", None) is None
     assert [c.function.name for c in named.tool_calls] == ["add"]
+
+
+
+@pytest.fixture(scope="module")
+def r1_client(start_server, request):
+    server = start_server.declared(request, 1)
+    yield server.client()
+    server.terminate()
+
+
+def test_forced_calls_and_json_are_not_reasoning(r1_client):
+    """--reasoning-parser deepseek_r1 (opening <think> optional): the grammar of tool_choice
+    required / named or response_format is applied from the first token, so the reply is the
+    forced JSON, with no </think>; it was read as all reasoning (no tool_calls, content null,
+    finish_reason stop). Whole and streamed."""
+    def ask(stream=False, **kwargs):
+        kwargs.setdefault("max_tokens", 60)
+        return r1_client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, temperature=0, stream=stream, **kwargs)
+
+    for choice, finish in (("required", "tool_calls"),
+                           ({"type": "function", "function": {"name": "add"}}, "stop")):
+        whole = ask(tools=TOOLS, tool_choice=choice).choices[0]
+        assert getattr(whole.message, "reasoning_content", None) is None
+        assert {c.function.name for c in whole.message.tool_calls} == {"add"}
+        assert whole.finish_reason in (finish, "length")  # the random model may run on
+        _, reasoning, calls, streamed_finish = _streamed(ask(stream=True, tools=TOOLS,
+                                                             tool_choice=choice))
+        assert (reasoning, streamed_finish) == ("", whole.finish_reason)
+        assert [c[:2] for c in calls] == [(c.function.name, c.function.arguments)
+                                          for c in whole.message.tool_calls]
+    message = ask(response_format={"type": "json_object"}, max_tokens=20).choices[0].message
+    assert message.content and getattr(message, "reasoning_content", None) is None

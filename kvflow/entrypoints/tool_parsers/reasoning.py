@@ -5,8 +5,9 @@ start of the reply (after whitespace), the reasoning, a closing marker, the cont
 streaming, a possible start of a marker is held back; reasoning and content only ever grow, so
 the streamed pieces join to what the whole text gives. A rendered prompt that ends with an
 opening marker (``note_prompt``: a template that opens the block itself, as Qwen3's 2507
-thinking models do) starts the reply inside the block, for every parser (unless a grammar
-constrains the reply: the server then does not call it).
+thinking models do) starts the reply inside the block, for every parser; under a grammar
+(structured outputs, a forced tool call) only a reply that writes the opening marker has
+reasoning, for every parser too.
 
 - ``think``: ``<think>reasoning</think>content``; a reply that does not open with ``<think>``
   is all content; a block that never closes (cut by ``max_tokens``) is all reasoning.
@@ -60,18 +61,24 @@ class ReasoningParser:
     keeps_special_tokens = False
 
     def __init__(self) -> None:
-        #: the prompt opened the block (``note_prompt``): the reply starts in the reasoning
-        self.opened = False
+        #: the reply may start inside the block without writing the opening marker (text
+        #: before an end marker is reasoning, all of it without one): ``opening_optional``,
+        #: or the prompt opened the block; never under a grammar (``note_prompt``)
+        self.inside = self.opening_optional
 
-    def note_prompt(self, prompt: str) -> None:
+    def note_prompt(self, prompt: str, grammar: bool = False) -> None:
         """Read the end of the rendered prompt (text): a template that opens the block
         itself, its prompt ending (but for whitespace) with an opening marker (Qwen3's 2507
         thinking models, ``<|im_start|>assistant\n<think>\n``; DeepSeek-R1's), starts the
         reply inside the reasoning: text before the end marker is reasoning though the reply
         writes no opening marker, and all of it without one (``deepseek_r1``'s reading, as
-        vLLM's parsers read such replies)."""
+        vLLM's parsers read such replies). Under a ``grammar`` (structured outputs, a forced
+        tool call), which kvflow applies from the first token, the reply is what the grammar
+        forces: reasoning only where it writes the opening marker itself, whatever the prompt
+        or ``opening_optional`` say (else forced JSON or calls would read as reasoning)."""
         tail = prompt.rstrip()
-        self.opened = any(tail.endswith(s.strip()) for s in self.STARTS)
+        self.inside = not grammar and (self.opening_optional or any(
+            tail.endswith(s.strip()) for s in self.STARTS))
 
     def split(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning so far, content so far), holding back partial markers unless ``final``."""
@@ -81,7 +88,7 @@ class ReasoningParser:
             body = stripped[len(start):]
         elif not final and any(s.startswith(stripped) for s in self.STARTS):
             return "", ""  # the opening marker may be coming
-        elif self.opening_optional or self.opened:
+        elif self.inside:
             body = text
         else:
             return "", self.unwrap(text, final)
