@@ -33,6 +33,15 @@ def flag_or_env_choice(value: str | None, flag: str, env: str, default: str,
     return choice
 
 
+def env_choice(env: str, default: str, choices: tuple[str, ...]) -> str:
+    """``$env``, else ``default``, checked against ``choices``.
+
+    Raises:
+        ValueError: on another value, naming the variable.
+    """
+    return flag_or_env_choice(None, env, env, default, choices)
+
+
 CPU_GEMM_CHOICES = ("auto", "native", "onednn")
 
 
@@ -154,11 +163,7 @@ def cpu_gguf_choice() -> str:
     """How GGUF weights kept quantized multiply on CPU: ``KVFLOW_CPU_GGUF`` = ``native``
     (kvflow's dequantize-in-the-GEMM C kernel, the default) or ``torch`` (dequantize tiles in
     plain torch, then torch's GEMM). Raises ValueError on any other value."""
-    choice = os.environ.get("KVFLOW_CPU_GGUF", "native")
-    if choice not in ("native", "torch"):
-        raise ValueError(f"KVFLOW_CPU_GGUF={choice!r} is invalid; choose one of "
-                         f"['native', 'torch']")
-    return choice
+    return env_choice("KVFLOW_CPU_GGUF", "native", ("native", "torch"))
 
 
 def gguf_moe_experts_choice() -> str:
@@ -168,11 +173,7 @@ def gguf_moe_experts_choice() -> str:
     (dequantized at load to ``--dtype``, run as float experts: 4-8x the memory). Raises
     ValueError on any other value. Set for any other model or quantization, it is warned
     about at start-up (``kvflow.core.unread_options.unread_model_setting_warnings``)."""
-    choice = os.environ.get("KVFLOW_GGUF_MOE", "quantized")
-    if choice not in ("quantized", "dequantized"):
-        raise ValueError(f"KVFLOW_GGUF_MOE={choice!r} is invalid; choose one of "
-                         f"['quantized', 'dequantized']")
-    return choice
+    return env_choice("KVFLOW_GGUF_MOE", "quantized", ("quantized", "dequantized"))
 
 
 def cpu_quant_choice() -> str:
@@ -180,11 +181,7 @@ def cpu_quant_choice() -> str:
     multiply on CPU: ``KVFLOW_CPU_QUANT`` = ``native`` (kvflow's C kernel, int8 widened in
     registers; the default) or ``torch`` (torch's ``_weight_int8pack_mm``). Raises ValueError
     on any other value."""
-    choice = os.environ.get("KVFLOW_CPU_QUANT", "native")
-    if choice not in ("native", "torch"):
-        raise ValueError(f"KVFLOW_CPU_QUANT={choice!r} is invalid; choose one of "
-                         f"['native', 'torch']")
-    return choice
+    return env_choice("KVFLOW_CPU_QUANT", "native", ("native", "torch"))
 
 
 LORA_KERNEL_CHOICES = ("triton", "torch")

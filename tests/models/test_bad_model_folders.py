@@ -102,6 +102,24 @@ def test_integer_weight_in_unquantized_checkpoint_is_refused(tiny_llama, tmp_pat
         _llm(folder)
 
 
+def _check_refused_without(model: str, tmp_path, dropped: tuple[str, ...],
+                           quantization: str | None) -> None:
+    """A copy of ``model``'s folder without the checkpoint tensors ``dropped`` is refused by
+    ``LLM``, the error naming them (sorted)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(model, str(tmp_path / "model"))
+    weights_path = os.path.join(folder, "model.safetensors")
+    weights = load_file(weights_path)
+    for name in dropped:
+        del weights[name]
+    save_file(weights, weights_path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(
+            f"checkpoint {folder!r} lacks weights for {sorted(dropped)}")):
+        LLM(model=folder, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4,
+            quantization=quantization)
+
+
 @pytest.mark.parametrize("arch, dropped, quantization", [
     ("llama", ("model.layers.0.self_attn.k_proj.weight",), None),
     ("llama", ("model.layers.1.mlp.up_proj.weight",), "int8"),
@@ -116,18 +134,7 @@ def test_checkpoint_without_one_part_of_a_fused_layer_is_refused(tiny_model_fact
     uninitialized memory they were allocated with (garbage text, no error: a parameter counted
     as loaded once any part reached it). Now the missing tensors are named, as for a missing
     unfused weight."""
-    from safetensors.torch import load_file, save_file
-
-    folder = shutil.copytree(tiny_model_factory(arch).path, str(tmp_path / "model"))
-    weights_path = os.path.join(folder, "model.safetensors")
-    weights = load_file(weights_path)
-    for name in dropped:
-        del weights[name]
-    save_file(weights, weights_path, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=re.escape(
-            f"checkpoint {folder!r} lacks weights for {sorted(dropped)}")):
-        LLM(model=folder, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4,
-            quantization=quantization)
+    _check_refused_without(tiny_model_factory(arch).path, tmp_path, dropped, quantization)
 
 
 @pytest.mark.parametrize("dropped", [
@@ -141,18 +148,7 @@ def test_checkpoint_without_one_experts_tensor_is_refused(tiny_model_factory, tm
     """Mixtral's checkpoint holds one tensor per expert and projection (w1/w3/w2), stacked by
     kvflow into w13_weight / w2_weight: one expert's tensor missing left its slice of the
     stack uninitialized (garbage text, no error). Now it is named as stored."""
-    from safetensors.torch import load_file, save_file
-
-    folder = shutil.copytree(tiny_model_factory("mixtral").path, str(tmp_path / "model"))
-    weights_path = os.path.join(folder, "model.safetensors")
-    weights = load_file(weights_path)
-    for name in dropped:
-        del weights[name]
-    save_file(weights, weights_path, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=re.escape(
-            f"checkpoint {folder!r} lacks weights for {sorted(dropped)}")):
-        LLM(model=folder, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4,
-            quantization=quantization)
+    _check_refused_without(tiny_model_factory("mixtral").path, tmp_path, dropped, quantization)
 
 
 def test_encoder_checkpoint_without_its_key_projection_is_refused(tiny_tokenizer, tmp_path):
