@@ -20,11 +20,16 @@ class BlockTransfer:
         req_id: the request.
         block_ids: the blocks' ids in the KV cache (group 0), one per key.
         keys: the blocks' storage keys, in the same order.
+        reads: for a save, the blocks of the step's loads that the request's block table
+            holds: its K/V of this step were computed from theirs, so it is not saved if
+            one of them could not be loaded (empty for a load, or when the step loads
+            nothing the request reads).
     """
 
     req_id: str
     block_ids: list[int]
     keys: list[str]
+    reads: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -44,3 +49,9 @@ class KVConnectorMetadata:
     @property
     def is_empty(self) -> bool:
         return not self.loads and not self.saves
+
+    def without_saves_reading(self, bad_block_ids: set[int]) -> KVConnectorMetadata:
+        """The step's transfers less the saves that read one of ``bad_block_ids`` (blocks a
+        load left unfilled: K/V computed over them are wrong and must not be stored)."""
+        return KVConnectorMetadata(loads=self.loads, saves=[
+            s for s in self.saves if bad_block_ids.isdisjoint(s.reads)])

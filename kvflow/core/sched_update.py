@@ -100,6 +100,8 @@ def recompute_failed_loads(sched: Scheduler, failures: dict[str, str]) -> set[st
         if not more:
             break
         victims.update(more)
+        for rid in more:  # the runner did not save what they computed over the bad blocks
+            sched.connector.saves_dropped(sched.requests[rid])
     for rid in victims:
         request = sched.requests[rid]
         sched.running.remove(request)

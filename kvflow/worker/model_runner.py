@@ -234,7 +234,10 @@ class ModelRunner(RunnerKVCache):
             self.host_kv.swap_in(sched.blocks_to_swap_in)
         connector_meta = sched.kv_connector_metadata if self.kv_connector is not None else None
         if connector_meta is not None and connector_meta.loads:  # KV transfer: stored
-            self._kv_load_failures = self._load_kv(connector_meta)  # blocks in, then forward
+            # blocks in, then forward; K/V computed over a block not loaded are not stored
+            self._kv_load_failures, bad = self._load_kv(connector_meta)
+            if bad:
+                connector_meta = connector_meta.without_saves_reading(bad)
         update_states(sched, self.requests, self.input_batch, self.device, self.pooling,
                       self.lora_manager, self.mm_runner)
         if isinstance(self.drafter, EagleDrafter):  # finished / preempted: features freed
@@ -299,9 +302,10 @@ class ModelRunner(RunnerKVCache):
             out.kv_load_failures, self._kv_load_failures = self._kv_load_failures, {}
         return out
 
-    def _load_kv(self, meta: KVConnectorMetadata) -> dict[str, str]:
+    def _load_kv(self, meta: KVConnectorMetadata) -> tuple[dict[str, str], set[int]]:
         """The KV connector's loads of the step; returns request id -> the key of its first
-        block some tensor-parallel rank could not load (every rank learns every rank's)."""
+        block some tensor-parallel rank could not load (every rank learns every rank's), and
+        the ids of the blocks left unfilled (that one and those after it)."""
         first_bad = self.kv_connector.start_load_kv(meta)
         tp = self.parallel.tp
         if tp.world_size > 1:  # the earliest failure over the ranks, per transfer
@@ -310,7 +314,9 @@ class ModelRunner(RunnerKVCache):
             first_bad = torch.where(every < 0, torch.iinfo(torch.int64).max, every
                                     ).min(dim=0).values.tolist()
             first_bad = [-1 if i == torch.iinfo(torch.int64).max else i for i in first_bad]
-        return {t.req_id: t.keys[i] for t, i in zip(meta.loads, first_bad) if i >= 0}
+        failed = [(t, i) for t, i in zip(meta.loads, first_bad) if i >= 0]
+        return {t.req_id: t.keys[i] for t, i in failed}, \
+            {b for t, i in failed for b in t.block_ids[i:]}
 
     def discard_output(self) -> None:
         """Drop a launched or sampled step that will not be collected (the engine aborted its

@@ -500,6 +500,45 @@ def test_block_gone_after_lookup_is_recomputed(tiny_llama, tmp_path, plain, spoi
         consumer.shutdown()
 
 
+def test_kv_computed_over_a_block_not_loaded_is_not_stored(tiny_llama, tmp_path, plain,
+                                                          assert_no_leaks):
+    """A kv_both engine loads the 1st prompt's stored blocks 0 and 1 (a producer stored only
+    those) and block 1 is deleted after the lookup: the step computes the 1st prompt's block
+    2, and the 4th prompt's blocks 2 to 4 (it hits the 1st's blocks 0 and 1 in that step),
+    over whatever block 1 held. Those K/V must not be stored: once the recompute has stored
+    everything, the folder holds what a clean producer stores (file by file), and a fresh
+    consumer loading all of it decodes the plain run's tokens and logprobs."""
+    prompts = _prompts(tiny_llama.vocab_size)
+    first, fourth = prompts[0], prompts[3]
+    folder, clean = tmp_path / "kv", tmp_path / "clean"
+    _, model_key = _produce(tiny_llama.path, str(folder), [first[:9]])  # blocks 0 and 1
+    _produce(tiny_llama.path, str(clean), [first, fourth])
+    keys = block_keys(first, BLOCK_SIZE, "auto", model_key)
+    llm = _llm(tiny_llama.path, str(folder))
+    _spoil_after_lookup(llm, block_path(str(folder), keys[1]), os.remove)
+    try:
+        outs = _generate(llm, [first, fourth])
+        _assert_same_logprobs(outs, [plain[0], plain[3]])
+        assert_no_leaks(llm)
+    finally:
+        llm.shutdown()
+    names = {os.path.basename(f) for f in glob.glob(f"{clean}/*")}
+    assert {os.path.basename(f) for f in glob.glob(f"{folder}/*")} == names
+    assert len(names) == 3 + 5 - 2
+    for name in names:
+        got, want = load_file(f"{folder}/{name}"), load_file(f"{clean}/{name}")
+        for tensor in want:
+            torch.testing.assert_close(got[tensor], want[tensor], atol=1e-5, rtol=1e-5)
+    consumer = _llm(tiny_llama.path, str(folder), "kv_consumer")
+    try:
+        again = _generate(consumer, [first, fourth])
+        assert [o.metrics.num_cached_tokens for o in again] == \
+            [_loaded_tokens(first), _loaded_tokens(fourth)]
+        _assert_same_logprobs(again, [plain[0], plain[3]])
+    finally:
+        consumer.shutdown()
+
+
 def test_fail_policy_fails_the_step(tiny_llama, tmp_path):
     """``kv_load_failure_policy="fail"``: a block deleted after the lookup fails the step,
     naming the block."""

@@ -12,6 +12,8 @@ The step, as the engine runs it::
                          (the external tokens count as computed, as prefix-cache hits do)
                          end of the step: out.kv_connector_metadata = build_connector_meta(...)
     ModelRunner          start_load_kv(meta)  -> forward pass -> wait_for_save(meta)
+                         (without the saves that read a block that failed to load)
+    Scheduler.update_from_output  load_failed / saves_dropped (recompute)
     Scheduler._free      request_finished(request)
 
 Loads are synchronous (done before the forward pass starts), so the layer-wise hooks of vLLM's
@@ -69,6 +71,12 @@ class KVConnectorScheduler(ABC):
         request is recomputed from there)."""
 
     @abstractmethod
+    def saves_dropped(self, request: Request) -> None:
+        """The worker did not save ``request``'s blocks of the last step (it read a block
+        that could not be loaded) and it is recomputed: save them as the recompute writes
+        them."""
+
+    @abstractmethod
     def request_finished(self, request: Request) -> None:
         """The request left the engine (finished or aborted; its blocks are freed now, after
         any save of an earlier step ran): drop its state."""
@@ -91,5 +99,7 @@ class KVConnectorWorker(ABC):
 
     @abstractmethod
     def wait_for_save(self, meta: KVConnectorMetadata) -> None:
-        """Write ``meta.saves``' blocks to storage (after the forward pass wrote them)."""
+        """Write ``meta.saves``' blocks to storage (after the forward pass wrote them). The
+        runner leaves out the saves that read a block the step failed to load
+        (``KVConnectorMetadata.without_saves_reading``)."""
 

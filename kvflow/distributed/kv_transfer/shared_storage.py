@@ -222,9 +222,13 @@ class SharedStorageScheduler(KVConnectorScheduler):
         self._loads = []
         if self.config.is_producer:
             planned: set[str] = set()  # keys this step saves (two prompts may share a block)
+            loaded = {b for transfer in meta.loads for b in transfer.block_ids}
             for request in scheduled:
                 save = self._new_saves(request, block_ids_of, planned)
                 if save is not None:
+                    if loaded:  # the step's loads its K/V read (not saved if one fails)
+                        save.reads = [b for b in block_ids_of(request.request_id)
+                                      if b in loaded]
                     meta.saves.append(save)
         return meta
 
@@ -254,9 +258,12 @@ class SharedStorageScheduler(KVConnectorScheduler):
 
     def load_failed(self, request: Request, key: str) -> int:
         self._bad_keys.add(key)
-        state = self._state(request)
-        state.num_saved = 0  # a producer stores what the recompute writes (files left out)
-        return state.keys.index(key)
+        self.saves_dropped(request)
+        return self._state(request).keys.index(key)
+
+    def saves_dropped(self, request: Request) -> None:
+        # a producer stores what the recompute writes (files left out, skipped saves too)
+        self._state(request).num_saved = 0
 
     def request_finished(self, request: Request) -> None:
         self._states.pop(request.request_id, None)
