@@ -654,3 +654,26 @@ def test_two_writers_of_one_block_in_one_process_both_succeed(tmp_path, monkeypa
     torch.testing.assert_close(load_file(block_path(str(tmp_path), key))["layer.0.kv"],
                                kv[:, 1], rtol=0, atol=0)
     assert os.listdir(tmp_path) == [f"{key}.safetensors"]  # no temporary file left
+
+
+def test_a_save_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """A block whose file cannot be written (a full disk: the writer wrote part of it, then
+    raised) fails the save with the OS error, as vLLM's does, and leaves nothing in the
+    folder: no partial temporary file piles up with each failed step."""
+    import kvflow.distributed.kv_transfer.shared_storage as ss
+    from kvflow.kv_connector_meta import BlockTransfer, KVConnectorMetadata
+
+    kv = torch.zeros(2, 2, BLOCK_SIZE, 2, 8)
+    worker = SharedStorageWorker(KVTransferConfig.from_value(_kv(str(tmp_path), "kv_both")),
+                                 BLOCK_SIZE, "auto", lambda: {"layer.0": (kv, None)})
+    key = block_keys(list(range(BLOCK_SIZE)), BLOCK_SIZE, "auto")[0]
+
+    def disk_full(tensors, filename):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ss, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        worker.wait_for_save(KVConnectorMetadata(saves=[BlockTransfer("r", [1], [key])]))
+    assert os.listdir(tmp_path) == []

@@ -28,6 +28,7 @@ computed); no pooling request.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -340,6 +341,13 @@ class SharedStorageWorker(KVConnectorWorker):
                 _copy_in(scales, stored, f"{name}.kv_scales", block_id, path)
 
     def wait_for_save(self, meta: KVConnectorMetadata) -> None:
+        """Write each block of ``meta.saves`` not yet in the folder to its file (under a
+        temporary name, then renamed).
+
+        Raises:
+            OSError: if a file cannot be written (a full disk, no permission; the step fails
+                as vLLM's does); its temporary file is removed first.
+        """
         tensors = self.kv_tensors() if meta.saves else {}
         for transfer in meta.saves:
             for block_id, key in zip(transfer.block_ids, transfer.keys):
@@ -354,8 +362,13 @@ class SharedStorageWorker(KVConnectorWorker):
                 # a name no other writer uses: processes in two containers may share a pid,
                 # two engines may share a process; the last rename wins, with equal K/V
                 tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
-                save_file(block, tmp)
-                os.replace(tmp, path)
+                try:
+                    save_file(block, tmp)
+                    os.replace(tmp, path)
+                except BaseException:  # a full disk: no partial file left behind
+                    with contextlib.suppress(OSError):
+                        os.remove(tmp)
+                    raise
 
 
 def _copy_in(cache: torch.Tensor, stored: dict[str, torch.Tensor], name: str, block_id: int,
