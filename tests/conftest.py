@@ -106,6 +106,14 @@ TINY_MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
         "architectures": ["Gemma3ForCausalLM"], "head_dim": 16, "query_pre_attn_scalar": 24,
         "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
         "final_logit_softcapping": 30.0, "tie_word_embeddings": True}),
+    # Gemma 3 with dynamic NTK on the global layer only (transformers 5's per-layer-type
+    # rope_parameters): scaled from 48 positions up to 192, local layer plain RoPE
+    "gemma3_rope_dynamic": ("Gemma3TextConfig", {
+        "architectures": ["Gemma3ForCausalLM"], "head_dim": 16, "query_pre_attn_scalar": 24,
+        "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+        "max_position_embeddings": 48, "tie_word_embeddings": True, "rope_parameters": {
+            "full_attention": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
     # Gemma 2: layer 0 local (window 8), layer 1 global, one RoPE base, attention scores
     # soft-capped at 2.0 (low, so the cap bends most scores), final logits capped at 30
     "gemma2": ("Gemma2Config", {

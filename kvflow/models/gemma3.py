@@ -55,7 +55,7 @@ def gemma3_rope_tables(config: Any) -> dict[str, RotaryEmbedding]:
                                       ("sliding_attention", "rope_local_base_freq")):
         entry = params.get(layer_type) if isinstance(params, dict) else None
         if entry is not None:
-            theta, scaling = get_rope_parameters(_RopeView(entry, max_pos))
+            theta, scaling = get_rope_parameters(_RopeView(entry, config))
         elif layer_type == "full_attention":
             theta, scaling = get_rope_parameters(config)
         else:
@@ -65,11 +65,16 @@ def gemma3_rope_tables(config: Any) -> dict[str, RotaryEmbedding]:
 
 
 class _RopeView:
-    """Presents one per-layer-type RoPE dict as a config to ``get_rope_parameters``."""
+    """Presents one per-layer-type RoPE dict as a config to ``get_rope_parameters``, with the
+    config's own (unscaled) ``max_position_embeddings``, which YaRN's implied factor and
+    dynamic NTK's original length are read from, as transformers reads them; never the
+    table's length (``rope_max_positions``, already scaled by dynamic NTK's factor)."""
 
-    def __init__(self, entry: dict, max_position_embeddings: int) -> None:
+    def __init__(self, entry: dict, config: Any) -> None:
         self.rope_parameters = entry
-        self.max_position_embeddings = max_position_embeddings  # YaRN / dynamic NTK read it
+        self.max_position_embeddings = config.max_position_embeddings
+        self.original_max_position_embeddings = \
+            getattr(config, "original_max_position_embeddings", None)
 
 
 def check_gemma3_attention(config: Any) -> None:

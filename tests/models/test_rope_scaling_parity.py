@@ -3,7 +3,7 @@ original context (fp32, CPU): greedy tokens equal and each token's logprob withi
 (tests/models/test_parity.py's oracle rule), for whole prompts, chunked prefill and prefix
 caching. The tiny configs are in tests/conftest.py: ``qwen2_rope_yarn`` (original 64 of 256
 positions), ``llama_rope_yarn`` (original 32 of 128, betas 16/2, no truncation, base 500) and
-``llama_rope_dynamic`` (scaled from 48 positions up to 192).
+``llama_rope_dynamic`` and ``gemma3_rope_dynamic`` (scaled from 48 positions up to 192).
 """
 
 from __future__ import annotations
@@ -35,12 +35,15 @@ def test_yarn_past_the_original_context(tiny_model_factory, assert_no_leaks, nam
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["pc_on", "pc_off"])
+@pytest.mark.parametrize("name", ["llama_rope_dynamic", "gemma3_rope_dynamic"])
 def test_dynamic_generation_runs_past_the_original_context(tiny_model_factory, assert_no_leaks,
-                                                            prefix_caching):
+                                                            prefix_caching, name):
     """Prompts within the 48 original positions, generation to position 139: every decoded
     token is rotated with the base for its own length, as transformers decodes it. The batch
-    runs twice so the second run starts from cached prefix blocks."""
-    tiny = tiny_model_factory("llama_rope_dynamic")
+    runs twice so the second run starts from cached prefix blocks. Gemma 3 scales its global
+    layer only (a per-layer-type rope_parameters entry): its base grows from the config's 48
+    positions too, not from the 192 its table covers."""
+    tiny = tiny_model_factory(name)
     llm = _llm(tiny, enable_prefix_caching=prefix_caching, max_num_batched_tokens=32)
     prompts = _prompts([40, 17, 3], tiny.vocab_size, seed=12)
     for _ in range(2):
