@@ -266,7 +266,8 @@ def long_prompt_rope(config: Any) -> LongPromptRope | None:
     """The model's :class:`LongPromptRope` when its RoPE is LongRoPE (``longrope`` / ``su``)
     with an original context shorter than the positions it covers; None otherwise (every
     token's table row is then its position). Per-layer-type RoPE (Gemma 3's
-    ``rope_parameters``) has tables without the extra rows: None."""
+    ``rope_parameters``): None (LongRoPE there is refused at load,
+    ``models.hf_config_checks.check_rope_parameters``)."""
     params = getattr(config, "rope_parameters", None) or {}
     if isinstance(params, dict) and params and "rope_theta" not in params:
         return None

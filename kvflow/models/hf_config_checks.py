@@ -190,7 +190,9 @@ def check_rope_parameters(config: Any, path: str) -> None:
     ``rope_scaling`` / ``rope_theta`` there): ``rope_theta`` a finite number > 0 and, for a
     scaling type, ``factor`` (when given) a finite number >= 1. transformers only logs a
     warning for such values; kvflow built its cos/sin table from them (a zero ``factor``
-    generated a constant token).
+    generated a constant token). LongRoPE (``longrope`` / ``su``) in a per-layer-type entry is
+    refused: kvflow's long-prompt rows (``layers.rotary.long_prompt_rope``) cover one
+    model-wide LongRoPE only.
 
     Raises:
         ValueError: naming ``path``, the field and its value.
@@ -207,6 +209,12 @@ def check_rope_parameters(config: Any, path: str) -> None:
             raise ValueError(f"model config {path!r}: {where}.rope_theta={theta!r} is "
                              "invalid; it must be a number > 0 (the RoPE base)")
         rope_type = entry.get("rope_type", entry.get("type", "default"))
+        if layer_type is not None and rope_type in ("longrope", "su"):
+            raise ValueError(f"model config {path!r}: {where}.rope_type={rope_type!r} is not "
+                             "supported per layer type: transformers rotates a prompt longer "
+                             "than original_max_position_embeddings with the long factors at "
+                             "every position, which kvflow does only for one model-wide "
+                             "LongRoPE (long prompts would run with the short factors)")
         factor = entry.get("factor")
         if rope_type in _FACTOR_ROPE_TYPES and factor is not None and \
                 not (_is_number(factor) and factor >= 1):

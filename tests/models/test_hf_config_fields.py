@@ -96,3 +96,27 @@ def test_window_that_does_not_apply_and_neutral_values_load(tiny_llama, tmp_path
     want = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=16,
                block_size=4).generate(prompt, params)[0].outputs[0].token_ids
     assert got == want
+
+
+@pytest.mark.parametrize("layer_type", ["full_attention", "sliding_attention"])
+def test_longrope_per_layer_type_is_refused(tiny_model_factory, tmp_path, layer_type):
+    """Gemma 3's per-layer-type rope_parameters with LongRoPE on one layer type: transformers
+    rotates a prompt longer than the original context with the long factors at every position
+    of those layers; kvflow's long-prompt rows cover a model-wide LongRoPE only, and loaded
+    this config to rotate such a prompt's first positions with the short factors (a prompt of
+    700 tokens, original 256: prompt logprobs off by up to 3.6 nats from transformers')."""
+    tiny = tiny_model_factory("gemma3")
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    rope[layer_type] = {"rope_type": "longrope", "rope_theta": 10000.0,
+                        "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+                        "original_max_position_embeddings": 64}
+    config_path = _edited(tiny, tmp_path / "model", rope_parameters=rope)
+    with pytest.raises(ValueError) as info:
+        _llm(config_path)
+    assert str(info.value) == (
+        f"model config {config_path!r}: rope_parameters[{layer_type!r}].rope_type='longrope' "
+        "is not supported per layer type: transformers rotates a prompt longer than "
+        "original_max_position_embeddings with the long factors at every position, which "
+        "kvflow does only for one model-wide LongRoPE (long prompts would run with the short "
+        "factors)")
