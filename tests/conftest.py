@@ -75,6 +75,9 @@ TINY_MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
         "original_max_position_embeddings": 64}}),
     "llama_rope_linear": ("LlamaConfig", {"rope_scaling": {"rope_type": "linear",
                                                            "factor": 2.0}}),
+    # linear scaling (position interpolation) from 48 positions: the context covers 96
+    "llama_rope_linear48": ("LlamaConfig", {"max_position_embeddings": 48, "rope_scaling": {
+        "rope_type": "linear", "factor": 2.0}}),
     # YaRN (Qwen2.5's long-context recipe): original context 64 of 256, default betas
     "qwen2_rope_yarn": ("Qwen2Config", {"rope_scaling": {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),

@@ -66,8 +66,9 @@ def rope_max_positions(config: Any) -> int:
     """Positions the model's RoPE covers (the rotary table's length and the longest
     ``max_model_len``): ``max_position_embeddings``, except for YaRN,
     ``max(max_position_embeddings, original_max_position_embeddings x factor)``, and dynamic
-    NTK, ``max_position_embeddings x factor`` (vLLM's rule; transformers itself has no limit).
-    Linear scaling is not extended: configs such as Gemma 3's already give the scaled length.
+    NTK and linear scaling, ``max_position_embeddings x factor`` (vLLM's rule; transformers
+    itself has no limit), but for Gemma 3, whose ``max_position_embeddings`` already gives
+    the linearly scaled length (vLLM exempts it too).
     """
     positions = int(config.max_position_embeddings)
     _, scaling = get_rope_parameters(config)
@@ -75,9 +76,14 @@ def rope_max_positions(config: Any) -> int:
     if rope_type == "yarn":
         scaled = scaling["original_max_position_embeddings"] * scaling["factor"]
         return max(positions, int(scaled))
-    if rope_type == "dynamic":
-        return int(positions * scaling["factor"])
+    if rope_type == "dynamic" or (rope_type == "linear" and not _is_gemma3(config)):
+        return int(positions * (scaling.get("factor") or 1.0))
     return positions
+
+
+def _is_gemma3(config: Any) -> bool:
+    """Gemma 3 (text or multimodal), whose context length is given already scaled."""
+    return "gemma3" in str(getattr(config, "model_type", ""))
 
 
 def get_rotary_dim(config: Any, head_dim: int) -> int:

@@ -87,15 +87,21 @@ def test_yarn_attention_factor_by_hand():
     assert yarn_attention_factor({"factor": 4.0, "attention_factor": 1.25}) == 1.25
 
 
-def test_yarn_and_dynamic_cover_the_scaled_context():
-    """The table (and the longest max_model_len) covers original x factor positions."""
+def test_yarn_dynamic_and_linear_cover_the_scaled_context():
+    """The table (and the longest max_model_len) covers original x factor positions, as
+    vLLM derives max_model_len; linear scaling too (it covered max_position_embeddings
+    only, so a 4k x 4 linearly scaled Llama 2 served 4k where vLLM serves 16k), but for
+    Gemma 3, whose max_position_embeddings is the scaled length already (vLLM's exception)."""
     yarn = _config(1024, {"rope_type": "yarn", "factor": 4.0,
                           "original_max_position_embeddings": 512})
     dynamic = _config(100, {"rope_type": "dynamic", "factor": 3.0})
     linear = _config(100, {"rope_type": "linear", "factor": 3.0})
     assert rope_max_positions(yarn) == 2048
     assert rope_max_positions(dynamic) == 300
-    assert rope_max_positions(linear) == 100
+    assert rope_max_positions(linear) == 300
+    gemma3 = _config(100, {"rope_type": "linear", "factor": 3.0})
+    gemma3.model_type = "gemma3_text"
+    assert rope_max_positions(gemma3) == 100
     assert make_rotary_embedding(dynamic).cos_sin_cache.shape == (300, 64)
 
 

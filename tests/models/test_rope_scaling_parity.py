@@ -3,7 +3,8 @@ original context (fp32, CPU): greedy tokens equal and each token's logprob withi
 (tests/models/test_parity.py's oracle rule), for whole prompts, chunked prefill and prefix
 caching. The tiny configs are in tests/conftest.py: ``qwen2_rope_yarn`` (original 64 of 256
 positions), ``llama_rope_yarn`` (original 32 of 128, betas 16/2, no truncation, base 500) and
-``llama_rope_dynamic`` and ``gemma3_rope_dynamic`` (scaled from 48 positions up to 192).
+``llama_rope_dynamic`` and ``gemma3_rope_dynamic`` (scaled from 48 positions up to 192),
+``llama_rope_linear48`` (linear, 48 positions by 2).
 """
 
 from __future__ import annotations
@@ -58,6 +59,21 @@ def test_dynamic_context_limit_is_scaled(tiny_model_factory):
     assert _llm(tiny).engine.core.max_model_len == 192
     with pytest.raises(ValueError, match="the model covers \\(192: max_position_embeddings, scaled"):
         _llm(tiny, max_model_len=193)
+
+
+def test_linear_scaling_serves_the_scaled_context(tiny_model_factory, assert_no_leaks):
+    """Linear scaling from 48 positions by 2: max_model_len defaults to 96, as vLLM derives it
+    (it was 48: an 80-token prompt was refused), and prompts past position 48 decode as
+    transformers does; 97 is refused (the table ends there)."""
+    tiny = tiny_model_factory("llama_rope_linear48")
+    llm = _llm(tiny, max_num_batched_tokens=16)
+    assert llm.engine.core.max_model_len == 96
+    prompts = _prompts([80, 30, 5], tiny.vocab_size, seed=14)
+    for out in llm.generate(prompts, greedy(12), use_tqdm=False):
+        assert_matches_hf(tiny, out, 12)
+    assert_no_leaks(llm)
+    with pytest.raises(ValueError, match="the model covers \\(96"):
+        _llm(tiny, max_model_len=97)
 
 
 def test_longrope_prompt_past_the_original_context(tiny_model_factory, assert_no_leaks):
