@@ -32,6 +32,7 @@ from kvflow.llm_inputs import (
     refuse_server_options,
     with_images,
 )
+from kvflow.llm_ops import LLMOps
 from kvflow.llm_pooling import LLMPooling
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import (
@@ -44,7 +45,7 @@ from kvflow.sampling_params import SamplingParams
 CONTENT_FORMATS = ("auto", "string", "openai")
 
 
-class LLM(LLMPooling):
+class LLM(LLMPooling, LLMOps):
     """Offline batch generation, and pooling (``embed``, ``encode``, ``classify``,
     ``score``: :class:`~kvflow.llm_pooling.LLMPooling`).
 
@@ -88,65 +89,6 @@ class LLM(LLMPooling):
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
-
-    def sleep(self, level: int = 1) -> None:
-        """Free accelerator memory while the engine is idle: level 1 offloads the weights to
-        host memory (on a CPU device they stay) and frees the KV cache; level 2 drops both
-        (wake_up, then ``collective_rpc("reload_weights")``). The prefix cache is reset; a
-        second sleep is a no-op. Generation is refused until :meth:`wake_up`.
-
-        Raises:
-            ValueError: without enable_sleep_mode, for a level other than 1 and 2, or while
-                requests are in flight.
-        """
-        self.engine.local_core("sleep").sleep(level)
-
-    def wake_up(self, tags: list[str] | None = None) -> bool:
-        """Give back what :meth:`sleep` freed: ``tags`` "weights" and/or "kv_cache" (None:
-        both); the KV cache has as many blocks as before. A no-op while awake.
-
-        Returns:
-            True when the engine is fully awake after it (every tag woken), as vLLM's
-            ``LLM.wake_up``; False while a tag still sleeps.
-
-        Raises:
-            ValueError: for an unknown tag.
-        """
-        self.engine.local_core("wake_up").wake_up(tags)
-        return not self.is_sleeping()
-
-    def is_sleeping(self) -> bool:
-        """True from :meth:`sleep` until every tag woke up."""
-        return self.engine.local_core("is_sleeping").sleep_mode.is_sleeping
-
-    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
-                       args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
-        """Run the Worker method named ``method`` on every rank (e.g. ``"reload_weights"``
-        after a level-2 sleep) and return the results by rank; a callable (called as
-        ``method(worker, *args, **kwargs)``) only with the in-process executor.
-
-        Raises:
-            ValueError: for a name that is not a Worker method, a callable with worker
-                processes, or a ``timeout`` (not supported: calls are waited for).
-        """
-        if timeout is not None:
-            raise ValueError(f"collective_rpc timeout={timeout!r} is not supported; leave it "
-                             "None (the call is waited for)")
-        return self.engine.local_core("collective_rpc").collective_rpc(method, args, kwargs)
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix, so that the next prompts compute all their tokens
-        (vLLM's ``LLM.reset_prefix_cache``; for timing runs). Between calls of ``generate``
-        and the others no request is open and it always resets; from an ``on_output``
-        callback it returns False and changes nothing (requests are running).
-
-        Returns:
-            True if the cache was reset (of every data-parallel replica), else False.
-
-        Raises:
-            RuntimeError: with data parallelism, if a replica failed or exited.
-        """
-        return self.engine.reset_prefix_cache()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

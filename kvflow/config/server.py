@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvflow.config.options import add_field_arg, check_choices, json_object, opt, parse_bytes
+from kvflow.config.profiler import profiler_options
 
 _LIST_FIELDS = ("allowed_origins", "allowed_methods", "allowed_headers")
 
@@ -249,6 +250,9 @@ class ServerConfig:
     dev_mode: bool = opt(False, "serve the development endpoints: POST /reset_prefix_cache, "
                          "GET /server_info and sleep mode's /sleep, /wake_up, /is_sleeping, "
                          "/collective_rpc (set from KVFLOW_SERVER_DEV_MODE=1)", cli=False)
+    profiling: bool = opt(False, "serve POST /start_profile and /stop_profile, the torch "
+                          "profiler's (set when KVFLOW_TORCH_PROFILER_DIR names the traces' "
+                          "folder)", cli=False)
 
     def __post_init__(self) -> None:
         for name in _LIST_FIELDS:  # before the type check: a list becomes a tuple
@@ -365,13 +369,14 @@ class ServerConfig:
                       env: dict[str, str] | None = None) -> ServerConfig:
         """Build from parsed flags; ``--api-key`` falls back to ``KVFLOW_API_KEY`` in ``env``
         (default: the process environment), and ``dev_mode`` is ``KVFLOW_SERVER_DEV_MODE``
-        (vLLM's ``VLLM_SERVER_DEV_MODE``: ``1`` on; ``0`` or unset off).
+        (vLLM's ``VLLM_SERVER_DEV_MODE``: ``1`` on; ``0`` or unset off), and ``profiling``
+        whether ``KVFLOW_TORCH_PROFILER_DIR`` is set (vLLM's ``VLLM_TORCH_PROFILER_DIR``).
 
         Raises:
             ValueError: for a bad flag value, a ``KVFLOW_API_KEY`` that is set but empty
                 or blank (it would leave the server open, as an empty ``--api-key`` would;
-                unset it to serve without a key), or a ``KVFLOW_SERVER_DEV_MODE`` other
-                than 0 or 1.
+                unset it to serve without a key), a ``KVFLOW_SERVER_DEV_MODE`` other
+                than 0 or 1, or a bad ``KVFLOW_TORCH_PROFILER_*`` switch.
         """
         env = os.environ if env is None else env
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
@@ -380,6 +385,7 @@ class ServerConfig:
             raise ValueError(f"KVFLOW_SERVER_DEV_MODE={dev_mode!r} must be 1 (serve the "
                              "development endpoints) or 0")
         values["dev_mode"] = dev_mode == "1"
+        values["profiling"] = profiler_options(env) is not None
         if values.get("api_key") is None:
             key = env.get("KVFLOW_API_KEY")
             if key is not None and not key.strip():

@@ -1,6 +1,7 @@
 """The calls :class:`kvflow.engine.async_llm.AsyncLLM` sends every engine-core replica and
 waits for (``UtilityCall`` messages answered by ``UtilityResult``): LoRA adapters, sleep mode,
-``collective_rpc`` and the prefix-cache reset. AsyncLLM's base class."""
+``collective_rpc`` (the torch profiler's start and stop too) and the prefix-cache reset.
+AsyncLLM's base class."""
 
 from __future__ import annotations
 
@@ -95,6 +96,27 @@ class AsyncLLMCalls:
         if method == "reload_weights":
             self.sleep_state.weights_dropped = False
         return results
+
+    # ---- torch profiler (worker/profiler.py) -------------------------------------------------
+    async def start_profile(self) -> None:
+        """Start the torch profiler on every rank of every replica (the engine runs with
+        ``KVFLOW_TORCH_PROFILER_DIR`` set).
+
+        Raises:
+            ValueError: with profiling off or a profile already running.
+            EngineDeadError: if the engine is gone.
+        """
+        await self.collective_rpc("start_profile")
+
+    async def stop_profile(self) -> list[str]:
+        """Stop the profiler everywhere; returns the traces' paths (replica by replica, rank
+        by rank).
+
+        Raises:
+            ValueError: when no profile is running.
+            EngineDeadError: if the engine is gone.
+        """
+        return [path for replica in await self.collective_rpc("stop_profile") for path in replica]
 
     # ---- prefix cache ------------------------------------------------------------------------
     async def reset_prefix_cache(self) -> bool:

@@ -48,6 +48,7 @@ from kvflow.entrypoints.http_options import (
 from kvflow.entrypoints.invocations import add_invocations_route
 from kvflow.entrypoints.openai_routes import add_openai_routes, add_status_routes, health
 from kvflow.entrypoints.ops_routes import add_ops_routes
+from kvflow.entrypoints.profile_routes import add_profile_routes
 from kvflow.entrypoints.responses_store import ResponseStore
 from kvflow.entrypoints.server_load import ServerLoad, ServerLoadMiddleware
 from kvflow.entrypoints.server_shutdown import AbortingServer, sigterm_stops_loading
@@ -206,6 +207,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
     add_invocations_route(app)
     add_ops_routes(app, health)
     add_sleep_routes(app, config.dev_mode)  # KVFLOW_SERVER_DEV_MODE=1 only
+    add_profile_routes(app, config.profiling)  # KVFLOW_TORCH_PROFILER_DIR set only
     return app
 
 

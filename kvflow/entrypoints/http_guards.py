@@ -28,7 +28,8 @@ OPEN_PATHS = frozenset({"/health", "/ping", "/load", "/metrics", "/version"})
 # POST routes that take no body (OpenAI's client sends none; sleep mode's take query
 # parameters): the JSON-body rule skips them
 BODYLESS_POSTS = re.compile(
-    r"/v1/responses/[^/]+/cancel|/ping|/reset_prefix_cache|/sleep|/wake_up")
+    r"/v1/responses/[^/]+/cancel|/ping|/reset_prefix_cache|/sleep|/wake_up|/start_profile"
+    r"|/stop_profile")
 
 
 class ApiKeyMiddleware:

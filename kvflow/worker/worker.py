@@ -30,6 +30,7 @@ from kvflow.models.model_resolver import ModelSource
 from kvflow.platforms import get_platform
 from kvflow.sched_output import DraftGrammar, GrammarBitmask, SchedulerOutput
 from kvflow.worker.model_runner import ModelRunner
+from kvflow.worker.profiler import RankProfiler
 from kvflow.worker.sleep_mode import RunnerSleep, check_wake_tags, kv_tensor_bytes
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class Worker:
                                   self.parallel)
         self.num_steps, self.step_time_s = 0, 0.0
         self.sleep_state = RunnerSleep()
+        self.profiler = RankProfiler()
 
     def _init_device(self, local_rank: int) -> None:
         """Bind the device: data-parallel replica ``d`` of engines with ``W`` ranks each uses
@@ -177,6 +179,23 @@ class Worker:
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV tensors this rank holds now (each storage once)."""
         return kv_tensor_bytes(self.runner)
+
+    # ---- torch profiler (worker/profiler.py) -------------------------------------------------
+    def start_profile(self) -> None:
+        """Start this rank's torch profiler (``KVFLOW_TORCH_PROFILER_DIR`` set).
+
+        Raises:
+            ValueError: with profiling off or a profile already running.
+        """
+        self.profiler.start(self.rank)
+
+    def stop_profile(self) -> str:
+        """Stop this rank's profiler; returns the path of the trace it wrote.
+
+        Raises:
+            ValueError: when no profile is running.
+        """
+        return self.profiler.stop()
 
     @classmethod
     def check_method(cls, method: Any) -> None:
