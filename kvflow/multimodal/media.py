@@ -148,9 +148,9 @@ def read_local_file(url: str, config: MultiModalConfig) -> bytes:
     ``..`` resolved must lie under the directory, itself resolved).
 
     Raises:
-        MediaError: without the flag, for a host other than localhost, a relative path, a
-            path resolving outside the directory, something that is not a regular file, a
-            failed read, or more than ``max_image_bytes``.
+        MediaError: without the flag, for a host other than localhost, a relative path or
+            one holding a NUL byte, a path resolving outside the directory, something that
+            is not a regular file, a failed read, or more than ``max_image_bytes``.
     """
     root = config.local_media_root()
     if root is None:
@@ -163,6 +163,8 @@ def read_local_file(url: str, config: MultiModalConfig) -> bytes:
         raise MediaError(f"a file:// URL names a file on this machine; got host "
                          f"{parts.netloc!r} (write file:///path)")
     path = urllib.request.url2pathname(parts.path)
+    if "\0" in path:  # realpath / open would raise a bare ValueError, naming no part
+        raise MediaError(f"a file:// URL's path cannot hold a NUL byte (%00), got {path!r}")
     if not os.path.isabs(path):
         raise MediaError(f"a file:// URL needs an absolute path, got {path!r}")
     resolved = os.path.realpath(path)

@@ -74,7 +74,8 @@ def escapes(allowed) -> list[tuple[str, str]]:
             (f"file://{allowed}", "not under"),  # DIR itself is no file under it
             (f"file://{allowed}/sub", "Is a directory"),
             (f"file://{allowed}/missing.png", "cannot read the file"),
-            (f"file://otherhost{allowed}/cat.png", "host 'otherhost'")]
+            (f"file://otherhost{allowed}/cat.png", "host 'otherhost'"),
+            (f"file://{allowed}/cat.png%00.txt", "NUL byte")]  # was a bare ValueError
 
 
 def test_offline_file_url_equals_data_url_and_transformers(media, tiny_qwen2_vl):
