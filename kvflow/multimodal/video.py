@@ -158,6 +158,11 @@ def decode_video_bytes(data: bytes, config: MultiModalConfig) -> list[Image.Imag
     """A video file's frames, ``config.video_num_frames()`` of them sampled uniformly
     (every frame of a shorter video), as RGB PIL images, decoded with PyAV.
 
+    Only the sampled frames are kept as images (at most ``2 * num_frames`` at once): a video
+    longer than ``num_frames`` is decoded twice, once to count its frames and once to keep
+    those at the sampled indices, so a small file of many large frames (a few MB of a static
+    4096 x 4096 scene at hundreds of frames) cannot hold every decoded frame in memory.
+
     Raises:
         VideoError: without PyAV (:class:`PyAVMissingError`), for more than
             ``max_image_bytes``, frames above ``max_image_pixels`` (from the stream header),
@@ -173,6 +178,25 @@ def decode_video_bytes(data: bytes, config: MultiModalConfig) -> list[Image.Imag
     if len(data) > limit:
         raise VideoError(f"the video has {len(data)} bytes; the limit is {limit} bytes "
                          "(--max-image-bytes)")
+    num_frames = config.video_num_frames()
+    total, frames = _decode_frames(av, data, config, set(range(num_frames)))
+    if total == 0:
+        raise VideoError("the video has no frames")
+    if total > num_frames:  # a second pass keeps the sampled frames only
+        _, frames = _decode_frames(av, data, config,
+                                   set(sample_indices(total, num_frames)))
+    return [f.convert("RGB") for f in frames]
+
+
+def _decode_frames(av: Any, data: bytes, config: MultiModalConfig, keep: set[int]
+                   ) -> tuple[int, list[Image.Image]]:
+    """(the video stream's frame count, its frames at the indices in ``keep`` as PIL
+    images), decoding every frame but converting only those kept.
+
+    Raises:
+        VideoError: for a file without a video stream, frames above ``max_image_pixels``
+            (from the stream header), or a file that does not decode.
+    """
     try:
         with av.open(io.BytesIO(data)) as container:
             if not container.streams.video:
@@ -183,23 +207,25 @@ def decode_video_bytes(data: bytes, config: MultiModalConfig) -> list[Image.Imag
                 raise VideoError(f"the video's frames are {width} x {height} pixels; the "
                                  f"limit is {config.limit('max_image_pixels')} pixels per "
                                  "frame (--max-image-pixels)")
-            frames = [frame.to_image() for frame in container.decode(stream)]
+            total, frames = 0, []
+            for frame in container.decode(stream):
+                if total in keep:
+                    frames.append(frame.to_image())
+                total += 1
     except VideoError:
         raise
     except Exception as e:  # noqa: BLE001 - av.error.* and decoder failures: a bad file
         raise VideoError(f"cannot decode the video: {type(e).__name__}: {e}") from None
-    if not frames:
-        raise VideoError("the video has no frames")
-    return sample_frames(frames, config.video_num_frames())
+    return total, frames
 
 
-def sample_frames(frames: list[Image.Image], num_frames: int) -> list[Image.Image]:
-    """``num_frames`` frames at uniformly spaced indices ``linspace(0, T - 1, num_frames)``
-    (vLLM's video loaders' rule); all ``T`` frames when there are no more than that."""
-    if len(frames) <= num_frames:
-        return [f.convert("RGB") for f in frames]
-    index = np.linspace(0, len(frames) - 1, num_frames).round().astype(int)
-    return [frames[i].convert("RGB") for i in index]
+def sample_indices(total: int, num_frames: int) -> list[int]:
+    """The indices of ``num_frames`` uniformly spaced frames of ``total``,
+    ``round(linspace(0, total - 1, num_frames))`` (vLLM's video loaders' rule); all ``total``
+    when there are no more than ``num_frames``."""
+    if total <= num_frames:
+        return list(range(total))
+    return np.linspace(0, total - 1, num_frames).round().astype(int).tolist()
 
 
 def frames_to_video_patches(frame_patches: np.ndarray, num_frames: int,

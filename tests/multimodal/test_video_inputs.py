@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import base64
 import io
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -21,7 +23,7 @@ from PIL import Image
 from kvflow import LLM, SamplingParams
 from kvflow.config import MultiModalConfig
 from kvflow.models.qwen2_vl import mrope_input_positions
-from kvflow.multimodal.video import load_video_url
+from kvflow.multimodal.video import VideoError, load_video_url
 from kvflow.multimodal_inputs import MultiModalFeature
 from tests.multimodal.conftest import (
     PLACEHOLDER,
@@ -217,6 +219,54 @@ def test_video_file_frames_sampled_uniformly():
     got = [int(np.asarray(f)[24, 32].mean()) for f in frames]
     np.testing.assert_allclose(got, [6 * i for i in (0, 6, 11, 17, 22, 28, 33, 39)], atol=3)
     assert len(load_video_url(mp4(5), config)) == 5
+
+
+class _StubVideoFile:
+    """A stand-in for ``av`` (PyAV, an optional dependency) opening a video of ``count``
+    64 x 48 frames, frame i uniformly gray at i % 256; ``converted`` counts the frames made
+    into PIL images (``VideoFrame.to_image``)."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.converted = count, 0
+        codec = types.SimpleNamespace(width=64, height=48)
+        self.streams = types.SimpleNamespace(video=[types.SimpleNamespace(codec_context=codec)])
+
+    def open(self, file):  # av.open
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def decode(self, stream):
+        for i in range(self.count):
+            yield types.SimpleNamespace(to_image=lambda i=i: self._image(i))
+
+    def _image(self, i: int) -> Image.Image:
+        self.converted += 1
+        return Image.new("RGB", (64, 48), (i % 256,) * 3)
+
+
+def test_a_long_video_file_keeps_only_its_sampled_frames(monkeypatch):
+    """A video file's decoded frames are not all held as images: of 1000 frames with
+    num_frames 8, the frames kept are round(linspace(0, 999, 8)) = 0, 143, 285, 428, 571,
+    714, 856, 999 (as the first 8 of a short video are all of it), and at most 2 x 8 frames
+    become images (a file of many large frames would otherwise fill memory: 1000 frames
+    were converted before)."""
+    config = MultiModalConfig(media_io_kwargs={"video": {"num_frames": 8}})
+    for count, want in ((1000, [0, 143, 285, 428, 571, 714, 856, 999]),
+                        (5, [0, 1, 2, 3, 4]), (8, list(range(8)))):
+        stub = _StubVideoFile(count)
+        monkeypatch.setitem(sys.modules, "av", stub)
+        frames = load_video_url("data:video/mp4;base64,AAAA", config)
+        assert [int(np.asarray(f)[0, 0, 0]) for f in frames] == [i % 256 for i in want]
+        assert all(f.mode == "RGB" and f.size == (64, 48) for f in frames)
+        assert stub.converted <= 16, count
+    with pytest.raises(VideoError, match="the video has no frames"):
+        monkeypatch.setitem(sys.modules, "av", _StubVideoFile(0))
+        load_video_url("data:video/mp4;base64,AAAA", config)
 
 
 def test_a_refused_video_host_is_named_as_a_video():
