@@ -63,7 +63,7 @@ def load_image_url(url: str, config: MultiModalConfig) -> Image.Image:
     if not isinstance(url, str):
         raise MediaError(f"an image URL must be a string, got {type(url).__name__}")
     url = url.strip()
-    scheme = urllib.parse.urlsplit(url).scheme.lower()  # schemes are case-insensitive
+    scheme = url_scheme(url)
     if scheme == "data":
         return decode_image_bytes(_data_url_bytes(url[5:], config), config)
     if scheme in ("http", "https"):
@@ -72,6 +72,19 @@ def load_image_url(url: str, config: MultiModalConfig) -> Image.Image:
         return decode_image_bytes(read_local_file(url, config), config)
     raise MediaError(f"image URLs must be data: URLs (data:image/png;base64,...), http(s) "
                      f"or file:// URLs, got {describe_scheme(url, scheme)}")
+
+
+def url_scheme(url: str) -> str:
+    """A media URL's scheme, lower-cased (schemes are case-insensitive).
+
+    Raises:
+        MediaError: for a URL that does not parse (``http://[::1/x``: urllib's bare
+            ValueError would name no part).
+    """
+    try:
+        return urllib.parse.urlsplit(url).scheme.lower()
+    except ValueError as e:
+        raise MediaError(f"malformed URL {url[:64]!r}: {e}") from None
 
 
 def describe_scheme(url: str, scheme: str) -> str:

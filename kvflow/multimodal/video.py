@@ -23,7 +23,6 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import urllib.parse
 from typing import Any
 
 import numpy as np
@@ -37,6 +36,7 @@ from kvflow.multimodal.media import (
     describe_scheme,
     fetch_url,
     read_local_file,
+    url_scheme,
 )
 
 # Qwen2-VL's processors' default frame rate for frames given without one (transformers'
@@ -104,8 +104,8 @@ def load_video_url(url: Any, config: MultiModalConfig) -> list[Image.Image]:
     if not isinstance(url, str):
         raise VideoError(f"a video URL must be a string, got {type(url).__name__}")
     url = url.strip()
-    scheme = urllib.parse.urlsplit(url).scheme.lower()
     try:
+        scheme = url_scheme(url)
         if scheme == "data":
             return _data_url_frames(url[5:], config)
         if scheme in ("http", "https"):

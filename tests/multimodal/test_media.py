@@ -204,3 +204,19 @@ def test_url_without_scheme_is_named_as_such():
         load_image_url("ftp://host/cat.png", MultiModalConfig())
     with pytest.raises(VideoError, match=r"\(no scheme: inline data needs"):
         load_video_url(payload, MultiModalConfig())
+
+
+@pytest.mark.parametrize("url", ["http://[::1/cat.png", "https://[bad]/cat.png"])
+def test_an_unparsable_url_names_its_part(url):
+    """A URL urllib cannot split (an unclosed or invalid IPv6 host) was a bare ValueError
+    ("Invalid IPv6 URL"), which the server answered naming only ``messages``: it is a
+    MediaError (VideoError) naming its image_url (video_url) part."""
+    from kvflow.multimodal import load_chat_media
+
+    for kind, code in (("image", "invalid_image"), ("video", "invalid_video")):
+        messages = [{"role": "user", "content": [
+            {"type": "text", "text": "look"}, {"type": f"{kind}_url", f"{kind}_url": {"url": url}}]}]
+        with pytest.raises(MediaError, match="malformed URL") as refused:
+            load_chat_media(messages, MultiModalConfig(allowed_media_domains="example.com"))
+        assert (refused.value.param, refused.value.code) == \
+            (f"messages.0.content.1.{kind}_url", code)
