@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
+from kvflow import __version__
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.entrypoints.cli import build_parser, main
 from kvflow.entrypoints.http_options import check_ssl_files, uvicorn_options
@@ -217,3 +218,33 @@ def test_a_list_flag_does_not_take_the_model_argument():
     args = build_parser().parse_args(["serve", "--allowed-origins", '["*"]', "some/model"])
     assert args.model_tag == "some/model"
     assert ServerConfig.from_cli_args(args, env={}).allowed_origins == ("*",)
+
+
+def test_root_path_keeps_open_routes_open_and_bodyless_posts_bodyless():
+    """Behind ``--root-path /llm``, uvicorn hands the app ``path`` = root path + the path the
+    proxy forwarded (TestClient's scope for ``/llm/...`` with ``root_path="/llm"`` is that
+    one). The API-key check and the JSON-body rule judge the route's path, as vLLM strips the
+    root path: /health, /metrics ... stay open without the key (it had been asked for: a
+    load balancer's probe got 401), POST /wake_up takes no body (it had been a 400 asking for
+    JSON), and every other route still needs the key."""
+    from kvflow.entrypoints.api_server import build_app
+
+    woken = []
+
+    async def wake_up(tags):
+        woken.append(tags)
+
+    config = ServerConfig.from_cli_args(build_parser().parse_args(
+        ["serve", "--api-key", "k", "--root-path", "/llm"]), env={"KVFLOW_SERVER_DEV_MODE": "1"})
+    engine = SimpleNamespace(config=EngineConfig(), is_healthy=True, wake_up=wake_up)
+    client = TestClient(build_app(engine, config, "m"), root_path="/llm")
+    assert client.get("/llm/health").status_code == 200
+    assert client.get("/llm/version").json() == {"version": __version__}
+    assert client.get("/llm/ping").status_code == 200
+    for method, path in (("GET", "/llm/v1/models"), ("POST", "/llm/wake_up"),
+                         ("GET", "/llm/openapi.json"), ("GET", "/llm/llm/health")):
+        refused = client.request(method, path)
+        assert refused.status_code == 401, path
+        assert refused.json()["error"]["code"] == "invalid_api_key"
+    woke = client.post("/llm/wake_up", headers={"Authorization": "Bearer k"})
+    assert (woke.status_code, woken) == (200, [None])

@@ -20,6 +20,7 @@ from kvflow.entrypoints.openai_errors import (
     content_encoding_error,
     content_type_error,
 )
+from kvflow.entrypoints.server_load import route_path
 from kvflow.entrypoints.validation_errors import validation_error
 
 logger = logging.getLogger(__name__)
@@ -34,14 +35,16 @@ BODYLESS_POSTS = re.compile(
 
 class ApiKeyMiddleware:
     """ASGI middleware: every path but ``OPEN_PATHS`` needs ``Authorization: Bearer KEY``
-    (compared in constant time); otherwise 401 with an OpenAI error body."""
+    (compared in constant time); otherwise 401 with an OpenAI error body. The path is the
+    route's, without the ``--root-path`` prefix uvicorn puts in front of it (``route_path``),
+    as vLLM strips it: /health stays open behind a proxy."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
         self._expected = api_key.encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
             return await self.app(scope, receive, send)
         scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
         # the scheme name is case-insensitive (RFC 7235, section 2.1)
@@ -61,7 +64,7 @@ async def require_json_body(raw: Request) -> None:
     Raises:
         OpenAIError: 400 (``unsupported_media_type``) for a POST body not sent as JSON.
     """
-    takes_body = raw.method == "POST" and not BODYLESS_POSTS.fullmatch(raw.url.path)
+    takes_body = raw.method == "POST" and not BODYLESS_POSTS.fullmatch(route_path(raw.scope))
     error = body_header_error(raw) if takes_body else None
     if error is not None:
         raise error
@@ -96,7 +99,7 @@ def add_error_handlers(app: FastAPI) -> None:
         # a body not sent as JSON: say so, not what failed to parse in it
         unknown = getattr(raw.app.state, "unknown_fields", None)
         return error_response(body_header_error(raw)
-                              or validation_error(exc, unknown, raw.url.path))
+                              or validation_error(exc, unknown, route_path(raw.scope)))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(raw: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -34,7 +34,7 @@ class ServerLoadMiddleware:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or \
-                _route_path(scope) not in TRACKED_PATHS:
+                route_path(scope) not in TRACKED_PATHS:
             return await self.app(scope, receive, send)
         self.load.value += 1
         try:
@@ -43,7 +43,9 @@ class ServerLoadMiddleware:
             self.load.value -= 1
 
 
-def _route_path(scope: dict) -> str:
-    """The request's path without the ``--root-path`` prefix, if it carries one."""
+def route_path(scope: dict) -> str:
+    """The request's path without the ``--root-path`` prefix, if it carries one (uvicorn
+    puts ``root_path`` in front of the path it received; the routes match what follows, as
+    starlette's router does)."""
     path, root = scope["path"], scope.get("root_path") or ""
     return path[len(root):] if root and path.startswith(root + "/") else path
