@@ -147,3 +147,30 @@ def test_server_load_counts_every_generation_and_pooling_route(path, counted):
     scope = {"type": "http", "method": "POST", "path": path, "root_path": ""}
     asyncio.run(ServerLoadMiddleware(app, load)(scope, None, None))
     assert (seen, load.value) == ([counted], 0)
+
+
+@pytest.mark.parametrize("body, why", [
+    (b'{"method": "reload_weights", "args": ' + b"[" * 5000 + b"]" * 5000 + b"}", "recursion"),
+    (b'{"method": "reload_weights", "args": [1' + b"0" * 5000 + b"]}", "digits"),
+    (b'{"method": "reload_weights"', "Expecting"),
+    (b'{"method": "\xff"}', "utf-8"),
+], ids=["deep", "long-int", "truncated", "not-utf8"])
+def test_collective_rpc_unreadable_body_is_a_400(body, why):
+    """A /collective_rpc body Python's json cannot read is a 400 (code ``invalid_json``),
+    never reaching the engine: arrays nested past the recursion limit and an integer of more
+    than 4,300 digits had been a 500 (RecursionError, ValueError)."""
+    calls = []
+
+    async def collective_rpc(*args):
+        calls.append(args)
+        return [[None]]
+
+    client, _ = _client(_config(env={"KVFLOW_SERVER_DEV_MODE": "1"}),
+                        collective_rpc=collective_rpc)
+    response = client.post("/collective_rpc", content=body,
+                           headers={"Content-Type": "application/json"})
+    assert (response.status_code, response.json()["error"]["code"], calls) == \
+        (400, "invalid_json", [])
+    assert why.lower() in response.json()["error"]["message"].lower()
+    ok = client.post("/collective_rpc", json={"method": "reload_weights"})
+    assert (ok.status_code, ok.json()) == (200, {"results": [None]})

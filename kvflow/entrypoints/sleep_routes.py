@@ -96,12 +96,15 @@ async def _rpc_body(raw: Request) -> dict[str, Any]:
     """The /collective_rpc body, checked.
 
     Raises:
-        OpenAIError: 400 naming the field at fault.
+        OpenAIError: 400 naming the field at fault; 400 (code ``invalid_json``) for a body
+            that is not JSON, nested too deep or holding an integer too long to read.
     """
     try:
         body = json.loads(await raw.body() or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OpenAIError(f"the body is not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, an integer of more
+        # digits than int() reads (ValueError), arrays nested past the recursion limit
+        raise OpenAIError(f"the body is not JSON kvflow can read: {e}",
+                          code="invalid_json") from None
     if not isinstance(body, dict):
         raise OpenAIError("the body must be a JSON object with a method")
     checks = {"method": str, "args": list, "kwargs": dict}
