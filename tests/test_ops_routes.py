@@ -174,3 +174,20 @@ def test_collective_rpc_unreadable_body_is_a_400(body, why):
     assert why.lower() in response.json()["error"]["message"].lower()
     ok = client.post("/collective_rpc", json={"method": "reload_weights"})
     assert (ok.status_code, ok.json()) == (200, {"results": [None]})
+
+
+@pytest.mark.parametrize("method, path, status, allow", [
+    ("DELETE", "/health", 405, "GET"),
+    ("GET", "/v1/completions", 405, "POST"),
+    ("PUT", "/v1/models", 405, "GET"),
+    ("GET", "/no/such/route", 404, None),
+])
+def test_unrouted_requests_are_openai_errors(method, path, status, allow):
+    """A method a route does not take is a 405 carrying ``Allow`` (RFC 9110, section
+    15.5.6; starlette sets it, and kvflow's error handler had dropped it) and an OpenAI error
+    body, as an unknown path's 404 is."""
+    client, _ = _client(_config())
+    response = client.request(method, path)
+    assert response.status_code == status
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert response.headers.get("allow") == allow

@@ -106,7 +106,9 @@ def add_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 400 and exc.detail == FASTAPI_BODY_ERROR:  # not UTF-8, too deep
             return error_response(body_header_error(raw) or body_parse_error(exc.__cause__))
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(OpenAIError(str(exc.detail), exc.status_code, kind))
+        # its headers too: a 405's Allow (RFC 9110 says it must carry it)
+        return error_response(OpenAIError(str(exc.detail), exc.status_code, kind,
+                                          headers=exc.headers))
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
