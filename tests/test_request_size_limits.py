@@ -98,3 +98,18 @@ def test_an_error_in_a_huge_logit_bias_shows_the_entry_not_the_bias(bad, message
     with pytest.raises(ValueError) as info:
         SamplingParams(logit_bias=bias)
     assert str(info.value) == message
+
+
+@pytest.mark.parametrize("n", [1, structured_requests.TOOLS_INLINE + 1])
+def test_a_tool_schema_nested_past_the_recursion_limit_is_a_400(n):
+    """A tool's parameters nested 400 ``properties`` deep (jsonschema's meta-schema check
+    recurses past Python's limit) is refused naming the field, inline and in the worker
+    thread; the RecursionError had been a 500 on /v1/chat/completions, /tokenize and
+    /invocations."""
+    deep: dict = {"type": "string"}
+    for _ in range(400):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(RequestFieldError) as info:
+        asyncio.run(check_tools_off_loop(_tools(n, deep)))
+    assert info.value.param == f"tools.{n - 1}.function.parameters"
+    assert "nested too deep" in str(info.value)

@@ -219,7 +219,9 @@ async def check_tools_off_loop(tools: list[ChatTool] | None,
 
 def _check_schema(schema: dict[str, Any]) -> None:
     """Raises ValueError unless ``schema`` is valid under its ``$schema`` draft (default:
-    2020-12), with the meta-schema's first complaint."""
+    2020-12), with the meta-schema's first complaint, or when it is nested too deep for
+    ``jsonschema`` to walk (about 100 ``properties`` levels reach Python's recursion limit:
+    that RecursionError had been a 500)."""
     import jsonschema
 
     try:
@@ -227,6 +229,9 @@ def _check_schema(schema: dict[str, Any]) -> None:
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.path)
         raise ValueError(f"{e.message}{f' (at {where})' if where else ''}") from None
+    except RecursionError:
+        raise ValueError("it is nested too deep to be checked (past Python's recursion "
+                         "limit)") from None
 
 
 def tool_choice_mode(req: ChatCompletionRequest | TokenizeRequest) -> str | None:
