@@ -375,3 +375,27 @@ def test_serve_and_generate_parse_without_the_other_commands_modules(monkeypatch
     with pytest.raises(SystemExit):
         main(["bench", "serve", "--no-such-flag"])
     assert len(calls) == 3 and "(see kvflow bench serve --help)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, refused", [
+    (["serve", "a", "--model", "b"], True),
+    (["serve", "a", "--model=b"], True),
+    (["serve", "a", "--model", "a"], False),
+    (["serve", "a"], False),
+    (["serve", "--model", "b"], False),
+])
+def test_serve_refuses_two_different_models(monkeypatch, capsys, argv, refused):
+    """``kvflow serve a --model b`` served ``a`` and dropped ``--model b`` silently (found
+    by the session-43 newcomer trial); now exit 2 naming both. One of them, or both naming
+    the same model, serves it."""
+    from kvflow.entrypoints import cli
+
+    served = []
+    monkeypatch.setattr(cli, "_cmd_serve", lambda args: served.append(args.model) or 0)
+    assert main(argv) == (2 if refused else 0)
+    err = capsys.readouterr().err
+    if refused:
+        assert err == ("kvflow: error: the positional MODEL 'a' and --model 'b' name different "
+                       "models: give one\n") and served == []
+    else:
+        assert err == "" and len(served) == 1  # the command ran

@@ -59,6 +59,18 @@ def same_setting_twice(parser: argparse.ArgumentParser, typed: list[str]
     return None
 
 
+def _model_named_twice(args: argparse.Namespace, words: list[str]) -> str | None:
+    """Why ``kvflow serve MODEL --model OTHER`` is refused (the positional model replaced
+    ``--model`` silently, serving another model than the flag asked for), or None when at
+    most one of them is given or both name the same model."""
+    tag = getattr(args, "model_tag", None)
+    flagged = any(w == "--model" or w.startswith("--model=") for w in words)
+    if tag is None or not flagged or args.model == tag:
+        return None
+    return (f"the positional MODEL {tag!r} and --model {args.model!r} name different "
+            "models: give one")
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from kvflow.entrypoints.api_server import run_server
 
@@ -168,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     if twice is not None:
         print(f"kvflow: error: {twice[0]} and {twice[1]} name the same setting (one is "
               "vLLM's name for it): give one", file=sys.stderr)
+        return 2
+    conflict = _model_named_twice(args, expanded.argv)
+    if conflict is not None:
+        print(f"kvflow: error: {conflict}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # this process runs only this command: serve / run-batch may fork their engine cores
