@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from kvflow.entrypoints import protocol
+from tests.conftest import TINY_CHAT_TEMPLATE
 from tests.e2e.conftest import post_at_once, ready_side_by_side
 from tests.lora.adapters import make_adapter
 from tests.models.embedding_models import build_decoder
@@ -44,7 +45,8 @@ HOT = {"temperature": 5.0, "seed": 0, "max_tokens": 16}  # sampling far from gre
 
 
 EMBED_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64",
-              "--uvicorn-log-level", "info"]
+              "--uvicorn-log-level", "info", "--chat-template", TINY_CHAT_TEMPLATE,
+              "--trust-request-chat-template"]
 
 
 def _add_bos(folder: str) -> None:
@@ -909,11 +911,55 @@ def embedding_cases() -> dict[str, Callable]:
         reply = ok(server, EMB, {"request_id": "trace-7"})
         assert reply["id"] == "embd-trace-7" and vector(reply) == vector(ok(server, EMB, {}))
 
+    # vLLM's chat-style request: ``messages`` rendered by the chat template (the server's
+    # TINY_CHAT_TEMPLATE, rendered here by hand) and embedded as the rendered text's ids,
+    # without <bos> (add_special_tokens defaults to false for messages)
+    hi = [{"role": "user", "content": "lazy dog"}]
+
+    def as_ids(server, tokenizer, text: str) -> list[float]:
+        return vector(ok(server, EMB, {"input": tokenizer.encode(text,
+                                                                 add_special_tokens=False)}))
+
+    def chat(server, body: dict[str, Any]) -> list[float]:
+        return vector(ok(server, EMB, {"input": None, "messages": hi, **body}))
+
+    def messages(server, tokenizer):
+        assert chat(server, {}) == pytest.approx(as_ids(server, tokenizer, "<user>lazy dog\n"),
+                                                 abs=1e-6)
+        rejected(EMB, {"messages": hi}, "messages")(server, tokenizer)  # with input too
+
+    def add_generation_prompt(server, tokenizer):
+        assert chat(server, {"add_generation_prompt": True}) == pytest.approx(
+            as_ids(server, tokenizer, "<user>lazy dog\n<assistant>"), abs=1e-6)
+        rejected(EMB, {"add_generation_prompt": True}, "add_generation_prompt")(server,
+                                                                                 tokenizer)
+
+    def continue_final_message(server, tokenizer):
+        got = vector(ok(server, EMB, {"input": None, "continue_final_message": True,
+                                      "messages": [*hi, {"role": "assistant",
+                                                         "content": "it runs"}]}))
+        assert got == pytest.approx(
+            as_ids(server, tokenizer, "<user>lazy dog\n<assistant>it runs"), abs=1e-6)
+
+    def chat_template(server, tokenizer):
+        template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+        assert chat(server, {"chat_template": template}) == pytest.approx(
+            as_ids(server, tokenizer, "[lazy dog]"), abs=1e-6)
+
+    def chat_template_kwargs(server, tokenizer):
+        template = "{{ lead }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        assert chat(server, {"chat_template": template,
+                             "chat_template_kwargs": {"lead": "query: "}}) == \
+            pytest.approx(as_ids(server, tokenizer, "query: lazy dog"), abs=1e-6)
+
     return {"model": rejected(EMB, {"model": "gpt-4"}, "model", 404), "input": input_,
             "encoding_format": encoding_format, "dimensions": dimensions, "user": user,
             "request_id": request_id, "add_special_tokens": add_special_tokens,
             "normalize": normalize, "truncate_prompt_tokens": truncate_prompt_tokens,
-            "embed_dtype": embed_dtype, "endianness": endianness, "priority": priority}
+            "embed_dtype": embed_dtype, "endianness": endianness, "priority": priority,
+            "messages": messages, "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message, "chat_template": chat_template,
+            "chat_template_kwargs": chat_template_kwargs}
 
 
 CASES = {C: (protocol.CompletionRequest, completion_cases()),
