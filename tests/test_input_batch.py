@@ -198,8 +198,8 @@ def test_scheduler_output_crosses_a_process_boundary_with_msgspec():
 
 def test_cpu_seeds_that_differ_by_2_to_the_32_draw_the_same_numbers():
     """README: on CPU torch's generator keeps only a seed's low 32 bits, so 5 and 5 + 2**32
-    (and -1 and 2**32 - 1) draw the same numbers while 5 and 6 do not; kvflow passes the seed
-    unchanged (a request's generator remembers all 64 bits)."""
+    (and -2 and 2**32 - 2) draw the same numbers while 5 and 6 do not; kvflow passes the seed
+    unchanged (a request's generator remembers all 64 bits; -1 is no seed, as in vLLM)."""
     from kvflow.worker.request_state import request_generator
 
     def draws(seed: int) -> torch.Tensor:
@@ -208,5 +208,5 @@ def test_cpu_seeds_that_differ_by_2_to_the_32_draw_the_same_numbers():
         return torch.rand(8, generator=gen)
 
     assert torch.equal(draws(5), draws(5 + 2**32))
-    assert torch.equal(draws(-1), draws(2**32 - 1))
+    assert torch.equal(draws(-2), draws(2**32 - 2))
     assert not torch.equal(draws(5), draws(6))

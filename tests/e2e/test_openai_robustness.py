@@ -207,16 +207,18 @@ def test_refused_requests_carry_a_code_and_the_field(server, path, body, param, 
         ("invalid_request_error", param, code), error
 
 
-def test_negative_seed_is_a_seed(server):
-    """``seed: -1`` is an ordinary seed (as in vLLM, whose seed takes any 64-bit integer;
-    OpenAI sets no lower bound): two runs give the same sample, which a different seed does
-    not give."""
+def test_negative_seed_is_a_seed_but_minus_one_is_unseeded(server):
+    """``seed: -2`` is an ordinary seed (vLLM's seed takes any 64-bit integer; OpenAI sets no
+    lower bound): two runs give the same sample, which a different seed does not give.
+    ``seed: -1`` is no seed, as vLLM's SamplingParams reads it: two runs differ (16 tokens
+    at temperature 5 over the whole vocabulary: a repeat by chance is negligible)."""
     def sample(seed: int) -> list[int]:
         resp = post(server, C, {"prompt": WORDS, "max_tokens": 16, "temperature": 5.0,
                                 "ignore_eos": True, "seed": seed, "return_token_ids": True})
         assert resp.status_code == 200, resp.text
         return resp.json()["choices"][0]["token_ids"]
 
-    first = sample(-1)
-    assert sample(-1) == first
+    first = sample(-2)
+    assert sample(-2) == first
     assert sample(1) != first
+    assert sample(-1) != sample(-1)
