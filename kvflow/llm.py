@@ -200,17 +200,9 @@ class LLM(LLMPooling, LLMOps):
                 BeamSearchParams, a ``lora_request`` ``generate`` would refuse, or a
                 ``concurrency_limit`` that is not a positive integer (nothing is run then).
         """
-        if not isinstance(params, BeamSearchParams):
-            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
-                f"params must be a BeamSearchParams, got {type(params).__name__}")
-        check_logprobs_mode(self.engine.config.model_config.logprobs_mode)
         check_concurrency_limit(concurrency_limit)
+        token_prompts, salts, loras = self._beam_search_inputs(prompts, params, lora_request)
         processor = self.engine.processor
-        checked = beam_search_prompts(processor, as_prompt_list(prompts), params.max_tokens)
-        token_prompts, salts = [p.token_ids for p in checked], [p.cache_salt for p in checked]
-        loras = broadcast_loras(lora_request, len(token_prompts))
-        for lora in {lr for lr in loras if lr is not None}:  # refused here, before a step
-            self.engine.core.add_lora(lora)
         eos = frozenset([processor.eos_token_id, *processor.extra_eos_ids]) - {None}
 
         def generate(batch: list[list[int]], sp: SamplingParams,
@@ -223,8 +215,7 @@ class LLM(LLMPooling, LLMOps):
                                  lora_request=[loras[i] for i in owners])
 
         limit = concurrency_limit or max(len(token_prompts), 1)
-        bar = (use_tqdm if callable(use_tqdm) else functools.partial(
-            tqdm, disable=not use_tqdm))(total=len(token_prompts), desc="Beam search")
+        bar = _progress_bar(use_tqdm, len(token_prompts), "Beam search")
         results: list[BeamSearchOutput] = []
         with contextlib.closing(bar):
             for start in range(0, len(token_prompts), limit):
@@ -233,6 +224,28 @@ class LLM(LLMPooling, LLMOps):
                                                self.engine.tokenizer)
                 bar.update(len(chunk))
         return results
+
+    def _beam_search_inputs(self, prompts: PromptType | Sequence[PromptType],
+                            params: BeamSearchParams,
+                            lora_request: LoRARequest | Sequence[LoRARequest | None] | None
+                            ) -> tuple[list[list[int]], list[str | None],
+                                       list[LoRARequest | None]]:
+        """``beam_search``'s arguments checked: each prompt's token ids and cache salt, and
+        its LoRA adapter (loaded now, so that a bad one is refused before any step).
+
+        Raises:
+            ValueError: see :meth:`beam_search`.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+                f"params must be a BeamSearchParams, got {type(params).__name__}")
+        check_logprobs_mode(self.engine.config.model_config.logprobs_mode)
+        checked = beam_search_prompts(self.engine.processor, as_prompt_list(prompts),
+                                      params.max_tokens)
+        loras = broadcast_loras(lora_request, len(checked))
+        for lora in {lr for lr in loras if lr is not None}:
+            self.engine.core.add_lora(lora)
+        return [p.token_ids for p in checked], [p.cache_salt for p in checked], loras
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -281,26 +294,38 @@ class LLM(LLMPooling, LLMOps):
             raise ValueError(f"chat_template_content_format={chat_template_content_format!r} "
                              f"must be one of {', '.join(CONTENT_FORMATS)}")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        for conversation in conversations:  # what the server's schema checks
-            if isinstance(conversation, list):
-                check_tool_calls(conversation)
-                check_tool_call_ids(message_turns(conversation))
         options = {"continue_final_message": continue_final_message,
                    "chat_template": chat_template, "tools": tools, "documents": documents,
                    "template_kwargs": chat_template_kwargs,
                    "content_format": chat_template_content_format}
-        prompts = [self.engine.processor.apply_chat_template(c, add_generation_prompt,
-                                                             **options)
-                   for c in conversations]
-        tokenizer = self.engine.tokenizer
-        token_prompts = [with_images(tokenizer.encode(p, add_special_tokens=False),
-                                     *self.engine.processor.load_chat_media(c))
-                         for p, c in zip(prompts, conversations)]
+        prompts, token_prompts = self._chat_prompts(conversations, add_generation_prompt,
+                                                    options)
         outputs = self.generate(token_prompts, sampling_params, use_tqdm, priority=priority,
                                 lora_request=lora_request, on_output=on_output)
         for out, text in zip(outputs, prompts):
             out.prompt = text
         return outputs
+
+    def _chat_prompts(self, conversations: list, add_generation_prompt: bool,
+                      options: dict[str, Any]) -> tuple[list[str], list[Any]]:
+        """Each conversation checked as the server's schema checks it (tool calls and their
+        ids), rendered with the chat template (``options``: ``apply_chat_template``'s) and
+        tokenized without special tokens (the template writes them), its images attached:
+        (the rendered texts, the prompts for ``generate``).
+
+        Raises:
+            ValueError: see :meth:`chat`.
+        """
+        for conversation in conversations:
+            if isinstance(conversation, list):
+                check_tool_calls(conversation)
+                check_tool_call_ids(message_turns(conversation))
+        processor, tokenizer = self.engine.processor, self.engine.tokenizer
+        texts = [processor.apply_chat_template(c, add_generation_prompt, **options)
+                 for c in conversations]
+        return texts, [with_images(tokenizer.encode(text, add_special_tokens=False),
+                                   *processor.load_chat_media(c))
+                       for text, c in zip(texts, conversations)]
 
     def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any],
              on_output: Callable[[int, Any], None] | None = None) -> list[Any]:
@@ -311,11 +336,9 @@ class LLM(LLMPooling, LLMOps):
         ``close``), else tqdm's."""
         finished: dict[str, Any] = {}
         index = {rid: i for i, rid in enumerate(request_ids)}
-        show = bool(use_tqdm) and len(request_ids) > 1
-        bar_factory = use_tqdm if show and callable(use_tqdm) else \
-            functools.partial(tqdm, disable=not show)
         try:  # no full collection of the caller's heap between steps (kvflow/gc_heap.py)
-            bar = bar_factory(total=len(request_ids), desc="Processed prompts")
+            bar = _progress_bar(use_tqdm if len(request_ids) > 1 else False,
+                                len(request_ids), "Processed prompts")
             with caller_heap_frozen(), contextlib.closing(bar):
                 while self.engine.has_unfinished_requests():
                     for out in self.engine.step():
@@ -334,3 +357,10 @@ class LLM(LLMPooling, LLMOps):
             raise
         return [finished[rid] for rid in request_ids]
 
+
+def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int, desc: str) -> Any:
+    """A progress bar over ``total`` items: ``use_tqdm`` itself where it is a callable
+    (vLLM's tqdm-like factory, called with ``total`` and ``desc``; its bar needs ``update``
+    and ``close``), else tqdm's, hidden when ``use_tqdm`` is false."""
+    factory = use_tqdm if callable(use_tqdm) else functools.partial(tqdm, disable=not use_tqdm)
+    return factory(total=total, desc=desc)

@@ -149,9 +149,10 @@ def test_no_chat_template_http_message(tiny_tokenizer):
     assert str(info.value) == ("this model has no chat template: send one in the request's "
                                "chat_template field, or use /v1/completions with a plain "
                                "prompt")
+    stub = SimpleNamespace(engine=SimpleNamespace(processor=engine.processor, tokenizer=plain))
+    stub._chat_prompts = lambda *args: LLM._chat_prompts(stub, *args)
     with pytest.raises(NoChatTemplateError):
-        LLM.chat(SimpleNamespace(engine=SimpleNamespace(processor=engine.processor)),
-                 [{"role": "user", "content": "hi"}])
+        LLM.chat(stub, [{"role": "user", "content": "hi"}])
     # an embedding server (/tokenize renders messages there) refuses /v1/completions: the
     # message named it; now the routes that server takes text on
     engine.task = "embed"
