@@ -191,3 +191,8 @@ def test_unrouted_requests_are_openai_errors(method, path, status, allow):
     assert response.status_code == status
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     assert response.headers.get("allow") == allow
+    # the message names the method and path (it said only "Not Found" / "Method Not
+    # Allowed"; found by the session-43 newcomer trial)
+    assert response.json()["error"]["message"] == (
+        f"{method} {path}: no such route" if status == 404
+        else f"{method} is not allowed on {path} (it takes {allow})")

@@ -107,7 +107,7 @@ def add_error_handlers(app: FastAPI) -> None:
             return error_response(body_header_error(raw) or body_parse_error(exc.__cause__))
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         # its headers too: a 405's Allow (RFC 9110 says it must carry it)
-        return error_response(OpenAIError(str(exc.detail), exc.status_code, kind,
+        return error_response(OpenAIError(_routing_message(raw, exc), exc.status_code, kind,
                                           headers=exc.headers))
 
     @app.exception_handler(Exception)
@@ -115,3 +115,16 @@ def add_error_handlers(app: FastAPI) -> None:
         logger.exception("unhandled error: %s", exc)
         return error_response(OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500,
                                            "internal_server_error"))
+
+
+def _routing_message(raw: Request, exc: StarletteHTTPException) -> str:
+    """The message of an HTTP error: for the router's own 404 / 405 (starlette's bare "Not
+    Found" / "Method Not Allowed") one naming the method and path (and the methods the path
+    takes); any other error's detail as it is."""
+    path = route_path(raw.scope)
+    if exc.status_code == 404 and exc.detail == "Not Found":
+        return f"{raw.method} {path}: no such route"
+    if exc.status_code == 405 and exc.detail == "Method Not Allowed":
+        allowed = (exc.headers or {}).get("Allow", "")
+        return f"{raw.method} is not allowed on {path} (it takes {allowed})"
+    return str(exc.detail)
