@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvflow.config.profiler import PROFILER_DIR_VARIABLE, profiler_options
+from kvflow.config.profiler import required_profiler_options
 from kvflow.engine.llm_engine import LLMEngine
 
 
@@ -68,9 +68,7 @@ class LLMOps:
             ValueError: with the variable unset, a profile already running, or data
                 parallelism.
         """
-        if profiler_options() is None:
-            raise ValueError(f"profiling is off: set {PROFILER_DIR_VARIABLE} to the folder for "
-                             "the traces before creating the LLM")
+        required_profiler_options()  # refused here, naming the variable
         self.engine.local_core("start_profile").collective_rpc("start_profile", (), None)
 
     def stop_profile(self) -> list[str]:

@@ -48,3 +48,17 @@ def profiler_options(env: Mapping[str, str] | None = None) -> ProfilerOptions | 
     if not trace_dir:
         return None
     return ProfilerOptions(os.path.abspath(os.path.expanduser(trace_dir)), **flags)
+
+
+def required_profiler_options() -> ProfilerOptions:
+    """:func:`profiler_options` of the process environment, which must turn profiling on.
+
+    Raises:
+        ValueError: when ``KVFLOW_TORCH_PROFILER_DIR`` is unset (naming it), or as
+            :func:`profiler_options`.
+    """
+    options = profiler_options()
+    if options is None:
+        raise ValueError(f"profiling is off: set {PROFILER_DIR_VARIABLE} to the folder for the "
+                         "traces before starting the engine")
+    return options

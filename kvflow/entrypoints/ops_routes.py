@@ -57,6 +57,21 @@ def add_disabled_route(app: FastAPI, method: str, path: str, switch: str) -> Non
     app.add_api_route(path, off, methods=[method], include_in_schema=False)
 
 
+async def engine_call(raw: Request, param: str | None, call: Any) -> Any:
+    """Await ``call(engine)`` for a development route.
+
+    Raises:
+        OpenAIError: 400 (code ``invalid_value``, naming ``param``) for the engine's
+            ValueError; 503 if the engine is gone.
+    """
+    try:
+        return await call(raw.app.state.engine)
+    except EngineDeadError as e:
+        raise engine_dead(e) from None
+    except ValueError as e:
+        raise OpenAIError(str(e), param=param, code="invalid_value") from None
+
+
 async def _load(raw: Request) -> JSONResponse:
     """``{"server_load": N}``: the requests being served now (``server_load.ServerLoad``)."""
     return JSONResponse({"server_load": raw.app.state.server_load.value})

@@ -5,21 +5,17 @@
 ``POST /stop_profile``   stop it and write one Chrome trace per rank into that folder;
                          200 ``{"traces": [path, ...]}``
 
-Starting twice, or stopping what was not started, is a 400 with an OpenAI error body.
+Starting twice, or stopping what was not started, is a 400 (code ``invalid_value``) with an
+OpenAI error body.
 """
 
 from __future__ import annotations
-
-from collections.abc import Awaitable
-from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvflow.config.profiler import PROFILER_DIR_VARIABLE
-from kvflow.engine.streams import EngineDeadError
-from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead
-from kvflow.entrypoints.ops_routes import add_disabled_route
+from kvflow.entrypoints.ops_routes import add_disabled_route, engine_call
 
 
 def add_profile_routes(app: FastAPI, enabled: bool) -> None:
@@ -33,23 +29,10 @@ def add_profile_routes(app: FastAPI, enabled: bool) -> None:
     @app.post("/start_profile")
     async def start_profile(raw: Request) -> Response:
         """Raises OpenAIError: 400 while a profile runs; 503 if the engine is gone."""
-        await _call(raw.app.state.engine.start_profile())
+        await engine_call(raw, None, lambda e: e.start_profile())
         return Response(status_code=200)
 
     @app.post("/stop_profile")
     async def stop_profile(raw: Request) -> JSONResponse:
         """Raises OpenAIError: 400 when no profile runs; 503 if the engine is gone."""
-        return JSONResponse({"traces": await _call(raw.app.state.engine.stop_profile())})
-
-
-T = TypeVar("T")
-
-
-async def _call(call: Awaitable[T]) -> T:
-    """Await an engine call; its ValueError is a 400 (code ``invalid_state``)."""
-    try:
-        return await call
-    except EngineDeadError as e:
-        raise engine_dead(e) from None
-    except ValueError as e:
-        raise OpenAIError(str(e), code="invalid_state") from None
+        return JSONResponse({"traces": await engine_call(raw, None, lambda e: e.stop_profile())})

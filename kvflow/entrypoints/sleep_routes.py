@@ -19,9 +19,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvflow.engine.async_llm import EngineDeadError
-from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead
-from kvflow.entrypoints.ops_routes import add_disabled_route
+from kvflow.entrypoints.openai_errors import OpenAIError
+from kvflow.entrypoints.ops_routes import add_disabled_route, engine_call
 
 
 def add_sleep_routes(app: FastAPI, dev_mode: bool) -> None:
@@ -44,7 +43,7 @@ def add_sleep_routes(app: FastAPI, dev_mode: bool) -> None:
         except ValueError:
             raise OpenAIError(f"level={text!r} must be 1 or 2", param="level",
                               code="invalid_value") from None
-        await _engine_call(raw, "level", lambda e: e.sleep(level))
+        await engine_call(raw, "level", lambda e: e.sleep(level))
         return Response(status_code=200)
 
     @app.post("/wake_up")
@@ -52,7 +51,7 @@ def add_sleep_routes(app: FastAPI, dev_mode: bool) -> None:
         """Raises OpenAIError: 400 for an unknown tag; 503 if the engine is gone."""
         _only_params(raw, "/wake_up", "tags")
         tags = raw.query_params.getlist("tags") or None
-        await _engine_call(raw, "tags", lambda e: e.wake_up(tags))
+        await engine_call(raw, "tags", lambda e: e.wake_up(tags))
         return Response(status_code=200)
 
     @app.get("/is_sleeping")
@@ -65,7 +64,7 @@ def add_sleep_routes(app: FastAPI, dev_mode: bool) -> None:
         "kwargs": object}``, a method that is not a Worker's, a ``timeout`` (calls are waited
         for), or results that are not plain data; 503 if the engine is gone."""
         body = await _rpc_body(raw)
-        results = await _engine_call(raw, "method", lambda e: e.collective_rpc(
+        results = await engine_call(raw, "method", lambda e: e.collective_rpc(
             body["method"], body.get("args") or [], body.get("kwargs")))
         return JSONResponse({"results": [r for replica in results for r in replica]})
 
@@ -80,16 +79,6 @@ def _only_params(raw: Request, path: str, allowed: str) -> None:
     if allowed == "level" and len(raw.query_params.getlist("level")) > 1:
         raise OpenAIError("level is given more than once", param="level",
                           code="invalid_value")
-
-
-async def _engine_call(raw: Request, param: str, call: Any) -> Any:
-    """Await ``call(engine)``; a ValueError is a 400 naming ``param``."""
-    try:
-        return await call(raw.app.state.engine)
-    except EngineDeadError as e:
-        raise engine_dead(e) from None
-    except ValueError as e:
-        raise OpenAIError(str(e), param=param, code="invalid_value") from None
 
 
 async def _rpc_body(raw: Request) -> dict[str, Any]:

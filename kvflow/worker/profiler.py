@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from kvflow.config.profiler import PROFILER_DIR_VARIABLE, profiler_options
+from kvflow.config.profiler import required_profiler_options
 
 
 class RankProfiler:
@@ -28,10 +28,7 @@ class RankProfiler:
             ValueError: when ``KVFLOW_TORCH_PROFILER_DIR`` is unset (profiling off), its
                 companion variables are bad, or a profile is already running.
         """
-        options = profiler_options()
-        if options is None:
-            raise ValueError(f"profiling is off: set {PROFILER_DIR_VARIABLE} to the folder for "
-                             "the traces before starting the engine")
+        options = required_profiler_options()
         if self._profile is not None:
             raise ValueError("a profile is already running: call stop_profile first")
         os.makedirs(options.trace_dir, exist_ok=True)
