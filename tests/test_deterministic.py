@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
+from kvflow.config import EngineConfig
 from kvflow.kernels import cpu_native
 from kvflow.worker.deterministic import unpacked_gemm_modules
 
@@ -165,6 +166,19 @@ def test_a_cpu_gemm_the_mode_does_not_run_is_refused(tiny_llama, gemm, why):
         LLM(model=tiny_llama.path, device="cpu", deterministic=True, kv_cache_memory="16MiB",
             cpu_gemm=gemm)
     assert str(e.value) == f"deterministic=True is not available with {why}"
+
+
+@pytest.mark.parametrize(("option", "why"), [
+    ({"cpu_gemm": "auto"}, "cpu_gemm='auto'"), ({"tensor_parallel_size": 2},
+                                                 "tensor_parallel_size > 1"),
+    ({"enable_lora": True}, "enable_lora")])
+def test_settings_are_refused_before_any_model_loads(option, why):
+    """Settings the mode refuses whatever the model are refused by the config itself (the
+    CLI answered only after the model loaded, 7 s in; newcomer trial): no model is named."""
+    with pytest.raises(ValueError, match="deterministic=True is not available with") as e:
+        EngineConfig.from_kwargs(deterministic=True, **option)
+    assert why in str(e.value)
+    EngineConfig.from_kwargs(deterministic=False, **option)  # only the mode refuses them
 
 
 @needs_native

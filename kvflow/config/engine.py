@@ -12,6 +12,7 @@ from typing import Any
 
 from kvflow.config import cpu_limits
 from kvflow.config.cache import CacheConfig
+from kvflow.config.deterministic import check_config as check_deterministic
 from kvflow.config.device import DeviceConfig
 from kvflow.config.kv_events import KVEventsConfig
 from kvflow.config.kv_transfer import KVTransferConfig
@@ -65,10 +66,13 @@ class EngineConfig:
                 scheduling with any executor but uni (several ranks, or
                 distributed_executor_backend mp or ray on one rank; checked here, before any
                 worker starts); for ``cpu_threads`` above the CPUs this process may use or
-                a ``cpu_threads_bind`` CPU outside its affinity mask (``_check_cpu_threads``).
+                a ``cpu_threads_bind`` CPU outside its affinity mask (``_check_cpu_threads``);
+                for ``deterministic`` with settings it cannot honour
+                (:func:`kvflow.config.deterministic.config_reasons`).
         """
         self._check_speculative()
         self._check_cpu_threads()
+        check_deterministic(self)
         self.kv_events_config = KVEventsConfig.from_value(self.kv_events_config)
         self._check_kv_transfer()
         cc, mode = self.cache_config, self.scheduler_config.preemption_mode

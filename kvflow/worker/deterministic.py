@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from kvflow.config import EngineConfig
+from kvflow.config.deterministic import config_reasons
 from kvflow.kernels.gemm import GemmPathMixin
 
 CHANGES = (
@@ -77,9 +78,6 @@ def unsupported_reasons(config: EngineConfig, hf_config: Any, device_type: str,
     from kvflow.models.registry import uses_mla
     from kvflow.platforms.cuda import triton_available
 
-    dc, pc, spec = config.device_config, config.parallel_config, config.speculative_config
-    has_draft = spec is not None and spec.method == "draft_model"
-    draft_quantization = spec.quantization if has_draft else None
     checks = [
         (device_type not in ("cpu", "cuda"),
          f"device {device_type!r}: batch-invariant kernels exist for CPU and CUDA only"),
@@ -89,39 +87,16 @@ def unsupported_reasons(config: EngineConfig, hf_config: Any, device_type: str,
         (not has_native_kernels,
          ("kvflow's native CPU kernels off (KVFLOW_NATIVE_CPU=0) or not built (no C "
           "compiler): the mode's batch-invariant CPU GEMM is one of them")),
-        (dc.attention_backend not in (None, "cpu", "triton") or
-         (device_type == "cuda" and dc.attention_backend == "cpu"),
-         (f"attention_backend={dc.attention_backend!r} (only 'cpu' and 'triton' have a "
-          "batch-invariant mode)")),
-        (dc.cpu_gemm == "auto",  # given: left out, KVFLOW_CPU_GEMM's default goes unread
-         ("cpu_gemm='auto' (a choice timed per CPU and shape class, which the mode cannot "
-          "make: it runs kvflow's C GEMM; leave --cpu-gemm out or give native)")),
-        (dc.cpu_gemm == "onednn", "cpu_gemm='onednn' (oneDNN's row sums depend on M)"),
-        # a draft model's attention reads it, and any choice is fine there: a draft is only
-        # proposed, and the target's tokens and logprobs come from its own batch-invariant
-        # pass whatever the draft proposed (greedy: its argmax; see rejection_sampler.py)
-        (dc.cpu_attention == "sdpa" and not has_draft,
-         "cpu_attention='sdpa' (a prompt's SDPA attention depends on its batch and chunk)"),
-        (dc.cpu_attention in ("auto", "native") and not has_draft,
-         (f"cpu_attention={dc.cpu_attention!r} (the mode attends every token alone by the "
-          "native kernel's decode path, neither prefill tiles nor SDPA, so only a draft "
-          "model's attention reads it; leave --cpu-attention out)")),
+        (device_type == "cuda" and config.device_config.attention_backend == "cpu",
+         "attention_backend='cpu' on CUDA (the Triton backend has the batch-invariant mode)"),
         (quantization is not None,
          f"quantization={quantization!r} (its GEMMs change kernel with the row count)"),
-        (draft_quantization in ("int8", "int4"),
-         (f"speculative_config quantization={draft_quantization!r} (the draft's "
-          "quantized GEMMs change kernel with the row count; 'auto' keeps the draft as loaded "
-          "under --deterministic)")),
         (_is_moe(hf_config),
          ("a mixture-of-experts model (its expert GEMMs run torch's GEMM on the tokens routed "
           "to each expert)")),
         (uses_mla(hf_config), "multi-head latent attention (the torch MLA backend)"),
-        (pc.context_parallel_size > 1, "context_parallel_size > 1"),
-        (pc.tensor_parallel_size > 1,
-         "tensor_parallel_size > 1 (the all-reduce's chunking is not checked)"),
-        (config.lora_config.enable_lora, "enable_lora (LoRA's grouped matmuls)"),
     ]
-    return [reason for failed, reason in checks if failed]
+    return config_reasons(config) + [reason for failed, reason in checks if failed]
 
 
 def check_supported(config: EngineConfig, hf_config: Any, device_type: str,
