@@ -41,7 +41,11 @@ def test_bad_input_exits_2_with_one_line(tiny_llama, capsys, argv, needle):
     (["--n", "2.5"], "argument --n: invalid int value: '2.5'"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     # a prefix of a flag is not the flag (argparse's abbreviations are off, as in vLLM)
-    (["--max-token", "4"], "unrecognized arguments: --max-token 4"),
+    # and the closest flag is named (newcomer trial: no hint was given)
+    (["--max-token", "4"], "unrecognized arguments: --max-token 4 (did you mean --max-tokens?)"),
+    (["--temprature=0.5", "--cpu-gemn", "auto"],
+     ("unrecognized arguments: --temprature=0.5 --cpu-gemn auto (did you mean --temperature or "
+      "--cpu-gemm?)")),
 ])
 def test_argument_errors_are_one_line(tiny_llama, capsys, argv, needle):
     """argparse's own errors too: one line on stderr, status 2, not the whole usage block,

@@ -71,6 +71,7 @@ def test_bench_commands_take_a_config_file(config):
 @pytest.mark.parametrize("text, needles", [
     ("max-num-seqs: 3\nno_such_flag: 1\n", ["unknown key 'no_such_flag'", "--no-such-flag",
                                             "max-num-seqs"]),
+    ("max_token: 5\n", ["unknown key 'max_token' (did you mean max-tokens?)"]),
     ("temperature: 0.5\n", None),  # valid for generate: no error (see below for serve)
     ("- a\n- b\n", ["must be a mapping", "list"]),
     ("block_size: [8\n", ["not valid YAML"]),

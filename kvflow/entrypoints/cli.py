@@ -9,6 +9,7 @@ sampling flags from SamplingParams, so each knob is declared once. Bad input exi
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import re
@@ -116,8 +117,23 @@ class _Parser(argparse.ArgumentParser):
         the line names ``kvflow generate --help``, not ``kvflow --help``)."""
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:  # the command's parser says so, naming its own --help
-            _command(self, parsed).error(f"unrecognized arguments: {' '.join(extras)}")
+            command = _command(self, parsed)
+            command.error(f"unrecognized arguments: {' '.join(extras)}"
+                          f"{_did_you_mean(command, extras)}")
         return parsed
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """`` (did you mean --x?)`` naming the closest option of ``parser`` to each unrecognized
+    ``--flag`` in ``extras`` (``--flag=value`` too; difflib's ratio >= 0.75), or ``''``."""
+    options = [o for action in parser._actions for o in action.option_strings
+               if o.startswith("--")]
+    guesses = []
+    for extra in extras:
+        if extra.startswith("--"):
+            close = difflib.get_close_matches(extra.split("=", 1)[0], options, n=1, cutoff=0.75)
+            guesses += [g for g in close if g not in guesses]
+    return f" (did you mean {' or '.join(guesses)}?)" if guesses else ""
 
 
 # Commands whose parser needs no other command's module: for them ``main`` leaves out the

@@ -15,6 +15,7 @@ file's list instead of adding to it. Flags themselves are still generated from
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import re
 from dataclasses import dataclass, field
@@ -220,8 +221,10 @@ def _action_for(parser: argparse.ArgumentParser, key: Any, path: str) -> argpars
     if action is None or action.dest == "help":
         valid = sorted(a.option_strings[0][2:] for a in parser._actions
                        if a.option_strings and a.dest not in ("help", "config"))
-        raise ValueError(f"{path}: unknown key {key!r}: {parser.prog} has no flag {flag}; "
-                         f"valid keys: {', '.join(valid)}")
+        close = difflib.get_close_matches(flag[2:], valid, n=1, cutoff=0.75)
+        guess = f" (did you mean {close[0]}?)" if close else ""
+        raise ValueError(f"{path}: unknown key {key!r}{guess}: {parser.prog} has no flag "
+                         f"{flag}; valid keys: {', '.join(valid)}")
     return action
 
 
