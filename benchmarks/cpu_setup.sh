@@ -12,7 +12,8 @@ elif grep -qw -e avx512_bf16 -e amx_bf16 /proc/cpuinfo; then
 else
     DTYPES=float32
 fi
-echo "== dtypes: $DTYPES (set DTYPE to run one); CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) CPUs, bf16 units: $(grep -ow -e avx512_bf16 -e amx_bf16 /proc/cpuinfo | sort -u | xargs echo none | sed 's/^none \(.\)/\1/'); $(uptime | sed 's/.*load/load/')"
+if [ -n "${DTYPE:-}" ]; then DTYPES_WHY="DTYPE set"; else DTYPES_WHY="set DTYPE to run one"; fi
+echo "== dtypes: $DTYPES ($DTYPES_WHY); CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) CPUs, bf16 units: $(grep -ow -e avx512_bf16 -e amx_bf16 /proc/cpuinfo | sort -u | xargs echo none | sed 's/^none \(.\)/\1/'); $(uptime | sed 's/.*load/load/')"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
 rm -f "$OUT"/*.json

@@ -142,7 +142,8 @@ def test_engine_flags_are_checked_before_loading(monkeypatch):
         EngineConfig.from_kwargs(cpu_threads_bind="0,0")
     with pytest.raises(ValueError, match="one CPU per thread"):
         EngineConfig.from_kwargs(cpu_threads=3, cpu_threads_bind="0-1")
-    with pytest.raises(ValueError, match="one CPU per thread"):
+    with pytest.raises(ValueError, match=r"cpu_threads_bind='0-1\|2' names 1 CPU for a worker; "
+                       "give one CPU per thread"):  # not '1 CPUs'
         EngineConfig.from_kwargs(cpu_threads=2, cpu_threads_bind="0-1|2")
     config = EngineConfig.from_kwargs(cpu_threads=2, cpu_threads_bind="0-1|2-3")
     assert config.device_config.cpu_threads == 2

@@ -90,7 +90,8 @@ class DeviceConfig:
         for cpus in self.bind_parts():
             if self.cpu_threads is not None and self.cpu_threads != len(cpus):
                 raise ValueError(f"cpu_threads={self.cpu_threads} but cpu_threads_bind="
-                                 f"{self.cpu_threads_bind!r} names {len(cpus)} CPUs for a "
+                                 f"{self.cpu_threads_bind!r} names {len(cpus)} "
+                                 f"CPU{'s' if len(cpus) != 1 else ''} for a "
                                  "worker; give one CPU per thread")
 
     def bind_parts(self) -> list[list[int]]:
