@@ -29,7 +29,8 @@ batch (decode-sized row tiles, no split-KV; ``batch_invariant`` in
 :func:`kvflow.kernels.paged_attention.plan_paged_attention`). The Triton RMSNorm is one
 program per row already; the sampler's argmax is exact in any order.
 
-What it refuses (ValueError at start-up), because those paths are not batch-invariant or not
+What it refuses (ValueError at start-up; what the settings alone show, when the EngineConfig
+is built: ``kvflow.config.deterministic``), because those paths are not batch-invariant or not
 verified: a device other than CPU and CUDA, a CPU build without kvflow's native kernels, an
 attention backend other than cpu/triton, weight quantization (int8/int4/fp8 and kept GGUF blocks switch kernels by row
 count; a .gguf file dequantized at load is fine), MoE layers (torch GEMMs per expert),
