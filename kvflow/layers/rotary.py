@@ -20,6 +20,10 @@ import torch
 from kvflow.kernels.cpu_native import native_kernels_for
 from kvflow.layers.custom_op import CustomOp
 
+# the config attribute :func:`extend_rope_positions` sets: positions the table covers beyond
+# what the config's own fields give (an EAGLE head reads every position of its target)
+EXTENDED_ROPE_POSITIONS = "kvflow_extended_rope_positions"
+
 
 def get_rope_parameters(config: Any) -> tuple[float, dict | None]:
     """Read (rope_theta, rope_scaling) from an HF config of any transformers version.
@@ -68,8 +72,14 @@ def rope_max_positions(config: Any) -> int:
     ``max(max_position_embeddings, original_max_position_embeddings x factor)``, and dynamic
     NTK and linear scaling, ``max_position_embeddings x factor`` (vLLM's rule; transformers
     itself has no limit), but for Gemma 3, whose ``max_position_embeddings`` already gives
-    the linearly scaled length (vLLM exempts it too).
+    the linearly scaled length (vLLM exempts it too); or more where
+    :func:`extend_rope_positions` extended the table.
     """
+    return max(_scaled_positions(config), getattr(config, EXTENDED_ROPE_POSITIONS, None) or 0)
+
+
+def _scaled_positions(config: Any) -> int:
+    """:func:`rope_max_positions` from the config's own fields (no extension)."""
     positions = int(config.max_position_embeddings)
     _, scaling = get_rope_parameters(config)
     rope_type = (scaling or {}).get("rope_type")
@@ -79,6 +89,26 @@ def rope_max_positions(config: Any) -> int:
     if rope_type == "dynamic" or (rope_type == "linear" and not _is_gemma3(config)):
         return int(positions * (scaling.get("factor") or 1.0))
     return positions
+
+
+def extend_rope_positions(config: Any, positions: int) -> None:
+    """Make the RoPE table of a model built from ``config`` cover at least ``positions``
+    positions, in place, without changing the rotation of any position it covered: the
+    config's ``max_position_embeddings`` is kept (dynamic NTK's original length and
+    LongRoPE's attention factor derive from it; YaRN's, where transformers has not written it
+    into the rope dict), the table length is set apart
+    (``EXTENDED_ROPE_POSITIONS``, read by :func:`rope_max_positions`), and a LongRoPE
+    attention factor derived from the table length is written down first."""
+    if _scaled_positions(config) >= positions:
+        return
+    _, scaling = get_rope_parameters(config)
+    if (scaling or {}).get("rope_type") in ("longrope", "su") and \
+            scaling.get("attention_factor") is None:
+        factor = longrope_attention_factor(scaling, rope_max_positions(config))
+        params = getattr(config, "rope_parameters", None)
+        target = params if isinstance(params, dict) and params else config.rope_scaling
+        target["attention_factor"] = factor
+    setattr(config, EXTENDED_ROPE_POSITIONS, int(positions))
 
 
 def _is_gemma3(config: Any) -> bool:

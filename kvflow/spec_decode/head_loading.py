@@ -13,7 +13,7 @@ import torch
 
 from kvflow.attention.layer import AttentionContext
 from kvflow.config import EngineConfig
-from kvflow.layers.rotary import rope_max_positions
+from kvflow.layers.rotary import extend_rope_positions, rope_max_positions
 from kvflow.models.eagle import EAGLE_PACKED, EagleLlamaHead
 from kvflow.models.eagle3 import Eagle3LlamaHead, default_aux_layer_ids
 from kvflow.models.fused_shards import missing_shard_tensors
@@ -148,13 +148,14 @@ def load_eagle3(folder: str, hf_config: Any, ctx: AttentionContext, target: torc
 
 
 def extend_head_positions(head_config: Any, target_config: Any) -> None:
-    """Give an EAGLE head's config at least the target's positions (``max_position_embeddings``
-    raised to the target's rotary table length), in place, before the head is built. A head
-    applies the target's RoPE at the target's positions; checkpoints often declare fewer
-    (2048 for the common Llama 3 EAGLE and EAGLE-3 heads), and a table that short made every
-    step past it raise. SGLang overrides it the same way."""
+    """Give an EAGLE head's RoPE table at least the target's positions, in place, before the
+    head is built (:func:`~kvflow.layers.rotary.extend_rope_positions`). A head applies its
+    RoPE at the target's positions; checkpoints often declare fewer (2048 for the common
+    Llama 3 EAGLE and EAGLE-3 heads), and a table that short made every step past it raise.
+    SGLang raises the head's ``max_position_embeddings`` instead (kvflow did too), which for a
+    head with dynamic NTK or LongRoPE scaling also changes the rotation of positions it
+    covered."""
     if getattr(head_config, "max_position_embeddings", None) is None or \
             getattr(target_config, "max_position_embeddings", None) is None:
         return
-    head_config.max_position_embeddings = max(head_config.max_position_embeddings,
-                                              rope_max_positions(target_config))
+    extend_rope_positions(head_config, rope_max_positions(target_config))
