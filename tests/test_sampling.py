@@ -351,6 +351,39 @@ def test_apply_top_k_top_p_min_p_hand_computed():
 
 
 # ---- the Sampler's distribution ------------------------------------------------------------------
+def test_top_k_keeps_the_tokens_tied_with_the_kth_as_transformers_does():
+    """Tokens whose logit equals the k-th largest all stay (HF's TopKLogitsWarper, vLLM's
+    ``logits < kth`` mask); bf16 logits tie often. The cut at exactly k kept only the tied
+    token the sort put first: in row 0 token 2 could never be sampled."""
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    logits = torch.tensor([[2.0, 1.0, 1.0, 0.0, -1.0],
+                           [1.0, 3.0, 3.0, 3.0, 0.5],  # a three-way tie at the top, k = 1
+                           [0.5, 0.5, 0.5, 0.5, 0.5],
+                           [4.0, 2.0, 2.0, 2.0, 1.0]])
+    top_k = [2, 1, 3, 3]
+    out = apply_top_k_top_p_min_p(logits, torch.tensor(top_k), None, None)
+    for row, k in enumerate(top_k):
+        expected = TopKLogitsWarper(k)(None, logits[row:row + 1].clone())[0]
+        assert torch.equal(out[row], expected), (row, out[row], expected)
+    # then top-p over the tied set: row 0 keeps 2, 1, 1 (mass before the third: 0.79 < 0.9)
+    out = apply_top_k_top_p_min_p(logits[:1], torch.tensor([2]), torch.tensor([0.9]), None)
+    assert torch.isfinite(out[0]).tolist() == [True, True, True, False, False]
+
+
+def test_top_k_samples_tied_tokens_by_their_probability():
+    """Sampling with top_k 2 over [2, 1, 1, 0]: tokens 1 and 2 tie and are drawn equally
+    often (chi-square against softmax over the three kept tokens)."""
+    logits = torch.tensor([2.0, 1.0, 1.0, 0.0])
+    draws = 6000
+    meta = SamplingMetadata(temperature=torch.ones(draws),
+                            top_k=torch.full((draws,), 2))
+    sampled = Sampler(torch.Generator().manual_seed(5))(logits.repeat(draws, 1), meta).sampled
+    probs = torch.softmax(logits, -1)
+    probs[3] = 0
+    assert _chi_square(sampled, probs / probs.sum()) < _CHI2_9999[2]
+
+
 def _chi_square(samples: torch.Tensor, probs: torch.Tensor) -> float:
     counts = torch.bincount(samples, minlength=probs.numel()).double()
     expected = probs.double() * samples.numel()

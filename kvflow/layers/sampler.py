@@ -347,7 +347,10 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,
                             min_p: torch.Tensor | None) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k / nucleus (top-p) / min-p set.
 
-    top-p follows Holtzman et al. 2019: keep the smallest set of most likely tokens whose mass
+    top-k keeps every token whose logit is at least the k-th largest: tokens tied with the
+    k-th all stay (HF's TopKLogitsWarper and vLLM keep them; cutting at exactly k kept
+    whichever of them the sort put first, so a tied token could never be sampled). top-p
+    follows Holtzman et al. 2019: keep the smallest set of most likely tokens whose mass
     reaches top_p (always at least one). min-p keeps tokens with p >= min_p * max p.
     logits: [B, V] float32 (temperature already applied); returns a new tensor.
     """
@@ -361,8 +364,8 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     vocab = logits.shape[-1]
     if top_k is not None:
         k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-        sorted_logits = sorted_logits.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
+        kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [B, 1], the k-th largest
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if top_p is not None:
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
