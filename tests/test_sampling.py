@@ -371,6 +371,23 @@ def test_top_k_keeps_the_tokens_tied_with_the_kth_as_transformers_does():
     assert torch.isfinite(out[0]).tolist() == [True, True, True, False, False]
 
 
+def test_top_p_matches_transformers_and_leaves_a_top_p_1_row_whole():
+    """top-p over a 49,152-token vocabulary of peaked logits: the kept sets equal HF's
+    TopPLogitsWarper's, and a row with top_p 1 (off) batched with rows that use top-p keeps
+    every token. Summed from the top (``cumsum - probs``), the mass before a tail token
+    reached 1.0 in float32: that row lost ~46,000 tokens, its neighbours' setting leaking
+    into it (and its processed logprobs were -inf there)."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = torch.randn(4, 49152, generator=torch.Generator().manual_seed(0)) * 8
+    top_p = [1.0, 0.5, 0.9, 0.99]
+    out = apply_top_k_top_p_min_p(logits, None, torch.tensor(top_p), None)
+    assert torch.isfinite(out[0]).all()
+    for row, p in enumerate(top_p[1:], start=1):
+        expected = TopPLogitsWarper(p)(None, logits[row:row + 1].clone())[0]
+        assert torch.equal(torch.isfinite(out[row]), torch.isfinite(expected)), row
+
+
 def test_top_k_samples_tied_tokens_by_their_probability():
     """Sampling with top_k 2 over [2, 1, 1, 0]: tokens 1 and 2 tie and are drawn equally
     often (chi-square against softmax over the three kept tokens)."""

@@ -367,9 +367,14 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,
         kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [B, 1], the k-th largest
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if top_p is not None:
+        # a token goes when the tokens above it hold top_p: when its mass and the mass below
+        # it (summed from the least likely up, as HF's TopPLogitsWarper and vLLM sum) is at
+        # most 1 - top_p. ``cumsum - probs`` from the top reached 1.0 in float32 within a
+        # large vocabulary, dropping the tail of a row with top_p 1 (off) batched with one
+        # that uses top-p.
         probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop = mass_before >= top_p.unsqueeze(1)
+        mass_from = probs.flip(-1).cumsum(dim=-1).flip(-1)
+        drop = mass_from <= 1 - top_p.unsqueeze(1)
         drop[:, 0] = False  # the most likely token stays even where top_p is 0 in float32
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
