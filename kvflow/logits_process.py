@@ -12,8 +12,9 @@ the updates put at row ``i``. Requests pass their own arguments in
 
 Where they run in the sampler (``kvflow/layers/sampler.py``), as in vLLM v1: processors that
 can change the argmax (``is_argmax_invariant()`` False) after ``logit_bias`` and before the
-presence / frequency / repetition penalties; argmax-invariant ones after temperature, only
-when some row samples at random (greedy rows never see their edits).
+presence / frequency / repetition penalties; argmax-invariant ones after temperature and
+min-p (vLLM's built-in argmax-invariant processor, which it runs first), before top-k and
+top-p, only when some row samples at random (greedy rows never see their edits).
 
 Load them with ``LLM(logits_processors=[Class or "module.path:Class"])`` or
 ``kvflow serve --logits-processors module.path:Class``, or install them as plugins: every

@@ -207,6 +207,33 @@ def test_an_argmax_invariant_processor_runs_for_random_sampling_only(tiny_llama,
     assert outs[3].outputs[0].token_ids != greedy
 
 
+def test_min_p_runs_before_the_argmax_invariant_processors():
+    """vLLM's order after temperature: its built-in min-p processor, then the custom
+    argmax-invariant ones, then top-k / top-p. A processor that flattens the row (logits
+    halved: argmax-invariant) must not change which tokens min-p keeps; it ran before min-p,
+    which then kept more tokens. Checked on what the row samples from (processed logprobs)
+    against plain torch in vLLM's order."""
+    from kvflow.layers.sampler import Sampler, SamplingMetadata
+
+    class Halve:
+        def apply(self, logits: torch.Tensor, argmax_invariant: bool) -> torch.Tensor:
+            return logits * 0.5 if argmax_invariant else logits
+
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.5, 0.0, -1.0]])
+    temperature, min_p = 0.8, 0.2
+    meta = SamplingMetadata(temperature=torch.tensor([temperature]),
+                            min_p=torch.tensor([min_p]), num_logprobs={0: 6})
+    out = Sampler(torch.Generator().manual_seed(0), "processed_logprobs")(
+        logits.clone(), meta, Halve())
+    scaled = logits[0] / temperature
+    probs = torch.softmax(scaled, -1)
+    expected = torch.log_softmax((scaled * 0.5).masked_fill(probs < min_p * probs.max(),
+                                                            NEG_INF), -1)
+    assert torch.isfinite(expected).tolist() == [True, True, False, False, False, False]
+    top_ids, top_lps, _, _ = out.logprobs_lists()[0]
+    torch.testing.assert_close(torch.tensor(top_lps), expected[top_ids])
+
+
 def test_validate_params_refuses_a_request(tiny_llama):
     llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=16,
               block_size=4, logits_processors=[BanToken])

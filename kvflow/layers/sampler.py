@@ -189,9 +189,12 @@ class Sampler:
         """(sampled ids int64 [B], the masked temperature-scaled logits [B, V] they were
         drawn from, shifted as ``scale_by_temperature`` shifts them)."""
         logits = scale_by_temperature(logits, meta.temperature)
-        if custom is not None:  # argmax-invariant processors: after temperature (vLLM's)
-            logits = custom.apply(logits, argmax_invariant=True)
-        logits = apply_top_k_top_p_min_p(logits, meta.top_k, meta.top_p, meta.min_p)
+        min_p = meta.min_p
+        if custom is not None:  # argmax-invariant processors: after temperature and min-p
+            # (vLLM's built-in argmax-invariant processor, run before the custom ones)
+            logits = custom.apply(apply_min_p(logits, min_p), argmax_invariant=True)
+            min_p = None
+        logits = apply_top_k_top_p_min_p(logits, meta.top_k, meta.top_p, min_p)
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, gen in meta.generators.items():
@@ -342,6 +345,17 @@ def scale_by_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> tor
     return (logits - peak) / scale
 
 
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask (to -inf) the tokens of each row of ``logits`` [B, V] float32 (temperature
+    applied) whose probability is below ``min_p`` [B] float32 times the row's largest; a new
+    tensor, or ``logits`` itself when ``min_p`` is None."""
+    if min_p is None:
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,
                             top_p: torch.Tensor | None,
                             min_p: torch.Tensor | None) -> torch.Tensor:
@@ -354,10 +368,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     reaches top_p (always at least one). min-p keeps tokens with p >= min_p * max p.
     logits: [B, V] float32 (temperature already applied); returns a new tensor.
     """
-    if min_p is not None:
-        probs = torch.softmax(logits, dim=-1)
-        threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    logits = apply_min_p(logits, min_p)
     if top_k is None and top_p is None:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
