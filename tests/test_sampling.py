@@ -411,6 +411,8 @@ def _chi_square(samples: torch.Tensor, probs: torch.Tensor) -> float:
 
 # 0.9999 quantiles of chi-square: a correct sampler fails one run in 10^4.
 _CHI2_9999 = {2: 18.42, 7: 29.88}
+# by the number of tokens kept (degrees of freedom + 1)
+_CHI2_9999_BY_KEPT = {2: 15.14, 3: 18.42, 4: 21.11, 5: 23.51, 6: 25.74}
 
 
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 3)])
@@ -427,6 +429,41 @@ def test_sampler_matches_softmax(temperature, top_k):
         probs /= probs.sum()
     dof = (top_k or logits.numel()) - 1
     assert _chi_square(sampled, probs) < _CHI2_9999[dof]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (1.0, 0, 0.8, 0.0), (0.7, 5, 0.9, 0.0), (1.3, 0, 1.0, 0.1), (1.0, 6, 0.7, 0.05)])
+def test_sampler_matches_transformers_warpers(temperature, top_k, top_p, min_p):
+    """Sampling frequencies against transformers' warpers applied in vLLM's order
+    (temperature, min-p, top-k, top-p): chi-square over the tokens they keep, none of the
+    others ever drawn. The rows are sampled in one batch with rows of other settings."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = torch.randn(12, generator=torch.Generator().manual_seed(0)) * 2
+    x = TemperatureLogitsWarper(temperature)(None, logits[None].clone())
+    if min_p:
+        x = MinPLogitsWarper(min_p)(None, x)
+    if top_k:
+        x = TopKLogitsWarper(top_k)(None, x)
+    if top_p < 1:
+        x = TopPLogitsWarper(top_p)(None, x)
+    probs = torch.softmax(x[0], -1)
+    draws, others = 6000, 3  # rows 0..2: greedy, no filter, top_k 2 / top_p 0.5 / min_p 0.5
+    n = draws + others
+    meta = SamplingMetadata(
+        temperature=torch.tensor([0.0, 1.0, 1.0] + [temperature] * draws),
+        top_k=torch.tensor([0, 0, 2] + [top_k] * draws),
+        top_p=torch.tensor([1.0, 1.0, 0.5] + [top_p] * draws),
+        min_p=torch.tensor([0.0, 0.0, 0.5] + [min_p] * draws))
+    sampled = Sampler(torch.Generator().manual_seed(7))(logits.repeat(n, 1), meta).sampled
+    kept = int((probs > 0).sum())
+    assert kept in _CHI2_9999_BY_KEPT
+    assert _chi_square(sampled[others:], probs) < _CHI2_9999_BY_KEPT[kept]
 
 
 def test_sampler_seeded_rows_and_greedy_rows():
