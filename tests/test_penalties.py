@@ -1,12 +1,15 @@
 """Presence / frequency / repetition penalties and logit bias: the vectorized sampler code
-against a per-token loop written from the OpenAI / vLLM definitions, parameter validation, and
-the vocabulary check of the input processor."""
+against a per-token loop written from the OpenAI / vLLM definitions, the engine's greedy tokens
+against that loop over transformers' logits (a batch of different penalties, prefix caching,
+chunked prefill, preemption), parameter validation, and the vocabulary check of the input
+processor."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvflow import LLM
 from kvflow.input_processor import InputProcessor
 from kvflow.layers.sampler import PenaltyMetadata, Sampler, SamplingMetadata, apply_penalties
 from kvflow.sampling_params import SamplingParams
@@ -89,6 +92,61 @@ def test_token_ids_outside_the_vocabulary_are_refused(kwargs, field):
     processor = InputProcessor(None, max_model_len=64, vocab_size=VOCAB, eos_token_id=0)
     with pytest.raises(ValueError, match=f"{field} has token id"):
         processor.make_requests("r", [1, 2], SamplingParams(**kwargs))
+
+
+# ---- the engine against transformers ----------------------------------------------------------
+PENALTY_CASES = [{"repetition_penalty": 1.8}, {"presence_penalty": 1.5},
+                 {"frequency_penalty": 1.2}, {"repetition_penalty": 0.7, "frequency_penalty": -0.5},
+                 {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.3,
+                  "logit_bias": {40: 2.0}},
+                 {}]
+STEPS = 24
+MARGIN = 1e-3  # smallest top-1 lead over the runner-up the reference accepts
+
+
+def _greedy_reference(hf_model, prompt: list[int], p: SamplingParams) -> list[int]:
+    """Greedy tokens over transformers' logits, step by step: logit_bias, then the
+    penalties by ``reference_penalties`` over the prompt and the tokens generated so far."""
+    out: list[int] = []
+    for _ in range(STEPS):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt + out])).logits[0, -1].float()
+        for token, bias in (p.logit_bias or {}).items():
+            logits[token] += bias
+        logits = reference_penalties(logits, prompt, out, p)
+        top = logits.topk(2).values
+        assert top[0] - top[1] > MARGIN, (p, out)
+        out.append(int(logits.argmax()))
+    return out
+
+
+@pytest.mark.parametrize("config", [
+    {},
+    {"enable_prefix_caching": True, "max_num_batched_tokens": 6},  # cached prefix, chunks
+    {"num_kv_blocks": 14, "max_num_batched_tokens": 8},  # preempted and recomputed
+    {"num_kv_blocks": 14, "max_num_batched_tokens": 8, "async_scheduling": True},
+], ids=["batch", "prefix_cache_chunks", "preemption", "async_preemption"])
+def test_greedy_penalties_match_transformers_in_one_batch(tiny_llama, config, assert_no_leaks):
+    """Requests with different penalties in one batch (per-request values must not leak
+    across rows), 24 tokens each, against transformers step by step; with a prefix-cache hit
+    and chunked prefill, and with preemption (recomputed requests count the tokens they
+    generated before)."""
+    config = {"num_kv_blocks": 64, "block_size": 4, **config}
+    llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", **config)
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randint(2, tiny_llama.vocab_size, (9,), generator=gen).tolist()
+    prompts = [shared + torch.randint(2, tiny_llama.vocab_size, (n,), generator=gen).tolist()
+               for n in (1, 5, 3, 7, 2, 4)]
+    params = [SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, **fields)
+              for fields in PENALTY_CASES]
+    llm.generate([prompts[0]], params[0], use_tqdm=False)  # the shared prefix is cached
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, outs):
+        assert out.outputs[0].token_ids == _greedy_reference(tiny_llama.hf_model, prompt, p)
+    if "prefix" in str(config):
+        assert sum(o.metrics.num_cached_tokens for o in outs) > 0
+    assert (llm.engine.core.scheduler.num_preemptions > 0) == (config["num_kv_blocks"] == 14)
+    assert_no_leaks(llm)
 
 
 @pytest.fixture(scope="module")
