@@ -43,7 +43,8 @@ class SamplingParams:
         n: number of independent samples (completions) per prompt.
         temperature: softmax temperature; 0 means greedy (argmax).
         top_p: nucleus sampling mass in (0, 1]; 1 disables.
-        top_k: keep the k most likely tokens; 0 or -1 disables.
+        top_k: keep the k most likely tokens (and any tied with the k-th, as transformers and
+            vLLM keep them); 0 or -1 disables.
         min_p: drop tokens whose probability is below min_p * p(max); 0 disables.
         seed: per-request RNG seed (a signed 64-bit integer); the same seed gives the same
             tokens whatever else is batched. -1 given to the constructor is None
