@@ -5,6 +5,10 @@ Invariants (checked by ``check_invariants`` in tests):
     handed out: padded block-table entries point at it);
   * a block is in the hash index iff it holds a full block of tokens whose hash it carries;
     freed blocks stay indexed (and can be hit again) until they are evicted for reuse;
+  * a hash maps to every block indexed under it, all holding the same (parent, tokens):
+    requests that compute the same block in one step each keep their own copy (block tables
+    are append-only, as in vLLM's ``BlockHashToBlockMap``); a lookup returns one of them, and
+    the hash leaves the index only with its last copy;
   * the free queue is in eviction order: least recently freed first, and a request's blocks are
     freed tail-first so its last blocks are evicted before its shared prefix.
 """
@@ -96,7 +100,8 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # never freed, never handed out
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks[1:])
-        self._cached: dict[int, KVCacheBlock] = {}
+        # block hash -> its copies by block id, in indexing order (rarely more than one)
+        self._cached: dict[int, dict[int, KVCacheBlock]] = {}
         # KV cache events (off: None, and nothing below creates an event)
         self.kv_events: list[KVCacheEvent] | None = None
         self._published: set[int] = set()  # hashes announced by a BlockStored
@@ -124,10 +129,17 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: int, parent_hash: int | None,
                          token_ids: tuple[int, ...]) -> KVCacheBlock | None:
-        """Return the cached block for this exact (prefix, tokens), verified, or None."""
-        block = self._cached.get(block_hash)
-        if block is None or block.parent_hash != parent_hash or block.token_ids != token_ids:
+        """Return a cached block for this exact (prefix, tokens), verified, or None: a copy a
+        request holds where there is one (sharing it costs no free block), else the first
+        copy indexed."""
+        copies = self._cached.get(block_hash)
+        if copies is None:
             return None
+        block = next(iter(copies.values()))  # every copy holds the same (parent, tokens)
+        if block.parent_hash != parent_hash or block.token_ids != token_ids:
+            return None
+        if block.ref_cnt == 0:
+            block = next((b for b in copies.values() if b.ref_cnt), block)
         return block
 
     # ---- actions -----------------------------------------------------------------------------
@@ -170,14 +182,18 @@ class BlockPool:
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: int, parent_hash: int | None,
                          token_ids: tuple[int, ...]) -> None:
-        """Index a block that now holds a full block of tokens (no-op if caching is off or an
-        identical block is already indexed)."""
+        """Index a block that now holds a full block of tokens, next to any copies already
+        indexed under ``block_hash`` (no-op if caching is off or the block is indexed; a block
+        whose hash collides with other tokens or another parent stays private)."""
         if not self.enable_caching or block.block_hash is not None:
             return
-        if block_hash in self._cached:
-            return  # another block already serves this prefix; this one stays private
+        copies = self._cached.setdefault(block_hash, {})
+        if copies:
+            first = next(iter(copies.values()))
+            if first.parent_hash != parent_hash or first.token_ids != token_ids:
+                return  # a collision: never serve one content under another's hash
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
-        self._cached[block_hash] = block
+        copies[block.block_id] = block
 
     def record_stored(self, blocks: list[KVCacheBlock], hashes: list[int],
                       parent_hash: int | None, block_size: int, lora: LoRARequest | None,
@@ -185,13 +201,14 @@ class BlockPool:
         """Publish (``BlockStored``) the blocks of one request's chain that ``cache_full_block``
         just indexed: ``blocks[i]`` is the chain's block of hash ``hashes[i]`` and event extra
         keys ``extra_keys[i]``, the first one following ``parent_hash``; ``lora`` is the
-        request's adapter. A block not indexed under its hash (the null block, or a copy
-        while an identical block serves the prefix) or published already splits the run:
-        each event is a consecutive chain. Call only with events on.
+        request's adapter. A hash is announced once, whatever its copies: a block not indexed
+        under its hash (the null block, a collision) or whose hash was published already (by
+        another copy) splits the run: each event is a consecutive chain. Call only with events
+        on.
         """
         run: list[int] = []  # indices into blocks
         for i, (block, h) in enumerate(zip(blocks, hashes)):
-            if h not in self._published and self._cached.get(h) is block:
+            if h not in self._published and block.block_hash == h:
                 run.append(i)
                 continue
             self._store_run([blocks[j] for j in run], parent_hash, block_size, lora,
@@ -221,15 +238,15 @@ class BlockPool:
         return events
 
     def uncache(self, blocks: list[KVCacheBlock]) -> None:
-        """Forget the cached prefix of each of ``blocks`` (free or held; ``BlockRemoved``
-        for a published one)."""
+        """Forget the cached prefix of each of ``blocks`` (free or held; other copies of the
+        same hash stay; ``BlockRemoved`` once a published hash has no copy left)."""
         for block in blocks:
             self._evict_hash(block)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix held by free blocks (used blocks keep their hashes).
         With events on: ``AllBlocksCleared`` when no published block is left, else one
-        ``BlockRemoved`` per forgotten published block."""
+        ``BlockRemoved`` per published hash left with no copy (a copy in use keeps it)."""
         num_events = len(self.kv_events) if self.kv_events is not None else 0
         for block in list(self._free.values()):
             self._evict_hash(block)
@@ -238,8 +255,11 @@ class BlockPool:
             self.kv_events.append(AllBlocksCleared())
 
     def _evict_hash(self, block: KVCacheBlock) -> None:
+        """Take the block out of the index; its hash goes (``BlockRemoved`` if published) when
+        it was the last copy."""
         h = block.block_hash
-        if h is not None and self._cached.get(h) is block:
+        copies = self._cached.get(h) if h is not None else None
+        if copies is not None and copies.pop(block.block_id, None) is block and not copies:
             del self._cached[h]
             if self.kv_events is not None and h in self._published:
                 self._published.discard(h)
@@ -253,6 +273,14 @@ class BlockPool:
         for block in self.blocks[1:]:
             assert block.ref_cnt >= 0, block
             assert (block.ref_cnt == 0) == (block.block_id in self._free), block
-        for h, block in self._cached.items():
-            assert block.block_hash == h, block
+        indexed = 0
+        for h, copies in self._cached.items():
+            assert copies, h
+            first = next(iter(copies.values()))
+            for block_id, block in copies.items():
+                assert block.block_id == block_id and block.block_hash == h, block
+                assert (block.parent_hash, block.token_ids) == \
+                    (first.parent_hash, first.token_ids), block
+            indexed += len(copies)
+        assert indexed == sum(1 for b in self.blocks if b.block_hash is not None)
         assert self._published <= self._cached.keys()

@@ -131,17 +131,43 @@ def test_hash_collision_is_verified_against_tokens(make_pool):
     pool.free_blocks([b, a])
 
 
-def test_cache_full_block_is_idempotent_and_first_wins(make_pool):
+def test_cache_full_block_is_idempotent_and_indexes_every_copy(make_pool):
     pool = make_pool(4)
     a, b = pool.get_new_blocks(2)
     toks = (1, 2, 3, 4)
     h = hash_block_tokens(None, toks)
     pool.cache_full_block(a, h, None, toks)
     pool.cache_full_block(a, h, None, toks)
-    pool.cache_full_block(b, h, None, toks)  # same content, already served by a
-    assert pool.get_cached_block(h, None, toks) is a and b.block_hash is None
-    pool.free_blocks([a])  # a freed but still the indexed copy
-    assert pool.get_cached_block(h, None, toks) is a
+    pool.cache_full_block(b, h, None, toks)  # same content computed by another request
+    assert a.block_hash == h and b.block_hash == h  # both indexed (vLLM keeps every copy)
+    assert pool.get_cached_block(h, None, toks) is a  # both held: the first copy
+    pool.free_blocks([a])  # a free, b held: the held copy serves (no block revived)
+    assert pool.get_cached_block(h, None, toks) is b
+    pool.check_invariants()
+    pool.free_blocks([b])
+    assert pool.get_cached_block(h, None, toks) is a  # both free: the first copy
+    pool.check_invariants()
+
+
+def test_evicting_one_copy_keeps_the_hash_until_the_last_goes(make_pool):
+    pool = make_pool(4)  # usable: 1, 2, 3
+    a, b = pool.get_new_blocks(2)  # two requests computed the same block in one step
+    toks = (5, 6, 7, 8)
+    h = hash_block_tokens(None, toks)
+    pool.cache_full_block(a, h, None, toks)
+    pool.cache_full_block(b, h, None, toks)
+    pool.free_blocks([a])
+    pool.free_blocks([b])  # free queue: 3, 1 (a), 2 (b)
+    assert ids(pool.get_new_blocks(2)) == [3, 1]  # evicts a
+    assert a.block_hash is None
+    assert pool.get_cached_block(h, None, toks) is b  # b still hits
+    pool.touch([b])
+    assert b.ref_cnt == 1 and pool.num_free_blocks == 0
+    pool.check_invariants()
+    pool.free_blocks([b, pool.blocks[3], a])  # free queue: 2 (b), 3, 1
+    assert ids(pool.get_new_blocks(1)) == [2]  # evicts b, the last copy
+    assert pool.get_cached_block(h, None, toks) is None and h not in pool._cached
+    pool.check_invariants()
     pool.free_blocks([b])
 
 

@@ -90,3 +90,52 @@ def test_eviction_for_reuse_is_removed_once():
     pool.get_new_blocks(1)
     assert pool.take_kv_events() == [BlockRemoved([ha[0] & LOW], "CPU")]
     pool.check_invariants()
+
+
+def test_a_hash_with_copies_is_stored_once_and_removed_with_its_last_copy():
+    """Two requests compute the same two blocks in one step, then one of them a third: the
+    third's parent stays announced while any copy of it is indexed (no orphan)."""
+    pool = BlockPool(8)  # usable: 1..7
+    pool.enable_kv_events("CPU")
+    a = pool.get_new_blocks(2)
+    ha = index(pool, a, [1, 2, 3, 4])
+    pool.record_stored(a, ha, None, BS, None, [None] * 2)
+    b = pool.get_new_blocks(3)
+    hb = index(pool, b, [1, 2, 3, 4, 5, 6])
+    pool.record_stored(b, hb, None, BS, None, [None] * 3)
+    assert hb[:2] == ha and all(x.block_hash == h for x, h in zip(b, hb))  # copies indexed
+    assert pool.take_kv_events() == [
+        BlockStored([h & LOW for h in ha], None, [1, 2, 3, 4], BS, None, "CPU", None,
+                    [None] * 2),
+        BlockStored([hb[2] & LOW], hb[1] & LOW, [5, 6], BS, None, "CPU", None, [None])]
+    pool.free_blocks(list(reversed(a)))
+    pool.free_blocks(list(reversed(b)))  # free queue: 6, 7, a1, a0, b2, b1, b0
+    taken = pool.get_new_blocks(4)  # evicts a's copies: b's serve both hashes
+    assert pool.take_kv_events() == []
+    assert [pool.get_cached_block(h, p, t) for h, p, t in
+            zip(hb, [None, hb[0], hb[1]], [(1, 2), (3, 4), (5, 6)])] == b
+    taken += pool.get_new_blocks(3)  # evicts b's blocks, the last copies, tail first
+    assert pool.take_kv_events() == [BlockRemoved([hb[2] & LOW], "CPU"),
+                                      BlockRemoved([hb[1] & LOW], "CPU"),
+                                      BlockRemoved([hb[0] & LOW], "CPU")]
+    pool.check_invariants()
+    pool.free_blocks(taken)
+
+
+def test_reset_keeps_a_hash_whose_other_copy_is_in_use():
+    pool = BlockPool(8)
+    pool.enable_kv_events("CPU")
+    a, b = pool.get_new_blocks(1), pool.get_new_blocks(1)
+    (h,) = index(pool, a, [1, 2])
+    index(pool, b, [1, 2])
+    pool.record_stored(a, [h], None, BS, None, [None])
+    pool.record_stored(b, [h], None, BS, None, [None])
+    assert len(pool.take_kv_events()) == 1
+    pool.free_blocks(a)  # a's copy is free, b's in use
+    pool.reset_prefix_cache()
+    assert pool.take_kv_events() == [] and pool.get_cached_block(h, None, (1, 2)) is b[0]
+    assert a[0].block_hash is None
+    pool.free_blocks(b)
+    pool.reset_prefix_cache()
+    assert pool.take_kv_events() == [AllBlocksCleared()]
+    pool.check_invariants()
