@@ -24,12 +24,16 @@ class BlockTransfer:
             holds: its K/V of this step were computed from theirs, so it is not saved if
             one of them could not be loaded (empty for a load, or when the step loads
             nothing the request reads).
+        rewrite: for a save, those of ``keys`` whose stored file could not be loaded (corrupt,
+            truncated, of another layout): written over it, where a key already stored is
+            otherwise left alone.
     """
 
     req_id: str
     block_ids: list[int]
     keys: list[str]
     reads: list[int] = field(default_factory=list)
+    rewrite: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -104,3 +104,38 @@ def test_local_hits_come_first(make_scheduler, make_request, oracle, tmp_path):
     assert engine.scheduler.connector.num_loaded_blocks == 0
     assert engine.scheduler.kv.num_hits == 20
     assert os.path.exists(block_path(str(tmp_path), next(iter(store))))
+
+
+def test_a_key_that_failed_to_load_is_saved_over_once_and_again_if_dropped(tmp_path,
+                                                                            make_request):
+    """kv_both: every stored block of a 13-token prompt has a file; block 1's load failed.
+    Once the recompute has computed the prompt, the step's save names block 1 only (0 and 2
+    are stored), to be written over its file; a dropped save plans it again, a save that
+    ran does not (another request of the prompt saves nothing). A consumer never saves."""
+    folder = str(tmp_path)
+
+    def connector(role: str) -> SharedStorageScheduler:
+        return SharedStorageScheduler(KVTransferConfig(
+            "SharedStorageConnector", role, {"shared_storage_path": folder}), BLOCK_SIZE, "auto")
+
+    both = connector("kv_both")
+    prompt = list(range(10, 23))
+    first = make_request("a", prompt)
+    keys = both._state(first).keys
+    for key in keys:
+        open(block_path(folder, key), "wb").close()
+    assert both.load_failed(first, keys[1]) == 1
+    first.num_computed_tokens = len(prompt)
+    tables = {"a": [5, 6, 7, 8], "b": [9, 10, 11, 12]}
+    (save,) = both.build_connector_meta([first], tables.get).saves
+    assert (save.block_ids, save.keys, save.rewrite) == ([6], [keys[1]], [keys[1]])
+    both.saves_dropped(first)  # e.g. it read a block another load left unfilled
+    (save,) = both.build_connector_meta([first], tables.get).saves
+    assert (save.block_ids, save.rewrite) == ([6], [keys[1]])
+    second = make_request("b", prompt)
+    second.num_computed_tokens = len(prompt)
+    assert both.build_connector_meta([second], tables.get).saves == []
+    assert both.get_num_new_matched_tokens(second, 0) == BLOCK_SIZE  # still not offered here
+    consumer = connector("kv_consumer")
+    consumer.load_failed(second, keys[1])
+    assert consumer.build_connector_meta([second], tables.get).saves == []

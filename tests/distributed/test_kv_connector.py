@@ -500,6 +500,46 @@ def test_block_gone_after_lookup_is_recomputed(tiny_llama, tmp_path, plain, spoi
         consumer.shutdown()
 
 
+def _truncate(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+@pytest.mark.parametrize("spoil", [_truncate, _corrupt], ids=["truncated", "garbage"])
+def test_a_file_that_fails_to_load_is_rewritten_by_the_recompute(tiny_llama, tmp_path, plain,
+                                                                 spoil, assert_no_leaks):
+    """A stored block's file truncated (or its header garbage) before a fresh kv_both engine
+    starts: its load fails, the request computes it from there, and the computed K/V replace
+    the file (atomically), which then equals a clean producer's, so the next fresh consumer
+    loads every block (hand count: 12 tokens) with the plain run's tokens and logprobs."""
+    first = _prompts(tiny_llama.vocab_size)[0]
+    folder, clean = tmp_path / "kv", tmp_path / "clean"
+    _, model_key = _produce(tiny_llama.path, str(folder), [first])
+    _produce(tiny_llama.path, str(clean), [first])
+    bad = block_path(str(folder), block_keys(first, BLOCK_SIZE, "auto", model_key)[1])
+    spoil(bad)
+    llm = _llm(tiny_llama.path, str(folder))
+    try:
+        outs = _generate(llm, [first])
+        assert outs[0].metrics.num_cached_tokens == BLOCK_SIZE  # block 0 only, then computed
+        _assert_same_logprobs(outs, plain[:1])
+        assert_no_leaks(llm)
+    finally:
+        llm.shutdown()
+    assert not glob.glob(f"{folder}/*.tmp")
+    got, want = load_file(bad), load_file(str(clean / os.path.basename(bad)))
+    assert got.keys() == want.keys()
+    for tensor in want:
+        torch.testing.assert_close(got[tensor], want[tensor], atol=1e-5, rtol=1e-5)
+    consumer = _llm(tiny_llama.path, str(folder), "kv_consumer")
+    try:
+        again = _generate(consumer, [first])
+        assert again[0].metrics.num_cached_tokens == _loaded_tokens(first)
+        _assert_same_logprobs(again, plain[:1])
+    finally:
+        consumer.shutdown()
+
+
 def test_kv_computed_over_a_block_not_loaded_is_not_stored(tiny_llama, tmp_path, plain,
                                                           assert_no_leaks):
     """A kv_both engine loads the 1st prompt's stored blocks 0 and 1 (a producer stored only

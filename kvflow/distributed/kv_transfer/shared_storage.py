@@ -9,6 +9,9 @@ attention layer: ``{layer}.kv`` [2, block_size, kv_heads, head_dim] (0 = K,
 1 = V, the cache's dtype) and, for a quantized cache (``--kv-cache-dtype int8|fp8_e4m3``),
 ``{layer}.kv_scales`` [2, block_size, kv_heads] float32. Files are written to a temporary name
 of their own (pid and a random suffix: no two writers share one) and renamed, so a reader never sees half a block.
+A file that could not be loaded (truncated, garbage, another layout) is written over the same
+way by the first producer that recomputes its block after the failure, so the next instance
+loads it again (a consumer only reads, and leaves it).
 
 Keys: the key of block ``i`` is a SHA-256 chain over everything its K/V depends on:
 ``key_i = sha256(key_{i-1} || int64 tokens of block i || repr(extra_i))``, starting from a digest of
@@ -156,6 +159,7 @@ class _RequestState:
     keys: list[str]  # of the prompt's full blocks
     num_saved: int = 0  # leading prompt blocks saved (or found stored)
     loads: list[BlockTransfer] = field(default_factory=list)
+    rewrites: list[str] = field(default_factory=list)  # bad files its saves replace
 
 
 class SharedStorageScheduler(KVConnectorScheduler):
@@ -182,6 +186,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
         self._states: dict[str, _RequestState] = {}
         self._loads: list[BlockTransfer] = []
         self._bad_keys: set[str] = set()  # blocks a worker failed to load: never offered again
+        self._to_rewrite: set[str] = set()  # of those, the files no save has replaced yet
         self.num_loaded_blocks = 0  # statistics: blocks loaded / saved since start
         self.num_saved_blocks = 0
 
@@ -244,27 +249,39 @@ class SharedStorageScheduler(KVConnectorScheduler):
         if done <= state.num_saved:
             return None
         table = block_ids_of(request.request_id)
-        todo = []
+        todo, rewrite = [], []
         for i in range(state.num_saved, done):
             key = state.keys[i]
-            if key not in planned and not is_stored(self.root, key, self.tp_size):
-                planned.add(key)
-                todo.append(i)
+            if key in planned:
+                continue
+            if key in self._to_rewrite:  # its file failed to load: replace it
+                self._to_rewrite.discard(key)
+                state.rewrites.append(key)
+                rewrite.append(key)
+            elif is_stored(self.root, key, self.tp_size):
+                continue
+            planned.add(key)
+            todo.append(i)
         state.num_saved = done
         if not todo:
             return None
         self.num_saved_blocks += len(todo)
         return BlockTransfer(request.request_id, [table[i] for i in todo],
-                             [state.keys[i] for i in todo])
+                             [state.keys[i] for i in todo], rewrite=rewrite)
 
     def load_failed(self, request: Request, key: str) -> int:
         self._bad_keys.add(key)
+        if self.config.is_producer:
+            self._to_rewrite.add(key)
         self.saves_dropped(request)
         return self._state(request).keys.index(key)
 
     def saves_dropped(self, request: Request) -> None:
         # a producer stores what the recompute writes (files left out, skipped saves too)
-        self._state(request).num_saved = 0
+        state = self._state(request)
+        state.num_saved = 0
+        self._to_rewrite.update(state.rewrites)  # a dropped save replaced no file
+        state.rewrites.clear()
 
     def request_finished(self, request: Request) -> None:
         self._states.pop(request.request_id, None)
@@ -341,8 +358,8 @@ class SharedStorageWorker(KVConnectorWorker):
                 _copy_in(scales, stored, f"{name}.kv_scales", block_id, path)
 
     def wait_for_save(self, meta: KVConnectorMetadata) -> None:
-        """Write each block of ``meta.saves`` not yet in the folder to its file (under a
-        temporary name, then renamed).
+        """Write each block of ``meta.saves`` not yet in the folder (or in its ``rewrite``:
+        its file failed to load) to its file (under a temporary name, then renamed).
 
         Raises:
             OSError: if a file cannot be written (a full disk, no permission; the step fails
@@ -352,8 +369,8 @@ class SharedStorageWorker(KVConnectorWorker):
         for transfer in meta.saves:
             for block_id, key in zip(transfer.block_ids, transfer.keys):
                 path = block_path(self.root, key, self.tp_rank, self.tp_size)
-                if os.path.exists(path):  # another request or instance stored it meanwhile
-                    continue
+                if os.path.exists(path) and key not in transfer.rewrite:
+                    continue  # another request or instance stored it meanwhile
                 block: dict[str, torch.Tensor] = {}
                 for name, (kv, scales) in tensors.items():
                     block[f"{name}.kv"] = kv[:, block_id].to("cpu", copy=True)
