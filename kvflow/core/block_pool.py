@@ -5,10 +5,9 @@ Invariants (checked by ``check_invariants`` in tests):
     handed out: padded block-table entries point at it);
   * a block is in the hash index iff it holds a full block of tokens whose hash it carries;
     freed blocks stay indexed (and can be hit again) until they are evicted for reuse;
-  * a hash maps to every block indexed under it, all holding the same (parent, tokens):
-    requests that compute the same block in one step each keep their own copy (block tables
-    are append-only, as in vLLM's ``BlockHashToBlockMap``); a lookup returns one of them, and
-    the hash leaves the index only with its last copy;
+  * a hash maps to every block indexed under it (``core/block_hash_index.py``: copies that
+    requests computed apart), all holding the same (parent, tokens); a lookup returns one of
+    them, and the hash leaves the index only with its last copy;
   * the free queue is in eviction order: least recently freed first, and a request's blocks are
     freed tail-first so its last blocks are evicted before its shared prefix.
 """
@@ -21,6 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvflow.core.block_hash_index import BlockHashIndex
 from kvflow.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -100,8 +100,7 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # never freed, never handed out
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks[1:])
-        # block hash -> its copies by block id, in indexing order (rarely more than one)
-        self._cached: dict[int, dict[int, KVCacheBlock]] = {}
+        self._cached = BlockHashIndex()
         # KV cache events (off: None, and nothing below creates an event)
         self.kv_events: list[KVCacheEvent] | None = None
         self._published: set[int] = set()  # hashes announced by a BlockStored
@@ -132,14 +131,9 @@ class BlockPool:
         """Return a cached block for this exact (prefix, tokens), verified, or None: a copy a
         request holds where there is one (sharing it costs no free block), else the first
         copy indexed."""
-        copies = self._cached.get(block_hash)
-        if copies is None:
+        block = self._cached.get_one(block_hash)  # every copy holds the same (parent, tokens)
+        if block is None or block.parent_hash != parent_hash or block.token_ids != token_ids:
             return None
-        block = next(iter(copies.values()))  # every copy holds the same (parent, tokens)
-        if block.parent_hash != parent_hash or block.token_ids != token_ids:
-            return None
-        if block.ref_cnt == 0:
-            block = next((b for b in copies.values() if b.ref_cnt), block)
         return block
 
     # ---- actions -----------------------------------------------------------------------------
@@ -187,13 +181,11 @@ class BlockPool:
         whose hash collides with other tokens or another parent stays private)."""
         if not self.enable_caching or block.block_hash is not None:
             return
-        copies = self._cached.setdefault(block_hash, {})
-        if copies:
-            first = next(iter(copies.values()))
-            if first.parent_hash != parent_hash or first.token_ids != token_ids:
-                return  # a collision: never serve one content under another's hash
+        other = self._cached.get_one(block_hash)
+        if other is not None and (other.parent_hash, other.token_ids) != (parent_hash, token_ids):
+            return  # a collision: never serve one content under another's hash
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
-        copies[block.block_id] = block
+        self._cached.insert(block_hash, block)
 
     def record_stored(self, blocks: list[KVCacheBlock], hashes: list[int],
                       parent_hash: int | None, block_size: int, lora: LoRARequest | None,
@@ -258,13 +250,11 @@ class BlockPool:
         """Take the block out of the index; its hash goes (``BlockRemoved`` if published) when
         it was the last copy."""
         h = block.block_hash
-        copies = self._cached.get(h) if h is not None else None
-        if copies is not None and copies.pop(block.block_id, None) is block and not copies:
-            del self._cached[h]
-            if self.kv_events is not None and h in self._published:
-                self._published.discard(h)
-                self.kv_events.append(BlockRemoved(block_hashes=[external_block_hash(h)],
-                                                   medium=self._medium))
+        last = h is not None and self._cached.remove(h, block)
+        if last and self.kv_events is not None and h in self._published:
+            self._published.discard(h)
+            self.kv_events.append(BlockRemoved(block_hashes=[external_block_hash(h)],
+                                               medium=self._medium))
         block.block_hash, block.parent_hash, block.token_ids = None, None, ()
 
     def check_invariants(self) -> None:
@@ -274,13 +264,13 @@ class BlockPool:
             assert block.ref_cnt >= 0, block
             assert (block.ref_cnt == 0) == (block.block_id in self._free), block
         indexed = 0
-        for h, copies in self._cached.items():
+        for h in self._cached:
+            copies = self._cached.copies(h)
             assert copies, h
-            first = next(iter(copies.values()))
-            for block_id, block in copies.items():
-                assert block.block_id == block_id and block.block_hash == h, block
+            for block in copies:
+                assert block.block_hash == h, block
                 assert (block.parent_hash, block.token_ids) == \
-                    (first.parent_hash, first.token_ids), block
+                    (copies[0].parent_hash, copies[0].token_ids), block
             indexed += len(copies)
         assert indexed == sum(1 for b in self.blocks if b.block_hash is not None)
-        assert self._published <= self._cached.keys()
+        assert all(h in self._cached for h in self._published)

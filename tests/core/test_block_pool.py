@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.core.block_pool import BlockPool, hash_block_tokens
+from kvflow.core.block_hash_index import BlockHashIndex
+from kvflow.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 
 
 def ids(blocks) -> list[int]:
@@ -203,3 +204,21 @@ def test_hash_chain_depends_on_parent_tokens_and_extra_key():
     assert h0 != hash_block_tokens(None, (1, 2, 3, 5))
     assert h0 != hash_block_tokens(h0, toks)
     assert h0 != hash_block_tokens(None, toks, "salt")
+
+
+def test_block_hash_index_keeps_every_copy_until_the_last():
+    blocks = [KVCacheBlock(i) for i in range(4)]
+    index = BlockHashIndex()
+    for b in blocks[1:]:
+        index.insert(7, b)
+    index.insert(7, blocks[1])  # indexed already: no second entry
+    assert index.copies(7) == blocks[1:] and index.get_one(7) is blocks[1]
+    blocks[3].ref_cnt = 1  # a held copy is preferred
+    assert index.get_one(7) is blocks[3]
+    assert index.remove(7, blocks[0]) is False  # not a copy
+    assert index.remove(7, blocks[3]) is False and index.get_one(7) is blocks[1]
+    assert index.remove(7, blocks[1]) is False and index.copies(7) == [blocks[2]]
+    assert 7 in index and list(index) == [7] and len(index) == 1
+    assert index.remove(7, blocks[2]) is True
+    assert 7 not in index and index.get_one(7) is None and index.copies(7) == []
+    assert index.remove(7, blocks[2]) is False
