@@ -126,7 +126,7 @@ def test_the_load_route_and_model_lookups_answer_400_naming_the_field():
     engine.release.set()
     app = FastAPI()
     add_error_handlers(app)
-    add_lora_routes(app)
+    add_lora_routes(app, enabled=True)  # VLLM_ALLOW_RUNTIME_LORA_UPDATING=1
     app.state.models = ServingModels(engine, "base")
     app.state.unknown_fields = SimpleNamespace(check=lambda req, endpoint: None)
     client = TestClient(app)
@@ -175,7 +175,7 @@ def test_a_served_model_name_is_refused_as_the_served_model(name, replace):
     assert str(e.value) == expected
     app = FastAPI()
     add_error_handlers(app)
-    add_lora_routes(app)
+    add_lora_routes(app, enabled=True)  # VLLM_ALLOW_RUNTIME_LORA_UPDATING=1
     app.state.models = models
     app.state.unknown_fields = SimpleNamespace(check=lambda req, endpoint: None)
     resp = TestClient(app).post("/v1/load_lora_adapter", json={

@@ -10,6 +10,7 @@ from typing import Any
 
 from kvflow.config.options import add_field_arg, check_choices, json_object, opt, parse_bytes
 from kvflow.config.profiler import profiler_options
+from kvflow.config.runtime_lora import runtime_lora_updating
 
 _LIST_FIELDS = ("allowed_origins", "allowed_methods", "allowed_headers")
 
@@ -253,6 +254,11 @@ class ServerConfig:
     profiling: bool = opt(False, "serve POST /start_profile and /stop_profile, the torch "
                           "profiler's (set when KVFLOW_TORCH_PROFILER_DIR names the traces' "
                           "folder)", cli=False)
+    allow_runtime_lora_updating: bool = opt(
+        False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (set from "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, or KVFLOW_ALLOW_RUNTIME_LORA_UPDATING=1: any "
+        "client holding the API key can then make the server read adapters from any path)",
+        cli=False)
 
     def __post_init__(self) -> None:
         for name in _LIST_FIELDS:  # before the type check: a list becomes a tuple
@@ -370,13 +376,18 @@ class ServerConfig:
         """Build from parsed flags; ``--api-key`` falls back to ``KVFLOW_API_KEY`` in ``env``
         (default: the process environment), and ``dev_mode`` is ``KVFLOW_SERVER_DEV_MODE``
         (vLLM's ``VLLM_SERVER_DEV_MODE``: ``1`` on; ``0`` or unset off), and ``profiling``
-        whether ``KVFLOW_TORCH_PROFILER_DIR`` is set (vLLM's ``VLLM_TORCH_PROFILER_DIR``).
+        whether ``KVFLOW_TORCH_PROFILER_DIR`` is set (vLLM's ``VLLM_TORCH_PROFILER_DIR``),
+        and ``allow_runtime_lora_updating`` vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (or
+        ``KVFLOW_ALLOW_RUNTIME_LORA_UPDATING``; see
+        :func:`kvflow.config.runtime_lora.runtime_lora_updating`).
 
         Raises:
             ValueError: for a bad flag value, a ``KVFLOW_API_KEY`` that is set but empty
                 or blank (it would leave the server open, as an empty ``--api-key`` would;
                 unset it to serve without a key), a ``KVFLOW_SERVER_DEV_MODE`` other
-                than 0 or 1, or a bad ``KVFLOW_TORCH_PROFILER_*`` switch.
+                than 0 or 1, a bad ``KVFLOW_TORCH_PROFILER_*`` switch, or a
+                ``*_ALLOW_RUNTIME_LORA_UPDATING`` other than 0, 1, false, true (or the two
+                disagreeing).
         """
         env = os.environ if env is None else env
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
@@ -386,6 +397,7 @@ class ServerConfig:
                              "development endpoints) or 0")
         values["dev_mode"] = dev_mode == "1"
         values["profiling"] = profiler_options(env) is not None
+        values["allow_runtime_lora_updating"] = runtime_lora_updating(env)
         if values.get("api_key") is None:
             key = env.get("KVFLOW_API_KEY")
             if key is not None and not key.strip():

@@ -6,7 +6,8 @@ Routes: /v1/completions, /v1/chat/completions, /v1/responses (+ GET and DELETE
 /v1/embeddings, /pooling, /v1/score (and /score), /v1/rerank (and /rerank, /v2/rerank),
 /classify (and /v1/classify),
 /v1/models[/{model}],
-/v1/load_lora_adapter, /v1/unload_lora_adapter, /tokenize, /detokenize, /invocations
+/v1/load_lora_adapter, /v1/unload_lora_adapter (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``
+only), /tokenize, /detokenize, /invocations
 (``invocations``), /tokenizer_info and the development routes (``ops_routes``) (these need
 the API key when one is set), and /health, /ping, /load, /metrics, /version (always open).
 Every error is
@@ -46,7 +47,12 @@ from kvflow.entrypoints.http_options import (
     uvicorn_options,
 )
 from kvflow.entrypoints.invocations import add_invocations_route
-from kvflow.entrypoints.openai_routes import add_openai_routes, add_status_routes, health
+from kvflow.entrypoints.openai_routes import (
+    add_lora_routes,
+    add_openai_routes,
+    add_status_routes,
+    health,
+)
 from kvflow.entrypoints.ops_routes import add_ops_routes
 from kvflow.entrypoints.profile_routes import add_profile_routes
 from kvflow.entrypoints.responses_store import ResponseStore
@@ -202,6 +208,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
     add_http_middleware(app, config)  # CORS outermost: preflights before the key check
     add_error_handlers(app)
     add_openai_routes(app)
+    add_lora_routes(app, config.allow_runtime_lora_updating)  # VLLM_ALLOW_RUNTIME_LORA_UPDATING
     add_status_routes(app)
     add_token_routes(app)
     add_invocations_route(app)

@@ -1,9 +1,11 @@
 """The OpenAI-compatible routes (completions, chat, embeddings, pooling, score, rerank,
-classify, models), the LoRA load/unload routes and the status routes (/health, /version,
-/metrics), each a thin call into the handler kept on ``app.state`` (``api_server.build_app``
-creates them)."""
+classify, models), the LoRA load/unload routes (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``
+only) and the status routes (/health, /version, /metrics), each a thin call into the handler
+kept on ``app.state`` (``api_server.build_app`` creates them)."""
 
 from __future__ import annotations
+
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -12,6 +14,7 @@ from kvflow import __version__
 from kvflow.engine.async_llm import EngineDeadError, EngineShutdownError
 from kvflow.entrypoints.http_guards import error_response
 from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead
+from kvflow.entrypoints.ops_routes import add_disabled_route
 from kvflow.entrypoints.protocol import (
     ChatCompletionRequest,
     ClassificationRequest,
@@ -31,9 +34,12 @@ from kvflow.entrypoints.serving_models import ModelNotFound
 from kvflow.lora.request import LoRANameError
 from kvflow.metrics import CONTENT_TYPE
 
+logger = logging.getLogger(__name__)
+LORA_ROUTES_SWITCH = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
 
 def add_openai_routes(app: FastAPI) -> None:
-    """The OpenAI routes, /v1/responses' and the LoRA routes on ``app``."""
+    """The OpenAI routes and /v1/responses' on ``app`` (the LoRA routes:
+    :func:`add_lora_routes`)."""
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -88,11 +94,21 @@ def add_openai_routes(app: FastAPI) -> None:
                           f"{[c.id for c in cards]}", 404, "invalid_request_error", "model",
                           "model_not_found")
 
-    add_lora_routes(app)
 
-
-def add_lora_routes(app: FastAPI) -> None:
-    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter on ``app``."""
+def add_lora_routes(app: FastAPI, enabled: bool) -> None:
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter on ``app`` when ``enabled``
+    (``ServerConfig.allow_runtime_lora_updating``: ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``),
+    with vLLM's start-up warning; else each is a 404 naming the switch, left out of the
+    OpenAPI schema (vLLM leaves them off its app). Adapters given with ``--lora-modules``
+    are served either way."""
+    if not enabled:
+        for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            add_disabled_route(app, "POST", path, LORA_ROUTES_SWITCH)
+        return
+    logger.warning("LoRA dynamic loading & unloading is enabled in the API server "
+                   "(VLLM_ALLOW_RUNTIME_LORA_UPDATING): any client holding the API key can "
+                   "make it read adapter files from any path it can read. This should ONLY "
+                   "be used for local development!")
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoRAAdapterRequest, raw: Request) -> Response:

@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 ENGINE_DRIVEN: dict[str, str] = {
     "sleep": "call LLM.sleep(level) (POST /sleep?level=N)",
     "wake_up": "call LLM.wake_up(tags) (POST /wake_up)",
-    "add_lora": "pass a lora_request (POST /v1/load_lora_adapter)",
+    "add_lora": "pass a lora_request (POST /v1/load_lora_adapter under "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
     "remove_lora": "unload it (POST /v1/unload_lora_adapter)",
     **dict.fromkeys(("execute_model", "launch_forward", "launch_sampling", "collect_output",
                      "discard_output"), "the engine runs its steps itself"),

@@ -38,6 +38,8 @@ from tests.e2e.zygote import Zygote
 
 START_TIMEOUT_S = 180
 SERVER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # every server's
+# the env of a server that serves /v1/load_lora_adapter and /v1/unload_lora_adapter
+RUNTIME_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 
 
 def free_port() -> int:

@@ -24,7 +24,7 @@ import pytest
 
 from kvflow.entrypoints import protocol
 from tests.conftest import TINY_CHAT_TEMPLATE
-from tests.e2e.conftest import post_at_once, ready_side_by_side
+from tests.e2e.conftest import RUNTIME_LORA_ENV, post_at_once, ready_side_by_side
 from tests.lora.adapters import make_adapter
 from tests.models.embedding_models import build_decoder
 
@@ -94,7 +94,7 @@ def prestart_servers(fixture):
     """This module's servers, taken with ``start_server.declared`` and started ahead
     (``_prestart_next_module`` in conftest.py)."""
     built = fixture("built_models")
-    return [(_model_dir(fixture("tiny_chat_model"), built), ARGS, None),
+    return [(_model_dir(fixture("tiny_chat_model"), built), ARGS, RUNTIME_LORA_ENV),
             (_embed_model(fixture("tiny_tokenizer"), built), EMBED_ARGS, None)]
 
 

@@ -12,6 +12,7 @@ import re
 import httpx
 import pytest
 
+from tests.e2e.conftest import RUNTIME_LORA_ENV
 from tests.lora.adapters import MAX_TOKENS, make_adapter, peft_greedy
 
 PROMPTS = {"all": "the quick brown fox jumps over", "qv": "prefix caching reuses them, chunked",
@@ -47,7 +48,7 @@ def prestart_servers(fixture):
     (``_prestart_next_module`` in conftest.py)."""
     tiny_llama = fixture("tiny_llama")
     args = _server_args(_adapters(tiny_llama, fixture("built_models")))
-    return [(tiny_llama.path, args["good"], None)]
+    return [(tiny_llama.path, args["good"], RUNTIME_LORA_ENV)]
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +109,8 @@ def test_unload(server, adapters):
     assert complete(server, "tmp", "hi").status_code == 404
     resp = post(server, "/v1/unload_lora_adapter", {"lora_name": "tmp"})
     assert resp.status_code == 404 and resp.json()["error"]["param"] == "lora_name"
+    # served under VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 only, with vLLM's warning
+    assert "LoRA dynamic loading & unloading is enabled in the API server" in server.log()
 
 
 def test_load_inplace_replaces_the_adapter(server, tiny_llama, adapters, tiny_tokenizer):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import httpx
 
+from tests.e2e.conftest import RUNTIME_LORA_ENV
 from tests.e2e.test_data_parallel import per_engine
 from tests.lora.adapters import MAX_TOKENS, check_tokens_against_peft, make_adapter
 
@@ -39,7 +40,7 @@ def prestart_servers(fixture):
                                "--block-size", "4", "--served-model-name", "base",
                                "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
                                "--data-parallel-size", "2",
-                               "--lora-modules", f"all={adapters['all']}"], None)]
+                               "--lora-modules", f"all={adapters['all']}"], RUNTIME_LORA_ENV)]
 
 
 def _check_both_replicas(server, tiny_llama, model: str, adapter: str | None) -> None:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.distributed.conftest import SLOW
+from tests.e2e.conftest import RUNTIME_LORA_ENV
 from tests.lora.adapters import MAX_TOKENS, check_tokens_against_peft, make_adapter
 
 PROMPTS = {"all": [85, 73, 70, 222, 314, 302, 40, 41], "qv": [9, 250, 31, 77, 120, 5],
@@ -50,7 +51,7 @@ def _declaration(tiny_llama, adapters: dict[str, str], parallel: str) -> tuple:
                               "--block-size", "4", "--served-model-name", "base",
                               "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
                               *PARALLEL[parallel], "--lora-modules", f"all={adapters['all']}"],
-            None)
+            RUNTIME_LORA_ENV)
 
 
 def prestart_servers(fixture):

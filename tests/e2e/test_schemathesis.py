@@ -17,6 +17,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.generation import GenerationMode
 
+from tests.e2e.conftest import RUNTIME_LORA_ENV
+
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128", "--block-size", "4",
         "--max-model-len", "128", "--max-num-seqs", "8"]
 EXAMPLES = int(os.environ.get("KVFLOW_FUZZ_EXAMPLES", "20"))
@@ -26,7 +28,7 @@ TIMEOUT_S = 60.0  # a reply slower than this counts as a hang
 def prestart_servers(fixture):
     """This module's servers, taken with ``start_server.declared`` and started ahead
     (``_prestart_next_module`` in conftest.py)."""
-    return [(fixture("tiny_chat_model"), ARGS, None)]
+    return [(fixture("tiny_chat_model"), ARGS, RUNTIME_LORA_ENV)]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import ready_side_by_side
+from tests.e2e.conftest import RUNTIME_LORA_ENV, ready_side_by_side
 
 NUM_KV_BLOCKS = 64
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", str(NUM_KV_BLOCKS),
@@ -39,7 +39,7 @@ def prestart_servers(fixture):
     (``_prestart_next_module`` in conftest.py): the default (strict) one and one with
     ``--ignore-unknown-fields``."""
     model = fixture("tiny_chat_model")
-    return [(model, ARGS, None), (model, [*ARGS, "--ignore-unknown-fields"], None)]
+    return [(model, ARGS, RUNTIME_LORA_ENV), (model, [*ARGS, "--ignore-unknown-fields"], None)]
 
 
 @pytest.fixture(scope="module")

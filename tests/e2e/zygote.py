@@ -38,6 +38,8 @@ PRELOAD = ("kvflow.entrypoints.cli", "kvflow.entrypoints.api_server", "kvflow.en
            "transformers.activations", "kvflow.models.llama")
 _ZYGOTE_MAIN = "import sys; from tests.e2e.zygote import serve; serve(sys.argv[1])"
 ZYGOTE_THREADS = "1"  # OMP_NUM_THREADS of the zygote, so of every server it forks
+# vLLM's names that kvflow reads when the server starts (ServerConfig.from_cli_args)
+RUN_TIME_VLLM_VARIABLES = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING",)
 
 
 class Zygote:
@@ -57,12 +59,14 @@ class Zygote:
 
     def usable_for(self, env: dict[str, str]) -> bool:
         """Whether a server with environment ``env`` may be forked from the zygote: it
-        differs from the zygote's only in ``KVFLOW_*`` variables, which kvflow reads when it
-        runs, never at import (the OpenMP thread count, Hugging Face's folders and the like
-        were read when the zygote imported), and pytest's ``PYTEST_*``."""
+        differs from the zygote's only in ``KVFLOW_*`` variables and the vLLM ones kvflow
+        reads (:data:`RUN_TIME_VLLM_VARIABLES`), which kvflow reads when it runs, never at
+        import (the OpenMP thread count, Hugging Face's folders and the like were read when
+        the zygote imported), and pytest's ``PYTEST_*``."""
         names = set(env) | set(self.env)
         return all(env.get(k) == self.env.get(k) for k in names
-                   if not k.startswith(("KVFLOW_", "PYTEST_")))  # pytest's: the test's name
+                   if not k.startswith(("KVFLOW_", "PYTEST_"))  # pytest's: the test's name
+                   and k not in RUN_TIME_VLLM_VARIABLES)
 
     def ask(self, request: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
         """Send ``request``; returns the reply (waits for the zygote's imports the first
