@@ -52,7 +52,9 @@ class LLMPooling:
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               use_tqdm: bool | Callable[..., Any] = True, user: Sequence[str] | None = None,
-              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+              truncate_prompt_tokens: int | None = None,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+              ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in order (``out.outputs.embedding``: a list of floats),
         batched by the same scheduler as generation (prompts only, nothing sampled).
 
@@ -69,13 +71,16 @@ class LLMPooling:
                 ``max_model_len``), as ``/v1/embeddings`` cuts an input: a text as the
                 tokenizer truncates it (its special tokens counted), token ids to their last
                 ``k``; None: a prompt longer than ``max_model_len`` is refused.
+            lora_request: vLLM's keyword: None (or None per prompt); pooling engines run no
+                adapters (see :func:`refuse_pooling_loras`).
 
         Raises:
             ValueError: on a generation model (start it with ``task="embed"``), for a bad
-                prompt, ``dimensions`` or ``truncate_prompt_tokens``, or a ``user`` list
-                ``generate`` would refuse (nothing is queued then).
+                prompt, ``dimensions`` or ``truncate_prompt_tokens``, a ``user`` list
+                ``generate`` would refuse, or a LoRA adapter (nothing is queued then).
         """
         prompts = as_prompt_list(prompts)
+        refuse_pooling_loras(lora_request, len(prompts))
         params = broadcast_pooling_params(pooling_params, len(prompts))
         if any(p is not None and p.task != "embed" for p in params):
             raise ValueError("LLM.embed takes PoolingParams with task='embed'; score text pairs "
@@ -102,7 +107,8 @@ class LLMPooling:
             prompts: as ``embed`` takes them.
             pooling_params: one for all prompts or one per prompt (None: the defaults);
                 their ``task`` is set to the pooling task.
-            lora_request: None (or None per prompt): pooling engines run no adapters.
+            lora_request: None (or None per prompt): pooling engines run no adapters (see
+                :func:`refuse_pooling_loras`).
             pooling_task: ``"embed"``, ``"classify"``, ``"token_embed"`` or
                 ``"token_classify"``, where the engine runs it; None: the engine's (``embed``
                 on an embedding engine, ``token_classify`` on a token classifier, else
@@ -118,9 +124,7 @@ class LLMPooling:
         """
         task = resolve_pooling_task(self.engine.processor, pooling_task)
         prompts = as_prompt_list(prompts)
-        if any(lora is not None for lora in broadcast_loras(lora_request, len(prompts))):
-            raise ValueError("lora_request: a pooling engine runs no LoRA adapters (LoRA is "
-                             "refused with a pooling task)")
+        refuse_pooling_loras(lora_request, len(prompts))
         params = [with_pooling_task(p, task)
                   for p in broadcast_pooling_params(pooling_params, len(prompts))]
         per_token = task in TOKEN_TASKS
@@ -182,7 +186,9 @@ class LLMPooling:
               truncate_prompt_tokens: int | None = None,
               use_tqdm: bool | Callable[..., Any] = True,
               user: Sequence[str] | None = None,
-              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+              pooling_params: PoolingParams | None = None,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+              ) -> list[ScoringRequestOutput]:
         """A cross-encoder's score of each text pair, in pair order
         (``out.outputs.score``; see :class:`~kvflow.outputs.ScoringOutput`).
 
@@ -196,6 +202,8 @@ class LLMPooling:
             pooling_params: vLLM's: only its ``use_activation`` / ``activation`` is read
                 (False: each pair's raw head logits instead of the score activation); None:
                 the defaults.
+            lora_request: vLLM's keyword: None (or None per pair); pooling engines run no
+                adapters (see :func:`refuse_pooling_loras`).
 
         On an embedding model (``task="embed"``) a pair's score is the cosine similarity of
         its two texts' embeddings, as vLLM scores with embedding models
@@ -209,8 +217,9 @@ class LLMPooling:
                 several labels, for bad ``text_1`` / ``text_2`` (named), a
                 pair longer than ``max_model_len`` (named by its index and texts), or a bad
                 ``truncate_prompt_tokens`` or ``user``, pooling_params of another task or
-                with fields other than ``activation``, or ``activation`` on an embedding
-                model (cosine similarity has none) (nothing is queued then).
+                with fields other than ``activation``, ``activation`` on an embedding
+                model (cosine similarity has none), or a LoRA adapter (nothing is queued
+                then).
         """
         processor = self.engine.processor
         use_activation = score_use_activation(pooling_params)
@@ -218,10 +227,12 @@ class LLMPooling:
             if use_activation is not None:
                 raise ValueError("activation: an embedding model scores by cosine similarity, "
                                  "which has no activation to turn off")
-            return self._score_embeddings(score_pairs(text_1, text_2), truncate_prompt_tokens,
-                                          use_tqdm, user)
+            pairs = score_pairs(text_1, text_2)
+            refuse_pooling_loras(lora_request, len(pairs))
+            return self._score_embeddings(pairs, truncate_prompt_tokens, use_tqdm, user)
         processor.require_task("score")
         pairs = score_pairs(text_1, text_2)
+        refuse_pooling_loras(lora_request, len(pairs))
         users = check_users(user, len(pairs), self.engine.config.scheduler_config.policy)
         limit = truncation_length(truncate_prompt_tokens, processor.max_model_len)  # -1: all
         prompts = self._pair_requests(pairs, limit, use_activation)
@@ -256,7 +267,8 @@ class LLMPooling:
     def classify(self, prompts: PromptType | Sequence[PromptType],
                  use_tqdm: bool | Callable[..., Any] = True,
                  user: Sequence[str] | None = None, truncate_prompt_tokens: int | None = None,
-                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[ClassificationRequestOutput]:
         """A sequence classifier's class probabilities for each prompt, in order
         (``out.outputs.probs``: the softmax of its ``num_labels`` logits, the sigmoid of a
@@ -272,17 +284,20 @@ class LLMPooling:
             pooling_params: one for all prompts or one per prompt (None: the defaults), their
                 ``task`` set to ``classify``: ``use_activation`` / ``activation`` False gives
                 the head's raw logits in ``probs`` instead of their softmax / sigmoid.
+            lora_request: vLLM's keyword: None (or None per prompt); pooling engines run no
+                adapters (see :func:`refuse_pooling_loras`).
 
         Raises:
             ValueError: on an engine not running ``task="classify"`` or ``"score"`` (naming
                 what it runs),
                 for an empty prompt, a token id outside the vocabulary or a prompt longer than
                 ``max_model_len`` (naming the prompt by its index), a bad ``user``, or
-                pooling_params of another task or with embedding fields (nothing is queued
-                then).
+                pooling_params of another task or with embedding fields, or a LoRA adapter
+                (nothing is queued then).
         """
         self.engine.processor.require_task("classify")
         prompts = as_prompt_list(prompts)
+        refuse_pooling_loras(lora_request, len(prompts))
         params = [with_pooling_task(p, "classify")
                   for p in broadcast_pooling_params(pooling_params, len(prompts))]
         outs = self._pool(prompts, params, use_tqdm, user, name_prompts=True,
@@ -328,3 +343,20 @@ class LLMPooling:
             outs[b].request_id, outs[a].prompt_token_ids + outs[b].prompt_token_ids,
             ScoringOutput(cosine_similarity(outs[a].outputs.embedding, outs[b].outputs.embedding)),
             outs[a].finished and outs[b].finished, outs[b].metrics) for a, b in pairs]
+
+
+def refuse_pooling_loras(lora_request: Any, count: int) -> None:
+    """``lora_request`` of a pooling call (``embed``, ``encode``, ``classify``, ``score``,
+    which take vLLM's keyword): None, or None for each of the ``count`` prompts (or pairs).
+    vLLM runs adapters on pooling models; kvflow runs them on generating engines only (a
+    pooling engine refuses ``enable_lora`` at start), so an adapter is refused, never
+    ignored.
+
+    Raises:
+        ValueError: for an adapter, or a ``lora_request`` that is not None, a LoRARequest or
+            a list of ``count`` of them.
+    """
+    if any(lora is not None for lora in broadcast_loras(lora_request, count)):
+        raise ValueError("lora_request: a pooling engine runs no LoRA adapters (LoRA is "
+                         "refused with a pooling task; kvflow applies adapters to text "
+                         "generation only)")

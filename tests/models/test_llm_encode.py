@@ -8,6 +8,8 @@ refuses)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -90,6 +92,35 @@ def test_classifier_refusals_queue_nothing(classifier, kwargs, match):
     with pytest.raises(ValueError, match=match):
         llm.encode(TEXTS[0], use_tqdm=False, **kwargs)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_every_pooling_call_takes_vllms_lora_request_and_refuses_an_adapter(
+        bert, classifier, assert_no_leaks):
+    """``embed``, ``classify`` and ``score`` take vLLM's ``lora_request`` keyword (it was a
+    TypeError, unlike ``encode``): None per prompt gives the same values as without it, an
+    adapter is refused as ``encode`` refuses it (pooling engines run none: they refuse
+    enable_lora), nothing queued."""
+    embedder, _ = bert
+    llm, _ = classifier
+    adapter = LoRARequest("a", 1, "/nowhere")
+    calls = {"embed": (embedder, lambda lr: embedder.embed(SENTENCES[:2], use_tqdm=False,
+                                                           lora_request=lr)),
+             "score": (embedder, lambda lr: embedder.score(SENTENCES[0], SENTENCES[1:],
+                                                           use_tqdm=False, lora_request=lr)),
+             "classify": (llm, lambda lr: llm.classify(TEXTS[:2], use_tqdm=False,
+                                                       lora_request=lr))}
+    for name, (engine, call) in calls.items():
+        plain, nones = call(None), call([None, None])
+        values = [dataclasses.astuple(o.outputs) for o in plain]
+        assert [dataclasses.astuple(o.outputs) for o in nones] == values, name
+        for lora in (adapter, [None, adapter]):
+            with pytest.raises(ValueError, match="lora_request: a pooling engine runs no LoRA"):
+                call(lora)
+            assert not engine.engine.has_unfinished_requests()
+        with pytest.raises(ValueError, match="a list of 2 of them"):
+            call([None])
+    assert_no_leaks(embedder)
+    assert_no_leaks(llm)
 
 
 def test_a_generating_engine_refuses_encode(tiny_llama):
