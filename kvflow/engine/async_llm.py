@@ -29,7 +29,7 @@ from kvflow.config import EngineConfig
 from kvflow.core.sleep_mode import EngineSleep
 from kvflow.engine.async_llm_calls import AsyncLLMCalls
 from kvflow.engine.core_client import CoreProcess, ReplicaState
-from kvflow.engine.dp_balancer import DPLoadBalancer
+from kvflow.engine.dp_balancer import DPLoadBalancer, cache_key
 from kvflow.engine.messages import (
     AbortRequests,
     AddRequests,
@@ -291,7 +291,8 @@ class AsyncLLM(AsyncLLMCalls):
             raise ValueError(f"request {request_id!r} cannot be encoded: {e}") from None
         replica = self.balancer.choose(requests[0].prompt_token_ids,
                                        [c.is_live for c in self.cores],
-                                       [s.kv_cache_usage for s in self.stats])
+                                       [s.kv_cache_usage for s in self.stats],
+                                       cache_key(requests[0].lora_request, requests[0].cache_salt))
         stream = self.requests.open(request_id, prompt, requests, arrival, replica)
         logger.debug("request %s -> replica %d (depths %s)", request_id, replica,
                      self.balancer.depth)

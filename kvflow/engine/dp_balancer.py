@@ -13,8 +13,11 @@ The rule (``DPLoadBalancer.choose``):
 2. *Preferred* replica: the prompt's first ``affinity_blocks`` full KV blocks
    (``block_size`` token ids each; a shorter prompt has fewer, one under a block has none)
    give a chain of prefix hashes (block ``i``'s hash covers blocks ``0..i``, as the prefix
-   cache's do). The longest of them that a recent request was sent with names the preferred
-   replica (an LRU map of ``max_entries`` prefixes).
+   cache's do; the chain starts from the request's ``cache_key``, its LoRA adapter and
+   ``cache_salt``, which the prefix cache keys its blocks by too, so a prompt under another
+   adapter or salt, which cannot hit those blocks, is not drawn to their replica). The
+   longest of them that a recent request was sent with names the preferred replica (an LRU
+   map of ``max_entries`` prefixes).
 3. The preferred replica is taken when it is alive and
    ``depth[preferred] <= depth[least] + max(slack, slack_ratio * depth[least])``, where
    ``least`` is the live replica of smallest depth; among replicas of equal depth, the one
@@ -30,7 +33,7 @@ Pure bookkeeping, no I/O: the API process (``AsyncLLM``) calls it on the event l
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 
 class DPLoadBalancer:
@@ -64,10 +67,13 @@ class DPLoadBalancer:
         self._prefix_owner: OrderedDict[int, int] = OrderedDict()
         self._requests: dict[str, tuple[int, int]] = {}  # request id -> (replica, samples)
 
-    def prefix_hashes(self, prompt_token_ids: Sequence[int]) -> list[int]:
+    def prefix_hashes(self, prompt_token_ids: Sequence[int],
+                      cache_key: Hashable = None) -> list[int]:
         """Hashes of the prompt's first 1, 2, ... ``affinity_blocks`` full blocks (each covers
-        every block before it), shortest first; empty for a prompt under one block."""
-        bs, out, parent = self.block_size, [], 0
+        every block before it and ``cache_key``: see :func:`cache_key`), shortest first;
+        empty for a prompt under one block."""
+        bs, out = self.block_size, []
+        parent = 0 if cache_key is None else hash(("cache_key", cache_key))
         full = min(len(prompt_token_ids) // bs, self.affinity_blocks)
         for i in range(full):
             parent = hash((parent, tuple(prompt_token_ids[i * bs:(i + 1) * bs])))
@@ -83,7 +89,7 @@ class DPLoadBalancer:
         return None
 
     def choose(self, prompt_token_ids: Sequence[int], live: Sequence[bool],
-               kv_usage: Sequence[float] | None = None) -> int:
+               kv_usage: Sequence[float] | None = None, cache_key: Hashable = None) -> int:
         """The replica for a new request (see the module's rule); records its prefixes there.
 
         Args:
@@ -91,6 +97,8 @@ class DPLoadBalancer:
             live: per replica, whether it takes requests now.
             kv_usage: per replica, the fraction of its KV blocks in use (0-1) as it last
                 reported; breaks ties of depth (None: all equal).
+            cache_key: what else the prefix cache keys the prompt's blocks by
+                (:func:`cache_key` of the request; None: nothing, the base model unsalted).
 
         Raises:
             RuntimeError: when no replica is live.
@@ -100,7 +108,7 @@ class DPLoadBalancer:
             raise RuntimeError("no data-parallel replica is running")
         kv = kv_usage if kv_usage is not None else [0.0] * self.num_replicas
         least = min(candidates, key=lambda r: (self.depth[r], kv[r], r))
-        hashes = self.prefix_hashes(prompt_token_ids)
+        hashes = self.prefix_hashes(prompt_token_ids, cache_key)
         chosen, pref = least, self.preferred(hashes)
         if pref is not None and live[pref]:
             allowance = max(self.slack, self.slack_ratio * self.depth[least])
@@ -142,3 +150,13 @@ class DPLoadBalancer:
             self.finish(rid)
         for h in [h for h, r in self._prefix_owner.items() if r == replica]:
             del self._prefix_owner[h]
+
+
+def cache_key(lora_request: Hashable, cache_salt: str | None) -> Hashable:
+    """The part of a request's prefix-cache key beside its tokens that the balancer's
+    affinity follows: its LoRA adapter (a frozen ``LoRARequest``; id, name and folder, as
+    the block hashes hold them) and its ``cache_salt``; None for the base model unsalted (the
+    chain then starts as it always did)."""
+    if lora_request is None and cache_salt is None:
+        return None
+    return lora_request, cache_salt

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from kvflow.config import EngineConfig
 from kvflow.engine.core_client import CoreProcess, ReplicaState
-from kvflow.engine.dp_balancer import DPLoadBalancer
+from kvflow.engine.dp_balancer import DPLoadBalancer, cache_key
 from kvflow.engine.messages import (
     AbortRequests,
     AddLoRA,
@@ -93,7 +93,8 @@ class DPCoreClient:
         """
         replica = self.balancer.choose(requests[0].prompt_token_ids,
                                        [c.is_live for c in self.cores],
-                                       [s.kv_cache_usage for s in self.stats])
+                                       [s.kv_cache_usage for s in self.stats],
+                                       cache_key(requests[0].lora_request, requests[0].cache_salt))
         for r in requests:  # depth counts samples; each finishes on its own
             self.balancer.assign(r.request_id, replica, 1)
         self.cores[replica].send(self.replicas.encoder.encode(

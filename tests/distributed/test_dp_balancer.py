@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.engine.dp_balancer import DPLoadBalancer
+from kvflow.engine.dp_balancer import DPLoadBalancer, cache_key
+from kvflow.lora.request import LoRARequest
 
 BS = 4
 LIVE2 = [True, True]
@@ -106,6 +107,27 @@ def test_only_the_first_affinity_blocks_count():
     assert len(lb.prefix_hashes(prompt(1, 2, 3, 4))) == 2
     assert lb.prefix_hashes(prompt(1, 2, 3)) == lb.prefix_hashes(prompt(1, 2, 4))
     assert lb.prefix_hashes(prompt(1, 2)) != lb.prefix_hashes(prompt(2, 1))
+
+
+def test_affinity_follows_the_adapter_and_salt_the_prefix_cache_keys_by():
+    """A prompt's blocks are cached under its LoRA adapter and ``cache_salt`` (the block
+    hashes hold them), so the same tokens under another adapter, the base model or another
+    salt hit nothing on the replica that ran them: they go to the least-loaded replica
+    (they followed the tokens alone); the same adapter and salt still follow."""
+    sql, chat = LoRARequest("sql", 1, "/a/sql"), LoRARequest("chat", 2, "/a/chat")
+    lb = DPLoadBalancer(2, BS)
+    assert lb.choose(prompt(1, 2), LIVE2, cache_key=cache_key(sql, None)) == 0
+    lb.assign("a", 0, 1)  # depths [1, 0]: replica 0 is within the slack, were it preferred
+    assert lb.choose(prompt(1, 2), LIVE2) == 1  # the base model: nothing cached for it on 0
+    lb.assign("b", 1, 1)
+    lb.assign("c", 1, 1)  # depths [1, 2]
+    assert lb.choose(prompt(1, 2), LIVE2, cache_key=cache_key(chat, None)) == 0  # least
+    lb.assign("d", 0, 2)  # depths [3, 2]
+    assert lb.choose(prompt(1, 2), LIVE2, cache_key=cache_key(sql, "tenant")) == 1  # least
+    assert lb.choose(prompt(1, 2), LIVE2, cache_key=cache_key(sql, None)) == 0  # follows
+    assert lb.choose(prompt(1, 2), LIVE2, cache_key=cache_key(None, "tenant")) == 1
+    assert cache_key(None, None) is None  # the base model unsalted: the chain as before
+    assert lb.prefix_hashes(prompt(1)) == lb.prefix_hashes(prompt(1), cache_key(None, None))
 
 
 def test_a_dead_replica_gets_nothing_and_is_forgotten():
