@@ -483,6 +483,39 @@ def test_adapters_with_ngram_speculation_match_peft(llm, tiny_llama, adapters,
     assert_no_leaks(spec)
 
 
+def test_parallel_samples_and_logprobs_of_each_adapter_match_peft(llm, tiny_llama, adapters,
+                                                                  tmp_path, assert_no_leaks):
+    """n=2 greedy samples, their logprobs and the prompt logprobs of one prompt under each of
+    three adapters of different ranks and targets (two slots: the third waits for one) and
+    the base model, in one call: every sample is peft's greedy tokens, every logprob peft's
+    within 1e-4 (teacher forcing, fp32), and no sample or prompt shares K/V across adapters
+    (the prompt is the same for all four)."""
+    from tests.lora.adapters import peft_logprobs
+
+    r2 = make_adapter(tiny_llama.path, str(tmp_path / "r2"), 3, r=2, lora_alpha=4,
+                      target_modules=["k_proj", "up_proj"])
+    loras = [*_requests(adapters), LoRARequest("r2", 60, r2), None]
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    params = SamplingParams(temperature=0, n=2, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            logprobs=1, prompt_logprobs=1)
+    outs = llm.generate([ids] * 4, params, lora_request=loras, use_tqdm=False)
+    for lora, out in zip(loras, outs):
+        path = None if lora is None else lora.lora_path
+        expected = peft_greedy(tiny_llama.path, path, ids)
+        ref = peft_logprobs(tiny_llama.path, path, ids + expected)
+        assert [list(c.token_ids) for c in out.outputs] == [expected] * 2, lora
+        for sample in out.outputs:
+            got = [entry[t].logprob for t, entry in zip(sample.token_ids, sample.logprobs)]
+            want = [ref[len(ids) - 1 + i, t].item() for i, t in enumerate(expected)]
+            assert got == pytest.approx(want, abs=1e-4), lora
+        got = [out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))]
+        assert got == pytest.approx([ref[p - 1, ids[p]].item() for p in range(1, len(ids))],
+                                    abs=1e-4), lora
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 4  # each adapter matters
+    assert llm.engine.core.remove_lora(60)
+    assert_no_leaks(llm)
+
+
 def test_chat_takes_a_lora_request(llm, tiny_llama, adapters):
     """``LLM.chat(..., lora_request=...)`` (vLLM's offline chat argument) renders each
     conversation and decodes it with its adapter: peft's greedy tokens for the rendered ids
