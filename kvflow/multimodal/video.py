@@ -14,7 +14,11 @@ into patches). The forms taken are vLLM's:
   which ``media_io_kwargs`` ``video.num_frames`` frames (default 32) are sampled uniformly.
 
 Every frame passes the image checks (``--max-image-pixels`` per frame, read before decoding);
-the encoded video (data URL payload or download) is held to ``--max-image-bytes``. Every
+the encoded video (data URL payload or download) is held to ``--max-image-bytes``. A
+``data:video/jpeg`` URL may hold at most ``media_io_kwargs`` ``video.num_frames`` frames
+(default 32, counted before any is decoded: small JPEGs of large frames would otherwise decode
+to far more memory than their bytes; vLLM keeps the first ``num_frames`` and drops the rest
+unread, kvflow refuses rather than drop frames silently). Every
 refusal is a ``MediaError`` with ``code`` ``invalid_video``.
 """
 
@@ -139,6 +143,10 @@ def _data_url_frames(url: str, config: MultiModalConfig) -> list[Image.Image]:
         raise VideoError(f"the video has about {len(payload) * 3 // 4} bytes; the limit is "
                          f"{limit} bytes (--max-image-bytes)")
     chunks = payload.split(",") if media_type == "video/jpeg" else [payload]
+    if len(chunks) > config.video_num_frames():  # before any frame is decoded
+        raise VideoError(f"the video has {len(chunks)} JPEG frames; the limit is "
+                         f"{config.video_num_frames()} frames per video (--media-io-kwargs "
+                         "'{\"video\": {\"num_frames\": N}}')")
     try:
         blobs = [base64.b64decode(chunk, validate=True) for chunk in chunks]
     except (binascii.Error, ValueError) as e:

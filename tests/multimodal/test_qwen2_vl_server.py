@@ -265,7 +265,8 @@ def test_chat_video_url_equals_transformers(server, tiny_qwen2_vl):
 def test_bad_videos_are_a_400_naming_the_part(server):
     """Two videos over the default limit of one (before decoding), a video file without
     PyAV (or, with it, bytes that are no video), a frame that is no JPEG, an image media
-    type: 400s naming the part (the count: ``messages``) with code ``invalid_video``."""
+    type, more JPEG frames than media_io_kwargs video.num_frames (32): 400s naming the part
+    (the count: ``messages``) with code ``invalid_video``."""
     frames = jpeg_frames_url(random_video(2, 56, 41))
     over = chat(server, [video_part(frames), video_part(frames)])
     assert over.status_code == 400, over.text
@@ -273,8 +274,10 @@ def test_bad_videos_are_a_400_naming_the_part(server):
     assert "2 videos in one conversation; the limit is 1" in over.json()["error"]["message"]
     mp4 = "data:video/mp4;base64,AAAAIGZ0eXBpc29t"
     no_file = "PyAV" if importlib.util.find_spec("av") is None else "cannot decode the video"
+    many = jpeg_frames_url(random_video(33, 28, 42))
     for url, words in ((mp4, no_file), ("data:video/jpeg;base64,AAAA", "cannot decode"),
-                       (data_url(PNG), "video/ media type")):
+                       (data_url(PNG), "video/ media type"),
+                       (many, "33 JPEG frames; the limit is 32 frames per video")):
         resp = chat(server, [{"type": "text", "text": "x"}, video_part(url)])
         assert resp.status_code == 400, resp.text
         error = resp.json()["error"]

@@ -291,3 +291,27 @@ def test_a_bad_jpeg_frame_is_named_by_its_index():
                                          r"bytes are not"):
         load_video_url(url, MultiModalConfig())
     assert len(load_video_url(url.removesuffix(",AAAA"), MultiModalConfig())) == 1
+
+
+def test_jpeg_frames_beyond_num_frames_are_refused_before_decoding(monkeypatch):
+    """A data:video/jpeg URL had no frame-count limit: many small JPEGs of large frames
+    decoded to far more memory than --max-image-bytes suggests. Now at most media_io_kwargs
+    video.num_frames frames (default 32) are taken, counted before any frame decodes."""
+    import kvflow.multimodal.video as video_mod
+
+    three = jpeg_frames_url(random_video(3, 56, 1))
+    config = MultiModalConfig(media_io_kwargs={"video": {"num_frames": 2}})
+    decoded = []
+    real = video_mod.decode_image_bytes
+    monkeypatch.setattr(video_mod, "decode_image_bytes",
+                        lambda blob, cfg: decoded.append(1) or real(blob, cfg))
+    with pytest.raises(VideoError, match=r"^the video has 3 JPEG frames; the limit is 2 "
+                                         r"frames per video \(--media-io-kwargs"):
+        load_video_url(three, config)
+    assert decoded == []
+    assert len(load_video_url(three, MultiModalConfig(
+        media_io_kwargs={"video": {"num_frames": 3}}))) == 3
+    default = jpeg_frames_url(random_video(33, 28, 2))
+    with pytest.raises(VideoError, match="33 JPEG frames; the limit is 32 frames"):
+        load_video_url(default, MultiModalConfig())
+    assert len(load_video_url(default.rsplit(",", 1)[0], MultiModalConfig())) == 32
