@@ -25,6 +25,7 @@ from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import CheckedConstraints, StructuredOutputsParams
 from kvflow.token_masks import bad_words_token_ids, check_masks_leave_a_token
+from kvflow.tokenization_options import TokenizationOptions
 
 
 class InputProcessor(PoolingInputs):
@@ -72,30 +73,41 @@ class InputProcessor(PoolingInputs):
         """The text standing for one image in a prompt (None: the model takes no images)."""
         return None if self.mm_processor is None else self.mm_processor.placeholder
 
-    def process(self, prompt: PromptType, keep_last: int | None = None) -> ProcessedPrompt:
+    def process(self, prompt: PromptType, keep_last: int | None = None,
+                options: TokenizationOptions | None = None) -> ProcessedPrompt:
         """Tokenize a prompt and, for a vision-language model, preprocess its images and
         expand their placeholders; a dict prompt's ``cache_salt`` is kept. ``keep_last``
         (the request's ``truncate_prompt_tokens`` length) cuts a ``prompt_embeds`` prompt's
         rows before their length check; token prompts are cut by ``make_requests``.
+        ``options`` (the call's ``tokenization_kwargs``) tokenize, cut and pad text and
+        token-id prompts (:func:`kvflow.prompt_inputs.tokenize_prompt`).
 
         Raises:
             ValueError: for a malformed prompt, images for a text-only model, a placeholder
                 count that differs from the image count, a bad image (``MediaError``), or a
-                ``cache_salt`` that is not a non-empty string; for ``{"prompt_embeds": ...}``,
-                see :meth:`embeds_prompt`.
+                ``cache_salt`` that is not a non-empty string; ``options`` that cut or pad a
+                prompt with images or videos, or one given as embeddings; for
+                ``{"prompt_embeds": ...}``, see :meth:`embeds_prompt`.
         """
         images, videos, salt = [], [], None
         if isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
             if not set(prompt) <= {"prompt_embeds", "cache_salt"}:
                 raise ValueError(f"a prompt_embeds prompt takes no other keys than cache_salt; "
                                  f"got keys {sorted(prompt)}")
+            if options is not None and options.reshapes:
+                raise ValueError("tokenization_kwargs cannot cut or pad a prompt_embeds "
+                                 "prompt (use SamplingParams.truncate_prompt_tokens)")
             salt = check_cache_salt(prompt.get("cache_salt"))
             return dataclasses.replace(self.embeds_prompt(prompt["prompt_embeds"], keep_last),
                                        cache_salt=salt)
         if isinstance(prompt, Mapping):
             salt = check_cache_salt(prompt.get("cache_salt"))
             prompt, images, videos = unpack_prompt(prompt)
-        text, token_ids = self.tokenize(prompt)
+            if (images or videos) and options is not None and options.reshapes:
+                raise ValueError("tokenization_kwargs cannot cut or pad a prompt with images "
+                                 "or videos (their placeholders are expanded after "
+                                 "tokenization)")
+        text, token_ids = self.tokenize(prompt, options)
         return dataclasses.replace(self.attach_images(text, token_ids, images, videos),
                                    cache_salt=salt)
 
@@ -142,10 +154,12 @@ class InputProcessor(PoolingInputs):
         token_ids, features = self.mm_processor.process(token_ids, images, list(videos))
         return ProcessedPrompt(text, token_ids, features or None)
 
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Returns (prompt text or None, token ids); a dict prompt's images are not looked
-        at (see ``process``). Raises ValueError on bad input (:func:`tokenize_prompt`)."""
-        return tokenize_prompt(self.tokenizer, prompt)
+    def tokenize(self, prompt: PromptType, options: TokenizationOptions | None = None
+                 ) -> tuple[str | None, list[int]]:
+        """Returns (prompt text or None, token ids), tokenized, cut and padded as ``options``
+        say (None: as usual); a dict prompt's images are not looked at (see ``process``).
+        Raises ValueError on bad input (:func:`tokenize_prompt`)."""
+        return tokenize_prompt(self.tokenizer, prompt, options)
 
     def validate(self, token_ids: list[int], pooling: bool = False) -> None:
         """Raises ValueError for an empty prompt, one that leaves no room to generate (for an

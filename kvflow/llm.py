@@ -96,7 +96,8 @@ class LLM(LLMPooling, LLMOps):
                  priority: int | Sequence[int] | None = None,
                  user: Sequence[str] | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-                 on_output: Callable[[int, RequestOutput], None] | None = None
+                 on_output: Callable[[int, RequestOutput], None] | None = None,
+                 *, tokenization_kwargs: dict[str, Any] | None = None
                  ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
 
@@ -120,10 +121,15 @@ class LLM(LLMPooling, LLMOps):
                 sample's whole text until now) each time a step adds to it, the finished one
                 last; a kvflow extension (``kvflow generate`` prints the tokens as they come
                 with it).
+            tokenization_kwargs: vLLM's overrides for ``tokenizer.encode``, for every text
+                and token-id prompt: ``add_special_tokens``, ``truncation`` with
+                ``max_length``, ``truncate_prompt_tokens``, ``truncation_side``,
+                ``do_lower_case``, ``padding="max_length"``, ``pad_prompt_tokens`` (see
+                :mod:`kvflow.tokenization_options`); another key is a ValueError naming it.
 
         Raises:
-            ValueError: if any prompt, parameter or adapter is invalid, or ``on_output`` is
-                not callable (nothing is queued then); ``RequestRefused`` (a ValueError)
+            ValueError: if any prompt, parameter, adapter or ``tokenization_kwargs`` key is
+                invalid, or ``on_output`` is not callable (nothing is queued then); ``RequestRefused`` (a ValueError)
                 ``"prompt <i>: <why>"`` when the engine core could not run prompt ``i`` (its
                 structured-output grammar did not compile within
                 ``structured_output_compile_timeout``, or failed to, or its
@@ -141,7 +147,8 @@ class LLM(LLMPooling, LLMOps):
         priorities = check_priorities(priority, len(prompts),
                                        self.engine.config.scheduler_config.policy)
         users = check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
-        prompts = processed_prompts(self.engine.processor, prompts, params)
+        prompts = processed_prompts(self.engine.processor, prompts, params,
+                                    tokenization_kwargs)
         loras = broadcast_loras(lora_request, len(prompts))
         ids = self._queue_requests(prompts, params, priorities, users, loras)
         return self._run(ids, use_tqdm, on_output)

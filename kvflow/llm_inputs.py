@@ -20,6 +20,7 @@ from kvflow.prompt_truncation import (
     truncation_length,
 )
 from kvflow.sampling_params import SamplingParams
+from kvflow.tokenization_options import parse_tokenization_kwargs
 
 
 def with_images(token_ids: list[int], images: list[Any], videos: Sequence[Any] = ()
@@ -257,19 +258,25 @@ def beam_search_prompts(processor: InputProcessor, prompts: list[PromptType],
 
 
 def processed_prompts(processor: InputProcessor, prompts: list[PromptType],
-                      params: list[SamplingParams]) -> list[ProcessedPrompt]:
-    """Each prompt processed (images decoded and expanded; prompt embeddings cut to their
-    last ``truncate_prompt_tokens`` rows) and checked against the context as
+                      params: list[SamplingParams],
+                      tokenization_kwargs: dict[str, Any] | None = None
+                      ) -> list[ProcessedPrompt]:
+    """Each prompt processed (tokenized as ``tokenization_kwargs`` say, see
+    :mod:`kvflow.tokenization_options`; images decoded and expanded; prompt embeddings cut to
+    their last ``truncate_prompt_tokens`` rows) and checked against the context as
     ``params[i].truncate_prompt_tokens`` leaves it: the kept tokens are what must fit
     (vLLM's order), so nothing is queued if one does not.
 
     Raises:
-        ValueError: for a bad prompt or truncation (``SamplingParams.truncate_prompt_tokens``
-            above ``max_model_len``), or kept tokens that do not fit.
+        ValueError: for a bad prompt, ``tokenization_kwargs`` or truncation
+            (``SamplingParams.truncate_prompt_tokens`` above ``max_model_len``), or kept
+            tokens that do not fit.
     """
+    options = parse_tokenization_kwargs(tokenization_kwargs, processor.max_model_len)
     limits = [truncation_length(p.truncate_prompt_tokens, processor.max_model_len,
                                 SAMPLING_FIELD) for p in params]
-    processed = [processor.process(p, keep_last=limit) for p, limit in zip(prompts, limits)]
+    processed = [processor.process(p, keep_last=limit, options=options)
+                 for p, limit in zip(prompts, limits)]
     for p, limit in zip(processed, limits):
         processor.validate(keep_last_tokens(p.token_ids, limit))
     return processed

@@ -12,6 +12,7 @@ from typing import Any
 from kvflow.multimodal.video import video_list
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.prompt_embeds import PromptEmbeds
+from kvflow.tokenization_options import TokenizationOptions
 
 # A text prompt, a token-id prompt, or a dict: {"prompt": str} or {"prompt_token_ids": [...]},
 # with "multi_modal_data": {"image": PIL image or list of them, "video": a video (uint8 array
@@ -85,14 +86,18 @@ def unpack_prompt(prompt: Mapping[str, Any]) -> tuple[str | list[int], list[Any]
     return prompt.get("prompt", ids), images, videos
 
 
-def tokenize_prompt(tokenizer: Any, prompt: PromptType) -> tuple[str | None, list[int]]:
+def tokenize_prompt(tokenizer: Any, prompt: PromptType,
+                    options: TokenizationOptions | None = None) -> tuple[str | None, list[int]]:
     """(prompt text or None, token ids) of a prompt: text is encoded by ``tokenizer`` (a
     transformers tokenizer, special tokens added; None: token-id prompts only); a dict
     prompt's images are not looked at (``InputProcessor.process`` attaches them).
+    ``options`` (a call's ``tokenization_kwargs``) change how text is encoded and cut or pad
+    text and token ids alike; the text returned is the prompt as given.
 
     Raises:
         ValueError: for text without a tokenizer or not valid Unicode, a token-id list
-            holding a non-integer, a malformed dict prompt, or another type.
+            holding a non-integer, a malformed dict prompt, or another type; padding
+            without a pad token.
     """
     if isinstance(prompt, Mapping):
         prompt = unpack_prompt(prompt)[0]
@@ -103,11 +108,15 @@ def tokenize_prompt(tokenizer: Any, prompt: PromptType) -> tuple[str | None, lis
             raise ValueError(f"the prompt is not valid Unicode text: {e}") from None
         if tokenizer is None:
             raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
+        if options is not None:
+            return prompt, options.encode(tokenizer, prompt)
         return prompt, tokenizer.encode(prompt, add_special_tokens=True)
     if isinstance(prompt, (list, tuple)):
         bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool)]
         if bad:
             raise ValueError(f"a token-id prompt must hold only integers, got {bad[0]!r}")
+        if options is not None and options.reshapes:
+            return None, options.reshape(tokenizer, list(prompt))
         return None, list(prompt)
     raise ValueError(f"a prompt must be a string or a list of token ids, got "
                      f"{type(prompt).__name__}")

@@ -1,0 +1,173 @@
+"""``tokenization_kwargs`` of the offline API (``LLM.generate``, vLLM's "overrides for
+``tokenizer.encode``"): the keys vLLM's renderer reads (``TokenizeParams.with_kwargs``),
+parsed once per call into :class:`TokenizationOptions` and applied to each text or token-id
+prompt. vLLM logs and ignores any other key; kvflow refuses it, naming it.
+
+Keys read (vLLM's meanings):
+
+* ``add_special_tokens`` (bool, default True): passed to the tokenizer.
+* ``do_lower_case`` (bool): the text is lower-cased before it is tokenized.
+* ``max_length`` (int >= 1, default ``max_model_len``): the length ``truncation`` and
+  ``padding="max_length"`` use.
+* ``truncation``: True / ``"longest_first"`` keeps ``max_length`` tokens; False /
+  ``"do_not_truncate"`` none.
+* ``truncate_prompt_tokens`` (int >= 1, or -1 for ``max_model_len``): keep that many tokens.
+* ``truncation_side`` (``"left"``: keep the last tokens, ``"right"``: keep the first): when
+  given, the whole text is tokenized and cut on that side (special tokens cut too); when
+  not, the tokenizer cuts a text on its own ``truncation_side`` (keeping its special
+  tokens: ``tokenizer(text, truncation=True, max_length=k)``) and a token-id prompt is cut on
+  that side.
+* ``padding``: ``"max_length"`` appends the tokenizer's pad token up to ``max_length``
+  tokens (after any cut); False / ``"do_not_pad"`` nothing. ``pad_prompt_tokens`` (int >= 1,
+  or -1 for ``max_model_len``) pads to that length.
+* ``needs_detokenization`` (bool): read and ignored (kvflow always keeps the prompt's text).
+
+Cutting or padding a prompt with images or videos, or one given as embeddings, is refused
+(their placeholders or rows are not tokens to cut).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvflow.prompt_truncation import truncation_length
+
+__all__ = ["TokenizationOptions", "parse_tokenization_kwargs"]
+
+_FIELD = "tokenization_kwargs"
+_KEYS = ("add_special_tokens", "do_lower_case", "max_length", "truncation",
+         "truncate_prompt_tokens", "truncation_side", "padding", "pad_prompt_tokens",
+         "needs_detokenization")
+
+
+@dataclass(frozen=True)
+class TokenizationOptions:
+    """How one call's prompts are tokenized, cut and padded (see the module docstring).
+
+    Attributes:
+        add_special_tokens: passed to the tokenizer for text prompts.
+        do_lower_case: lower-case a text prompt before tokenizing it.
+        keep: tokens kept (None: no cut).
+        side: ``"left"`` / ``"right"`` given by the caller, or None for the tokenizer's own
+            ``truncation_side``.
+        pad_to: pad to this many tokens (None: no padding).
+    """
+
+    add_special_tokens: bool = True
+    do_lower_case: bool = False
+    keep: int | None = None
+    side: str | None = None
+    pad_to: int | None = None
+
+    @property
+    def reshapes(self) -> bool:
+        """Whether a prompt's tokens are cut or padded."""
+        return self.keep is not None or self.pad_to is not None
+
+    def encode(self, tokenizer: Any, text: str) -> list[int]:
+        """``text``'s token ids under these options, cut and padded.
+
+        Raises:
+            ValueError: for padding without a pad token in the tokenizer.
+        """
+        if self.do_lower_case:
+            text = text.lower()
+        if self.keep is not None and self.side is None:  # the tokenizer cuts on its side
+            ids = tokenizer(text, add_special_tokens=self.add_special_tokens,
+                            truncation=True, max_length=self.keep)["input_ids"]
+        else:
+            ids = tokenizer.encode(text, add_special_tokens=self.add_special_tokens)
+        return self.reshape(tokenizer, list(ids))
+
+    def reshape(self, tokenizer: Any, token_ids: list[int]) -> list[int]:
+        """``token_ids`` cut to ``keep`` on ``side`` (or the tokenizer's
+        ``truncation_side``, default right), then padded to ``pad_to``.
+
+        Raises:
+            ValueError: for padding without a pad token in the tokenizer.
+        """
+        if self.keep is not None and len(token_ids) > self.keep:
+            side = self.side or getattr(tokenizer, "truncation_side", None) or "right"
+            token_ids = token_ids[-self.keep:] if side == "left" else token_ids[:self.keep]
+        if self.pad_to is not None and len(token_ids) < self.pad_to:
+            pad = getattr(tokenizer, "pad_token_id", None)
+            if pad is None:
+                raise ValueError(f"{_FIELD} padding needs a pad token, and this model's "
+                                 "tokenizer has none")
+            token_ids = token_ids + [pad] * (self.pad_to - len(token_ids))
+        return token_ids
+
+
+def parse_tokenization_kwargs(kwargs: Mapping[str, Any] | None,
+                              max_model_len: int) -> TokenizationOptions | None:
+    """``tokenization_kwargs`` checked and resolved against ``max_model_len`` (tokens); None
+    for None or an empty dict (tokenize as usual).
+
+    Raises:
+        ValueError: naming ``tokenization_kwargs`` and the key, for a key kvflow does not read
+            (vLLM ignores it with a warning), a value of the wrong type, or a length out of
+            range (0, below -1, above ``max_model_len``).
+    """
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"{_FIELD} must be a dict, got {type(kwargs).__name__}")
+    unknown = sorted(set(kwargs) - set(_KEYS))
+    if unknown:
+        raise ValueError(f"{_FIELD} {unknown} are not read by kvflow (vLLM ignores them with a "
+                         f"warning); it reads {list(_KEYS)}")
+    if not kwargs:
+        return None
+    for name in ("add_special_tokens", "do_lower_case", "needs_detokenization"):
+        if name in kwargs and not isinstance(kwargs[name], bool):
+            raise ValueError(f"{_FIELD}['{name}'] must be a bool, got {kwargs[name]!r}")
+    max_length = _length(kwargs, "max_length", max_model_len, allow_minus_one=False)
+    max_length = max_model_len if max_length is None else max_length
+    keep = _length(kwargs, "truncate_prompt_tokens", max_model_len)
+    truncation = kwargs.get("truncation")
+    if truncation in (True, "longest_first"):
+        keep = max_length
+    elif truncation not in (None, False, "do_not_truncate"):
+        raise ValueError(f"{_FIELD}['truncation']={truncation!r}: kvflow reads True, "
+                         "'longest_first', False or 'do_not_truncate' (a single prompt has "
+                         "no second sequence to cut)")
+    elif truncation is not None:
+        keep = None
+    pad_to = _length(kwargs, "pad_prompt_tokens", max_model_len)
+    padding = kwargs.get("padding")
+    if padding == "max_length":
+        pad_to = max_length
+    elif padding not in (None, False, "do_not_pad"):
+        raise ValueError(f"{_FIELD}['padding']={padding!r}: kvflow reads 'max_length', False "
+                         "or 'do_not_pad' (one prompt has no longest one to pad to)")
+    elif padding is not None:
+        pad_to = None
+    side = kwargs.get("truncation_side")
+    if side not in (None, "left", "right"):
+        raise ValueError(f"{_FIELD}['truncation_side'] must be 'left' or 'right', got "
+                         f"{side!r}")
+    return TokenizationOptions(add_special_tokens=kwargs.get("add_special_tokens", True),
+                               do_lower_case=kwargs.get("do_lower_case", False),
+                               keep=keep, side=side, pad_to=pad_to)
+
+
+def _length(kwargs: Mapping[str, Any], name: str, max_model_len: int,
+            allow_minus_one: bool = True) -> int | None:
+    """``kwargs[name]`` as a token count (-1: ``max_model_len`` where allowed); None when
+    absent or None.
+
+    Raises:
+        ValueError: naming the key, for a non-integer or a count out of range.
+    """
+    value = kwargs.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or \
+            (value == -1 and not allow_minus_one):
+        raise ValueError(f"{_FIELD}['{name}'] must be an integer >= 1"
+                         f"{' or -1 (max_model_len)' if allow_minus_one else ''}, got "
+                         f"{value!r}")
+    return truncation_length(value, max_model_len, f"{_FIELD}['{name}']")

@@ -1,0 +1,111 @@
+"""``LLM.generate(..., tokenization_kwargs=...)``: vLLM's overrides for ``tokenizer.encode``.
+
+Oracle: the HF tokenizer called with the same arguments
+(``tokenizer(prompt, **kwargs).input_ids``), or the tokenizer's ids cut / padded by hand where
+vLLM cuts after tokenizing (an explicit ``truncation_side``, token-id prompts, padding);
+generation from the resulting ids against generation from those ids given directly.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+from kvflow.tokenization_options import parse_tokenization_kwargs
+
+TEXT = "Prefix caching reuses them, chunked prefill splits long prompts"
+GREEDY = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def bos_model(tiny_llama, tmp_path_factory):
+    """The tiny Llama with a tokenizer that adds ``<bos>`` (id 1) in front of every text
+    and pads with ``<eos>``, so that special tokens and padding show in the ids."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tok_kwargs") / "model"
+    shutil.copytree(tiny_llama.path, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", 1)])
+    tok.pad_token = "<eos>"
+    tok.save_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert tok(TEXT).input_ids[0] == 1 and tok.truncation_side == "right"
+    llm = LLM(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=64,
+              block_size=4, max_model_len=64)
+    return llm, tok
+
+
+def _ids(llm, prompt, kwargs):
+    (out,) = llm.generate(prompt, GREEDY, use_tqdm=False, tokenization_kwargs=kwargs)
+    return out
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"add_special_tokens": False},
+    {"truncation": True, "max_length": 6},
+    {"truncation": "longest_first", "max_length": 5, "add_special_tokens": False},
+])
+def test_text_prompts_are_tokenized_as_the_tokenizer_with_the_same_kwargs(bos_model, kwargs):
+    """Were refused (TypeError: no such argument); now the ids are the HF tokenizer's with
+    the same arguments (right truncation keeps the tokenizer's <bos>), and generation from
+    them equals generation from those ids given directly."""
+    llm, tok = bos_model
+    want = tok(TEXT, **kwargs).input_ids
+    assert want != tok(TEXT).input_ids
+    out = _ids(llm, TEXT, kwargs)
+    assert out.prompt_token_ids == want
+    assert out.prompt == TEXT
+    (direct,) = llm.generate(want, GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == direct.outputs[0].token_ids
+
+
+def test_cuts_on_an_explicit_side_padding_and_lower_case(bos_model):
+    """truncation_side given: the whole tokenization cut on that side (vLLM slices after
+    encoding, <bos> included); token-id prompts cut on the tokenizer's side (right);
+    padding="max_length" appends the pad token; do_lower_case lower-cases the text."""
+    llm, tok = bos_model
+    ids = tok(TEXT).input_ids
+    assert _ids(llm, TEXT, {"truncate_prompt_tokens": 5, "truncation_side": "left"}
+                ).prompt_token_ids == ids[-5:]
+    assert _ids(llm, TEXT, {"truncate_prompt_tokens": 5, "truncation_side": "right"}
+                ).prompt_token_ids == ids[:5]
+    assert _ids(llm, ids, {"truncation": True, "max_length": 4}).prompt_token_ids == ids[:4]
+    short = tok("the fox").input_ids
+    assert _ids(llm, "the fox", {"padding": "max_length", "max_length": 8}
+                ).prompt_token_ids == short + [tok.pad_token_id] * (8 - len(short))
+    assert _ids(llm, "the fox", {"pad_prompt_tokens": 6}).prompt_token_ids == \
+        short + [tok.pad_token_id] * (6 - len(short))
+    assert _ids(llm, "THE Fox", {"do_lower_case": True}).prompt_token_ids == short
+    assert _ids(llm, TEXT, {"truncation": False, "padding": False,
+                            "needs_detokenization": True}).prompt_token_ids == ids
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"return_tensors": "pt"}, r"tokenization_kwargs \['return_tensors'\] are not read"),
+    ({"truncation": "only_second"}, r"tokenization_kwargs\['truncation'\]='only_second'"),
+    ({"padding": "longest"}, r"tokenization_kwargs\['padding'\]='longest'"),
+    ({"truncation_side": "middle"}, r"tokenization_kwargs\['truncation_side'\]"),
+    ({"max_length": 0}, r"tokenization_kwargs\['max_length'\]=0"),
+    ({"max_length": 65}, r"\['max_length'\]=65 is greater than max_model_len \(64\)"),
+    ({"add_special_tokens": "no"}, r"tokenization_kwargs\['add_special_tokens'\] must be"),
+])
+def test_other_keys_and_bad_values_are_refused_naming_them(bos_model, kwargs, match):
+    """vLLM logs and ignores a key its renderer does not read; kvflow refuses it, naming it,
+    and queues nothing."""
+    llm, _ = bos_model
+    with pytest.raises(ValueError, match=match):
+        llm.generate([TEXT, "the fox"], GREEDY, use_tqdm=False, tokenization_kwargs=kwargs)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_minus_one_means_max_model_len_and_none_changes_nothing():
+    assert parse_tokenization_kwargs(None, 64) is None
+    assert parse_tokenization_kwargs({}, 64) is None
+    assert parse_tokenization_kwargs({"truncate_prompt_tokens": -1}, 64).keep == 64
+    assert parse_tokenization_kwargs({"truncation": True}, 64).keep == 64
+    assert parse_tokenization_kwargs({"padding": "max_length", "max_length": 9}, 64).pad_to == 9
