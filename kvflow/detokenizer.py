@@ -7,6 +7,11 @@ Contract
 --------
 * The concatenation of every ``DetokenizerDelta.text`` returned for a request equals
   ``tokenizer.decode(generated_ids, skip_special_tokens=...)`` when no stop string matched.
+  With ``spaces_between_special_tokens=False`` (and special tokens kept), an added token
+  (special or not) that follows another added token is written as its content alone: the ids
+  are decoded in runs split before each such token, so no text a decoder puts between them
+  (WordPiece's space: ``[SEP] [SEP]``) survives (vLLM's fast detokenizer's rule; byte-level
+  and SentencePiece decoders put nothing there, so their text does not change).
   The prompt's text never appears in the output, and the first generated token is decoded
   exactly as the full decode would (e.g. a SentencePiece tokenizer drops its leading space).
 * A partial UTF-8 character (a byte-level BPE or byte-fallback token that splits a multi-byte
@@ -49,6 +54,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 __all__ = ["DetokenizerDelta", "IncrementalDetokenizer"]
@@ -88,6 +94,9 @@ class IncrementalDetokenizer:
             generated ids only (see the module docstring), so the prompt never enters the decode
             window; its length is kept as :attr:`num_prompt_tokens` for callers' bookkeeping.
         skip_special_tokens: Passed to ``tokenizer.decode``.
+        spaces_between_special_tokens: False: nothing between two adjacent added tokens
+            (see the module docstring); read only with ``skip_special_tokens=False``, as
+            vLLM reads it.
         stop: Stop strings (a single ``str`` is accepted as a one-element list).
         include_stop_str_in_output: Keep the matched stop string at the end of the output.
         min_tokens: A stop string counts only when it completes in a token after the first
@@ -109,11 +118,15 @@ class IncrementalDetokenizer:
         stop: Sequence[str] | str | None = None,
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         if min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        # Ids of the added tokens glued to an added token before them (empty: none glued).
+        self._glued = frozenset() if skip_special_tokens or spaces_between_special_tokens \
+            else added_token_ids(tokenizer)
         self._cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
         self.num_prompt_tokens = len(prompt_token_ids)
         self._stops = _normalize_stops(stop)
@@ -186,9 +199,17 @@ class IncrementalDetokenizer:
     # ---- token ids -> text -------------------------------------------------------------
 
     def _decode(self, start: int) -> str:
-        return self._tokenizer.decode(
-            self._ids[start:], skip_special_tokens=self._skip_special_tokens
-        )
+        ids = self._ids
+        if self._glued:  # decode in runs, each glued added token starting one
+            cuts = [i for i in range(start + 1, len(ids))
+                    if ids[i] in self._glued and ids[i - 1] in self._glued]
+            if cuts:
+                bounds = [start, *cuts, len(ids)]
+                return "".join(self._decode_ids(ids[a:b]) for a, b in pairwise(bounds))
+        return self._decode_ids(ids[start:])
+
+    def _decode_ids(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def _decode_step(self, new_token_ids: Sequence[int], flush: bool) -> str:
         """Append ids, return the newly stable text (all remaining text when ``flush``)."""
@@ -277,6 +298,16 @@ class IncrementalDetokenizer:
         self._held = region[keep:]
         self._tail = region[max(0, len(region) - self._stop_window):]
         return region[emitted_upto:keep], None
+
+
+def added_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of ``tokenizer``'s added tokens, special or not (the ``tokenizers`` backend's
+    ``get_added_tokens_decoder``, as vLLM reads them; else transformers'
+    ``added_tokens_decoder``)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "get_added_tokens_decoder"):
+        return frozenset(backend.get_added_tokens_decoder())
+    return frozenset(getattr(tokenizer, "added_tokens_decoder", None) or ())
 
 
 def _normalize_stops(stop: Sequence[str] | str | None) -> tuple[str, ...]:

@@ -103,7 +103,8 @@ class OutputProcessor:
             if self.tokenizer is not None and r.pooling_params is None and p.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids,
                                                p.skip_special_tokens, p.stop,
-                                               p.include_stop_str_in_output, p.min_tokens)
+                                               p.include_stop_str_in_output, p.min_tokens,
+                                               p.spaces_between_special_tokens)
             out = CompletionOutput(index=r.sample_index,
                                    logprobs=[] if p.logprobs is not None else None,
                                    cumulative_logprob=0.0 if p.logprobs is not None else None)

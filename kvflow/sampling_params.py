@@ -70,6 +70,11 @@ class SamplingParams:
             prefix-cache hits for its prompt.
         include_stop_str_in_output: keep the matched stop string in the text.
         skip_special_tokens: drop special tokens when detokenizing.
+        spaces_between_special_tokens: False: an added token (special or not) right after
+            another one is written as its content alone, with nothing a decoder would put
+            between them (WordPiece's space); read only with ``skip_special_tokens=False``
+            (vLLM's fast detokenizer's rule: byte-level and SentencePiece decoders put nothing
+            there, so their text is the same either way).
         detokenize: False: no text (vLLM's): ``CompletionOutput.text`` stays "" and the
             ``decoded_token`` of every logprob (and prompt logprob) is None; only the token
             ids come back, which saves detokenizing them. Stop strings need text: refused
@@ -136,6 +141,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -240,7 +246,7 @@ class SamplingParams:
                     raise bad(name, value, "a number of milliseconds or None")
                 setattr(self, name, float(value))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                     "detokenize"):
+                     "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, getattr(self, name), "True or False")
         if not (self.stop is None or isinstance(self.stop, (str, list, tuple))):

@@ -420,3 +420,84 @@ def test_stop_validation(byte_bpe):
     detok = IncrementalDetokenizer(byte_bpe, [], stop="ta")  # a bare string is one stop
     delta = detok.update(byte_bpe.encode("beta", add_special_tokens=False), finished=False)
     assert delta == DetokenizerDelta("be", "ta")
+
+
+# ---- spaces_between_special_tokens -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_no_spaces_between_adjacent_added_tokens(wordpiece, chunk):
+    """spaces_between_special_tokens=False with special tokens kept (vLLM's fast detokenizer
+    rule): an added token right after another one is written as its content alone, so the
+    space WordPiece's decoder puts between them goes (hand-written text; vLLM 0.32's
+    FastIncrementalDetokenizer gives the same for these ids after a prompt). True, and any
+    value with skip_special_tokens, leave the tokenizer's decode as it is."""
+    default = "[SEP] [SEP] hello world [SEP] [CLS] [CLS] hello [CLS]"
+    ids = token_ids(wordpiece, *default.split())
+    assert wordpiece.decode(ids) == default
+    glued, _ = stream(wordpiece, ids, chunk=chunk, skip_special_tokens=False,
+                      spaces_between_special_tokens=False)
+    assert joined(glued) == "[SEP][SEP] hello world [SEP][CLS][CLS] hello [CLS]"
+    spaced, _ = stream(wordpiece, ids, chunk=chunk, skip_special_tokens=False,
+                       spaces_between_special_tokens=True)
+    assert joined(spaced) == default
+    skipped, _ = stream(wordpiece, ids, chunk=chunk, skip_special_tokens=True,
+                        spaces_between_special_tokens=False)
+    assert joined(skipped) == wordpiece.decode(ids, skip_special_tokens=True) == "hello world hello"
+
+
+def test_no_spaces_between_added_tokens_changes_nothing_byte_level(byte_bpe):
+    """A byte-level decoder writes adjacent special tokens with nothing between them: the
+    text is the full decode either way, over a long stream (the window narrows past them)."""
+    ids = token_ids(byte_bpe, "<|im_start|>", "<|im_end|>") + \
+        byte_bpe.encode(f"{WORDS}. " * 4) + token_ids(byte_bpe, "<|im_end|>", "<|im_end|>")
+    glued, _ = stream(byte_bpe, ids, skip_special_tokens=False,
+                      spaces_between_special_tokens=False)
+    assert joined(glued) == byte_bpe.decode(ids, skip_special_tokens=False)
+    assert joined(glued).startswith("<|im_start|><|im_end|>alpha")
+
+
+def test_spaces_between_special_tokens_reaches_the_output_and_the_server(wordpiece):
+    """SamplingParams(spaces_between_special_tokens=False) reaches the request's detokenizer
+    (OutputProcessor: the finished text hand-written); /v1/completions and
+    /v1/chat/completions bodies carry it into SamplingParams (it was a 400
+    unsupported_parameter); beam search, whose text is a plain decode, refuses it; a value
+    that is not a bool is a ValueError naming it."""
+    from types import SimpleNamespace
+
+    from kvflow.engine_outputs import EngineCoreOutput
+    from kvflow.entrypoints.beam_requests import check_beam_request
+    from kvflow.entrypoints.openai_errors import OpenAIError
+    from kvflow.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+    from kvflow.entrypoints.sampling_requests import sampling_params
+    from kvflow.input_processor import InputProcessor
+    from kvflow.output_processor import OutputProcessor
+    from kvflow.sampling_params import SamplingParams
+
+    ids = token_ids(wordpiece, *["hello", "[SEP]", "[CLS]", "world"])
+    params = SamplingParams(max_tokens=len(ids), skip_special_tokens=False,
+                            spaces_between_special_tokens=False)
+    (request,) = InputProcessor(wordpiece, 64, len(wordpiece), None).make_requests(
+        "r", [3, 4], params)
+    out_proc = OutputProcessor(wordpiece)
+    out_proc.add_request(None, [request])
+    for i, t in enumerate(ids):
+        outs, _ = out_proc.process([EngineCoreOutput(
+            request.request_id, [t], None, "length" if i == len(ids) - 1 else None)])
+    assert outs[-1].finished and outs[-1].outputs[0].text == "hello [SEP][CLS] world"
+
+    engine = SimpleNamespace(processor=SimpleNamespace(validate_params=lambda params: None))
+    for req in (CompletionRequest.model_validate(
+                    {"prompt": "a", "spaces_between_special_tokens": False}),
+                ChatCompletionRequest.model_validate(
+                    {"messages": [{"role": "user", "content": "a"}],
+                     "spaces_between_special_tokens": False})):
+        assert "spaces_between_special_tokens" not in req.unknown_fields
+        assert sampling_params(engine, req, 4, None).spaces_between_special_tokens is False
+    beam = CompletionRequest.model_validate({"prompt": "a", "use_beam_search": True, "n": 2,
+                                             "spaces_between_special_tokens": False})
+    with pytest.raises(OpenAIError, match="spaces_between_special_tokens=False cannot be used "
+                                          "with use_beam_search"):
+        check_beam_request(beam)
+    with pytest.raises(ValueError, match="spaces_between_special_tokens"):
+        SamplingParams(spaces_between_special_tokens="no")

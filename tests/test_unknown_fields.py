@@ -95,8 +95,13 @@ def test_null_and_harmless_values_of_unsupported_fields_pass():
     harmless = {"modalities": ["text"], "audio": None, "guided_decoding_backend": "auto",
                 "spaces_between_special_tokens": True, "verbosity": None}
     UnknownFields().check(_parsed("/v1/chat/completions", harmless), "/v1/chat/completions")
-    error = _refusal("/v1/chat/completions", {"spaces_between_special_tokens": False})
+    harmless.pop("spaces_between_special_tokens")  # declared on chat: not unknown there
+    UnknownFields().check(_parsed("/v1/embeddings", {**harmless,
+                                                     "spaces_between_special_tokens": True}),
+                          "/v1/embeddings")
+    error = _refusal("/v1/embeddings", {"spaces_between_special_tokens": False})
     assert error.param == "spaces_between_special_tokens"
+    assert "only /v1/completions and /v1/chat/completions take it" in str(error)
 
 
 def test_ignored_fields_are_logged_once_per_name_for_the_whole_server(caplog):

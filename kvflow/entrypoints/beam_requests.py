@@ -26,6 +26,8 @@ _STOPS = "beam search ends beams at EOS or max_tokens only"
 _STRUCTURED = "structured output is not supported with beam search"
 _TARGETS = ("a beam search runs as one-token requests per beam and step, which a service-level "
             "target for one request does not fit")
+_BEAM_TEXT = ("a beam's text is the tokenizer's decode of its tokens (send true or leave it "
+              "out)")
 
 # request field -> (its values that ask for nothing beam search ignores, why it is refused)
 _SAMPLING_ONLY = {
@@ -45,6 +47,7 @@ _SAMPLING_ONLY = {
     "echo": ((None, False), "the prompt is not echoed with beam search"),
     "vllm_xargs": ((None, {}),
                    "beam search does not pass custom arguments to custom logits processors"),
+    "spaces_between_special_tokens": ((True,), _BEAM_TEXT),
 }
 
 

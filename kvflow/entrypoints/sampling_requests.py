@@ -22,8 +22,8 @@ from kvflow.structured import StructuredOutputsParams
 
 # Request fields that map 1:1 onto SamplingParams (the optional ones only when set).
 _COPIED_FIELDS = ("n", "seed", "min_tokens", "ignore_eos", "skip_special_tokens",
-                  "include_stop_str_in_output", "logit_bias", "allowed_token_ids",
-                  "bad_words", "truncate_prompt_tokens")
+                  "spaces_between_special_tokens", "include_stop_str_in_output", "logit_bias",
+                  "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
 # a structural tag's error names the field inside the tag first (structural_tag.py)
 _TAG_FIELD = re.compile(r"invalid structural tag in structured_outputs: "
                         r"((?:structures|triggers|format)(?:\.\w+)*): ")

@@ -282,7 +282,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _offsets(self, req: CompletionRequest, start: int) -> TokenTextOffsets:
         """The text offsets of a choice's completion tokens, which start at ``start``."""
-        return TokenTextOffsets(self.engine.tokenizer, start, req.skip_special_tokens)
+        return TokenTextOffsets(self.engine.tokenizer, start, req.skip_special_tokens,
+                                req.spaces_between_special_tokens)
 
     @staticmethod
     def _choice(req: CompletionRequest, index: int, text: str, c: CompletionOutput,

@@ -29,11 +29,15 @@ class TokenTextOffsets:
             echoed prompt; the echo's length for the completion).
         skip_special_tokens: as the text was decoded (the request's for a completion; False
             for an echoed prompt, which is ``tokenizer.decode(ids)``).
+        spaces_between_special_tokens: as the text was decoded (the request's for a
+            completion).
     """
 
-    def __init__(self, tokenizer: Any, start: int, skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer: Any, start: int, skip_special_tokens: bool,
+                 spaces_between_special_tokens: bool = True) -> None:
         self._detok = None if tokenizer is None else IncrementalDetokenizer(
-            tokenizer, [], skip_special_tokens=skip_special_tokens)
+            tokenizer, [], skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=spaces_between_special_tokens)
         self._start = start
 
     def next_offsets(self, token_ids: Sequence[int], text_end: int | None = None) -> list[int]:

@@ -73,9 +73,8 @@ UNSUPPORTED = {
     "truncate_prompt_tokens": "only /v1/completions, /v1/chat/completions, /v1/embeddings, "
                               "/pooling, /v1/score, /v1/rerank and /classify (/v1/classify) "
                               "take it",
-    # vLLM fields kvflow does not read
-    "spaces_between_special_tokens": "special tokens are decoded as the tokenizer's decode "
-                                     "writes them (vLLM's default, true)",
+    "spaces_between_special_tokens": "only /v1/completions and /v1/chat/completions take "
+                                     "it",
     # OpenAI fields of its own models
     "verbosity": "the reply's length follows the model and max_tokens",
     # OpenAI's chat platform fields (kvflow/entrypoints/platform_fields.py decides them on

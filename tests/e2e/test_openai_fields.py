@@ -221,6 +221,14 @@ def sampling_cases(path: str) -> dict[str, Callable]:
         assert text(ok(server, path, body)) == ""
         assert text(ok(server, path, {**body, "skip_special_tokens": False})) == "<eos><eos>"
 
+    def spaces_between_special_tokens(server, tokenizer):
+        """Taken (it was a 400); the tiny byte-level tokenizer writes nothing between two
+        special tokens, so the text is the same (vLLM's rule; the WordPiece case, where it
+        differs: tests/test_detokenizer.py)."""
+        body = {**eos_bias, "ignore_eos": True, "max_tokens": 2, "skip_special_tokens": False}
+        assert text(ok(server, path, {**body, "spaces_between_special_tokens": False})) == \
+            "<eos><eos>"
+
     def penalty(field: str, value: float) -> Callable:
         def check(server, tokenizer):
             plain = ids(ok(server, path, {"max_tokens": 32}))
@@ -482,6 +490,7 @@ def sampling_cases(path: str) -> dict[str, Callable]:
         "stop": stop, "include_stop_str_in_output": include_stop,
         "stop_token_ids": stop_token_ids, "logit_bias": logit_bias, "ignore_eos": ignore_eos,
         "min_tokens": min_tokens, "skip_special_tokens": skip_special_tokens,
+        "spaces_between_special_tokens": spaces_between_special_tokens,
         "presence_penalty": penalty("presence_penalty", 2.0),
         "frequency_penalty": penalty("frequency_penalty", 2.0),
         "repetition_penalty": penalty("repetition_penalty", 5.0),

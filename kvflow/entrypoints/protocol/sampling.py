@@ -121,6 +121,7 @@ class SamplingRequest(RequestBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
     response_format: ResponseFormat | None = None
