@@ -5,7 +5,7 @@ from kvflow.openmp_env import set_openmp_defaults
 set_openmp_defaults()  # before anything imports torch (which loads the OpenMP runtime)
 
 from kvflow.pooling_params import PoolingParams
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -20,6 +20,7 @@ __all__ = [
     "PoolingParams",
     "PoolingRequestOutput",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "ScoringRequestOutput",
     "__version__",

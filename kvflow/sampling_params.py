@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import reprlib
 from collections.abc import Mapping
@@ -33,6 +34,16 @@ class LimitError(ValueError):
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+
+class RequestOutputKind(enum.Enum):
+    """What an ``AsyncLLM`` request's stream yields (vLLM's ``RequestOutputKind``):
+    ``CUMULATIVE`` each output holds every sample's whole output so far, ``DELTA`` only what
+    changed since the previous one, ``FINAL_ONLY`` one output, the finished one."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -75,6 +86,10 @@ class SamplingParams:
             between them (WordPiece's space); read only with ``skip_special_tokens=False``
             (vLLM's fast detokenizer's rule: byte-level and SentencePiece decoders put nothing
             there, so their text is the same either way).
+        output_kind: what an ``AsyncLLM`` stream yields (:class:`RequestOutputKind`); None:
+            ``DELTA``, kvflow's default (vLLM's is ``CUMULATIVE``). The offline ``LLM``
+            returns finished outputs whatever it says (vLLM's ``LLM`` sets ``FINAL_ONLY``), and
+            the server streams its own way.
         detokenize: False: no text (vLLM's): ``CompletionOutput.text`` stays "" and the
             ``decoded_token`` of every logprob (and prompt logprob) is None; only the token
             ids come back, which saves detokenizing them. Stop strings need text: refused
@@ -155,6 +170,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     extra_args: dict[str, Any] | None = None
     detokenize: bool = True
+    output_kind: RequestOutputKind | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         self = super().__new__(cls)
@@ -249,6 +265,9 @@ class SamplingParams:
                      "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, getattr(self, name), "True or False")
+        if not (self.output_kind is None or isinstance(self.output_kind, RequestOutputKind)):
+            raise bad("output_kind", self.output_kind,
+                      "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY) or None")
         if not (self.stop is None or isinstance(self.stop, (str, list, tuple))):
             raise bad("stop", self.stop, "a string or a list of strings")
         if not isinstance(self.stop_token_ids, (list, tuple, type(None))) or \

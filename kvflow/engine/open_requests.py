@@ -8,6 +8,7 @@ cores to it; nothing here does I/O: what must go back to a core (aborts) is retu
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from kvflow.engine.dp_balancer import DPLoadBalancer
@@ -15,7 +16,9 @@ from kvflow.engine.messages import AdmissionVerdicts, EngineOutputs
 from kvflow.engine.streams import AdmissionRejected, RequestRefused, RequestStream
 from kvflow.metrics import RequestStatsTracker, ServerMetrics
 from kvflow.output_processor import OutputProcessor
+from kvflow.outputs import RequestOutput
 from kvflow.request import Request
+from kvflow.sampling_params import RequestOutputKind
 
 
 class OpenRequests:
@@ -37,11 +40,20 @@ class OpenRequests:
         self.admission_control = admission_control
         self.streams: dict[str, RequestStream] = {}
         self.waiting: set[str] = set()  # accepted, no output yet
+        # output_kind of the requests that asked for CUMULATIVE or FINAL_ONLY (others: DELTA)
+        self.kinds: dict[str, RequestOutputKind] = {}
 
     def open(self, request_id: str, prompt: str | None, requests: list[Request],
              arrival: float, replica: int) -> RequestStream:
-        """Register one user request's samples, sent to ``replica``; returns its stream."""
-        self.output_processor.add_request(prompt, requests, delta=True)
+        """Register one user request's samples, sent to ``replica``; returns its stream,
+        which yields what the request's ``SamplingParams.output_kind`` asks for (None:
+        deltas)."""
+        params = requests[0].sampling_params  # None for a pooling request
+        kind = None if params is None else params.output_kind
+        self.output_processor.add_request(prompt, requests,
+                                          delta=kind in (None, RequestOutputKind.DELTA))
+        if kind not in (None, RequestOutputKind.DELTA):
+            self.kinds[request_id] = kind
         self.balancer.assign(request_id, replica, len(requests))
         stream = RequestStream(request_id, self.admission_control)
         self.streams[request_id] = stream
@@ -56,6 +68,7 @@ class OpenRequests:
         sample_ids = self.output_processor.abort(request_id)
         self.streams.pop(request_id, None)
         self.waiting.discard(request_id)
+        self.kinds.pop(request_id, None)
         replica = self.balancer.replica_of(request_id)
         self.balancer.finish(request_id)
         if sample_ids:
@@ -80,10 +93,17 @@ class OpenRequests:
             if out.finished:
                 self.balancer.finish(out.request_id)
             stream = self.streams.get(out.request_id)
-            if stream is not None:
+            if stream is None:
+                continue
+            kind = self.kinds.get(out.request_id)
+            if out.finished:
                 stream.put(out)
-                if out.finished:
-                    del self.streams[out.request_id]
+                del self.streams[out.request_id]
+                self.kinds.pop(out.request_id, None)
+            elif kind is RequestOutputKind.CUMULATIVE:  # the samples are updated in place
+                stream.put(_snapshot(out))
+            elif kind is None:
+                stream.put(out)
         return stopped
 
     def _refuse(self, sample_id: str, message: str,
@@ -114,6 +134,7 @@ class OpenRequests:
                 stream.settle()
         for rejection in msg.rejected:
             stream = self.streams.pop(rejection.request_id, None)
+            self.kinds.pop(rejection.request_id, None)
             self.output_processor.abort(rejection.request_id)
             self.waiting.discard(rejection.request_id)
             self.balancer.finish(rejection.request_id)
@@ -127,6 +148,7 @@ class OpenRequests:
         self.output_processor.abort(request_id)
         self.tracker.abort(request_id)
         self.waiting.discard(request_id)
+        self.kinds.pop(request_id, None)
         stream = self.streams.pop(request_id, None)
         if stream is not None:
             stream.settle(error)
@@ -152,3 +174,13 @@ class OpenRequests:
             self.balancer.finish(request_id)
             self.fail(request_id, error)
         self.waiting.clear()
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """``out`` with copies of its samples (a cumulative output's samples, text, token ids
+    and logprobs are the output processor's own, updated in place by later steps)."""
+    samples = [dataclasses.replace(c, token_ids=list(c.token_ids),
+                                   logprobs=None if c.logprobs is None else list(c.logprobs))
+               for c in out.outputs]
+    return dataclasses.replace(out, outputs=samples,
+                               metrics=dataclasses.replace(out.metrics))
