@@ -74,13 +74,16 @@ class InputProcessor(PoolingInputs):
         return None if self.mm_processor is None else self.mm_processor.placeholder
 
     def process(self, prompt: PromptType, keep_last: int | None = None,
-                options: TokenizationOptions | None = None) -> ProcessedPrompt:
+                options: TokenizationOptions | None = None,
+                mm_kwargs: Mapping[str, Any] | None = None) -> ProcessedPrompt:
         """Tokenize a prompt and, for a vision-language model, preprocess its images and
         expand their placeholders; a dict prompt's ``cache_salt`` is kept. ``keep_last``
         (the request's ``truncate_prompt_tokens`` length) cuts a ``prompt_embeds`` prompt's
         rows before their length check; token prompts are cut by ``make_requests``.
         ``options`` (the call's ``tokenization_kwargs``) tokenize, cut and pad text and
-        token-id prompts (:func:`kvflow.prompt_inputs.tokenize_prompt`).
+        token-id prompts (:func:`kvflow.prompt_inputs.tokenize_prompt`). ``mm_kwargs`` (the
+        call's ``mm_processor_kwargs``) go to the image processor, under a dict prompt's own
+        ``mm_processor_kwargs`` (its keys win).
 
         Raises:
             ValueError: for a malformed prompt, images for a text-only model, a placeholder
@@ -102,14 +105,20 @@ class InputProcessor(PoolingInputs):
                                        cache_salt=salt)
         if isinstance(prompt, Mapping):
             salt = check_cache_salt(prompt.get("cache_salt"))
+            own = prompt.get("mm_processor_kwargs")
+            if own is not None and not isinstance(own, Mapping):
+                raise ValueError(f"a dict prompt's 'mm_processor_kwargs' must be a dict, got "
+                                 f"{type(own).__name__}")
+            if own:
+                mm_kwargs = {**(mm_kwargs or {}), **own}
             prompt, images, videos = unpack_prompt(prompt)
             if (images or videos) and options is not None and options.reshapes:
                 raise ValueError("tokenization_kwargs cannot cut or pad a prompt with images "
                                  "or videos (their placeholders are expanded after "
                                  "tokenization)")
         text, token_ids = self.tokenize(prompt, options)
-        return dataclasses.replace(self.attach_images(text, token_ids, images, videos),
-                                   cache_salt=salt)
+        return dataclasses.replace(self.attach_images(text, token_ids, images, videos,
+                                                      mm_kwargs), cache_salt=salt)
 
     def embeds_prompt(self, embeds: Any, keep_last: int | None = None) -> ProcessedPrompt:
         """A prompt given as embedding rows: ``embeds`` a float tensor [num_tokens,
@@ -136,23 +145,44 @@ class InputProcessor(PoolingInputs):
             raise ValueError("prompt_embeds is not supported for vision-language models")
 
     def attach_images(self, text: str | None, token_ids: list[int],
-                      images: list[Any], videos: Sequence[Any] = ()) -> ProcessedPrompt:
+                      images: list[Any], videos: Sequence[Any] = (),
+                      mm_kwargs: Mapping[str, Any] | None = None) -> ProcessedPrompt:
         """``token_ids`` with one placeholder per image (video) expanded and ``images``
-        (PIL) and ``videos`` (frames) preprocessed; any prompt of a vision-language model
-        passes here, so a stray placeholder without its image or video is refused.
+        (PIL) and ``videos`` (frames) preprocessed, the image processor called with
+        ``mm_kwargs`` (a request's ``mm_processor_kwargs``) too; any prompt of a
+        vision-language model passes here, so a stray placeholder without its image or
+        video is refused.
 
         Raises:
-            ValueError: images or videos for a text-only model, a placeholder/item count
-                mismatch, more items than a limit allows, or a bad image or video
-                (``MediaError``).
+            ValueError: images, videos or ``mm_kwargs`` for a text-only model, ``mm_kwargs``
+                the image processor does not take (naming ``mm_processor_kwargs``), a
+                placeholder/item count mismatch, more items than a limit allows, or a bad
+                image or video (``MediaError``).
         """
+        mm_kwargs = self.check_mm_kwargs(mm_kwargs)
         if self.mm_processor is None:
             if images or videos:
                 raise ValueError("this model does not take images or videos "
                                  "(multi_modal_data)")
             return ProcessedPrompt(text, token_ids)
-        token_ids, features = self.mm_processor.process(token_ids, images, list(videos))
+        token_ids, features = self.mm_processor.process(token_ids, images, list(videos),
+                                                        mm_kwargs)
         return ProcessedPrompt(text, token_ids, features or None)
+
+    def check_mm_kwargs(self, mm_kwargs: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """A request's ``mm_processor_kwargs`` checked against the model's image processor
+        (:mod:`kvflow.multimodal.processor_kwargs`); None for none.
+
+        Raises:
+            ValueError: naming ``mm_processor_kwargs``: for a text-only model, or keys the
+                image processor does not take or kvflow refuses.
+        """
+        if self.mm_processor is None:
+            if mm_kwargs:
+                raise ValueError("mm_processor_kwargs is for a vision-language model's image "
+                                 "processor; this model takes no images or videos")
+            return None
+        return self.mm_processor.check_kwargs(mm_kwargs)
 
     def tokenize(self, prompt: PromptType, options: TokenizationOptions | None = None
                  ) -> tuple[str | None, list[int]]:

@@ -97,7 +97,8 @@ class LLM(LLMPooling, LLMOps):
                  user: Sequence[str] | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  on_output: Callable[[int, RequestOutput], None] | None = None,
-                 *, tokenization_kwargs: dict[str, Any] | None = None
+                 *, tokenization_kwargs: dict[str, Any] | None = None,
+                 mm_processor_kwargs: dict[str, Any] | None = None
                  ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
 
@@ -126,6 +127,13 @@ class LLM(LLMPooling, LLMOps):
                 ``max_length``, ``truncate_prompt_tokens``, ``truncation_side``,
                 ``do_lower_case``, ``padding="max_length"``, ``pad_prompt_tokens`` (see
                 :mod:`kvflow.tokenization_options`); another key is a ValueError naming it.
+            mm_processor_kwargs: vLLM's overrides for the processor's call, for every
+                prompt's images and video frames (a dict prompt's own
+                ``"mm_processor_kwargs"`` win over them), e.g. Qwen2-VL's
+                ``{"max_pixels": 200704}``; a key the model's image processor does not take,
+                or one that would change the vision encoder's geometry, is a ValueError
+                naming it (see :mod:`kvflow.multimodal.processor_kwargs`); refused for a
+                text-only model.
 
         Raises:
             ValueError: if any prompt, parameter, adapter or ``tokenization_kwargs`` key is
@@ -148,7 +156,7 @@ class LLM(LLMPooling, LLMOps):
                                        self.engine.config.scheduler_config.policy)
         users = check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
         prompts = processed_prompts(self.engine.processor, prompts, params,
-                                    tokenization_kwargs)
+                                    tokenization_kwargs, mm_processor_kwargs)
         loras = broadcast_loras(lora_request, len(prompts))
         ids = self._queue_requests(prompts, params, priorities, users, loras)
         return self._run(ids, use_tqdm, on_output)
@@ -262,7 +270,8 @@ class LLM(LLMPooling, LLMOps):
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None, documents: list[dict] | None = None,
-             on_output: Callable[[int, RequestOutput], None] | None = None
+             on_output: Callable[[int, RequestOutput], None] | None = None,
+             mm_processor_kwargs: dict[str, Any] | None = None
              ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them and generate.
 
@@ -279,7 +288,8 @@ class LLM(LLMPooling, LLMOps):
         message instead of starting a new turn; ``chat_template`` replaces the model's;
         ``tools`` / ``documents`` / ``chat_template_kwargs`` become template variables;
         ``on_output`` is ``generate``'s (the outputs it sees have no ``prompt`` text: ``chat``
-        sets it on the ones it returns); ``lora_request`` and ``priority`` are ``generate``'s
+        sets it on the ones it returns); ``mm_processor_kwargs``, ``lora_request`` and
+        ``priority`` are ``generate``'s
         too (one adapter or priority for every conversation, or one per conversation);
         ``chat_template_content_format`` is vLLM's: ``auto`` (content as a
         list of parts for a template that loops over a message's content, else one string),
@@ -308,7 +318,8 @@ class LLM(LLMPooling, LLMOps):
         prompts, token_prompts = self._chat_prompts(conversations, add_generation_prompt,
                                                     options)
         outputs = self.generate(token_prompts, sampling_params, use_tqdm, priority=priority,
-                                lora_request=lora_request, on_output=on_output)
+                                lora_request=lora_request, on_output=on_output,
+                                mm_processor_kwargs=mm_processor_kwargs)
         for out, text in zip(outputs, prompts):
             out.prompt = text
         return outputs

@@ -259,11 +259,13 @@ def beam_search_prompts(processor: InputProcessor, prompts: list[PromptType],
 
 def processed_prompts(processor: InputProcessor, prompts: list[PromptType],
                       params: list[SamplingParams],
-                      tokenization_kwargs: dict[str, Any] | None = None
+                      tokenization_kwargs: dict[str, Any] | None = None,
+                      mm_processor_kwargs: dict[str, Any] | None = None
                       ) -> list[ProcessedPrompt]:
     """Each prompt processed (tokenized as ``tokenization_kwargs`` say, see
-    :mod:`kvflow.tokenization_options`; images decoded and expanded; prompt embeddings cut to
-    their last ``truncate_prompt_tokens`` rows) and checked against the context as
+    :mod:`kvflow.tokenization_options`; images decoded, preprocessed with
+    ``mm_processor_kwargs`` and expanded; prompt embeddings cut to their last
+    ``truncate_prompt_tokens`` rows) and checked against the context as
     ``params[i].truncate_prompt_tokens`` leaves it: the kept tokens are what must fit
     (vLLM's order), so nothing is queued if one does not.
 
@@ -275,7 +277,8 @@ def processed_prompts(processor: InputProcessor, prompts: list[PromptType],
     options = parse_tokenization_kwargs(tokenization_kwargs, processor.max_model_len)
     limits = [truncation_length(p.truncate_prompt_tokens, processor.max_model_len,
                                 SAMPLING_FIELD) for p in params]
-    processed = [processor.process(p, keep_last=limit, options=options)
+    processed = [processor.process(p, keep_last=limit, options=options,
+                                   mm_kwargs=mm_processor_kwargs)
                  for p, limit in zip(prompts, limits)]
     for p, limit in zip(processed, limits):
         processor.validate(keep_last_tokens(p.token_ids, limit))

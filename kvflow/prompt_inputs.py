@@ -21,7 +21,8 @@ from kvflow.tokenization_options import TokenizationOptions
 # {"prompt_embeds": float tensor [num_tokens, hidden_size]} (enable_prompt_embeds), with or
 # without "cache_salt".
 PromptType = str | list[int] | Mapping[str, Any]
-_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"})
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt",
+                          "mm_processor_kwargs"})
 
 
 def check_cache_salt(salt: object) -> str | None:
@@ -53,8 +54,9 @@ class ProcessedPrompt:
 
 def unpack_prompt(prompt: Mapping[str, Any]) -> tuple[str | list[int], list[Any], list[Any]]:
     """(text or token ids, images, videos) of a dict prompt (``{"prompt": str}`` or
-    ``{"prompt_token_ids": [...]}``, optionally ``multi_modal_data`` and ``cache_salt``; the
-    salt is checked by :func:`check_cache_salt`).
+    ``{"prompt_token_ids": [...]}``, optionally ``multi_modal_data``, ``cache_salt`` and
+    ``mm_processor_kwargs``; the salt is checked by :func:`check_cache_salt`, the kwargs by
+    the model's processor).
 
     Raises:
         ValueError: for a ``prompt_embeds`` prompt (generation only, not read here), unknown
@@ -67,7 +69,7 @@ def unpack_prompt(prompt: Mapping[str, Any]) -> tuple[str | list[int], list[Any]
     if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
         raise ValueError(f"a dict prompt needs exactly one of 'prompt' and "
                          f"'prompt_token_ids' (and optionally 'multi_modal_data', "
-                         f"'cache_salt'); got keys {sorted(prompt)}")
+                         f"'mm_processor_kwargs', 'cache_salt'); got keys {sorted(prompt)}")
     data = prompt.get("multi_modal_data") or {}
     if not isinstance(data, Mapping) or set(data) - {"image", "video"}:
         raise ValueError("multi_modal_data must be a dict with 'image' (a PIL image or a "

@@ -175,22 +175,31 @@ class ChatRendering:
             [f"chat_template_kwargs.{name}" for name in names], "a chat or /tokenize request",
             "chat_template_kwargs keys the chat template does not read")
 
-    async def attach_images(self, messages: list[ChatMessage], text: str, ids: list[int]
-                            ) -> ProcessedPrompt:
+    async def attach_images(self, messages: list[ChatMessage], text: str, ids: list[int],
+                            mm_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
         """The rendered prompt with the conversation's images (a vision-language model):
-        each ``image_url`` part's image fetched or decoded, checked and preprocessed in a
-        worker thread (the event loop keeps serving), and its placeholder expanded.
+        each ``image_url`` part's image fetched or decoded, checked and preprocessed (with
+        the request's ``mm_processor_kwargs``, ``mm_kwargs``) in a worker thread (the event
+        loop keeps serving), and its placeholder expanded.
 
         Raises:
-            OpenAIError: 400 naming the ``image_url`` part for an image that cannot be used
-                (see ``kvflow/multimodal/media.py``), or ``messages`` for a placeholder count that differs from the image count.
+            OpenAIError: 400 naming ``mm_processor_kwargs`` for keys the image processor does
+                not take (or any, for a text-only model), the ``image_url`` part for an image
+                that cannot be used (see ``kvflow/multimodal/media.py``), or ``messages`` for
+                a placeholder count that differs from the image count.
         """
         processor = self.engine.processor
+        try:
+            mm_kwargs = processor.check_mm_kwargs(mm_kwargs)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="mm_processor_kwargs",
+                              code="invalid_value") from None
         if processor.mm_processor is None:  # rendering refused image parts already
             return ProcessedPrompt(text, ids)
         conversation = [m.model_dump() for m in messages]
         try:
-            return await asyncio.to_thread(_with_images, processor, conversation, text, ids)
+            return await asyncio.to_thread(_with_images, processor, conversation, text, ids,
+                                           mm_kwargs)
         except ValueError as e:
             param = getattr(e, "param", None) or "messages"
             raise OpenAIError(str(e), param=param,
@@ -198,13 +207,14 @@ class ChatRendering:
 
 
 def _with_images(processor: InputProcessor, conversation: list[dict[str, Any]], text: str,
-                 ids: list[int]) -> ProcessedPrompt:
-    """Load the conversation's images and videos and expand their placeholders in ``ids``;
-    a refused item's error names its ``image_url`` / ``video_url`` part. Raises ValueError
+                 ids: list[int], mm_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
+    """Load the conversation's images and videos, preprocess them (the image processor
+    called with ``mm_kwargs`` too) and expand their placeholders in ``ids``; a refused
+    item's error names its ``image_url`` / ``video_url`` part. Raises ValueError
     (``MediaError``)."""
     images, videos = processor.load_chat_media(conversation)
     try:
-        return processor.attach_images(text, ids, images, videos)
+        return processor.attach_images(text, ids, images, videos, mm_kwargs)
     except MediaError as e:
         urls = video_urls(conversation) if isinstance(e, VideoError) else \
             image_urls(conversation)

@@ -128,7 +128,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             req, mode), check_length=limit is None, size=body_size(raw),
             tool_instructions=mode is not None)
         rendered = text
-        prompt = await self.attach_images(req.messages, text, ids)
+        prompt = await self.attach_images(req.messages, text, ids, req.mm_processor_kwargs)
         text, ids = _truncated(text, prompt.token_ids, limit, prompt.mm_features)
         params = self._params(req, ids, tool_grammar)
         # a template that opens the think block itself; under a grammar (applied from the

@@ -34,7 +34,8 @@ UNSUPPORTED = {
                                "or leave it out)",
     "prompt_embeds": "send text or token ids (/v1/completions takes prompt_embeds when the "
                      "server runs with --enable-prompt-embeds)",
-    "mm_processor_kwargs": "images are preprocessed with the model's own settings",
+    "mm_processor_kwargs": "only /v1/chat/completions takes it (images and videos come in "
+                           "its image_url and video_url parts)",
     "media_io_kwargs": "images are decoded as RGB with the server's limits; a video file's "
                        "frame count is the server's --media-io-kwargs",
     # declared (and honoured) on completions, chat and responses; refused elsewhere, even

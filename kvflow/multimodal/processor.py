@@ -20,6 +20,7 @@ from PIL import Image
 
 from kvflow.config import MultiModalConfig
 from kvflow.multimodal.media import MediaError, check_image
+from kvflow.multimodal.processor_kwargs import RESIZE_KEYS, check_mm_processor_kwargs
 from kvflow.multimodal.video import (
     DEFAULT_VIDEO_FPS,
     VideoError,
@@ -136,10 +137,22 @@ class MultiModalProcessor:
                                     f"{self.video_token_id}), but this input takes no video; "
                                     "remove the token from the prompt")
 
+    def check_kwargs(self, kwargs: Any) -> dict[str, Any] | None:
+        """A request's ``mm_processor_kwargs`` checked against the image processor (see
+        :mod:`kvflow.multimodal.processor_kwargs`); None for none.
+
+        Raises:
+            ValueError: naming ``mm_processor_kwargs`` and the keys refused.
+        """
+        return check_mm_processor_kwargs(self.image_processor, kwargs)
+
     def process(self, token_ids: list[int], images: list[Image.Image],
-                videos: list[Any] = ()) -> tuple[list[int], list[MultiModalFeature]]:
+                videos: list[Any] = (), mm_kwargs: dict[str, Any] | None = None
+                ) -> tuple[list[int], list[MultiModalFeature]]:
         """Preprocess ``images`` and ``videos`` (each a list of PIL frames, or a form
-        ``video.video_frames`` takes) and expand their placeholders in ``token_ids``.
+        ``video.video_frames`` takes) and expand their placeholders in ``token_ids``;
+        ``mm_kwargs`` (checked by :meth:`check_kwargs`) go to the image processor's call for
+        every image and video frame (resize keys replace a video's own bounds).
 
         Returns:
             (the expanded prompt, one feature per image or video in prompt order).
@@ -162,7 +175,7 @@ class MultiModalProcessor:
             k = indices[token]
             indices[token] += 1
             feature = self._feature(next(items[token]), token == self.video_token_id, k,
-                                    len(expanded))
+                                    len(expanded), mm_kwargs)
             features.append(feature)
             expanded.extend([token] * feature.length)
         return expanded, features
@@ -190,16 +203,16 @@ class MultiModalProcessor:
                                  f"but {count} {name}(s) were given: put exactly one "
                                  f"placeholder where each {name} goes")
 
-    def _feature(self, item: Any, is_video: bool, index: int, offset: int
-                 ) -> MultiModalFeature:
+    def _feature(self, item: Any, is_video: bool, index: int, offset: int,
+                 mm_kwargs: dict[str, Any] | None = None) -> MultiModalFeature:
         """One image's (video's) feature, its placeholders starting at ``offset``; a
         ``MediaError`` carries the item's index among its kind."""
         image_size = None  # the original (height, width), where the model needs it
         try:
             if is_video:
-                pixels, grid = self.preprocess_video(item)
+                pixels, grid = self.preprocess_video(item, mm_kwargs)
             else:
-                pixels, grid, image_size = self.preprocess(item)
+                pixels, grid, image_size = self.preprocess(item, mm_kwargs=mm_kwargs)
         except MediaError as e:
             if is_video and not isinstance(e, VideoError):  # a frame's refusal
                 e = VideoError(f"a frame of the video: {e}")
@@ -213,12 +226,14 @@ class MultiModalProcessor:
         return _feature("video", pixels, grid, offset, length,
                         self.temporal_patch_size / DEFAULT_VIDEO_FPS)
 
-    def preprocess(self, image: Any, size: dict[str, int] | None = None
+    def preprocess(self, image: Any, size: dict[str, int] | None = None,
+                   mm_kwargs: dict[str, Any] | None = None
                    ) -> tuple[np.ndarray, tuple[int, int, int], tuple[int, int] | None]:
         """One image -> (pixel_values float32 [num_patches, patch_dim], (t, h, w) patches,
         the original (height, width) pixels where the model needs them: LLaVA-NeXT, whose
         (t, h, w) are (tiles, patches per tile side)); ``size``: resize bounds other than the
-        image processor's (video frames).
+        image processor's (video frames); ``mm_kwargs``: a request's
+        ``mm_processor_kwargs``, passed to the image processor's call.
 
         Raises:
             MediaError: for something that is not a PIL image, or one the model cannot take.
@@ -232,10 +247,16 @@ class MultiModalProcessor:
                              f"least {self.patch_size} pixels (one vision patch)")
         image = check_image(image, self.config)
         kwargs = {} if size is None else {"size": size}
+        kwargs.update(mm_kwargs or {})
         try:
             out = self.image_processor(images=[image], return_tensors="np", **kwargs)
         except ValueError as e:  # e.g. an aspect ratio above 200
             raise MediaError(f"the image cannot be preprocessed: {e}") from None
+        except (TypeError, KeyError, AttributeError) as e:  # a bad mm_processor_kwargs value
+            if not mm_kwargs:
+                raise
+            raise MediaError(f"the image cannot be preprocessed with mm_processor_kwargs "
+                             f"{mm_kwargs}: {type(e).__name__}: {e}") from None
         tile = _vision_field(self.hf_config, "image_size")
         if "image_sizes" in out:  # any-resolution tiles [1, tiles, channels, H, W]
             rows, grids = zip(*(patch_rows(np.asarray(t, np.float32), self.patch_size, tile)
@@ -248,13 +269,15 @@ class MultiModalProcessor:
         grid = tuple(int(v) for v in out["image_grid_thw"][0])
         return np.ascontiguousarray(out["pixel_values"], np.float32), grid, None
 
-    def preprocess_video(self, video: Any) -> tuple[np.ndarray, tuple[int, int, int]]:
+    def preprocess_video(self, video: Any, mm_kwargs: dict[str, Any] | None = None
+                         ) -> tuple[np.ndarray, tuple[int, int, int]]:
         """One video -> (pixel_values_videos float32 [grid_t * h * w, patch_dim], (grid_t,
         h, w) patches): each frame resized, normalized and cut into patches by the image
         processor (all frames of a video share a size), the frames padded to a multiple of
         ``temporal_patch_size`` by repeating the last and grouped into temporal patches
         (transformers' ``Qwen2VLVideoProcessor`` layout; its torchvision resize may round a
-        resized frame's pixels slightly differently from this PIL one).
+        resized frame's pixels slightly differently from this PIL one). ``mm_kwargs`` go to
+        every frame's call; resize keys among them replace the video's own bounds.
 
         Raises:
             MediaError: for a malformed video, frames of different sizes, or a frame the
@@ -265,8 +288,9 @@ class MultiModalProcessor:
             raise VideoError(f"a video's frames must all have one size, got "
                              f"{sorted({f.size for f in frames})}")
         patches, grid = [], None
+        size = None if RESIZE_KEYS & set(mm_kwargs or ()) else self.video_size
         for frame in frames:
-            pixels, grid, _ = self.preprocess(frame, self.video_size)
+            pixels, grid, _ = self.preprocess(frame, size, mm_kwargs)
             tps = self.temporal_patch_size
             # the image processor repeats a frame over the temporal patch: keep one copy
             per_frame = pixels.reshape(pixels.shape[0], 3, tps, self.patch_size,

@@ -691,6 +691,10 @@ def chat_cases() -> dict[str, Callable]:
             "continue_final_message": continue_final_message,
             "add_special_tokens": add_special_tokens, "chat_template": chat_template,
             "chat_template_kwargs": chat_template_kwargs, "documents": documents,
+            # the tiny Llama takes no images (a vision model's case:
+            # tests/multimodal/test_mm_processor_kwargs.py)
+            "mm_processor_kwargs": rejected(CH, {"mm_processor_kwargs": {"max_pixels": 1}},
+                                            "mm_processor_kwargs"),
             "echo": rejected(CH, {"echo": True}, "echo"), "tools": tools,
             "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls,
             "metadata": same_reply({"metadata": {"team": "a", "run": "7"}},

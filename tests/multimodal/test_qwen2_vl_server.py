@@ -17,6 +17,7 @@ import zlib
 
 import httpx
 import pytest
+import torch
 
 from tests.e2e.conftest import ServerProcess
 from tests.multimodal.conftest import (
@@ -283,3 +284,34 @@ def test_bad_videos_are_a_400_naming_the_part(server):
         error = resp.json()["error"]
         assert error["param"] == "messages.0.content.1.video_url", error
         assert error["code"] == "invalid_video" and words in error["message"], error
+
+
+def test_mm_processor_kwargs_resize_the_images_as_transformers_does(server, tiny_qwen2_vl):
+    """/v1/chat/completions' mm_processor_kwargs (a 400 unsupported_parameter before) reach
+    the image processor: the prompt's ids are transformers' processor's with the same
+    kwargs (fewer image tokens than without), and so are the greedy tokens; a key the
+    processor does not take is a 400 naming mm_processor_kwargs."""
+    image = random_image(140, 112, 44)
+    small = {"max_pixels": 56 * 56 * 2}
+    body = {"messages": [{"role": "user", "content": [image_part(data_url(image)),
+                                                      {"type": "text", "text": "what?"}]}],
+            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    resp = httpx.post(f"{server.url}/v1/chat/completions",
+                      json={**body, "mm_processor_kwargs": small}, timeout=120)
+    assert resp.status_code == 200, resp.text
+    text = tiny_qwen2_vl.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]}],
+        add_generation_prompt=True, tokenize=False)
+    inputs = tiny_qwen2_vl.processor(text=[text], images=[image], return_tensors="pt",
+                                     **small)
+    assert resp.json()["prompt_token_ids"] == inputs["input_ids"][0].tolist()
+    assert resp.json()["prompt_token_ids"] != hf_prompt_ids(tiny_qwen2_vl, text, [image])
+    with torch.no_grad():
+        want = tiny_qwen2_vl.hf_model.generate(
+            **inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
+            eos_token_id=None, pad_token_id=0)[0, inputs["input_ids"].shape[1]:].tolist()
+    assert resp.json()["choices"][0]["token_ids"] == want
+    bad = httpx.post(f"{server.url}/v1/chat/completions",
+                     json={**body, "mm_processor_kwargs": {"max_pixel": 1}}, timeout=120)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "mm_processor_kwargs"

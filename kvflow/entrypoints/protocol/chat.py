@@ -186,6 +186,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
     echo: bool = False
     tools: list[ChatTool] | None = Field(None, min_length=1)  # [] too short; MAX_TOOLS
