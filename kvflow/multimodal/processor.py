@@ -144,7 +144,8 @@ class MultiModalProcessor:
         Raises:
             ValueError: naming ``mm_processor_kwargs`` and the keys refused.
         """
-        return check_mm_processor_kwargs(self.image_processor, kwargs)
+        return check_mm_processor_kwargs(self.image_processor, kwargs,
+                                         int(self.config.limit("max_image_pixels")))
 
     def process(self, token_ids: list[int], images: list[Image.Image],
                 videos: list[Any] = (), mm_kwargs: dict[str, Any] | None = None

@@ -10,6 +10,13 @@ the output's form (``return_tensors``, ``data_format``, ``input_data_format``, `
 ``image_seq_length``: kvflow reads numpy arrays channels first, one placeholder count per
 model). Every other key is refused, naming it (vLLM hands an unknown one to the processor,
 which raises).
+
+Resizing is bounded as images are (``--max-image-pixels``): a request could otherwise make
+the processor upscale a small image to any size. ``min_pixels``, and ``size``'s
+``shortest_edge``, are pixel counts on processors that take ``min_pixels`` (Qwen2-VL's: the
+image is resized to at least that many pixels), so they may not exceed the limit; on other
+processors ``size``, ``crop_size`` and ``pad_size`` are side lengths whose resulting area
+depends on the image's shape, and are refused.
 """
 
 from __future__ import annotations
@@ -34,13 +41,15 @@ def processor_kwarg_names(image_processor: Any) -> frozenset[str]:
     return frozenset(getattr(valid, "__annotations__", None) or ())
 
 
-def check_mm_processor_kwargs(image_processor: Any,
-                              kwargs: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """``kwargs`` checked against ``image_processor``; None for None or an empty dict.
+def check_mm_processor_kwargs(image_processor: Any, kwargs: Mapping[str, Any] | None,
+                              max_pixels: int) -> dict[str, Any] | None:
+    """``kwargs`` checked against ``image_processor`` and the pixel limit ``max_pixels`` (the
+    ``max_image_pixels`` in force); None for None or an empty dict.
 
     Raises:
         ValueError: naming ``mm_processor_kwargs`` and the keys, for something that is not a
-            dict, keys the processor does not take, or keys kvflow refuses (``FIXED``).
+            dict, keys the processor does not take, keys kvflow refuses (``FIXED``), or a
+            resize beyond ``max_pixels`` (see the module docstring).
     """
     if kwargs is None:
         return None
@@ -60,4 +69,34 @@ def check_mm_processor_kwargs(image_processor: Any,
                          f"({name}), which takes {accepted}" if accepted else
                          f"{FIELD} {unknown} are not taken by this model's image processor "
                          f"({name}), which declares no per-call options")
+    _check_resize(kwargs, "min_pixels" in taken, max_pixels)
     return dict(kwargs) or None
+
+
+def _check_resize(kwargs: Mapping[str, Any], pixel_counts: bool, max_pixels: int) -> None:
+    """Refuse a resize that may exceed ``max_pixels`` (see the module docstring);
+    ``pixel_counts``: the processor's sizes are pixel counts (it takes ``min_pixels``).
+
+    Raises:
+        ValueError: naming the key.
+    """
+    if not pixel_counts:
+        sized = sorted(set(kwargs) & {"size", "crop_size", "pad_size"})
+        if sized:
+            raise ValueError(f"{FIELD} {sized} are refused for this model's image processor: "
+                             "its sizes are side lengths, which could make an image of any "
+                             "number of pixels (--max-image-pixels bounds images)")
+        return
+    size = kwargs.get("size")
+    if size is not None and not isinstance(size, Mapping):
+        raise ValueError(f"{FIELD} size must be a dict such as {{\"shortest_edge\": "
+                         f"{56 * 56}, \"longest_edge\": {28 * 28 * 1280}}}, got {size!r}")
+    for name, value in (("min_pixels", kwargs.get("min_pixels")),
+                        ("size.shortest_edge", (size or {}).get("shortest_edge"))):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{FIELD} {name}={value!r} must be an integer >= 1 (pixels)")
+        if value > max_pixels:
+            raise ValueError(f"{FIELD} {name}={value} would resize images to more than "
+                             f"{max_pixels} pixels, the limit (--max-image-pixels)")

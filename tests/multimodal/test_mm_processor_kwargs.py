@@ -90,6 +90,12 @@ def test_a_dict_prompts_own_kwargs_win_over_the_calls(llm, tiny_qwen2_vl):
                          r"request: the vision encoder's geometry")),
     ({"return_tensors": "pt"}, r"mm_processor_kwargs \['return_tensors'\] cannot be changed"),
     ("max_pixels=1", r"mm_processor_kwargs must be a dict"),
+    # an upscale beyond --max-image-pixels (default 4096 x 4096), refused before any resize
+    ({"min_pixels": 4096 * 4096 + 1},
+     r"mm_processor_kwargs min_pixels=16777217 would resize images to more than 16777216"),
+    ({"size": {"shortest_edge": 10**9, "longest_edge": 10**9}},
+     r"size.shortest_edge=1000000000 would resize"),
+    ({"min_pixels": "many"}, r"min_pixels='many' must be an integer"),
 ])
 def test_keys_the_processor_does_not_take_are_refused_naming_them(llm, kwargs, match):
     image = random_image(84, 56, 1)
@@ -150,3 +156,17 @@ def test_video_frames_take_them_too(llm, tiny_qwen2_vl):
     assert grid == (2, *frame["image_grid_thw"][0][1:].tolist())
     _, default = llm.engine.processor.mm_processor.preprocess_video(video)
     assert default != grid
+
+
+def test_side_length_sizes_are_refused_where_they_could_make_any_area(tiny_llava):
+    """CLIP's processor (LLaVA) takes ``size`` as a side length: a large one on an elongated
+    image could make an image of any area, so it is refused (the image limits bound
+    images); keys that change no size pass."""
+    from kvflow.multimodal.processor import load_image_processor
+    from kvflow.multimodal.processor_kwargs import check_mm_processor_kwargs
+
+    clip = load_image_processor(tiny_llava.path)
+    with pytest.raises(ValueError, match=r"mm_processor_kwargs \['size'\] are refused"):
+        check_mm_processor_kwargs(clip, {"size": {"shortest_edge": 100_000}}, 4096 * 4096)
+    assert check_mm_processor_kwargs(clip, {"do_normalize": False}, 4096 * 4096) == \
+        {"do_normalize": False}
