@@ -40,6 +40,7 @@ from kvflow.outputs import (
 )
 from kvflow.prompt_inputs import ProcessedPrompt, PromptType
 from kvflow.sampling_params import SamplingParams
+from kvflow.tokenization_options import TokenizationOptions, parse_tokenization_kwargs
 
 # vLLM's chat_template_content_format values (kvflow.chat_template.render_chat's content_format)
 CONTENT_FORMATS = ("auto", "string", "openai")
@@ -271,7 +272,8 @@ class LLM(LLMPooling, LLMOps):
              continue_final_message: bool = False, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None, documents: list[dict] | None = None,
              on_output: Callable[[int, RequestOutput], None] | None = None,
-             mm_processor_kwargs: dict[str, Any] | None = None
+             mm_processor_kwargs: dict[str, Any] | None = None,
+             tokenization_kwargs: dict[str, Any] | None = None
              ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them and generate.
 
@@ -294,7 +296,9 @@ class LLM(LLMPooling, LLMOps):
         ``chat_template_content_format`` is vLLM's: ``auto`` (content as a
         list of parts for a template that loops over a message's content, else one string),
         ``string`` (always one string) or ``openai`` (always a list of ``{type, ...}``
-        parts), as ``kvflow serve --chat-template-content-format``.
+        parts), as ``kvflow serve --chat-template-content-format``. ``tokenization_kwargs``
+        are ``generate``'s, for the rendered text (``add_special_tokens`` False unless they
+        say otherwise: the template writes the special tokens).
 
         Raises:
             ValueError: for a ``chat_template_content_format`` other than the three, if the
@@ -315,8 +319,11 @@ class LLM(LLMPooling, LLMOps):
                    "chat_template": chat_template, "tools": tools, "documents": documents,
                    "template_kwargs": chat_template_kwargs,
                    "content_format": chat_template_content_format}
+        tokenization = parse_tokenization_kwargs(tokenization_kwargs,
+                                                 self.engine.processor.max_model_len,
+                                                 add_special_tokens=False)
         prompts, token_prompts = self._chat_prompts(conversations, add_generation_prompt,
-                                                    options)
+                                                    options, tokenization)
         outputs = self.generate(token_prompts, sampling_params, use_tqdm, priority=priority,
                                 lora_request=lora_request, on_output=on_output,
                                 mm_processor_kwargs=mm_processor_kwargs)
@@ -325,14 +332,18 @@ class LLM(LLMPooling, LLMOps):
         return outputs
 
     def _chat_prompts(self, conversations: list, add_generation_prompt: bool,
-                      options: dict[str, Any]) -> tuple[list[str], list[Any]]:
+                      options: dict[str, Any],
+                      tokenization: TokenizationOptions | None = None
+                      ) -> tuple[list[str], list[Any]]:
         """Each conversation checked as the server's schema checks it (tool calls and their
         ids), rendered with the chat template (``options``: ``apply_chat_template``'s) and
-        tokenized without special tokens (the template writes them), its images attached:
-        (the rendered texts, the prompts for ``generate``).
+        tokenized without special tokens (the template writes them; ``tokenization``: the
+        call's ``tokenization_kwargs``), its images attached: (the rendered texts, the
+        prompts for ``generate``).
 
         Raises:
-            ValueError: see :meth:`chat`.
+            ValueError: see :meth:`chat`; ``tokenization_kwargs`` that cut or pad a
+                conversation with images or videos.
         """
         for conversation in conversations:
             if isinstance(conversation, list):
@@ -341,9 +352,19 @@ class LLM(LLMPooling, LLMOps):
         processor, tokenizer = self.engine.processor, self.engine.tokenizer
         texts = [processor.apply_chat_template(c, add_generation_prompt, **options)
                  for c in conversations]
-        return texts, [with_images(tokenizer.encode(text, add_special_tokens=False),
-                                   *processor.load_chat_media(c))
-                       for text, c in zip(texts, conversations)]
+        prompts = []
+        for text, c in zip(texts, conversations):
+            images, videos = processor.load_chat_media(c)
+            if tokenization is None:
+                ids = tokenizer.encode(text, add_special_tokens=False)
+            elif tokenization.reshapes and (images or videos):
+                raise ValueError("tokenization_kwargs cannot cut or pad a conversation with "
+                                 "images or videos (their placeholders are expanded after "
+                                 "tokenization)")
+            else:
+                ids = tokenization.encode(tokenizer, text)
+            prompts.append(with_images(ids, images, videos))
+        return texts, prompts
 
     def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any],
              on_output: Callable[[int, Any], None] | None = None) -> list[Any]:

@@ -20,7 +20,7 @@ from kvflow.prompt_truncation import (
     truncation_length,
 )
 from kvflow.sampling_params import SamplingParams
-from kvflow.tokenization_options import parse_tokenization_kwargs
+from kvflow.tokenization_options import TokenizationOptions, parse_tokenization_kwargs
 
 
 def with_images(token_ids: list[int], images: list[Any], videos: Sequence[Any] = ()
@@ -284,6 +284,25 @@ def processed_prompts(processor: InputProcessor, prompts: list[PromptType],
         processor.validate(keep_last_tokens(p.token_ids, limit))
     return processed
 
+
+
+def tokenized_pooling_prompt(processor: InputProcessor, tokenizer: Any, prompt: PromptType,
+                             task: str, options: TokenizationOptions | None) -> PromptType:
+    """A pooling prompt tokenized, cut and padded as a call's ``tokenization_kwargs`` say
+    (``options``; None: ``prompt`` unchanged): a text as ``InputProcessor.pooling_text``
+    prepares it, encoded with ``options``; token ids reshaped. The result is a token-id
+    list.
+
+    Raises:
+        ValueError: for a prompt ``InputProcessor.pooling_prompt`` refuses for ``task``, or
+            padding without a pad token.
+    """
+    if options is None:
+        return prompt
+    text, ids = processor.pooling_prompt(prompt, task)
+    if text is None:
+        return options.reshape(tokenizer, ids)
+    return options.encode(tokenizer, processor.pooling_text(text))
 
 
 def cut_pooling_prompt(processor: InputProcessor, tokenizer: Any, prompt: PromptType,

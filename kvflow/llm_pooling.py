@@ -18,6 +18,7 @@ from kvflow.llm_inputs import (
     check_users,
     cut_pooling_prompt,
     resolve_pooling_task,
+    tokenized_pooling_prompt,
     with_pooling_task,
 )
 from kvflow.lora.request import LoRARequest
@@ -41,6 +42,7 @@ from kvflow.score_inputs import (
     score_use_activation,
     score_value,
 )
+from kvflow.tokenization_options import parse_tokenization_kwargs
 
 
 class LLMPooling:
@@ -53,7 +55,8 @@ class LLMPooling:
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               use_tqdm: bool | Callable[..., Any] = True, user: Sequence[str] | None = None,
               truncate_prompt_tokens: int | None = None,
-              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
+              tokenization_kwargs: dict[str, Any] | None = None
               ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in order (``out.outputs.embedding``: a list of floats),
         batched by the same scheduler as generation (prompts only, nothing sampled).
@@ -73,6 +76,8 @@ class LLMPooling:
                 ``k``; None: a prompt longer than ``max_model_len`` is refused.
             lora_request: vLLM's keyword: None (or None per prompt); pooling engines run no
                 adapters (see :func:`refuse_pooling_loras`).
+            tokenization_kwargs: as ``LLM.generate`` takes them (vLLM's overrides for
+                ``tokenizer.encode``), applied before ``truncate_prompt_tokens``.
 
         Raises:
             ValueError: on a generation model (start it with ``task="embed"``), for a bad
@@ -86,14 +91,17 @@ class LLMPooling:
             raise ValueError("LLM.embed takes PoolingParams with task='embed'; score text pairs "
                              "with LLM.score, classify texts with LLM.classify")
         return self._pool(prompts, params, use_tqdm, user,
-                          truncate_prompt_tokens=truncate_prompt_tokens)
+                          truncate_prompt_tokens=truncate_prompt_tokens,
+                          tokenization_kwargs=tokenization_kwargs)
 
     def encode(self, prompts: PromptType | Sequence[PromptType],
                pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
                use_tqdm: bool | Callable[..., Any] = True,
                lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                pooling_task: str | None = None, user: Sequence[str] | None = None,
-               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+               truncate_prompt_tokens: int | None = None, *,
+               tokenization_kwargs: dict[str, Any] | None = None
+               ) -> list[PoolingRequestOutput]:
         """vLLM's ``LLM.encode``: each prompt's pooled output as a float32 tensor
         (``out.outputs.data``): the embedding (as ``embed``, [hidden] or [dimensions]) or
         the class probabilities (as ``classify``, [num_labels]); or vLLM's per-token tasks,
@@ -115,6 +123,7 @@ class LLMPooling:
                 ``classify``).
             user: one client name per prompt (needs ``policy="fair"``), as for ``generate``.
             truncate_prompt_tokens: as ``embed`` takes it.
+            tokenization_kwargs: as ``embed`` takes them.
 
         Raises:
             ValueError: on a generating engine, for a pooling task the engine does not run
@@ -133,15 +142,19 @@ class LLMPooling:
                     else torch.tensor(o.outputs.embedding, dtype=torch.float32)),
                     o.finished, o.metrics)
                 for o in self._pool(prompts, params, use_tqdm, user,
-                                    truncate_prompt_tokens=truncate_prompt_tokens)]
+                                    truncate_prompt_tokens=truncate_prompt_tokens,
+                                    tokenization_kwargs=tokenization_kwargs)]
 
     def _pool(self, prompts: list[PromptType], params: list[PoolingParams | None],
               use_tqdm: bool | Callable[..., Any], user: Sequence[str] | None,
               name_prompts: bool = False,
-              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+              truncate_prompt_tokens: int | None = None,
+              tokenization_kwargs: dict[str, Any] | None = None
+              ) -> list[EmbeddingRequestOutput]:
         """Queue one pooling request per prompt (with its params; None: an embedding's
-        defaults) after checking them all, run them; outputs in prompt order. With
-        ``truncate_prompt_tokens`` each prompt is cut first (``cut_pooling_prompt``).
+        defaults) after checking them all, run them; outputs in prompt order. Each prompt is
+        first tokenized as ``tokenization_kwargs`` say (``tokenized_pooling_prompt``), then
+        cut to ``truncate_prompt_tokens`` (``cut_pooling_prompt``).
 
         Raises:
             ValueError: for a prompt or params the engine refuses (``prompt i: ...`` with
@@ -153,10 +166,12 @@ class LLMPooling:
         users = check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
         processor = self.engine.processor
         limit = truncation_length(truncate_prompt_tokens, processor.max_model_len)
+        options = parse_tokenization_kwargs(tokenization_kwargs, processor.max_model_len)
         prompts = list(prompts)
         for i, (p, pp) in enumerate(zip(prompts, params)):  # check all before queuing any
             task = pp.task if pp is not None else "embed"
             try:
+                p = tokenized_pooling_prompt(processor, self.get_tokenizer(), p, task, options)
                 prompts[i] = cut_pooling_prompt(processor, self.get_tokenizer(), p, task, limit)
                 processor.make_pooling_request(
                     "check", processor.pooling_prompt(prompts[i], task)[1], pp)
@@ -268,7 +283,8 @@ class LLMPooling:
                  use_tqdm: bool | Callable[..., Any] = True,
                  user: Sequence[str] | None = None, truncate_prompt_tokens: int | None = None,
                  pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
+                 tokenization_kwargs: dict[str, Any] | None = None
                  ) -> list[ClassificationRequestOutput]:
         """A sequence classifier's class probabilities for each prompt, in order
         (``out.outputs.probs``: the softmax of its ``num_labels`` logits, the sigmoid of a
@@ -286,6 +302,7 @@ class LLMPooling:
                 the head's raw logits in ``probs`` instead of their softmax / sigmoid.
             lora_request: vLLM's keyword: None (or None per prompt); pooling engines run no
                 adapters (see :func:`refuse_pooling_loras`).
+            tokenization_kwargs: as ``embed`` takes them.
 
         Raises:
             ValueError: on an engine not running ``task="classify"`` or ``"score"`` (naming
@@ -301,7 +318,8 @@ class LLMPooling:
         params = [with_pooling_task(p, "classify")
                   for p in broadcast_pooling_params(pooling_params, len(prompts))]
         outs = self._pool(prompts, params, use_tqdm, user, name_prompts=True,
-                          truncate_prompt_tokens=truncate_prompt_tokens)
+                          truncate_prompt_tokens=truncate_prompt_tokens,
+                          tokenization_kwargs=tokenization_kwargs)
         return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,
                                             ClassificationOutput(o.outputs.embedding),
                                             o.finished, o.metrics)

@@ -100,10 +100,11 @@ class TokenizationOptions:
         return token_ids
 
 
-def parse_tokenization_kwargs(kwargs: Mapping[str, Any] | None,
-                              max_model_len: int) -> TokenizationOptions | None:
+def parse_tokenization_kwargs(kwargs: Mapping[str, Any] | None, max_model_len: int,
+                              add_special_tokens: bool = True) -> TokenizationOptions | None:
     """``tokenization_kwargs`` checked and resolved against ``max_model_len`` (tokens); None
-    for None or an empty dict (tokenize as usual).
+    for None or an empty dict (tokenize as usual). ``add_special_tokens``: the default when
+    the kwargs do not say (False for a rendered chat, whose template writes them).
 
     Raises:
         ValueError: naming ``tokenization_kwargs`` and the key, for a key kvflow does not read
@@ -149,7 +150,8 @@ def parse_tokenization_kwargs(kwargs: Mapping[str, Any] | None,
     if side not in (None, "left", "right"):
         raise ValueError(f"{_FIELD}['truncation_side'] must be 'left' or 'right', got "
                          f"{side!r}")
-    return TokenizationOptions(add_special_tokens=kwargs.get("add_special_tokens", True),
+    return TokenizationOptions(add_special_tokens=kwargs.get("add_special_tokens",
+                                                             add_special_tokens),
                                do_lower_case=kwargs.get("do_lower_case", False),
                                keep=keep, side=side, pad_to=pad_to)
 

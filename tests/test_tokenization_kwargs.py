@@ -109,3 +109,46 @@ def test_minus_one_means_max_model_len_and_none_changes_nothing():
     assert parse_tokenization_kwargs({"truncate_prompt_tokens": -1}, 64).keep == 64
     assert parse_tokenization_kwargs({"truncation": True}, 64).keep == 64
     assert parse_tokenization_kwargs({"padding": "max_length", "max_length": 9}, 64).pad_to == 9
+
+
+def test_chat_tokenizes_the_rendered_text_with_them(bos_model):
+    """LLM.chat(tokenization_kwargs=...): the rendered conversation tokenized as the HF
+    tokenizer does with the same kwargs, special tokens off unless they say (the template
+    writes them)."""
+    llm, tok = bos_model
+    messages = [{"role": "user", "content": TEXT}]
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    plain, added, cut = (llm.chat(messages, GREEDY, use_tqdm=False, chat_template=template,
+                                  tokenization_kwargs=kwargs)[0]
+                         for kwargs in (None, {"add_special_tokens": True},
+                                        {"truncation": True, "max_length": 5}))
+    assert plain.prompt == added.prompt == cut.prompt == TEXT
+    assert plain.prompt_token_ids == tok(TEXT, add_special_tokens=False).input_ids
+    assert added.prompt_token_ids == tok(TEXT).input_ids
+    assert cut.prompt_token_ids == tok(TEXT, add_special_tokens=False, truncation=True,
+                                       max_length=5).input_ids
+
+
+def test_embed_and_encode_take_them(tiny_tokenizer, tmp_path_factory):
+    """LLM.embed / LLM.encode(tokenization_kwargs=...): the prompt ids are the HF
+    tokenizer's with the same kwargs, and the embedding is the one of those ids given
+    directly."""
+    import torch
+
+    from tests.models.embedding_models import build_bert
+
+    folder = str(tmp_path_factory.mktemp("tok_kwargs_bert") / "st")
+    build_bert(tiny_tokenizer, folder, "mean")
+    llm = LLM(model=folder, dtype="float32", device="cpu")
+    tok = llm.get_tokenizer()
+    kwargs = {"truncation": True, "max_length": 4}
+    want = tok(TEXT, **kwargs).input_ids
+    assert want != tok(TEXT).input_ids
+    (out,) = llm.embed(TEXT, use_tqdm=False, tokenization_kwargs=kwargs)
+    (direct,) = llm.embed(want, use_tqdm=False)
+    assert out.prompt_token_ids == want
+    assert out.outputs.embedding == direct.outputs.embedding
+    (encoded,) = llm.encode(TEXT, use_tqdm=False, tokenization_kwargs=kwargs)
+    assert torch.equal(encoded.outputs.data, torch.tensor(direct.outputs.embedding))
+    with pytest.raises(ValueError, match=r"tokenization_kwargs \['stride'\] are not read"):
+        llm.embed(TEXT, use_tqdm=False, tokenization_kwargs={"stride": 2})
