@@ -115,6 +115,17 @@ class ServerConfig:
                                     "store false, and a request sending store true gets 400")
     uvicorn_log_level: str = opt("info", "HTTP server log level",
                                   choices=["critical", "error", "warning", "info", "debug"])
+    disable_uvicorn_access_log: bool = opt(False, "write no uvicorn access log line (one per "
+                                           "HTTP request, at INFO; vLLM's flag of the same "
+                                           "name)")
+    disable_access_log_for_endpoints: str | None = opt(
+        None, "comma-separated request paths whose uvicorn access log lines are left out, "
+        "matched exactly without the query string, e.g. /health,/metrics,/ping; other "
+        "paths are still logged (vLLM's flag of the same name; default: none)",
+        metavar="PATHS")
+    uds: str | None = opt(None, "serve HTTP on this Unix domain socket path instead of "
+                           "--host / --port, which are then not read (vLLM's flag of the "
+                           "same name; default: TCP)", metavar="PATH")
     engine_start_timeout: float = opt(600.0, "seconds to wait for the engine process to load "
                                        "the model")
     timeout_keep_alive: float = opt(20.0, "seconds an idle HTTP keep-alive connection stays "
@@ -341,7 +352,8 @@ class ServerConfig:
             (self.root_path is not None and not (self.root_path == ""
                                                  or self.root_path.startswith("/")),
              f"root_path={self.root_path!r} must start with '/' (e.g. /llm)"),
-            (not self.response_role.strip(), "response_role must not be empty")]
+            (not self.response_role.strip(), "response_role must not be empty"),
+            (self.uds is not None and not self.uds.strip(), "--uds must name a socket path")]
         for refused, why in refusals:
             if refused:
                 raise ValueError(why)

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import socket
+import stat
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -274,6 +275,21 @@ def check_listen_address(host: str, port: int) -> None:
                                  f"({e.strerror})") from None
 
 
+def check_socket_path(path: str) -> None:
+    """``--uds PATH`` can be bound, checked before the model loads: its folder exists and
+    nothing but a (stale) socket is at the path (uvicorn replaces a socket file there).
+
+    Raises:
+        ValueError: naming the flag, for a missing folder or another kind of file there.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--uds {path}: the folder {folder} does not exist")
+    if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise ValueError(f"--uds {path}: a file that is not a socket is there; remove it or "
+                         "give another path")
+
+
 def run_server(engine_config: EngineConfig, server_config: ServerConfig,
                fresh_process: bool = False) -> None:
     """Load the model (engine-core process), then serve HTTP until SIGINT/SIGTERM (which
@@ -286,13 +302,16 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
     Raises:
         RuntimeError: if the engine fails to start, or died while serving (under
             ``--engine-failure exit``; the server has stopped then).
-        ValueError: for a bad model or configuration, a ``--host`` / ``--port`` that cannot
-            be listened on, a ``--chat-template`` that cannot be used (both checked before
+        ValueError: for a bad model or configuration, a ``--host`` / ``--port`` (or ``--uds``
+            path) that cannot be listened on, a ``--chat-template`` that cannot be used (both checked before
             the model loads), or a ``--lora-modules`` adapter the engine refuses.
     """
     names = server_config.model_names(engine_config.model_config.model)
     model_name = names[0]
-    check_listen_address(server_config.host, server_config.port)
+    if server_config.uds is None:
+        check_listen_address(server_config.host, server_config.port)
+    else:
+        check_socket_path(server_config.uds)
     check_ssl_files(server_config)
     check_default_template_kwargs(server_config.default_chat_template_kwargs)
     check_lora_modules(server_config.lora_modules or (), engine_config, names)
@@ -309,9 +328,11 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
     try:
         app = build_app(engine, server_config, model_name, template)
         http_options = uvicorn_options(server_config)
-        logger.info("serving %s on %s://%s:%d%s", model_name,
-                    "https" if "ssl_certfile" in http_options else "http", server_config.host,
-                    server_config.port, server_config.root_path or "")
+        where = (f"unix:{server_config.uds}" if server_config.uds is not None
+                 else f"{server_config.host}:{server_config.port}")
+        logger.info("serving %s on %s://%s%s", model_name,
+                    "https" if "ssl_certfile" in http_options else "http", where,
+                    server_config.root_path or "")
         # open requests are aborted first on SIGINT / SIGTERM (server_shutdown.py); the 5 s
         # are for other work in flight (a long /tokenize, say)
         server = _StartingServer(uvicorn.Config(

@@ -14,6 +14,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvflow.config import ServerConfig
+from kvflow.entrypoints.access_log import access_log_options
 
 
 def fastapi_options(config: ServerConfig) -> dict[str, Any]:
@@ -67,8 +68,13 @@ def uvicorn_options(config: ServerConfig) -> dict[str, Any]:
     which FastAPI names in the OpenAPI schema's ``servers``; the proxy strips the prefix, so
     routes stay where they are) and HTTPS (``--ssl-certfile`` ...; ``--ssl-ca-certs``
     goes to uvicorn as vLLM passes it, with uvicorn's default ``ssl_cert_reqs``, as vLLM's: no
-    client certificate is required)."""
+    client certificate is required), ``uds`` (``--uds``: uvicorn then binds that Unix socket,
+    not host and port) and the access log's (``access_log.access_log_options``)."""
     options: dict[str, Any] = {"root_path": config.root_path} if config.root_path else {}
+    if config.uds is not None:
+        options["uds"] = config.uds
+    options.update(access_log_options(config.disable_uvicorn_access_log,
+                                      config.disable_access_log_for_endpoints))
     if config.ssl_certfile is None:
         return options
     options.update(ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile)
