@@ -91,6 +91,17 @@ class ModelConfig:
                      "architectures and sentence-transformers folders)",
                      choices=["auto", "generate", "embed", "score", "classify",
                               "token_classify"])
+    runner: str = opt("auto", "vLLM's replacement of --task: generate (--task generate), "
+                      "pooling (with --convert auto: the architecture's own pooling task, "
+                      "embed for a text generation model, as vLLM converts it), or auto "
+                      "(--task auto); vLLM's draft is refused (a draft model runs inside "
+                      "--speculative-config); not with --task", choices=["auto", "generate",
+                                                                        "pooling", "draft"])
+    convert: str = opt("auto", "vLLM's model conversion, with --runner: embed (--task embed), "
+                       "classify (--task classify), none (no conversion: under --runner "
+                       "pooling the architecture must pool), or auto; embed and classify "
+                       "are refused with --runner generate; not with --task",
+                       choices=["auto", "none", "embed", "classify"])
     dtype: str = opt("auto", "compute dtype", choices=["auto", "float32", "bfloat16", "float16"])
     max_model_len: int | None = opt(None, "context length in tokens (default: the model's)")
     seed: int = opt(0, "seed for unseeded random sampling and dummy weights (an integer in "
@@ -203,9 +214,46 @@ class ModelConfig:
         if not -2**63 <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
             raise ValueError(f"seed={self.seed} is out of range: torch's generators take an "
                              "integer in [-2**63, 2**64)")
+        self._check_runner()
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 1 (or unset for "
                              "the model's own)")
+
+    def _check_runner(self) -> None:
+        """Refuse vLLM's ``runner`` / ``convert`` values kvflow cannot serve, and their use
+        beside ``task`` (two ways to say one thing).
+
+        Raises:
+            ValueError: naming the flags and why.
+        """
+        if self.runner == "auto" and self.convert == "auto":
+            return
+        if self.task != "auto":
+            raise ValueError(f"--task {self.task} with --runner {self.runner} --convert "
+                             f"{self.convert}: both choose what the model serves; give "
+                             "--runner / --convert (vLLM's) or --task")
+        if self.runner == "draft":
+            raise ValueError("--runner draft is not available: kvflow runs a draft model "
+                             "only inside --speculative-config (its 'model' key)")
+        if self.runner == "generate" and self.convert in ("embed", "classify"):
+            raise ValueError(f"--runner generate with --convert {self.convert} cannot be "
+                             f"served: a model converted to {self.convert} pools, it does "
+                             f"not generate (give --runner pooling, or --convert none)")
+
+    @property
+    def requested_task(self) -> str:
+        """The task asked for, for :func:`kvflow.models.model_task.resolve_task`: ``task``,
+        or what vLLM's ``runner`` / ``convert`` say (``convert`` embed / classify: that
+        task; ``runner`` generate: generate; ``runner`` pooling: ``"pooling"`` with convert
+        auto (the architecture's pooling task, embed for a generating one),
+        ``"pooling_native"`` with convert none (the architecture's, which must pool))."""
+        if self.convert in ("embed", "classify"):
+            return self.convert
+        if self.runner == "generate":
+            return "generate"
+        if self.runner == "pooling":
+            return "pooling" if self.convert == "auto" else "pooling_native"
+        return self.task
 
     @property
     def tokenizer_options(self) -> dict[str, Any]:

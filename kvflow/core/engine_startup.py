@@ -142,7 +142,7 @@ class EngineCoreStartup:
                 import (``EngineConfig.find_logits_processor_plugins``).
         """
         folder = source.path if source.kind == "hf" else None
-        self.task, self.pooler_config = model_task(self.config.model_config.task,
+        self.task, self.pooler_config = model_task(self.config.model_config.requested_task,
                                                    self.hf_config, folder)
         self.is_encoder = model_traits(self.hf_config)[1]
         self.config.find_logits_processor_plugins(self.task)  # before the workers get it

@@ -27,12 +27,27 @@ def resolve_task(requested: str, is_pooling_architecture: bool, folder: str | No
 
     A token classifier (``*ForTokenClassification``) runs ``token_classify`` only.
 
+    ``pooling`` and ``pooling_native`` (vLLM's ``--runner pooling`` with ``--convert auto``
+    / ``none``, :attr:`ModelConfig.requested_task`): what ``auto`` picks when it pools; for a
+    generating architecture ``pooling`` is ``embed`` (vLLM converts it so) and
+    ``pooling_native`` is refused.
+
     Raises:
         ValueError: for ``generate`` on an architecture without an LM head, ``score`` /
             ``classify`` on one without a classification head, ``token_classify`` on one
-            without a token-classification head, or another task on a sequence or token
-            classifier.
+            without a token-classification head, another task on a sequence or token
+            classifier, or ``pooling_native`` on a generating architecture.
     """
+    if requested in ("pooling", "pooling_native"):
+        task = resolve_task("auto", is_pooling_architecture, folder, is_cross_encoder,
+                            is_token_classifier)
+        if task != "generate":
+            return task
+        if requested == "pooling_native":
+            raise ValueError("--runner pooling --convert none needs an architecture that "
+                             "pools (an encoder, *ForSequenceClassification, ...); this one "
+                             "generates text (--convert embed pools its last token)")
+        return "embed"
     if is_token_classifier:
         if requested not in ("auto", "token_classify"):
             raise ValueError(f"task={requested!r}: this architecture is a token classifier "
@@ -88,7 +103,8 @@ def model_task(requested: str, hf_config: Any, folder: str | None
     classifier also serves vLLM's ``token_classify`` (its head on every prompt token).
 
     Args:
-        requested: ``ModelConfig.task`` (auto | generate | embed | score | classify).
+        requested: ``ModelConfig.requested_task`` (auto | generate | embed | score |
+            classify | token_classify | pooling | pooling_native).
         hf_config: the model's HF config.
         folder: the HF model folder (None for a GGUF file).
 
