@@ -22,7 +22,12 @@ from kvflow.config.multimodal import MultiModalConfig
 from kvflow.config.options import add_field_arg
 from kvflow.config.parallel import ParallelConfig
 from kvflow.config.scheduler import SchedulerConfig
-from kvflow.config.speculative import HEAD_METHODS, SpeculativeConfig
+from kvflow.config.speculative import (
+    HEAD_METHODS,
+    SPEC_SHORTHANDS,
+    SpeculativeConfig,
+    merge_spec_shorthands,
+)
 from kvflow.config.structured import StructuredOutputConfig
 from kvflow.logits_process import LOGITS_PROCESSORS_GROUP, plugin_logits_processors
 
@@ -35,6 +40,8 @@ _SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,
 
 # sections given as one JSON object (a dict, a JSON string or the section's class)
 _JSON_SECTIONS = ("speculative_config", "kv_events_config", "kv_transfer_config")
+# vLLM's shorthands of speculative_config's keys (spec_method, spec_model, spec_tokens)
+_SPEC_KEYWORDS = tuple(name for _, name, _ in SPEC_SHORTHANDS)
 
 
 @dataclass
@@ -230,13 +237,17 @@ class EngineConfig:
         ``aliases``, e.g. vLLM's ``scheduling_policy`` for ``policy``, name it too);
         ``speculative_config`` takes a dict, a JSON string or a SpeculativeConfig,
         ``kv_events_config`` a dict, a JSON string or a KVEventsConfig,
-        ``kv_transfer_config`` a dict, a JSON string or a KVTransferConfig.
+        ``kv_transfer_config`` a dict, a JSON string or a KVTransferConfig; vLLM's
+        ``spec_method`` / ``spec_model`` / ``spec_tokens`` set ``speculative_config``'s
+        method / model / num_speculative_tokens (``merge_spec_shorthands``).
 
         Raises:
             ValueError: on an unknown keyword, listing the valid ones, a field given under
-                two names, or a bad value.
+                two names (a speculative key both ways too), or a bad value.
         """
-        speculative = kwargs.pop("speculative_config", None)
+        speculative = merge_spec_shorthands(
+            kwargs.pop("speculative_config", None),
+            {name: kwargs.pop(name, None) for _, name, _ in SPEC_SHORTHANDS})
         kv_events = kwargs.pop("kv_events_config", None)
         kv_transfer = kwargs.pop("kv_transfer_config", None)
         parts: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
@@ -250,7 +261,7 @@ class EngineConfig:
                 key = alias[key]
             if key not in owner:
                 raise ValueError(f"unknown engine option {key!r}; valid: "
-                                 f"{sorted([*owner, *_JSON_SECTIONS])}")
+                                 f"{sorted([*owner, *_JSON_SECTIONS, *_SPEC_KEYWORDS])}")
             parts[owner[key]][key] = value
         return cls(**{sec: _SECTIONS[sec](**vals) for sec, vals in parts.items()},
                    speculative_config=speculative, kv_events_config=kv_events,
@@ -266,13 +277,19 @@ class EngineConfig:
             for f in fields(sec_cls):
                 add_field_arg(group, f)
         keys = ", ".join(f"{f.name} ({f.default})" for f in fields(SpeculativeConfig))
-        parser.add_argument_group("SpeculativeConfig").add_argument(
+        spec = parser.add_argument_group("SpeculativeConfig")
+        spec.add_argument(
             "--speculative-config", type=str, default=None,
             help="speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", "
                  "\"num_speculative_tokens\": 4}' or '{\"method\": \"draft_model\", "
                  "\"model\": \"NAME\", \"num_speculative_tokens\": 4}' (method \"eagle\" / "
                  "\"eagle3\": \"model\" an EAGLE-1 / EAGLE-3 head); keys (defaults): "
                  f"{keys} (default: off)")
+        for flag, _, key in SPEC_SHORTHANDS:  # vLLM's shorthands of three keys
+            spec.add_argument(flag, type=int if key == "num_speculative_tokens" else str,
+                              default=None, help=f"--speculative-config's {key!r} (vLLM's "
+                              "shorthand; refused when that JSON sets it too; default: "
+                              "unset)")
         keys = ", ".join(f"{f.name} ({f.default})" for f in fields(KVEventsConfig))
         parser.add_argument_group("KVEventsConfig").add_argument(
             "--kv-events-config", type=str, default=None,
@@ -291,7 +308,7 @@ class EngineConfig:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         names = {f.name for c in _SECTIONS.values() for f in fields(c)}
-        names.update(_JSON_SECTIONS)
+        names.update(_JSON_SECTIONS, _SPEC_KEYWORDS)
         return cls.from_kwargs(**{k: v for k, v in vars(args).items() if k in names})
 
     def to_dict(self) -> dict[str, Any]:

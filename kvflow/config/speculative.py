@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvflow.config import cpu_limits
 from kvflow.config.options import check_choices, json_config_dict, unknown_fields
@@ -201,3 +202,39 @@ class SpeculativeConfig:
         if "method" not in value:  # as vLLM: a draft model named means method draft_model
             value = {**value, "method": "draft_model" if value.get("model") else "ngram"}
         return cls(**value)
+
+
+# vLLM's shorthand flags of --speculative-config: (flag, keyword, the config key it sets)
+SPEC_SHORTHANDS = (("--spec-method", "spec_method", "method"),
+                   ("--spec-model", "spec_model", "model"),
+                   ("--spec-tokens", "spec_tokens", "num_speculative_tokens"))
+
+
+def merge_spec_shorthands(value: SpeculativeConfig | dict | str | None,
+                          shorthands: dict[str, Any]) -> SpeculativeConfig | dict | str | None:
+    """``speculative_config`` with vLLM's shorthands (``spec_method``, ``spec_model``,
+    ``spec_tokens``: ``shorthands``' values that are not None) set as its ``method``,
+    ``model`` and ``num_speculative_tokens`` keys, as vLLM's
+    ``EngineArgs.create_speculative_config`` sets them; a shorthand alone starts an empty
+    config. ``value`` is returned as it is when no shorthand is given.
+
+    Raises:
+        ValueError: for a key given both ways (vLLM: mutually exclusive), or shorthands
+            beside a ``SpeculativeConfig`` object (give its fields there).
+    """
+    given = [(flag, key, shorthands[name]) for flag, name, key in SPEC_SHORTHANDS
+             if shorthands.get(name) is not None]
+    if not given:
+        return value
+    if isinstance(value, SpeculativeConfig):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"{given[0][0]} beside a SpeculativeConfig object: set its fields there instead")
+    merged = dict(json_config_dict("speculative_config", value,
+                                   '{"method": "ngram", "num_speculative_tokens": 4}')
+                  or {}) if value is not None else {}
+    for flag, key, setting in given:
+        if key in merged:
+            raise ValueError(f"{flag} and --speculative-config's {key!r} are mutually "
+                             "exclusive (both set it): give one")
+        merged[key] = setting
+    return merged
