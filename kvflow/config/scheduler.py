@@ -42,6 +42,11 @@ class SchedulerConfig:
         "within --max-num-batched-tokens (its one scheduling rule; an encoder-only model, "
         "BERT or RoBERTa, runs prompts whole and refuses the flag); "
         "--no-enable-chunked-prefill is refused, as kvflow cannot turn chunking off")
+    stream_interval: int = opt(1, "streamed replies (kvflow serve, AsyncLLM): send a "
+                                "request's new tokens once every this many tokens instead "
+                                "of every step; the first token and the last chunk are "
+                                "sent at once (vLLM's flag of the same name; offline LLM "
+                                "outputs are whole, as in vLLM)")
     preemption_mode: str = opt("recompute", "what a preempted request's KV becomes: "
                                 "recompute (freed, recomputed on readmission) or swap (copied "
                                 "to a host pool of --swap-space and back, when the context is "
@@ -57,6 +62,9 @@ class SchedulerConfig:
         check_choices(self)
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval={self.stream_interval} must be >= 1 (1: every "
+                             "step's tokens are streamed at once)")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.enable_chunked_prefill is False:

@@ -188,7 +188,8 @@ class AsyncLLM(AsyncLLMCalls):
                                         load_logits_processors(self.config.model_config
                                                                .custom_logits_processors()))
         self.balancer = DPLoadBalancer(self.num_replicas, ready.block_size)
-        self.requests = OpenRequests(OutputProcessor(self.tokenizer), self.tracker,
+        self.requests = OpenRequests(OutputProcessor(
+            self.tokenizer, self.config.scheduler_config.stream_interval), self.tracker,
                                      self.balancer, self.metrics,
                                      self.config.scheduler_config.admission_control)
 
