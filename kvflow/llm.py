@@ -17,6 +17,7 @@ from kvflow.beam_search import (
 )
 from kvflow.chat_tool_calls import check_tool_call_ids, check_tool_calls, message_turns
 from kvflow.config import EngineConfig
+from kvflow.config.server import check_disable_log_stats
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.engine.streams import RequestRefused
 from kvflow.gc_heap import caller_heap_frozen
@@ -56,17 +57,19 @@ class LLM(LLMPooling, LLMOps):
             enable_prefix_caching, max_num_batched_tokens, max_num_seqs, device, ...);
             ``logits_processors``: custom logits processor classes or ``"module:Class"``
             paths (``kvflow.logits_process``), whose per-request arguments come in
-            ``SamplingParams.extra_args``.
+            ``SamplingParams.extra_args``; vLLM's ``disable_log_stats=True`` is accepted
+            (kvflow logs no stats lines).
 
     Raises:
-        ValueError: for an unknown option, model or impossible configuration, or
+        ValueError: for an unknown option, model or impossible configuration,
             ``admission_control`` or ``idle_batch_window_ms`` (server options: offline
-            requests are never refused, nor waited for).
+            requests are never refused, nor waited for), or ``disable_log_stats=False``.
     """
 
     def __init__(self, model: str = "SmolLM2-135M-Instruct", **kwargs: Any) -> None:
         refuse_server_options(bool(kwargs.get("admission_control")),
                               kwargs.get("idle_batch_window_ms") or 0.0)
+        check_disable_log_stats(kwargs.pop("disable_log_stats", None))  # vLLM's; no log line
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
 
     @classmethod

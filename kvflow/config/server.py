@@ -80,6 +80,21 @@ def _word_list(name: str, value: Any) -> tuple[str, ...] | None:
     return tuple(out)
 
 
+def check_disable_log_stats(value: bool | None) -> None:
+    """vLLM's ``disable_log_stats`` (``--disable-log-stats``, ``LLM(disable_log_stats=...)``):
+    True or unset is what kvflow does (it writes no periodic stats log line, vLLM's "Avg
+    prompt throughput ..." one; /metrics is served either way).
+
+    Raises:
+        ValueError: for False (``--no-disable-log-stats``): asks for stats log lines kvflow
+            does not write.
+    """
+    if value is False:
+        raise ValueError("--no-disable-log-stats (disable_log_stats=False) is refused: kvflow "
+                         "writes no periodic stats log line to turn on (its statistics are "
+                         "GET /metrics and each RequestOutput's metrics); leave it out")
+
+
 @dataclass
 class ServerConfig:
     """Options of ``kvflow serve`` beyond the engine's (flags are generated from these fields).
@@ -180,6 +195,11 @@ class ServerConfig:
                                       "answers, so that a misspelled field (max_token) is "
                                       "never silently dropped (an unknown key inside a "
                                       "nested object is a 400 either way)")
+    return_tokens_as_token_ids: bool = opt(
+        False, "write every logprobs token of /v1/completions and /v1/chat/completions "
+        "replies, streamed or not (the chosen ones and the alternatives), as "
+        "'token_id:{id}', so a token that is no whole character is still named; a request's "
+        "own return_tokens_as_token_ids (true or false) wins (vLLM's flag of the same name)")
     enable_prompt_tokens_details: bool = opt(False, "add usage.prompt_tokens_details."
                                              "cached_tokens (the prompt tokens found in the "
                                              "prefix cache) to /v1/chat/completions and "
@@ -204,6 +224,16 @@ class ServerConfig:
     disable_log_requests: bool | None = opt(
         None, "vLLM's deprecated inverse of --enable-log-requests (--no-disable-log-requests "
         "turns logging on); refused when the two contradict each other")
+    enable_log_outputs: bool = opt(False, "with --enable-log-requests, also log each "
+                                   "generated sample once it finishes: its text (cut to "
+                                   "--max-log-len) and finish reason at INFO, its token ids "
+                                   "at DEBUG, streamed or not (vLLM's flag of the same name; "
+                                   "kvflow logs no per-delta lines; beam searches not "
+                                   "logged)")
+    disable_log_stats: bool | None = opt(
+        None, "accepted for vLLM command lines: kvflow writes no periodic stats log line "
+        "(vLLM's 'Avg prompt throughput ...'), so there is none to turn off; /metrics stays "
+        "served; --no-disable-log-stats is refused (LLM(disable_log_stats=...) likewise)")
     max_log_len: int | None = opt(None, "longest prompt logged under --enable-log-requests, "
                                    "in characters (text) or token ids (default: unlimited)")
     allowed_origins: tuple[str, ...] | None = opt(
@@ -245,6 +275,12 @@ class ServerConfig:
         None, "chat template variables of every conversation, as a JSON object, e.g. "
         "'{\"enable_thinking\": false}'; a request's chat_template_kwargs win key by key; a key "
         "the template does not read is left out")
+    sse_keep_alive_interval: float = opt(0.0, "seconds without a chunk after which a "
+                                         "streamed /v1/chat/completions or /v1/completions "
+                                         "reply gets an SSE comment line ': keep-alive' "
+                                         "(queued, in prefill, between tokens), so a proxy's "
+                                         "read timeout does not close it; 0: none (vLLM's "
+                                         "flag of the same name)")
     enable_force_include_usage: bool = opt(False, "send the usage chunk at the end of every "
                                            "stream, as if each request asked for "
                                            "stream_options.include_usage")
@@ -287,10 +323,13 @@ class ServerConfig:
         elif self.served_model_name is not None:
             self.served_model_name = tuple(self.served_model_name)
         self._check_vllm_flags()
+        check_disable_log_stats(self.disable_log_stats)
         checks = [(0 <= self.port <= 65535, "port", "must be in [0, 65535]"),
                   (self.max_n >= 1, "max_n", "must be >= 1"),
                   (self.max_logprobs >= 0, "max_logprobs", "must be >= 0"),
                   (self.responses_store_size >= 0, "responses_store_size", "must be >= 0"),
+                  (0 <= self.sse_keep_alive_interval < float("inf"), "sse_keep_alive_interval",
+                   "must be >= 0 seconds (0: no keep-alive comments)"),
                   (self.max_waiting_requests is None or self.max_waiting_requests >= 1,
                    "max_waiting_requests", "must be >= 1 (0 would refuse every request)"),
                   (self.api_key is None or self.api_key.strip() != "", "api_key",
@@ -345,6 +384,8 @@ class ServerConfig:
             (self.max_log_len is not None and not self.log_requests,
              ("--max-log-len cuts the prompts --enable-log-requests logs: without it no "
               "request is logged (give --enable-log-requests too, or leave --max-log-len out)")),
+            (self.enable_log_outputs and not self.log_requests,
+             "--enable-log-outputs needs --enable-log-requests (as in vLLM)"),
             (self.ssl_keyfile is not None and self.ssl_certfile is None,
              "--ssl-keyfile needs --ssl-certfile (the certificate that goes with the key)"),
             (self.ssl_ca_certs is not None and self.ssl_certfile is None,

@@ -4,6 +4,7 @@ when its engine core dies, and admission control's refusal."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from kvflow.outputs import CompletionOutput, RequestOutput
 
@@ -73,6 +74,8 @@ class RequestStream:
 
     def __init__(self, request_id: str, admission: bool = False) -> None:
         self.request_id = request_id
+        # called with each output as the caller takes it (the server's --enable-log-outputs)
+        self.observer: Callable[[RequestOutput], None] | None = None
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
         self.admitted: asyncio.Future | None = \
@@ -102,6 +105,8 @@ class RequestStream:
             self.finished = True
             raise item
         self.finished = item.finished
+        if self.observer is not None:
+            self.observer(item)
         return item
 
 

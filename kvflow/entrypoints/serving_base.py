@@ -21,6 +21,7 @@ from kvflow.engine.async_llm import AsyncLLM, RequestStream
 from kvflow.entrypoints import engine_requests
 from kvflow.entrypoints.beam_requests import BeamSearches
 from kvflow.entrypoints.openai_errors import OpenAIError, invalid_request
+from kvflow.entrypoints.output_log import OutputLog
 from kvflow.entrypoints.preprocess import PromptTooLong, encode_checked, off_loop
 from kvflow.entrypoints.protocol import (
     EmbeddingRequest,
@@ -156,6 +157,13 @@ class OpenAIServing(OpenAIServingChecks):
                               "send token ids", code="no_tokenizer")
         return self.engine.tokenizer
 
+    def token_ids_default(self, req: Any) -> None:
+        """Set a completions or chat request's unset ``return_tokens_as_token_ids`` to the
+        server's ``--return-tokens-as-token-ids``, as vLLM does (a request's own true or
+        false wins)."""
+        if req.return_tokens_as_token_ids is None:
+            req.return_tokens_as_token_ids = self.config.return_tokens_as_token_ids
+
     async def encode_texts(self, tokenizer: Any, texts: Sequence[str],
                            add_special_tokens: bool, param: str, pooling: bool = False,
                            check_length: bool = True) -> list[list[int]]:
@@ -197,7 +205,8 @@ class OpenAIServing(OpenAIServingChecks):
         expanded in the prompts' ids); with admission control, wait until the engine core
         accepted them all; ``lora_request``: their adapter; ``cache_salt``: their prefix-cache
         salt (None: unsalted); ``prompt_embeds``: the embedding rows of the first prompts
-        (their ids are placeholders). On failure abort what was queued.
+        (their ids are placeholders). On failure abort what was queued. Under
+        ``--enable-log-outputs`` each stream logs its samples' outputs (``OutputLog``).
 
         Raises:
             OpenAIError: 400 for input the engine refuses, 503 if the engine is gone or
@@ -207,9 +216,12 @@ class OpenAIServing(OpenAIServingChecks):
             (text, ids), sp = prompts[i], params[i]
             self.log_request(f"{request_id}-{i}", text, ids, sp, lora_request)
             embeds = prompt_embeds[i] if i < len(prompt_embeds) else None
-            return self.engine.add_request(f"{request_id}-{i}", text, ids, sp, priority,
-                                           mm_features, client_id, lora_request, cache_salt,
-                                           embeds)
+            stream = self.engine.add_request(f"{request_id}-{i}", text, ids, sp, priority,
+                                             mm_features, client_id, lora_request, cache_salt,
+                                             embeds)
+            if self.config.enable_log_outputs:
+                stream.observer = OutputLog(f"{request_id}-{i}", self.config.max_log_len)
+            return stream
 
         return await self.admit_all(add, len(prompts))
 

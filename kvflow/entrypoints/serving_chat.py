@@ -42,6 +42,7 @@ from kvflow.entrypoints.sampling_requests import (
 )
 from kvflow.entrypoints.serving_base import OpenAIServing, body_size, request_ids
 from kvflow.entrypoints.serving_models import ServingModels
+from kvflow.entrypoints.sse_keep_alive import with_keep_alive
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.entrypoints.structured_requests import (
     RequestFieldError,
@@ -104,8 +105,10 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         self.check_fields(req, "/v1/chat/completions")
         run = await self.start(req, raw, "chatcmpl")
         if req.stream:
-            return SSEResponse(self.stream(run.streams, self._chunks(
-                req, run.reply_id, run.prompt_ids, run.streams, run.parser), run.grammar_param))
+            chunks = self._chunks(req, run.reply_id, run.prompt_ids, run.streams, run.parser)
+            return SSEResponse(with_keep_alive(
+                self.stream(run.streams, chunks, run.grammar_param),
+                self.config.sse_keep_alive_interval))
         return await self.respond(raw, run.streams, self._response(
             req, run.reply_id, run.prompt_ids, run.streams[0], run.parser), run.grammar_param)
 
@@ -173,6 +176,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         self.check_n(req.n)
         self.check_stream_options(req)
         self.check_unsupported(req)
+        self.token_ids_default(req)
         self.check_num_logprobs(req.prompt_logprobs, "prompt_logprobs")
         if req.stream and req.prompt_logprobs is not None:
             raise OpenAIError("prompt_logprobs is not returned when streaming chat (vLLM's "

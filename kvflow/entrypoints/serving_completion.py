@@ -38,6 +38,7 @@ from kvflow.entrypoints.sampling_requests import (
 )
 from kvflow.entrypoints.serving_base import OpenAIServing, body_size, request_ids
 from kvflow.entrypoints.serving_checks import check_token_ids, prompt_error_code
+from kvflow.entrypoints.sse_keep_alive import with_keep_alive
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.entrypoints.text_offsets import StreamedTokenOffsets, TokenTextOffsets
 from kvflow.lora.request import LoRARequest
@@ -85,8 +86,9 @@ class OpenAIServingCompletion(OpenAIServing):
                                               prompt_embeds=embeds)
         param = grammar_param(req, None)
         if req.stream:
-            return SSEResponse(self.stream(
-                streams, self._chunks(req, reply_id, prompts, streams), param))
+            return SSEResponse(with_keep_alive(
+                self.stream(streams, self._chunks(req, reply_id, prompts, streams), param),
+                self.config.sse_keep_alive_interval))
         return await self.respond(raw, streams, self._response(req, reply_id, prompts, streams),
                                   param)
 
@@ -102,6 +104,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_num_logprobs(req.logprobs, "logprobs")
         self.check_stream_options(req)
         self.check_unsupported(req)
+        self.token_ids_default(req)
         self.check_num_logprobs(req.prompt_logprobs, "prompt_logprobs")
         if req.suffix:
             raise OpenAIError("suffix is not supported: kvflow does not do fill-in-the-middle "

@@ -299,7 +299,8 @@ class OpenAIServingResponses:
                 finish_reason = c.finish_reason or finish_reason
                 logprobs = [] if top is None else [
                     entry.model_dump() for entry in chat_logprobs(
-                        c.token_ids, c.logprobs or [], top, self.chat.engine.tokenizer).content]
+                        c.token_ids, c.logprobs or [], top, self.chat.engine.tokenizer,
+                        self.chat.config.return_tokens_as_token_ids).content]
                 for event in events.feed(state.update(c.text, c.finish_reason is not None),
                                          logprobs):
                     yield event

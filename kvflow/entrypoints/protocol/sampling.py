@@ -96,7 +96,7 @@ class SamplingRequest(RequestBody):
     prefix-cache blocks: only requests with the same salt share them. vLLM's
     ``allowed_token_ids``, ``bad_words`` and ``truncate_prompt_tokens`` are SamplingParams'
     (``kvflow.sampling_params``); ``return_tokens_as_token_ids`` writes every logprobs token
-    as ``token_id:{id}``; vLLM's ``vllm_xargs`` (string keys; each value a string, number or
+    as ``token_id:{id}`` (unset: the server's ``--return-tokens-as-token-ids``); vLLM's ``vllm_xargs`` (string keys; each value a string, number or
     bool, or a flat list of them, as vLLM's type allows; anything nested is a 400 naming it)
     becomes ``SamplingParams.extra_args``, the arguments of the server's custom logits
     processors (``--logits-processors``)."""
@@ -141,7 +141,7 @@ class SamplingRequest(RequestBody):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None  # None: --return-tokens-as-token-ids
     # vLLM's custom arguments: SamplingParams.extra_args, read by custom logits processors
     vllm_xargs: dict[str, XargValue | list[XargValue]] | None = None
 

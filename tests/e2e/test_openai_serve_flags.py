@@ -1,0 +1,93 @@
+"""A ``kvflow serve`` started with vLLM's ``--return-tokens-as-token-ids``,
+``--stream-interval 3``, ``--sse-keep-alive-interval`` (a tiny interval, so a stream's gaps
+between tokens carry comments), ``--enable-log-requests --enable-log-outputs`` and
+``--disable-log-stats``, each checked by its effect on the tiny random Llama: logprobs tokens
+named ``token_id:N`` (the generated ids; a request's own false wins), streamed token counts per
+chunk (1, then 3s, the rest last), ``: keep-alive`` comment lines between the data events,
+and each sample's output text in the log (equal to the reply's)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+MODEL = "tiny"
+ARGS = ["--dtype", "float32", "--device", "cpu", "--num-gpu-blocks-override", "128",
+        "--block-size", "4", "--max-model-len", "96", "--served-model-name", MODEL,
+        "--return-tokens-as-token-ids", "--stream-interval", "3",
+        "--sse-keep-alive-interval", "0.001", "--enable-log-requests", "--enable-log-outputs",
+        "--disable-log-stats", "--uvicorn-log-level", "info"]
+HI = [{"role": "user", "content": "hi"}]
+
+
+def prestart_servers(fixture):
+    """This module's server, started ahead (``_prestart_next_module`` in conftest.py)."""
+    return [(fixture("tiny_chat_model"), ARGS, None)]
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    resp = httpx.post(f"{server.url}{path}", json={"model": MODEL, "temperature": 0,
+                                                   "ignore_eos": True, **body}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def _events(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def test_logprobs_tokens_as_token_ids(server):
+    body = {"prompt": "the quick brown", "max_tokens": 5, "logprobs": 2,
+            "return_token_ids": True}
+    whole = _post(server, "/v1/completions", body).json()["choices"][0]
+    named = [f"token_id:{t}" for t in whole["token_ids"]]
+    assert whole["logprobs"]["tokens"] == named
+    assert all(all(re.fullmatch(r"token_id:\d+", k) for k in top)
+               for top in whole["logprobs"]["top_logprobs"])
+    streamed = _post(server, "/v1/completions", {**body, "stream": True}).text
+    assert [t for e in _events(streamed) for c in e["choices"]
+            for t in (c.get("logprobs") or {}).get("tokens") or []] == named
+    own = _post(server, "/v1/completions", {**body, "return_tokens_as_token_ids": False})
+    assert not any(t.startswith("token_id:") for t in
+                   own.json()["choices"][0]["logprobs"]["tokens"])  # the request's false wins
+    chat = {"messages": HI, "max_tokens": 4, "logprobs": True, "top_logprobs": 1,
+            "return_token_ids": True}
+    reply = _post(server, "/v1/chat/completions", chat).json()["choices"][0]
+    assert [c["token"] for c in reply["logprobs"]["content"]] == \
+        [f"token_id:{t}" for t in reply["token_ids"]]
+    streamed = _post(server, "/v1/chat/completions", {**chat, "stream": True}).text
+    assert all(c["token"].startswith("token_id:") for e in _events(streamed)
+               for ch in e["choices"] for c in (ch.get("logprobs") or {}).get("content") or [])
+
+
+@pytest.mark.parametrize("max_tokens,counts", [(10, [1, 3, 3, 3]), (8, [1, 3, 3, 1])])
+def test_stream_interval_and_keep_alive(server, max_tokens, counts):
+    text = _post(server, "/v1/completions", {"prompt": "the quick brown", "stream": True,
+                                             "max_tokens": max_tokens,
+                                             "return_token_ids": True}).text
+    chunks = [c for e in _events(text) for c in e["choices"] if c.get("token_ids")]
+    assert [len(c["token_ids"]) for c in chunks] == counts
+    assert chunks[-1]["finish_reason"] == "length"
+    assert text.count(": keep-alive\n\n") >= 1  # gaps of a ms or more between chunks
+    assert text.rstrip().endswith("data: [DONE]")
+
+
+def test_outputs_logged(server):
+    reply = _post(server, "/v1/completions", {"prompt": "yak herding", "max_tokens": 4})
+    body = reply.json()
+    rid = body["id"]
+    lines = [line for line in server.log().splitlines()
+             if f"Generated response {rid}-0: output: " in line]
+    expected = (f"INFO kvflow.entrypoints.output_log: Generated response {rid}-0: "
+                f"output: {body['choices'][0]['text']!r}, finish_reason: length")
+    assert lines == [expected], server.log()[-2000:]
+    streamed = _post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 3,
+                                                      "stream": True}).text
+    events = _events(streamed)
+    text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    sid = events[0]["id"]
+    assert f"Generated response {sid}-0: output: {text!r}, finish_reason: length" in \
+        server.log()
