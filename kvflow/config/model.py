@@ -62,6 +62,20 @@ def _generation_overrides(value: Any) -> dict[str, Any] | None:
     return value
 
 
+def _hub_repo(name: str) -> tuple[str, str | None] | None:
+    """``(repo id, revision or None)`` for a Hugging Face Hub repo id ``org/name[@revision]``
+    that is no local path nor packaged model name (as ``resolve_model`` tells them apart);
+    else None."""
+    import os
+
+    from kvflow.models.hf_hub import parse_hub_name
+    from kvflow.models.model_resolver import find_packaged_model
+
+    if os.path.exists(os.path.expanduser(name)) or find_packaged_model(name) is not None:
+        return None
+    return parse_hub_name(name)
+
+
 @dataclass
 class ModelConfig:
     """Which model runs and how its config, tokenizer and weights are read.
@@ -76,6 +90,14 @@ class ModelConfig:
                       "Hub repo id org/name[@revision]")
     revision: str | None = opt(None, "Hub model revision: a branch, tag or commit (as "
                                 "org/name@revision; Hub repo ids only)")
+    tokenizer_revision: str | None = opt(
+        None, "Hub revision of the tokenizer (a branch, tag or commit): of --tokenizer's repo, "
+        "else of the model's (vLLM's flag of the same name); Hub repo ids only (default: "
+        "--revision's)", metavar="REVISION")
+    hf_token: str | bool | None = opt(
+        None, "Hugging Face Hub token of the model, tokenizer and draft model downloads; the "
+        "flag alone: the token 'hf auth login' stored (vLLM's flag of the same name; default: "
+        "$HF_TOKEN, else the stored token)", nargs="?", const=True, metavar="TOKEN")
     download_dir: str | None = opt(None, "huggingface_hub cache folder for Hub models "
                                     "(default: $HF_HUB_CACHE, else $HF_HOME/hub)")
     tokenizer: str | None = opt(None, "tokenizer: folder, .gguf file, packaged model name or "
@@ -215,6 +237,7 @@ class ModelConfig:
             raise ValueError(f"seed={self.seed} is out of range: torch's generators take an "
                              "integer in [-2**63, 2**64)")
         self._check_runner()
+        self._check_tokenizer_revision()
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 1 (or unset for "
                              "the model's own)")
@@ -239,6 +262,44 @@ class ModelConfig:
             raise ValueError(f"--runner generate with --convert {self.convert} cannot be "
                              f"served: a model converted to {self.convert} pools, it does "
                              f"not generate (give --runner pooling, or --convert none)")
+
+    def _check_tokenizer_revision(self) -> None:
+        """Refuse a ``tokenizer_revision`` that cannot apply: no tokenizer loaded, or
+        ``tokenizer`` (else ``model``) is no Hub repo id (a local path or packaged model),
+        or names another ``@revision``; and an empty ``hf_token``.
+
+        Raises:
+            ValueError: naming the field and why.
+        """
+        if isinstance(self.hf_token, str) and not self.hf_token.strip():
+            raise ValueError("hf_token is empty: give a token, or the flag alone for the "
+                             "stored one")
+        if self.tokenizer_revision is None:
+            return
+        if self.skip_tokenizer_init:
+            raise ValueError(f"tokenizer_revision={self.tokenizer_revision!r} with "
+                             "skip_tokenizer_init=True: no tokenizer is loaded; give one")
+        hub = _hub_repo(self.tokenizer or self.model)
+        name = "tokenizer" if self.tokenizer else "model"
+        if hub is None:
+            raise ValueError(f"tokenizer_revision={self.tokenizer_revision!r} applies to "
+                             f"Hugging Face repo ids only, and {name} "
+                             f"{self.tokenizer or self.model!r} is a local path, a packaged "
+                             "model, or no repo id")
+        if self.tokenizer and hub[1] not in (None, self.tokenizer_revision):
+            raise ValueError(f"tokenizer {self.tokenizer!r} names revision {hub[1]!r} but "
+                             f"tokenizer_revision={self.tokenizer_revision!r} was given; "
+                             "give one")
+
+    @property
+    def tokenizer_source(self) -> str | None:
+        """What the tokenizer is loaded from (``load_tokenizer``'s ``tokenizer_path``):
+        ``tokenizer``, or with ``tokenizer_revision`` the Hub repo id (``tokenizer``'s, else
+        the model's) at that revision, ``org/name@revision``; None: the model's own folder."""
+        if self.tokenizer_revision is None:
+            return self.tokenizer
+        repo_id, _ = _hub_repo(self.tokenizer or self.model)
+        return f"{repo_id}@{self.tokenizer_revision}"
 
     @property
     def requested_task(self) -> str:

@@ -156,8 +156,8 @@ def check_choices(config: Any) -> None:
 
 def add_field_arg(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
     """Add ``--field-name`` for config field ``f`` to ``group`` (booleans get ``--no-`` forms;
-    int/float annotations parse as such; ``choices``, ``nargs``, ``metavar``, ``action`` and
-    ``aliases``,
+    int/float annotations parse as such; ``choices``, ``nargs``, ``const``, ``metavar``,
+    ``action`` and ``aliases``,
     further flag names, from the metadata)."""
     if not f.metadata.get("cli", True):  # set by kvflow itself, not a user flag
         return
@@ -172,6 +172,7 @@ def add_field_arg(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
     choices = meta.get("choices")  # None (unset) is the default, not a value one can type
     choices = None if choices is None else [c for c in choices if c is not None]
     group.add_argument(*flags, dest=f.name, type=kind, default=f.default, choices=choices,
-                       **{k: meta[k] for k in ("nargs", "metavar", "action") if k in meta},
+                       **{k: meta[k] for k in ("nargs", "const", "metavar", "action")
+                          if k in meta},
                        help=meta.get("help") if "default" in str(meta.get("help"))
                        else f"{meta.get('help')} (default: {f.default})")

@@ -51,7 +51,7 @@ class EngineCore(EngineCoreStartup):
         self.config = config
         self._init_platform()
         mc = config.model_config
-        self._init_model(source or resolve_model(mc.model, mc.download_dir, mc.revision))
+        self._init_model(source or resolve_model(mc.model, mc.download_dir, mc.revision, mc.hf_token))
         self._init_kv_cache()
         self._init_scheduler()
         self._init_structured_output()

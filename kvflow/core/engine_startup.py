@@ -89,8 +89,9 @@ class EngineCoreStartup:
             trust_remote_code=self.config.model_config.trust_remote_code)
         mc = self.config.model_config  # a reranker's score head from LM-head rows: its tokens
         resolve_classifier_tokens(self.hf_config, lambda: None if mc.skip_tokenizer_init else
-                                  load_tokenizer(source, mc.tokenizer, mc.download_dir,
-                                                 mc.tokenizer_options))
+                                  load_tokenizer(source, mc.tokenizer_source,
+                                                 mc.download_dir, mc.tokenizer_options,
+                                                 mc.hf_token))
         self.dtype = resolve_dtype(self.config.model_config.dtype, self.hf_config, self.platform,
                                    cpu_dtype_measure(self.platform, self.config.device_config,
                                                      self.hf_config))
@@ -356,8 +357,9 @@ class EngineCoreStartup:
         from kvflow.structured.xgrammar_backend import XgrammarBackend
 
         mc = self.config.model_config
-        tokenizer = self.tokenizer or load_tokenizer(self.source, mc.tokenizer, mc.download_dir,
-                                                     mc.tokenizer_options)
+        tokenizer = self.tokenizer or load_tokenizer(self.source, mc.tokenizer_source,
+                                                     mc.download_dir, mc.tokenizer_options,
+                                                     mc.hf_token)
         return XgrammarBackend(tokenizer, self.hf_config.vocab_size,
                                resolve_eos_token_id(tokenizer, self.hf_config))
 

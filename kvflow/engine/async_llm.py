@@ -123,7 +123,7 @@ class AsyncLLM(AsyncLLMCalls):
         self._restarts = ReplicaRestarts(self.replicas)
         try:
             mc = config.model_config
-            source = resolve_model(mc.model, mc.download_dir, mc.revision)  # a Hub download happens here
+            source = resolve_model(mc.model, mc.download_dir, mc.revision, mc.hf_token)  # a Hub download happens here
             # the core processes start now (their resolve_model then finds the snapshot
             # cached) and import the engine while config.json is checked here, before
             # anything reads it: the tokenizer below (transformers may read it to pick the
@@ -138,7 +138,8 @@ class AsyncLLM(AsyncLLMCalls):
             self.replicas.release()
             # while the core processes load the model:
             self.tokenizer = None if mc.skip_tokenizer_init else \
-                load_tokenizer(source, mc.tokenizer, mc.download_dir, mc.tokenizer_options)
+                load_tokenizer(source, mc.tokenizer_source, mc.download_dir,
+                               mc.tokenizer_options, mc.hf_token)
             check_draft_tokenizer(config, source, self.tokenizer)
             self._mm_processor = mm_processor_of_source(source, self.tokenizer,
                                                         config.multimodal_config,

@@ -51,14 +51,15 @@ class LLMEngine:
         self.config = config
         core_start_method(fresh_process=False)  # a bad variable is refused, replicas or not
         mc = config.model_config
-        source = resolve_model(mc.model, mc.download_dir, mc.revision)  # a Hub download happens here
+        source = resolve_model(mc.model, mc.download_dir, mc.revision, mc.hf_token)  # a Hub download happens here
         # The model folder's small files first, so a bad one fails in seconds, not after the
         # weight load: config.json before the tokenizer (transformers may read it to pick the
         # tokenizer class, and would report a broken one as a tokenizer failure).
         hf_config = load_hf_config(source, hf_overrides=mc.hf_overrides,
                                    trust_remote_code=mc.trust_remote_code)
         self.tokenizer = None if mc.skip_tokenizer_init else \
-            load_tokenizer(source, mc.tokenizer, mc.download_dir, mc.tokenizer_options)
+            load_tokenizer(source, mc.tokenizer_source, mc.download_dir, mc.tokenizer_options,
+                           mc.hf_token)
         check_draft_tokenizer(config, source, self.tokenizer)  # before the draft's weights
         self.sampling_defaults = load_sampling_defaults(source, mc.generation_config,
                                                        mc.override_generation_config)

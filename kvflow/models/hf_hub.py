@@ -57,7 +57,8 @@ def hub_cache_dir(download_dir: str | None) -> str:
     return os.path.expanduser(download_dir) if download_dir else constants.HF_HUB_CACHE
 
 
-def download_snapshot(repo_id: str, revision: str | None, download_dir: str | None) -> str:
+def download_snapshot(repo_id: str, revision: str | None, download_dir: str | None,
+                      token: str | bool | None = None) -> str:
     """Download (or find in the cache) what kvflow needs of a Hub model repo; returns the
     snapshot folder (``.../models--org--name/snapshots/<commit>``).
 
@@ -65,6 +66,9 @@ def download_snapshot(repo_id: str, revision: str | None, download_dir: str | No
         repo_id: ``"org/name"``.
         revision: a branch, tag or commit hash; None for ``main``.
         download_dir: the huggingface_hub cache folder to use (None: its default).
+        token: the Hub token (vLLM's ``hf_token``): a token, True for the one ``hf auth
+            login`` stored, None for huggingface_hub's default (``$HF_TOKEN``, else the
+            stored one).
 
     Raises:
         ValueError: one line saying why: offline (``HF_HUB_OFFLINE=1``) or the Hub unreachable
@@ -74,19 +78,22 @@ def download_snapshot(repo_id: str, revision: str | None, download_dir: str | No
     """
     cache = hub_cache_dir(download_dir)
     where = f"{repo_id!r} (revision {revision or 'main'!r})"
-    folder = _snapshot(repo_id, revision, cache, where, _METADATA_PATTERNS, _TOP_LEVEL_ONLY)
+    folder = _snapshot(repo_id, revision, cache, where, _METADATA_PATTERNS, _TOP_LEVEL_ONLY,
+                       token=token)
     allow, ignore = _weight_patterns(folder)
     if not _weights_cached(folder, allow, ignore):  # else no second Hub request (and no
         # retries against an unreachable Hub for a snapshot that is all there)
-        folder = _snapshot(repo_id, os.path.basename(folder), cache, where, allow, ignore)
+        folder = _snapshot(repo_id, os.path.basename(folder), cache, where, allow, ignore,
+                           token=token)
     _check_snapshot(folder, where, repo_id)
     return folder
 
 
-def download_tokenizer(repo_id: str, revision: str | None, download_dir: str | None) -> str:
+def download_tokenizer(repo_id: str, revision: str | None, download_dir: str | None,
+                       token: str | bool | None = None) -> str:
     """Download (or find in the cache) the tokenizer files of a Hub repo (the metadata pass of
-    :func:`download_snapshot`: no weights, no ``config.json`` needed); returns the snapshot
-    folder.
+    :func:`download_snapshot`: no weights, no ``config.json`` needed; ``token`` as there);
+    returns the snapshot folder.
 
     Raises:
         ValueError: one line saying why, as :func:`download_snapshot`; or the repo has no
@@ -96,7 +103,7 @@ def download_tokenizer(repo_id: str, revision: str | None, download_dir: str | N
     cache = hub_cache_dir(download_dir)
     where = f"{repo_id!r} (revision {revision or 'main'!r})"
     folder = _snapshot(repo_id, revision, cache, where, _METADATA_PATTERNS, _TOP_LEVEL_ONLY,
-                       what="Tokenizer")
+                       what="Tokenizer", token=token)
     if not any(os.path.isfile(os.path.join(folder, name)) for name in _TOKENIZER_FILES):
         raise ValueError(f"Hugging Face repo {where} has no tokenizer file (snapshot "
                          f"{folder!r}; looked for {', '.join(_TOKENIZER_FILES)})")
@@ -107,14 +114,15 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def _snapshot(repo_id: str, revision: str | None, cache: str, where: str,
-              allow: list[str], ignore: list[str], what: str = "Model") -> str:
+              allow: list[str], ignore: list[str], what: str = "Model",
+              token: str | bool | None = None) -> str:
     """``huggingface_hub.snapshot_download`` of the files matching ``allow`` but not
     ``ignore``; its errors become one-line ValueErrors (see :func:`_download_error`)."""
     from huggingface_hub import snapshot_download
 
     try:
         return snapshot_download(repo_id, revision=revision, cache_dir=cache,
-                                 allow_patterns=allow, ignore_patterns=ignore)
+                                 allow_patterns=allow, ignore_patterns=ignore, token=token)
     except Exception as e:  # noqa: BLE001 - huggingface_hub/httpx/OS errors, each one line
         raise ValueError(_download_error(e, where, cache, what)) from None
 

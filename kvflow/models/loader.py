@@ -216,15 +216,16 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
 
 
 def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None,
-                   download_dir: str | None = None, options: dict[str, Any] | None = None
-                   ) -> Any:
+                   download_dir: str | None = None, options: dict[str, Any] | None = None,
+                   token: str | bool | None = None) -> Any:
     """The model's tokenizer (transformers), with its chat template (the tokenizer's; else
     a processor's ``chat_template.json``, :func:`processor_chat_template`): the model's own, or
     ``tokenizer_path`` (a folder, a ``.gguf`` file, a packaged model name or a Hub repo id
     ``org/name[@revision]`` fetched into ``download_dir``; see
     :func:`~kvflow.models.model_resolver.resolve_tokenizer`). ``options``: further
     ``AutoTokenizer.from_pretrained`` arguments (``ModelConfig.tokenizer_options``:
-    ``trust_remote_code``); remote code is run only with ``trust_remote_code=True``.
+    ``trust_remote_code``); remote code is run only with ``trust_remote_code=True``;
+    ``token``: the Hub token of a ``tokenizer_path`` download.
 
     Raises:
         ValueError: one line: if no tokenizer can be loaded from there, or it needs custom
@@ -233,7 +234,7 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None,
     from transformers import AutoTokenizer
 
     if tokenizer_path is not None:
-        source = resolve_tokenizer(tokenizer_path, download_dir)
+        source = resolve_tokenizer(tokenizer_path, download_dir, token)
     if source.kind == "gguf":
         from kvflow.models.gguf_tokenizer import load_gguf_tokenizer
 

@@ -279,7 +279,7 @@ def _resolve_file(path: str, model: str) -> ModelSource:
 
 
 def resolve_model(model: str, download_dir: str | None = None,
-                  revision: str | None = None) -> ModelSource:
+                  revision: str | None = None, token: str | bool | None = None) -> ModelSource:
     """Resolve ``model`` (a path, a packaged model name or a Hub repo id) to a
     :class:`ModelSource`.
 
@@ -291,7 +291,7 @@ def resolve_model(model: str, download_dir: str | None = None,
     ``ModelSource(kind="hf", path=<snapshot dir>, name="org/name")`` for a Hub repo id
     ``"org/name[@revision]"``, fetched into ``download_dir`` (default: huggingface_hub's cache,
     ``$HF_HOME/hub``) unless cached there; ``revision`` (a branch, tag or commit) is the same
-    as ``@revision``.
+    as ``@revision``; ``token``: the Hub token (``download_snapshot``'s).
 
     Raises:
         ValueError: ``model`` is neither an existing local path, a packaged model name nor a
@@ -309,7 +309,7 @@ def resolve_model(model: str, download_dir: str | None = None,
         raise ValueError(f"Invalid model name {model!r}")
     path = os.path.expanduser(model)
     if revision is not None:
-        return _resolve_revision(model, revision, download_dir)
+        return _resolve_revision(model, revision, download_dir, token)
     if os.path.isdir(path):
         return _resolve_directory(path, model)
     if os.path.isfile(path):
@@ -325,8 +325,8 @@ def resolve_model(model: str, download_dir: str | None = None,
     hub_name = parse_hub_name(model)
     if hub_name is not None:
         repo_id, revision = hub_name
-        return ModelSource(kind="hf", path=download_snapshot(repo_id, revision, download_dir),
-                           name=repo_id)
+        return ModelSource(kind="hf", path=download_snapshot(repo_id, revision, download_dir,
+                                                             token), name=repo_id)
     raise ValueError(
         f"Model {model!r} is neither a local path (directory with config.json, or a .gguf "
         f"file), a packaged model nor a Hugging Face repo id (org/name[@revision]); packaged "
@@ -334,7 +334,8 @@ def resolve_model(model: str, download_dir: str | None = None,
     )
 
 
-def _resolve_revision(model: str, revision: str, download_dir: str | None) -> ModelSource:
+def _resolve_revision(model: str, revision: str, download_dir: str | None,
+                      token: str | bool | None = None) -> ModelSource:
     """A Hub repo id at ``revision`` (raises ValueError as :func:`resolve_model` says)."""
     hub_name = None if os.path.exists(os.path.expanduser(model)) or \
         find_packaged_model(model) is not None else parse_hub_name(model)
@@ -345,16 +346,17 @@ def _resolve_revision(model: str, revision: str, download_dir: str | None) -> Mo
     if named is not None and named != revision:
         raise ValueError(f"model {model!r} names revision {named!r} but revision="
                          f"{revision!r} was given; give one")
-    return ModelSource(kind="hf", path=download_snapshot(repo_id, revision, download_dir),
-                       name=repo_id)
+    return ModelSource(kind="hf", path=download_snapshot(repo_id, revision, download_dir,
+                                                         token), name=repo_id)
 
 
-def resolve_tokenizer(tokenizer: str, download_dir: str | None = None) -> ModelSource:
+def resolve_tokenizer(tokenizer: str, download_dir: str | None = None,
+                      token: str | bool | None = None) -> ModelSource:
     """Resolve a ``--tokenizer`` string like :func:`resolve_model` resolves a model, with no
     weights needed: a local folder (``kind="hf"``), a ``.gguf`` file or a packaged model name
     (``kind="gguf"``: the tokenizer in the GGUF metadata), or a Hub repo id
     ``org/name[@revision]`` whose tokenizer files are fetched into ``download_dir`` (default:
-    huggingface_hub's cache) unless cached there (``kind="hf"``).
+    huggingface_hub's cache) unless cached there (``kind="hf"``; ``token``: the Hub token).
 
     Raises:
         ValueError: one line: a path that does not exist or is not a folder / ``.gguf``; a
@@ -378,7 +380,7 @@ def resolve_tokenizer(tokenizer: str, download_dir: str | None = None) -> ModelS
         return _resolve_packaged(entry)
     hub_name = parse_hub_name(tokenizer)
     if hub_name is not None:
-        return ModelSource(kind="hf", path=download_tokenizer(*hub_name, download_dir),
+        return ModelSource(kind="hf", path=download_tokenizer(*hub_name, download_dir, token),
                            name=hub_name[0])
     raise ValueError(f"Tokenizer {tokenizer!r} is neither a local folder, a .gguf file, a "
                      "packaged model nor a Hugging Face repo id (org/name[@revision])")

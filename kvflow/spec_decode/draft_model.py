@@ -113,7 +113,7 @@ class DraftModel:
         self.tp_group = tp_group
         mc = config.model_config
         with _naming_the_draft(spec.model):
-            source = resolve_model(spec.model, mc.download_dir)
+            source = resolve_model(spec.model, mc.download_dir, token=mc.hf_token)
             hf_config = load_hf_config(source, trust_remote_code=mc.trust_remote_code)
         if hf_config.vocab_size != target_vocab_size:
             raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of "

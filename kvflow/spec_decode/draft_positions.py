@@ -33,8 +33,8 @@ def draft_positions(config: EngineConfig) -> int | None:
     if spec is None or spec.method != "draft_model":
         return None
     try:
-        hf_config = load_hf_config(resolve_model(spec.model, mc.download_dir),
-                                   trust_remote_code=mc.trust_remote_code)
+        source = resolve_model(spec.model, mc.download_dir, token=mc.hf_token)
+        hf_config = load_hf_config(source, trust_remote_code=mc.trust_remote_code)
     except ValueError as e:
         raise ValueError(f"speculative_config model {spec.model!r}: {e}") from None
     if getattr(hf_config, "max_position_embeddings", None) is None:

@@ -50,7 +50,7 @@ def check_draft_tokenizer(config: EngineConfig, target_source: ModelSource,
         return
     mc = config.model_config
     try:
-        draft_source = resolve_model(spec.model, mc.download_dir)
+        draft_source = resolve_model(spec.model, mc.download_dir, token=mc.hf_token)
     except ValueError as e:
         raise ValueError(f"speculative_config model {spec.model!r}: {e}") from None
     target_name = mc.tokenizer or mc.model

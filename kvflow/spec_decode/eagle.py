@@ -94,7 +94,7 @@ class EagleDrafter(DraftModel):
         spec, mc = config.speculative_config, config.model_config
         self.tp_group = tp_group
         with _naming_the_draft(spec.model):
-            source = resolve_model(spec.model, mc.download_dir)
+            source = resolve_model(spec.model, mc.download_dir, token=mc.hf_token)
             hf_config = load_hf_config(source, trust_remote_code=mc.trust_remote_code)
         target_hidden = target.config.hidden_size
         if hf_config.vocab_size != target_vocab_size or hf_config.hidden_size != target_hidden:
