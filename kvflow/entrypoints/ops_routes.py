@@ -128,14 +128,17 @@ async def _reset_prefix_cache(raw: Request) -> Response:
 
 async def _server_info(raw: Request) -> JSONResponse:
     """kvflow's version, the served model's name, and the engine's and the server's
-    configurations (every setting, the API key masked) as JSON."""
+    configurations (every setting, the API key and a ``--hf-token`` token masked) as JSON."""
     state = raw.app.state
     server = _jsonable(state.config)
     if server.get("api_key") is not None:
         server["api_key"] = "***"
+    engine = _jsonable(state.engine.config)
+    model = engine.get("model_config") or {}
+    if isinstance(model.get("hf_token"), str):  # --hf-token TOKEN (True, the stored one, shows)
+        model["hf_token"] = "***"
     return JSONResponse({"version": __version__, "model": state.model_name,
-                         "engine_config": _jsonable(state.engine.config),
-                         "server_config": server})
+                         "engine_config": engine, "server_config": server})
 
 
 def _jsonable(value: Any) -> Any:

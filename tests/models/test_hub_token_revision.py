@@ -76,3 +76,24 @@ def test_cli():
     mc = model_config("--model", "o/m", "--hf-token", "hf_x", "--tokenizer-revision", "v2")
     assert (mc.hf_token, mc.tokenizer_revision, mc.tokenizer_source) == ("hf_x", "v2", "o/m@v2")
     assert model_config("--model", "o/m").hf_token is None
+
+
+def test_server_info_masks_the_token():
+    """/server_info (KVFLOW_SERVER_DEV_MODE=1) shows the engine config: a token given is
+    masked there as the API key is."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from kvflow.config import ServerConfig
+    from kvflow.entrypoints.api_server import build_app
+
+    config = ServerConfig.from_cli_args(build_parser().parse_args(["serve"]),
+                                        env={"KVFLOW_SERVER_DEV_MODE": "1"})
+    for token, shown in (("hf_secret", "***"), (True, True), (None, None)):
+        engine = SimpleNamespace(config=EngineConfig.from_kwargs(model="o/m", hf_token=token),
+                                 is_healthy=True, dead_error=None, task="generate",
+                                 processor=SimpleNamespace(pooler=None))
+        info = TestClient(build_app(engine, config, "m")).get("/server_info").json()
+        assert info["engine_config"]["model_config"]["hf_token"] == shown
+        assert "hf_secret" not in str(info)
