@@ -130,6 +130,11 @@ class ModelConfig:
                      "[-2**63, 2**64); a negative one wraps, as torch's generators take it)")
     load_format: str = opt("auto", "weights: auto (from files) or dummy (random init)",
                             choices=["auto", "dummy"])
+    disable_sliding_window: bool = opt(False, "cap max_model_len at the model's sliding "
+                                       "window, so its sliding-window layers attend to every "
+                                       "key (vLLM's flag of the same name; a larger "
+                                       "--max-model-len is refused; no effect on a model "
+                                       "without one)")
     skip_tokenizer_init: bool = opt(False, "do not load a tokenizer (token-id prompts only; "
                                       "refused with --tokenizer)")
     enable_prompt_embeds: bool = opt(False, "accept prompts given as embedding rows instead "

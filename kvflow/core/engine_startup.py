@@ -194,6 +194,27 @@ class EngineCoreStartup:
                              f"{type(self.executor).__name__} does not")
         self._in_flight: SchedulerOutput | None = None  # async: sampled, not folded in
 
+    def _window_capped(self, wanted: int | None) -> int | None:
+        """``wanted`` (the context asked for, tokens; None: no limit) capped at the model's
+        sliding window under ``disable_sliding_window`` (vLLM's flag: a context within the
+        window sees every key, so the sliding-window layers attend fully); unchanged without
+        the flag or for a model without a sliding-window layer (ignored there, as in vLLM).
+
+        Raises:
+            ValueError: for a ``max_model_len`` above the window under the flag.
+        """
+        mc = self.config.model_config
+        windows = [g.kv_cache_spec.sliding_window for g in self.kv_cache_config.kv_cache_groups
+                   if g.kv_cache_spec.sliding_window is not None]
+        if not mc.disable_sliding_window or not windows:
+            return wanted
+        window = min(windows)
+        if mc.max_model_len is not None and mc.max_model_len > window:
+            raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's sliding "
+                             f"window ({window} tokens), which disable_sliding_window caps "
+                             "it at: lower it, or leave --disable-sliding-window out")
+        return window if wanted is None else min(wanted, window)
+
     def _init_kv_cache(self) -> None:
         cc = self.config.cache_config
         positions = self.positions
@@ -205,7 +226,7 @@ class EngineCoreStartup:
         self.num_blocks = self.kv_cache_config.num_blocks
         self.executor.initialize_kv_cache(self.kv_cache_config)
         step_tokens = self.config.scheduler_config.max_num_batched_tokens
-        wanted = self.config.model_config.max_model_len or positions
+        wanted = self._window_capped(self.config.model_config.max_model_len or positions)
         # only sliding-window layers: any length fits a pool holding one window (and chunk)
         capacity = max_tokens_per_request(self.kv_cache_config, step_tokens, wanted or 0)
         model_len = wanted or capacity
