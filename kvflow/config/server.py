@@ -147,6 +147,11 @@ class ServerConfig:
                                      "open; longer than clients' own idle expiry (httpx 5 s, "
                                      "aiohttp 15 s) so a client never sends on a connection "
                                      "the server is closing")
+    shutdown_timeout: float = opt(0.0, "on SIGTERM / Ctrl-C, seconds the open requests may "
+                                  "take to finish while new ones get 503 "
+                                  "(server_shutting_down); those still open then are "
+                                  "aborted; 0: aborted at once (vLLM's flag of the same "
+                                  "name; a second Ctrl-C stops the wait)")
     engine_failure: str = opt("exit", "when the engine-core process dies: open streams end "
                                "with an error event and new requests get 503, then the "
                                "server exits with status 1 ('exit') or starts a new engine "
@@ -345,6 +350,8 @@ class ServerConfig:
                    "chat_template", "must not be empty (leave it unset for the model's)"),
                   (self.engine_start_timeout > 0, "engine_start_timeout", "must be > 0"),
                   (self.timeout_keep_alive > 0, "timeout_keep_alive", "must be > 0"),
+                  (0 <= self.shutdown_timeout < float("inf"), "shutdown_timeout",
+                   "must be >= 0 seconds (0: open requests are aborted at once)"),
                   (all(m.partition("=")[0] and m.partition("=")[2]
                        for m in self.lora_modules or []), "lora_modules",
                    "must be NAME=PATH pairs"),

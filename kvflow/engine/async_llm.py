@@ -374,6 +374,16 @@ class AsyncLLM(AsyncLLMCalls):
         self._calls.fail(error)
         return count
 
+    def refuse_new(self, error: EngineShutdownError) -> None:
+        """Refuse new requests with ``error`` while the open ones run on (a draining
+        shutdown, ``--shutdown-timeout``); :meth:`abort_all` ends those left."""
+        self._dead = error
+
+    @property
+    def num_open_requests(self) -> int:
+        """Requests whose final output has not been delivered yet."""
+        return len(self.requests.streams)
+
     def begin_shutdown(self) -> None:
         """Note that the server is stopping (a signal): a core ending from now on is part of
         it, logged at INFO rather than as a lost replica's ERROR (SIGTERM to the server and

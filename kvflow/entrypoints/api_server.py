@@ -116,7 +116,7 @@ class _StartingServer(AbortingServer):
     lifespan, then the listening socket)."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
-        super().__init__(config, app.state.engine)
+        super().__init__(config, app.state.engine, app.state.config.shutdown_timeout)
         self.app = app
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:

@@ -22,6 +22,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from types import FrameType
 
@@ -37,24 +38,48 @@ class AbortingServer(uvicorn.Server):
     first aborts every open request of ``engine`` (``AsyncLLM.abort_all``) so their
     responses end at once instead of running out uvicorn's graceful timeout.
 
+    With ``drain_timeout_s`` > 0 (vLLM's ``--shutdown-timeout``) new requests are refused
+    first (503, code ``server_shutting_down``) while the open ones run on for up to that
+    many seconds; those still open then are aborted. A second Ctrl-C ends the wait.
+
     Args:
         config: uvicorn's configuration.
         engine: the engine the app serves.
+        drain_timeout_s: seconds open requests may take to finish (0: aborted at once).
     """
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLM) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM,
+                 drain_timeout_s: float = 0.0) -> None:
         super().__init__(config)
         self.engine = engine
+        self.drain_timeout_s = drain_timeout_s
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         logging.getLogger("uvicorn.error").addFilter(drop_cancelled_tracebacks)
         if self.engine.is_healthy:  # a dead engine has failed its requests already
+            if self.drain_timeout_s > 0:
+                await self._drain()
             error = EngineShutdownError(f"the server is shutting down ({self._reason()}): "
                                         "the request was aborted")
             count = self.engine.abort_all(error)
             if count:
                 logger.info("shutting down: aborted %d open request(s)", count)
         await super().shutdown(sockets)
+
+    async def _drain(self) -> None:
+        """Refuse new requests, then wait until no request is open, ``drain_timeout_s``
+        passed, or a second signal came (uvicorn's ``force_exit``)."""
+        self.engine.refuse_new(EngineShutdownError(
+            f"the server is shutting down ({self._reason()}): it takes no new requests"))
+        count = self.engine.num_open_requests
+        if not count:
+            return
+        logger.info("shutting down: waiting up to %g s for %d open request(s) to finish "
+                    "(--shutdown-timeout)", self.drain_timeout_s, count)
+        deadline = time.monotonic() + self.drain_timeout_s
+        while self.engine.num_open_requests and time.monotonic() < deadline \
+                and not self.force_exit:
+            await asyncio.sleep(0.05)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """uvicorn's signal handler: the engine notes the shutdown (``begin_shutdown``); a
