@@ -127,6 +127,11 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self._states)
 
+    @property
+    def num_open_samples(self) -> int:
+        """Samples of the requests in flight (a request of ``n`` samples counts ``n``)."""
+        return len(self._parent_of)
+
     def parent_of(self, sample_id: str) -> str | None:
         """The user request id of a sample in flight; None for an unknown one."""
         return self._parent_of.get(sample_id)

@@ -115,6 +115,11 @@ class ServerConfig:
     max_waiting_requests: int | None = opt(None, "accepted requests that have not produced a "
                                             "token yet beyond which new requests get 503; "
                                             "unset: unlimited")
+    max_num_queued_reqs: int | None = opt(
+        None, "sequences in flight (waiting or running; a request of n samples counts n) "
+        "beyond which a new request gets 503 (code server_overloaded, Retry-After), counted "
+        "across data-parallel replicas (vLLM's flag of the same name; unlike "
+        "--max-waiting-requests, running requests count; default: unlimited)")
     max_n: int = opt(16, "largest n (samples per prompt) one request may ask for")
     max_logprobs: int = opt(20, "largest logprobs / top_logprobs one request may ask for")
     max_request_body_size: str | int = opt("32MiB", "largest request body the server reads, "
@@ -337,6 +342,8 @@ class ServerConfig:
                    "must be >= 0 seconds (0: no keep-alive comments)"),
                   (self.max_waiting_requests is None or self.max_waiting_requests >= 1,
                    "max_waiting_requests", "must be >= 1 (0 would refuse every request)"),
+                  (self.max_num_queued_reqs is None or self.max_num_queued_reqs >= 1,
+                   "max_num_queued_reqs", "must be >= 1 (0 would refuse every request)"),
                   (self.api_key is None or self.api_key.strip() != "", "api_key",
                    "must not be empty (an empty key would leave the server open)"),
                   (self.served_model_name is None or (

@@ -380,6 +380,11 @@ class AsyncLLM(AsyncLLMCalls):
         self._dead = error
 
     @property
+    def num_open_sequences(self) -> int:
+        """Samples of the requests in flight, waiting or running (``n`` per request)."""
+        return self.requests.output_processor.num_open_samples
+
+    @property
     def num_open_requests(self) -> int:
         """Requests whose final output has not been delivered yet."""
         return len(self.requests.streams)

@@ -139,7 +139,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         parser.note_prompt(rendered, grammar=params.structured_outputs is not None)
         if parser.keeps_special_tokens:  # the call markers are special tokens
             params.skip_special_tokens = False
-        self.check_admission(1)
+        self.check_admission(1, n=req.n or 1)
         reply_id, request_id = request_ids(prefix, req.request_id)
         self.note_request(req, request_id)
         if req.use_beam_search:

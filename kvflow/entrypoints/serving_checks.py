@@ -78,15 +78,17 @@ class OpenAIServingChecks:
                           f"this endpoint needs task={task!r}: use {use}", param="model",
                           code="wrong_task")
 
-    def check_admission(self, num_requests: int, param: str = "prompt") -> None:
-        """Raises OpenAIError 503 (with Retry-After) when too many requests wait already
-        (counted on /metrics as ``kvflow:requests_overloaded``), or 400 naming ``param``
-        when the request alone has more prompts than ``--max-waiting-requests`` (no retry
-        would ever be admitted)."""
+    def check_admission(self, num_requests: int, param: str = "prompt", n: int = 1) -> None:
+        """Raises OpenAIError 503 (with Retry-After) when too many requests wait already, or
+        when ``num_requests`` prompts of ``n`` samples each would take the sequences in
+        flight past ``--max-num-queued-reqs`` (both counted on /metrics as
+        ``kvflow:requests_overloaded``), or 400 naming ``param`` when the request alone has
+        more prompts than ``--max-waiting-requests`` (no retry would ever be admitted)."""
         limit = self.config.max_waiting_requests
         if not self.engine.is_healthy:
             raise engine_dead(self.engine.dead_error
                               or RuntimeError("the engine core process is gone"))
+        self._check_in_flight(num_requests * n)
         if limit is not None and num_requests > limit:
             raise OpenAIError(f"the request has {num_requests} prompts; this server admits "
                               f"at most {limit} waiting requests (--max-waiting-requests): "
@@ -96,6 +98,20 @@ class OpenAIServingChecks:
             self.engine.metrics.overloaded.inc()
             raise OpenAIError(f"the server is overloaded: {self.engine.num_waiting_requests} "
                               f"requests are waiting (limit {limit}); retry later", 503,
+                              "server_overloaded", code="server_overloaded",
+                              headers={"Retry-After": "1"})
+
+    def _check_in_flight(self, slots: int) -> None:
+        """vLLM's ``--max-num-queued-reqs``: a 503 (Retry-After 1) when the sequences in
+        flight (waiting or running; ``n`` per request) plus ``slots`` exceed it, as vLLM's
+        ``AsyncLLM.check_admission`` counts them."""
+        limit = self.config.max_num_queued_reqs
+        in_flight = self.engine.num_open_sequences if limit is not None else 0
+        if limit is not None and in_flight + slots > limit:
+            self.engine.metrics.overloaded.inc()
+            raise OpenAIError(f"the server is overloaded: sequences in flight: {in_flight}, "
+                              f"this request's: {slots} (limit {limit}, "
+                              "--max-num-queued-reqs); retry later", 503,
                               "server_overloaded", code="server_overloaded",
                               headers={"Retry-After": "1"})
 

@@ -71,7 +71,7 @@ class OpenAIServingCompletion(OpenAIServing):
                   for i, prompt in enumerate(prompts[:len(embeds)])] + \
             [self._params(req, prompt, i if listed else None)
              for i, prompt in enumerate(prompts[len(embeds):])]
-        self.check_admission(len(prompts))
+        self.check_admission(len(prompts), n=req.n or 1)
         reply_id, request_id = request_ids("cmpl", req.request_id)
         self.note_request(req, request_id)
         if req.use_beam_search:

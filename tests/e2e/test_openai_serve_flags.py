@@ -4,22 +4,28 @@ between tokens carry comments), ``--enable-log-requests --enable-log-outputs`` a
 ``--disable-log-stats``, each checked by its effect on the tiny random Llama: logprobs tokens
 named ``token_id:N`` (the generated ids; a request's own false wins), streamed token counts per
 chunk (1, then 3s, the rest last), ``: keep-alive`` comment lines between the data events,
-and each sample's output text in the log (equal to the reply's)."""
+each sample's output text in the log (equal to the reply's), and ``--max-num-queued-reqs 2``
+(sequences in flight, running ones too: a 503 for n=3 alone, and for n=2 beside a running
+stream, whose engine core is held stopped meanwhile)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 
 import httpx
 import pytest
+
+from tests.e2e.test_engine_faults import core_pid
 
 MODEL = "tiny"
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-gpu-blocks-override", "128",
         "--block-size", "4", "--max-model-len", "96", "--served-model-name", MODEL,
         "--return-tokens-as-token-ids", "--stream-interval", "3",
         "--sse-keep-alive-interval", "0.001", "--enable-log-requests", "--enable-log-outputs",
-        "--disable-log-stats", "--uvicorn-log-level", "info"]
+        "--disable-log-stats", "--max-num-queued-reqs", "2", "--uvicorn-log-level", "info"]
 HI = [{"role": "user", "content": "hi"}]
 
 
@@ -91,3 +97,28 @@ def test_outputs_logged(server):
     sid = events[0]["id"]
     assert f"Generated response {sid}-0: output: {text!r}, finish_reason: length" in \
         server.log()
+
+
+def test_max_num_queued_reqs(server):
+    def complete(n: int) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/completions", timeout=60,
+                          json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": n})
+    alone = complete(3)
+    assert alone.status_code == 503 and alone.json()["error"]["code"] == "server_overloaded"
+    assert alone.headers["retry-after"] == "1"
+    assert complete(2).status_code == 200
+    core = core_pid(server.proc.pid)
+    body = {"model": MODEL, "prompt": "the quick", "max_tokens": 30, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as resp:
+        lines = (line for line in resp.iter_lines() if line.startswith("data: "))
+        next(lines)  # running now
+        os.kill(core, signal.SIGSTOP)
+        try:
+            beside = complete(2)  # 1 running + 2 > 2
+        finally:
+            os.kill(core, signal.SIGCONT)
+        assert list(lines)[-1] == "data: [DONE]"
+    assert beside.status_code == 503, beside.text
+    assert "sequences in flight: 1, this request's: 2" in beside.json()["error"]["message"]
+    assert complete(2).status_code == 200  # the stream has ended: room again
