@@ -45,7 +45,8 @@ BATCH_SERVER_FIELDS = ("served_model_name", "max_n", "max_logprobs", "max_reques
                        "enable_prompt_tokens_details", "response_role",
                        "default_chat_template_kwargs", "chat_template_content_format",
                        "enable_auto_tool_choice", "enable_log_requests",
-                       "disable_log_requests", "max_log_len")
+                       "disable_log_requests", "max_log_len", "enable_log_outputs",
+                       "return_tokens_as_token_ids")
 
 
 class EngineDiedDuringBatch(RuntimeError):
@@ -250,6 +251,8 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     server_config = ServerConfig(**{name: getattr(args, name) for name in BATCH_SERVER_FIELDS})
     if server_config.log_requests:  # each line's request logged at INFO, as kvflow serve logs
         logging.getLogger("kvflow.entrypoints.serving_base").setLevel(logging.INFO)
+    if server_config.enable_log_outputs:  # each sample's output too (--enable-log-outputs)
+        logging.getLogger("kvflow.entrypoints.output_log").setLevel(logging.INFO)
     source = BatchInput(args.input_file)
     try:
         sink = BatchOutput(args.output_file)

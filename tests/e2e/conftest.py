@@ -486,7 +486,8 @@ def run_batch_in_process(argv: list[str], stdin: str, folder: Path) -> BatchRun:
     for name in ("stdout", "stderr"):
         paths[name].write_text("", encoding="utf-8")
     root, served = logging.getLogger(), logging.getLogger("kvflow.entrypoints.serving_base")
-    saved_logging = (root.handlers[:], root.level, served.level)
+    outputs = logging.getLogger("kvflow.entrypoints.output_log")
+    saved_logging = (root.handlers[:], root.level, served.level, outputs.level)
     saved_env = {key: os.environ.get(key) for key in _BATCH_ENV}
     saved_fds = {fd: os.dup(fd) for fd in (1, 2)}
     saved_streams = (sys.stdin, sys.stdout, sys.stderr)
@@ -506,9 +507,10 @@ def run_batch_in_process(argv: list[str], stdin: str, folder: Path) -> BatchRun:
         sys.stdin, sys.stdout, sys.stderr = saved_streams
         for handler in root.handlers:
             handler.close()
-        root.handlers, _, _ = saved_logging
+        root.handlers = saved_logging[0]
         root.setLevel(saved_logging[1])
         served.setLevel(saved_logging[2])
+        outputs.setLevel(saved_logging[3])
         for fd, saved in saved_fds.items():
             os.dup2(saved, fd)
             os.close(saved)
