@@ -60,7 +60,6 @@ class _RequestState:
     delta: bool = False
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
-    sent: bool = False  # an output of it was returned (the first is never held back)
     pooling: bool = False  # an embedding request
     embedding: list[float] | None = None
     decode: bool = True  # SamplingParams.detokenize: prompt logprobs' decoded_token
@@ -75,17 +74,10 @@ class OutputProcessor:
 
     ``process`` returns the RequestOutputs that changed and the sample ids whose stop string
     matched (the caller must abort those in the engine core to free their KV blocks).
-
-    ``stream_interval`` (vLLM's ``--stream-interval``, tokens): a delta-mode request's output
-    is held back until one of its samples has that many new tokens; its first output and
-    any output that finishes a sample are returned at once (vLLM's
-    ``RequestState.make_request_output``). Cumulative requests return every change, as
-    vLLM's do.
     """
 
-    def __init__(self, tokenizer: Any, stream_interval: int = 1) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.stream_interval = stream_interval
         self._states: dict[str, _RequestState] = {}
         self._parent_of: dict[str, str] = {}
 
@@ -182,21 +174,8 @@ class OutputProcessor:
             if state.finished:
                 state.metrics.finished_time = now
                 self.abort(parent)
-            elif not self._due(state):
-                continue  # its deltas accumulate until the interval's tokens are in
-            state.sent = True
             results.append(self._request_output(parent, state))
         return results, to_abort
-
-    def _due(self, state: _RequestState) -> bool:
-        """Whether a changed, unfinished request's output goes out now under
-        ``stream_interval``: always for an interval of 1 or a cumulative request; else for
-        its first output, or once a sample finished or has ``stream_interval`` tokens not
-        yet returned."""
-        if self.stream_interval <= 1 or not state.delta or not state.sent:
-            return True
-        return any(s.output.finished or len(s.delta_token_ids) >= self.stream_interval
-                   for s in state.samples.values() if s.changed)
 
     def _update_sample(self, sample: _SampleState, eco: EngineCoreOutput,
                        keep_text: bool) -> bool:

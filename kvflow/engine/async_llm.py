@@ -189,10 +189,10 @@ class AsyncLLM(AsyncLLMCalls):
                                         load_logits_processors(self.config.model_config
                                                                .custom_logits_processors()))
         self.balancer = DPLoadBalancer(self.num_replicas, ready.block_size)
-        self.requests = OpenRequests(OutputProcessor(
-            self.tokenizer, self.config.scheduler_config.stream_interval), self.tracker,
-                                     self.balancer, self.metrics,
-                                     self.config.scheduler_config.admission_control)
+        sc = self.config.scheduler_config
+        self.requests = OpenRequests(OutputProcessor(self.tokenizer), self.tracker,
+                                     self.balancer, self.metrics, sc.admission_control,
+                                     sc.stream_interval)
 
     async def start(self) -> None:
         """Start the output loop on the running event loop. When a core process dies or

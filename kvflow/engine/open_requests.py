@@ -13,6 +13,7 @@ import time
 
 from kvflow.engine.dp_balancer import DPLoadBalancer
 from kvflow.engine.messages import AdmissionVerdicts, EngineOutputs
+from kvflow.engine.stream_interval import StreamInterval
 from kvflow.engine.streams import AdmissionRejected, RequestRefused, RequestStream
 from kvflow.metrics import RequestStatsTracker, ServerMetrics
 from kvflow.output_processor import OutputProcessor
@@ -30,12 +31,16 @@ class OpenRequests:
         balancer: which replica serves each request, and each replica's depth.
         metrics: the server's metrics (admission refusals are counted there).
         admission_control: whether streams wait for the core's admission verdict.
+        stream_interval: vLLM's ``--stream-interval``: tokens per streamed output
+            (:class:`~kvflow.engine.stream_interval.StreamInterval`; the metrics still see
+            every step's output).
     """
 
     def __init__(self, output_processor: OutputProcessor, tracker: RequestStatsTracker,
                  balancer: DPLoadBalancer, metrics: ServerMetrics,
-                 admission_control: bool) -> None:
+                 admission_control: bool, stream_interval: int = 1) -> None:
         self.output_processor, self.tracker = output_processor, tracker
+        self.stream_interval = StreamInterval(stream_interval)
         self.balancer, self.metrics = balancer, metrics
         self.admission_control = admission_control
         self.streams: dict[str, RequestStream] = {}
@@ -66,6 +71,7 @@ class OpenRequests:
         """Forget a request (no-op if it already finished); returns the ids of its samples
         still running and the replica they run on, for the caller to abort there."""
         sample_ids = self.output_processor.abort(request_id)
+        self.stream_interval.forget(request_id)
         self.streams.pop(request_id, None)
         self.waiting.discard(request_id)
         self.kinds.pop(request_id, None)
@@ -96,6 +102,10 @@ class OpenRequests:
             if stream is None:
                 continue
             kind = self.kinds.get(out.request_id)
+            if kind is None:  # DELTA: --stream-interval may hold it (joined into a later one)
+                out = self.stream_interval.take(out)
+                if out is None:
+                    continue
             if out.finished:
                 stream.put(out)
                 del self.streams[out.request_id]
@@ -146,6 +156,7 @@ class OpenRequests:
     def fail(self, request_id: str, error: BaseException) -> None:
         """End one request's stream with ``error`` (its replica is gone)."""
         self.output_processor.abort(request_id)
+        self.stream_interval.forget(request_id)
         self.tracker.abort(request_id)
         self.waiting.discard(request_id)
         self.kinds.pop(request_id, None)
