@@ -199,7 +199,14 @@ def _takes_text(action: argparse.Action) -> bool:
     from the file are taken as written (``stop: [no]`` is the text ``no``, not false; a
     ``_JSON_ITEM_FLAGS`` mapping item stays a mapping, see ``_as_written``)."""
     return action.type in (None, str) and action.nargs != 0 \
-        and action.option_strings[0] not in _JSON_FLAGS
+        and action.option_strings[0] not in _JSON_FLAGS and not _optional_value(action)
+
+
+def _optional_value(action: argparse.Action) -> bool:
+    """Whether ``action`` is a flag whose value may be left out, standing for True
+    (``--hf-token [TOKEN]``): from the file, true is the flag alone and false leaves it
+    unset, as vLLM's config file reads booleans."""
+    return action.nargs == "?" and action.const is True
 
 
 def _as_written(node: Any, value: Any) -> Any:
@@ -249,6 +256,8 @@ def _words(parser: argparse.ArgumentParser, action: argparse.Action, value: Any,
                 f"{where}: {flag} is an on/off flag; give true or false")
         if isinstance(action, argparse.BooleanOptionalAction):
             return [flag if value else "--no-" + flag[2:]]
+        return [flag] if value else []
+    if _optional_value(action) and isinstance(value, bool):
         return [flag] if value else []
     raw = value if isinstance(value, list) else [value]
     repeated = isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*") \

@@ -97,3 +97,17 @@ def test_server_info_masks_the_token():
         info = TestClient(build_app(engine, config, "m")).get("/server_info").json()
         assert info["engine_config"]["model_config"]["hf_token"] == shown
         assert "hf_secret" not in str(info)
+
+
+def test_config_file(tmp_path):
+    """YAML true is the flag alone (the stored token), false leaves it unset, as vLLM's config
+    file reads booleans; text is the token (was: true read as the token 'true')."""
+    from kvflow.entrypoints.config_file import expand_config_file
+
+    parser = build_parser()
+    path = tmp_path / "serve.yaml"
+    for text, token in (("true", True), ("false", None), ("hf_abc", "hf_abc")):
+        path.write_text(f"model: o/m\nhf-token: {text}\ntokenizer_revision: v3\n")
+        args = parser.parse_args(expand_config_file(parser, ["serve", "--config", str(path)]))
+        mc = EngineConfig.from_cli_args(args).model_config
+        assert (mc.hf_token, mc.tokenizer_source) == (token, "o/m@v3")
