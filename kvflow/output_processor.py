@@ -137,6 +137,22 @@ class OutputProcessor:
             self._parent_of.pop(sid, None)
         return list(state.samples)
 
+    def aborted_output(self, parent_id: str) -> RequestOutput | EmbeddingRequestOutput | None:
+        """The last output of a request that its caller aborts (vLLM's: what a consumer of
+        its stream reads last): every sample not finished yet finishes with reason
+        ``abort`` and no new token (delta mode: only those samples; cumulative: all);
+        an embedding request's has no vector. Call it before :meth:`abort`, which forgets
+        the request; None for an unknown (finished) one."""
+        state = self._states.get(parent_id)
+        if state is None:
+            return None
+        for sample in state.samples.values():
+            if not sample.output.finished:
+                sample.output.finish_reason = "abort"
+                sample.changed = True
+        state.metrics.finished_time = time.monotonic()
+        return self._request_output(parent_id, state)
+
     def process(self, outputs: list[EngineCoreOutput]
                 ) -> tuple[list[RequestOutput | EmbeddingRequestOutput], list[str]]:
         """Fold a step's outputs in; returns the outputs that changed (an

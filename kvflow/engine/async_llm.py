@@ -331,9 +331,11 @@ class AsyncLLM(AsyncLLMCalls):
         return self._queue(request_id, prompt, [request], arrival)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now (no-op if it already finished); its core frees its KV blocks
-        before its next step."""
-        sample_ids, replica = self.requests.abort(request_id)
+        """Stop a request now (no-op if it already finished or is unknown, as a second
+        abort); its core frees its KV blocks before its next step. Its stream ends: a task
+        reading it gets a last output whose unfinished samples have ``finish_reason``
+        ``"abort"`` (vLLM's), and one awaiting ``admitted`` returns."""
+        sample_ids, replica = self.requests.cancel(request_id)
         if sample_ids and replica is not None:
             self.replicas.send(replica, AbortRequests(sample_ids))
 

@@ -81,6 +81,20 @@ class OpenRequests:
             self.tracker.abort(request_id)
         return sample_ids, replica
 
+    def cancel(self, request_id: str) -> tuple[list[str], int | None]:
+        """:meth:`abort` a request for its caller (``AsyncLLM.abort``), ending its stream as
+        vLLM's does: its last output finishes every unfinished sample with reason
+        ``abort`` (``OutputProcessor.aborted_output``), and a pending admission is resolved,
+        so that a task still reading the stream (or awaiting ``admitted``) ends instead of
+        waiting forever. Returns what :meth:`abort` returns."""
+        stream = self.streams.get(request_id)
+        last = self.output_processor.aborted_output(request_id)
+        sample_ids, replica = self.abort(request_id)
+        if stream is not None and last is not None:
+            stream.settle()
+            stream.put(last)
+        return sample_ids, replica
+
     def deliver(self, msg: EngineOutputs) -> list[str]:
         """Detokenize a core's outputs and put them on their streams; returns the sample
         ids that stop strings finished or whose request the core refused (an output with

@@ -1,0 +1,135 @@
+"""``AsyncLLM.abort`` called by another task than the one reading the request's stream (an
+in-process program's cancel button, a watchdog): the reader's stream ends with a last output
+whose unfinished samples have ``finish_reason`` ``"abort"``, as vLLM's ``AsyncLLM`` does, a
+pending admission wait returns, and a second abort or an unknown id change nothing. Was: the
+stream was dropped with nothing put on it, and its reader waited forever."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from kvflow import SamplingParams
+from kvflow.outputs import RequestOutput
+
+PROMPT = [1, 5, 9, 13, 17, 21]
+
+
+def _hf_greedy(tiny_llama, ids: list[int], n: int) -> list[int]:
+    out = tiny_llama.hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+async def _read(stream) -> list[RequestOutput]:
+    return [out async for out in stream]
+
+
+async def _abort_from_another_task(engine) -> tuple[list[RequestOutput], RequestOutput]:
+    """A long request read by one task and aborted by this one after its first output, next
+    to a short one read to its end; returns the aborted one's outputs and the other's."""
+    from kvflow.engine.async_llm import collect
+
+    await engine.start()
+    try:
+        survivor = engine.add_request("survivor", None, PROMPT, SamplingParams(
+            temperature=0, ignore_eos=True, max_tokens=12))
+        stream = engine.add_request("long", None, PROMPT, SamplingParams(
+            temperature=0, ignore_eos=True, max_tokens=100))
+        first = await stream.__anext__()
+        reader = asyncio.ensure_future(_read(stream))
+        engine.abort("long")
+        engine.abort("long")  # twice: nothing more
+        engine.abort("no-such-request")
+        rest = await asyncio.wait_for(reader, 30)  # was: never returned
+        kept = await asyncio.wait_for(collect(survivor), 60)
+        for _ in range(200):  # the core's stats after the abort reach this process
+            stats = engine.stats[0]
+            if (stats.num_running, stats.num_waiting, stats.num_free_blocks) == \
+                    (0, 0, stats.num_usable_blocks):
+                break
+            await asyncio.sleep(0.05)
+        return [first, *rest], kept
+    finally:
+        await engine.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_abort_from_another_task_ends_the_stream(tiny_llama):
+    from kvflow.config import EngineConfig
+    from kvflow.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM(EngineConfig.from_kwargs(model=tiny_llama.path, dtype="float32",
+                                               num_kv_blocks=48, block_size=4))
+    try:
+        outputs, kept = asyncio.run(_abort_from_another_task(engine))
+        stats = engine.stats[0]
+    finally:
+        engine.close()
+    last = outputs[-1]
+    assert last.finished and [c.finish_reason for c in last.outputs] == ["abort"]
+    assert all(not out.finished for out in outputs[:-1])
+    tokens = [t for out in outputs for c in out.outputs for t in c.token_ids]
+    assert 1 <= len(tokens) < 100
+    reference = _hf_greedy(tiny_llama, PROMPT, 100)
+    assert tokens == reference[:len(tokens)]
+    # the other request ran on, unchanged; every KV block is free again
+    assert kept.outputs[0].token_ids == reference[:12]
+    assert kept.outputs[0].finish_reason == "length"
+    assert (stats.num_running, stats.num_waiting, stats.num_free_blocks) == \
+        (0, 0, stats.num_usable_blocks)
+    success = engine.metrics.request_success
+    assert success.labels(engine.metrics.model_name, "abort")._value.get() == 1
+    assert success.labels(engine.metrics.model_name, "length")._value.get() == 1
+
+
+def _open_requests(tokenizer, n: int):
+    """OpenRequests (admission control on) holding request "r": ``n`` sampled samples of a
+    3-token prompt on replica 0."""
+    from kvflow.engine.dp_balancer import DPLoadBalancer
+    from kvflow.engine.open_requests import OpenRequests
+    from kvflow.input_processor import InputProcessor
+    from kvflow.metrics import RequestStatsTracker, ServerMetrics
+    from kvflow.output_processor import OutputProcessor
+
+    metrics = ServerMetrics("m")
+    requests = InputProcessor(tokenizer, 128, len(tokenizer), tokenizer.eos_token_id) \
+        .make_requests("r", [5, 6, 7], SamplingParams(n=n, max_tokens=4))
+    open_requests = OpenRequests(OutputProcessor(tokenizer), RequestStatsTracker(metrics),
+                                 DPLoadBalancer(1, 16), metrics, admission_control=True)
+    stream = open_requests.open("r", None, requests, 10.0, 0)
+    return metrics, open_requests, stream, [r.request_id for r in requests]
+
+
+def test_cancel_resolves_admission_and_finishes_only_the_unfinished_samples(tiny_tokenizer):
+    """n=3: sample 0 got a token, sample 2 finished by length; then the caller aborts
+    while one task awaits admission and another reads: both return, the last output carries
+    samples 0 and 1 (no new token, reason ``abort``), and /metrics counts 2 aborted samples
+    next to the finished one. A second cancel returns nothing and puts nothing."""
+    from kvflow.engine.messages import EngineOutputs
+    from kvflow.engine_outputs import EngineCoreOutput, EngineStats
+
+    async def run():
+        metrics, open_requests, stream, ids = _open_requests(tiny_tokenizer, 3)
+        open_requests.deliver(EngineOutputs([
+            EngineCoreOutput(ids[0], [9]),
+            EngineCoreOutput(ids[2], [11], finish_reason="length")], EngineStats()))
+        waiting = asyncio.ensure_future(stream.admitted)
+        reader = asyncio.ensure_future(_read(stream))
+        await asyncio.sleep(0)
+        assert open_requests.cancel("r") == (ids, 0)
+        assert open_requests.cancel("r") == ([], None)
+        await asyncio.wait_for(waiting, 5)
+        outputs = await asyncio.wait_for(reader, 5)
+        return metrics, outputs, stream
+
+    metrics, outputs, stream = asyncio.run(run())
+    assert len(outputs) == 2 and outputs[-1].finished
+    assert [(c.index, c.token_ids, c.finish_reason) for c in outputs[-1].outputs] == \
+        [(0, [], "abort"), (1, [], "abort")]
+    assert stream._queue.empty()
+    success = metrics.request_success
+    assert success.labels("m", "abort")._value.get() == 2
+    assert success.labels("m", "length")._value.get() == 1
