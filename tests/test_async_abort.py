@@ -1,12 +1,20 @@
-"""``AsyncLLM.abort`` called by another task than the one reading the request's stream (an
+"""Aborts of an in-process ``AsyncLLM``'s requests.
+
+``AsyncLLM.abort`` called by another task than the one reading the request's stream (an
 in-process program's cancel button, a watchdog): the reader's stream ends with a last output
 whose unfinished samples have ``finish_reason`` ``"abort"``, as vLLM's ``AsyncLLM`` does, a
 pending admission wait returns, and a second abort or an unknown id change nothing. Was: the
-stream was dropped with nothing put on it, and its reader waited forever."""
+stream was dropped with nothing put on it, and its reader waited forever.
+
+A request id used again at once after its abort: the new request gets its own tokens only
+(transformers' greedy tokens). Was: the tokens the core had sent of the aborted request before
+it read the abort were taken as the new request's (its output began with them, and ran past
+``max_tokens``)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -15,6 +23,7 @@ from kvflow import SamplingParams
 from kvflow.outputs import RequestOutput
 
 PROMPT = [1, 5, 9, 13, 17, 21]
+OTHER = [40, 41, 42, 43, 44, 45, 46, 47]
 
 
 def _hf_greedy(tiny_llama, ids: list[int], n: int) -> list[int]:
@@ -25,6 +34,17 @@ def _hf_greedy(tiny_llama, ids: list[int], n: int) -> list[int]:
 
 async def _read(stream) -> list[RequestOutput]:
     return [out async for out in stream]
+
+
+async def _idle(engine) -> None:
+    """Wait (up to 10 s) until the core's stats say no request is left and every KV block is
+    free (the stats of the step after the last abort reach this process)."""
+    for _ in range(200):
+        stats = engine.stats[0]
+        if (stats.num_running, stats.num_waiting, stats.num_free_blocks) == \
+                (0, 0, stats.num_usable_blocks):
+            return
+        await asyncio.sleep(0.05)
 
 
 async def _abort_from_another_task(engine) -> tuple[list[RequestOutput], RequestOutput]:
@@ -45,12 +65,7 @@ async def _abort_from_another_task(engine) -> tuple[list[RequestOutput], Request
         engine.abort("no-such-request")
         rest = await asyncio.wait_for(reader, 30)  # was: never returned
         kept = await asyncio.wait_for(collect(survivor), 60)
-        for _ in range(200):  # the core's stats after the abort reach this process
-            stats = engine.stats[0]
-            if (stats.num_running, stats.num_waiting, stats.num_free_blocks) == \
-                    (0, 0, stats.num_usable_blocks):
-                break
-            await asyncio.sleep(0.05)
+        await _idle(engine)
         return [first, *rest], kept
     finally:
         await engine.shutdown()
@@ -83,6 +98,49 @@ def test_abort_from_another_task_ends_the_stream(tiny_llama):
     success = engine.metrics.request_success
     assert success.labels(engine.metrics.model_name, "abort")._value.get() == 1
     assert success.labels(engine.metrics.model_name, "length")._value.get() == 1
+
+
+async def _reuse_after_abort(engine) -> list[RequestOutput]:
+    """For n = 1, 1, 2: a long request "x" (``n`` greedy samples) aborted after its first
+    output while the core's next outputs of it wait unread, then a short request "x" of
+    another prompt read to its end; returns the short ones' outputs."""
+    from kvflow.engine.async_llm import collect
+
+    await engine.start()
+    try:
+        outputs = []
+        for n in (1, 1, 2):
+            old = engine.add_request("x", None, PROMPT, SamplingParams(
+                temperature=0, ignore_eos=True, max_tokens=100, n=n))
+            await old.__anext__()
+            time.sleep(0.3)  # noqa: ASYNC251 - blocks the loop: the core's next outputs stay unread
+            engine.abort("x")
+            new = engine.add_request("x", None, OTHER, SamplingParams(
+                temperature=0, ignore_eos=True, max_tokens=10, n=n))
+            outputs.append(await asyncio.wait_for(collect(new), 60))
+        await _idle(engine)
+        return outputs
+    finally:
+        await engine.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_an_id_used_again_right_after_its_abort_gets_only_its_own_tokens(tiny_llama):
+    from kvflow.config import EngineConfig
+    from kvflow.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM(EngineConfig.from_kwargs(model=tiny_llama.path, dtype="float32",
+                                               num_kv_blocks=48, block_size=4))
+    try:
+        outputs = asyncio.run(_reuse_after_abort(engine))
+        stats = engine.stats[0]
+    finally:
+        engine.close()
+    reference = _hf_greedy(tiny_llama, OTHER, 10)
+    for out, n in zip(outputs, (1, 1, 2), strict=True):
+        assert [(c.token_ids, c.finish_reason) for c in out.outputs] == [(reference, "length")] * n
+    assert (stats.num_running, stats.num_waiting, stats.num_free_blocks) == \
+        (0, 0, stats.num_usable_blocks)
 
 
 def _open_requests(tokenizer, n: int):

@@ -18,6 +18,7 @@ the model.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -115,6 +116,7 @@ class AsyncLLM(AsyncLLMCalls):
         self._dead: BaseException | None = None  # set when no replica is left
         self._outputs: OutputLoop | None = None  # started by start()
         self._calls = UtilityCalls()  # AddLoRA / Sleep / ResetPrefixCache / ... awaiting answers
+        self._core_ids = itertools.count()  # the suffix of each request's ids in the cores
         # the replicas' sleep state, mirrored once they all answered (new requests checked)
         self.sleep_state = EngineSleep(config.model_config.enable_sleep_mode)
         # Called (in the event loop) when a core process dies or fails; see start().
@@ -286,6 +288,7 @@ class AsyncLLM(AsyncLLMCalls):
         Raises:
             ValueError: if the request cannot be encoded (nothing registered then).
         """
+        self._name_in_cores(requests)
         try:  # encode before registering anything, so a refusal leaves no state behind
             payload = self.replicas.encoder.encode(
                 AddRequests([EngineCoreRequest.from_request(r) for r in requests]))
@@ -300,6 +303,18 @@ class AsyncLLM(AsyncLLMCalls):
                      self.balancer.depth)
         self.cores[replica].send(payload)
         return stream
+
+    def _name_in_cores(self, requests: list[Request]) -> None:
+        """Give the samples of one request ids no earlier request had in the cores (vLLM
+        makes its engine ids unique too): ``{sample id}.{k}``, ``k`` counted per call (the
+        caller's id stays the ``parent_id``, which the outputs, the stream and ``abort``
+        use). A request id may be used again once its request ended (aborted, or finished by
+        a stop string in this process) while its core still had outputs of it on the way
+        (sent before the core read the abort) or, with async scheduling, a step of it in
+        flight: with the same ids, those tokens were taken as the new request's."""
+        k = next(self._core_ids)
+        for r in requests:
+            r.request_id = f"{r.request_id}.{k}"
 
     @staticmethod
     async def admitted(stream: RequestStream) -> None:
