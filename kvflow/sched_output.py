@@ -146,6 +146,9 @@ class SchedulerOutput:
             next, before the forward pass.
         kv_connector_metadata: the KV connector's loads (before the forward pass) and saves
             (after it) this step (``--kv-transfer-config``); None without a connector.
+        step_index: the scheduler's count of the steps it scheduled, this one included (the
+            scheduler tells the outputs of a request freed while its step was in flight from
+            those of a new request that took its id; runners ignore it).
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -162,6 +165,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     kv_connector_metadata: KVConnectorMetadata | None = None
+    step_index: int = 0
 
     @property
     def num_scheduled_reqs(self) -> int:

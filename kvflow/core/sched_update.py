@@ -25,7 +25,8 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
     it keeps what it reads in locals."""
     outputs, requests, all_logprobs = [], sched.requests, runner_output.logprobs
     track, planner = sched.track_in_flight, sched.planner
-    _keep_prompt_logprobs(requests, runner_output)
+    stale = _take_freed(sched, sched_out)
+    _keep_prompt_logprobs(requests, runner_output, stale)
     sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
     if runner_output.kv_load_failures:  # their tokens came from K/V that never arrived
         for rid in recompute_failed_loads(sched, runner_output.kv_load_failures):
@@ -34,6 +35,8 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
     slos, now = planner.slos, sched.clock()
     pooled = runner_output.pooler_output
     for rid in sched_out.num_scheduled_tokens:  # report in scheduling (policy) order
+        if rid in stale:  # its request was freed meanwhile (the id may be another's now)
+            continue
         if track:
             _returned(sched, rid)
         token_ids = sampled.get(rid)
@@ -71,6 +74,21 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
         elif num_drafts:
             _free_rejected_blocks(sched, request)
     return outputs
+
+
+def _take_freed(sched: Scheduler, sched_out: SchedulerOutput) -> set[str]:
+    """The ids of ``sched_out``'s requests that were freed after it was scheduled (aborted, or
+    finished by an earlier step while it was in flight): its outputs for them are dropped,
+    also where a new request has taken the id since (a step scheduled after the free came
+    later). Steps come back in the order they were scheduled, so the frees no step still in
+    flight can hold are forgotten here."""
+    freed = sched.freed_at
+    if not freed:
+        return set()
+    step = sched_out.step_index
+    stale = {rid for rid in sched_out.num_scheduled_tokens if freed.get(rid, -1) >= step}
+    sched.freed_at = {rid: at for rid, at in freed.items() if at > step}
+    return stale
 
 
 def recompute_failed_loads(sched: Scheduler, failures: dict[str, str]) -> set[str]:
@@ -126,8 +144,9 @@ def discard_failed_steps(sched: Scheduler, outs: list[SchedulerOutput]) -> None:
     recomputed instead (its blocks were never copied to the host). The images those steps
     were to encode leave the encoder-cache mirror (the runners may not hold them)."""
     scheduled: list[str] = []
-    for out in outs:
-        scheduled += out.num_scheduled_tokens
+    for out in outs:  # not a request freed meanwhile, whose id another may hold now
+        stale = _take_freed(sched, out)
+        scheduled += [rid for rid in out.num_scheduled_tokens if rid not in stale]
         for rid in out.preempted_ids:
             _forget_swap_out(sched, rid)
     lost = _scheduled_encodes(sched, outs)
@@ -156,13 +175,13 @@ def _forget_swap_out(sched: Scheduler, request_id: str) -> None:
         request.num_computed_tokens = 0
 
 
-def _keep_prompt_logprobs(requests: dict[str, Request],
-                          runner_output: ModelRunnerOutput) -> None:
+def _keep_prompt_logprobs(requests: dict[str, Request], runner_output: ModelRunnerOutput,
+                          stale: set[str]) -> None:
     """Keep the prompt logprobs the step computed on their requests (reported with the
-    first token)."""
+    first token); not those of the requests freed meanwhile (``stale``)."""
     for rid, chunk in runner_output.prompt_logprobs.items():
         request = requests.get(rid)
-        if request is not None:
+        if request is not None and rid not in stale:
             request.add_prompt_logprobs(chunk.start, chunk.entries)
 
 

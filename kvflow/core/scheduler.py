@@ -117,6 +117,11 @@ class Scheduler:
         # id -> its scheduled steps not yet returned.
         self.track_in_flight = False
         self.in_flight: dict[str, int] = {}
+        # With steps in flight (async scheduling, pipelining): request id -> the count of
+        # steps scheduled when a request of that id was freed. Outputs of those steps for that
+        # id are the freed request's, and are dropped, even where a new request took the id.
+        self.num_steps = 0
+        self.freed_at: dict[str, int] = {}
         # Vision-language models (the engine core sets it): the encoder budget per step and
         # the encoder cache; requests with images pass through it (core/encoder_cache_manager)
         self.encoder: EncoderCacheManager | None = None
@@ -206,7 +211,8 @@ class Scheduler:
         """
         budget = self.config.max_num_batched_tokens
         cap = max_num_reqs if max_num_reqs is not None else self.config.max_num_seqs
-        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self.num_steps += 1
+        out = SchedulerOutput(finished_ids=self._finished_ids, step_index=self.num_steps)
         self._finished_ids = set()
         if self.encoder is not None:
             self.encoder.begin_step(out)
@@ -315,6 +321,8 @@ class Scheduler:
         discard_failed_steps(self, outs)
 
     def _free(self, request: Request) -> None:
+        if self.async_scheduling or self.track_in_flight:  # its steps may be in flight
+            self.freed_at[request.request_id] = self.num_steps
         self.in_flight.pop(request.request_id, None)
         self._truncated.pop(request.request_id, None)
         self.planner.remove(request.request_id)

@@ -17,8 +17,10 @@ import pytest
 EOS = 1  # the conftest default eos_token_id
 
 
-def run_async(drv, max_steps: int = 5000, abort_at: dict | None = None) -> dict:
-    """Drive ``drv.scheduler`` with one step in flight; returns what was seen."""
+def run_async(drv, max_steps: int = 5000, abort_at: dict | None = None,
+              add_at: dict | None = None) -> dict:
+    """Drive ``drv.scheduler`` with one step in flight; returns what was seen. After step
+    ``i`` is out, the requests ``abort_at[i]`` are aborted, then ``add_at[i]`` added."""
     sched, prev = drv.scheduler, None
     seen = {"overlaps": 0, "steps": 0, "scheduled": {}}
     for step in range(max_steps):
@@ -34,6 +36,8 @@ def run_async(drv, max_steps: int = 5000, abort_at: dict | None = None) -> dict:
         prev = (sampled, out) if not out.is_empty else None
         for rid in (abort_at or {}).get(step, ()):
             drv.abort([rid])
+        for request in (add_at or {}).get(step, ()):
+            drv.add(request)
         seen["steps"] += 1
     raise AssertionError("not finished")
 
@@ -127,6 +131,25 @@ def test_max_tokens_is_not_overrun(make_scheduler, make_driver, make_request, or
     assert drv.results["a"].output_token_ids == oracle([2, 3, 4], 3)
     # the prefill and 2 decodes, as in lock-step: no 4th step computing a token to drop
     assert seen["scheduled"]["a"] == 3
+
+
+@pytest.mark.parametrize("at", [1, 2, 4])
+def test_an_id_aborted_in_flight_and_added_again_gets_only_its_own_tokens(
+        make_scheduler, make_driver, make_request, oracle, at):
+    """"a" aborted while its step is out (its prefill's, ``at`` 1; a decode's), then a new
+    request "a" of another prompt added before that step comes back: the step's token is the
+    old request's, dropped; the new one's tokens are lock-step's (was: the old token was
+    folded into the new request, which then held a token its prompt never gave)."""
+    sched = make_scheduler(async_scheduling=True)
+    drv = make_driver(sched)
+    drv.add(make_request("a", [2, 3, 4], max_tokens=8))
+    drv.add(make_request("b", [5, 6], max_tokens=8))
+    run_async(drv, abort_at={at: ["a"]},
+              add_at={at: [make_request("a", [7, 8, 9, 10, 11], max_tokens=6)]})
+    assert drv.results["a"].output_token_ids == oracle([7, 8, 9, 10, 11], 6)
+    assert drv.results["a"].finish_reason == "length"
+    assert drv.results["b"].output_token_ids == oracle([5, 6], 8)
+    assert not sched.has_unfinished_requests()
 
 
 def test_abort_while_in_flight(make_scheduler, make_driver, make_request, oracle):
