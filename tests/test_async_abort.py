@@ -9,7 +9,10 @@ stream was dropped with nothing put on it, and its reader waited forever.
 A request id used again at once after its abort: the new request gets its own tokens only
 (transformers' greedy tokens). Was: the tokens the core had sent of the aborted request before
 it read the abort were taken as the new request's (its output began with them, and ran past
-``max_tokens``)."""
+``max_tokens``).
+
+A request admission control refuses ends its stream's iteration with the refusal too, not only
+its ``admitted`` wait (was: a reader that did not await ``admitted`` waited forever)."""
 
 from __future__ import annotations
 
@@ -191,3 +194,30 @@ def test_cancel_resolves_admission_and_finishes_only_the_unfinished_samples(tiny
     success = metrics.request_success
     assert success.labels("m", "abort")._value.get() == 2
     assert success.labels("m", "length")._value.get() == 1
+
+
+def test_a_stream_admission_control_refuses_ends_for_its_reader(tiny_tokenizer):
+    """Admission control refuses request "r" while a task reads its stream (without awaiting
+    ``admitted`` first): the reader gets the ``AdmissionRejected`` (was: it waited forever;
+    only ``admitted`` failed), and nothing of the request is left open or counted."""
+    from kvflow.engine.messages import AdmissionVerdicts, Rejection
+    from kvflow.engine.streams import AdmissionRejected
+
+    async def run():
+        metrics, open_requests, stream, _ = _open_requests(tiny_tokenizer, 2)
+        reader = asyncio.ensure_future(_read(stream))
+        await asyncio.sleep(0)
+        open_requests.settle(AdmissionVerdicts([], [Rejection("r", 3.0, "too busy")]))
+        with pytest.raises(AdmissionRejected, match="too busy") as refusal:
+            await asyncio.wait_for(reader, 5)
+        with pytest.raises(AdmissionRejected):
+            stream.admitted.result()
+        return metrics, open_requests, refusal.value
+
+    metrics, open_requests, refusal = asyncio.run(run())
+    assert refusal.retry_after_s == 3.0
+    assert not open_requests.streams and not open_requests.waiting
+    assert open_requests.output_processor.parent_of("r-0") is None
+    assert metrics.rejected._value.get() == 1
+    for reason in ("stop", "length", "abort"):
+        assert metrics.request_success.labels("m", reason)._value.get() == 0

@@ -151,7 +151,9 @@ class OpenRequests:
 
     def settle(self, msg: AdmissionVerdicts) -> None:
         """Admission control's answers: resolve the accepted streams; drop the refused
-        requests (their core queued none of their samples) and fail their streams."""
+        requests (their core queued none of their samples) and fail their streams (their
+        ``admitted`` and their iteration alike: a caller reading the stream without awaiting
+        ``admitted`` first gets the refusal too, instead of waiting forever)."""
         for request_id in msg.accepted:
             stream = self.streams.get(request_id)
             if stream is not None:
@@ -165,7 +167,9 @@ class OpenRequests:
             self.tracker.forget(rejection.request_id)
             self.metrics.rejected.inc()
             if stream is not None:
-                stream.settle(AdmissionRejected(rejection.message, rejection.retry_after_s))
+                error = AdmissionRejected(rejection.message, rejection.retry_after_s)
+                stream.settle(error)
+                stream.put(error)
 
     def fail(self, request_id: str, error: BaseException) -> None:
         """End one request's stream with ``error`` (its replica is gone)."""
