@@ -29,6 +29,7 @@ import msgspec
 from kvflow.config import EngineConfig
 from kvflow.core.sleep_mode import EngineSleep
 from kvflow.engine.async_llm_calls import AsyncLLMCalls
+from kvflow.engine.async_llm_shutdown import AsyncLLMShutdown
 from kvflow.engine.core_client import CoreProcess, ReplicaState
 from kvflow.engine.dp_balancer import DPLoadBalancer, cache_key
 from kvflow.engine.messages import (
@@ -74,7 +75,7 @@ __all__ = ["AdmissionRejected", "AsyncLLM", "EngineDeadError", "EngineShutdownEr
            "EngineSleepingError", "RequestRefused", "RequestStream", "collect"]
 
 
-class AsyncLLM(AsyncLLMCalls):
+class AsyncLLM(AsyncLLMCalls, AsyncLLMShutdown):
     """Engine client for the server: starts the engine-core process(es) and streams outputs.
 
     With ``data_parallel_size = N`` it runs N engine-core processes (replicas, each a whole
@@ -375,56 +376,6 @@ class AsyncLLM(AsyncLLMCalls):
         self._dead = error
         self.requests.fail_all(error)
         self._calls.fail(error)
-
-    # ---- shutdown ----------------------------------------------------------------------------
-    def abort_all(self, error: EngineShutdownError) -> int:
-        """Abort every open request in its engine core (their KV blocks are freed), end its
-        stream with ``error``, and refuse new requests with it (the server is stopping);
-        returns how many requests were open.
-
-        Pending LoRA calls fail with ``error`` too.
-        """
-        self._dead = error
-        count = len(self.requests.streams)
-        for replica, sample_ids in self.requests.abort_all(error).items():
-            self.replicas.send(replica, AbortRequests(sample_ids))
-        self._calls.fail(error)
-        return count
-
-    def refuse_new(self, error: EngineShutdownError) -> None:
-        """Refuse new requests with ``error`` while the open ones run on (a draining
-        shutdown, ``--shutdown-timeout``); :meth:`abort_all` ends those left."""
-        self._dead = error
-
-    @property
-    def num_open_sequences(self) -> int:
-        """Samples of the requests in flight, waiting or running (``n`` per request)."""
-        return self.requests.output_processor.num_open_samples
-
-    @property
-    def num_open_requests(self) -> int:
-        """Requests whose final output has not been delivered yet."""
-        return len(self.requests.streams)
-
-    def begin_shutdown(self) -> None:
-        """Note that the server is stopping (a signal): a core ending from now on is part of
-        it, logged at INFO rather than as a lost replica's ERROR (SIGTERM to the server and
-        its core at once: ``pkill -f "kvflow serve"``, a systemd stop). Only sets a flag, so
-        it may run in a signal handler."""
-        self.replicas.stopping = True
-
-    @property
-    def is_stopping(self) -> bool:
-        """Whether :meth:`begin_shutdown` was called."""
-        return self.replicas.stopping
-
-    def hurry_shutdown(self) -> None:
-        """Stop the engine cores without their grace: from now on :meth:`close` (or
-        :meth:`shutdown`) sends a core still in its step SIGTERM at once instead of after
-        ``STEP_GRACE_S`` (1 s; ``ReplicaSet.hurry``). A server calls it on a second Ctrl-C,
-        when the user wants no more waiting; it only sets a flag, so it may run in a signal
-        handler, before or while the cores are being stopped, and more than once."""
-        self.replicas.hurry = True
 
     async def shutdown(self) -> None:
         """Stop the output loop and the core processes; release the sockets."""
