@@ -62,20 +62,6 @@ def _generation_overrides(value: Any) -> dict[str, Any] | None:
     return value
 
 
-def _hub_repo(name: str) -> tuple[str, str | None] | None:
-    """``(repo id, revision or None)`` for a Hugging Face Hub repo id ``org/name[@revision]``
-    that is no local path nor packaged model name (as ``resolve_model`` tells them apart);
-    else None."""
-    import os
-
-    from kvflow.models.hf_hub import parse_hub_name
-    from kvflow.models.model_resolver import find_packaged_model
-
-    if os.path.exists(os.path.expanduser(name)) or find_packaged_model(name) is not None:
-        return None
-    return parse_hub_name(name)
-
-
 @dataclass
 class ModelConfig:
     """Which model runs and how its config, tokenizer and weights are read.
@@ -269,9 +255,10 @@ class ModelConfig:
                              f"not generate (give --runner pooling, or --convert none)")
 
     def _check_tokenizer_revision(self) -> None:
-        """Refuse a ``tokenizer_revision`` that cannot apply: no tokenizer loaded, or
-        ``tokenizer`` (else ``model``) is no Hub repo id (a local path or packaged model),
-        or names another ``@revision``; and an empty ``hf_token``.
+        """Refuse a ``tokenizer_revision`` with no tokenizer to load, and an empty
+        ``hf_token`` (whether ``tokenizer`` / ``model`` is a Hub repo id it can apply to is
+        checked where the tokenizer's source is chosen:
+        ``kvflow.models.tokenizer_source``).
 
         Raises:
             ValueError: naming the field and why.
@@ -279,32 +266,9 @@ class ModelConfig:
         if isinstance(self.hf_token, str) and not self.hf_token.strip():
             raise ValueError("hf_token is empty: give a token, or the flag alone for the "
                              "stored one")
-        if self.tokenizer_revision is None:
-            return
-        if self.skip_tokenizer_init:
+        if self.tokenizer_revision is not None and self.skip_tokenizer_init:
             raise ValueError(f"tokenizer_revision={self.tokenizer_revision!r} with "
                              "skip_tokenizer_init=True: no tokenizer is loaded; give one")
-        hub = _hub_repo(self.tokenizer or self.model)
-        name = "tokenizer" if self.tokenizer else "model"
-        if hub is None:
-            raise ValueError(f"tokenizer_revision={self.tokenizer_revision!r} applies to "
-                             f"Hugging Face repo ids only, and {name} "
-                             f"{self.tokenizer or self.model!r} is a local path, a packaged "
-                             "model, or no repo id")
-        if self.tokenizer and hub[1] not in (None, self.tokenizer_revision):
-            raise ValueError(f"tokenizer {self.tokenizer!r} names revision {hub[1]!r} but "
-                             f"tokenizer_revision={self.tokenizer_revision!r} was given; "
-                             "give one")
-
-    @property
-    def tokenizer_source(self) -> str | None:
-        """What the tokenizer is loaded from (``load_tokenizer``'s ``tokenizer_path``):
-        ``tokenizer``, or with ``tokenizer_revision`` the Hub repo id (``tokenizer``'s, else
-        the model's) at that revision, ``org/name@revision``; None: the model's own folder."""
-        if self.tokenizer_revision is None:
-            return self.tokenizer
-        repo_id, _ = _hub_repo(self.tokenizer or self.model)
-        return f"{repo_id}@{self.tokenizer_revision}"
 
     @property
     def requested_task(self) -> str:

@@ -48,6 +48,7 @@ from kvflow.models.model_resolver import ModelSource
 from kvflow.models.model_task import model_task
 from kvflow.models.pooling_config import TASK_VERB
 from kvflow.models.registry import is_multimodal, model_traits
+from kvflow.models.tokenizer_source import tokenizer_source
 from kvflow.platforms import get_platform
 from kvflow.sched_output import SchedulerOutput
 from kvflow.spec_decode.draft_positions import draft_positions
@@ -89,7 +90,7 @@ class EngineCoreStartup:
             trust_remote_code=self.config.model_config.trust_remote_code)
         mc = self.config.model_config  # a reranker's score head from LM-head rows: its tokens
         resolve_classifier_tokens(self.hf_config, lambda: None if mc.skip_tokenizer_init else
-                                  load_tokenizer(source, mc.tokenizer_source,
+                                  load_tokenizer(source, tokenizer_source(mc),
                                                  mc.download_dir, mc.tokenizer_options,
                                                  mc.hf_token))
         self.dtype = resolve_dtype(self.config.model_config.dtype, self.hf_config, self.platform,
@@ -378,7 +379,7 @@ class EngineCoreStartup:
         from kvflow.structured.xgrammar_backend import XgrammarBackend
 
         mc = self.config.model_config
-        tokenizer = self.tokenizer or load_tokenizer(self.source, mc.tokenizer_source,
+        tokenizer = self.tokenizer or load_tokenizer(self.source, tokenizer_source(mc),
                                                      mc.download_dir, mc.tokenizer_options,
                                                      mc.hf_token)
         return XgrammarBackend(tokenizer, self.hf_config.vocab_size,

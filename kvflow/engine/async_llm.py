@@ -60,6 +60,7 @@ from kvflow.metrics import RequestStatsTracker, ServerMetrics
 from kvflow.models.generation_config import load_eos_token_ids, load_sampling_defaults
 from kvflow.models.loader import load_hf_config, load_tokenizer, resolve_eos_token_id
 from kvflow.models.model_resolver import resolve_model
+from kvflow.models.tokenizer_source import tokenizer_source
 from kvflow.multimodal import mm_processor_of_source
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.output_processor import OutputProcessor
@@ -141,7 +142,7 @@ class AsyncLLM(AsyncLLMCalls, AsyncLLMShutdown):
             self.replicas.release()
             # while the core processes load the model:
             self.tokenizer = None if mc.skip_tokenizer_init else \
-                load_tokenizer(source, mc.tokenizer_source, mc.download_dir,
+                load_tokenizer(source, tokenizer_source(mc), mc.download_dir,
                                mc.tokenizer_options, mc.hf_token)
             check_draft_tokenizer(config, source, self.tokenizer)
             self._mm_processor = mm_processor_of_source(source, self.tokenizer,

@@ -22,6 +22,7 @@ from kvflow.lora.request import LoRARequest
 from kvflow.models.generation_config import load_eos_token_ids, load_sampling_defaults
 from kvflow.models.loader import load_hf_config, load_tokenizer, resolve_eos_token_id
 from kvflow.models.model_resolver import ModelSource, resolve_model
+from kvflow.models.tokenizer_source import tokenizer_source
 from kvflow.multimodal import MultiModalProcessor, make_mm_processor
 from kvflow.output_processor import OutputProcessor
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
@@ -58,7 +59,7 @@ class LLMEngine:
         hf_config = load_hf_config(source, hf_overrides=mc.hf_overrides,
                                    trust_remote_code=mc.trust_remote_code)
         self.tokenizer = None if mc.skip_tokenizer_init else \
-            load_tokenizer(source, mc.tokenizer_source, mc.download_dir, mc.tokenizer_options,
+            load_tokenizer(source, tokenizer_source(mc), mc.download_dir, mc.tokenizer_options,
                            mc.hf_token)
         check_draft_tokenizer(config, source, self.tokenizer)  # before the draft's weights
         self.sampling_defaults = load_sampling_defaults(source, mc.generation_config,

@@ -12,6 +12,7 @@ from kvflow import LLM, SamplingParams
 from kvflow.config import EngineConfig
 from kvflow.config.model import ModelConfig
 from kvflow.entrypoints.cli import build_parser
+from kvflow.models.tokenizer_source import tokenizer_source
 from tests.models.test_hf_hub import COMMIT_A, COMMIT_B, PROMPT, hf_greedy_tokens, hub_cache
 
 __all__ = ["hub_cache"]  # the module-scoped fixture, used here too
@@ -43,15 +44,17 @@ def test_tokenizer_from_its_revision(hub_cache, tiny_model_factory):
     ({"model": "o/m", "hf_token": " "}, "hf_token is empty"),
 ])
 def test_refused(kwargs, needle):
+    """The Hub checks when the tokenizer's source is chosen (before any load), the others
+    when the config is built."""
     with pytest.raises(ValueError, match=needle):
-        ModelConfig(**kwargs)
+        tokenizer_source(ModelConfig(**kwargs))
 
 
 def test_tokenizer_source():
-    assert ModelConfig(model="o/m@r1").tokenizer_source is None
-    assert ModelConfig(model="o/m@r1", tokenizer_revision="v1").tokenizer_source == "o/m@v1"
-    assert ModelConfig(model="o/m", tokenizer="o/t",
-                       tokenizer_revision="v1").tokenizer_source == "o/t@v1"
+    assert tokenizer_source(ModelConfig(model="o/m@r1")) is None
+    assert tokenizer_source(ModelConfig(model="o/m@r1", tokenizer_revision="v1")) == "o/m@v1"
+    assert tokenizer_source(ModelConfig(model="o/m", tokenizer="o/t",
+                                        tokenizer_revision="v1")) == "o/t@v1"
 
 
 def test_token_reaches_every_download(hub_cache, monkeypatch):
@@ -74,7 +77,7 @@ def test_cli():
         return EngineConfig.from_cli_args(parser.parse_args(["serve", *argv])).model_config
     assert model_config("--model", "o/m", "--hf-token").hf_token is True  # the stored token
     mc = model_config("--model", "o/m", "--hf-token", "hf_x", "--tokenizer-revision", "v2")
-    assert (mc.hf_token, mc.tokenizer_revision, mc.tokenizer_source) == ("hf_x", "v2", "o/m@v2")
+    assert (mc.hf_token, mc.tokenizer_revision, tokenizer_source(mc)) == ("hf_x", "v2", "o/m@v2")
     assert model_config("--model", "o/m").hf_token is None
 
 
@@ -110,4 +113,4 @@ def test_config_file(tmp_path):
         path.write_text(f"model: o/m\nhf-token: {text}\ntokenizer_revision: v3\n")
         args = parser.parse_args(expand_config_file(parser, ["serve", "--config", str(path)]))
         mc = EngineConfig.from_cli_args(args).model_config
-        assert (mc.hf_token, mc.tokenizer_source) == (token, "o/m@v3")
+        assert (mc.hf_token, tokenizer_source(mc)) == (token, "o/m@v3")
