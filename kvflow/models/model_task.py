@@ -121,7 +121,7 @@ def model_task(requested: str, hf_config: Any, folder: str | None
     if task == "token_classify":  # every prompt token's row through the head
         num_labels = int(hf_config.num_labels)
         return task, PoolerConfig("all", False, task=task,
-                                  activation=classify_activation(num_labels),
+                                  activation=classify_activation(hf_config),
                                   num_labels=num_labels, labels=class_labels(hf_config))
     if task not in ("score", "classify"):
         return task, load_pooler_config(folder, hf_config, encoder)
@@ -136,7 +136,7 @@ def model_task(requested: str, hf_config: Any, folder: str | None
         # + tanh, which is no per-token head, so encoders do not serve it)
         served += ("token_classify",)
     activations = {t: score_activation(hf_config) if t == "score" else
-                   classify_activation(num_labels) for t in served}
+                   classify_activation(hf_config) for t in served}
     return task, PoolerConfig("cls" if encoder else "last", False, task=task,
                               activation=activations[task], num_labels=num_labels,
                               labels=class_labels(hf_config),
@@ -144,11 +144,21 @@ def model_task(requested: str, hf_config: Any, folder: str | None
                                                 if kv[0] != task))
 
 
-def classify_activation(num_labels: int) -> str:
-    """The activation of a classify request's logits: softmax over two or more classes, the
-    sigmoid of a single one (vLLM's ``PoolerClassify``; a softmax over one logit is always
-    1)."""
-    return "softmax" if num_labels >= 2 else "sigmoid"
+def classify_activation(hf_config: Any) -> str:
+    """The activation of a classify (or token_classify) request's logits, as vLLM's
+    ``get_act_fn`` and transformers' text-classification pipeline pick it from
+    ``config.problem_type``: "identity" for ``regression`` (the logits are the values),
+    "sigmoid" for ``multi_label_classification`` (each label on its own), else a softmax over
+    two or more classes and the sigmoid of a single one (vLLM's ``PoolerClassify``; a
+    softmax over one logit is always 1); an unset (or other) ``problem_type`` is the
+    last case.
+    """
+    problem_type = getattr(hf_config, "problem_type", None)
+    if problem_type == "regression":
+        return "identity"
+    if problem_type == "multi_label_classification":
+        return "sigmoid"
+    return "softmax" if int(hf_config.num_labels) >= 2 else "sigmoid"
 
 
 def score_activation(hf_config: Any) -> str:

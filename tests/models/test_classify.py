@@ -191,3 +191,33 @@ def test_classify_truncate_prompt_tokens(classifier, assert_no_leaks):
     torch.testing.assert_close(_probs(outs), ref, atol=ATOL, rtol=0)
     assert (ref - torch.softmax(hf_logits(folder, TEXTS), -1)).abs().max() > 0.01
     assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("problem_type", ["multi_label_classification", "regression"])
+def test_problem_type_picks_the_classify_activation(tmp_path, problem_type, assert_no_leaks):
+    """config.json's ``problem_type`` picks the activation of classify (and of the decoder
+    classifier's token_classify rows), as vLLM's ``get_act_fn`` and transformers'
+    text-classification pipeline do: ``multi_label_classification`` a sigmoid per label,
+    ``regression`` none (the logits); kvflow took the softmax over the labels. Oracle: the
+    transformers pipeline's scores by label (it picks the function from ``problem_type``)."""
+    import json
+
+    from transformers import pipeline
+
+    folder = str(tmp_path / "cls")
+    build_decoder_classifier(folder, "Qwen2", 3)
+    with open(f"{folder}/config.json") as f:
+        config = json.load(f)
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump({**config, "problem_type": problem_type}, f)
+    pipe = pipeline("text-classification", model=folder, top_k=None, device="cpu")
+    ref = torch.tensor([[next(d["score"] for d in row if d["label"] == f"LABEL_{i}")
+                         for i in range(3)] for row in pipe(TEXTS)])
+    llm = LLM(model=folder, dtype="float32", device="cpu", task="classify", num_kv_blocks=64,
+              max_num_batched_tokens=4, block_size=4)
+    outs = llm.classify(TEXTS, use_tqdm=False)
+    torch.testing.assert_close(_probs(outs), ref, atol=ATOL, rtol=0)
+    assert [o.outputs.num_classes for o in outs] == [3] * len(TEXTS)
+    rows = llm.encode(TEXTS[0], pooling_task="token_classify", use_tqdm=False)[0].outputs.data
+    torch.testing.assert_close(rows[-1], ref[0], atol=ATOL, rtol=0)  # the last token's row
+    assert_no_leaks(llm)
