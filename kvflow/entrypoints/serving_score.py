@@ -88,12 +88,14 @@ class OpenAIServingScore(OpenAIServing):
         async def response() -> RerankResponse:
             scores, tokens = await finish()
             order = sorted(range(len(scores)), key=lambda i: -scores[i])  # stable on ties
+            documents = [d for _, d in pairs]  # a one-text ``documents`` as a list
             results = [RerankResult(index=i, relevance_score=scores[i],
-                                    document=RerankDocument(text=req.documents[i])
+                                    document=RerankDocument(text=documents[i])
                                     if req.return_documents else None)
                        for i in order[:req.top_n or None]]
             return RerankResponse(id=reply_id, model=self.model_name, results=results,
-                                  usage=RerankUsage(total_tokens=tokens))
+                                  usage=RerankUsage(prompt_tokens=tokens,
+                                                    total_tokens=tokens))
 
         return await self.respond(raw, streams, response())
 

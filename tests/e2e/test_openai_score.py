@@ -10,6 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from tests.e2e.conftest import bert_embed_model, ready_side_by_side
 from tests.models.cross_encoder_models import (
@@ -130,9 +131,19 @@ def test_rerank_orders_by_the_oracle(servers, path):
     # no near-ties among the oracle's top four, so its order is the one to expect
     assert all(expected[best[k]] - expected[best[k + 1]] > 10 * TOL for k in range(3))
     assert [r["index"] for r in results] == best[:3]
+    # vLLM's usage: every pair's tokens as prompt_tokens and total_tokens (was total only)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokens = sum(len(tokenizer(QUERY, d)["input_ids"]) for d in docs)
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
     body = _post(server, path, {"query": QUERY, "documents": docs,
                                 "return_documents": False}).json()
     assert len(body["results"]) == 4 and all("document" not in r for r in body["results"])
+    # one document as a string, as vLLM takes it (was a 400: documents must be a list)
+    body = _post(server, path, {"query": QUERY, "documents": docs[1]}).json()
+    assert [(r["index"], r["document"]) for r in body["results"]] == [(0, {"text": docs[1]})]
+    assert abs(body["results"][0]["relevance_score"] - expected[1]) < TOL
+    tokens = len(tokenizer(QUERY, docs[1])["input_ids"])
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
 
 
 def test_errors_and_no_leaks(servers):

@@ -52,14 +52,15 @@ class ScoreResponse(OpenAIBaseModel):
 
 
 class RerankRequest(RequestBody):
-    """POST /v1/rerank (and /rerank): ``documents`` scored against ``query``, best first;
-    ``top_n`` keeps the best N (0 or None: all); ``return_documents`` echoes each
-    document's text (default true, as vLLM and Jina do; false: no ``document``)."""
+    """POST /v1/rerank (and /rerank): ``documents`` (a list of texts, or one text as vLLM
+    takes it) scored against ``query``, best first; ``top_n`` keeps the best N (0 or None:
+    all); ``return_documents`` echoes each document's text (default true, as vLLM and Jina
+    do; false: no ``document``)."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
     query: str
-    documents: list[str]
+    documents: str | list[str]
     top_n: int | None = Field(None, ge=0, le=INT32_MAX)
     return_documents: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
@@ -81,6 +82,9 @@ class RerankResult(OmitNoneModel):
 
 
 class RerankUsage(OpenAIBaseModel):
+    """vLLM's: the pairs' prompt tokens, twice (nothing is generated)."""
+
+    prompt_tokens: int = 0
     total_tokens: int = 0
 
 
