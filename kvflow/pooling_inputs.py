@@ -75,7 +75,8 @@ class PoolingInputs:
         Raises:
             ValueError: on a generation model, for a bad prompt (see ``validate``; image
                 and video placeholders included), a ``dimensions`` the model cannot give
-                (Matryoshka support, sizes), or ``activation`` on an embedding task.
+                (Matryoshka support, sizes), or ``softmax`` on another task than
+                token_classify.
         """
         params = params or PoolingParams()
         self.require_task(params.task)
@@ -93,21 +94,15 @@ class PoolingInputs:
 
 
 def check_activation(params: PoolingParams) -> None:
-    """Refuse ``activation`` / ``use_activation`` where no activation is applied: the
-    embedding tasks (their vectors take ``normalize``), as vLLM 0.10-0.11 accepts it on
-    classify, score and token_classify only.
-
-    vLLM 0.10's ``softmax`` (its reward models' per-token ``encode`` task) is taken on
-    token_classify only.
+    """Refuse vLLM 0.10's ``softmax`` (its reward models' per-token ``encode`` task) on a
+    task other than token_classify. (``activation`` / ``use_activation`` is taken on every
+    task: the head's activation on classify, score and token_classify, the L2
+    normalization on embed and token_embed, as vLLM 0.32 reads it.)
 
     Raises:
-        ValueError: naming ``softmax`` for a request of another task that sets it, or
-            ``activation`` for an embed / token_embed request that sets it.
+        ValueError: naming ``softmax`` for a request of another task that sets it.
     """
     if params.softmax is not None and params.task != "token_classify":
         raise ValueError(f"softmax (vLLM 0.10's reward-model field) applies to "
                          f"token_classify, not task={params.task!r} (classify and score "
-                         "take activation, embeddings normalize)")
-    if params.use_activation is not None and params.task in ("embed", "token_embed"):
-        raise ValueError(f"activation applies to classify, score and token_classify, not "
-                         f"task={params.task!r} (embeddings take normalize)")
+                         "take activation, embeddings normalize or use_activation)")

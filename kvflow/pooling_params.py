@@ -37,8 +37,9 @@ class PoolingParams:
         use_activation: whether a head task's values ("score", "classify",
             "token_classify") go through the task's activation (softmax / sigmoid):
             False gives the head's raw logits (float32), True or None the activation (vLLM
-            0.11.1's field; the engine refuses it, naming ``activation``, on the embedding
-            tasks, which take ``normalize``).
+            0.11.1's field). On the embedding tasks it is vLLM 0.32's name of ``normalize``
+            (the embedding's activation is its L2 normalization); ``normalize`` wins when
+            both are set, and they must agree.
         activation: vLLM 0.10 / 0.11.0's name of ``use_activation`` (either may be given;
             after construction both hold the resolved value).
         softmax: vLLM 0.10's reward-model field, its name of ``use_activation`` on the
@@ -52,7 +53,7 @@ class PoolingParams:
             ``task``, a ``second_segment_start`` < 1 or not an integer, or a ``normalize``
             that is not a bool (or is set for a task other than "embed"), an ``activation``
             / ``use_activation`` / ``softmax`` that is not a bool, or two of them set to
-            different values.
+            different values (``normalize`` and ``use_activation`` included).
     """
 
     dimensions: int | None = None
@@ -81,6 +82,10 @@ class PoolingParams:
             if self.task not in _EMBED_TASKS:
                 raise ValueError(f"PoolingParams.normalize applies to embeddings only, not "
                                  f"task={self.task!r}")
+            if self.use_activation not in (None, self.normalize):
+                raise ValueError(f"PoolingParams.normalize={self.normalize!r} and "
+                                 f"use_activation={self.use_activation!r} disagree (vLLM "
+                                 "0.32's use_activation is normalize on embeddings: set one)")
 
     def _resolve_activation(self) -> None:
         """Check ``activation`` / ``use_activation`` / ``softmax`` and give the first two the
@@ -100,6 +105,15 @@ class PoolingParams:
             raise ValueError(f"PoolingParams.{said} disagree (activation and softmax are "
                              "vLLM 0.10's names of use_activation: set one)")
         self.use_activation = self.activation = given[0][1] if given else None
+
+    def normalizes(self, model_default: bool) -> bool:
+        """Whether an embedding (task "embed" / "token_embed") is L2-normalized:
+        ``normalize``, else ``use_activation`` (vLLM 0.32's name), else ``model_default``
+        (the model's pooling config)."""
+        for value in (self.normalize, self.use_activation):
+            if value is not None:
+                return value
+        return model_default
 
     @property
     def raw_logits(self) -> bool:

@@ -70,7 +70,9 @@ class OpenAIServingEmbedding(OpenAIServing):
         check_encoding(req.encoding_format, req.embed_dtype, req.endianness)
         self.check_priority(req.priority)
         prompts = await self._inputs_of(req, raw)
-        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
+        check_normalize(req.normalize, req.use_activation, "use_activation")
+        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize,
+                               use_activation=req.use_activation)
         self.check_admission(len(prompts), "input")
         reply_id, request_id = request_ids("embd", req.request_id)
         self.note_request(req, request_id)
@@ -291,6 +293,21 @@ class OpenAIServingEmbedding(OpenAIServing):
             return reply([split_rows(v, n) for v, n in zip(vectors, rows)], num_tokens)
         return reply([encode_vector(vector, req.encoding_format, req.embed_dtype,
                                     req.endianness) for vector in vectors], num_tokens)
+
+
+def check_normalize(normalize: bool | None, use_activation: bool | None, name: str) -> None:
+    """An embedding request's two switches of its L2 normalization, ``normalize`` (vLLM
+    0.10-0.11) and ``use_activation`` (vLLM 0.32; sent as ``name``), must agree when both
+    are sent.
+
+    Raises:
+        OpenAIError: 400 naming ``name`` (code ``invalid_value``) when they differ.
+    """
+    if None not in (normalize, use_activation) and normalize != use_activation:
+        raise OpenAIError(f"{name}={str(use_activation).lower()} disagrees with "
+                          f"normalize={str(normalize).lower()} ({name} is vLLM 0.32's name "
+                          "of normalize on embeddings: send one)", param=name,
+                          code="invalid_value")
 
 
 def _embedding_error_code(message: str) -> str:

@@ -22,7 +22,7 @@ from kvflow.entrypoints.protocol import (
     UsageInfo,
 )
 from kvflow.entrypoints.serving_base import request_activation, request_ids
-from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding
+from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding, check_normalize
 from kvflow.models.pooling_config import TASK_VERB
 from kvflow.pooling_params import PoolingParams
 
@@ -111,15 +111,15 @@ class OpenAIServingPooling(OpenAIServingEmbedding):
     @staticmethod
     def _params(req: PoolingRequest, task: str) -> PoolingParams:
         """The requests' PoolingParams (``dimensions`` and ``normalize``: embeddings only,
-        ``embed`` or ``token_embed``; ``activation`` / ``use_activation``: ``classify`` and
-        ``token_classify`` only, false giving the raw logits; vLLM 0.10's ``softmax``, the
-        same switch, ``token_classify`` only).
+        ``embed`` or ``token_embed``; ``activation`` / ``use_activation``: on ``classify``
+        and ``token_classify`` false gives the raw logits, on the embedding tasks it is
+        vLLM 0.32's name of ``normalize``; vLLM 0.10's ``softmax``, the same switch,
+        ``token_classify`` only).
 
         Raises:
             OpenAIError: 400 naming ``dimensions`` or ``normalize`` set for ``classify`` or
-                ``token_classify``, ``activation`` / ``use_activation`` set for ``embed`` or
-                ``token_embed``, ``softmax`` set for another task than ``token_classify``,
-                or two of them disagreeing.
+                ``token_classify``, ``softmax`` set for another task than
+                ``token_classify``, or two of these switches disagreeing.
         """
         embed = task in ("embed", "token_embed")
         for name in ("dimensions", "normalize"):
@@ -140,10 +140,8 @@ class OpenAIServingPooling(OpenAIServingEmbedding):
                               param="softmax", code="invalid_value")
         if req.softmax is not None:
             use_activation = req.softmax
-        if embed and use_activation is not None:
-            name = "activation" if req.activation is not None else "use_activation"
-            raise OpenAIError(f"{name} applies to classify and token_classify (embeddings "
-                              f"take normalize); this request's task is {task!r}",
-                              param=name, code="invalid_value")
+        if embed:
+            check_normalize(req.normalize, use_activation,
+                            "activation" if req.activation is not None else "use_activation")
         return PoolingParams(task=task, dimensions=req.dimensions, normalize=req.normalize,
                              use_activation=use_activation)

@@ -42,12 +42,12 @@ from kvflow.worker.input_batch import InputBatch
 def finish_vector(vector: torch.Tensor, params: PoolingParams | None,
                   normalize: bool) -> list[float]:
     """float32 [H] -> the reported values: the first ``params.dimensions`` (if set), then
-    L2-normalized if ``params.normalize`` is True, or if it is None (or no params) and the
-    model's ``normalize`` is True."""
+    L2-normalized as ``params.normalizes(normalize)`` says (its ``normalize`` or
+    ``use_activation``, else the model's ``normalize``)."""
     if params is not None and params.dimensions is not None:
         vector = vector[:params.dimensions]
-    if params is not None and params.normalize is not None:
-        normalize = params.normalize
+    if params is not None:
+        normalize = params.normalizes(normalize)
     if normalize:
         vector = F.normalize(vector, dim=-1)
     return vector.tolist()
@@ -148,8 +148,8 @@ class PoolingState:
         normalize = self.config.normalize
         if params is not None and params.dimensions is not None:
             values = values[:, :params.dimensions]
-        if params is not None and params.normalize is not None:
-            normalize = params.normalize
+        if params is not None:
+            normalize = params.normalizes(normalize)
         if normalize:
             values = F.normalize(values, dim=-1)
         return values.flatten().tolist()

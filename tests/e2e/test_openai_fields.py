@@ -842,6 +842,17 @@ def embedding_cases() -> dict[str, Callable]:
         assert vector(ok(server, EMB, {"normalize": True})) == unit
         rejected(EMB, {"normalize": 1}, "normalize")(server, tokenizer)
 
+    def use_activation(server, tokenizer):
+        """vLLM 0.32's name of normalize: false the raw vector, true the normalized one;
+        disagreeing with normalize, or a non-bool, is a 400 naming it."""
+        raw, unit = vector(ok(server, EMB, {"normalize": False})), vector(ok(server, EMB, {}))
+        assert vector(ok(server, EMB, {"use_activation": False})) == raw
+        assert vector(ok(server, EMB, {"use_activation": True})) == unit
+        assert vector(ok(server, EMB, {"use_activation": False, "normalize": False})) == raw
+        rejected(EMB, {"use_activation": False, "normalize": True},
+                 "use_activation")(server, tokenizer)
+        rejected(EMB, {"use_activation": 1}, "use_activation")(server, tokenizer)
+
     def encoding_format(server, tokenizer):
         import base64
 
@@ -968,7 +979,8 @@ def embedding_cases() -> dict[str, Callable]:
     return {"model": rejected(EMB, {"model": "gpt-4"}, "model", 404), "input": input_,
             "encoding_format": encoding_format, "dimensions": dimensions, "user": user,
             "request_id": request_id, "add_special_tokens": add_special_tokens,
-            "normalize": normalize, "truncate_prompt_tokens": truncate_prompt_tokens,
+            "normalize": normalize, "use_activation": use_activation,
+            "truncate_prompt_tokens": truncate_prompt_tokens,
             "embed_dtype": embed_dtype, "endianness": endianness, "priority": priority,
             "messages": messages, "add_generation_prompt": add_generation_prompt,
             "continue_final_message": continue_final_message, "chat_template": chat_template,

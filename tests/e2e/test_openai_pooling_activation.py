@@ -3,8 +3,11 @@ task's raw logits instead of their softmax / sigmoid on /classify, /pooling (cla
 token_classify), /score and /rerank, against transformers' logits (the default against
 torch.softmax / sigmoid of them): a tiny random Qwen2ForSequenceClassification classify server
 (which also serves token_classify: its score head on every token) and a BERT cross-encoder
-score server; the 400s naming the field (the two names disagreeing, a non-bool, an embedding
-task, an embedding model's cosine scores, /v1/embeddings, which does not take it); vLLM
+score server; on an embedding server vLLM 0.32's name of normalize (/pooling embed and
+token_embed, /v1/embeddings' use_activation) against transformers' last hidden states; the
+400s naming the field (the two names disagreeing, normalize disagreeing with it on an
+embedding task, a non-bool, an embedding model's cosine scores, /v1/embeddings' activation,
+which it does not take); vLLM
 0.10's reward-model ``softmax`` on /pooling's token_classify (refused on other tasks and
 endpoints); every KV block free afterwards."""
 
@@ -20,6 +23,7 @@ from tests.e2e.test_openai_token_pooling import TE_ARGS, bare_decoder_model, te_
 from tests.models.classifier_models import TEXTS, build_decoder_classifier, hf_logits
 from tests.models.cross_encoder_models import DOCUMENTS, QUERY, build_cross_encoder
 from tests.models.test_pooling_activation import hf_per_token_logits
+from tests.models.token_models import hf_token_outputs
 
 ARGS = ["--dtype", "float32", "--device", "cpu", "--max-num-batched-tokens", "16",
         "--num-kv-blocks", "64"]
@@ -49,7 +53,7 @@ def servers(start_server, request, built_models):
     """{name: (server, folder)} for ``NAMES``: "cls" this module's; "ce" the session's BERT
     cross-encoder server (test_openai_score.py's and test_openai_classify.py's,
     ``start_server.shared``) and "emb" the session's bare-decoder embedding server
-    (test_openai_token_pooling.py's): only refusals are asked of "emb"."""
+    (test_openai_token_pooling.py's)."""
     cls = start_server.declared(request, 0, wait=False)
     ce_folder = built_models("ce_bert", lambda f: build_cross_encoder(f, "Bert", 1))[0]
     shared = {"ce": (start_server.shared(ce_folder, SCORE_ARGS), ce_folder),
@@ -117,14 +121,38 @@ def test_score_and_rerank_raw_logits(servers):
                                logits.sort(descending=True).values, **RAW)
 
 
+def test_embedding_use_activation_is_normalize(servers):
+    """vLLM 0.32 reads use_activation on the embedding tasks as their L2 normalization
+    (was: a 400 naming it): false gives transformers' raw last hidden state (the last
+    token's on embed, every token's on token_embed), true / unset the normalized ones."""
+    server, folder = servers["emb"]
+    rows = hf_token_outputs(folder, TEXTS[0], "token_embed")
+    unit = torch.nn.functional.normalize(rows, dim=-1)
+    for path, extra in (("/v1/embeddings", {}), ("/pooling", {}),
+                        ("/pooling", {"activation": False})):
+        body = {"input": TEXTS[0], **({"use_activation": False} if not extra else extra)}
+        got = _post(server, path, body).json()["data"][0]
+        torch.testing.assert_close(torch.tensor(got.get("embedding", got.get("data"))),
+                                   rows[-1], **RAW)
+    got = _post(server, "/v1/embeddings", {"input": TEXTS[0], "use_activation": True}).json()
+    torch.testing.assert_close(torch.tensor(got["data"][0]["embedding"]), unit[-1], **RAW)
+    for flag, ref in ((False, rows), (True, unit)):
+        got = _post(server, "/pooling", {"input": TEXTS[0], "task": "token_embed",
+                                         "use_activation": flag}).json()["data"][0]["data"]
+        torch.testing.assert_close(torch.tensor(got), ref, **RAW)
+
+
 @pytest.mark.parametrize("name, path, body, param, code", [
     ("cls", "/classify", {"activation": True, "use_activation": False}, "activation",
      "invalid_value"),
     ("cls", "/classify", {"activation": "false"}, "activation", None),
     ("ce", "/v1/score", {"text_1": "a", "text_2": "b", "activation": False,
                          "use_activation": True}, "activation", "invalid_value"),
-    ("emb", "/pooling", {"activation": False}, "activation", "invalid_value"),
-    ("emb", "/pooling", {"task": "token_embed", "use_activation": True}, "use_activation",
+    ("emb", "/pooling", {"activation": False, "normalize": True}, "activation",
+     "invalid_value"),
+    ("emb", "/pooling", {"task": "token_embed", "use_activation": True, "normalize": False},
+     "use_activation", "invalid_value"),
+    ("emb", "/v1/embeddings", {"use_activation": True, "normalize": False}, "use_activation",
      "invalid_value"),
     ("emb", "/v1/score", {"text_1": "a", "text_2": "b", "activation": False}, "activation",
      "invalid_value"),

@@ -4,9 +4,9 @@ against transformers' logits (the default against torch.softmax / sigmoid of the
 ``token_classify`` on a decoder sequence classifier (its ``score`` head on every prompt token)
 against the per-token logits transformers' ``Qwen2ForSequenceClassification`` computes before
 it picks the last token (captured from its ``score`` module), over chunked prefill and a
-prefix-cache hit the per-token request must not take; the refusals (the two names
-disagreeing, a non-bool, the embedding tasks, an embedding model's cosine scores, an
-encoder's token_classify)."""
+prefix-cache hit the per-token request must not take; on the embedding tasks vLLM 0.32's
+name of ``normalize``; the refusals (the two names disagreeing, a non-bool, an embedding
+model's cosine scores, an encoder's token_classify)."""
 
 from __future__ import annotations
 
@@ -166,16 +166,36 @@ def test_pooling_params_refuse_bad_activation(kwargs, match):
         PoolingParams(**kwargs)
 
 
-def test_embedding_tasks_refuse_activation(tmp_path):
+def test_embedding_tasks_take_use_activation_as_normalize(tmp_path, assert_no_leaks):
+    """vLLM 0.32 reads ``use_activation`` on embed and token_embed as the embedding's L2
+    normalization (it removed ``normalize``): False gives the raw last-token vector / rows,
+    True (and unset, this model's default) normalized ones; ``activation`` is the same name
+    here; ``normalize`` disagreeing with it is refused. Oracle: transformers'
+    ``last_hidden_state`` (was: a ValueError naming activation)."""
     folder = str(tmp_path / "emb")
     build_bare_decoder(folder)
     llm = LLM(model=folder, dtype="float32", device="cpu", num_kv_blocks=64)
-    match = "activation applies to classify, score and token_classify, not task='{}'"
-    with pytest.raises(ValueError, match=match.format("embed")):
-        llm.embed("paris", PoolingParams(activation=False), use_tqdm=False)
-    with pytest.raises(ValueError, match=match.format("token_embed")):
-        llm.encode("paris", PoolingParams(use_activation=True), pooling_task="token_embed",
-                   use_tqdm=False)
+    rows = hf_token_outputs(folder, TEXTS[0], "token_embed")
+    unit = torch.nn.functional.normalize(rows, dim=-1)
+
+    def vector(params):
+        return torch.tensor(llm.embed(TEXTS[0], params, use_tqdm=False)[0].outputs.embedding)
+
+    def token_rows(params):
+        return llm.encode(TEXTS[0], params, pooling_task="token_embed",
+                          use_tqdm=False)[0].outputs.data
+
+    torch.testing.assert_close(vector(PoolingParams(use_activation=False)), rows[-1], **RAW)
+    torch.testing.assert_close(vector(PoolingParams(activation=False)), rows[-1], **RAW)
+    torch.testing.assert_close(vector(PoolingParams(use_activation=True)), unit[-1], **RAW)
+    torch.testing.assert_close(vector(None), unit[-1], **RAW)
+    torch.testing.assert_close(vector(PoolingParams(normalize=False, use_activation=False)),
+                               rows[-1], **RAW)
+    torch.testing.assert_close(token_rows(PoolingParams(use_activation=False)), rows, **RAW)
+    torch.testing.assert_close(token_rows(PoolingParams(use_activation=True)), unit, **RAW)
+    with pytest.raises(ValueError, match="normalize=True and use_activation=False disagree"):
+        PoolingParams(normalize=True, use_activation=False)
     with pytest.raises(ValueError, match="activation: an embedding model scores by cosine"):
         llm.score("a", "b", pooling_params=PoolingParams(activation=False), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+    assert_no_leaks(llm)

@@ -26,6 +26,7 @@ class EmbeddingRequest(RequestBody):
     ``normalize`` (true / false; unset: as the model's pooling config says) L2-normalizes the
     vector or returns it raw, and ``add_special_tokens`` (default true) false tokenizes text
     inputs without the tokenizer's special tokens (token-id inputs are taken as sent);
+    vLLM 0.32's ``use_activation`` is the same switch as ``normalize`` (the two must agree);
     vLLM's ``truncate_prompt_tokens`` cuts each input to that many tokens instead of refusing
     one longer than the context (-1: ``max_model_len``; a text as its tokenizer truncates,
     token ids keep their last N); vLLM's ``priority`` orders the waiting queue as a
@@ -41,6 +42,7 @@ class EmbeddingRequest(RequestBody):
     dimensions: int | None = Field(None, ge=1, le=INT32_MAX)
     user: str | None = None
     normalize: bool | None = None
+    use_activation: bool | None = None  # vLLM 0.32's name of normalize
     add_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)

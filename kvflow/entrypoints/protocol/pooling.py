@@ -16,13 +16,14 @@ class PoolingRequest(EmbeddingRequest):
     """POST /pooling: /v1/embeddings' fields (their meaning and checks: ``input`` or
     ``messages``) and vLLM's ``task``: ``embed`` or ``classify``, where the server's model
     runs it (None: ``embed`` on an embedding server, else ``classify``); ``dimensions`` and
-    ``normalize`` apply to ``embed`` only; ``activation`` / ``use_activation`` to the head
-    tasks, and vLLM 0.10's reward-model ``softmax`` (the same switch) to ``token_classify``
+    ``normalize`` apply to ``embed`` only; ``activation`` / ``use_activation`` to every task
+    (the head's activation, or on the embedding tasks vLLM 0.32's name of ``normalize``),
+    and vLLM 0.10's reward-model ``softmax`` (the same switch) to ``token_classify``
     only."""
 
     task: str | None = None
     activation: bool | None = None  # vLLM 0.10's name of use_activation
-    use_activation: bool | None = None  # False: raw head logits, no softmax / sigmoid
+    use_activation: bool | None = None  # False: raw head logits / an unnormalized embedding
     softmax: bool | None = None  # vLLM 0.10's reward-model name of it: token_classify only
 
 
