@@ -173,9 +173,12 @@ def test_vllm_fields_pass_where_declared_and_are_refused_elsewhere():
                    "endianness": "big", "priority": 1}
     for endpoint in ("/v1/embeddings", "/pooling"):
         UnknownFields().check(_parsed(endpoint, vllm_fields), endpoint)
+    # vLLM 0.32's classification requests take add_special_tokens and messages
+    UnknownFields().check(_parsed("/classify", {"add_special_tokens": False, "priority": 1,
+                                                "messages": HI}), "/classify")
     for endpoint, field, value in (("/v1/embeddings", "cache_salt", "a"),
                                    ("/v1/score", "normalize", False),
-                                   ("/classify", "add_special_tokens", False),
+                                   ("/v1/score", "add_special_tokens", False),
                                    ("/v1/score", "embed_dtype", "float16"),
                                    ("/v1/rerank", "endianness", "big"),
                                    ("/v1/score", "priority", 1)):
@@ -218,10 +221,10 @@ REQUIRED = {endpoint: next(iter(body)) for endpoint, (model, body) in BODIES.ite
 
 
 def test_required_fields_cover_the_endpoints_that_have_one():
-    """(/v1/completions, /v1/embeddings, /pooling and /tokenize take either of two fields: a
-    handler says so after the unknown-field check.)"""
+    """(/v1/completions, /v1/embeddings, /pooling, /classify and /tokenize take either of
+    two fields: a handler says so after the unknown-field check.)"""
     assert set(REQUIRED) == set(BODIES) - {"/v1/completions", "/v1/embeddings", "/pooling",
-                                           "/tokenize"}
+                                           "/classify", "/tokenize"}
 
 
 @pytest.mark.parametrize("endpoint", REQUIRED)
@@ -246,13 +249,14 @@ def test_a_misspelled_required_field_is_named_with_the_missing_one(endpoint):
 def test_a_missing_field_with_unsupported_or_harmless_fields():
     """An UNSUPPORTED field keeps its own message (then the missing field); a harmless value
     of one (``"store": false``) leaves the missing field's plain 400."""
-    error = _served_error(protocol.ClassificationRequest, {"prompt_embeds": "x"})
+    error = _served_error(protocol.RerankRequest, {"prompt_embeds": "x", "documents": ["a"]})
     assert (error["param"], error["code"]) == ("prompt_embeds", "unsupported_parameter")
-    assert error["message"].endswith("; and input: a required field, not sent")
+    assert error["message"].endswith("; and query: a required field, not sent")
     for ignore in (False, True):
-        error = _served_error(protocol.ClassificationRequest, {"store": False}, ignore)
-        assert error == {"message": "input: a required field, not sent",
-                         "type": "invalid_request_error", "param": "input",
+        error = _served_error(protocol.RerankRequest, {"store": False, "documents": ["a"]},
+                              ignore)
+        assert error == {"message": "query: a required field, not sent",
+                         "type": "invalid_request_error", "param": "query",
                          "code": "missing_required_parameter"}
 
 

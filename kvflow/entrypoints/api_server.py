@@ -197,7 +197,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
                                                  app.state.chat)
     app.state.score = OpenAIServingScore(engine, config, model_name, models, unknown)
     app.state.classify = OpenAIServingClassification(engine, config, model_name, models,
-                                                     unknown)
+                                                     unknown, app.state.chat)
     app.state.pooling = OpenAIServingPooling(engine, config, model_name, models, unknown,
                                              app.state.chat)
     app.state.server_load = ServerLoad()

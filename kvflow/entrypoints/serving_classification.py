@@ -32,7 +32,8 @@ class OpenAIServingClassification(OpenAIServingEmbedding):
 
         Raises:
             OpenAIError: 400 for an empty input or a token id outside the vocabulary (named
-                ``input`` / ``input.<i>``), an input longer than the context (code
+                ``input`` / ``input.<i>``), both or neither of ``input`` and ``messages``, a
+                chat field with ``input``, an input longer than the context (code
                 ``context_length_exceeded``; send ``truncate_prompt_tokens`` to cut it), or a
                 model that does not classify (``wrong_task``), ``activation`` and
                 ``use_activation`` that disagree; 404 for another model; 503 when overloaded.
@@ -43,7 +44,7 @@ class OpenAIServingClassification(OpenAIServingEmbedding):
         self.check_model(req.model)
         self.check_task("classify")
         self.check_priority(req.priority)
-        prompts = await self._request_inputs(req.input, req.truncate_prompt_tokens)
+        prompts = await self._inputs_of(req, raw)
         self.check_admission(len(prompts), "input")
         reply_id, request_id = request_ids("classify", req.request_id)
         self.note_request(req, request_id)

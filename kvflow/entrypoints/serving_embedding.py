@@ -24,6 +24,7 @@ from kvflow.entrypoints.pooling_encoding import (
 )
 from kvflow.entrypoints.preprocess import off_loop
 from kvflow.entrypoints.protocol import (
+    ClassificationRequest,
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
@@ -81,9 +82,10 @@ class OpenAIServingEmbedding(OpenAIServing):
         return await self.respond(raw, streams, self._response(req, reply_id, prompts,
                                                                streams))
 
-    async def _inputs_of(self, req: EmbeddingRequest, raw: Request) -> list[Prompt]:
-        """The request's prompts: its ``input`` as /v1/embeddings reads it, or its
-        ``messages`` rendered (``_conversation``).
+    async def _inputs_of(self, req: EmbeddingRequest | ClassificationRequest, raw: Request
+                         ) -> list[Prompt]:
+        """The request's prompts (/v1/embeddings', /pooling's or /classify's): its ``input``
+        as /v1/embeddings reads it, or its ``messages`` rendered (``_conversation``).
 
         Raises:
             OpenAIError: 400 (param ``messages``) for both, (``input``, code
@@ -105,7 +107,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         return await self._request_inputs(req.input, req.truncate_prompt_tokens,
                                           req.add_special_tokens is not False)
 
-    async def _conversation(self, req: EmbeddingRequest, raw: Request) -> Prompt:
+    async def _conversation(self, req: EmbeddingRequest | ClassificationRequest,
+                            raw: Request) -> Prompt:
         """``messages`` rendered with the chat template (the chat handler's ``render``;
         special tokens only with ``add_special_tokens: true``), cut to
         ``truncate_prompt_tokens`` as the tokenizer truncates the rendered text.

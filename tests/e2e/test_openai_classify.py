@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import TINY_CHAT_TEMPLATE
 from tests.e2e.conftest import ready_side_by_side
 from tests.e2e.test_openai_score import BERT_ARGS as SCORE_ARGS  # one server for both
 from tests.models.classifier_models import (
@@ -34,7 +35,7 @@ from tests.models.cross_encoder_models import DOCUMENTS, QUERY, build_cross_enco
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 ARGS = ["--dtype", "float32", "--device", "cpu", "--max-num-batched-tokens", "64"]
 CLS_ARGS = [*ARGS, "--task", "classify", "--served-model-name", "cls", "--num-kv-blocks",
-            "64", "--max-model-len", "10"]
+            "64", "--max-model-len", "10", "--chat-template", TINY_CHAT_TEMPLATE]
 RERANKER_OVERRIDES = ('{"architectures": ["Qwen3ForSequenceClassification"], '
                       f'"classifier_from_token": ["{NO_TOKEN}", "{YES_TOKEN}"], '
                       '"is_original_qwen3_reranker": true}')
@@ -193,6 +194,41 @@ def test_a_score_server_classifies(servers):
     with torch.no_grad():
         logit = model(**_tokenizer(folder)(text, return_tensors="pt")).logits[0]
     assert [d["num_classes"] for d in body["data"]] == [1]
+    torch.testing.assert_close(torch.tensor(body["data"][0]["probs"]), torch.sigmoid(logit),
+                               atol=ATOL, rtol=0)
+
+
+def test_messages_and_add_special_tokens(servers):
+    """vLLM 0.32's classification requests take ``messages`` (one conversation rendered
+    with the chat template) and ``add_special_tokens`` (was: a 400 for each, unknown /
+    unsupported). Oracles: transformers' probabilities of the hand-rendered conversation
+    (the server's --chat-template) and of BERT's ids without [CLS] / [SEP]."""
+    from transformers import AutoModelForSequenceClassification
+
+    server, folder = servers["cls"]
+    body = _post(server, "/classify", {"messages": [{"role": "user", "content": "paris"}]})
+    assert body.status_code == 200, body.text
+    rendered = "<user>paris\n"  # TINY_CHAT_TEMPLATE's rendering
+    torch.testing.assert_close(torch.tensor(body.json()["data"][0]["probs"]),
+                               torch.softmax(hf_logits(folder, [rendered])[0], -1),
+                               atol=ATOL, rtol=0)
+    tokens = len(_tokenizer(folder)(rendered)["input_ids"])
+    assert body.json()["usage"]["prompt_tokens"] == tokens
+    for extra, param in (({"input": "paris"}, "messages"), ({}, "input")):
+        resp = _post(server, "/classify", {"messages": [{"role": "user", "content": "a"}],
+                                           **extra} if extra else {})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+    resp = _post(server, "/classify", {"input": "paris", "add_generation_prompt": True})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "add_generation_prompt"
+    server, folder = servers["ce"]
+    text = "paris is the capital"
+    plain = _tokenizer(folder)(text, add_special_tokens=False)["input_ids"]
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    with torch.no_grad():
+        logit = model(input_ids=torch.tensor([plain])).logits[0]
+    body = _post(server, "/classify", {"input": text, "add_special_tokens": False}).json()
+    assert body["usage"]["prompt_tokens"] == len(plain)
     torch.testing.assert_close(torch.tensor(body["data"][0]["probs"]), torch.sigmoid(logit),
                                atol=ATOL, rtol=0)
 

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kvflow.entrypoints.protocol.base import (
     INT32_MAX,
@@ -13,6 +13,7 @@ from kvflow.entrypoints.protocol.base import (
     RequestBody,
     now,
 )
+from kvflow.entrypoints.protocol.chat import ChatMessage, check_list_caps
 from kvflow.entrypoints.protocol.responses import UsageInfo
 
 
@@ -23,16 +24,32 @@ class ClassificationRequest(RequestBody):
     longer than the context (-1: ``max_model_len``; a text as its tokenizer truncates, special
     tokens kept; token ids keep their last N, as vLLM does); vLLM's ``request_id`` names the reply (``id``:
     ``classify-{request_id}``); vLLM's ``priority`` orders the waiting queue (needs
-    ``--policy priority`` or ``fair``)."""
+    ``--policy priority`` or ``fair``). As vLLM 0.32's classification requests (and
+    /v1/embeddings): ``add_special_tokens`` (default true; false tokenizes text inputs
+    without the tokenizer's special tokens) and, instead of ``input``, ``messages``: one
+    conversation rendered with the chat template, with the chat fields /v1/embeddings takes
+    (``add_special_tokens`` then defaults to false)."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
-    input: str | list[int] | list[str] | list[list[int]]  # ids first: see CompletionRequest
+    input: str | list[int] | list[str] | list[list[int]] | None = None  # ids first: see
+    messages: list[ChatMessage] | None = Field(None, min_length=1)  # CompletionRequest
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     user: str | None = None
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
     activation: bool | None = None  # vLLM 0.10's name of use_activation
     use_activation: bool | None = None  # False: raw head logits, no softmax / sigmoid
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _cap_lists(cls, data: Any, handler: Any) -> Any:
+        check_list_caps(data)  # as chat's: before the body's other checks
+        return handler(data)
 
 
 class ClassificationData(OpenAIBaseModel):
