@@ -33,7 +33,9 @@ from kvflow.prompt_truncation import cut_text_ids, truncation_length
 from kvflow.score_inputs import cosine_similarity, pair_prompt, score_pairs, score_value
 
 Pair = tuple[list[int], PoolingParams]
-_FIRST = {"text_2": "text_1", "documents": "query"}  # the other field of a pair
+# /v1/score's two fields: kvflow's and vLLM 0.10's text_1 / text_2, and vLLM 0.32's names
+SCORE_FIELDS = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"),
+                ("data_1", "data_2"))
 Finish = Callable[[], Awaitable[tuple[list[float | list[float]], int]]]
 
 
@@ -54,9 +56,10 @@ class OpenAIServingScore(OpenAIServing):
                 overloaded.
         """
         self._check(req, "/v1/score")
-        pairs = _pairs(req.text_1, req.text_2, ("text_1", "text_2"))
-        names = [f"pair {i} (text_1, text_2)" for i in range(len(pairs))]
-        reply_id, streams, finish = await self._queue(req, raw, pairs, names, "text_2")
+        fields = score_fields(req)
+        pairs = _pairs(getattr(req, fields[0]), getattr(req, fields[1]), fields)
+        names = [f"pair {i} ({fields[0]}, {fields[1]})" for i in range(len(pairs))]
+        reply_id, streams, finish = await self._queue(req, raw, pairs, names, fields)
 
         async def response() -> ScoreResponse:
             scores, tokens = await finish()
@@ -83,7 +86,8 @@ class OpenAIServingScore(OpenAIServing):
                               param="model", code="invalid_value")
         pairs = _pairs(req.query, req.documents, ("query", "documents"))
         names = [f"documents[{i}]" for i in range(len(pairs))]
-        reply_id, streams, finish = await self._queue(req, raw, pairs, names, "documents")
+        reply_id, streams, finish = await self._queue(req, raw, pairs, names,
+                                                      ("query", "documents"))
 
         async def response() -> RerankResponse:
             scores, tokens = await finish()
@@ -108,7 +112,7 @@ class OpenAIServingScore(OpenAIServing):
             self.check_task("score")
 
     async def _queue(self, req: ScoreRequest | RerankRequest, raw: Request,
-                     pairs: list[tuple[str, str]], names: list[str], param: str
+                     pairs: list[tuple[str, str]], names: list[str], fields: tuple[str, str]
                      ) -> tuple[str, list[RequestStream], Finish]:
         """Queue the work for ``pairs``: (reply id, the streams, ``finish()`` -> (each pair's
         score, the tokens counted)). A cross-encoder computes one request per pair; an
@@ -129,11 +133,12 @@ class OpenAIServingScore(OpenAIServing):
                 raise OpenAIError(f"{name}: an embedding model scores by cosine similarity, "
                                   "which has no activation to turn off", param=name,
                                   code="invalid_value")
-            texts, prompts = await self._embedding_prompts(req, pairs, param)
+            texts, prompts = await self._embedding_prompts(req, pairs, fields)
         else:
             prompts = [(ids, replace(params, use_activation=use_activation)) for ids, params
-                       in await self._prompts(pairs, req.truncate_prompt_tokens, names, param)]
-        streams = await self._add(req, raw, request_id, prompts)
+                       in await self._prompts(pairs, req.truncate_prompt_tokens, names,
+                                              fields[1])]
+        streams = await self._add(req, raw, request_id, prompts, fields[1])
 
         async def finish() -> tuple[list[float | list[float]], int]:
             values = await _collect(streams)
@@ -146,7 +151,7 @@ class OpenAIServingScore(OpenAIServing):
         return reply_id, streams, finish
 
     async def _embedding_prompts(self, req: ScoreRequest | RerankRequest,
-                                 pairs: list[tuple[str, str]], param: str
+                                 pairs: list[tuple[str, str]], fields: tuple[str, str]
                                  ) -> tuple[list[str], list[Pair]]:
         """An embedding model's distinct texts of ``pairs`` and their prompts (as
         /v1/embeddings tokenizes them).
@@ -156,7 +161,7 @@ class OpenAIServingScore(OpenAIServing):
 
         Raises:
             OpenAIError: 400 for a bad ``truncate_prompt_tokens`` or a text longer than the
-                context (named; ``param``, or the pair's other field for a first text).
+                context (named; ``fields[1]``, or ``fields[0]`` for a first text).
         """
         try:
             limit = truncation_length(req.truncate_prompt_tokens, self.engine.max_model_len)
@@ -167,7 +172,8 @@ class OpenAIServingScore(OpenAIServing):
         processor, tokenizer = self.engine.processor, self.tokenizer
         model_texts = [processor.pooling_text(t) for t in texts]
         if limit is None:
-            ids = await self.encode_texts(tokenizer, model_texts, True, param, pooling=True)
+            ids = await self.encode_texts(tokenizer, model_texts, True, fields[1],
+                                          pooling=True)
         else:
             ids = await off_loop(sum(map(len, model_texts)), lambda: [
                 cut_text_ids(tokenizer, t, limit) for t in model_texts])
@@ -176,7 +182,7 @@ class OpenAIServingScore(OpenAIServing):
             if len(text_ids) > limit:
                 raise OpenAIError(f"the text {text[:40]!r} has {len(text_ids)} tokens but "
                                   f"max_model_len is {limit}",
-                                  param=_FIRST[param] if text in first else param,
+                                  param=fields[0] if text in first else fields[1],
                                   code="context_length_exceeded")
         return texts, [(i, PoolingParams()) for i in ids]
 
@@ -209,10 +215,10 @@ class OpenAIServingScore(OpenAIServing):
         return prompts
 
     async def _add(self, req: ScoreRequest | RerankRequest, raw: Request, request_id: str,
-                   prompts: list[Pair]) -> list[RequestStream]:
-        """Queue every pair (ids ``{request_id}-{i}``); see ``OpenAIServing.admit_all``."""
-        self.check_admission(len(prompts), "text_2" if isinstance(req, ScoreRequest)
-                             else "documents")
+                   prompts: list[Pair], param: str) -> list[RequestStream]:
+        """Queue every pair (ids ``{request_id}-{i}``; ``param``: the field named if
+        admission refuses them); see ``OpenAIServing.admit_all``."""
+        self.check_admission(len(prompts), param)
         self.note_request(req, request_id)
         client = self.client_id(req, raw)
 
@@ -232,6 +238,34 @@ async def _collect(streams: Sequence[RequestStream]) -> list[list[float]]:
         OpenAIError: 503 if the engine dropped a request.
     """
     return [await pooled_vector(stream) for stream in streams]
+
+
+def score_fields(req: ScoreRequest) -> tuple[str, str]:
+    """The two fields a /v1/score body holds its texts in: one pair of ``SCORE_FIELDS``
+    (``text_1`` / ``text_2``, or vLLM 0.32's ``queries`` / ``documents``, ``queries`` /
+    ``items``, ``data_1`` / ``data_2``), both sent and no field of another pair.
+
+    Raises:
+        OpenAIError: 400 naming a field missing from the pair begun (or ``text_1`` when
+            none was sent; code ``missing_required_parameter``) or one of another pair sent
+            too (``invalid_value``).
+    """
+    sent = [n for n in dict.fromkeys(n for pair in SCORE_FIELDS for n in pair)
+            if getattr(req, n) is not None]
+    whole = [pair for pair in SCORE_FIELDS if set(pair) <= set(sent)]
+    if not whole:
+        begun = next((pair for pair in SCORE_FIELDS if pair[0] in sent or pair[1] in sent),
+                     SCORE_FIELDS[0])
+        missing = next(n for n in begun if n not in sent)
+        raise OpenAIError(f"{missing}: a required field, not sent (send text_1 and text_2, or "
+                          "vLLM's queries and documents (or items), or data_1 and data_2)",
+                          param=missing, code="missing_required_parameter")
+    extra = [n for n in sent if n not in whole[0]]
+    if extra:
+        raise OpenAIError(f"{extra[0]}: send the texts in one pair of fields, not "
+                          f"{whole[0][0]} / {whole[0][1]} and {', '.join(extra)}",
+                          param=extra[0], code="invalid_value")
+    return whole[0]
 
 
 def _pairs(first: str | Sequence[str], second: str | Sequence[str],

@@ -97,6 +97,40 @@ def test_score_matches_cross_encoder(servers):
     assert whole["usage"]["prompt_tokens"] == 16 and whole["data"] == body["data"]
 
 
+@pytest.mark.parametrize("first, second", [("queries", "documents"), ("queries", "items"),
+                                           ("data_1", "data_2")])
+def test_vllm_032_score_fields(servers, first, second):
+    """vLLM 0.32's /score bodies name the texts queries / documents, queries / items or
+    data_1 / data_2 (was: a 400, unknown fields); the scores are CrossEncoder's, the pairs
+    1-to-N and N-to-N as with text_1 / text_2; a field without its partner, or two pairs of
+    fields at once, is a 400 naming the field; an embedding server scores them too."""
+    server, folder = servers["bert"]
+    docs = DOCUMENTS[2:4]  # pairs that fit --max-model-len 16
+    body = _post(server, "/score", {first: QUERY, second: docs}).json()
+    torch.testing.assert_close(torch.tensor([d["score"] for d in body["data"]]),
+                               st_scores(folder, [(QUERY, d) for d in docs]), atol=TOL,
+                               rtol=1e-4)
+    body = _post(server, "/v1/score", {first: docs, second: docs[::-1]}).json()
+    torch.testing.assert_close(torch.tensor([d["score"] for d in body["data"]]),
+                               st_scores(folder, list(zip(docs, docs[::-1]))), atol=TOL,
+                               rtol=1e-4)
+    partner = {"queries": "documents", "data_1": "data_2"}[first]  # queries alone: documents
+    for sent, param, code in (({first: QUERY}, partner, "missing_required_parameter"),
+                              ({second: QUERY}, first, "missing_required_parameter"),
+                              ({first: QUERY, second: "a", "text_1": "b", "text_2": "c"},
+                               first, "invalid_value"),
+                              ({}, "text_1", "missing_required_parameter")):
+        resp = _post(server, "/v1/score", sent)
+        assert resp.status_code == 400, resp.text
+        assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == (param, code)
+    resp = _post(server, "/v1/score", {first: QUERY, second: DOCUMENTS[1]})  # 18 tokens
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == second
+    assert resp.json()["error"]["message"].startswith(f"pair 0 ({first}, {second}) has 18")
+    server, _ = servers["embed"]
+    plain = _post(server, "/v1/score", {"text_1": QUERY, "text_2": docs}).json()["data"]
+    assert _post(server, "/v1/score", {first: QUERY, second: docs}).json()["data"] == plain
+
+
 def test_several_labels_score_as_lists_and_do_not_rerank(servers):
     server, folder = servers["xlmr"]
     body = _post(server, "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS}).json()

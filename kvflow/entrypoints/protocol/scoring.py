@@ -19,14 +19,21 @@ from kvflow.entrypoints.protocol.embeddings import EmbeddingUsage
 
 class ScoreRequest(RequestBody):
     """POST /v1/score: ``text_1`` against ``text_2`` (a string or a list each: 1-to-1, 1-to-N
-    or N-to-N pairs); ``truncate_prompt_tokens`` cuts each pair to that many tokens (the
+    or N-to-N pairs), or under vLLM 0.32's names ``queries`` against ``documents`` (or
+    ``items``), ``data_1`` against ``data_2`` (one pair of fields: the handler's
+    ``score_fields``); ``truncate_prompt_tokens`` cuts each pair to that many tokens (the
     longer text first) instead of refusing a pair longer than the context; vLLM's
     ``request_id`` names the reply (``id``: ``score-{request_id}``)."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
-    text_1: str | list[str]
-    text_2: str | list[str]
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    items: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     user: str | None = None
     activation: bool | None = None  # vLLM 0.10's name of use_activation
