@@ -2,8 +2,8 @@
 endpoint whose request it is, judged by its shape, among the endpoints the served model
 serves, in vLLM's order: chat completions (``messages``), completions (``prompt`` or
 ``prompt_embeds``), embeddings (``input`` or ``messages``, an embedding model), classify
-(``input``, a classifier), score (``text_1`` / ``text_2``), rerank (``query`` /
-``documents``). The body is answered exactly as that endpoint's own route answers it,
+(``input`` or ``messages``, a classifier), score (``text_1`` / ``text_2``, or vLLM 0.32's
+``queries``, ``items``, ``data_1`` / ``data_2``), rerank (``query`` / ``documents``). The body is answered exactly as that endpoint's own route answers it,
 refusals included.
 
 vLLM tries each endpoint's request model in that order and takes the first that accepts the
@@ -56,9 +56,9 @@ INVOCATIONS = (  # vLLM's order: the first whose keys the body has wins
     Invocation(EmbeddingRequest, "embedding", "create_embedding", "/v1/embeddings",
                ("input", "messages"), lambda h: h.serves("embed")),
     Invocation(ClassificationRequest, "classify", "create_classify", "/v1/classify",
-               ("input",), lambda h: h.serves("classify")),
-    Invocation(ScoreRequest, "score", "create_score", "/v1/score", ("text_1", "text_2"),
-               _scores),
+               ("input", "messages"), lambda h: h.serves("classify")),
+    Invocation(ScoreRequest, "score", "create_score", "/v1/score",  # vLLM 0.32's names too
+               ("text_1", "text_2", "queries", "items", "data_1", "data_2"), _scores),
     Invocation(RerankRequest, "score", "create_rerank", "/v1/rerank", ("query", "documents"),
                _scores))
 

@@ -358,8 +358,9 @@ def _approx(value):
 
 
 def test_invocations_routes_by_the_served_task(servers):
-    """SageMaker's /invocations: ``input`` classifies on a classify server (it embeds
-    nothing), ``text_1``/``text_2`` score and ``query``/``documents`` rerank on a score server,
+    """SageMaker's /invocations: ``input`` or ``messages`` classifies on a classify server
+    (it embeds nothing), ``text_1``/``text_2`` (vLLM 0.32: ``queries``/``documents``,
+    ``data_1``/``data_2``) score and ``query``/``documents`` rerank on a score server,
     each answered as the endpoint's own route; a score body on a classifier with 3 labels
     (it serves no scores) names the one field it takes."""
     server, folder = servers["cls"]
@@ -368,9 +369,13 @@ def test_invocations_routes_by_the_served_task(servers):
     _same_answer(_post(server, "/invocations", body), _post(server, "/classify", body))
     refused = _post(server, "/invocations", {"text_1": "paris", "text_2": "city"})
     assert refused.status_code == 400
-    assert "(input for /v1/classify)" in refused.json()["error"]["message"]
+    assert "(input or messages for /v1/classify)" in refused.json()["error"]["message"]
+    body = {"messages": [{"role": "user", "content": "paris"}]}  # vLLM 0.32's chat classify
+    _same_answer(_post(server, "/invocations", body), _post(server, "/classify", body))
     server, _ = servers["ce"]
     for path, body in (("/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS[2:4]}),
+                       ("/v1/score", {"queries": QUERY, "documents": DOCUMENTS[2:4]}),
+                       ("/v1/score", {"data_1": QUERY, "data_2": DOCUMENTS[2:4]}),
                        ("/rerank", {"query": QUERY, "documents": DOCUMENTS[2:4]}),
                        ("/classify", {"input": "paris is the capital"})):
         _same_answer(_post(server, "/invocations", body), _post(server, path, body))

@@ -367,4 +367,5 @@ def test_invocations_embeds_and_scores(bert):
     assert refused.status_code == 400
     message = refused.json()["error"]["message"]
     assert "input or messages for /v1/embeddings" in message, message
-    assert "text_1 or text_2 for /v1/score" in message, message
+    assert "text_1 or text_2 or queries or items or data_1 or data_2 for /v1/score" in message, \
+        message
