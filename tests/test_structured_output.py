@@ -221,6 +221,20 @@ _OBJ_AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"typ
     ({**_OBJ_AB, "dependentRequired": {"a": ["b"]}}, {"a": 1}, "'dependentRequired'"),
     ({**_OBJ_AB, "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}},
      {"a": 1}, "'if'"),
+    # xgrammar builds a schema object from its $ref / const / enum / anyOf / oneOf / allOf
+    # alone and drops the keywords beside it
+    ({"$defs": {"n": {"type": "integer"}}, "$ref": "#/$defs/n", "maximum": 5}, 7,
+     "'maximum': dropped beside '$ref'"),
+    ({"anyOf": [{"type": "integer"}, {"type": "string"}], "type": "string"}, 1,
+     "'type': dropped beside 'anyOf'"),
+    ({"allOf": [{"type": "integer"}], "minimum": 5}, 1, "'minimum': dropped beside 'allOf'"),
+    ({**_OBJ_AB, "properties": {"b": {"enum": ["a", "bbbb"], "maxLength": 2}}},
+     {"b": "bbbb"}, "'maxLength' at properties.b: dropped beside 'enum'"),
+    ({"const": "a", "type": "integer"}, "a", "'type': dropped beside 'const'"),
+    # only the listed properties are required; their names escape propertyNames
+    ({"type": "object", "required": ["x"]}, {}, "'required': 'x' is not under 'properties'"),
+    ({**_OBJ_AB, "required": ["a", "c"]}, {"a": 1}, "'required': 'c'"),
+    ({**_OBJ_AB, "propertyNames": {"pattern": "^b"}}, {"a": 1}, "'propertyNames'"),
 ])
 def test_schema_keywords_the_grammar_ignores_are_refused(schema, violating, keyword):
     """Keywords xgrammar compiles but does not enforce: its grammar takes an instance that
@@ -236,13 +250,62 @@ def test_schema_keywords_the_grammar_ignores_are_refused(schema, violating, keyw
     with pytest.raises(ValueError, match="does not enforce") as err:
         validate(StructuredOutputsParams(json=schema))
     assert keyword in str(err.value)
-    # what it does enforce passes
-    validate(StructuredOutputsParams(json={"oneOf": [{"type": "integer"}, {"type": "string"}],
-                                           "allOf": [{"minimum": 1}], "multipleOf": 3,
-                                           "type": "integer", "uniqueItems": False}))
+    # what it does enforce passes: annotations and keywords that ask nothing beside a oneOf,
+    # a type that every enum value has, required properties that are listed
+    validate(StructuredOutputsParams(json={
+        "oneOf": [{"type": "integer", "minimum": 1, "multipleOf": 3}, {"type": "string"}],
+        "title": "t", "description": "d", "default": 3, "uniqueItems": False, "required": []}))
+    validate(StructuredOutputsParams(json={
+        "$defs": {"c": {"enum": ["red", 2], "type": ["string", "integer"]}},
+        "type": "object", "properties": {"c": {"$ref": "#/$defs/c", "description": "d"},
+                                         "n": {"const": 1.0, "type": "integer"}},
+        "required": ["c", "n"]}))
     validate(StructuredOutputsParams(json={  # properties named like keywords; empty ones
         "type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}},
         "dependentRequired": {}}))
+
+
+def test_empty_any_of_is_refused():
+    """An empty ``anyOf`` / ``oneOf`` (no value matches) compiled to a grammar that takes the
+    empty text: ``{"a": }`` passed this schema, and a constrained output was not JSON."""
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    schema = {"type": "object", "properties": {"a": {"anyOf": []}}, "required": ["a"]}
+    assert _is_grammar_accept_string(
+        Grammar.from_json_schema(json.dumps(schema), any_whitespace=False), '{"a": }')
+    for key in ("anyOf", "oneOf"):
+        with pytest.raises(ValueError, match=rf"'{key}' at properties.a: an empty list"):
+            validate(StructuredOutputsParams(json={**schema, "properties": {"a": {key: []}}}))
+
+
+def test_pydantic_schemas_pass():
+    """What pydantic writes for a model (annotations and ``type`` beside ``$ref`` / ``enum``
+    / ``anyOf``, discriminated unions) is not refused as unenforced."""
+    import enum
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Color(str, enum.Enum):
+        red, blue = "red", "blue"
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        lives: int = Field(ge=1, le=9)
+
+    class Dog(BaseModel):
+        kind: Literal["dog"]
+        name: str = Field(min_length=1, max_length=8)
+
+    class Pet(BaseModel):
+        color: Color = Color.red
+        pet: Cat | Dog = Field(discriminator="kind")
+        friend: Cat | None = None
+        friends: list[Dog] = Field(default_factory=list, max_length=3)
+        owner: Dog = Field(description="the owner")
+
+    validate(StructuredOutputsParams(json=Pet.model_json_schema()))
 
 
 def test_params_validation_and_msgspec_round_trip():

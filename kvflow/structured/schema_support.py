@@ -7,7 +7,14 @@ object missing what ``if``/``then`` or ``dependentRequired`` require, ``"aaa"`` 
 ``{"pattern": "^a*$", "maxLength": 2}`` (minLength / maxLength beside a pattern, and beside a
 ``format`` xgrammar knows, such as ``"date"``). A
 constraint kvflow accepts must hold in every output, so such a schema is refused, naming the keyword and where
-it is, rather than served as a looser one. Not refused: ``oneOf`` (enforced as ``anyOf``: an
+it is, rather than served as a looser one. So is a keyword xgrammar drops beside another
+(``_ALONE``: it builds a schema object from its ``$ref``, ``const``, ``enum``, ``anyOf``,
+``oneOf`` or ``allOf`` alone: ``7`` passes ``{"$ref": "#/$defs/n", "maximum": 5}``, ``1``
+passes ``{"anyOf": [...], "type": "string"}``), and a ``required`` name missing from
+``properties`` (xgrammar requires only listed properties: ``{}`` passes
+``{"type": "object", "required": ["x"]}``), an empty ``anyOf`` / ``oneOf`` (its grammar takes
+text that is not JSON, ``{"a": }``) and ``propertyNames`` beside ``properties`` (the listed
+names pass unchecked). Not refused: ``oneOf`` (enforced as ``anyOf``: an
 output matching several branches passes) and ``format`` (an annotation in JSON Schema
 2020-12; xgrammar enforces the formats in ``LENGTHLESS_FORMATS`` and ignores the others).
 
@@ -46,6 +53,28 @@ LENGTHLESS_FORMATS = frozenset((
     "uri-reference", "uri-template", "uuid", "json-pointer", "relative-json-pointer"))
 # keywords that ask for nothing when empty (or 0)
 _EMPTY_IS_NOTHING = ("uniqueItems", "dependentRequired", "dependentSchemas", "dependencies")
+# The keywords that assert something of a value (JSON Schema 2020-12's applicator and
+# validation vocabularies, draft 7's ``dependencies`` and ``additionalItems``); any other key
+# (title, description, default, examples, $defs, format, unknown names) is an annotation.
+_ASSERTIONS = frozenset((
+    "$ref", "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum",
+    "exclusiveMinimum", "maxLength", "minLength", "pattern", "maxItems", "minItems",
+    "uniqueItems", "maxContains", "minContains", "maxProperties", "minProperties", "required",
+    "dependentRequired", "properties", "patternProperties", "additionalProperties",
+    "propertyNames", "items", "prefixItems", "additionalItems", "contains", "unevaluatedItems",
+    "unevaluatedProperties", "allOf", "anyOf", "oneOf", "not", "if", "dependentSchemas",
+    "dependencies"))
+# xgrammar (0.2.9) builds a schema object from the first of these it has, alone, and drops
+# every other keyword beside it (checked one by one against jsonschema's verdicts):
+# {"$ref": "#/$defs/n", "maximum": 5} takes 7, {"anyOf": [...], "type": "string"} takes 1,
+# {"enum": ["a", "bbbb"], "maxLength": 2} takes "bbbb", {"const": "a", "type": "integer"} "a".
+_ALONE = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
+_JSON_TYPES = {"null": lambda v: v is None, "boolean": lambda v: isinstance(v, bool),
+               "object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),
+               "string": lambda v: isinstance(v, str),
+               "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+               "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool)) or
+               (isinstance(v, float) and v.is_integer())}
 # keywords whose value is one subschema / a list of them / a name -> subschema map
 _ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
         "propertyNames", "unevaluatedItems", "unevaluatedProperties", "additionalItems")
@@ -92,7 +121,74 @@ def _own_keyword(schema: dict[str, Any]) -> tuple[str, str] | None:
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         return "$ref", f"{ref!r} is not in the schema (only '#...' references resolve)"
+    for key in ("anyOf", "oneOf"):
+        if schema.get(key) == []:  # xgrammar's grammar takes the empty text ({"a": } inside)
+            return key, ("an empty list matches no value, and the grammar lets text that is "
+                         "not JSON through")
+    if not _asserts_nothing("propertyNames", schema.get("propertyNames", True)) and \
+            schema.get("properties"):
+        return "propertyNames", "the names under 'properties' are not checked against it"
+    return _dropped_sibling(schema) or _unlisted_required(schema)
+
+
+def _dropped_sibling(schema: dict[str, Any]) -> tuple[str, str] | None:
+    """(keyword, why) for a keyword that asserts something beside the one of ``_ALONE``
+    xgrammar builds the schema object from (it is dropped), else None. A ``type`` beside an
+    ``enum`` / ``const`` whose values all have that type asks nothing more (pydantic writes
+    ``{"enum": [...], "type": "string"}``); keywords that ask for nothing are skipped."""
+    lead = next((key for key in _ALONE if key in schema), None)
+    if lead is None:
+        return None
+    for key, value in schema.items():
+        if key == lead or key not in _ASSERTIONS or _asserts_nothing(key, value):
+            continue
+        if key == "type" and lead in ("const", "enum") and _values_typed(schema, lead):
+            continue
+        return key, (f"dropped beside {lead!r}, which the grammar applies alone "
+                     f"({_HINTS[lead]})")
     return None
+
+
+_HINTS = {"$ref": "move it into the referenced schema", "anyOf": "move it into each branch",
+          "oneOf": "move it into each branch", "allOf": "move it into its subschema",
+          "const": "the value is not checked against it", "enum": "the values are not "
+          "checked against it: list only values that meet it"}
+
+
+def _asserts_nothing(key: str, value: Any) -> bool:
+    """Whether ``key: value`` constrains no value (``uniqueItems: false``, an empty
+    ``required`` / ``properties``, a ``minLength`` of 0, ``additionalProperties: true``)."""
+    if value is True and key not in ("uniqueItems", "const", "enum"):
+        return True  # a subschema that allows everything
+    if key in ("minLength", "minItems", "minProperties", "minContains") and value == 0:
+        return True
+    return value in ({}, []) or (key == "uniqueItems" and value is False)
+
+
+def _values_typed(schema: dict[str, Any], lead: str) -> bool:
+    """Whether every value of the ``enum`` / ``const`` ``lead`` has one of the schema's
+    ``type`` names (an unknown name matches nothing)."""
+    types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    values = [schema["const"]] if lead == "const" else schema["enum"]
+    if not isinstance(values, list):
+        return False
+    checks = [_JSON_TYPES[t] for t in types if isinstance(t, str) and t in _JSON_TYPES]
+    return all(any(check(v) for check in checks) for v in values)
+
+
+def _unlisted_required(schema: dict[str, Any]) -> tuple[str, str] | None:
+    """(``"required"``, why) when a ``required`` name is missing from ``properties``:
+    xgrammar requires only listed properties (``{}`` passes ``{"required": ["x"]}``, with
+    ``additionalProperties`` or ``patternProperties`` beside it too), else None."""
+    required, listed = schema.get("required"), schema.get("properties")
+    if not isinstance(required, list):
+        return None
+    listed = listed if isinstance(listed, dict) else {}
+    missing = [name for name in required if name not in listed]
+    if not missing:
+        return None
+    return "required", (f"{missing[0]!r} is not under 'properties', and the grammar requires "
+                        "only the properties listed there (list it under 'properties')")
 
 
 def _length_keyword(schema: dict[str, Any]) -> str | None:
