@@ -83,6 +83,40 @@ def test_regex_full_match(llm):
         assert re.fullmatch(pattern, o.text), o.text
 
 
+def test_regex_dot_is_not_a_newline(llm):
+    """xgrammar's ``.`` matches a newline, where Python's ``re`` (and JavaScript's, PCRE's)
+    does not: with the newline token favoured, ``x.y`` gave ``"x\ny"``, which
+    ``re.fullmatch`` refuses. ``.`` is now sent as ``[^\n]``; a newline the regex names
+    itself still passes."""
+    (newline,) = llm.get_tokenizer().encode("\n")
+    outs = _run(llm, [SamplingParams(temperature=0, max_tokens=12, logit_bias={newline: 30.0},
+                                     structured_outputs=StructuredOutputsParams(regex=regex))
+                      for regex in ("x.y", "x(.|\n)y")], PROMPTS[:2])
+    assert [o.finish_reason for o in outs] == ["stop", "stop"], outs
+    assert re.fullmatch("x.y", outs[0].text) and "\n" not in outs[0].text, outs[0].text
+    assert outs[1].text == "x\ny"
+
+
+def test_regex_letter_anchors_are_refused(llm):
+    """xgrammar reads ``\\A``, ``\\Z`` and ``\\z`` as the letters: ``\\Aab\\Z`` forced
+    the output ``AabZ``. Refused, naming the anchor to write instead; ``^``/``$`` work."""
+    with pytest.raises(ValueError, match=r"\\A at position 0 is read as the letter 'A'.*"
+                                         r"write '\^' instead"):
+        llm.generate(PROMPTS[0], _constrained(0, regex=r"\Aab\Z"), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    (out,) = _run(llm, [_constrained(0, regex=r"^ab$")], PROMPTS[:1])
+    assert (out.text, out.finish_reason) == ("ab", "stop")
+
+
+@pytest.mark.parametrize("pattern, sent", [
+    ("a.b", r"a[^\n]b"), (r"a\.b", r"a\.b"), ("[.]", "[.]"), ("[^.]+.", r"[^.]+[^\n]"),
+    (r"\\.", r"\\[^\n]"), (r"a[\].]b.", r"a[\].]b[^\n]"), (r"(.|\n)*", r"([^\n]|\n)*")])
+def test_regex_sent_to_xgrammar(pattern, sent):
+    from kvflow.structured.regex_dialect import xgrammar_regex
+
+    assert xgrammar_regex(pattern) == sent
+
+
 def test_choice_with_cjk_and_emoji(llm):
     choices = ["北京🙂", "東京タワー", "kvflow ✓"]
     outs = _run(llm, [_constrained(i, 32, choice=choices) for i in range(len(PROMPTS))])

@@ -19,6 +19,7 @@ from kvflow.structured.backend import StructuredOutputBackend, StructuredOutputG
 from kvflow.structured.grammar_cycles import unit_cycle_problem
 from kvflow.structured.lark_grammar import lark_to_gbnf, looks_like_lark
 from kvflow.structured.params import StructuredOutputsParams
+from kvflow.structured.regex_dialect import xgrammar_regex
 from kvflow.structured.schema_support import costly_pattern, string_patterns, unenforced_keyword
 from kvflow.structured.structural_tag import (
     StructuralTagError,
@@ -86,8 +87,12 @@ def _lark_hint(spec: str) -> str:
 
 def _grammar_text(params: StructuredOutputsParams) -> tuple[str, str]:
     """(kind, spec) with choices turned into an EBNF alternation of JSON-quoted literals
-    (EBNF string literals use JSON escapes, so any Unicode text is safe) and a grammar in
-    Lark's syntax converted to GBNF (``lark_grammar.lark_to_gbnf``; its ValueError passes)."""
+    (EBNF string literals use JSON escapes, so any Unicode text is safe), a grammar in
+    Lark's syntax converted to GBNF (``lark_grammar.lark_to_gbnf``; its ValueError passes)
+    and a regex written in xgrammar's dialect (``regex_dialect.xgrammar_regex``: ``.`` does
+    not match a newline; its ValueError passes)."""
+    if params.kind == "regex":
+        return "regex", xgrammar_regex(params.regex)
     if params.kind == "choice":
         alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
         return "grammar", f"root ::= {alternatives}"
@@ -245,14 +250,20 @@ def validate(params: StructuredOutputsParams) -> None:
     """
     try:
         kind, spec = _grammar_text(params)
-    except ValueError as e:  # a Lark grammar outside the subset kvflow converts
+    except ValueError as e:  # a Lark grammar outside the subset kvflow converts, an anchor
+        if params.kind == "regex":
+            raise ValueError(f"invalid regex in structured_outputs: {e}") from None
         raise ValueError(f"invalid grammar in structured_outputs: {e}"
                          f"{_lark_hint(params.grammar)}") from None
     try:
         if kind == "json":
             json_schema_grammar(spec)
         elif kind == "regex":
-            xgr.Grammar.from_regex(spec)
+            try:
+                xgr.Grammar.from_regex(spec)
+            except RuntimeError:  # the pattern as sent: its error's positions are the user's
+                xgr.Grammar.from_regex(params.regex)
+                raise
         elif kind == "structural_tag":
             _check_structural_tag(spec)
         elif kind == "grammar":
