@@ -262,3 +262,22 @@ def test_token_formats_compile_with_the_tokenizer(llm, tiny_tokenizer):
                                          r"Check failed: .*Token id 1000000 .* out of the "):
         llm.generate([PROMPT], SamplingParams(max_tokens=4, structured_outputs=(
             StructuredOutputsParams(structural_tag=bad))), use_tqdm=False)
+
+
+def test_regex_formats_read_as_regex_constraints(llm):
+    """A ``regex`` format's ``.`` took a newline (xgrammar's dialect): with the newline token
+    favoured, ``x.y`` inside the tag gave ``x\\ny``. Its pattern is now sent as a ``regex``
+    constraint's is (``.`` as ``[^\\n]``), and an anchor xgrammar reads as a letter is refused
+    naming the field."""
+    (newline,) = llm.get_tokenizer().encode("\n")
+    tag = {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<r>", "content": {"type": "regex", "pattern": "x.y"},
+        "end": "</r>"}}
+    params = SamplingParams(temperature=0, max_tokens=16, logit_bias={newline: 30.0},
+                            structured_outputs=StructuredOutputsParams(structural_tag=tag))
+    out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and re.fullmatch(r"<r>x.y</r>", out.text), out.text
+    tag["format"]["content"]["pattern"] = r"x\Z"
+    with pytest.raises(ValueError, match=r"format\.content\.pattern: \\Z at position 1 is read "
+                                         r"as the letter 'Z'"):
+        validate(StructuredOutputsParams(structural_tag=tag))

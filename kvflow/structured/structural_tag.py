@@ -160,6 +160,13 @@ def grammar_formats(tag: dict[str, Any]) -> list[dict[str, Any]]:
             if node.get("type") == "grammar"]
 
 
+def regex_formats(tag: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """``(path, node)`` for each ``regex`` format (its ``pattern`` a string) inside a
+    ``format`` structural tag."""
+    return [(path, node) for path, node in _nodes(tag.get("format"), "format")
+            if node.get("type") == "regex" and isinstance(node.get("pattern"), str)]
+
+
 def _nodes(value: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """Every object in a format tree (JSON schemas not entered), with its path."""
     if isinstance(value, dict):

@@ -29,6 +29,7 @@ from kvflow.structured.structural_tag import (
     grammar_formats,
     is_legacy,
     parse,
+    regex_formats,
 )
 
 # xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:123: "; users need only the rest.
@@ -160,7 +161,8 @@ def structural_tag_text(spec: str) -> str:
     ``response_format`` json_schema's is: compact separators, checked keywords, JSON-only
     characters in length-limited strings). A ``format`` tag is passed as written (xgrammar's
     own JSON conversion for its schemas, whitespace as xgrammar allows it), its schemas
-    checked for keywords xgrammar would not enforce and costly patterns.
+    checked for keywords xgrammar would not enforce and costly patterns, the patterns of its
+    ``regex`` formats written as a ``regex`` constraint's are (``regex_dialect``).
 
     Raises:
         StructuralTagError: naming the field inside the tag (``structures.0.schema``) and
@@ -173,7 +175,13 @@ def structural_tag_text(spec: str) -> str:
             problem = _schema_problem(schema)
             if problem is not None:
                 raise StructuralTagError(path, problem)
-        return spec
+        regexes = regex_formats(tag)
+        for path, node in regexes:
+            try:
+                node["pattern"] = xgrammar_regex(node["pattern"])
+            except ValueError as e:
+                raise StructuralTagError(f"{path}.pattern", str(e)) from None
+        return json.dumps(tag, ensure_ascii=False) if regexes else spec
     check_legacy(tag)
     grammars: dict[str, str] = {}  # schema text -> grammar: a schema shared by tags converts once
     tags = []
