@@ -269,6 +269,11 @@ _OBJ_AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"typ
     ({"type": "object", "required": ["x"]}, {}, "'required': 'x' is not under 'properties'"),
     ({**_OBJ_AB, "required": ["a", "c"]}, {"a": 1}, "'required': 'c'"),
     ({**_OBJ_AB, "propertyNames": {"pattern": "^b"}}, {"a": 1}, "'propertyNames'"),
+    ({**_OBJ_AB, "patternProperties": {"^b": {"type": "integer"}}}, {"b": "x"},
+     "'patternProperties': '^b' also matches 'b'"),
+    ({"type": "string", "format": "date", "pattern": "^2024"}, "2023-01-01",
+     "'pattern': not enforced together with format 'date'"),
+    ({"type": "integer", "multipleOf": 2.5}, 2, "'multipleOf': enforced for whole numbers"),
 ])
 def test_schema_keywords_the_grammar_ignores_are_refused(schema, violating, keyword):
     """Keywords xgrammar compiles but does not enforce: its grammar takes an instance that

@@ -7,14 +7,19 @@ object missing what ``if``/``then`` or ``dependentRequired`` require, ``"aaa"`` 
 ``{"pattern": "^a*$", "maxLength": 2}`` (minLength / maxLength beside a pattern, and beside a
 ``format`` xgrammar knows, such as ``"date"``). A
 constraint kvflow accepts must hold in every output, so such a schema is refused, naming the keyword and where
-it is, rather than served as a looser one. So is a keyword xgrammar drops beside another
-(``_ALONE``: it builds a schema object from its ``$ref``, ``const``, ``enum``, ``anyOf``,
-``oneOf`` or ``allOf`` alone: ``7`` passes ``{"$ref": "#/$defs/n", "maximum": 5}``, ``1``
-passes ``{"anyOf": [...], "type": "string"}``), and a ``required`` name missing from
-``properties`` (xgrammar requires only listed properties: ``{}`` passes
-``{"type": "object", "required": ["x"]}``), an empty ``anyOf`` / ``oneOf`` (its grammar takes
-text that is not JSON, ``{"a": }``) and ``propertyNames`` beside ``properties`` (the listed
-names pass unchecked). Not refused: ``oneOf`` (enforced as ``anyOf``: an
+it is, rather than served as a looser one. So is a schema that asks what xgrammar drops:
+
+- a keyword beside the one of ``_ALONE`` (``$ref``, ``const``, ``enum``, ``anyOf``, ``oneOf``,
+  ``allOf``) that xgrammar builds the schema object from alone: ``7`` passes
+  ``{"$ref": "#/$defs/n", "maximum": 5}``, ``1`` passes ``{"anyOf": [...], "type": "string"}``;
+- a ``required`` name missing from ``properties``: ``{}`` passes ``{"required": ["x"]}``;
+- an empty ``anyOf`` / ``oneOf``: its grammar takes text that is not JSON, ``{"a": }``;
+- ``propertyNames`` beside ``properties`` (the listed names pass unchecked), and a
+  ``patternProperties`` pattern matching a listed name (only the listed schema applies);
+- a ``pattern`` beside a ``format`` xgrammar enforces (the format alone applies);
+- a fractional ``multipleOf`` (``2`` passes 2.5).
+
+Not refused: ``oneOf`` (enforced as ``anyOf``: an
 output matching several branches passes) and ``format`` (an annotation in JSON Schema
 2020-12; xgrammar enforces the formats in ``LENGTHLESS_FORMATS`` and ignores the others).
 
@@ -112,6 +117,15 @@ def _own_keyword(schema: dict[str, Any]) -> tuple[str, str] | None:
         return "allOf", "only one of its subschemas is applied"
     if "multipleOf" in schema and schema.get("type") not in ("integer", ["integer"]):
         return "multipleOf", "enforced for type integer only"
+    multiple = schema.get("multipleOf")
+    if isinstance(multiple, float) and not multiple.is_integer():  # 2 passed 2.5
+        return "multipleOf", "enforced for whole numbers only"
+    if isinstance(schema.get("pattern"), str) and schema.get("format") in LENGTHLESS_FORMATS:
+        return "pattern", (f"not enforced together with format {schema['format']!r}, which "
+                           "the grammar applies alone (write the format as the pattern)")
+    shadowed = _shadowed_pattern_property(schema)
+    if shadowed is not None:
+        return "patternProperties", shadowed
     length = _length_keyword(schema)
     if length is not None and isinstance(schema.get("pattern"), str):
         return length, _WITH_PATTERN
@@ -189,6 +203,24 @@ def _unlisted_required(schema: dict[str, Any]) -> tuple[str, str] | None:
         return None
     return "required", (f"{missing[0]!r} is not under 'properties', and the grammar requires "
                         "only the properties listed there (list it under 'properties')")
+
+
+def _shadowed_pattern_property(schema: dict[str, Any]) -> str | None:
+    """Why ``patternProperties`` are not enforced on a name listed under ``properties`` that
+    one of them also matches (JSON Schema applies both schemas; xgrammar only the listed
+    one), or None. Patterns are read with Python's ``re`` (one it refuses is skipped)."""
+    listed, patterns = schema.get("properties"), schema.get("patternProperties")
+    if not isinstance(listed, dict) or not isinstance(patterns, dict):
+        return None
+    for pattern in patterns:
+        try:
+            matched = [name for name in listed if re.search(pattern, name)]
+        except re.error:
+            continue
+        if matched:
+            return (f"{pattern!r} also matches {matched[0]!r}, listed under 'properties', "
+                    "whose schema the grammar applies alone")
+    return None
 
 
 def _length_keyword(schema: dict[str, Any]) -> str | None:
