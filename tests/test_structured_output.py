@@ -432,6 +432,48 @@ def test_required_tool_calls_name_before_arguments(llm):
         assert [k for k, _ in calls[0]] == ["name", "arguments"], o.text
 
 
+def test_required_tool_calls_resolve_each_tools_references(llm):
+    """tool_choice "required" nests each function's parameters inside an array of calls, so
+    their local references (pydantic's ``#/$defs/Name``, a recursive ``#``) named the array's
+    root: a 400 ("Cannot find field '$defs'") for any pydantic-made tool, and ``#`` the call
+    array. They now point into the parameters where they sit; each sampled call's arguments
+    validate against its function's own parameters (jsonschema)."""
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from kvflow.entrypoints.protocol import ChatCompletionRequest
+    from kvflow.entrypoints.structured_requests import tool_constraint
+
+    city = {"type": "object", "$defs": {"City": {"enum": ["paris", "rome"]}},
+            "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"]}
+    tree = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1,
+                                                   "maximum": 9}, "sub": {"$ref": "#"}},
+            "required": ["n"]}
+    parameters = {"get_city": city, "tree": tree}
+    for names in (["get_city"], ["get_city", "tree"]):
+        req = ChatCompletionRequest(
+            messages=[{"role": "user", "content": "hi"}], tool_choice="required",
+            tools=[{"type": "function", "function": {"name": n, "parameters": parameters[n]}}
+                   for n in names])
+        constraint = tool_constraint(req, "required")
+        validate(constraint)  # raised "Cannot find field '$defs' in #/$defs/City"
+        grammar = Grammar.from_json_schema(json.dumps(constraint.json), any_whitespace=False)
+        call = '[{"name": "get_city", "arguments": {"city": "%s"}}]'
+        assert _is_grammar_accept_string(grammar, call % "rome")
+        assert not _is_grammar_accept_string(grammar, call % "oslo")
+        params = [SamplingParams(temperature=1.0, seed=i, max_tokens=60,
+                                 structured_outputs=constraint) for i in range(4)]
+        stopped = [o for o in _run(llm, params) if o.finish_reason == "stop"]
+        assert stopped
+        for o in stopped:
+            for c in json.loads(o.text):
+                jsonschema.validate(c["arguments"], parameters[c["name"]])
+    tree_call = '[{"name": "tree", "arguments": {"n": 1, "sub": %s}}]'
+    assert _is_grammar_accept_string(grammar, tree_call % '{"n": 2}')
+    assert not _is_grammar_accept_string(  # "#" was the array of calls
+        grammar, tree_call % '[{"name": "tree", "arguments": {"n": 2}}]')
+
+
 @pytest.mark.parametrize("schema, where", [
     ({"type": "string", "pattern": "^[a-z]{1,6000}$"}, "pattern"),
     ({"type": "string", "pattern": "^(abcdefghij){1,1000}$"}, "pattern"),  # 12 chars repeated

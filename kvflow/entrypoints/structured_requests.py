@@ -266,15 +266,45 @@ def tool_constraint(req: ChatCompletionRequest, mode: str | None
         return StructuredOutputsParams(json=arguments_schema(function.parameters))
     if mode != "required":
         return None
+    at = "/items/properties/arguments" if len(req.tools) == 1 else \
+        "/items/anyOf/{}/properties/arguments"
     calls = [{"type": "object",
               "properties": {"name": {"const": t.function.name},
-                             "arguments": arguments_schema(t.function.parameters)},
-              "required": ["name", "arguments"]} for t in req.tools]
+                             "arguments": relocated_refs(arguments_schema(t.function.parameters),
+                                                         at.format(i))},
+              "required": ["name", "arguments"]} for i, t in enumerate(req.tools)]
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if not req.parallel_tool_calls:
         schema["maxItems"] = 1
     return StructuredOutputsParams(json=schema)
+
+
+# keywords whose values are data, not subschemas: a "$ref" key inside them is no reference
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")
+
+
+def relocated_refs(schema: Any, pointer: str) -> Any:
+    """``schema`` (a function's parameters) as it reads when placed at JSON pointer
+    ``pointer`` of a larger schema (tool_choice ``required``'s array of calls): each local
+    reference (``#`` or ``#/...``: pydantic's ``#/$defs/Name``) points into it there
+    (``#<pointer>/...``), as it did at the root; a copy, the request's tools unchanged.
+    Otherwise ``#/$defs/Name`` named the array's root, which has no ``$defs`` (a 400), and
+    ``#`` the array itself."""
+    if isinstance(schema, list):
+        return [relocated_refs(item, pointer) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or
+                                                         value.startswith("#/")):
+            moved[key] = "#" + pointer + value[1:]
+        elif key in _DATA_KEYWORDS:
+            moved[key] = value
+        else:
+            moved[key] = relocated_refs(value, pointer)
+    return moved
 
 
 def arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
