@@ -274,6 +274,10 @@ _OBJ_AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"typ
     ({"type": "string", "format": "date", "pattern": "^2024"}, "2023-01-01",
      "'pattern': not enforced together with format 'date'"),
     ({"type": "integer", "multipleOf": 2.5}, 2, "'multipleOf': enforced for whole numbers"),
+    ({"type": "integer", "minimum": 0, "multipleOf": 3}, 4,
+     "'multipleOf': enforced with no bounds, or with both within 10,000"),
+    ({"type": "integer", "minimum": 0, "exclusiveMaximum": 10_001, "multipleOf": 3}, 4,
+     "'multipleOf'"),
 ])
 def test_schema_keywords_the_grammar_ignores_are_refused(schema, violating, keyword):
     """Keywords xgrammar compiles but does not enforce: its grammar takes an instance that
@@ -292,13 +296,15 @@ def test_schema_keywords_the_grammar_ignores_are_refused(schema, violating, keyw
     # what it does enforce passes: annotations and keywords that ask nothing beside a oneOf,
     # a type that every enum value has, required properties that are listed
     validate(StructuredOutputsParams(json={
-        "oneOf": [{"type": "integer", "minimum": 1, "multipleOf": 3}, {"type": "string"}],
+        "oneOf": [{"type": "integer", "minimum": 1, "maximum": 99}, {"type": "string"}],
         "title": "t", "description": "d", "default": 3, "uniqueItems": False, "required": []}))
     validate(StructuredOutputsParams(json={
         "$defs": {"c": {"enum": ["red", 2], "type": ["string", "integer"]}},
         "type": "object", "properties": {"c": {"$ref": "#/$defs/c", "description": "d"},
                                          "n": {"const": 1.0, "type": "integer"}},
         "required": ["c", "n"]}))
+    validate(StructuredOutputsParams(json={  # 10,000 integers: listed, so kept
+        "type": "integer", "minimum": 1, "exclusiveMaximum": 10_001, "multipleOf": 3}))
     validate(StructuredOutputsParams(json={  # properties named like keywords; empty ones
         "type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}},
         "dependentRequired": {}}))

@@ -17,7 +17,8 @@ it is, rather than served as a looser one. So is a schema that asks what xgramma
 - ``propertyNames`` beside ``properties`` (the listed names pass unchecked), and a
   ``patternProperties`` pattern matching a listed name (only the listed schema applies);
 - a ``pattern`` beside a ``format`` xgrammar enforces (the format alone applies);
-- a fractional ``multipleOf`` (``2`` passes 2.5).
+- a fractional ``multipleOf`` (``2`` passes 2.5), or one beside a single bound or bounds
+  ``_MULTIPLE_SPAN`` or more integers apart (``4`` passes 3 with ``"minimum": 0``).
 
 Not refused: ``oneOf`` (enforced as ``anyOf``: an
 output matching several branches passes) and ``format`` (an annotation in JSON Schema
@@ -120,6 +121,9 @@ def _own_keyword(schema: dict[str, Any]) -> tuple[str, str] | None:
     multiple = schema.get("multipleOf")
     if isinstance(multiple, float) and not multiple.is_integer():  # 2 passed 2.5
         return "multipleOf", "enforced for whole numbers only"
+    if multiple is not None and not _multiple_kept(schema):
+        return "multipleOf", (f"enforced with no bounds, or with both within {_MULTIPLE_SPAN:,} "
+                              "integers, only (4 passed a multipleOf of 3 with a minimum)")
     if isinstance(schema.get("pattern"), str) and schema.get("format") in LENGTHLESS_FORMATS:
         return "pattern", (f"not enforced together with format {schema['format']!r}, which "
                            "the grammar applies alone (write the format as the pattern)")
@@ -203,6 +207,23 @@ def _unlisted_required(schema: dict[str, Any]) -> tuple[str, str] | None:
         return None
     return "required", (f"{missing[0]!r} is not under 'properties', and the grammar requires "
                         "only the properties listed there (list it under 'properties')")
+
+
+# xgrammar (0.2.9) keeps an integer's multipleOf alone, or between a lower and an upper bound
+# at most this many integers apart (it lists them); with one bound, or wider ones, it drops it
+_MULTIPLE_SPAN = 10_000
+
+
+def _multiple_kept(schema: dict[str, Any]) -> bool:
+    """Whether xgrammar enforces the ``multipleOf`` of this integer schema: no bound, or
+    inclusive bounds fewer than ``_MULTIPLE_SPAN`` apart."""
+    lows = [schema[k] + (k == "exclusiveMinimum") for k in ("minimum", "exclusiveMinimum")
+            if isinstance(schema.get(k), (int, float)) and not isinstance(schema[k], bool)]
+    highs = [schema[k] - (k == "exclusiveMaximum") for k in ("maximum", "exclusiveMaximum")
+             if isinstance(schema.get(k), (int, float)) and not isinstance(schema[k], bool)]
+    if not lows and not highs:
+        return True
+    return bool(lows and highs) and min(highs) - max(lows) < _MULTIPLE_SPAN
 
 
 def _shadowed_pattern_property(schema: dict[str, Any]) -> str | None:
