@@ -269,6 +269,8 @@ _OBJ_AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"typ
     ({"type": "object", "required": ["x"]}, {}, "'required': 'x' is not under 'properties'"),
     ({**_OBJ_AB, "required": ["a", "c"]}, {"a": 1}, "'required': 'c'"),
     ({**_OBJ_AB, "propertyNames": {"pattern": "^b"}}, {"a": 1}, "'propertyNames'"),
+    ({"type": "object", "additionalProperties": False, "propertyNames": {"maxLength": 1}},
+     {"a": "x"}, "'propertyNames': beside additionalProperties false"),
     ({**_OBJ_AB, "patternProperties": {"^b": {"type": "integer"}}}, {"b": "x"},
      "'patternProperties': '^b' also matches 'b'"),
     ({"type": "string", "format": "date", "pattern": "^2024"}, "2023-01-01",

@@ -14,7 +14,8 @@ it is, rather than served as a looser one. So is a schema that asks what xgramma
   ``{"$ref": "#/$defs/n", "maximum": 5}``, ``1`` passes ``{"anyOf": [...], "type": "string"}``;
 - a ``required`` name missing from ``properties``: ``{}`` passes ``{"required": ["x"]}``;
 - an empty ``anyOf`` / ``oneOf``: its grammar takes text that is not JSON, ``{"a": }``;
-- ``propertyNames`` beside ``properties`` (the listed names pass unchecked), and a
+- ``propertyNames`` beside ``properties`` (the listed names pass unchecked) or beside
+  ``"additionalProperties": false`` (the names it allows pass, with any value), and a
   ``patternProperties`` pattern matching a listed name (only the listed schema applies);
 - a ``pattern`` beside a ``format`` xgrammar enforces (the format alone applies);
 - a fractional ``multipleOf`` (``2`` passes 2.5), or one beside a single bound or bounds
@@ -143,9 +144,12 @@ def _own_keyword(schema: dict[str, Any]) -> tuple[str, str] | None:
         if schema.get(key) == []:  # xgrammar's grammar takes the empty text ({"a": } inside)
             return key, ("an empty list matches no value, and the grammar lets text that is "
                          "not JSON through")
-    if not _asserts_nothing("propertyNames", schema.get("propertyNames", True)) and \
-            schema.get("properties"):
-        return "propertyNames", "the names under 'properties' are not checked against it"
+    if not _asserts_nothing("propertyNames", schema.get("propertyNames", True)):
+        if schema.get("properties"):
+            return "propertyNames", "the names under 'properties' are not checked against it"
+        if schema.get("additionalProperties") is False:  # {"a": "x"} passed
+            return "propertyNames", ("beside additionalProperties false, the grammar lets "
+                                     "properties through that it allows, with any value")
     return _dropped_sibling(schema) or _unlisted_required(schema)
 
 
