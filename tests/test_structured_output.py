@@ -312,6 +312,26 @@ def test_schema_keywords_the_grammar_ignores_are_refused(schema, violating, keyw
         "dependentRequired": {}}))
 
 
+def test_min_properties_met_by_repeated_names_is_refused():
+    """xgrammar keeps the names of unlisted properties apart from the listed ones but not
+    from each other: ``{"x": 1, "x": 2}`` passed ``minProperties: 2``, and parses to one
+    property. Refused where unlisted names could make up the count."""
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    schema = {"type": "object", "additionalProperties": {"type": "integer"},
+              "minProperties": 2}
+    text = '{"x": 1, "x": 2}'
+    assert not jsonschema.Draft202012Validator(schema).is_valid(json.loads(text))
+    assert _is_grammar_accept_string(
+        Grammar.from_json_schema(json.dumps(schema), any_whitespace=False), text)
+    with pytest.raises(ValueError, match="'minProperties': counted with repeated names"):
+        validate(StructuredOutputsParams(json=schema))
+    validate(StructuredOutputsParams(json={  # two required listed properties meet it
+        **schema, "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+        "required": ["a", "b"]}))
+
+
 def test_empty_any_of_is_refused():
     """An empty ``anyOf`` / ``oneOf`` (no value matches) compiled to a grammar that takes the
     empty text: ``{"a": }`` passed this schema, and a constrained output was not JSON."""

@@ -18,6 +18,7 @@ it is, rather than served as a looser one. So is a schema that asks what xgramma
   ``"additionalProperties": false`` (the names it allows pass, with any value), and a
   ``patternProperties`` pattern matching a listed name (only the listed schema applies);
 - a ``pattern`` beside a ``format`` xgrammar enforces (the format alone applies);
+- a ``minProperties`` that repeated unlisted names could meet (``{"x": 1, "x": 2}`` passes 2);
 - a fractional ``multipleOf`` (``2`` passes 2.5), or one beside a single bound or bounds
   ``_MULTIPLE_SPAN`` or more integers apart (``4`` passes 3 with ``"minimum": 0``).
 
@@ -128,6 +129,10 @@ def _own_keyword(schema: dict[str, Any]) -> tuple[str, str] | None:
     if isinstance(schema.get("pattern"), str) and schema.get("format") in LENGTHLESS_FORMATS:
         return "pattern", (f"not enforced together with format {schema['format']!r}, which "
                            "the grammar applies alone (write the format as the pattern)")
+    if _min_properties_by_repeats(schema):  # {"x": 1, "x": 2} passed minProperties 2
+        return "minProperties", ("counted with repeated names: the grammar does not keep the "
+                                 "names of unlisted properties unique, and a JSON parser keeps "
+                                 "one of each")
     shadowed = _shadowed_pattern_property(schema)
     if shadowed is not None:
         return "patternProperties", shadowed
@@ -228,6 +233,20 @@ def _multiple_kept(schema: dict[str, Any]) -> bool:
     if not lows and not highs:
         return True
     return bool(lows and highs) and min(highs) - max(lows) < _MULTIPLE_SPAN
+
+
+def _min_properties_by_repeats(schema: dict[str, Any]) -> bool:
+    """Whether ``minProperties`` may be met by repeating a name: more than the required
+    listed properties are asked for, and names not under ``properties`` are allowed
+    (xgrammar keeps listed names unique, not the others)."""
+    least = schema.get("minProperties")
+    if not isinstance(least, int) or isinstance(least, bool):
+        return False
+    listed = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    others = schema.get("additionalProperties") is not False or \
+        bool(schema.get("patternProperties"))
+    return others and least > len(set(required) & set(listed))
 
 
 def _shadowed_pattern_property(schema: dict[str, Any]) -> str | None:
