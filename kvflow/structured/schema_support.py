@@ -236,9 +236,10 @@ def _multiple_kept(schema: dict[str, Any]) -> bool:
 
 
 def _min_properties_by_repeats(schema: dict[str, Any]) -> bool:
-    """Whether ``minProperties`` may be met by repeating a name: more than the required
-    listed properties are asked for, and names not under ``properties`` are allowed
-    (xgrammar keeps listed names unique, not the others)."""
+    """Whether ``minProperties`` may be met by repeating a name: names not under
+    ``properties`` are allowed (xgrammar keeps listed names unique, not the others), and it
+    asks for more than the required listed properties and one other name (a name repeated
+    still counts once, so one more is always met)."""
     least = schema.get("minProperties")
     if not isinstance(least, int) or isinstance(least, bool):
         return False
@@ -246,7 +247,7 @@ def _min_properties_by_repeats(schema: dict[str, Any]) -> bool:
     required = schema.get("required") if isinstance(schema.get("required"), list) else []
     others = schema.get("additionalProperties") is not False or \
         bool(schema.get("patternProperties"))
-    return others and least > len(set(required) & set(listed))
+    return others and least > len(set(required) & set(listed)) + 1
 
 
 def _shadowed_pattern_property(schema: dict[str, Any]) -> str | None:
