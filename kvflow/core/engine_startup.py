@@ -13,6 +13,7 @@ from kvflow.config.speculative import HEAD_METHODS
 from kvflow.core.block_hashing import BlockHasher, connector_extra_keys
 from kvflow.core.encoder_cache_manager import EncoderCacheManager
 from kvflow.core.engine_dtype import cpu_dtype_measure, resolve_dtype
+from kvflow.core.engine_steps import InFlightStep
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.kv_cache_sizing import make_kv_cache_config, model_positions
 from kvflow.core.kv_cache_utils import (
@@ -36,7 +37,7 @@ from kvflow.core.unread_options import (
 from kvflow.distributed.kv_transfer import make_kv_connector_scheduler
 from kvflow.distributed.kv_transfer.shared_storage import model_identity
 from kvflow.engine_outputs import EngineCoreOutput
-from kvflow.executor import StepFuture, make_executor
+from kvflow.executor import make_executor
 from kvflow.kernels.cpu_threads import check_cpu_threads
 from kvflow.kv_cache_interface import FullAttentionSpec
 from kvflow.layers.rotary import long_prompt_rope
@@ -109,7 +110,7 @@ class EngineCoreStartup:
         self.executor = make_executor(self.config, source, self.hf_config, self.dtype)
         self._resolve_async_scheduling()
         # Steps sent but not yet folded back in (pipeline parallelism keeps several).
-        self.batch_queue: deque[tuple[StepFuture, SchedulerOutput]] = deque()
+        self.batch_queue: deque[InFlightStep] = deque()
         # Their outputs when a call waited for them (``EngineCore.drain_steps``): the next
         # step returns them.
         self.drained_outputs: list[EngineCoreOutput] = []

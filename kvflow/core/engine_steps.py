@@ -10,14 +10,32 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+from kvflow.core.slo_planner import NotedStep
 from kvflow.engine_outputs import EngineCoreOutput
+from kvflow.executor import StepFuture
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sched_output import GrammarBitmask, SchedulerOutput
 
 if TYPE_CHECKING:
     from kvflow.core.engine_core import EngineCore
+
+
+class InFlightStep(NamedTuple):
+    """A micro-batch sent and not yet folded back in (pipeline parallelism).
+
+    Attributes:
+        future: its runner output, once the last stage has sampled.
+        sched: what was scheduled.
+        started: ``time.perf_counter()`` (seconds) when its scheduling began.
+        noted: its features and predicted time for the step-time model (None: empty step).
+    """
+
+    future: StepFuture
+    sched: SchedulerOutput
+    started: float
+    noted: NotedStep | None
 
 
 def step_sync(core: EngineCore) -> list[EngineCoreOutput]:
@@ -107,12 +125,14 @@ def step_with_batch_queue(core: EngineCore) -> list[EngineCoreOutput]:
     """
     depth = core.executor.max_concurrent_batches
     if len(core.batch_queue) < depth:
+        started = time.perf_counter()
         sched = core.scheduler.schedule(max_num_reqs=micro_batch_size(core, depth))
+        noted = core.scheduler.take_noted_step()  # timed when its tokens are folded in
         if not sched.is_empty or sched.changes_runners:  # a swap-out's copy too
             bitmask = core.structured_output.grammar_bitmask(
                 sched.structured_output_request_ids, core.scheduler.requests)
-            core.batch_queue.append((core.executor.execute_model_async(sched, bitmask),
-                                     sched))
+            core.batch_queue.append(InFlightStep(
+                core.executor.execute_model_async(sched, bitmask), sched, started, noted))
             if len(core.batch_queue) < depth and not sched.is_empty:
                 return []
     if not core.batch_queue:  # only grammars compiling: wait a little, do not spin
@@ -123,15 +143,18 @@ def step_with_batch_queue(core: EngineCore) -> list[EngineCoreOutput]:
 
 def fold_oldest_batch(core: EngineCore) -> list[EngineCoreOutput]:
     """Wait for the oldest micro-batch in flight and fold its sampled tokens in; returns its
-    outputs. A failed step fails every step in flight (the executor's error is raised)."""
-    future, sched = core.batch_queue.popleft()
+    outputs. Its time from scheduling to now (when its requests can be scheduled again: their
+    token interval) feeds the step-time model. A failed step fails every step in flight (the
+    executor's error is raised)."""
+    step = core.batch_queue.popleft()
     try:
-        runner_output = future.result()
+        runner_output = step.future.result()
     except BaseException:
-        core.scheduler.fail_steps([sched, *(s for _, s in core.batch_queue)])
+        core.scheduler.fail_steps([step.sched, *(s.sched for s in core.batch_queue)])
         core.batch_queue.clear()
         raise
-    return core.scheduler.update_from_output(sched, runner_output)
+    core.scheduler.record_noted_step_time(step.noted, time.perf_counter() - step.started)
+    return core.scheduler.update_from_output(step.sched, runner_output)
 
 
 def micro_batch_size(core: EngineCore, depth: int) -> int:

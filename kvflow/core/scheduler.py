@@ -53,7 +53,7 @@ from kvflow.core.sched_admission import admit_waiting
 from kvflow.core.sched_policy import make_policy, make_waiting_queue
 from kvflow.core.sched_running import schedule_running
 from kvflow.core.sched_update import discard_failed_steps, update_from_output
-from kvflow.core.slo_planner import SLOPlanner
+from kvflow.core.slo_planner import NotedStep, SLOPlanner
 from kvflow.distributed.kv_transfer import KVConnectorScheduler
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.request import Request, RequestStatus
@@ -277,6 +277,16 @@ class Scheduler:
         """The step last returned by ``schedule`` took ``seconds`` (schedule to the next
         schedule): feeds the step-time model."""
         self.planner.record_step_time(seconds)
+
+    def take_noted_step(self) -> NotedStep | None:
+        """The step ``schedule`` just returned, for a caller that times it itself (several
+        in flight: pipeline parallelism); see ``SLOPlanner.take_noted_step``."""
+        return self.planner.take_noted_step()
+
+    def record_noted_step_time(self, step: NotedStep | None, seconds: float) -> None:
+        """Step ``step`` (from :meth:`take_noted_step`) took ``seconds``: feeds the step-time
+        model."""
+        self.planner.record_noted_step_time(step, seconds)
 
     def _note_sampling(self, request: Request, out: SchedulerOutput) -> None:
         """The step samples ``request``: its token is pending until the step comes back

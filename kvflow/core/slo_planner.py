@@ -59,6 +59,9 @@ from kvflow.core.step_time_model import StepFeatures, StepTimeModel, chunk_conte
 from kvflow.request import Request
 from kvflow.sched_output import SchedulerOutput
 
+# A scheduled step waiting for its duration: its features and the model's prediction for them.
+NotedStep = tuple[StepFeatures, float | None]
+
 MAX_STEP_TPOTS = 3.0  # a step never plans to last longer than this many TPOT targets
 GATE_HEADROOM = 0.8  # admissions keep a decode-only step under this share of the TPOT target
 PLAN_MARGIN = 0.9  # a step is planned to end this share of the way to the next deadline
@@ -169,7 +172,7 @@ class SLOPlanner:
         self.model = model or StepTimeModel()
         self.slos: dict[str, RequestSLO] = {}
         self._num_tpot = 0  # requests with a TPOT target
-        self._step: tuple[StepFeatures, float | None] | None = None  # last step, not timed
+        self._step: NotedStep | None = None  # the last step scheduled, not yet timed
         self._num_timed = 0  # steps whose time was reported (the first COLD_STEPS unused)
 
     # ---- requests ----------------------------------------------------------------------------
@@ -239,9 +242,21 @@ class SLOPlanner:
     def record_step_time(self, seconds: float) -> None:
         """The last scheduled step took ``seconds``: one more observation for the model
         (except the engine's first ``COLD_STEPS`` steps, see the module docstring)."""
-        if self._step is not None:
-            features, predicted = self._step
-            self._step = None
+        step, self._step = self._step, None
+        self.record_noted_step_time(step, seconds)
+
+    def take_noted_step(self) -> NotedStep | None:
+        """The step just noted (``note_step``; None for an empty one), handed to a caller
+        that keeps several steps in flight and times each itself (pipeline parallelism's
+        micro-batches); it reports it with :meth:`record_noted_step_time`."""
+        step, self._step = self._step, None
+        return step
+
+    def record_noted_step_time(self, step: NotedStep | None, seconds: float) -> None:
+        """Step ``step`` (from :meth:`take_noted_step`) took ``seconds``: as
+        :meth:`record_step_time`; nothing for None."""
+        if step is not None:
+            features, predicted = step
             self._num_timed += 1
             if self._num_timed > COLD_STEPS:
                 self.model.observe(features, seconds, predicted)
