@@ -111,19 +111,25 @@ class EngineCore(EngineCoreStartup):
             self.drained_outputs.extend(fold_oldest_batch(self))
 
     # ---- sleep mode (core/sleep_mode.py) ---------------------------------------------------
+    # Each call below reaches every rank, so the micro-batches in flight are folded in first
+    # (``drain_steps``): with pipeline parallelism one may be, even on an idle engine (its
+    # requests aborted meanwhile), and the executor refuses a call while steps are in flight.
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache and offload (level 1) or drop (level 2) the weights on every
         worker; needs an idle engine (see :meth:`EngineSleep.sleep` for what is raised)."""
+        self.drain_steps()
         self.sleep_mode.sleep(self, level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Wake ``tags`` ("weights", "kv_cache"; None: both); see :meth:`EngineSleep.wake_up`."""
+        self.drain_steps()
         self.sleep_mode.wake_up(self, tags)
 
     def collective_rpc(self, method: Any, args: tuple = (), kwargs: dict | None = None
                        ) -> list[Any]:
         """A Worker method on every rank, results by rank (see
         :meth:`EngineSleep.collective_rpc` for what is raised)."""
+        self.drain_steps()
         return self.sleep_mode.collective_rpc(self, method, args, kwargs)
 
     # ---- prefix cache ------------------------------------------------------------------------
