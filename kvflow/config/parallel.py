@@ -158,7 +158,8 @@ def _tp_divisions(hf_config: Any, tp: int, expert_parallel: bool
                   ) -> list[tuple[str, Any, str]]:
     """(config field, value, note) of every size that ``tp`` ranks split evenly. KV heads
     split when there are at least ``tp`` of them (fewer are replicated); with expert
-    parallelism experts are placed whole, so their count must divide, not their width."""
+    parallelism experts are placed whole, so their count must divide, not their width (but
+    DeepSeek's shared experts, one dense MLP, are still split)."""
     def get(name: str) -> Any:
         return getattr(hf_config, name, None)
 
@@ -169,9 +170,13 @@ def _tp_divisions(hf_config: Any, tp: int, expert_parallel: bool
     all_experts_mlp = get("num_local_experts") is not None  # Mixtral: every MLP is experts
     if not (all_experts_mlp and expert_parallel):
         out.append(("intermediate_size", get("intermediate_size"), ""))
-    experts = get("num_local_experts") or get("num_experts")
+    experts = get("num_local_experts") or get("num_experts") or get("n_routed_experts")
     if experts and expert_parallel:
         out.append(("number of experts", experts, " (expert parallel places whole experts)"))
+        shared, width = get("n_shared_experts"), get("moe_intermediate_size")
+        if shared and width:  # DeepSeek's shared experts: one dense MLP split over the ranks
+            out.append(("n_shared_experts x moe_intermediate_size", shared * width,
+                        " (the shared experts' MLP is split over the ranks)"))
     elif experts:
         out.append(("moe_intermediate_size", get("moe_intermediate_size"), ""))
     out.append(("shared_expert_intermediate_size", get("shared_expert_intermediate_size"), ""))

@@ -110,6 +110,33 @@ def test_expert_parallel_needs_the_experts_to_divide():
             cfg)
 
 
+def test_deepseek_experts_are_checked_before_any_worker_starts():
+    """DeepSeek names its routed experts ``n_routed_experts`` (transformers' DeepseekV3Config
+    has no ``num_experts`` alias) and splits its shared experts over the TP ranks like a
+    dense MLP even under expert parallelism: a count or width that does not divide is one
+    line naming the field here, not a worker's "input_size 31 not divisible by tp_size 2"
+    after the workers started."""
+    from transformers import DeepseekV3Config
+
+    def config(**kw):
+        return DeepseekV3Config(**{"num_attention_heads": 4, "num_key_value_heads": 4,
+                                   "hidden_size": 64, "intermediate_size": 128,
+                                   "num_hidden_layers": 2, "n_routed_experts": 8,
+                                   "moe_intermediate_size": 32, "n_shared_experts": 1, **kw})
+
+    ep = ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True)
+    ep.verify_with_model(config())
+    ep.verify_with_model(config(moe_intermediate_size=31, n_shared_experts=2))  # 62 splits
+    with pytest.raises(ValueError, match=r"n_shared_experts x moe_intermediate_size=31 "):
+        ep.verify_with_model(config(moe_intermediate_size=31))
+    with pytest.raises(ValueError, match="number of experts=6"):
+        ParallelConfig(tensor_parallel_size=4, enable_expert_parallel=True).verify_with_model(
+            config(n_routed_experts=6))
+    with pytest.raises(ValueError, match="moe_intermediate_size=31$"):  # TP splits each expert
+        ParallelConfig(tensor_parallel_size=2).verify_with_model(
+            config(moe_intermediate_size=31, n_shared_experts=0))
+
+
 def test_expert_parallel_needs_a_model_with_experts():
     """Routed experts are found under Mixtral's, Qwen-MoE's and DeepSeek's names, also in a
     multimodal model's text_config; a dense model refuses the flag instead of ignoring it."""
