@@ -1,8 +1,9 @@
 """vLLM's ``--max-num-queued-reqs L``: a request whose sequences (``n`` per prompt) would take
 those in flight, waiting or running, past L gets 503 ``server_overloaded`` with Retry-After
 (vLLM's ``AsyncLLM.check_admission``); unlike ``--max-waiting-requests`` running requests
-count. The serving check over a stand-in engine (counts hand-set), and the count itself from
-``OutputProcessor`` (samples of the requests in flight, gone once a request finishes)."""
+count; a request that alone has more sequences than L is a 400 naming ``n`` or the prompt
+field (it could never be admitted). The serving check over a stand-in engine (counts
+hand-set), and the count itself from ``OutputProcessor`` (samples of the requests in flight, gone once a request finishes)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,29 @@ def test_sequences_counted_against_the_limit(in_flight, prompts, n, admitted):
     assert (e.status, e.code, e.headers) == (503, "server_overloaded", {"Retry-After": "1"})
     assert "--max-num-queued-reqs" in str(e)
     assert checks.engine.metrics.overloaded.count == 1
+
+
+@pytest.mark.parametrize("prompts,n,param,code", [
+    (1, 5, "n", "integer_above_max_value"), (5, 1, "prompt", "too_many_prompts"),
+    (2, 3, "n", "integer_above_max_value"),
+])
+def test_a_request_that_alone_exceeds_the_limit_is_a_400(prompts, n, param, code):
+    """Was 503 + Retry-After: a request with more sequences than L can never be admitted, so
+    a client obeying Retry-After retried forever. Now a 400 naming ``n`` (or the prompt
+    field) with no Retry-After, as ``--max-waiting-requests`` answers too many prompts; not
+    counted as overloaded. A request of exactly L sequences is still admitted."""
+    checks = _checks(0, 0, "--max-num-queued-reqs", "4")
+    with pytest.raises(OpenAIError) as info:
+        checks.check_admission(prompts, n=n)
+    e = info.value
+    assert (e.status, e.param, e.code, e.headers) == (400, param, code, None)
+    assert "--max-num-queued-reqs" in str(e) and f"{prompts * n}" in str(e)
+    assert checks.engine.metrics.overloaded.count == 0
+    with pytest.raises(OpenAIError) as info:  # the embeddings field is named as such
+        checks.check_admission(5, "input")
+    assert (info.value.status, info.value.param) == (400, "input")
+    checks.check_admission(2, n=2)
+    checks.check_admission(4, "input")
 
 
 def test_unset_admits_any_and_running_requests_count_only_here():

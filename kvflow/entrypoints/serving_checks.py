@@ -82,12 +82,14 @@ class OpenAIServingChecks:
         """Raises OpenAIError 503 (with Retry-After) when too many requests wait already, or
         when ``num_requests`` prompts of ``n`` samples each would take the sequences in
         flight past ``--max-num-queued-reqs`` (both counted on /metrics as
-        ``kvflow:requests_overloaded``), or 400 naming ``param`` when the request alone has
-        more prompts than ``--max-waiting-requests`` (no retry would ever be admitted)."""
+        ``kvflow:requests_overloaded``), or 400 naming ``param`` (or ``n``) when the request
+        alone has more prompts than ``--max-waiting-requests`` or more sequences than
+        ``--max-num-queued-reqs`` (no retry would ever be admitted)."""
         limit = self.config.max_waiting_requests
         if not self.engine.is_healthy:
             raise engine_dead(self.engine.dead_error
                               or RuntimeError("the engine core process is gone"))
+        self._check_fits_in_flight(num_requests, param, n)
         self._check_in_flight(num_requests * n)
         if limit is not None and num_requests > limit:
             raise OpenAIError(f"the request has {num_requests} prompts; this server admits "
@@ -100,6 +102,24 @@ class OpenAIServingChecks:
                               f"requests are waiting (limit {limit}); retry later", 503,
                               "server_overloaded", code="server_overloaded",
                               headers={"Retry-After": "1"})
+
+    def _check_fits_in_flight(self, num_requests: int, param: str, n: int) -> None:
+        """400 when the request alone has more sequences (``num_requests`` prompts of ``n``
+        samples each) than ``--max-num-queued-reqs``: it could never be admitted, so the
+        503 + Retry-After of ``_check_in_flight`` would have a client retry forever. Names
+        ``n`` (``integer_above_max_value``) when it is above 1, else ``param`` (the prompt
+        or input field, ``too_many_prompts``). vLLM 0.32 answers this case with its 503."""
+        limit = self.config.max_num_queued_reqs
+        if limit is None or num_requests * n <= limit:
+            return
+        if n > 1:
+            raise OpenAIError(f"the request asks for {num_requests * n} sequences "
+                              f"({num_requests} prompt(s) with n={n}); this server keeps at "
+                              f"most {limit} in flight (--max-num-queued-reqs): send fewer "
+                              "(a smaller n)", param="n", code="integer_above_max_value")
+        raise OpenAIError(f"the request has {num_requests} prompts; this server keeps at most "
+                          f"{limit} sequences in flight (--max-num-queued-reqs): send at most "
+                          f"{limit} per request", param=param, code="too_many_prompts")
 
     def _check_in_flight(self, slots: int) -> None:
         """vLLM's ``--max-num-queued-reqs``: a 503 (Retry-After 1) when the sequences in
