@@ -128,7 +128,8 @@ class LLM(LLMPooling, LLMOps):
                 with it).
             tokenization_kwargs: vLLM's overrides for ``tokenizer.encode``, for every text
                 and token-id prompt: ``add_special_tokens``, ``truncation`` with
-                ``max_length``, ``truncate_prompt_tokens``, ``truncation_side``,
+                ``max_length``, ``truncate_prompt_tokens``, ``truncation_side`` (when not
+                given the LAST tokens are kept, as vLLM's generate runner keeps them),
                 ``do_lower_case``, ``padding="max_length"``, ``pad_prompt_tokens`` (see
                 :mod:`kvflow.tokenization_options`); another key is a ValueError naming it.
             mm_processor_kwargs: vLLM's overrides for the processor's call, for every

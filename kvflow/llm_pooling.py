@@ -77,7 +77,9 @@ class LLMPooling:
             lora_request: vLLM's keyword: None (or None per prompt); pooling engines run no
                 adapters (see :func:`refuse_pooling_loras`).
             tokenization_kwargs: as ``LLM.generate`` takes them (vLLM's overrides for
-                ``tokenizer.encode``), applied before ``truncate_prompt_tokens``.
+                ``tokenizer.encode``), applied before ``truncate_prompt_tokens``; without a
+                ``truncation_side`` they cut on the right (the first tokens kept), as vLLM's
+                pooling runner does.
 
         Raises:
             ValueError: on a generation model (start it with ``task="embed"``), for a bad
@@ -166,7 +168,8 @@ class LLMPooling:
         users = check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
         processor = self.engine.processor
         limit = truncation_length(truncate_prompt_tokens, processor.max_model_len)
-        options = parse_tokenization_kwargs(tokenization_kwargs, processor.max_model_len)
+        options = parse_tokenization_kwargs(tokenization_kwargs, processor.max_model_len,
+                                            default_side="right")  # vLLM's pooling side
         prompts = list(prompts)
         for i, (p, pp) in enumerate(zip(prompts, params)):  # check all before queuing any
             task = pp.task if pp is not None else "embed"

@@ -14,9 +14,12 @@ Keys read (vLLM's meanings):
 * ``truncate_prompt_tokens`` (int >= 1, or -1 for ``max_model_len``): keep that many tokens.
 * ``truncation_side`` (``"left"``: keep the last tokens, ``"right"``: keep the first): when
   given, the whole text is tokenized and cut on that side (special tokens cut too); when
-  not, the tokenizer cuts a text on its own ``truncation_side`` (keeping its special
-  tokens: ``tokenizer(text, truncation=True, max_length=k)``) and a token-id prompt is cut on
-  that side.
+  not, the side is vLLM's default for the call's runner (vLLM loads the tokenizer with
+  ``truncation_side="left"`` for generation, ``LLM.generate`` and ``LLM.chat``, and
+  ``"right"`` for pooling, ``embed`` / ``encode`` / ``classify``, whatever the
+  tokenizer's own config says), and a text is cut as the tokenizer cuts it on that side
+  (its special tokens kept: ``tokenizer(text, truncation=True, max_length=k)``); a token-id
+  prompt is cut on that side.
 * ``padding``: ``"max_length"`` appends the tokenizer's pad token up to ``max_length``
   tokens (after any cut); False / ``"do_not_pad"`` nothing. ``pad_prompt_tokens`` (int >= 1,
   or -1 for ``max_model_len``) pads to that length.
@@ -50,15 +53,17 @@ class TokenizationOptions:
         add_special_tokens: passed to the tokenizer for text prompts.
         do_lower_case: lower-case a text prompt before tokenizing it.
         keep: tokens kept (None: no cut).
-        side: ``"left"`` / ``"right"`` given by the caller, or None for the tokenizer's own
-            ``truncation_side``.
+        side: the side cut, ``"left"`` (keep the last tokens) or ``"right"`` (the first).
+        side_given: whether the caller named ``side`` (``truncation_side``): then a text's
+            whole tokenization is cut, special tokens too; else the tokenizer's way.
         pad_to: pad to this many tokens (None: no padding).
     """
 
     add_special_tokens: bool = True
     do_lower_case: bool = False
     keep: int | None = None
-    side: str | None = None
+    side: str = "left"
+    side_given: bool = False
     pad_to: int | None = None
 
     @property
@@ -74,23 +79,39 @@ class TokenizationOptions:
         """
         if self.do_lower_case:
             text = text.lower()
-        if self.keep is not None and self.side is None:  # the tokenizer cuts on its side
-            ids = tokenizer(text, add_special_tokens=self.add_special_tokens,
-                            truncation=True, max_length=self.keep)["input_ids"]
-        else:
-            ids = tokenizer.encode(text, add_special_tokens=self.add_special_tokens)
-        return self.reshape(tokenizer, list(ids))
+        ids = list(tokenizer.encode(text, add_special_tokens=self.add_special_tokens))
+        if self.keep is not None and not self.side_given and self.add_special_tokens:
+            ids = self._cut_around_special_tokens(tokenizer, text, ids)
+        return self.reshape(tokenizer, ids)
+
+    def _cut_around_special_tokens(self, tokenizer: Any, text: str,
+                                   ids: list[int]) -> list[int]:
+        """``ids`` (``text`` tokenized with its special tokens) cut as an HF tokenizer with
+        ``truncation_side=side`` cuts them for ``truncation=True, max_length=keep``: the
+        text's own tokens cut so that they and the special tokens around them fit in
+        ``keep``. ``ids`` unchanged when they fit, when the special tokens alone take more
+        than ``keep`` (HF then cuts nothing; ``reshape`` cuts the whole), or when the text's
+        tokens are not one run inside ``ids``."""
+        if len(ids) <= self.keep:
+            return ids
+        body = list(tokenizer.encode(text, add_special_tokens=False))
+        num_special = len(ids) - len(body)
+        budget = self.keep - num_special
+        start = next((p for p in range(max(num_special, 0) + 1)
+                      if ids[p:p + len(body)] == body), None)
+        if start is None or budget < 0:
+            return ids
+        kept = _cut(body, budget, self.side)
+        return ids[:start] + kept + ids[start + len(body):]
 
     def reshape(self, tokenizer: Any, token_ids: list[int]) -> list[int]:
-        """``token_ids`` cut to ``keep`` on ``side`` (or the tokenizer's
-        ``truncation_side``, default right), then padded to ``pad_to``.
+        """``token_ids`` cut to ``keep`` on ``side``, then padded to ``pad_to``.
 
         Raises:
             ValueError: for padding without a pad token in the tokenizer.
         """
-        if self.keep is not None and len(token_ids) > self.keep:
-            side = self.side or getattr(tokenizer, "truncation_side", None) or "right"
-            token_ids = token_ids[-self.keep:] if side == "left" else token_ids[:self.keep]
+        if self.keep is not None:
+            token_ids = _cut(token_ids, self.keep, self.side)
         if self.pad_to is not None and len(token_ids) < self.pad_to:
             pad = getattr(tokenizer, "pad_token_id", None)
             if pad is None:
@@ -100,11 +121,22 @@ class TokenizationOptions:
         return token_ids
 
 
+def _cut(token_ids: list[int], keep: int, side: str) -> list[int]:
+    """``token_ids`` cut to ``keep`` (>= 0) tokens: the last ones for ``side="left"``, the
+    first for ``"right"``; unchanged when there are no more."""
+    if len(token_ids) <= keep:
+        return token_ids
+    return token_ids[len(token_ids) - keep:] if side == "left" else token_ids[:keep]
+
+
 def parse_tokenization_kwargs(kwargs: Mapping[str, Any] | None, max_model_len: int,
-                              add_special_tokens: bool = True) -> TokenizationOptions | None:
+                              add_special_tokens: bool = True,
+                              default_side: str = "left") -> TokenizationOptions | None:
     """``tokenization_kwargs`` checked and resolved against ``max_model_len`` (tokens); None
     for None or an empty dict (tokenize as usual). ``add_special_tokens``: the default when
     the kwargs do not say (False for a rendered chat, whose template writes them).
+    ``default_side``: the side cut when ``truncation_side`` is not given, vLLM's for the
+    runner: ``"left"`` (keep the last tokens) for generation, ``"right"`` for pooling.
 
     Raises:
         ValueError: naming ``tokenization_kwargs`` and the key, for a key kvflow does not read
@@ -153,7 +185,8 @@ def parse_tokenization_kwargs(kwargs: Mapping[str, Any] | None, max_model_len: i
     return TokenizationOptions(add_special_tokens=kwargs.get("add_special_tokens",
                                                              add_special_tokens),
                                do_lower_case=kwargs.get("do_lower_case", False),
-                               keep=keep, side=side, pad_to=pad_to)
+                               keep=keep, side=side or default_side,
+                               side_given=side is not None, pad_to=pad_to)
 
 
 def _length(kwargs: Mapping[str, Any], name: str, max_model_len: int,
