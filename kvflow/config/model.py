@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from kvflow.config.options import check_choices, json_object, opt
 from kvflow.logits_process import load_logits_processors
 
 HF_OVERRIDES_FLAG = "--hf-overrides (hf_overrides)"
+
+# vLLM's spellings of kvflow's values (vLLM's ModelDType and --generation-config): field ->
+# {vLLM's value: kvflow's}; the config holds kvflow's after its checks
+VLLM_VALUE_ALIASES = MappingProxyType({
+    "dtype": MappingProxyType({"half": "float16", "float": "float32"}),
+    "generation_config": MappingProxyType({"vllm": "none"})})
 
 # vLLM's --logprobs-mode values (vLLM 0.10.2+); the first is the default
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -110,12 +117,16 @@ class ModelConfig:
                        "pooling the architecture must pool), or auto; embed and classify "
                        "are refused with --runner generate; not with --task",
                        choices=["auto", "none", "embed", "classify"])
-    dtype: str = opt("auto", "compute dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    dtype: str = opt("auto", "compute dtype (also vLLM's half = float16 and float = float32)",
+                     choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
     max_model_len: int | None = opt(None, "context length in tokens (default: the model's)")
     seed: int = opt(0, "seed for unseeded random sampling and dummy weights (an integer in "
                      "[-2**63, 2**64); a negative one wraps, as torch's generators take it)")
-    load_format: str = opt("auto", "weights: auto (from files) or dummy (random init)",
-                            choices=["auto", "dummy"])
+    load_format: str = opt("auto", "weights: auto (from files: a folder's safetensors or a "
+                            ".gguf file), safetensors (a folder's safetensors files only, "
+                            "as vLLM's) or dummy (random init); vLLM's pt is refused (kvflow "
+                            "reads no PyTorch .bin/.pt model checkpoint)",
+                            choices=["auto", "safetensors", "dummy", "pt"])
     disable_sliding_window: bool = opt(False, "cap max_model_len at the model's sliding "
                                        "window, so its sliding-window layers attend to every "
                                        "key (vLLM's flag of the same name; a larger "
@@ -134,7 +145,8 @@ class ModelConfig:
     generation_config: str = opt("auto", "sampling defaults: auto (temperature, top_p, top_k, "
                                   "min_p, repetition_penalty, max_new_tokens from the model "
                                   "folder's generation_config.json; a request's own values "
-                                  "win) or none", choices=["auto", "none"])
+                                  "win) or none (also vLLM's spelling vllm)",
+                                  choices=["auto", "none", "vllm"])
     quantization: str | None = opt(
         None, "weight quantization: none, int8 (weight-only, per channel), int4 (weight-only, "
         "group-wise), fp8 (W8A8: FP8 weights with per-tensor scales, activations per token; "
@@ -195,7 +207,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         """Checks each field (``hf_overrides`` and ``override_generation_config`` given as
-        JSON text become dicts, or None).
+        JSON text become dicts, or None; vLLM's spellings of ``dtype`` and
+        ``generation_config`` become kvflow's: ``VLLM_VALUE_ALIASES``).
 
         Raises:
             ValueError: naming the field, for a value of the wrong type or out of range,
@@ -203,7 +216,8 @@ class ModelConfig:
                 (or sets a key kvflow does not read), ``logits_processors`` naming what does
                 not import or is not a ``LogitsProcessor`` subclass, a ``tokenizer_mode``
                 other than auto /
-                hf, or two fields that conflict.
+                hf, ``load_format="pt"`` (no PyTorch checkpoint reader), or two fields that
+                conflict.
         """
         self.override_generation_config = _generation_overrides(self.override_generation_config)
         if isinstance(self.logits_processors, (str, type)):
@@ -212,6 +226,7 @@ class ModelConfig:
             self.logits_processors = list(self.logits_processors) or None
             load_logits_processors(self.logits_processors)
         check_choices(self)
+        self._apply_vllm_spellings()
         self.hf_overrides = parse_hf_overrides(self.hf_overrides)
         if self.tokenizer_mode not in ("auto", "hf"):
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} is not available: kvflow "
@@ -232,6 +247,21 @@ class ModelConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 1 (or unset for "
                              "the model's own)")
+
+    def _apply_vllm_spellings(self) -> None:
+        """vLLM's values as kvflow's (``VLLM_VALUE_ALIASES``: ``dtype`` half / float,
+        ``generation_config`` vllm), and vLLM's ``load_format`` pt refused.
+
+        Raises:
+            ValueError: for ``load_format="pt"``, naming the flag and why.
+        """
+        for name, aliases in VLLM_VALUE_ALIASES.items():
+            setattr(self, name, aliases.get(getattr(self, name), getattr(self, name)))
+        if self.load_format == "pt":
+            raise ValueError("load_format='pt' is not available: kvflow "
+                             "reads a model's weights from safetensors files or a .gguf "
+                             "file, not from PyTorch .bin/.pt checkpoints; give auto or "
+                             "safetensors (transformers' save_pretrained writes safetensors)")
 
     def _check_runner(self) -> None:
         """Refuse vLLM's ``runner`` / ``convert`` values kvflow cannot serve, and their use

@@ -24,6 +24,7 @@ from kvflow.models.hf_overrides import config_from_dict
 from kvflow.models.model_resolver import ModelSource, resolve_tokenizer
 from kvflow.models.registry import get_model_class
 from kvflow.models.safetensors_files import (
+    checkpoint_files,
     checkpoint_tensor_names,
     iter_safetensors,
 )
@@ -176,10 +177,16 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
     tensor_names)`` classmethod first fits the config to the checkpoint's layout), give its layers their quantization methods, load the weights
     and run the methods' after-loading step (quantize on load, repack).
 
+    ``load_format``: ``auto`` (the source's files), ``safetensors`` (vLLM's: a folder's
+    safetensors files only, as ``auto`` reads them) or ``dummy`` (random weights).
+
     Raises:
-        ValueError: for an unsupported architecture, missing weights, or a checkpoint that leaves
-            parameters unset (also one part of a fused parameter: ``k_proj`` of ``qkv_proj``).
+        ValueError: for an unsupported architecture, missing weights, a checkpoint that leaves
+            parameters unset (also one part of a fused parameter: ``k_proj`` of ``qkv_proj``),
+            or ``load_format="safetensors"`` on a GGUF file or a folder without safetensors.
     """
+    if load_format == "safetensors":
+        _check_safetensors_source(source)
     model_cls = get_model_class(getattr(hf_config, "architectures", None))
     adapt = getattr(model_cls, "adapt_config_to_checkpoint", None)
     if adapt is not None and load_format != "dummy" and source.kind != "gguf":
@@ -213,6 +220,24 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
     with torch.device(device):
         process_weights_after_loading(model)
     return model.eval()
+
+
+def _check_safetensors_source(source: ModelSource) -> None:
+    """``load_format="safetensors"`` (vLLM's ``--load-format safetensors``): the weights must
+    be a model folder's safetensors files, checked before the model is built.
+
+    Raises:
+        ValueError: naming the flag, for a GGUF file or a folder that holds no safetensors
+            weight files (or an index naming missing ones).
+    """
+    flag = "load_format='safetensors'"  # the CLI writes it as the flag typed
+    if source.kind == "gguf":
+        raise ValueError(f"{flag}: {source.path!r} is a GGUF file, not safetensors; give "
+                         "--load-format auto to read it")
+    try:
+        checkpoint_files(source.path)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
 
 
 def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None,

@@ -79,8 +79,10 @@ def model_identity(path: str, hf_config: Any, dtype: torch.dtype, model_config: 
               if k not in ("_name_or_path", "transformers_version")}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     mc = model_config
+    # safetensors (vLLM's) reads the same files as auto: the same model, the same keys
+    load_format = "auto" if mc.load_format == "safetensors" else mc.load_format
     digest.update(repr((str(dtype), mc.quantization, mc.quantization_group_size,
-                        mc.load_format, mc.seed if mc.load_format == "dummy" else None)).encode())
+                        load_format, mc.seed if load_format == "dummy" else None)).encode())
     if mc.load_format != "dummy":
         files = [path] if os.path.isfile(path) else sorted(
             os.path.join(path, f) for f in os.listdir(path) if f.endswith(_WEIGHT_SUFFIXES))
