@@ -42,6 +42,8 @@ _SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,
 _JSON_SECTIONS = ("speculative_config", "kv_events_config", "kv_transfer_config")
 # vLLM's shorthands of speculative_config's keys (spec_method, spec_model, spec_tokens)
 _SPEC_KEYWORDS = tuple(name for _, name, _ in SPEC_SHORTHANDS)
+# what --help says of a left-out speculative method (SpeculativeConfig._infer_method)
+_SPEC_METHOD_DEFAULT = "draft_model when model is given, else required"
 
 
 @dataclass
@@ -276,7 +278,9 @@ class EngineConfig:
             group = parser.add_argument_group(sec_cls.__name__)
             for f in fields(sec_cls):
                 add_field_arg(group, f)
-        keys = ", ".join(f"{f.name} ({f.default})" for f in fields(SpeculativeConfig))
+        keys = ", ".join(
+            f"{f.name} ({_SPEC_METHOD_DEFAULT if f.name == 'method' else f.default})"
+            for f in fields(SpeculativeConfig))
         spec = parser.add_argument_group("SpeculativeConfig")
         spec.add_argument(
             "--speculative-config", type=str, default=None,

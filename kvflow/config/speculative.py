@@ -34,8 +34,9 @@ class SpeculativeConfig:
             ``fc`` of three target layers' residual streams, with its own draft vocabulary;
             kvflow/models/eagle3.py) or ``deepseek_mtp`` (DeepSeek-V3's
             multi-token-prediction layer, the same way; ``model`` defaults to the target). Left
-            out of a dict or JSON (:meth:`from_value`): ``draft_model`` if ``model`` is given
-            (as vLLM infers it), else ``ngram``.
+            out (None), as vLLM infers it: ``draft_model`` if ``model`` is given (``ngram``
+            for vLLM's ``model`` "ngram" / "[ngram]"); with neither, refused as vLLM refuses
+            it (``--spec-tokens`` alone names no proposer).
         num_speculative_tokens: most draft tokens per request and step (K).
         model: the draft model (``draft_model``) or EAGLE head checkpoint (``eagle``, vLLM's
             ``EagleLlamaForCausalLM`` layout; ``eagle3``, ``Eagle3LlamaForCausalLM``'s): a
@@ -62,14 +63,14 @@ class SpeculativeConfig:
             zero outside the subset; kvflow/spec_decode/draft_vocab.py).
 
     Raises:
-        ValueError: from the constructor for an unknown method, a missing or empty draft
-            model, a size out of range, ``draft_cpu_threads`` above the CPUs of the process's
-            affinity mask and cgroup CPU quota
-            (:func:`~kvflow.config.cpu_limits.check_thread_limit`), or a key of the other
-            method (``_check_method_keys``).
+        ValueError: from the constructor for an unknown method, neither ``method`` nor
+            ``model`` given, a missing or empty draft model, a size out of range,
+            ``draft_cpu_threads`` above the CPUs of the process's affinity mask and cgroup
+            CPU quota (:func:`~kvflow.config.cpu_limits.check_thread_limit`), or a key of
+            the other method (``_check_method_keys``).
     """
 
-    method: str = "ngram"
+    method: str | None = None
     num_speculative_tokens: int = 4
     model: str | None = None
     prompt_lookup_max: int = 4
@@ -84,6 +85,7 @@ class SpeculativeConfig:
             check_choices(self)
         except ValueError as e:
             raise ValueError(f"speculative_config {e}") from None
+        self._infer_method()
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config method={self.method!r} is invalid; choose "
                              f"one of {list(SPEC_METHODS)}")
@@ -127,6 +129,31 @@ class SpeculativeConfig:
         if self.quantization not in (None, "auto", "none", "int8", "int4"):
             raise ValueError(f"speculative_config quantization={self.quantization!r} is "
                              "invalid; choose int8, int4, none (or null) or auto")
+
+    def _infer_method(self) -> None:
+        """A ``method`` left out, as vLLM's ``SpeculativeConfig`` infers it: ``ngram`` for
+        ``model`` "ngram" / "[ngram]" (vLLM's older spelling, the model then unset), else
+        ``draft_model`` when a ``model`` is named.
+
+        Raises:
+            ValueError: with neither ``method`` nor ``model`` (vLLM: "num_speculative_tokens
+                was provided but without speculative model."), naming the flags that set
+                them, rather than running n-gram lookup nobody asked for.
+        """
+        if self.method is not None:
+            return
+        if self.model in ("ngram", "[ngram]"):
+            self.method, self.model = "ngram", None
+        elif self.model is not None:
+            self.method = "draft_model"
+        else:
+            raise ValueError(
+                "speculative_config names no proposer: neither 'method' nor 'model' is given "
+                "(vLLM refuses it too: \"num_speculative_tokens was provided but without "
+                "speculative model.\"); give --spec-method M (--speculative-config's "
+                "'method': ngram for n-gram prompt lookup, or "
+                f"{', '.join(SPEC_METHODS[1:-1])} or {SPEC_METHODS[-1]}) or --spec-model NAME "
+                "(its 'model': a draft model)")
 
     def _check_method_keys(self) -> None:
         """Keys of the other method, set to something they would do, are refused rather
@@ -182,8 +209,9 @@ class SpeculativeConfig:
 
         Raises:
             ValueError: for text that is not a JSON object (an empty string too: leave the
-                flag out to run without speculation), or an unknown key (named). A missing
-                ``method`` is ``draft_model`` when ``model`` is given, else ``ngram``.
+                flag out to run without speculation), an unknown key (named), or neither
+                ``method`` nor ``model`` (a missing ``method`` is ``draft_model`` when
+                ``model`` is given: :meth:`_infer_method`).
         """
         if value is None or isinstance(value, cls):
             return value
@@ -199,8 +227,6 @@ class SpeculativeConfig:
         unknown, known = unknown_fields(cls, value)
         if unknown:
             raise ValueError(f"speculative_config has unknown key(s) {unknown}; valid: {known}")
-        if "method" not in value:  # as vLLM: a draft model named means method draft_model
-            value = {**value, "method": "draft_model" if value.get("model") else "ngram"}
         return cls(**value)
 
 

@@ -103,7 +103,8 @@ class _WrongDrafts(Speculator):
     """Three drafts per decode, all wrong (every one is computed, then rejected)."""
 
     def __init__(self) -> None:
-        super().__init__(SpeculativeConfig(num_speculative_tokens=3, adaptive=False), 4000)
+        super().__init__(SpeculativeConfig(method="ngram", num_speculative_tokens=3,
+                                           adaptive=False), 4000)
 
     def _candidate_drafts(self, request: Request, room: int):
         return np.full(room, 7, np.int64)

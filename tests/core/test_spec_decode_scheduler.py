@@ -25,8 +25,8 @@ class OracleSpeculator(Speculator):
     that varies with the request's length (sometimes none), so steps accept 0..K drafts."""
 
     def __init__(self, k: int, max_model_len: int, wrong_every: int = 3, **kw) -> None:
-        super().__init__(SpeculativeConfig(num_speculative_tokens=k, adaptive=False, **kw),
-                         max_model_len)
+        super().__init__(SpeculativeConfig(method="ngram", num_speculative_tokens=k,
+                                           adaptive=False, **kw), max_model_len)
         self.wrong_every = wrong_every
         self.proposed: list[tuple[str, int, int]] = []  # (request, num_tokens, drafts)
 
@@ -102,7 +102,7 @@ def test_counts_reach_outputs_and_requests(make_scheduler, make_driver, make_req
 def test_rejected_drafts_roll_back_and_free_whole_blocks(make_scheduler, make_driver,
                                                          make_request, oracle):
     sched = make_scheduler(num_blocks=50, block_size=4)
-    sched.speculator = WrongSpeculator(SpeculativeConfig(num_speculative_tokens=6,
+    sched.speculator = WrongSpeculator(SpeculativeConfig(method="ngram", num_speculative_tokens=6,
                                                          adaptive=False), 4000)
     driver = make_driver(sched)
     driver.add(make_request("a", [1, 2, 3, 4, 5], max_tokens=10))
@@ -202,7 +202,7 @@ def test_ngram_proposer_through_the_scheduler(make_scheduler, make_driver, make_
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
     script = [5, 6, 7, 8, 40, 9, 10, 11, 12, 5, 6, 41, 7, 8, 9, 10, 11, 12, 5, 6]
     sched = make_scheduler()
-    sched.speculator = Speculator(SpeculativeConfig(num_speculative_tokens=3,
+    sched.speculator = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=3,
                                                     prompt_lookup_min=1, adaptive=False), 4000)
     driver = make_driver(sched, {"r0": script})
     driver.add(make_request("r0", prompt, max_tokens=len(script)))
@@ -331,7 +331,8 @@ def test_drafts_never_preempt(make_scheduler, make_driver, make_request, oracle)
     _, plain_driver = _run_mixed(make_scheduler, make_driver, make_request, None, requests,
                                  **kw)
     assert not any(s.preempted for s in plain_driver.steps)  # plain decoding fits
-    spec = WrongSpeculator(SpeculativeConfig(num_speculative_tokens=12, adaptive=False), 4000)
+    spec = WrongSpeculator(SpeculativeConfig(method="ngram", num_speculative_tokens=12,
+                                             adaptive=False), 4000)
     results, driver = _run_mixed(make_scheduler, make_driver, make_request, spec, requests,
                                  **kw)
     for i, (prompt, max_tokens) in enumerate(requests):

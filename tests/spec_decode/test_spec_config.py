@@ -44,14 +44,14 @@ def test_flag_dict_and_object_forms_agree():
     ('{"method": "medusa", "model": "h"}', "method='medusa' is invalid"),
     ('{"method": "ngram", "k": 3}', "unknown key(s) ['k']"),
     ('{"method": "draft_model"}', "needs 'model'"),
-    ('{"num_speculative_tokens": 0}', "num_speculative_tokens=0"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens=0"),
     ('{"num_speculative_tokens": "4"}', "num_speculative_tokens='4'"),
-    ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "1 <= min <= max"),
+    ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "1 <= min <= max"),
     ('{"method": "ngram"', "not valid JSON"),
     ("", "is empty, which is not valid JSON"),  # was taken as "no speculation"
     ("  ", "is empty, which is not valid JSON"),
     ("[1, 2]", "must be a JSON object"),
-    ('{"quantization": "fp4"}', "quantization='fp4'"),
+    ('{"method": "ngram", "quantization": "fp4"}', "quantization='fp4'"),
     ('{"method": "draft_model", "model": "m", "draft_vocab_size": -1}', "draft_vocab_size=-1"),
     ('{"method": "draft_model", "model": "m", "draft_vocab_size": "big"}',
      "draft_vocab_size='big'"),
@@ -63,7 +63,8 @@ def test_flag_dict_and_object_forms_agree():
     ('{"method": "ngram", "model": "m"}', "model='m' applies to method='draft_model' only"),
     # the other method's keys were accepted and ignored
     ('{"method": "ngram", "draft_cpu_threads": 2}', "draft_cpu_threads=2 applies to method="),
-    ('{"quantization": "int4"}', "quantization='int4' applies to method='draft_model' only"),
+    ('{"method": "ngram", "quantization": "int4"}',
+     "quantization='int4' applies to method='draft_model' only"),
     ('{"model": "m", "prompt_lookup_min": 3}', "apply to method='ngram' only"),
     ('{"method": "draft_model", "model": "m", "prompt_lookup_max": 8}',
      "prompt_lookup_max=8 / prompt_lookup_min=2 apply to method='ngram' only"),
@@ -76,11 +77,25 @@ def test_bad_values_name_the_problem(value, needle):
 
 
 def test_a_missing_method_is_inferred_as_vllm_does():
-    """No ``method``: ``draft_model`` when a ``model`` is named, else ``ngram``."""
+    """No ``method``: ``draft_model`` when a ``model`` is named, ``ngram`` for vLLM's model
+    "ngram" / "[ngram]"; with neither, refused as vLLM's ``SpeculativeConfig`` refuses it
+    (``method`` None becomes draft_model there, which then has no model): no n-gram lookup
+    nobody asked for."""
     draft = SpeculativeConfig.from_value('{"model": "m", "num_speculative_tokens": 3}')
     assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "m", 3)
-    assert SpeculativeConfig.from_value("{}").method == "ngram"
-    assert SpeculativeConfig.from_value({"prompt_lookup_max": 3}).method == "ngram"
+    for spelling in ("ngram", "[ngram]"):
+        ngram = SpeculativeConfig.from_value({"model": spelling, "num_speculative_tokens": 2})
+        assert (ngram.method, ngram.model, ngram.num_speculative_tokens) == ("ngram", None, 2)
+    for value in ('{"num_speculative_tokens": 3}', "{}", {"prompt_lookup_max": 3},
+                  {"method": None, "model": None, "num_speculative_tokens": 3}):
+        with pytest.raises(ValueError) as err:
+            SpeculativeConfig.from_value(value)
+        assert str(err.value).startswith(
+            "speculative_config names no proposer: neither 'method' nor 'model' is given")
+        assert "give --spec-method M" in str(err.value)
+        assert "or --spec-model NAME" in str(err.value)
+    with pytest.raises(ValueError, match="names no proposer"):
+        SpeculativeConfig(num_speculative_tokens=3)  # the Python object the same way
 
 
 def test_draft_defaults_are_int8_and_a_32k_head_on_a_cpu():

@@ -53,9 +53,24 @@ def test_both_ways_refused(capsys, argv, needle):
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["--spec-tokens", "3"],
+                                  ["--speculative-config", '{"num_speculative_tokens": 3}'],
+                                  ["--spec-tokens", "3", "--speculative-config",
+                                   '{"adaptive": false}']])
+def test_tokens_without_method_or_model_are_refused(capsys, argv):
+    """vLLM refuses num_speculative_tokens without a method or model ("num_speculative_tokens
+    was provided but without speculative model."); kvflow ran n-gram lookup instead."""
+    assert main(["serve", "m", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "speculative_config names no proposer: neither 'method' nor 'model'" in err
+    assert "--spec-method M" in err and "--spec-model NAME" in err
+    with pytest.raises(ValueError, match="names no proposer"):
+        LLM(model="m", spec_tokens=3)
+
+
 def test_refused_beside_a_config_object():
     with pytest.raises(ValueError, match="--spec-tokens beside a SpeculativeConfig"):
-        merge_spec_shorthands(SpeculativeConfig(), {"spec_tokens": 3})
+        merge_spec_shorthands(SpeculativeConfig(method="ngram"), {"spec_tokens": 3})
 
 
 def test_llm_keywords_draft_and_keep_greedy_output(tiny_llama, assert_no_leaks):
