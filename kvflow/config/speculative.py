@@ -181,6 +181,17 @@ class SpeculativeConfig:
                              f"/ prompt_lookup_min={self.prompt_lookup_min} apply to method="
                              "'ngram' only (a draft model proposes without n-gram lookup)")
 
+    def summary(self) -> str:
+        """What the engine's start-up line says of speculative decoding (vLLM's engine
+        config line shows its ``SpeculativeConfig(method, model, num_spec_tokens)``), e.g.
+        ``method ngram, model none, num_speculative_tokens 3, adaptive true, n-gram sizes
+        4..2``."""
+        model = self.model or ("none" if self.method == "ngram" else "the target's")
+        sizes = f", n-gram sizes {self.prompt_lookup_max}..{self.prompt_lookup_min}" \
+            if self.method == "ngram" else ""
+        return (f"method {self.method}, model {model}, num_speculative_tokens "
+                f"{self.num_speculative_tokens}, adaptive {str(self.adaptive).lower()}{sizes}")
+
     def draft_options(self, device_type: str, prequantized: bool = False,
                       deterministic: bool = False) -> tuple[str | None, int | None]:
         """The draft model's ``(quantization, draft_vocab_size)`` on a device of

@@ -264,6 +264,7 @@ class EngineCoreStartup:
         spec = self.config.speculative_config
         if spec is None:
             return None
+        logger.info("speculative decoding: %s", spec.summary())
         # an EAGLE / MTP head is one decoder layer: its pass costs about one target layer's share
         ratio = 1.0 / max(getattr(self.hf_config, "num_hidden_layers", 1), 1) \
             if spec.method in HEAD_METHODS else 1.0
