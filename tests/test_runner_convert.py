@@ -6,6 +6,8 @@ refused naming both flags."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -13,6 +15,8 @@ from kvflow import LLM, SamplingParams
 from kvflow.config import EngineConfig
 from kvflow.config.model import ModelConfig
 from kvflow.entrypoints.cli import build_parser
+from kvflow.entrypoints.openai_errors import OpenAIError
+from kvflow.entrypoints.serving_pooling import OpenAIServingPooling
 from kvflow.models.model_task import resolve_task
 
 TEXT = "the quick brown fox"
@@ -89,3 +93,46 @@ def test_cli_and_config_file(tmp_path):
     path.write_text("runner: pooling\nconvert: none\n")
     args = parser.parse_args(expand_config_file(parser, ["serve", "--config", str(path)]))
     assert EngineConfig.from_cli_args(args).model_config.requested_task == "pooling_native"
+
+
+@pytest.mark.parametrize("kwargs,asked", [
+    ({"convert": "classify"}, "task='classify' (--convert classify)"),
+    ({"runner": "pooling", "convert": "classify"},
+     "task='classify' (--runner pooling --convert classify)"),
+    ({"task": "classify"}, "task='classify'"),  # --task: named as before
+])
+def test_refusal_names_the_flags_given(tiny_llama, kwargs, asked):
+    """A generating model cannot be converted to a classifier here: the refusal names
+    --runner / --convert when those chose the task (it said task='classify' alone)."""
+    with pytest.raises(ValueError) as err:
+        LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64, **kwargs)
+    assert str(err.value).startswith(f"{asked} needs a sequence classifier (")
+
+
+def _checks(runs: str, **model_kwargs) -> OpenAIServingPooling:
+    """The server's request checks over an engine that runs task ``runs`` (no pooler
+    config: that task alone) under a ModelConfig of ``model_kwargs`` (only what the task
+    refusals read)."""
+    checks = OpenAIServingPooling.__new__(OpenAIServingPooling)
+    checks.engine = SimpleNamespace(task=runs, processor=SimpleNamespace(pooler=None),
+                                    config=EngineConfig.from_kwargs(**model_kwargs))
+    return checks
+
+
+def test_server_refusals_name_the_flags_given():
+    """/v1/completions on a --runner pooling --convert embed server said "runs task='embed'
+    (--task)", a flag the user never typed."""
+    flags = {"runner": "pooling", "convert": "embed"}
+    with pytest.raises(OpenAIError) as err:
+        _checks("embed", **flags).check_task("generate")
+    assert str(err.value).startswith("this server's model runs task='embed' (--runner pooling "
+                                     "--convert embed); this endpoint needs task='generate'")
+    with pytest.raises(OpenAIError) as err:
+        _checks("embed", task="embed").check_task("generate")
+    assert str(err.value).startswith("this server's model runs task='embed' (--task); ")
+    with pytest.raises(OpenAIError) as err:  # /pooling on a generating server
+        _checks("generate", runner="generate")._task(None)
+    assert str(err.value).startswith("this server's model runs task='generate' "
+                                     "(--runner generate); /pooling needs a pooling model")
+    assert ModelConfig(convert="embed").task_flags == "--convert embed"
+    assert ModelConfig().task_flags == "--task"

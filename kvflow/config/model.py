@@ -316,6 +316,16 @@ class ModelConfig:
         return self.task
 
     @property
+    def task_flags(self) -> str:
+        """The flags that chose the task, for messages naming them as the user gave them:
+        vLLM's ``--runner R`` / ``--convert C`` (those not auto) when either was given,
+        else ``--task``."""
+        given = [f"--{name} {value}" for name, value in (("runner", self.runner),
+                                                          ("convert", self.convert))
+                 if value != "auto"]
+        return " ".join(given) or "--task"
+
+    @property
     def tokenizer_options(self) -> dict[str, Any]:
         """``AutoTokenizer.from_pretrained`` keyword arguments: ``trust_remote_code``."""
         return {"trust_remote_code": self.trust_remote_code}

@@ -144,9 +144,9 @@ class EngineCoreStartup:
                 speculative decoding, an installed logits processor plugin that does not
                 import (``EngineConfig.find_logits_processor_plugins``).
         """
-        folder = source.path if source.kind == "hf" else None
-        self.task, self.pooler_config = model_task(self.config.model_config.requested_task,
-                                                   self.hf_config, folder)
+        folder, mc = source.path if source.kind == "hf" else None, self.config.model_config
+        self.task, self.pooler_config = model_task(mc.requested_task, self.hf_config, folder,
+                                                   mc.task_flags)
         self.is_encoder = model_traits(self.hf_config)[1]
         self.config.find_logits_processor_plugins(self.task)  # before the workers get it
         pooling, does = self.task != "generate", TASK_VERB[self.task]

@@ -49,6 +49,11 @@ class OpenAIServingChecks:
         pooler = self.engine.processor.pooler
         return task in ((self.engine.task,) if pooler is None else pooler.tasks)
 
+    def task_flags(self) -> str:
+        """The flags that chose the served model's task, as its refusals name them
+        (``ModelConfig.task_flags``: ``--task``, or vLLM's ``--runner`` / ``--convert``)."""
+        return self.engine.config.model_config.task_flags
+
     def check_task(self, task: str) -> None:
         """Refuse an endpoint the served model does not do (text on an embedding model,
         embeddings on a text model, scores on either, scores on a classify server whose
@@ -62,9 +67,10 @@ class OpenAIServingChecks:
         if self.serves(task):
             return
         pooler = self.engine.processor.pooler
+        flags = self.task_flags()
         if self.engine.task == "classify" and task == "score":
             labels = pooler.num_labels
-            raise OpenAIError(f"this server's model runs task='classify' (--task) with "
+            raise OpenAIError(f"this server's model runs task='classify' ({flags}) with "
                               f"num_labels={labels}: /v1/score and /v1/rerank need a "
                               "one-label classifier (num_labels == 1, a relevance logit); "
                               f"serve it with --task score for its {labels} values per pair, "
@@ -74,7 +80,7 @@ class OpenAIServingChecks:
                "classify": "/v1/classify",
                "token_classify": "/pooling with task token_classify"}.get(
             self.engine.task, "/v1/completions or /v1/chat/completions")
-        raise OpenAIError(f"this server's model runs task={self.engine.task!r} (--task); "
+        raise OpenAIError(f"this server's model runs task={self.engine.task!r} ({flags}); "
                           f"this endpoint needs task={task!r}: use {use}", param="model",
                           code="wrong_task")
 

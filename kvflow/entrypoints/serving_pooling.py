@@ -87,7 +87,8 @@ class OpenAIServingPooling(OpenAIServingEmbedding):
         pooler = self.engine.processor.pooler
         if pooler is None:  # every pooling engine task serves /pooling, not only embed
             served = [t for t in TASK_VERB if t != "generate"]
-            raise OpenAIError(f"this server's model runs task={self.engine.task!r} (--task); "
+            raise OpenAIError(f"this server's model runs task={self.engine.task!r} "
+                              f"({self.task_flags()}); "
                               f"/pooling needs a pooling model (--task "
                               f"{', '.join(served[:-1])} or {served[-1]}): use "
                               "/v1/completions or /v1/chat/completions", param="model",
@@ -101,7 +102,8 @@ class OpenAIServingPooling(OpenAIServingEmbedding):
                               code="invalid_value")
         task = task or _DEFAULT_TASK.get(pooler.task, "classify")
         if task not in pooler.tasks:
-            raise OpenAIError(f"this server's model runs task={pooler.task!r} (--task) and "
+            raise OpenAIError(f"this server's model runs task={pooler.task!r} "
+                              f"({self.task_flags()}) and "
                               f"serves {', '.join(t for t in TASKS if t in pooler.tasks)} "
                               f"here, not {task!r}: leave task out for its "
                               f"{_RESULT.get(pooler.task, 'classes')}",

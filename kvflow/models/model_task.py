@@ -19,7 +19,8 @@ _ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid",
 
 
 def resolve_task(requested: str, is_pooling_architecture: bool, folder: str | None,
-                 is_cross_encoder: bool = False, is_token_classifier: bool = False) -> str:
+                 is_cross_encoder: bool = False, is_token_classifier: bool = False,
+                 flags: str = "--task") -> str:
     """``generate``, ``embed``, ``score`` or ``classify``: ``requested``, or for ``auto`` score
     for a sequence classifier (``*ForSequenceClassification``, encoder or decoder), embed when
     the architecture only embeds (an encoder such as BertModel, a decoder without LM head such
@@ -30,7 +31,9 @@ def resolve_task(requested: str, is_pooling_architecture: bool, folder: str | No
     ``pooling`` and ``pooling_native`` (vLLM's ``--runner pooling`` with ``--convert auto``
     / ``none``, :attr:`ModelConfig.requested_task`): what ``auto`` picks when it pools; for a
     generating architecture ``pooling`` is ``embed`` (vLLM converts it so) and
-    ``pooling_native`` is refused.
+    ``pooling_native`` is refused. ``flags``: the flags that asked for the task
+    (:attr:`ModelConfig.task_flags`), named in a refusal when they are vLLM's
+    ``--runner`` / ``--convert``.
 
     Raises:
         ValueError: for ``generate`` on an architecture without an LM head, ``score`` /
@@ -48,9 +51,10 @@ def resolve_task(requested: str, is_pooling_architecture: bool, folder: str | No
                              "pools (an encoder, *ForSequenceClassification, ...); this one "
                              "generates text (--convert embed pools its last token)")
         return "embed"
+    asked = f"task={requested!r}" + ("" if flags == "--task" else f" ({flags})")
     if is_token_classifier:
         if requested not in ("auto", "token_classify"):
-            raise ValueError(f"task={requested!r}: this architecture is a token classifier "
+            raise ValueError(f"{asked}: this architecture is a token classifier "
                              "(a *ForTokenClassification head); it classifies every prompt "
                              "token (task='token_classify')")
         return "token_classify"
@@ -60,20 +64,20 @@ def resolve_task(requested: str, is_pooling_architecture: bool, folder: str | No
                          "token-classification head")
     if is_cross_encoder:
         if requested not in ("auto", "score", "classify"):
-            raise ValueError(f"task={requested!r}: this architecture is a sequence classifier "
+            raise ValueError(f"{asked}: this architecture is a sequence classifier "
                              "(a *ForSequenceClassification head); it scores text pairs "
                              "(task='score') or classifies texts (task='classify')")
         return "score" if requested == "auto" else requested
     if requested in ("score", "classify"):
-        raise ValueError(f"task={requested!r} needs a sequence classifier ("
+        raise ValueError(f"{asked} needs a sequence classifier ("
                          f"{', '.join(_CLASSIFIERS)}); this architecture has no "
                          "classification head")
     if requested == "auto":
         embed = is_pooling_architecture or has_sentence_transformers_config(folder)
         return "embed" if embed else "generate"
     if requested == "generate" and is_pooling_architecture:
-        raise ValueError("task='generate' needs a model with an LM head; this architecture "
-                         "only embeds (use task='embed')")
+        raise ValueError(f"{asked} needs a model with an LM head; this architecture only "
+                         "embeds (use task='embed')")
     return requested
 
 
@@ -90,7 +94,7 @@ _TOKEN_CLASSIFIERS = ("BertForTokenClassification", "RobertaForTokenClassificati
                       "Qwen3ForTokenClassification")
 
 
-def model_task(requested: str, hf_config: Any, folder: str | None
+def model_task(requested: str, hf_config: Any, folder: str | None, flags: str = "--task"
                ) -> tuple[str, PoolerConfig | None]:
     """The task an engine runs and, for ``embed``, ``score``, ``classify`` and
     ``token_classify`` (a ``*ForTokenClassification`` model, every token pooled), the model's
@@ -107,6 +111,7 @@ def model_task(requested: str, hf_config: Any, folder: str | None
             classify | token_classify | pooling | pooling_native).
         hf_config: the model's HF config.
         folder: the HF model folder (None for a GGUF file).
+        flags: ``ModelConfig.task_flags``, the flags a refusal names.
 
     Raises:
         ValueError: see :func:`resolve_task` and :func:`load_pooler_config`.
@@ -115,7 +120,7 @@ def model_task(requested: str, hf_config: Any, folder: str | None
 
     pooling_only, encoder = model_traits(hf_config)
     task = resolve_task(requested, pooling_only, folder, is_cross_encoder(hf_config),
-                        is_token_classifier(hf_config))
+                        is_token_classifier(hf_config), flags)
     if task == "generate":
         return task, None
     if task == "token_classify":  # every prompt token's row through the head
