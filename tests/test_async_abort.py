@@ -24,6 +24,7 @@ import torch
 
 from kvflow import SamplingParams
 from kvflow.outputs import RequestOutput
+from tests.test_request_metrics import open_requests_of
 
 PROMPT = [1, 5, 9, 13, 17, 21]
 OTHER = [40, 41, 42, 43, 44, 45, 46, 47]
@@ -74,18 +75,24 @@ async def _abort_from_another_task(engine) -> tuple[list[RequestOutput], Request
         await engine.shutdown()
 
 
-@pytest.mark.timeout(300)
-def test_abort_from_another_task_ends_the_stream(tiny_llama):
+def _run(tiny_llama, scenario):
+    """``scenario(engine)`` run on a fresh AsyncLLM of the tiny Llama (48 blocks of 4);
+    returns (its result, the engine's last stats, the closed engine)."""
     from kvflow.config import EngineConfig
     from kvflow.engine.async_llm import AsyncLLM
 
     engine = AsyncLLM(EngineConfig.from_kwargs(model=tiny_llama.path, dtype="float32",
                                                num_kv_blocks=48, block_size=4))
     try:
-        outputs, kept = asyncio.run(_abort_from_another_task(engine))
-        stats = engine.stats[0]
+        result = asyncio.run(scenario(engine))
+        return result, engine.stats[0], engine
     finally:
         engine.close()
+
+
+@pytest.mark.timeout(300)
+def test_abort_from_another_task_ends_the_stream(tiny_llama):
+    (outputs, kept), stats, engine = _run(tiny_llama, _abort_from_another_task)
     last = outputs[-1]
     assert last.finished and [c.finish_reason for c in last.outputs] == ["abort"]
     assert all(not out.finished for out in outputs[:-1])
@@ -129,39 +136,12 @@ async def _reuse_after_abort(engine) -> list[RequestOutput]:
 
 @pytest.mark.timeout(300)
 def test_an_id_used_again_right_after_its_abort_gets_only_its_own_tokens(tiny_llama):
-    from kvflow.config import EngineConfig
-    from kvflow.engine.async_llm import AsyncLLM
-
-    engine = AsyncLLM(EngineConfig.from_kwargs(model=tiny_llama.path, dtype="float32",
-                                               num_kv_blocks=48, block_size=4))
-    try:
-        outputs = asyncio.run(_reuse_after_abort(engine))
-        stats = engine.stats[0]
-    finally:
-        engine.close()
+    outputs, stats, _ = _run(tiny_llama, _reuse_after_abort)
     reference = _hf_greedy(tiny_llama, OTHER, 10)
     for out, n in zip(outputs, (1, 1, 2), strict=True):
         assert [(c.token_ids, c.finish_reason) for c in out.outputs] == [(reference, "length")] * n
     assert (stats.num_running, stats.num_waiting, stats.num_free_blocks) == \
         (0, 0, stats.num_usable_blocks)
-
-
-def _open_requests(tokenizer, n: int):
-    """OpenRequests (admission control on) holding request "r": ``n`` sampled samples of a
-    3-token prompt on replica 0."""
-    from kvflow.engine.dp_balancer import DPLoadBalancer
-    from kvflow.engine.open_requests import OpenRequests
-    from kvflow.input_processor import InputProcessor
-    from kvflow.metrics import RequestStatsTracker, ServerMetrics
-    from kvflow.output_processor import OutputProcessor
-
-    metrics = ServerMetrics("m")
-    requests = InputProcessor(tokenizer, 128, len(tokenizer), tokenizer.eos_token_id) \
-        .make_requests("r", [5, 6, 7], SamplingParams(n=n, max_tokens=4))
-    open_requests = OpenRequests(OutputProcessor(tokenizer), RequestStatsTracker(metrics),
-                                 DPLoadBalancer(1, 16), metrics, admission_control=True)
-    stream = open_requests.open("r", None, requests, 10.0, 0)
-    return metrics, open_requests, stream, [r.request_id for r in requests]
 
 
 def test_cancel_resolves_admission_and_finishes_only_the_unfinished_samples(tiny_tokenizer):
@@ -173,7 +153,7 @@ def test_cancel_resolves_admission_and_finishes_only_the_unfinished_samples(tiny
     from kvflow.engine_outputs import EngineCoreOutput, EngineStats
 
     async def run():
-        metrics, open_requests, stream, ids = _open_requests(tiny_tokenizer, 3)
+        metrics, open_requests, stream, ids = open_requests_of(tiny_tokenizer, 3, admission_control=True)
         open_requests.deliver(EngineOutputs([
             EngineCoreOutput(ids[0], [9]),
             EngineCoreOutput(ids[2], [11], finish_reason="length")], EngineStats()))
@@ -204,7 +184,7 @@ def test_a_stream_admission_control_refuses_ends_for_its_reader(tiny_tokenizer):
     from kvflow.engine.streams import AdmissionRejected
 
     async def run():
-        metrics, open_requests, stream, _ = _open_requests(tiny_tokenizer, 2)
+        metrics, open_requests, stream, _ = open_requests_of(tiny_tokenizer, 2, admission_control=True)
         reader = asyncio.ensure_future(_read(stream))
         await asyncio.sleep(0)
         open_requests.settle(AdmissionVerdicts([], [Rejection("r", 3.0, "too busy")]))

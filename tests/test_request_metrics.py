@@ -59,9 +59,10 @@ def test_a_request_that_ends_without_a_token_has_no_ttft():
     assert metrics.request_success.labels("m", "abort")._value.get() == 1
 
 
-def _open_requests(tokenizer, n: int):
+def open_requests_of(tokenizer, n: int, admission_control: bool = False):
     """OpenRequests of one server (one replica) holding request "r": ``n`` samples of a
-    3-token prompt, arrived at t=10."""
+    3-token prompt, arrived at t=10. Returns (metrics, open requests, the stream, the sample
+    ids)."""
     from kvflow.engine.dp_balancer import DPLoadBalancer
     from kvflow.engine.open_requests import OpenRequests
     from kvflow.input_processor import InputProcessor
@@ -72,7 +73,8 @@ def _open_requests(tokenizer, n: int):
     requests = InputProcessor(tokenizer, 128, len(tokenizer), tokenizer.eos_token_id) \
         .make_requests("r", [5, 6, 7], SamplingParams(n=n, max_tokens=4))
     open_requests = OpenRequests(OutputProcessor(tokenizer), RequestStatsTracker(metrics),
-                                 DPLoadBalancer(1, 16), metrics, admission_control=False)
+                                 DPLoadBalancer(1, 16), metrics,
+                                 admission_control=admission_control)
     stream = open_requests.open("r", None, requests, 10.0, 0)
     return metrics, open_requests, stream, [r.request_id for r in requests]
 
@@ -86,7 +88,7 @@ def test_a_request_the_core_refuses_is_not_counted_as_finished(tiny_tokenizer):
     from kvflow.engine.streams import RequestRefused
     from kvflow.engine_outputs import EngineCoreOutput, EngineStats
 
-    metrics, open_requests, stream, sample_ids = _open_requests(tiny_tokenizer, 2)
+    metrics, open_requests, stream, sample_ids = open_requests_of(tiny_tokenizer, 2)
     refused = [EngineCoreOutput(sid, [], finish_reason="abort", error="the grammar did not "
                                 "compile") for sid in sample_ids]
     open_requests.deliver(EngineOutputs(refused, EngineStats()))
@@ -95,7 +97,7 @@ def test_a_request_the_core_refuses_is_not_counted_as_finished(tiny_tokenizer):
         assert metrics.request_success.labels("m", reason)._value.get() == 0
     assert _samples(metrics)["kvflow:e2e_request_latency_seconds_count"] == 0
 
-    metrics, open_requests, _, sample_ids = _open_requests(tiny_tokenizer, 2)
+    metrics, open_requests, _, sample_ids = open_requests_of(tiny_tokenizer, 2)
     open_requests.deliver(EngineOutputs([EngineCoreOutput(sample_ids[0], [9])], EngineStats()))
     assert open_requests.abort("r")[0] == sample_ids  # the client went away
     assert metrics.request_success.labels("m", "abort")._value.get() == 2
