@@ -13,14 +13,13 @@ from kvflow.input_processor import InputProcessor
 from kvflow.lora.request import LoRARequest
 from kvflow.pooling_params import PoolingParams
 from kvflow.prompt_inputs import ProcessedPrompt, PromptType
-from kvflow.prompt_truncation import (
-    SAMPLING_FIELD,
-    cut_text_ids,
-    keep_last_tokens,
-    truncation_length,
-)
+from kvflow.prompt_truncation import SAMPLING_FIELD, keep_last_tokens, truncation_length
 from kvflow.sampling_params import SamplingParams
-from kvflow.tokenization_options import TokenizationOptions, parse_tokenization_kwargs
+from kvflow.tokenization_options import (
+    TokenizationOptions,
+    parse_tokenization_kwargs,
+    pooling_cut,
+)
 
 
 def with_images(token_ids: list[int], images: list[Any], videos: Sequence[Any] = ()
@@ -306,12 +305,13 @@ def tokenized_pooling_prompt(processor: InputProcessor, tokenizer: Any, prompt: 
 
 
 def cut_pooling_prompt(processor: InputProcessor, tokenizer: Any, prompt: PromptType,
-                       task: str, limit: int | None) -> PromptType:
-    """A pooling prompt cut to ``limit`` tokens as ``/v1/embeddings`` cuts its inputs
+                       task: str, limit: int | None, side: str | None = None) -> PromptType:
+    """A pooling prompt cut to ``limit`` tokens as vLLM's pooling requests cut their inputs
     (``limit`` from :func:`~kvflow.prompt_truncation.truncation_length`; None: ``prompt``
-    unchanged): a text as the tokenizer truncates it
-    (:func:`~kvflow.prompt_truncation.cut_text_ids`), token ids to their last ``limit``;
-    a cut prompt is its token-id list.
+    unchanged; ``side``: their ``truncation_side``, see
+    :func:`~kvflow.tokenization_options.pooling_cut`): by default a text as the tokenizer
+    truncates it on the right (its special tokens kept), token ids to their first
+    ``limit``; a cut prompt is its token-id list.
 
     Raises:
         ValueError: for a prompt ``InputProcessor.pooling_prompt`` refuses for ``task``.
@@ -319,5 +319,6 @@ def cut_pooling_prompt(processor: InputProcessor, tokenizer: Any, prompt: Prompt
     if limit is None:
         return prompt
     text, ids = processor.pooling_prompt(prompt, task)
-    return keep_last_tokens(ids, limit) if text is None else \
-        cut_text_ids(tokenizer, processor.pooling_text(text), limit)
+    cut = pooling_cut(limit, side)
+    return cut.reshape(tokenizer, ids) if text is None else \
+        cut.encode(tokenizer, processor.pooling_text(text))

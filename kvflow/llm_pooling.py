@@ -42,7 +42,7 @@ from kvflow.score_inputs import (
     score_use_activation,
     score_value,
 )
-from kvflow.tokenization_options import parse_tokenization_kwargs
+from kvflow.tokenization_options import POOLING_SIDE, parse_tokenization_kwargs
 
 
 class LLMPooling:
@@ -71,15 +71,17 @@ class LLMPooling:
             user: one client name per prompt (needs ``policy="fair"``; default: one client),
                 as for ``generate``.
             truncate_prompt_tokens: cut each prompt to at most this many tokens (-1:
-                ``max_model_len``), as ``/v1/embeddings`` cuts an input: a text as the
-                tokenizer truncates it (its special tokens counted), token ids to their last
-                ``k``; None: a prompt longer than ``max_model_len`` is refused.
+                ``max_model_len``), as ``/v1/embeddings`` and vLLM's pooling runner cut an
+                input: its FIRST ``k`` tokens kept, a text as the tokenizer truncates it on
+                the right (its special tokens counted), token ids to their first ``k``
+                (``tokenization_kwargs``' ``truncation_side="left"`` keeps the last ``k``
+                instead); None: a prompt longer than ``max_model_len`` is refused.
             lora_request: vLLM's keyword: None (or None per prompt); pooling engines run no
                 adapters (see :func:`refuse_pooling_loras`).
             tokenization_kwargs: as ``LLM.generate`` takes them (vLLM's overrides for
-                ``tokenizer.encode``), applied before ``truncate_prompt_tokens``; without a
-                ``truncation_side`` they cut on the right (the first tokens kept), as vLLM's
-                pooling runner does.
+                ``tokenizer.encode``), applied before ``truncate_prompt_tokens`` (whose cut
+                takes their ``truncation_side``); without a ``truncation_side`` they cut on
+                the right (the first tokens kept), as vLLM's pooling runner does.
 
         Raises:
             ValueError: on a generation model (start it with ``task="embed"``), for a bad
@@ -169,13 +171,15 @@ class LLMPooling:
         processor = self.engine.processor
         limit = truncation_length(truncate_prompt_tokens, processor.max_model_len)
         options = parse_tokenization_kwargs(tokenization_kwargs, processor.max_model_len,
-                                            default_side="right")  # vLLM's pooling side
+                                            default_side=POOLING_SIDE)
+        side = options.side if options is not None and options.side_given else None
         prompts = list(prompts)
         for i, (p, pp) in enumerate(zip(prompts, params)):  # check all before queuing any
             task = pp.task if pp is not None else "embed"
             try:
                 p = tokenized_pooling_prompt(processor, self.get_tokenizer(), p, task, options)
-                prompts[i] = cut_pooling_prompt(processor, self.get_tokenizer(), p, task, limit)
+                prompts[i] = cut_pooling_prompt(processor, self.get_tokenizer(), p, task, limit,
+                                                side)
                 processor.make_pooling_request(
                     "check", processor.pooling_prompt(prompts[i], task)[1], pp)
             except ValueError as e:
@@ -214,8 +218,10 @@ class LLMPooling:
             text_1 / text_2: a string or a list of strings: one text against one or each of
                 N texts (1-to-N), or two lists of the same length paired item by item
                 (N-to-N) (``kvflow.score_inputs.score_pairs``).
-            truncate_prompt_tokens: cut each pair to at most this many tokens (the longer
-                text first); None: a pair longer than ``max_model_len`` is refused.
+            truncate_prompt_tokens: cut each pair to at most this many tokens as vLLM's
+                pooling runner cuts it (the longer text first, each keeping its first
+                tokens: :func:`~kvflow.score_inputs.pair_prompt`); None: a pair longer than
+                ``max_model_len`` is refused.
             user: one client name per pair (needs ``policy="fair"``), as for ``generate``.
             pooling_params: vLLM's: only its ``use_activation`` / ``activation`` is read
                 (False: each pair's raw head logits instead of the score activation); None:
@@ -337,7 +343,8 @@ class LLMPooling:
         text's request's. ``user`` names the sender of each pair (the same for its texts).
 
         ``truncate_prompt_tokens`` cuts each text on its own, as ``/v1/embeddings`` cuts an
-        input (:func:`~kvflow.prompt_truncation.cut_text_ids`; -1: ``max_model_len``).
+        input (its first tokens kept: :func:`~kvflow.llm_inputs.cut_pooling_prompt`; -1:
+        ``max_model_len``).
 
         Raises:
             ValueError: for a bad ``truncate_prompt_tokens``, a text the engine refuses

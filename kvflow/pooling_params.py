@@ -33,7 +33,8 @@ class PoolingParams:
             [num_prompt_tokens, num_labels]); the engine refuses a task it does not run.
         second_segment_start: for a scored pair whose tokenizer gives token types (BERT),
             the index in tokens of the pair's second segment (token type 1 from there on);
-            None: one segment (type 0 throughout). Set by the score paths, not by users.
+            None: one segment (type 0 throughout); 0: type 1 throughout (a pair cut on
+            the left inside its second segment). Set by the score paths, not by users.
         use_activation: whether a head task's values ("score", "classify",
             "token_classify") go through the task's activation (softmax / sigmoid):
             False gives the head's raw logits (float32), True or None the activation (vLLM
@@ -50,7 +51,7 @@ class PoolingParams:
 
     Raises:
         ValueError: from the constructor for ``dimensions`` < 1 or not an integer, an unknown
-            ``task``, a ``second_segment_start`` < 1 or not an integer, or a ``normalize``
+            ``task``, a ``second_segment_start`` < 0 or not an integer, or a ``normalize``
             that is not a bool (or is set for a task other than "embed"), an ``activation``
             / ``use_activation`` / ``softmax`` that is not a bool, or two of them set to
             different values (``normalize`` and ``use_activation`` included).
@@ -72,9 +73,9 @@ class PoolingParams:
         if self.task not in POOLING_TASKS:
             raise ValueError(f"PoolingParams.task={self.task!r} must be one of {POOLING_TASKS}")
         s = self.second_segment_start
-        if s is not None and (not isinstance(s, int) or isinstance(s, bool) or s < 1):
+        if s is not None and (not isinstance(s, int) or isinstance(s, bool) or s < 0):
             raise ValueError(f"PoolingParams.second_segment_start={s!r} must be an integer "
-                             ">= 1")
+                             ">= 0")
         if self.normalize is not None:
             if not isinstance(self.normalize, bool):
                 raise ValueError(f"PoolingParams.normalize={self.normalize!r} must be a bool "

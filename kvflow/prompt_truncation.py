@@ -1,10 +1,10 @@
-"""``truncate_prompt_tokens``: a prompt cut to its last ``k`` tokens (vLLM's rule), shared by
-generation (``SamplingParams.truncate_prompt_tokens``: ``InputProcessor.make_requests``, the
-/v1/completions and /v1/chat/completions handlers) and /classify's token-id inputs."""
+"""``truncate_prompt_tokens``: its value read (``truncation_length``, every endpoint and
+``LLM`` call that takes it) and a generation prompt cut to its last ``k`` tokens (vLLM's
+generate runner's rule: ``SamplingParams.truncate_prompt_tokens``,
+``InputProcessor.make_requests``, the /v1/completions and /v1/chat/completions handlers).
+Pooling inputs keep their first ``k``: :func:`kvflow.tokenization_options.pooling_cut`."""
 
 from __future__ import annotations
-
-from typing import Any
 
 SAMPLING_FIELD = "SamplingParams.truncate_prompt_tokens"  # as errors name a SamplingParams' value
 
@@ -39,15 +39,3 @@ def keep_last_tokens(token_ids: list[int], limit: int | None) -> list[int]:
     if limit is None or len(token_ids) <= limit:
         return token_ids
     return token_ids[-limit:]
-
-
-def cut_text_ids(tokenizer: Any, text: str, limit: int | None,
-                 add_special_tokens: bool = True) -> list[int]:
-    """``text``'s token ids as the tokenizer truncates it to ``limit`` tokens
-    (``truncation=True, max_length=limit``, its own truncation side, special tokens counted),
-    the whole text when ``limit`` is None: how a pooling input (an embedding's, or each
-    text an embedding model scores) is cut."""
-    if limit is None:
-        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-    return list(tokenizer(text, add_special_tokens=add_special_tokens, truncation=True,
-                          max_length=limit)["input_ids"])

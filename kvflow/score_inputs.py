@@ -6,12 +6,14 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from kvflow.pooling_params import PoolingParams
+from kvflow.tokenization_options import POOLING_SIDE
 
 
 def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str],
@@ -56,7 +58,8 @@ def _as_texts(value: Any, name: str) -> list[str]:
 
 
 def pair_prompt(tokenizer: Any, text_1: str, text_2: str,
-                truncate_prompt_tokens: int | None = None) -> tuple[list[int], PoolingParams]:
+                truncate_prompt_tokens: int | None = None,
+                truncation_side: str | None = None) -> tuple[list[int], PoolingParams]:
     """One pair as the cross-encoder reads it: the token ids of
     ``tokenizer(text_1, text_2)`` (special tokens added: ``[CLS] A [SEP] B [SEP]`` for BERT,
     ``<s> A </s></s> B </s>`` for RoBERTa) and the request's PoolingParams (``task="score"``,
@@ -64,35 +67,55 @@ def pair_prompt(tokenizer: Any, text_1: str, text_2: str,
 
     Args:
         tokenizer: an HF tokenizer (callable on a text pair).
-        truncate_prompt_tokens: cut the pair to at most this many tokens, the longer text
-            first (transformers' ``longest_first``, what sentence-transformers' CrossEncoder
-            does at its ``max_length``); None: never cut (the engine refuses a pair longer
-            than ``max_model_len``).
+        truncate_prompt_tokens: cut the pair to at most this many tokens as vLLM 0.32's
+            cross-encoder does (``scoring/io_processor.py``); None: never cut (the engine
+            refuses a pair longer than ``max_model_len``).
+        truncation_side: vLLM's request field. None: the tokenizer's ``longest_first`` cut
+            on the right (``POOLING_SIDE``, whatever the tokenizer's config says; the
+            longer text first, each keeping its first tokens, the special tokens kept;
+            what sentence-transformers' CrossEncoder does at its ``max_length``), then, if
+            the special tokens alone are longer, the first ``truncate_prompt_tokens`` of
+            the whole; ``"right"`` / ``"left"``: the whole encoding (special tokens and
+            token types too) cut to its first / last ``truncate_prompt_tokens``.
 
     Raises:
-        ValueError: without a tokenizer, for a ``truncate_prompt_tokens`` below 1 or one the
-            pair cannot be cut to (its special tokens alone are longer), or token types that
-            are not one run of 0s then one run of 1s.
+        ValueError: without a tokenizer, for a ``truncate_prompt_tokens`` below 1, a
+            ``truncation_side`` other than None, ``"left"`` or ``"right"``, or token types
+            that are not one run of 0s then one run of 1s.
     """
     if tokenizer is None or not callable(tokenizer):
         raise ValueError("scoring text pairs needs the model's HF tokenizer")
+    if truncation_side not in (None, "left", "right"):
+        raise ValueError(f"truncation_side must be 'left' or 'right', got {truncation_side!r}")
+    t = truncate_prompt_tokens
     cut: dict[str, Any] = {}
-    if truncate_prompt_tokens is not None:
-        t = truncate_prompt_tokens
+    if t is not None:
         if not isinstance(t, int) or isinstance(t, bool) or t < 1:
             raise ValueError(f"truncate_prompt_tokens={t!r} must be an integer >= 1")
-        cut = {"truncation": "longest_first", "max_length": t}
+        if truncation_side is None:  # vLLM: truncation=True on a right-side tokenizer
+            tokenizer = _on_side(tokenizer, POOLING_SIDE)
+            cut = {"truncation": "longest_first", "max_length": t}
     enc = tokenizer(text_1, text_2, add_special_tokens=True, **cut)
-    ids = list(enc["input_ids"])
-    if truncate_prompt_tokens is not None and len(ids) > truncate_prompt_tokens:
-        raise ValueError(f"truncate_prompt_tokens={truncate_prompt_tokens}: the pair cannot be "
-                         f"cut below {len(ids)} tokens")
-    types = list(enc.get("token_type_ids") or [])
+    ids, types = list(enc["input_ids"]), list(enc.get("token_type_ids") or [])
+    if t is not None and len(ids) > t:  # vLLM then slices ids and token types alike
+        kept = slice(len(ids) - t, None) if truncation_side == "left" else slice(0, t)
+        ids, types = ids[kept], types[kept]
     start = types.index(1) if 1 in types else None
     if start is not None and types != [0] * start + [1] * (len(types) - start):
         raise ValueError(f"the tokenizer's token types {types} are not one segment of 0s "
                          "then one of 1s")
     return ids, PoolingParams(task="score", second_segment_start=start)
+
+
+def _on_side(tokenizer: Any, side: str) -> Any:
+    """``tokenizer`` truncating on ``side``: itself when it already does, else a shallow
+    copy (its vocabulary and backend shared) with that ``truncation_side``, so the
+    engine's tokenizer is never changed."""
+    if getattr(tokenizer, "truncation_side", side) == side:
+        return tokenizer
+    view = copy.copy(tokenizer)
+    view.truncation_side = side
+    return view
 
 
 def score_value(values: list[float]) -> float | list[float]:

@@ -37,7 +37,14 @@ from typing import Any
 
 from kvflow.prompt_truncation import truncation_length
 
-__all__ = ["TokenizationOptions", "parse_tokenization_kwargs"]
+__all__ = ["GENERATION_SIDE", "POOLING_SIDE", "TokenizationOptions",
+           "parse_tokenization_kwargs", "pooling_cut"]
+
+# vLLM 0.32 loads the tokenizer with these truncation sides, whatever its config says
+# (tokenizers/registry.py): a generation runner keeps a prompt's last tokens, a pooling
+# runner (embed, encode, classify, score) its first
+GENERATION_SIDE = "left"
+POOLING_SIDE = "right"
 
 _FIELD = "tokenization_kwargs"
 _KEYS = ("add_special_tokens", "do_lower_case", "max_length", "truncation",
@@ -129,14 +136,32 @@ def _cut(token_ids: list[int], keep: int, side: str) -> list[int]:
     return token_ids[len(token_ids) - keep:] if side == "left" else token_ids[:keep]
 
 
+def pooling_cut(keep: int | None, side: str | None = None,
+                add_special_tokens: bool = True) -> TokenizationOptions:
+    """A pooling input's ``truncate_prompt_tokens`` cut (``keep`` tokens, from
+    :func:`~kvflow.prompt_truncation.truncation_length`; None: no cut) as vLLM's pooling
+    requests cut it: ``side`` their ``truncation_side`` (``"left"``: keep the last tokens,
+    ``"right"``: the first); None: ``POOLING_SIDE``, a text cut as the tokenizer cuts it
+    there (its special tokens kept) and token ids to their first ``keep``. Apply it with
+    ``encode`` (a text) or ``reshape`` (token ids).
+
+    Raises:
+        ValueError: for a ``side`` other than None, ``"left"`` or ``"right"``.
+    """
+    if side not in (None, "left", "right"):
+        raise ValueError(f"truncation_side must be 'left' or 'right', got {side!r}")
+    return TokenizationOptions(add_special_tokens=add_special_tokens, keep=keep,
+                               side=side or POOLING_SIDE, side_given=side is not None)
+
+
 def parse_tokenization_kwargs(kwargs: Mapping[str, Any] | None, max_model_len: int,
                               add_special_tokens: bool = True,
-                              default_side: str = "left") -> TokenizationOptions | None:
+                              default_side: str = GENERATION_SIDE) -> TokenizationOptions | None:
     """``tokenization_kwargs`` checked and resolved against ``max_model_len`` (tokens); None
     for None or an empty dict (tokenize as usual). ``add_special_tokens``: the default when
     the kwargs do not say (False for a rendered chat, whose template writes them).
     ``default_side``: the side cut when ``truncation_side`` is not given, vLLM's for the
-    runner: ``"left"`` (keep the last tokens) for generation, ``"right"`` for pooling.
+    runner: ``GENERATION_SIDE`` (keep the last tokens) or ``POOLING_SIDE`` (the first).
 
     Raises:
         ValueError: naming ``tokenization_kwargs`` and the key, for a key kvflow does not read

@@ -186,6 +186,29 @@ def test_vllm_fields_pass_where_declared_and_are_refused_elsewhere():
         assert (error.status, error.param, error.code) == (400, field, "unsupported_parameter")
 
 
+def test_truncation_side_is_taken_by_the_pooling_endpoints_only():
+    """vLLM's ``truncation_side`` is declared on the pooling endpoints ("left" / "right";
+    another value refused by the schema, a 400 naming it: tests/e2e); elsewhere "left" (what generation keeps)
+    passes as harmless and "right" is refused as unsupported, even under
+    ``--ignore-unknown-fields``."""
+    from pydantic import ValidationError
+
+    for endpoint in ("/v1/embeddings", "/pooling", "/v1/score", "/v1/rerank", "/classify"):
+        for side in ("left", "right", None):
+            req = _parsed(endpoint, {"truncation_side": side})
+            assert req.truncation_side == side
+            UnknownFields().check(req, endpoint)
+        model, body = BODIES[endpoint]
+        with pytest.raises(ValidationError) as e:
+            model.model_validate({**body, "truncation_side": "middle"})
+        assert [err["loc"][0] for err in e.value.errors()] == ["truncation_side"]
+    for endpoint in ("/v1/completions", "/v1/chat/completions"):
+        UnknownFields().check(_parsed(endpoint, {"truncation_side": "left"}), endpoint)
+        error = _refusal(endpoint, {"truncation_side": "right"}, ignore=True)
+        assert (error.param, error.code) == ("truncation_side", "unsupported_parameter")
+        assert "keeps its last tokens" in str(error)
+
+
 @pytest.mark.parametrize("extra", [{}, {"input": None}])
 def test_embeddings_take_messages(extra):
     """vLLM's chat-style embedding body (``messages`` instead of ``input`` on /v1/embeddings)

@@ -37,7 +37,8 @@ from kvflow.entrypoints.serving_checks import check_token_ids
 from kvflow.entrypoints.serving_models import ServingModels
 from kvflow.entrypoints.unknown_fields import UnknownFields
 from kvflow.pooling_params import PoolingParams
-from kvflow.prompt_truncation import keep_last_tokens, truncation_length
+from kvflow.prompt_truncation import truncation_length
+from kvflow.tokenization_options import pooling_cut
 
 Prompt = tuple[str | None, list[int]]
 
@@ -105,13 +106,14 @@ class OpenAIServingEmbedding(OpenAIServing):
                 raise OpenAIError(f"{name} applies to messages only", param=name,
                                   code="invalid_value")
         return await self._request_inputs(req.input, req.truncate_prompt_tokens,
-                                          req.add_special_tokens is not False)
+                                          req.add_special_tokens is not False,
+                                          req.truncation_side)
 
     async def _conversation(self, req: EmbeddingRequest | ClassificationRequest,
                             raw: Request) -> Prompt:
         """``messages`` rendered with the chat template (the chat handler's ``render``;
         special tokens only with ``add_special_tokens: true``), cut to
-        ``truncate_prompt_tokens`` as the tokenizer truncates the rendered text.
+        ``truncate_prompt_tokens`` as an input text is (``_cut_inputs``).
 
         Raises:
             OpenAIError: what ``render`` refuses (a model without a chat template, ...); 400
@@ -133,9 +135,8 @@ class OpenAIServingEmbedding(OpenAIServing):
                               code="invalid_value") from None
         if limit is not None and len(ids) > limit:
             tokenizer = self.tokenizer
-            ids = await off_loop(len(text), lambda: list(tokenizer(
-                text, add_special_tokens=options.add_special_tokens, truncation=True,
-                max_length=limit)["input_ids"]))
+            cut = pooling_cut(limit, req.truncation_side, options.add_special_tokens)
+            ids = await off_loop(len(text), lambda: cut.encode(tokenizer, text))
         if len(ids) > self.engine.max_model_len:
             raise OpenAIError(f"the conversation has {len(ids)} tokens but max_model_len is "
                               f"{self.engine.max_model_len}: send truncate_prompt_tokens to "
@@ -144,10 +145,11 @@ class OpenAIServingEmbedding(OpenAIServing):
 
     async def _request_inputs(self, value: str | list[int] | list[str] | list[list[int]],
                               truncate_prompt_tokens: int | None,
-                              add_special_tokens: bool = True) -> list[Prompt]:
+                              add_special_tokens: bool = True,
+                              truncation_side: str | None = None) -> list[Prompt]:
         """A request's ``input`` as (text or None, token ids), cut to
         ``truncate_prompt_tokens`` (vLLM's reading: -1 is ``max_model_len``; None: never
-        cut, ``_inputs``; else ``_cut_inputs``).
+        cut, ``_inputs``; else ``_cut_inputs`` on ``truncation_side``).
 
         Raises:
             OpenAIError: 400 naming ``truncate_prompt_tokens`` for 0, a value below -1 or
@@ -160,28 +162,29 @@ class OpenAIServingEmbedding(OpenAIServing):
                               code="invalid_value") from None
         if limit is None:
             return await self._inputs(value, add_special_tokens)
-        return await self._cut_inputs(value, limit, add_special_tokens)
+        return await self._cut_inputs(value, limit, add_special_tokens, truncation_side)
 
     async def _cut_inputs(self, value: str | list[int] | list[str] | list[list[int]],
-                          limit: int, add_special_tokens: bool = True) -> list[Prompt]:
-        """The inputs cut to ``limit`` tokens: a text (as the model tokenizes it,
-        ``pooling_text``) as the tokenizer truncates it (its special tokens kept unless
-        ``add_special_tokens`` is false), token ids to their last ``limit`` (vLLM's rules).
+                          limit: int, add_special_tokens: bool = True,
+                          truncation_side: str | None = None) -> list[Prompt]:
+        """The inputs cut to ``limit`` tokens as vLLM's pooling requests cut them
+        (:func:`~kvflow.tokenization_options.pooling_cut`): by default a text (as the model
+        tokenizes it, ``pooling_text``) as the tokenizer truncates it on the right (its
+        special tokens kept unless ``add_special_tokens`` is false), token ids to their
+        first ``limit``; ``truncation_side`` ``"left"`` / ``"right"``: the whole encoding's
+        last / first ``limit``.
 
         Raises:
             OpenAIError: see ``_check_items``.
         """
         items = self._checked_items(value)
         tokenizer, processor = self.tokenizer, self.engine.processor
-
-        def encode(text: str) -> list[int]:
-            return list(tokenizer(processor.pooling_text(text),
-                                  add_special_tokens=add_special_tokens, truncation=True,
-                                  max_length=limit)["input_ids"])
+        cut = pooling_cut(limit, truncation_side, add_special_tokens)
 
         def encode_all() -> list[Prompt]:
-            return [(item, encode(item)) if isinstance(item, str)
-                    else (None, keep_last_tokens(item, limit)) for item in items]
+            return [(item, cut.encode(tokenizer, processor.pooling_text(item)))
+                    if isinstance(item, str) else (None, cut.reshape(tokenizer, list(item)))
+                    for item in items]
 
         return await off_loop(sum(len(item) for item in items), encode_all)
 

@@ -29,8 +29,9 @@ from kvflow.entrypoints.protocol import (
 )
 from kvflow.entrypoints.serving_base import OpenAIServing, request_activation, request_ids
 from kvflow.pooling_params import PoolingParams
-from kvflow.prompt_truncation import cut_text_ids, truncation_length
+from kvflow.prompt_truncation import truncation_length
 from kvflow.score_inputs import cosine_similarity, pair_prompt, score_pairs, score_value
+from kvflow.tokenization_options import pooling_cut
 
 Pair = tuple[list[int], PoolingParams]
 # /v1/score's two fields: kvflow's and vLLM 0.10's text_1 / text_2, and vLLM 0.32's names
@@ -137,7 +138,7 @@ class OpenAIServingScore(OpenAIServing):
         else:
             prompts = [(ids, replace(params, use_activation=use_activation)) for ids, params
                        in await self._prompts(pairs, req.truncate_prompt_tokens, names,
-                                              fields[1])]
+                                              fields[1], req.truncation_side)]
         streams = await self._add(req, raw, request_id, prompts, fields[1])
 
         async def finish() -> tuple[list[float | list[float]], int]:
@@ -156,8 +157,8 @@ class OpenAIServingScore(OpenAIServing):
         """An embedding model's distinct texts of ``pairs`` and their prompts (as
         /v1/embeddings tokenizes them).
 
-        ``truncate_prompt_tokens`` cuts each text on its own, as /v1/embeddings cuts an
-        input (:func:`~kvflow.prompt_truncation.cut_text_ids`).
+        ``truncate_prompt_tokens`` cuts each text on its own (on ``truncation_side``), as
+        /v1/embeddings cuts an input (:func:`~kvflow.tokenization_options.pooling_cut`).
 
         Raises:
             OpenAIError: 400 for a bad ``truncate_prompt_tokens`` or a text longer than the
@@ -175,8 +176,9 @@ class OpenAIServingScore(OpenAIServing):
             ids = await self.encode_texts(tokenizer, model_texts, True, fields[1],
                                           pooling=True)
         else:
+            cut = pooling_cut(limit, req.truncation_side)
             ids = await off_loop(sum(map(len, model_texts)), lambda: [
-                cut_text_ids(tokenizer, t, limit) for t in model_texts])
+                cut.encode(tokenizer, t) for t in model_texts])
         first, limit = {a for a, _ in pairs}, self.engine.max_model_len
         for text, text_ids in zip(texts, ids):
             if len(text_ids) > limit:
@@ -187,9 +189,10 @@ class OpenAIServingScore(OpenAIServing):
         return texts, [(i, PoolingParams()) for i in ids]
 
     async def _prompts(self, pairs: list[tuple[str, str]], truncate: int | None,
-                       names: list[str], param: str) -> list[Pair]:
-        """Each pair's token ids and PoolingParams (tokenized off the event loop when long),
-        each checked against the context.
+                       names: list[str], param: str, side: str | None = None) -> list[Pair]:
+        """Each pair's token ids and PoolingParams (tokenized off the event loop when long;
+        cut to ``truncate`` on ``side``: ``pair_prompt``), each checked against the
+        context.
 
         Raises:
             OpenAIError: 400 naming the pair (``names[i]``; ``param``) that does not fit,
@@ -199,7 +202,7 @@ class OpenAIServingScore(OpenAIServing):
 
         def encode_all() -> list[Pair]:
             limit = truncation_length(truncate, self.engine.max_model_len)  # -1: all of it
-            return [pair_prompt(tokenizer, a, b, limit) for a, b in pairs]
+            return [pair_prompt(tokenizer, a, b, limit, side) for a, b in pairs]
 
         try:
             prompts = await off_loop(sum(len(a) + len(b) for a, b in pairs), encode_all)

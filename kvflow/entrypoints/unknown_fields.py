@@ -76,6 +76,11 @@ UNSUPPORTED = {
                               "take it",
     "spaces_between_special_tokens": "only /v1/completions and /v1/chat/completions take "
                                      "it",
+    # vLLM's pooling and generation requests declare it; kvflow's pooling ones honour it
+    "truncation_side": "only /v1/embeddings, /pooling, /classify (/v1/classify), /v1/score "
+                       "and /v1/rerank take it (a generation prompt cut by "
+                       "truncate_prompt_tokens keeps its last tokens: send left or leave it "
+                       "out)",
     # OpenAI fields of its own models
     "verbosity": "the reply's length follows the model and max_tokens",
     # OpenAI's chat platform fields (kvflow/entrypoints/platform_fields.py decides them on
@@ -91,6 +96,7 @@ UNSUPPORTED = {
 HARMLESS = {"modalities": [["text"]], "bad_words": [[]], "early_stopping": [False],
             "guided_decoding_backend": ["xgrammar", "auto"],
             "spaces_between_special_tokens": [True], "store": [False],
+            "truncation_side": ["left"],
             "service_tier": ["auto", "default"]}
 
 

@@ -1,7 +1,8 @@
 """POST /classify (vLLM's shape; and /v1/classify) against transformers'
 ``AutoModelForSequenceClassification`` (logits -> softmax): ``kvflow serve --task classify``
 with a tiny random Qwen2ForSequenceClassification (last-token pooling, named classes from
-``id2label``); text and token-id inputs, ``truncate_prompt_tokens``, the 400s (empty input,
+``id2label``); text and token-id inputs, ``truncate_prompt_tokens`` (and
+``truncation_side``), the 400s (empty input,
 token id out of the vocabulary, too long, unknown field, a score server) and a server that
 keeps serving with every KV block back; /pooling's class probabilities; the /score and
 /v2/rerank aliases. One engine serves both head tasks where the model
@@ -128,22 +129,29 @@ def test_truncate_prompt_tokens(servers):
     long_text = TEXTS[3]
     full = _tokenizer(folder)(long_text)["input_ids"]
     assert len(full) > 10
-    # a text as the tokenizer truncates it (its first 6 tokens: no special tokens here),
-    # token ids keep their last 6 (vLLM's rules)
+    # vLLM's pooling rules: a text as the tokenizer truncates it on the right and token ids
+    # alike keep their first 6 (no special tokens here); truncation_side "left" their last 6
     expected = _hf_probs_of_ids(folder, [full[:6], full[-6:]])
-    for value, row in [([long_text], 0), ([full], 1)]:
-        body = _post(server, "/classify", {"input": value, "truncate_prompt_tokens": 6}).json()
+    for value, side, row in [([long_text], None, 0), ([full], None, 0),
+                             ([long_text], "left", 1), ([full], "left", 1),
+                             ([full], "right", 0)]:
+        body = _post(server, "/classify", {"input": value, "truncate_prompt_tokens": 6,
+                                           "truncation_side": side}).json()
         torch.testing.assert_close(torch.tensor(body["data"][0]["probs"]), expected[row],
                                    atol=ATOL, rtol=0)
         assert body["usage"]["prompt_tokens"] == 6
     assert (expected[0] - expected[1]).abs().max() > 1e-3  # the two cuts are told apart
     # -1: max_model_len (10), vLLM's reading; the text alone is refused as too long
     expected = _hf_probs_of_ids(folder, [full[:10], full[-10:]])
-    for value, row in [([long_text], 0), ([full], 1)]:
-        body = _post(server, "/classify", {"input": value, "truncate_prompt_tokens": -1}).json()
+    for value, side, row in [([long_text], None, 0), ([full], None, 0), ([full], "left", 1)]:
+        body = _post(server, "/classify", {"input": value, "truncate_prompt_tokens": -1,
+                                           "truncation_side": side}).json()
         torch.testing.assert_close(torch.tensor(body["data"][0]["probs"]), expected[row],
                                    atol=ATOL, rtol=0)
         assert body["usage"]["prompt_tokens"] == 10
+    resp = _post(server, "/classify", {"input": full, "truncate_prompt_tokens": 6,
+                                       "truncation_side": "middle"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncation_side"
 
 
 def test_errors_and_the_server_keeps_serving(servers):

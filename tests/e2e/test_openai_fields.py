@@ -914,22 +914,38 @@ def embedding_cases() -> dict[str, Callable]:
 
     def truncate_prompt_tokens(server, tokenizer):
         """k: a text as its tokenizer truncates it (its first k ids, ``<bos>`` included),
-        token ids their last k (each the vector of those ids sent whole); -1
-        (max_model_len) cuts nothing here; 0 is a 400 naming it."""
+        token ids their first k too, as vLLM's pooling runner keeps them (each the vector of
+        those ids sent whole); -1 (max_model_len) cuts nothing here; 0 is a 400 naming
+        it."""
         ids = tokenizer.encode(embed_text)
         assert len(ids) > 3
         cut = ok(server, EMB, {"truncate_prompt_tokens": 3})
         assert cut["usage"]["prompt_tokens"] == 3
-        assert vector(cut) == pytest.approx(vector(ok(server, EMB, {"input": ids[:3]})),
-                                            abs=1e-6)
-        last = ok(server, EMB, {"input": ids, "truncate_prompt_tokens": 3})
-        assert vector(last) == pytest.approx(vector(ok(server, EMB, {"input": ids[-3:]})),
-                                             abs=1e-6)
-        assert vector(last) != pytest.approx(vector(cut), abs=1e-3)
+        first = vector(ok(server, EMB, {"input": ids[:3]}))
+        assert vector(cut) == pytest.approx(first, abs=1e-6)
+        assert vector(ok(server, EMB, {"input": ids, "truncate_prompt_tokens": 3})) == \
+            pytest.approx(first, abs=1e-6)
         assert vector(ok(server, EMB, {"truncate_prompt_tokens": -1})) == \
             vector(ok(server, EMB, {}))
         rejected(EMB, {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens")(server,
                                                                                 tokenizer)
+
+    def truncation_side(server, tokenizer):
+        """vLLM's: "left" keeps the last k of the whole encoding (a text's ``<bos>`` cut
+        too, as vLLM slices after encoding), of token ids too; "right" the first k; another
+        value is a 400 naming it."""
+        ids = tokenizer.encode(embed_text)
+        assert len(ids) > 3 and ids[0] == tokenizer.bos_token_id
+        last = vector(ok(server, EMB, {"input": ids[-3:]}))
+        for value in (PROMPT, ids):
+            body = {"input": value, "truncate_prompt_tokens": 3}
+            assert vector(ok(server, EMB, {**body, "truncation_side": "left"})) == \
+                pytest.approx(last, abs=1e-6)
+            assert vector(ok(server, EMB, {**body, "truncation_side": "right"})) == \
+                pytest.approx(vector(ok(server, EMB, {"input": ids[:3]})), abs=1e-6)
+        assert last != pytest.approx(vector(ok(server, EMB, {"input": ids[:3]})), abs=1e-3)
+        rejected(EMB, {"truncate_prompt_tokens": 3, "truncation_side": "middle"},
+                 "truncation_side")(server, tokenizer)
 
     def request_id(server, tokenizer):
         reply = ok(server, EMB, {"request_id": "trace-7"})
@@ -981,6 +997,7 @@ def embedding_cases() -> dict[str, Callable]:
             "request_id": request_id, "add_special_tokens": add_special_tokens,
             "normalize": normalize, "use_activation": use_activation,
             "truncate_prompt_tokens": truncate_prompt_tokens,
+            "truncation_side": truncation_side,
             "embed_dtype": embed_dtype, "endianness": endianness, "priority": priority,
             "messages": messages, "add_generation_prompt": add_generation_prompt,
             "continue_final_message": continue_final_message, "chat_template": chat_template,

@@ -219,6 +219,40 @@ def test_errors_and_no_leaks(servers):
     assert _free_blocks(server) == idle > 0  # every block back after errors and a score
 
 
+def _hf_score_of(folder: str, ids: list[int], types: list[int]) -> float:
+    """transformers' sigmoid score of one already-tokenized pair (a one-label model)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids]), token_type_ids=torch.tensor([types])).logits
+    return torch.sigmoid(logits[0, 0]).item()
+
+
+def test_truncation_side_cuts_the_whole_pair(servers):
+    """vLLM's ``truncation_side`` on /v1/score and /v1/rerank: "left" keeps the last k of
+    the pair's whole encoding, "right" the first k (special tokens and token types cut
+    alike, as vLLM slices after encoding); oracle: transformers over those ids and types.
+    Another value is a 400 naming it."""
+    server, folder = servers["bert"]
+    enc = AutoTokenizer.from_pretrained(folder)(QUERY, DOCUMENTS[1])
+    ids, types = enc["input_ids"], enc["token_type_ids"]
+    assert len(ids) == 18
+    scores = {}
+    for side, kept in (("left", slice(2, None)), ("right", slice(0, 16))):
+        want = scores[side] = _hf_score_of(folder, ids[kept], types[kept])
+        cut = {"truncate_prompt_tokens": 16, "truncation_side": side}
+        body = _post(server, "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS[1], **cut})
+        assert body.json()["data"][0]["score"] == pytest.approx(want, abs=TOL)
+        assert body.json()["usage"]["prompt_tokens"] == 16
+        body = _post(server, "/v1/rerank", {"query": QUERY, "documents": [DOCUMENTS[1]], **cut})
+        assert body.json()["results"][0]["relevance_score"] == pytest.approx(want, abs=TOL)
+    assert abs(scores["left"] - scores["right"]) > 10 * TOL
+    resp = _post(server, "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS[1],
+                                       "truncate_prompt_tokens": 16, "truncation_side": "up"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncation_side"
+
+
 def test_an_embedding_server_scores_by_cosine_similarity(servers):
     from sentence_transformers import util
 
@@ -251,6 +285,21 @@ def test_an_embedding_server_scores_by_cosine_similarity(servers):
     assert (cut - expected).abs().max() > 0.01
     cut_tokens = sum(4 + min(4, len(tok.encode(d))) for d in docs)
     assert body["usage"]["prompt_tokens"] == cut_tokens
+    # truncation_side "left": each text's last 4 ids ([SEP] kept, [CLS] cut), as
+    # /v1/embeddings cuts an input; oracle: sentence-transformers over those ids
+    def st_vector(text: str) -> torch.Tensor:
+        ids = tok.encode(text)[-4:]
+        with torch.no_grad():
+            return st({"input_ids": torch.tensor([ids]), "attention_mask":
+                       torch.ones(1, len(ids), dtype=torch.long)})["sentence_embedding"][0]
+
+    left = util.cos_sim(st_vector(query)[None], torch.stack([st_vector(d) for d in docs]))[0]
+    body = _post(server, "/v1/score", {"text_1": query, "text_2": docs,
+                                       "truncate_prompt_tokens": 4,
+                                       "truncation_side": "left"}).json()
+    torch.testing.assert_close(torch.tensor([d["score"] for d in body["data"]]),
+                               left.float(), atol=TOL, rtol=1e-4)
+    assert (left.float() - cut).abs().max() > 0.01
     resp = _post(server, "/v1/score", {"text_1": "a", "text_2": "b",
                                        "truncate_prompt_tokens": 0})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncate_prompt_tokens"

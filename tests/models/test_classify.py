@@ -175,7 +175,8 @@ def test_bad_input_and_wrong_tasks_are_refused(classifier, tiny_llama, assert_no
 
 def test_classify_truncate_prompt_tokens(classifier, assert_no_leaks):
     """``LLM.classify(truncate_prompt_tokens=k)``: each text as the tokenizer truncates it
-    to k tokens (as /classify cuts it); oracle: transformers' probabilities of those ids."""
+    to k tokens (as /classify cuts it), token ids their first k; oracle: transformers'
+    probabilities of those ids."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     folder = classifier("Qwen2", 3)
@@ -188,6 +189,12 @@ def test_classify_truncate_prompt_tokens(classifier, assert_no_leaks):
                            for ids in cut_ids])
     outs = llm.classify(TEXTS, truncate_prompt_tokens=3, use_tqdm=False)
     assert [o.prompt_token_ids for o in outs] == cut_ids
+    torch.testing.assert_close(_probs(outs), ref, atol=ATOL, rtol=0)
+    # token ids keep their first k too (vLLM's pooling side; kvflow kept the last k)
+    whole = [tokenizer(t)["input_ids"] for t in TEXTS]
+    assert any(ids[:3] != ids[-3:] for ids in whole)
+    outs = llm.classify(whole, truncate_prompt_tokens=3, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [ids[:3] for ids in whole] == cut_ids
     torch.testing.assert_close(_probs(outs), ref, atol=ATOL, rtol=0)
     assert (ref - torch.softmax(hf_logits(folder, TEXTS), -1)).abs().max() > 0.01
     assert_no_leaks(llm)

@@ -321,8 +321,9 @@ def test_normalize_false_gives_the_raw_pooled_vector(decoder_folder):
 def test_truncate_prompt_tokens_cuts_each_prompt(bert_folder, assert_no_leaks):
     """``LLM.embed(truncate_prompt_tokens=k)`` cuts as /v1/embeddings does: a text as
     sentence-transformers cuts it at ``max_seq_length`` k (the tokenizer's truncation,
-    special tokens counted), token ids to their last k (oracle: sentence-transformers'
-    forward over those k ids); -1 is max_model_len (nothing cut here); 0 is refused."""
+    special tokens counted), token ids to their FIRST k as vLLM's pooling runner keeps them
+    (oracle: sentence-transformers' forward over those k ids); -1 is max_model_len (nothing
+    cut here); 0 is refused."""
     folder, st = bert_folder("mean")
     llm = LLM(model=folder, dtype="float32", device="cpu", max_num_batched_tokens=64)
     whole = st_embed(st, SENTENCES)
@@ -336,10 +337,10 @@ def test_truncate_prompt_tokens_cuts_each_prompt(bert_folder, assert_no_leaks):
     _check(llm.embed(SENTENCES, truncate_prompt_tokens=-1, use_tqdm=False), whole)
     ids = llm.get_tokenizer()(SENTENCES[1])["input_ids"]
     with torch.no_grad():
-        ref = st({"input_ids": torch.tensor([ids[-5:]]),
+        ref = st({"input_ids": torch.tensor([ids[:5]]),
                   "attention_mask": torch.ones(1, 5, dtype=torch.long)})["sentence_embedding"][0]
     (out,) = llm.embed([ids], truncate_prompt_tokens=5, use_tqdm=False)
-    assert out.prompt_token_ids == ids[-5:]
+    assert out.prompt_token_ids == ids[:5] != ids[-5:]
     _check([out], [ref])
     with pytest.raises(ValueError, match="truncate_prompt_tokens=0 is invalid"):
         llm.embed(SENTENCES, truncate_prompt_tokens=0)

@@ -21,8 +21,10 @@ class ClassificationRequest(RequestBody):
     """POST /classify (and /v1/classify). ``input``: a string, a list of strings, a list of
     token ids or a list of token-id lists, one classification each;
     ``truncate_prompt_tokens`` cuts each input to that many tokens instead of refusing one
-    longer than the context (-1: ``max_model_len``; a text as its tokenizer truncates, special
-    tokens kept; token ids keep their last N, as vLLM does); vLLM's ``request_id`` names the reply (``id``:
+    longer than the context (-1: ``max_model_len``), keeping its first N (a text as its
+    tokenizer truncates on the right, special tokens kept; token ids their first N, as vLLM
+    does), or its last N with vLLM's ``truncation_side`` ``"left"`` (as /v1/embeddings);
+    vLLM's ``request_id`` names the reply (``id``:
     ``classify-{request_id}``); vLLM's ``priority`` orders the waiting queue (needs
     ``--policy priority`` or ``fair``). As vLLM 0.32's classification requests (and
     /v1/embeddings): ``add_special_tokens`` (default true; false tokenizes text inputs
@@ -40,6 +42,7 @@ class ClassificationRequest(RequestBody):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
+    truncation_side: Literal["left", "right"] | None = None  # None: keep the first tokens
     user: str | None = None
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
     activation: bool | None = None  # vLLM 0.10's name of use_activation

@@ -28,8 +28,11 @@ class EmbeddingRequest(RequestBody):
     inputs without the tokenizer's special tokens (token-id inputs are taken as sent);
     vLLM 0.32's ``use_activation`` is the same switch as ``normalize`` (the two must agree);
     vLLM's ``truncate_prompt_tokens`` cuts each input to that many tokens instead of refusing
-    one longer than the context (-1: ``max_model_len``; a text as its tokenizer truncates,
-    token ids keep their last N); vLLM's ``priority`` orders the waiting queue as a
+    one longer than the context (-1: ``max_model_len``), keeping its first N as vLLM's
+    pooling runner does (a text as its tokenizer truncates on the right, special tokens
+    kept; token ids their first N), or, with vLLM's ``truncation_side`` ``"left"``, its last
+    N (``"right"``: the first N of the whole encoding, special tokens cut too); vLLM's
+    ``priority`` orders the waiting queue as a
     generation request's does (needs ``--policy priority`` or ``fair``)."""
 
     model: str | None = None
@@ -45,6 +48,7 @@ class EmbeddingRequest(RequestBody):
     use_activation: bool | None = None  # vLLM 0.32's name of normalize
     add_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
+    truncation_side: Literal["left", "right"] | None = None  # None: keep the first tokens
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
     add_generation_prompt: bool = False
     continue_final_message: bool = False

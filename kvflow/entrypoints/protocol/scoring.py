@@ -22,7 +22,10 @@ class ScoreRequest(RequestBody):
     or N-to-N pairs), or under vLLM 0.32's names ``queries`` against ``documents`` (or
     ``items``), ``data_1`` against ``data_2`` (one pair of fields: the handler's
     ``score_fields``); ``truncate_prompt_tokens`` cuts each pair to that many tokens (the
-    longer text first) instead of refusing a pair longer than the context; vLLM's
+    longer text first, each keeping its first tokens; vLLM's ``truncation_side``
+    ``"left"`` / ``"right"`` cuts the whole encoding to its last / first N:
+    ``kvflow.score_inputs.pair_prompt``; an embedding model cuts each text as
+    /v1/embeddings does) instead of refusing a pair longer than the context; vLLM's
     ``request_id`` names the reply (``id``: ``score-{request_id}``)."""
 
     model: str | None = None
@@ -35,6 +38,7 @@ class ScoreRequest(RequestBody):
     data_1: str | list[str] | None = None
     data_2: str | list[str] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
+    truncation_side: Literal["left", "right"] | None = None  # None: keep the first tokens
     user: str | None = None
     activation: bool | None = None  # vLLM 0.10's name of use_activation
     use_activation: bool | None = None  # False: raw head logits, no softmax / sigmoid
@@ -62,7 +66,8 @@ class RerankRequest(RequestBody):
     """POST /v1/rerank (and /rerank): ``documents`` (a list of texts, or one text as vLLM
     takes it) scored against ``query``, best first; ``top_n`` keeps the best N (0 or None:
     all); ``return_documents`` echoes each document's text (default true, as vLLM and Jina
-    do; false: no ``document``)."""
+    do; false: no ``document``); ``truncate_prompt_tokens`` and ``truncation_side`` as
+    /v1/score reads them."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
@@ -71,6 +76,7 @@ class RerankRequest(RequestBody):
     top_n: int | None = Field(None, ge=0, le=INT32_MAX)
     return_documents: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
+    truncation_side: Literal["left", "right"] | None = None  # None: keep the first tokens
     user: str | None = None
     activation: bool | None = None  # vLLM 0.10's name of use_activation
     use_activation: bool | None = None  # False: raw head logits, no softmax / sigmoid
