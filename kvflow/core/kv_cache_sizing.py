@@ -17,7 +17,7 @@ from kvflow.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
 )
-from kvflow.layers.rotary import rope_max_positions
+from kvflow.layers.rope_parameters import rope_max_positions
 from kvflow.models.registry import position_offset
 from kvflow.platforms.cpu import host_memory_bytes
 

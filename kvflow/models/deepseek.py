@@ -46,12 +46,8 @@ from kvflow.layers.activation import require_silu
 from kvflow.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from kvflow.layers.moe import FusedMoE, GroupedTopKRouting
 from kvflow.layers.norm import RMSNorm
-from kvflow.layers.rotary import (
-    RotaryEmbedding,
-    get_rope_parameters,
-    rope_max_positions,
-    yarn_mscale,
-)
+from kvflow.layers.rope_parameters import get_rope_parameters, rope_max_positions
+from kvflow.layers.rotary import RotaryEmbedding, yarn_mscale
 from kvflow.models.llama import LlamaDecoderLayer, LlamaModel, make_lm_head
 from kvflow.models.mixtral import SparseMoeForCausalLM, gated_mlp
 

@@ -31,7 +31,8 @@ from kvflow.layers.activation import GeluAndMul
 from kvflow.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvflow.layers.norm import GemmaRMSNorm
-from kvflow.layers.rotary import RotaryEmbedding, get_rope_parameters, rope_max_positions
+from kvflow.layers.rope_parameters import get_rope_parameters, rope_max_positions
+from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.models.llama import (
     LlamaForCausalLM,
     get_head_dim,

@@ -22,12 +22,8 @@ from kvflow.layers.activation import gated_activation
 from kvflow.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvflow.layers.norm import RMSNorm
-from kvflow.layers.rotary import (
-    RotaryEmbedding,
-    get_rope_parameters,
-    get_rotary_dim,
-    rope_max_positions,
-)
+from kvflow.layers.rope_parameters import get_rope_parameters, get_rotary_dim, rope_max_positions
+from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.models.fused_shards import note_loaded_shard
 from kvflow.models.hf_config_checks import WINDOWLESS_MODEL_TYPES
 from kvflow.models.parallel_utils import PPMissingLayer, is_pp_missing, make_layers

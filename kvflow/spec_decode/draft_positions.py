@@ -16,7 +16,7 @@ an MTP head is the target's own layer. Neither has a limit here.
 from __future__ import annotations
 
 from kvflow.config import EngineConfig
-from kvflow.layers.rotary import rope_max_positions
+from kvflow.layers.rope_parameters import rope_max_positions
 from kvflow.models.loader import load_hf_config
 from kvflow.models.model_resolver import resolve_model
 

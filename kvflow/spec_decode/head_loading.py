@@ -13,7 +13,7 @@ import torch
 
 from kvflow.attention.layer import AttentionContext
 from kvflow.config import EngineConfig
-from kvflow.layers.rotary import extend_rope_positions, rope_max_positions
+from kvflow.layers.rope_parameters import extend_rope_positions, rope_max_positions
 from kvflow.models.eagle import EAGLE_PACKED, EagleLlamaHead
 from kvflow.models.eagle3 import Eagle3LlamaHead, default_aux_layer_ids
 from kvflow.models.fused_shards import missing_shard_tensors
@@ -149,7 +149,7 @@ def load_eagle3(folder: str, hf_config: Any, ctx: AttentionContext, target: torc
 
 def extend_head_positions(head_config: Any, target_config: Any) -> None:
     """Give an EAGLE head's RoPE table at least the target's positions, in place, before the
-    head is built (:func:`~kvflow.layers.rotary.extend_rope_positions`). A head applies its
+    head is built (:func:`~kvflow.layers.rope_parameters.extend_rope_positions`). A head applies its
     RoPE at the target's positions; checkpoints often declare fewer (2048 for the common
     Llama 3 EAGLE and EAGLE-3 heads), and a table that short made every step past it raise.
     SGLang raises the head's ``max_position_embeddings`` instead (kvflow did too), which for a

@@ -15,7 +15,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from kvflow.layers.rotary import rope_max_positions, yarn_attention_factor
+from kvflow.layers.rope_parameters import rope_max_positions
+from kvflow.layers.rotary import yarn_attention_factor
 from kvflow.models.llama import make_rotary_embedding
 
 ATOL = 2e-5

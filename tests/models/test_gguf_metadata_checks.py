@@ -223,7 +223,8 @@ def test_yarn_keys_give_the_rope_table_transformers_computes(tmp_path):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from kvflow.layers.rotary import compute_cos_sin_cache, get_rope_parameters
+    from kvflow.layers.rope_parameters import get_rope_parameters
+    from kvflow.layers.rotary import compute_cos_sin_cache
 
     path = _rewritten(tmp_path, {**_YARN, "llama.rope.scaling.yarn_beta_fast": (4.0, F32),
                                  "llama.rope.scaling.yarn_beta_slow": (0.5, F32),

@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from kvflow.layers.rotary import rope_max_positions
+from kvflow.layers.rope_parameters import rope_max_positions
 from kvflow.models.llama import make_rotary_embedding
 from kvflow.spec_decode.head_loading import extend_head_positions
 
