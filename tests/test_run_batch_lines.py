@@ -66,6 +66,10 @@ def test_previous_response_id_elsewhere_is_the_endpoint_s_to_refuse():
     (b"{not json\n", (None, "invalid_json_line",
                       ("line 7 is not valid JSON: Expecting property name enclosed in double "
                       "quotes (column 2)"), None)),
+    # a line missing its closing brace: the column of its end, not 1 of the next line
+    (b'{"custom_id": "a", "body": {}\n', (None, "invalid_json_line",
+                                         ("line 7 is not valid JSON: Expecting ',' delimiter "
+                                          "(column 30)"), None)),
     (b"  \r\n", (None, "invalid_json_line", "line 7 is empty", None)),
     (b'"\xff"\n', (None, "invalid_json_line", "line 7 is not UTF-8 text", None)),
     (b"[1, 2]\n", (None, "invalid_json_line", "line 7 is a JSON list, not an object", None)),

@@ -16,6 +16,7 @@ import torch
 from kvflow import LLM, SamplingParams
 from kvflow.layers.sampler import apply_token_bitmask, apply_token_bitmask_fast
 from kvflow.structured import StructuredOutputsParams, validate
+from kvflow.structured.schema_support import unenforced_keyword
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "pattern": "^[a-z ]{1,8}$"},
@@ -372,7 +373,9 @@ def test_pydantic_schemas_pass():
         friends: list[Dog] = Field(default_factory=list, max_length=3)
         owner: Dog = Field(description="the owner")
 
-    validate(StructuredOutputsParams(json=Pet.model_json_schema()))
+    schema = Pet.model_json_schema()
+    assert unenforced_keyword(schema) is None
+    validate(StructuredOutputsParams(json=schema))
 
 
 def test_params_validation_and_msgspec_round_trip():

@@ -103,7 +103,7 @@ def parse_line(raw: bytes, line: int, seen_ids: set[str],
         raises for bad input.
     """
     try:
-        value = json.loads(raw.decode("utf-8"))
+        value = json.loads(raw.decode("utf-8").rstrip("\r\n"))  # an error's column: on this line
     except UnicodeDecodeError:
         return LineError(line, None, "invalid_json_line", f"line {line} is not UTF-8 text")
     except json.JSONDecodeError as e:

@@ -148,7 +148,8 @@ def add_lora_routes(app: FastAPI, enabled: bool) -> None:
         except EngineDeadError as e:
             raise engine_dead(e) from None
         except ModelNotFound as e:
-            raise OpenAIError(str(e), 404, "not_found_error", "lora_name") from None
+            raise OpenAIError(str(e), 404, "not_found_error", "lora_name",
+                              "model_not_found") from None
         return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.",
                         media_type="text/plain")
 

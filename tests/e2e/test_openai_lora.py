@@ -109,6 +109,7 @@ def test_unload(server, adapters):
     assert complete(server, "tmp", "hi").status_code == 404
     resp = post(server, "/v1/unload_lora_adapter", {"lora_name": "tmp"})
     assert resp.status_code == 404 and resp.json()["error"]["param"] == "lora_name"
+    assert resp.json()["error"]["code"] == "model_not_found"  # was null
     # served under VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 only, with vLLM's warning
     assert "LoRA dynamic loading & unloading is enabled in the API server" in server.log()
 
