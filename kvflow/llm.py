@@ -17,7 +17,7 @@ from kvflow.beam_search import (
 )
 from kvflow.chat_tool_calls import check_tool_call_ids, check_tool_calls, message_turns
 from kvflow.config import EngineConfig
-from kvflow.config.server import check_disable_log_stats
+from kvflow.config.server_values import check_disable_log_stats
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.engine.streams import RequestRefused
 from kvflow.gc_heap import caller_heap_frozen

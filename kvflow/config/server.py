@@ -3,96 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import dataclass, fields
-from typing import Any
 
 from kvflow.config.options import add_field_arg, check_choices, json_object, opt, parse_bytes
 from kvflow.config.profiler import profiler_options
 from kvflow.config.runtime_lora import runtime_lora_updating
-
-_LIST_FIELDS = ("allowed_origins", "allowed_methods", "allowed_headers")
-
-
-def _lora_module(module: Any) -> Any:
-    """One ``--lora-modules`` entry as ``NAME=PATH``: vLLM's JSON form
-    ``{"name": NAME, "path": PATH}`` (or a config file's mapping of those keys) is turned
-    into it; another string is kept as given (the NAME=PATH check follows).
-
-    Raises:
-        ValueError: for an entry that is neither a string nor a mapping, a JSON entry that
-            is not an object of a string ``name`` (without
-            "=") and ``path``, or that holds another key (vLLM's ``base_model_name``: an
-            adapter's base is always the served model here).
-    """
-    if isinstance(module, dict):  # a config file's mapping
-        entry = module
-    elif not isinstance(module, str):
-        raise ValueError(f"lora_modules: {module!r} must be NAME=PATH or "  # noqa: TRY004
-                         '{"name": NAME, "path": PATH}')
-    elif not module.lstrip().startswith("{"):
-        return module
-    else:
-        try:
-            entry = json.loads(module)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"lora_modules: {module!r} is not valid JSON ({e})") from None
-    if not isinstance(entry, dict):
-        raise ValueError(f"lora_modules: {module!r} must be a JSON object")  # noqa: TRY004
-    other = sorted(set(entry) - {"name", "path"})
-    if other:
-        raise ValueError(f"lora_modules: {module!r}: {', '.join(other)} is not supported "
-                         "(kvflow reads name and path; an adapter's base model is the "
-                         "served model)")
-    name, path = entry.get("name"), entry.get("path")
-    if not (isinstance(name, str) and name and "=" not in name and isinstance(path, str)
-            and path):
-        raise ValueError(f"lora_modules: {module!r} needs a non-empty string name (without "
-                         "'=') and path")
-    return f"{name}={path}"
-
-
-def _word_list(name: str, value: Any) -> tuple[str, ...] | None:
-    """A CORS list flag's value as a tuple of strings: each word is one entry, or a JSON list
-    of entries (vLLM's form, ``'["https://a.example"]'``); None stays None.
-
-    Raises:
-        ValueError: for a word that starts a JSON list but is not one of strings.
-    """
-    if value is None:
-        return None
-    words = [value] if isinstance(value, str) else list(value)
-    out: list[str] = []
-    for word in words:
-        if isinstance(word, str) and word.lstrip().startswith("["):
-            try:
-                items = json.loads(word)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{name}={word!r} is not a JSON list: {e}") from None
-            if not all(isinstance(item, str) for item in items):
-                raise ValueError(f"{name}={word!r} must be a list of strings")
-            out += items
-        elif isinstance(word, str):
-            out.append(word)
-        else:
-            raise ValueError(f"{name}={value!r} must be strings")
-    return tuple(out)
-
-
-def check_disable_log_stats(value: bool | None) -> None:
-    """vLLM's ``disable_log_stats`` (``--disable-log-stats``, ``LLM(disable_log_stats=...)``):
-    True or unset is what kvflow does (it writes no periodic stats log line, vLLM's "Avg
-    prompt throughput ..." one; /metrics is served either way).
-
-    Raises:
-        ValueError: for False (``--no-disable-log-stats``): asks for stats log lines kvflow
-            does not write.
-    """
-    if value is False:
-        raise ValueError("--no-disable-log-stats (disable_log_stats=False) is refused: kvflow "
-                         "writes no periodic stats log line to turn on (its statistics are "
-                         "GET /metrics and each RequestOutput's metrics); leave it out")
+from kvflow.config.server_values import (
+    LIST_FIELDS,
+    check_disable_log_stats,
+    lora_module,
+    word_list,
+)
 
 
 @dataclass
@@ -318,8 +240,8 @@ class ServerConfig:
         cli=False)
 
     def __post_init__(self) -> None:
-        for name in _LIST_FIELDS:  # before the type check: a list becomes a tuple
-            setattr(self, name, _word_list(name, getattr(self, name)))
+        for name in LIST_FIELDS:  # before the type check: a list becomes a tuple
+            setattr(self, name, word_list(name, getattr(self, name)))
         self.default_chat_template_kwargs = json_object(
             "default_chat_template_kwargs", self.default_chat_template_kwargs,
             '{"enable_thinking": false}')
@@ -327,7 +249,7 @@ class ServerConfig:
         if isinstance(self.lora_modules, str):  # a config file's one adapter
             self.lora_modules = (self.lora_modules,)
         if self.lora_modules is not None:
-            self.lora_modules = tuple(_lora_module(m) for m in self.lora_modules)
+            self.lora_modules = tuple(lora_module(m) for m in self.lora_modules)
         if isinstance(self.served_model_name, str):  # a config file's one name
             self.served_model_name = (self.served_model_name,)
         elif self.served_model_name is not None:
