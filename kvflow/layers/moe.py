@@ -78,7 +78,9 @@ class FusedMoE(GemmPathMixin, CustomOp):
 
     Raises:
         ValueError: if ``intermediate_size`` is not divisible by ``tp_size``, the experts not
-            by the EP size or by the routing's groups, or both TP and EP split the layer.
+            by the EP size, ``top_k`` is not in ``[1, num_experts]``, the routing does not fit
+            the experts (:meth:`GroupedTopKRouting.check_experts`), or both TP and EP split
+            the layer.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
@@ -91,9 +93,11 @@ class FusedMoE(GemmPathMixin, CustomOp):
                              f"tp_size {tp_size}")
         if ep_group is not None and tp_size > 1:
             raise ValueError("a MoE layer is split by experts (EP) or by width (TP), not both")
-        if routing is not None and num_experts % routing.num_expert_group:
-            raise ValueError(f"{num_experts} experts cannot form {routing.num_expert_group} "
-                             "equal routing groups")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"MoE num_experts_per_tok={top_k} must be between 1 and the "
+                             f"layer's {num_experts} experts")
+        if routing is not None:
+            routing.check_experts(num_experts)
         self.routing, self.e_score_correction_bias = routing, None
         if routing is not None and routing.uses_correction_bias:
             self.e_score_correction_bias = nn.Parameter(

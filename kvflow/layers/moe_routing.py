@@ -93,10 +93,11 @@ class GroupedTopKRouting:
     routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        """Check the rule names.
+        """Check the rule names and, for the grouped methods, the group counts.
 
         Raises:
-            ValueError: for an unknown ``scoring_func`` or ``topk_method``.
+            ValueError: for an unknown ``scoring_func`` or ``topk_method``, or (grouped
+                methods) ``topk_group`` outside ``[1, num_expert_group]``.
         """
         if self.scoring_func not in ("softmax", "sigmoid"):
             raise ValueError(f"unsupported MoE scoring_func {self.scoring_func!r}: kvflow "
@@ -104,6 +105,31 @@ class GroupedTopKRouting:
         if self.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
             raise ValueError(f"unsupported MoE topk_method {self.topk_method!r}: kvflow "
                              "supports greedy, group_limited_greedy and noaux_tc")
+        if self.grouped and not 1 <= self.topk_group <= self.num_expert_group:
+            raise ValueError(f"MoE topk_group={self.topk_group} must be between 1 and "
+                             f"n_group={self.num_expert_group} (the routing groups a token "
+                             f"may use, {self.topk_method})")
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the method limits each token to its best groups (greedy ignores them)."""
+        return self.topk_method != "greedy"
+
+    def check_experts(self, num_experts: int) -> None:
+        """Check the rule against a layer of ``num_experts`` experts.
+
+        Raises:
+            ValueError: if the experts do not form ``num_expert_group`` equal groups, or
+                noaux_tc's groups (each scored by its two best experts) hold fewer than two.
+        """
+        if num_experts % self.num_expert_group:
+            raise ValueError(f"{num_experts} experts cannot form n_group="
+                             f"{self.num_expert_group} equal routing groups")
+        if self.topk_method == "noaux_tc" and num_experts // self.num_expert_group < 2:
+            raise ValueError(f"noaux_tc scores a routing group by its two best experts: "
+                             f"n_group={self.num_expert_group} leaves "
+                             f"{num_experts // self.num_expert_group} of the {num_experts} "
+                             "experts per group")
 
     @property
     def uses_correction_bias(self) -> bool:

@@ -88,6 +88,16 @@ def test_bad_rules_raise():
         GroupedTopKRouting(2, topk_method="random")
     with pytest.raises(ValueError, match="routing groups"):
         FusedMoE(6, 2, 8, 4, False, routing=GroupedTopKRouting(2, num_expert_group=4))
+    for topk_group in (0, 5):  # torch.topk's "selected index k out of range" at the first step
+        with pytest.raises(ValueError, match=f"topk_group={topk_group} must be between 1 and "
+                                             "n_group=4"):
+            GroupedTopKRouting(2, "sigmoid", "noaux_tc", 4, topk_group)
+    GroupedTopKRouting(2, "softmax", "greedy", 1, 3)  # greedy ignores the groups
+    with pytest.raises(ValueError, match="n_group=4 leaves 1 of the 4 experts per group"):
+        FusedMoE(4, 2, 8, 4, False, routing=GroupedTopKRouting(2, "sigmoid", "noaux_tc", 4, 2))
+    with pytest.raises(ValueError, match="num_experts_per_tok=5 must be between 1 and the "
+                                         "layer's 4 experts"):
+        FusedMoE(4, 5, 8, 4, False)
 
 
 def test_fused_moe_with_grouped_routing_matches_expert_loop():

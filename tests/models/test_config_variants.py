@@ -59,8 +59,20 @@ def _edited_copy(tiny, folder, **changes) -> str:
      r"Gemma 2 use_bidirectional_attention=True is not supported"),
     ("granite_moe", {"hidden_act": "gelu"},
      r"hidden_act='gelu' is not supported for GraniteMoeForCausalLM"),
+    # counts no routing can use: these loaded, then the first step failed in torch.topk
+    # ("selected index k out of range", a RuntimeError)
+    ("deepseek_v2", {"topk_group": 5}, r"topk_group=5 must be between 1 and n_group=4"),
+    ("deepseek_v3", {"n_group": 8},
+     (r"noaux_tc scores a routing group by its two best experts: n_group=8 leaves 1 of the 8 "
+      r"experts per group")),
+    ("qwen3_moe", {"num_experts_per_tok": 9},
+     r"num_experts_per_tok=9 must be between 1 and the layer's 8 experts"),
+    ("mixtral", {"num_experts_per_tok": 5},
+     r"num_experts_per_tok=5 must be between 1 and the layer's 4 experts"),
 ], ids=["llama_relu", "mixtral_gelu", "qwen2_moe_gelu", "deepseek_gelu", "gemma3_bidirectional",
-        "gemma3_attn_softcap", "gemma2_bidirectional", "granite_moe_gelu"])
+        "gemma3_attn_softcap", "gemma2_bidirectional", "granite_moe_gelu",
+        "deepseek_topk_group", "deepseek_v3_one_expert_groups",
+        "qwen3_moe_top_k", "mixtral_top_k"])
 def test_unsupported_variant_is_refused_naming_the_field(tiny_model_factory, tmp_path, name,
                                                          changes, message):
     path = _edited_copy(tiny_model_factory(name), tmp_path / "model", **changes)
