@@ -177,6 +177,11 @@ TINY_MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     # DeepSeek-V2 with transformers' mlp_bias: biased dense and shared-expert MLPs
     "deepseek_v2_mlp_bias": ("DeepseekV2Config", {
         **_MLA_DIMS, "q_lora_rank": None, "n_shared_experts": 1, "mlp_bias": True}),
+    # DeepSeek-V2 with n_shared_experts 0: transformers saves the width-0 shared MLP's empty
+    # tensors, every layer MoE, greedy top-2 routing
+    "deepseek_v2_no_shared": ("DeepseekV2Config", {
+        **_MLA_DIMS, "q_lora_rank": None, "n_shared_experts": 0, "first_k_dense_replace": 0,
+        "topk_method": "greedy", "routed_scaling_factor": 1.0}),
     # DeepSeek-V3 style: q LoRA, sigmoid "noaux_tc" routing with a random correction bias,
     # renormalized and scaled top-2, 1 shared expert, interleaved RoPE
     "deepseek_v3": ("DeepseekV3Config", {

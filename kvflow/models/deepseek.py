@@ -323,17 +323,22 @@ class DeepseekV2ForCausalLM(SparseMoeForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors, skipping multi-token-prediction layers (indices at or past
-        ``num_hidden_layers``). Returns the names of loaded parameters.
+        ``num_hidden_layers``) and, with ``n_shared_experts`` 0, the empty shared-expert
+        tensors transformers and DeepSeek's code save for a shared MLP of width 0 (it adds
+        nothing; kvflow builds none). Returns the names of loaded parameters.
 
         Raises:
             ValueError: for a checkpoint tensor that matches no parameter.
         """
         num_layers = self.config.num_hidden_layers
+        no_shared = not (getattr(self.config, "n_shared_experts", None) or 0)
 
         def decoder_weights() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
                 parts = name.split(".")
                 if parts[:2] == ["model", "layers"] and int(parts[2]) >= num_layers:
+                    continue
+                if no_shared and ".mlp.shared_experts." in name and tensor.numel() == 0:
                     continue
                 yield name, tensor
 
