@@ -3,9 +3,10 @@
 softmax routing, ``deepseek_v3`` = q LoRA and sigmoid noaux_tc routing with a correction bias).
 
 Greedy tokens and each token's logprob must equal transformers' (the helpers of
-test_parity.py) for mixed batches, whole prompts, chunked prefill, prefix-cache hits and
-preemption; the paged cache must hold one latent vector per token (sizes checked by hand);
-an explicit attention backend without an MLA path is refused; no KV block leaks.
+test_parity.py) for mixed batches, whole prompts, chunked prefill, prefix-cache hits,
+preemption and blocks of 16 and 32 tokens; the paged cache must hold one latent vector per
+token (sizes checked by hand); an explicit attention backend without an MLA path is refused;
+no KV block leaks.
 """
 
 from __future__ import annotations
@@ -94,6 +95,21 @@ def test_preemption(tiny, prefix_caching, assert_no_leaks):
     assert llm.engine.core.scheduler.num_preemptions > 0
     for out in outs:
         assert_matches_hf(tiny, out)
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_block_sizes_of_serving(tiny, block_size, assert_no_leaks):
+    """The latent cache in blocks of 16 and 32 tokens (the other tests use 4): a 70-token
+    prompt in chunks of 24, prompts sharing a 40-token prefix (hits inside and at the end of a
+    block on the second run) and 20 decode steps each, all transformers' tokens."""
+    llm = make_llm(tiny, block_size=block_size, num_kv_blocks=32, max_num_batched_tokens=24)
+    prompts = _prompts([70, 3, 33], tiny.vocab_size, seed=5)
+    prompts += [prompts[0][:40] + [5, 6, 7], prompts[0][:40] + [9]]
+    for _ in range(2):
+        for out in llm.generate(prompts, greedy(20), use_tqdm=False):
+            assert_matches_hf(tiny, out, 20)
+    assert llm.engine.core.kv_cache_manager.num_hits > 0
     assert_no_leaks(llm)
 
 
