@@ -20,9 +20,10 @@ width ``moe_intermediate_size`` chosen by :class:`~kvflow.layers.moe.GroupedTopK
 an fp32 router, plus ``n_shared_experts`` always-on experts fused into one MLP of width
 ``n_shared_experts x moe_intermediate_size``. V2 scores with a softmax (``topk_method``
 greedy or group_limited_greedy); V3 with a sigmoid and ``noaux_tc``. V2's weights are scaled by
-``routed_scaling_factor`` unless ``norm_topk_prob`` renormalizes them instead (DeepSeek's V2
-code; transformers 5 ignores ``norm_topk_prob`` for V2, which every published V2 config sets
-false); V3 renormalizes when ``norm_topk_prob`` and always scales.
+``routed_scaling_factor`` unless ``norm_topk_prob`` renormalizes them instead, which DeepSeek's
+V2 code does only for top-k above 1 (transformers 5 ignores ``norm_topk_prob`` for V2, which
+every published V2 config sets false); V3 renormalizes when ``norm_topk_prob`` and always
+scales.
 
 Checkpoints: HF names (``self_attn.kv_b_proj.weight``, ``mlp.gate.weight``,
 ``mlp.gate.e_score_correction_bias``, per-expert or stacked expert tensors,
@@ -292,8 +293,11 @@ class DeepseekV2ForCausalLM(SparseMoeForCausalLM):
     @classmethod
     def routing_for(cls, config: Any) -> GroupedTopKRouting:
         """V2: softmax scores, ``topk_method`` greedy or group_limited_greedy; the weights
-        renormalized when ``norm_topk_prob``, else scaled by ``routed_scaling_factor``."""
-        renormalize = bool(getattr(config, "norm_topk_prob", False))
+        renormalized when ``norm_topk_prob`` and ``num_experts_per_tok > 1``, else scaled by
+        ``routed_scaling_factor`` (DeepSeek's V2 gate: a single expert keeps its probability
+        times the factor, as transformers computes it too)."""
+        renormalize = bool(getattr(config, "norm_topk_prob", False)) \
+            and config.num_experts_per_tok > 1
         return GroupedTopKRouting(
             config.num_experts_per_tok, getattr(config, "scoring_func", None) or "softmax",
             getattr(config, "topk_method", None) or "greedy",

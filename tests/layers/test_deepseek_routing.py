@@ -61,6 +61,27 @@ def test_matches_transformers_router(version, overrides, routing):
     torch.testing.assert_close(_by_expert(weights, ids), _by_expert(hf_weights, hf_ids))
 
 
+def test_v2_single_expert_is_scaled_not_renormalized():
+    """DeepSeek's V2 gate renormalizes only for top-k above 1, else scales by
+    routed_scaling_factor; transformers' V2 router always scales: with one expert per token
+    and norm_topk_prob set, both give probability x 2.5 (kvflow gave weight 1.0)."""
+    import transformers
+
+    from kvflow.models.deepseek import DeepseekV2ForCausalLM
+
+    fields = {"num_experts_per_tok": 1, "norm_topk_prob": True, "topk_method": "greedy"}
+    router = _hf_router("v2", **fields)
+    routing = DeepseekV2ForCausalLM.routing_for(transformers.DeepseekV2Config(
+        hidden_size=HIDDEN, n_routed_experts=E, routed_scaling_factor=2.5, **fields))
+    hidden = torch.randn(16, HIDDEN, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits, hf_weights, hf_ids = router(hidden)
+    weights, ids = routing.select(logits)
+    assert torch.equal(ids, hf_ids)
+    torch.testing.assert_close(weights, hf_weights)
+    torch.testing.assert_close(weights, 2.5 * logits.softmax(-1).max(-1, keepdim=True).values)
+
+
 def test_group_limit_and_correction_bias_by_hand():
     """4 experts in 2 groups, 1 group kept, top-2. V2 (group = best expert): expert 3 scores
     best overall but group 0 {0, 1} wins on its best score, so 3 is out. V3: the bias moves the
