@@ -6,6 +6,8 @@ the text fed in pieces, and the chat messages written by hand."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
@@ -154,6 +156,27 @@ def test_input_items_as_chat_messages():
                             "output": [{"type": "input_text", "text": "x"}]}], None)
     assert parts.messages == [{"role": "tool", "tool_call_id": "c",
                                "content": [{"type": "text", "text": "x"}]}]
+
+
+def test_a_call_after_a_stored_turn_leaves_that_turn_alone():
+    """A function_call item right after ``previous_response_id``'s last assistant turn joins
+    that turn in this conversation only: the stored turns (``earlier``, the store's own
+    list) are unchanged, so another request continuing the same reply renders the same
+    prompt (they used to gain the call)."""
+    earlier = [{"role": "user", "content": "q"},
+               {"role": "assistant", "content": "A", "tool_calls": [
+                   {"id": "c0", "type": "function",
+                    "function": {"name": "f", "arguments": "{}"}}]}]
+    before = copy.deepcopy(earlier)
+    conv = chat_messages([
+        {"type": "function_call", "call_id": "c1", "name": "g", "arguments": "[]"},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"}], None, earlier)
+    assert earlier == before
+    assert [c["id"] for c in conv.messages[1]["tool_calls"]] == ["c0", "c1"]
+    assert conv.messages[1]["content"] == "A"
+    assert conv.call_paths == {1: ["input.0"]}
+    again = chat_messages("next", None, earlier)
+    assert again.messages == [*before, {"role": "user", "content": "next"}]
 
 
 @pytest.mark.parametrize(("items", "param"), [

@@ -106,13 +106,17 @@ def _add_item(conv: Conversation, item: Any, path: str) -> None:
 
 
 def _add_call(conv: Conversation, item: dict[str, Any], path: str) -> None:
+    """The call joins the assistant turn before it (a new one if there is none). That turn
+    is replaced by a copy, never changed in place: it may be a stored reply's turn
+    (``previous_response_id``), which other requests continue too."""
     call = {"id": _string(item, "call_id", path), "type": "function",
             "function": {"name": _string(item, "name", path),
                          "arguments": _string(item, "arguments", path)}}
     last = conv.messages[-1] if conv.messages else None
     if last is None or last["role"] != "assistant" or conv.paths[-1] == "instructions":
         conv.add({"role": "assistant", "content": None, "tool_calls": []}, path)
-    conv.messages[-1].setdefault("tool_calls", []).append(call)
+        last = conv.messages[-1]
+    conv.messages[-1] = {**last, "tool_calls": [*(last.get("tool_calls") or []), call]}
     conv.call_paths.setdefault(len(conv.messages) - 1, []).append(path)
 
 
