@@ -264,9 +264,9 @@ class _Stream:
             raise self.error
 
 
-def _handler_events(stream):
-    """(events, the handler) of a streamed reply of ``stream`` under a think parser; the
-    fake tokenizer makes one token per character."""
+def _handler_events(stream, tool_parser=None):
+    """(events, the handler) of a streamed reply of ``stream`` under a think parser (and
+    ``tool_parser``); the fake tokenizer makes one token per character."""
     import asyncio
     from types import SimpleNamespace
 
@@ -280,7 +280,8 @@ def _handler_events(stream):
                            response_model=lambda model: "m")
     handler = OpenAIServingResponses(chat)
     req = ResponsesRequest.model_validate({"input": "hi", "stream": True})
-    run = ChatRun("resp-1", [1, 2, 3], [stream], ChatOutputParser(None, ThinkReasoningParser()))
+    run = ChatRun("resp-1", [1, 2, 3], [stream],
+                  ChatOutputParser(tool_parser, ThinkReasoningParser()))
 
     async def drain():
         from kvflow.entrypoints.responses_input import chat_messages
@@ -304,6 +305,25 @@ def test_streamed_reply_counts_reasoning_tokens_and_is_stored():
     assert [i["type"] for i in response["output"]] == ["reasoning", "message"]
     assert handler.store.get("resp_1").messages == [
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "cd"}]
+
+
+def test_a_call_cut_by_max_output_tokens_is_not_stored_as_a_call():
+    """A reply cut mid-call: the call item is ``incomplete`` in the output (OpenAI's), and
+    the stored conversation has no such call, whose unfinished arguments made every
+    ``previous_response_id`` continuation a 400; a finished call before it is kept."""
+    done = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    cut = '<tool_call>{"name": "add", "arguments": {"a'
+    events, handler = _handler_events(_Stream(["Sure.", done, cut], "length"),
+                                      make_tool_parser("hermes"))
+    response = events[-1]["response"]
+    assert events[-1]["type"] == "response.incomplete"
+    calls = [i for i in response["output"] if i["type"] == "function_call"]
+    assert [(c["arguments"], c["status"]) for c in calls] == [
+        ('{"a": 1}', "completed"), ('{"a', "incomplete")]
+    (_, turn) = handler.store.get("resp_1").messages
+    assert turn["content"] == "Sure."
+    assert turn["tool_calls"] == [{"id": calls[0]["call_id"], "type": "function",
+                                   "function": {"name": "add", "arguments": '{"a": 1}'}}]
 
 
 def test_engine_death_mid_stream_is_an_error_event():

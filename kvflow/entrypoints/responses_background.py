@@ -313,9 +313,7 @@ class BackgroundResponses:
             ended = self._restore(response_id,
                                   lambda r: ended_response(r, task, items, usage) or r)
             if before not in TERMINAL and ended is not None and ended.status == "cancelled":
-                stored.messages += output_messages(
-                    [i for i in ended.output if i["type"] != "function_call"
-                     or i["status"] == "completed"])  # a cut call is no call
+                stored.messages += output_messages(ended.output)
             if stored.log is not None:
                 stored.log.close()
         self.store.release(response_id)

@@ -167,12 +167,15 @@ def _limit(value: str) -> int:
 def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A reply's output items as chat turns: message text as an assistant turn, function
     calls as its ``tool_calls`` (reasoning items are not rendered again, as chat templates
-    drop earlier turns' reasoning)."""
+    drop earlier turns' reasoning). A call the reply's end cut (status ``incomplete``: by
+    ``max_output_tokens`` or a cancel) is no call: its arguments are unfinished JSON, which
+    would make every request continuing the reply a 400, and no output can answer it."""
     text = "".join(part["text"] for item in output if item["type"] == "message"
                    for part in item["content"])
     calls = [{"id": item["call_id"], "type": "function",
               "function": {"name": item["name"], "arguments": item["arguments"]}}
-             for item in output if item["type"] == "function_call"]
+             for item in output
+             if item["type"] == "function_call" and item["status"] == "completed"]
     message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
     if calls:
         message["tool_calls"] = calls
