@@ -174,7 +174,7 @@ def test_a_call_after_a_stored_turn_leaves_that_turn_alone():
     assert earlier == before
     assert [c["id"] for c in conv.messages[1]["tool_calls"]] == ["c0", "c1"]
     assert conv.messages[1]["content"] == "A"
-    assert conv.call_paths == {1: ["input.0"]}
+    assert conv.call_paths == {1: ["previous_response_id", "input.0"]}
     again = chat_messages("next", None, earlier)
     assert again.messages == [*before, {"role": "user", "content": "next"}]
 
@@ -359,6 +359,28 @@ def test_chat_error_fields_are_named_as_the_request_names_them(chat_param, param
     conv = chat_messages([{"role": "user", "content": [{"type": "input_text", "text": "a"}]},
                           {"type": "function_call_output", "call_id": "c", "output": "1"},
                           {**call, "call_id": "c1"}, {**call, "call_id": "c2"}], "sys")
+    assert renamed(chat_param, conv) == param
+
+
+@pytest.mark.parametrize(("chat_param", "param"), [
+    ("messages.1.tool_calls.1.function.arguments", "input.0.arguments"),
+    ("messages.1.tool_calls.2.id", "input.1.call_id"),
+    ("messages.1.tool_calls.0.function.arguments", "previous_response_id"),
+])
+def test_a_call_joining_a_stored_turn_with_calls_is_named_by_its_item(chat_param, param):
+    """Calls joining ``previous_response_id``'s last turn, which made a call already: an
+    error in one names its input item (the stored call, the earlier reply), not the stored
+    call's place (they were counted from the turn's first call, the stored one)."""
+    from kvflow.entrypoints.responses_errors import renamed
+
+    earlier = [{"role": "user", "content": "q"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c0", "type": "function",
+                    "function": {"name": "f", "arguments": "{}"}}]}]
+    call = {"type": "function_call", "name": "f", "arguments": "bad"}
+    conv = chat_messages([{**call, "call_id": "c1"}, {**call, "call_id": "c2"}], None,
+                         earlier)
+    assert [c["id"] for c in conv.messages[1]["tool_calls"]] == ["c0", "c1", "c2"]
     assert renamed(chat_param, conv) == param
 
 

@@ -73,8 +73,12 @@ def _message_path(rest: str, conv: Conversation) -> str:
 
 def _call_path(call_paths: list[str], key: str) -> str | None:
     """``tool_calls.<key>`` of a message as its function_call item's path (``0.function.
-    arguments`` -> ``input.3.arguments``); None when the call came from no input item."""
+    arguments`` -> ``input.3.arguments``; a call of a stored turn: ``previous_response_id``);
+    None when the call came from no input item."""
     index, _, rest = key.partition(".")
     if not index.isdigit() or int(index) >= len(call_paths):
         return None
-    return ".".join(p for p in (call_paths[int(index)], _CALL_KEYS.get(rest, "")) if p)
+    path = call_paths[int(index)]
+    if not path.startswith("input."):
+        return path
+    return ".".join(p for p in (path, _CALL_KEYS.get(rest, "")) if p)

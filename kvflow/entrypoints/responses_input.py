@@ -108,7 +108,8 @@ def _add_item(conv: Conversation, item: Any, path: str) -> None:
 def _add_call(conv: Conversation, item: dict[str, Any], path: str) -> None:
     """The call joins the assistant turn before it (a new one if there is none). That turn
     is replaced by a copy, never changed in place: it may be a stored reply's turn
-    (``previous_response_id``), which other requests continue too."""
+    (``previous_response_id``), which other requests continue too. ``call_paths`` keeps one
+    path per tool call of the turn: the turn's own for the calls it had already."""
     call = {"id": _string(item, "call_id", path), "type": "function",
             "function": {"name": _string(item, "name", path),
                          "arguments": _string(item, "arguments", path)}}
@@ -116,8 +117,9 @@ def _add_call(conv: Conversation, item: dict[str, Any], path: str) -> None:
     if last is None or last["role"] != "assistant" or conv.paths[-1] == "instructions":
         conv.add({"role": "assistant", "content": None, "tool_calls": []}, path)
         last = conv.messages[-1]
-    conv.messages[-1] = {**last, "tool_calls": [*(last.get("tool_calls") or []), call]}
-    conv.call_paths.setdefault(len(conv.messages) - 1, []).append(path)
+    index, had = len(conv.messages) - 1, last.get("tool_calls") or []
+    conv.messages[index] = {**last, "tool_calls": [*had, call]}
+    conv.call_paths.setdefault(index, [conv.paths[index]] * len(had)).append(path)
 
 
 def _role(item: dict[str, Any], path: str) -> str:
