@@ -39,7 +39,9 @@ _TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
 class Conversation:
     """Chat messages (dicts as ``ChatMessage`` takes them) and, per message, the request path
     it came from (``input.3``, ``instructions``) and the paths of its tool calls' items (by
-    message index), for naming a chat-side error's field."""
+    message index; one per call, ``previous_response_id`` for a stored turn's own), for
+    naming a chat-side error's field. Messages may be a stored reply's own dicts: replace,
+    never change them."""
 
     messages: list[dict[str, Any]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
