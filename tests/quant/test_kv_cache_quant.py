@@ -89,10 +89,67 @@ def test_vllm_fp8_name_is_an_e4m3_cache(tiny_model_factory):
     assert llm.engine.config.cache_config.kv_cache_dtype == "fp8_e4m3"
 
 
-def _check_against_rounding_cache(tiny, name: str, backend: str, rounding: str) -> LLM:
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("model", ["mistral_sliding_window", "qwen2_layer_types", "gemma2",
+                                   "gemma3", "llama_mqa"])
+def test_attention_variants_match_hf_with_a_rounding_cache(tiny_model_factory, model, backend,
+                                                           name):
+    """The quantized cache under every attention shape the tiny models give: a window of 8
+    on every layer (its blocks freed), a full and a sliding group sharing tensors and scales,
+    Gemma 2's soft-capped scores, Gemma 3's q/k norms and query_pre_attn_scalar, one KV head
+    read by four query heads; 13-token prompts, so the window slides within the prompt.
+    (Seed 9: under seed 8's prompt one INT8 value row of the sliding model holds -66.50002,
+    within float32 noise of a rounding midpoint, which the engine and the oracle round to
+    different levels: 5e-4 apart until the window slides past that token.)"""
+    _check_against_rounding_cache(tiny_model_factory(model), name, backend, name, seed=9)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+def test_prefix_hits_and_ngram_drafts_match_hf_with_a_rounding_cache(tiny_model_factory, name):
+    """Cached blocks are read back with their scales (a second prompt hits the first's 3 full
+    blocks) and n-gram drafts are verified over the quantized cache (several query tokens per
+    decode row): every output keeps transformers' rounding-cache logprobs."""
+    tiny = tiny_model_factory("llama")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3, "adaptive": False}
+    llm = LLM(model=tiny.path, dtype="float32", kv_cache_dtype=name, num_kv_blocks=64,
+              block_size=4, speculative_config=spec)
+    loop = [11, 12, 13, 14] * 4  # the n-gram proposer drafts from its repeats
+    prompts = [loop + [21, 22, 23], loop[:12] + [31, 32, 33, 34, 35]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    assert [o.metrics.num_cached_tokens for o in outs] == [0, 12]
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+    for prompt, out in zip(prompts, outs):
+        _assert_rounding_cache_logprobs(tiny, prompt, out.outputs[0], name)
+
+
+def _assert_rounding_cache_logprobs(tiny, prompt: list[int], completion, name: str) -> None:
+    """``completion`` (a greedy CompletionOutput with ``logprobs=1``) has transformers'
+    tokens and logprobs (within 2e-4) under a cache rounding every row as ``name``, up to a
+    near-tie of the reference; and the rounding is visible (the unrounded model differs)."""
+    ids = prompt + completion.token_ids[:-1]
+    ref = _hf_logprobs_with_rounding_cache(tiny, ids, name)[len(prompt) - 1:]
+    for step, token in enumerate(completion.token_ids):
+        if token != int(ref[step].argmax()):
+            top2 = ref[step].topk(2).values
+            assert float(top2[0] - top2[1]) < 1e-3, f"step {step}: not a near-tie"
+            break
+        assert completion.logprobs[step][token].logprob == \
+            pytest.approx(float(ref[step, token]), abs=2e-4)
+    with torch.no_grad():
+        plain = torch.log_softmax(tiny.hf_model(torch.tensor([ids])).logits[0], dim=-1)
+    assert (plain[len(prompt) - 1:] - ref).abs().max() > 1e-3
+
+
+def _check_against_rounding_cache(tiny, name: str, backend: str, rounding: str,
+                                  seed: int = 8) -> LLM:
     """The engine with ``kv_cache_dtype=name`` decodes with transformers' logprobs under a
-    cache rounding every row as ``rounding``; returns the engine."""
-    prompt = torch.randint(2, tiny.vocab_size, (13,), generator=torch.Generator().manual_seed(8))
+    cache rounding every row as ``rounding`` (a random prompt from ``seed``); returns the
+    engine."""
+    prompt = torch.randint(2, tiny.vocab_size, (13,),
+                           generator=torch.Generator().manual_seed(seed))
     llm = LLM(model=tiny.path, dtype="float32", kv_cache_dtype=name, num_kv_blocks=64,
               block_size=4, attention_backend=backend, max_num_batched_tokens=8)
     runner = llm.engine.core.executor.runner
@@ -105,18 +162,7 @@ def _check_against_rounding_cache(tiny, name: str, backend: str, rounding: str) 
     (out,) = llm.generate([prompt.tolist()], SamplingParams(temperature=0, max_tokens=6,
                                                             ignore_eos=True, logprobs=1),
                           use_tqdm=False)
-    ids = prompt.tolist() + out.outputs[0].token_ids[:-1]
-    ref = _hf_logprobs_with_rounding_cache(tiny, ids, rounding)[len(prompt) - 1:]
-    for step, token in enumerate(out.outputs[0].token_ids):
-        if token != int(ref[step].argmax()):
-            top2 = ref[step].topk(2).values
-            assert float(top2[0] - top2[1]) < 1e-3, f"step {step}: not a near-tie"
-            break
-        assert out.outputs[0].logprobs[step][token].logprob == \
-            pytest.approx(float(ref[step, token]), abs=2e-4)
-    with torch.no_grad():  # the rounding is visible: the unrounded model differs
-        plain = torch.log_softmax(tiny.hf_model(torch.tensor([ids])).logits[0], dim=-1)
-    assert (plain[len(prompt) - 1:] - ref).abs().max() > 1e-3
+    _assert_rounding_cache_logprobs(tiny, prompt.tolist(), out.outputs[0], rounding)
     layer = next(iter(runner.attn_layers.values()))
     assert layer.kv_cache.dtype == kv_cache_dtypes(rounding, torch.float32)[0]
     assert layer.kv_scales.shape == layer.kv_cache.shape[:4]
