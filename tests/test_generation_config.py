@@ -164,3 +164,14 @@ def test_python_m_kvflow_with_a_config_file(gen_model, tiny_llama, token_ids, tm
     expected = hf_greedy(tiny_llama, token_ids(PROMPT), 5)
     decode = AutoTokenizer.from_pretrained(gen_model).decode
     assert out.out == PROMPT + decode(expected, skip_special_tokens=True) + "\n"
+
+
+def test_presence_and_frequency_penalties_are_read(tiny_llama, tmp_path):
+    """vLLM 0.32 reads both penalties from generation_config.json (and takes them in
+    ``override_generation_config``); kvflow read neither."""
+    model = with_generation_config(tiny_llama.path, tmp_path / "m",
+                                   {"presence_penalty": 0.5, "frequency_penalty": -0.25})
+    assert _llm(model).engine.sampling_defaults == {"presence_penalty": 0.5,
+                                                    "frequency_penalty": -0.25}
+    llm = _llm(model, override_generation_config={"frequency_penalty": 1.0})
+    assert llm.engine.sampling_defaults == {"presence_penalty": 0.5, "frequency_penalty": 1.0}

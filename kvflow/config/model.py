@@ -48,7 +48,7 @@ def parse_hf_overrides(value: dict[str, Any] | str | None) -> dict[str, Any] | N
 
 # generation_config.json keys --override-generation-config may set (the sampling defaults read)
 GENERATION_OVERRIDE_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                            "max_new_tokens")
+                            "presence_penalty", "frequency_penalty", "max_new_tokens")
 
 
 def _generation_overrides(value: Any) -> dict[str, Any] | None:

@@ -1,7 +1,8 @@
 """A model's sampling defaults from its ``generation_config.json`` (``--generation-config``).
 
-The fields read are vLLM's: ``temperature``, ``top_p``, ``top_k``, ``min_p``,
-``repetition_penalty`` and ``max_new_tokens`` (kvflow's ``max_tokens``). A request's own value
+The fields read are vLLM's (``ModelConfig.get_diff_sampling_param``): ``temperature``,
+``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``presence_penalty``,
+``frequency_penalty`` and ``max_new_tokens`` (kvflow's ``max_tokens``). A request's own value
 always wins (:meth:`kvflow.sampling_params.SamplingParams.with_defaults`; the server tells an
 unset field from one set to the default value). ``do_sample`` is not read, as in vLLM: a
 ``temperature`` in the file applies even where transformers would decode greedily.
@@ -27,7 +28,8 @@ logger = logging.getLogger(__name__)
 GENERATION_CONFIG_FILE = "generation_config.json"
 # generation_config.json key -> SamplingParams field
 _FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+           "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+           "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens"}
 SAMPLING_DEFAULT_FIELDS = tuple(_FIELDS.values())  # the SamplingParams fields it can default
 
 
