@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
-
-from tqdm.auto import tqdm
 
 from kvflow.beam_search import (
     BeamSearchOutput,
@@ -15,12 +12,9 @@ from kvflow.beam_search import (
     beam_search_offline,
     check_logprobs_mode,
 )
-from kvflow.chat_tool_calls import check_tool_call_ids, check_tool_calls, message_turns
 from kvflow.config import EngineConfig
-from kvflow.config.server_values import check_disable_log_stats
 from kvflow.engine.llm_engine import LLMEngine
-from kvflow.engine.streams import RequestRefused
-from kvflow.gc_heap import caller_heap_frozen
+from kvflow.llm_chat import LLMChat
 from kvflow.llm_inputs import (
     as_prompt_list,
     beam_search_prompts,
@@ -31,23 +25,18 @@ from kvflow.llm_inputs import (
     check_users,
     processed_prompts,
     refuse_server_options,
-    with_images,
 )
 from kvflow.llm_ops import LLMOps
 from kvflow.llm_pooling import LLMPooling
+from kvflow.llm_queue import EnqueuedRequests, LLMQueue, _progress_bar
+from kvflow.llm_stats import OfflineStats
 from kvflow.lora.request import LoRARequest
-from kvflow.outputs import (
-    RequestOutput,
-)
+from kvflow.outputs import RequestOutput
 from kvflow.prompt_inputs import ProcessedPrompt, PromptType
 from kvflow.sampling_params import SamplingParams
-from kvflow.tokenization_options import TokenizationOptions, parse_tokenization_kwargs
-
-# vLLM's chat_template_content_format values (kvflow.chat_template.render_chat's content_format)
-CONTENT_FORMATS = ("auto", "string", "openai")
 
 
-class LLM(LLMPooling, LLMOps):
+class LLM(LLMChat, LLMQueue, LLMPooling, LLMOps):
     """Offline batch generation, and pooling (``embed``, ``encode``, ``classify``,
     ``score``: :class:`~kvflow.llm_pooling.LLMPooling`).
 
@@ -57,20 +46,21 @@ class LLM(LLMPooling, LLMOps):
             enable_prefix_caching, max_num_batched_tokens, max_num_seqs, device, ...);
             ``logits_processors``: custom logits processor classes or ``"module:Class"``
             paths (``kvflow.logits_process``), whose per-request arguments come in
-            ``SamplingParams.extra_args``; vLLM's ``disable_log_stats=True`` is accepted
-            (kvflow logs no stats lines).
+            ``SamplingParams.extra_args``; vLLM's ``disable_log_stats``: False keeps the
+            metrics ``get_metrics`` reads (vLLM's rule; kvflow writes no periodic stats log
+            line either way), True or unset (vLLM's offline default) keeps none.
 
     Raises:
-        ValueError: for an unknown option, model or impossible configuration,
+        ValueError: for an unknown option, model or impossible configuration, or
             ``admission_control`` or ``idle_batch_window_ms`` (server options: offline
-            requests are never refused, nor waited for), or ``disable_log_stats=False``.
+            requests are never refused, nor waited for).
     """
 
     def __init__(self, model: str = "SmolLM2-135M-Instruct", **kwargs: Any) -> None:
         refuse_server_options(bool(kwargs.get("admission_control")),
                               kwargs.get("idle_batch_window_ms") or 0.0)
-        check_disable_log_stats(kwargs.pop("disable_log_stats", None))  # vLLM's; no log line
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        log_stats = kwargs.pop("disable_log_stats", None) is False  # vLLM's offline default
+        self._attach(LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs)), log_stats)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> LLM:
@@ -83,8 +73,15 @@ class LLM(LLMPooling, LLMOps):
         sc = config.scheduler_config
         refuse_server_options(sc.admission_control, sc.idle_batch_window_ms)
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(config)
+        llm._attach(LLMEngine(config), log_stats=False)
         return llm
+
+    def _attach(self, engine: LLMEngine, log_stats: bool) -> None:
+        """Run on ``engine``, with an empty ``enqueue`` queue; ``log_stats``: keep the
+        metrics ``get_metrics`` reads."""
+        self.engine = engine
+        self._enqueued = EnqueuedRequests()
+        self._stats = OfflineStats(engine.config.model_config.model) if log_stats else None
 
     def shutdown(self) -> None:
         """Stop the worker processes of a multi-rank engine now (they also stop when this
@@ -153,18 +150,32 @@ class LLM(LLMPooling, LLMOps):
         if on_output is not None and not callable(on_output):
             raise ValueError(f"on_output must be a callable (index, RequestOutput) or None, "
                              f"got {type(on_output).__name__}")
+        ids = self._add_generate_requests(prompts, sampling_params, priority, user,
+                                          lora_request, tokenization_kwargs,
+                                          mm_processor_kwargs)
+        return self._run(ids, use_tqdm, on_output) if ids else []
+
+    def _add_generate_requests(self, prompts: PromptType | Sequence[PromptType],
+                               sampling_params: Any, priority: Any, user: Any,
+                               lora_request: Any, tokenization_kwargs: dict[str, Any] | None,
+                               mm_processor_kwargs: dict[str, Any] | None) -> list[str]:
+        """``generate``'s arguments checked and its requests queued (not run): their ids,
+        in prompt order.
+
+        Raises:
+            ValueError: see :meth:`generate` (nothing is queued then).
+        """
         prompts = as_prompt_list(prompts)
         if not prompts:
             return []
         params = broadcast_params(sampling_params, len(prompts))
-        priorities = check_priorities(priority, len(prompts),
-                                       self.engine.config.scheduler_config.policy)
-        users = check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
+        policy = self.engine.config.scheduler_config.policy
+        priorities = check_priorities(priority, len(prompts), policy)
+        users = check_users(user, len(prompts), policy)
         prompts = processed_prompts(self.engine.processor, prompts, params,
                                     tokenization_kwargs, mm_processor_kwargs)
         loras = broadcast_loras(lora_request, len(prompts))
-        ids = self._queue_requests(prompts, params, priorities, users, loras)
-        return self._run(ids, use_tqdm, on_output)
+        return self._queue_requests(prompts, params, priorities, users, loras)
 
     def _queue_requests(self, prompts: list[ProcessedPrompt], params: list[SamplingParams],
                         priorities: list[int], users: list[str],
@@ -185,7 +196,7 @@ class LLM(LLMPooling, LLMOps):
                                                    lora_request=lora))
         except BaseException:  # a later request's parameters were rejected: queue none
             for rid in ids:
-                self.engine.abort_request(rid)
+                self._abort(rid)
             raise
         return ids
 
@@ -266,144 +277,3 @@ class LLM(LLMPooling, LLMOps):
         for lora in {lr for lr in loras if lr is not None}:
             self.engine.core.add_lora(lora)
         return [p.token_ids for p in checked], [p.cache_salt for p in checked], loras
-
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool | Callable[..., Any] = True,
-             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
-             priority: int | Sequence[int] | None = None, chat_template: str | None = None,
-             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None, documents: list[dict] | None = None,
-             on_output: Callable[[int, RequestOutput], None] | None = None,
-             mm_processor_kwargs: dict[str, Any] | None = None,
-             tokenization_kwargs: dict[str, Any] | None = None
-             ) -> list[RequestOutput]:
-        """Apply the chat template to one conversation or a list of them and generate.
-
-        The positional arguments are vLLM's first four (``messages``, ``sampling_params``,
-        ``use_tqdm``, ``lora_request``); the rest are keyword-only (vLLM's order after those
-        differs between its versions, so a positional one would bind to another argument).
-
-        Message ``content`` may be a string, a list of text (and, for a vision-language
-        model, ``image_url`` and ``video_url``) parts or None (see ``kvflow.chat_messages``;
-        image URLs are ``data:`` URLs, http(s) from ``allowed_media_domains`` or ``file://``
-        inside ``allowed_local_media_path``; video URLs
-        likewise, see ``kvflow.multimodal.video``);
-        ``continue_final_message`` continues the last (assistant)
-        message instead of starting a new turn; ``chat_template`` replaces the model's;
-        ``tools`` / ``documents`` / ``chat_template_kwargs`` become template variables;
-        ``on_output`` is ``generate``'s (the outputs it sees have no ``prompt`` text: ``chat``
-        sets it on the ones it returns); ``mm_processor_kwargs``, ``lora_request`` and
-        ``priority`` are ``generate``'s
-        too (one adapter or priority for every conversation, or one per conversation);
-        ``chat_template_content_format`` is vLLM's: ``auto`` (content as a
-        list of parts for a template that loops over a message's content, else one string),
-        ``string`` (always one string) or ``openai`` (always a list of ``{type, ...}``
-        parts), as ``kvflow serve --chat-template-content-format``. ``tokenization_kwargs``
-        are ``generate``'s, for the rendered text (``add_special_tokens`` False unless they
-        say otherwise: the template writes the special tokens).
-
-        Raises:
-            ValueError: for a ``chat_template_content_format`` other than the three, if the
-                model has no chat template, or for a message or option the
-                template cannot honour (``ChatTemplateError`` names the field): an
-                assistant's ``tool_calls`` not in the server's shape
-                (``messages.N.tool_calls.M.id`` for an empty id, ...), or a tool message's
-                ``tool_call_id`` that no earlier assistant message's call has
-                (``kvflow.chat_tool_calls``).
-        """
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("chat() needs a non-empty list of messages (or of conversations)")
-        if chat_template_content_format not in CONTENT_FORMATS:
-            raise ValueError(f"chat_template_content_format={chat_template_content_format!r} "
-                             f"must be one of {', '.join(CONTENT_FORMATS)}")
-        conversations = [messages] if isinstance(messages[0], dict) else messages
-        options = {"continue_final_message": continue_final_message,
-                   "chat_template": chat_template, "tools": tools, "documents": documents,
-                   "template_kwargs": chat_template_kwargs,
-                   "content_format": chat_template_content_format}
-        tokenization = parse_tokenization_kwargs(tokenization_kwargs,
-                                                 self.engine.processor.max_model_len,
-                                                 add_special_tokens=False)
-        prompts, token_prompts = self._chat_prompts(conversations, add_generation_prompt,
-                                                    options, tokenization)
-        outputs = self.generate(token_prompts, sampling_params, use_tqdm, priority=priority,
-                                lora_request=lora_request, on_output=on_output,
-                                mm_processor_kwargs=mm_processor_kwargs)
-        for out, text in zip(outputs, prompts):
-            out.prompt = text
-        return outputs
-
-    def _chat_prompts(self, conversations: list, add_generation_prompt: bool,
-                      options: dict[str, Any],
-                      tokenization: TokenizationOptions | None = None
-                      ) -> tuple[list[str], list[Any]]:
-        """Each conversation checked as the server's schema checks it (tool calls and their
-        ids), rendered with the chat template (``options``: ``apply_chat_template``'s) and
-        tokenized without special tokens (the template writes them; ``tokenization``: the
-        call's ``tokenization_kwargs``), its images attached: (the rendered texts, the
-        prompts for ``generate``).
-
-        Raises:
-            ValueError: see :meth:`chat`; ``tokenization_kwargs`` that cut or pad a
-                conversation with images or videos.
-        """
-        for conversation in conversations:
-            if isinstance(conversation, list):
-                check_tool_calls(conversation)
-                check_tool_call_ids(message_turns(conversation))
-        processor, tokenizer = self.engine.processor, self.engine.tokenizer
-        texts = [processor.apply_chat_template(c, add_generation_prompt, **options)
-                 for c in conversations]
-        prompts = []
-        for text, c in zip(texts, conversations):
-            images, videos = processor.load_chat_media(c)
-            if tokenization is None:
-                ids = tokenizer.encode(text, add_special_tokens=False)
-            elif tokenization.reshapes and (images or videos):
-                raise ValueError("tokenization_kwargs cannot cut or pad a conversation with "
-                                 "images or videos (their placeholders are expanded after "
-                                 "tokenization)")
-            else:
-                ids = tokenization.encode(tokenizer, text)
-            prompts.append(with_images(ids, images, videos))
-        return texts, prompts
-
-    def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any],
-             on_output: Callable[[int, Any], None] | None = None) -> list[Any]:
-        """Step the engine until ``request_ids`` finished; their last outputs, in order.
-        A progress bar when ``use_tqdm`` and more than one request: ``use_tqdm`` itself
-        where it is a callable (vLLM's: a tqdm-like factory, e.g. ``functools.partial(tqdm,
-        leave=False)``, called with ``total`` and ``desc``; its bar needs ``update`` and
-        ``close``), else tqdm's."""
-        finished: dict[str, Any] = {}
-        index = {rid: i for i, rid in enumerate(request_ids)}
-        try:  # no full collection of the caller's heap between steps (kvflow/gc_heap.py)
-            bar = _progress_bar(use_tqdm if len(request_ids) > 1 else False,
-                                len(request_ids), "Processed prompts")
-            with caller_heap_frozen(), contextlib.closing(bar):
-                while self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        if on_output is not None:
-                            on_output(index[out.request_id], out)
-                        if out.finished:
-                            finished[out.request_id] = out
-                            bar.update(1)
-        except BaseException as e:
-            # Leave the engine usable: drop this call's requests and free their KV blocks.
-            for rid in request_ids:
-                self.engine.abort_request(rid)
-            if isinstance(e, RequestRefused) and e.request_id in index:
-                i = index[e.request_id]  # name the prompt, as the checks before queuing do
-                raise RequestRefused(f"prompt {i}: {e}", e.request_id) from None
-            raise
-        return [finished[rid] for rid in request_ids]
-
-
-def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int, desc: str) -> Any:
-    """A progress bar over ``total`` items: ``use_tqdm`` itself where it is a callable
-    (vLLM's tqdm-like factory, called with ``total`` and ``desc``; its bar needs ``update``
-    and ``close``), else tqdm's, hidden when ``use_tqdm`` is false."""
-    factory = use_tqdm if callable(use_tqdm) else functools.partial(tqdm, disable=not use_tqdm)
-    return factory(total=total, desc=desc)

@@ -1,5 +1,6 @@
-"""``LLM``'s operational methods (vLLM's): sleep mode, ``collective_rpc``, the prefix cache's
-reset and the torch profiler, mixed into :class:`kvflow.llm.LLM`, whose ``engine`` they use."""
+"""``LLM``'s operational methods (vLLM's): sleep mode, ``collective_rpc`` and ``apply_model``,
+the prefix and multimodal caches' resets, the torch profiler, the world size and
+``get_metrics``, mixed into :class:`kvflow.llm.LLM`, whose ``engine`` they use."""
 
 from __future__ import annotations
 
@@ -7,13 +8,18 @@ from collections.abc import Callable
 from typing import Any
 
 from kvflow.config.profiler import required_profiler_options
+from kvflow.engine.core_proc import collect_stats
+from kvflow.engine.dp_client import DPCoreClient
 from kvflow.engine.llm_engine import LLMEngine
+from kvflow.llm_stats import OfflineStats
+from kvflow.metrics_reader import Metric
 
 
 class LLMOps:
     """The engine operations of :class:`kvflow.llm.LLM` (a mixin: ``LLM`` sets ``engine``)."""
 
     engine: LLMEngine
+    _stats: OfflineStats | None
 
     def sleep(self, level: int = 1) -> None:
         """Free accelerator memory while the engine is idle: level 1 offloads the weights to
@@ -95,3 +101,78 @@ class LLMOps:
             RuntimeError: with data parallelism, if a replica failed or exited.
         """
         return self.engine.reset_prefix_cache()
+
+    def reset_mm_cache(self) -> None:
+        """Forget the vision encoder's cached image and video embeddings that no running
+        request needs (vLLM's ``LLM.reset_mm_cache``): a later prompt with the same image
+        encodes it again. Embeddings a running request still reads stay; a no-op for a
+        text-only model.
+
+        Raises:
+            ValueError: with data parallelism (not relayed to the replicas offline).
+        """
+        encoder = self.engine.local_core("reset_mm_cache").scheduler.encoder
+        if encoder is not None:
+            encoder.forget(set(encoder.unpinned))
+
+    def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
+        """``func(model)`` on each rank's model (the ``torch.nn.Module`` the runner runs),
+        results by rank (vLLM's ``LLM.apply_model``; through ``collective_rpc``). The model
+        is kvflow's, not transformers': fused projections (``qkv_proj``, ``gate_up_proj``),
+        and on CPU with the native GEMM kernels a linear layer's ``weight`` is empty (its
+        values live packed for the kernel), so read or change those through the runner's
+        own loading paths, not the parameters.
+
+        Raises:
+            ValueError: for a ``func`` that is not callable, or with worker processes
+                (tensor, pipeline or context parallelism, ``distributed_executor_backend="mp"``)
+                or data parallelism: kvflow sends no callable to another process (vLLM
+                pickles it); name a Worker method with ``collective_rpc`` instead.
+        """
+        if not callable(func):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+                f"apply_model needs a callable, got {type(func).__name__}")
+        core = self.engine.local_core("apply_model")
+        if not core.executor.runs_in_process:
+            raise ValueError("apply_model runs only with the in-process executor (one rank, "
+                             "distributed_executor_backend='uni'): kvflow sends no callable "
+                             "to a worker process")
+        return self.collective_rpc(lambda worker: func(worker.runner.model))
+
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """The processes one engine runs on, tensor x pipeline x context parallel (vLLM's
+        ``LLM.get_world_size``), times ``data_parallel_size`` with ``include_dp``."""
+        pc = self.engine.config.parallel_config
+        return pc.world_size * (pc.data_parallel_size if include_dp else 1)
+
+    def release_kv_cache_memory(self) -> None:
+        """vLLM's ``LLM.release_kv_cache_memory`` (free the KV cache after
+        ``sleep(level=0)``, keeping paused requests): refused, kvflow has no level-0 sleep.
+
+        Raises:
+            ValueError: always, naming what frees the KV cache in kvflow.
+        """
+        raise ValueError("release_kv_cache_memory needs vLLM's sleep(level=0) (scheduling "
+                         "paused with requests kept), which kvflow does not have: with "
+                         "enable_sleep_mode=True, sleep(level=1) then "
+                         "wake_up(tags=['weights']) leaves only the KV cache freed, and "
+                         "wake_up(tags=['kv_cache']) gives it back")
+
+    def get_metrics(self) -> list[Metric]:
+        """A snapshot of the engine's metrics (vLLM's ``LLM.get_metrics``): the series
+        ``/metrics`` serves, named as vLLM names them (``vllm:num_requests_running``,
+        ``vllm:prompt_tokens``, ``vllm:time_to_first_token_seconds``, ...), as
+        :mod:`kvflow.metrics_reader`'s ``Counter``, ``Gauge``, ``Histogram`` and ``Vector``
+        (vLLM's ``vllm.v1.metrics.reader`` classes); the engine's gauges and counters as
+        they are now, the per-request ones over every request since the LLM started.
+
+        Raises:
+            ValueError: unless the LLM was made with ``disable_log_stats=False`` (vLLM's
+                rule: its offline LLM records no metrics by default).
+        """
+        if self._stats is None:
+            raise ValueError("get_metrics needs LLM(..., disable_log_stats=False): as in "
+                             "vLLM, the offline LLM records no metrics by default")
+        core = self.engine.core
+        stats = list(core.stats) if isinstance(core, DPCoreClient) else [collect_stats(core)]
+        return self._stats.snapshot(stats)

@@ -151,6 +151,7 @@ def test_no_chat_template_http_message(tiny_tokenizer):
                                "prompt")
     stub = SimpleNamespace(engine=SimpleNamespace(processor=engine.processor, tokenizer=plain))
     stub._chat_prompts = lambda *args: LLM._chat_prompts(stub, *args)
+    stub._render_chat = lambda *args, **kwargs: LLM._render_chat(stub, *args, **kwargs)
     with pytest.raises(NoChatTemplateError):
         LLM.chat(stub, [{"role": "user", "content": "hi"}])
     # an embedding server (/tokenize renders messages there) refuses /v1/completions: the

@@ -105,6 +105,11 @@ def test_flags_parse_and_refusals(capsys):
         assert needle in err, err
 
 
-def test_llm_takes_disable_log_stats():
-    with pytest.raises(ValueError, match="disable_log_stats=False"):
-        LLM(model="m", disable_log_stats=False)
+def test_llm_takes_disable_log_stats(tiny_llama):
+    """vLLM's offline rule: False keeps the metrics ``get_metrics`` reads (tests/
+    test_llm_get_metrics.py), True or unset none."""
+    for value in (True, None):
+        kwargs = {} if value is None else {"disable_log_stats": value}
+        llm = LLM(model=tiny_llama.path, num_kv_blocks=16, **kwargs)
+        with pytest.raises(ValueError, match="disable_log_stats=False"):
+            llm.get_metrics()

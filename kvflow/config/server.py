@@ -165,7 +165,8 @@ class ServerConfig:
     disable_log_stats: bool | None = opt(
         None, "accepted for vLLM command lines: kvflow writes no periodic stats log line "
         "(vLLM's 'Avg prompt throughput ...'), so there is none to turn off; /metrics stays "
-        "served; --no-disable-log-stats is refused (LLM(disable_log_stats=...) likewise)")
+        "served; --no-disable-log-stats is refused (offline, LLM(disable_log_stats=False) "
+        "keeps the metrics LLM.get_metrics reads, as vLLM's)")
     max_log_len: int | None = opt(None, "longest prompt logged under --enable-log-requests, "
                                    "in characters (text) or token ids (default: unlimited)")
     allowed_origins: tuple[str, ...] | None = opt(

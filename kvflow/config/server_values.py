@@ -76,8 +76,9 @@ def word_list(name: str, value: Any) -> tuple[str, ...] | None:
 
 
 def check_disable_log_stats(value: bool | None) -> None:
-    """vLLM's ``disable_log_stats`` (``--disable-log-stats``, ``LLM(disable_log_stats=...)``):
-    True or unset is what kvflow does (it writes no periodic stats log line, vLLM's "Avg
+    """vLLM's ``--disable-log-stats`` of the server (the offline ``LLM`` reads its
+    ``disable_log_stats`` itself: False keeps the metrics ``get_metrics`` reads): True or
+    unset is what kvflow does (it writes no periodic stats log line, vLLM's "Avg
     prompt throughput ..." one; /metrics is served either way).
 
     Raises:

@@ -1,0 +1,72 @@
+"""The offline ``LLM``'s metrics (``LLM(disable_log_stats=False)``, then ``get_metrics()``):
+the server's :class:`~kvflow.metrics.ServerMetrics` and
+:class:`~kvflow.metrics.RequestStatsTracker`, fed by the LLM's steps instead of the API
+process's output loop, so the offline numbers are the ``/metrics`` ones (same names, types,
+buckets and rules), read as vLLM's reader reads them (:mod:`kvflow.metrics_reader`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from kvflow.metrics import RequestStatsTracker, ServerMetrics
+from kvflow.metrics_reader import Metric, metrics_snapshot
+from kvflow.outputs import RequestOutput
+
+
+class OfflineStats:
+    """Per-request and engine metrics of one offline LLM.
+
+    Args:
+        model_name: the ``model_name`` label (the ``model`` the LLM was given, as vLLM's).
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.metrics = ServerMetrics(model_name)
+        self.tracker = RequestStatsTracker(self.metrics)
+        self._open: set[str] = set()
+        self._tokens: dict[tuple[str, int], int] = {}  # (request, sample) -> tokens seen
+
+    def observe(self, output: Any) -> None:
+        """Record one step's output of a request (a cumulative RequestOutput, or a pooling
+        output): the tracker sees what is new since the last one."""
+        rid = output.request_id
+        if rid not in self._open:
+            self._open.add(rid)
+            samples = len(output.outputs) if isinstance(output.outputs, list) else 1
+            self.tracker.start(rid, output.metrics.arrival_time,
+                               len(output.prompt_token_ids or ()), samples)
+        self.tracker.observe(self._delta(output), time.monotonic())
+        if output.finished:
+            self._forget(output)
+
+    def _delta(self, output: Any) -> Any:
+        """``output`` with each sample's tokens cut to those it did not have before (the
+        tracker reads delta outputs)."""
+        if not isinstance(output, RequestOutput):
+            return output
+        samples = []
+        for s in output.outputs:
+            seen = self._tokens.get((output.request_id, s.index), 0)
+            self._tokens[(output.request_id, s.index)] = len(s.token_ids)
+            samples.append(dataclasses.replace(s, token_ids=s.token_ids[seen:]))
+        return dataclasses.replace(output, outputs=samples)
+
+    def _forget(self, output: Any) -> None:
+        self._open.discard(output.request_id)
+        for s in output.outputs if isinstance(output.outputs, list) else ():
+            self._tokens.pop((output.request_id, s.index), None)
+
+    def aborted(self, request_id: str) -> None:
+        """The request was aborted before it finished: its open samples count as ``abort``."""
+        self.tracker.abort(request_id)
+        self._open.discard(request_id)
+        self._tokens = {k: v for k, v in self._tokens.items() if k[0] != request_id}
+
+    def snapshot(self, engine_stats: list[Any]) -> list[Metric]:
+        """Every series after recording ``engine_stats`` (each replica's
+        ``EngineStats`` now, by index), in vLLM's reader's shape."""
+        for index, stats in enumerate(engine_stats):
+            self.metrics.record_engine_stats(stats, index)
+        return metrics_snapshot(self.metrics.registry)
