@@ -29,6 +29,7 @@ from kvflow.llm_inputs import (
 from kvflow.llm_ops import LLMOps
 from kvflow.llm_pooling import LLMPooling
 from kvflow.llm_queue import EnqueuedRequests, LLMQueue, _progress_bar
+from kvflow.llm_score import LLMScore
 from kvflow.llm_stats import OfflineStats
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import RequestOutput
@@ -36,9 +37,14 @@ from kvflow.prompt_inputs import ProcessedPrompt, PromptType
 from kvflow.sampling_params import SamplingParams
 
 
-class LLM(LLMChat, LLMQueue, LLMPooling, LLMOps):
-    """Offline batch generation, and pooling (``embed``, ``encode``, ``classify``,
-    ``score``: :class:`~kvflow.llm_pooling.LLMPooling`).
+class LLM(LLMChat, LLMQueue, LLMScore, LLMPooling, LLMOps):
+    """Offline batch generation, and pooling (``embed``, ``encode``, ``classify``:
+    :class:`~kvflow.llm_pooling.LLMPooling`; ``score``: :class:`~kvflow.llm_score.LLMScore`);
+    ``chat`` (:class:`~kvflow.llm_chat.LLMChat`), vLLM's queue without waiting (``enqueue``,
+    ``enqueue_chat``, ``wait_for_completion``, ``get_default_sampling_params``:
+    :class:`~kvflow.llm_queue.LLMQueue`) and the engine operations (sleep mode,
+    ``collective_rpc``, ``apply_model``, cache resets, profiler, ``get_world_size``,
+    ``get_metrics``: :class:`~kvflow.llm_ops.LLMOps`).
 
     Args:
         model: packaged model name, HF folder or GGUF path.

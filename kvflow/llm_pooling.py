@@ -1,10 +1,10 @@
-"""``LLM``'s pooling half (vLLM's offline pooling API): ``embed``, ``encode``, ``classify``
-and ``score`` over an embedding, classification or cross-encoder engine, mixed into
-:class:`kvflow.llm.LLM`, whose ``engine``, ``get_tokenizer`` and ``_run`` it uses."""
+"""``LLM``'s pooling half (vLLM's offline pooling API): ``embed``, ``encode`` and
+``classify`` over an embedding or classification engine (``score``:
+:mod:`kvflow.llm_score`), mixed into :class:`kvflow.llm.LLM`, whose ``engine``,
+``get_tokenizer`` and ``_run`` it uses."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,20 +28,11 @@ from kvflow.outputs import (
     EmbeddingRequestOutput,
     PoolingOutput,
     PoolingRequestOutput,
-    ScoringOutput,
-    ScoringRequestOutput,
     token_rows,
 )
 from kvflow.pooling_params import TOKEN_TASKS, PoolingParams
 from kvflow.prompt_inputs import PromptType
 from kvflow.prompt_truncation import truncation_length
-from kvflow.score_inputs import (
-    cosine_similarity,
-    pair_prompt,
-    score_pairs,
-    score_use_activation,
-    score_value,
-)
 from kvflow.tokenization_options import POOLING_SIDE, parse_tokenization_kwargs
 
 
@@ -204,90 +195,6 @@ class LLMPooling:
             raise
         return ids
 
-    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
-              truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool | Callable[..., Any] = True,
-              user: Sequence[str] | None = None,
-              pooling_params: PoolingParams | None = None,
-              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-              ) -> list[ScoringRequestOutput]:
-        """A cross-encoder's score of each text pair, in pair order
-        (``out.outputs.score``; see :class:`~kvflow.outputs.ScoringOutput`).
-
-        Args:
-            text_1 / text_2: a string or a list of strings: one text against one or each of
-                N texts (1-to-N), or two lists of the same length paired item by item
-                (N-to-N) (``kvflow.score_inputs.score_pairs``).
-            truncate_prompt_tokens: cut each pair to at most this many tokens as vLLM's
-                pooling runner cuts it (the longer text first, each keeping its first
-                tokens: :func:`~kvflow.score_inputs.pair_prompt`); None: a pair longer than
-                ``max_model_len`` is refused.
-            user: one client name per pair (needs ``policy="fair"``), as for ``generate``.
-            pooling_params: vLLM's: only its ``use_activation`` / ``activation`` is read
-                (False: each pair's raw head logits instead of the score activation); None:
-                the defaults.
-            lora_request: vLLM's keyword: None (or None per pair); pooling engines run no
-                adapters (see :func:`refuse_pooling_loras`).
-
-        On an embedding model (``task="embed"``) a pair's score is the cosine similarity of
-        its two texts' embeddings, as vLLM scores with embedding models
-        (``_score_embeddings``).
-
-        A ``task="classify"`` engine scores too when its classifier has one label (vLLM's
-        rule: a relevance logit, through a sigmoid).
-
-        Raises:
-            ValueError: on a generating engine or a classify engine whose classifier has
-                several labels, for bad ``text_1`` / ``text_2`` (named), a
-                pair longer than ``max_model_len`` (named by its index and texts), or a bad
-                ``truncate_prompt_tokens`` or ``user``, pooling_params of another task or
-                with fields other than ``activation``, ``activation`` on an embedding
-                model (cosine similarity has none), or a LoRA adapter (nothing is queued
-                then).
-        """
-        processor = self.engine.processor
-        use_activation = score_use_activation(pooling_params)
-        if processor.pooler is not None and processor.pooler.task == "embed":
-            if use_activation is not None:
-                raise ValueError("activation: an embedding model scores by cosine similarity, "
-                                 "which has no activation to turn off")
-            pairs = score_pairs(text_1, text_2)
-            refuse_pooling_loras(lora_request, len(pairs))
-            return self._score_embeddings(pairs, truncate_prompt_tokens, use_tqdm, user)
-        processor.require_task("score")
-        pairs = score_pairs(text_1, text_2)
-        refuse_pooling_loras(lora_request, len(pairs))
-        users = check_users(user, len(pairs), self.engine.config.scheduler_config.policy)
-        limit = truncation_length(truncate_prompt_tokens, processor.max_model_len)  # -1: all
-        prompts = self._pair_requests(pairs, limit, use_activation)
-        request_ids = self._queue_all(prompts, users)
-        return [ScoringRequestOutput(o.request_id, o.prompt_token_ids,
-                                     ScoringOutput(score_value(o.outputs.embedding)),
-                                     o.finished, o.metrics)
-                for o in self._run(request_ids, use_tqdm)]
-
-    def _pair_requests(self, pairs: list[tuple[str, str]], limit: int | None,
-                       use_activation: bool | None
-                       ) -> list[tuple[list[int], PoolingParams]]:
-        """Each pair's cross-encoder prompt (token ids, cut to ``limit`` tokens; None: not cut)
-        and score params, all checked by the engine before any is queued.
-
-        Raises:
-            ValueError: naming the first pair (index and texts) the engine refuses.
-        """
-        processor = self.engine.processor
-        prompts = []
-        for i, (a, b) in enumerate(pairs):
-            try:
-                ids, params = pair_prompt(processor.tokenizer, a, b, limit)
-                params = dataclasses.replace(params, use_activation=use_activation)
-                processor.make_pooling_request("check", ids, params)
-            except ValueError as e:
-                raise ValueError(f"pair {i} (text_1={a[:40]!r}, text_2={b[:40]!r}): {e}") \
-                    from None
-            prompts.append((ids, params))
-        return prompts
-
     def classify(self, prompts: PromptType | Sequence[PromptType],
                  use_tqdm: bool | Callable[..., Any] = True,
                  user: Sequence[str] | None = None, truncate_prompt_tokens: int | None = None,
@@ -333,45 +240,6 @@ class LLMPooling:
                                             ClassificationOutput(o.outputs.embedding),
                                             o.finished, o.metrics)
                 for o in outs]
-
-    def _score_embeddings(self, pairs: list[tuple[str, str]],
-                          truncate_prompt_tokens: int | None, use_tqdm: bool | Callable[..., Any],
-                          user: Sequence[str] | None) -> list[ScoringRequestOutput]:
-        """``score`` on an embedding model: each distinct text embedded once (as ``embed``
-        does), a pair's score the cosine similarity of its two embeddings (vLLM's rule); its
-        ``prompt_token_ids`` are both texts' ids, its ``request_id`` and metrics the second
-        text's request's. ``user`` names the sender of each pair (the same for its texts).
-
-        ``truncate_prompt_tokens`` cuts each text on its own, as ``/v1/embeddings`` cuts an
-        input (its first tokens kept: :func:`~kvflow.llm_inputs.cut_pooling_prompt`; -1:
-        ``max_model_len``).
-
-        Raises:
-            ValueError: for a bad ``truncate_prompt_tokens``, a text the engine refuses
-                (named), or a bad ``user``.
-        """
-        processor = self.engine.processor
-        limit = truncation_length(truncate_prompt_tokens, processor.max_model_len)
-        users = check_users(user, len(pairs), self.engine.config.scheduler_config.policy)
-        owner = {}
-        for (a, b), who in zip(pairs, users):
-            owner.setdefault(a, who)
-            owner.setdefault(b, who)
-        for text in owner:  # name a refused text before queuing anything
-            try:
-                cut = cut_pooling_prompt(processor, self.get_tokenizer(), text, "embed", limit)
-                processor.make_pooling_request("check", processor.pooling_prompt(cut)[1])
-            except ValueError as e:
-                raise ValueError(f"text {text[:40]!r}: {e}") from None
-        texts = list(owner)
-        outs = dict(zip(texts, self.embed(texts, use_tqdm=use_tqdm,
-                                          user=None if user is None else list(owner.values()),
-                                          truncate_prompt_tokens=truncate_prompt_tokens)))
-        return [ScoringRequestOutput(
-            outs[b].request_id, outs[a].prompt_token_ids + outs[b].prompt_token_ids,
-            ScoringOutput(cosine_similarity(outs[a].outputs.embedding, outs[b].outputs.embedding)),
-            outs[a].finished and outs[b].finished, outs[b].metrics) for a, b in pairs]
-
 
 def refuse_pooling_loras(lora_request: Any, count: int) -> None:
     """``lora_request`` of a pooling call (``embed``, ``encode``, ``classify``, ``score``,

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from kvflow.pooling_params import PoolingParams
-from kvflow.tokenization_options import POOLING_SIDE
+from kvflow.prompt_truncation import truncation_length
+from kvflow.tokenization_options import POOLING_SIDE, parse_tokenization_kwargs
 
 
 def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str],
@@ -105,6 +106,83 @@ def pair_prompt(tokenizer: Any, text_1: str, text_2: str,
         raise ValueError(f"the tokenizer's token types {types} are not one segment of 0s "
                          "then one of 1s")
     return ids, PoolingParams(task="score", second_segment_start=start)
+
+
+def template_pair_prompt(tokenizer: Any, chat_template: str, text_1: str, text_2: str,
+                         truncate_prompt_tokens: int | None = None,
+                         truncation_side: str | None = None
+                         ) -> tuple[list[int], PoolingParams]:
+    """One pair as vLLM 0.32's cross-encoder reads it under ``LLM.score(chat_template=...)``
+    (``scoring/io_processor.py``, ``get_score_prompt``): the template renders the messages
+    ``[{"role": "query", "content": text_1}, {"role": "document", "content": text_2}]``
+    (transformers' ``apply_chat_template``, no generation prompt), and the text is tokenized
+    as one sequence with the tokenizer's special tokens (no second segment: every token
+    type 0).
+
+    Args:
+        chat_template: the Jinja template (its text).
+        truncate_prompt_tokens / truncation_side: as :func:`pair_prompt` cuts (None: the
+            tokenizer's cut on the right, its special tokens kept).
+
+    Raises:
+        ValueError: for a template that cannot render the pair (naming ``chat_template``),
+            or what :func:`pair_prompt` refuses.
+    """
+    if tokenizer is None or not callable(tokenizer):
+        raise ValueError("scoring text pairs needs the model's HF tokenizer")
+    if not isinstance(chat_template, str) or not chat_template.strip():
+        raise ValueError("chat_template must be a non-empty Jinja template string")
+    messages = [{"role": "query", "content": text_1}, {"role": "document", "content": text_2}]
+    try:
+        text = tokenizer.apply_chat_template(messages, chat_template=chat_template,
+                                             tokenize=False)
+    except Exception as e:  # noqa: BLE001 - jinja and transformers errors: a bad template
+        raise ValueError(f"chat_template cannot render the pair (messages with roles "
+                         f"'query' and 'document'): {type(e).__name__}: {e}") from None
+    t = truncate_prompt_tokens
+    if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
+        raise ValueError(f"truncate_prompt_tokens={t!r} must be an integer >= 1")
+    if t is not None and truncation_side is None:
+        ids = list(_on_side(tokenizer, POOLING_SIDE)(text, truncation=True,
+                                                     max_length=t)["input_ids"])
+    else:
+        ids = list(tokenizer(text)["input_ids"])
+    if t is not None and len(ids) > t:
+        ids = ids[len(ids) - t:] if truncation_side == "left" else ids[:t]
+    return ids, PoolingParams(task="score")
+
+
+def score_cut(tokenization_kwargs: dict[str, Any] | None, max_model_len: int,
+              truncate_prompt_tokens: int | None) -> tuple[int | None, str | None]:
+    """How ``LLM.score`` cuts each pair: (tokens kept, None: no cut; ``truncation_side``,
+    None: the default cut), from its ``truncate_prompt_tokens`` argument (-1:
+    ``max_model_len``) or vLLM 0.32's ``tokenization_kwargs`` (``truncate_prompt_tokens``,
+    ``truncation`` with ``max_length``, ``truncation_side``).
+
+    Raises:
+        ValueError: for a bad value, both a ``truncate_prompt_tokens`` argument and a cut in
+            ``tokenization_kwargs``, or a key a pair cannot take (``add_special_tokens``
+            False, ``do_lower_case``, ``padding`` / ``pad_prompt_tokens``: kvflow tokenizes
+            a pair with its special tokens, as given, unpadded).
+    """
+    limit = truncation_length(truncate_prompt_tokens, max_model_len)
+    options = parse_tokenization_kwargs(tokenization_kwargs, max_model_len,
+                                        default_side=POOLING_SIDE)
+    if options is None:
+        return limit, None
+    refused = [name for name, on in (("add_special_tokens=False", not options.add_special_tokens),
+                                     ("do_lower_case", options.do_lower_case),
+                                     ("padding", options.pad_to is not None)) if on]
+    if refused:
+        raise ValueError(f"tokenization_kwargs {refused}: LLM.score tokenizes each pair with "
+                         "its special tokens, as given and unpadded; it reads "
+                         "truncate_prompt_tokens, truncation / max_length and "
+                         "truncation_side")
+    if limit is not None and options.keep is not None:
+        raise ValueError("truncate_prompt_tokens is given twice: as an argument and in "
+                         "tokenization_kwargs; give one")
+    return (limit if options.keep is None else options.keep,
+            options.side if options.side_given else None)
 
 
 def _on_side(tokenizer: Any, side: str) -> Any:

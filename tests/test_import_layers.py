@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "kvflow.beam_search": 8,  # beam search above the engine (LLM.beam_search, the server)
     "kvflow.llm_inputs": 8,  # LLM's per-call argument checks (prompts, one SamplingParams each)
     "kvflow.llm_pooling": 8,  # LLM's pooling half (embed, encode, classify, score), mixed into LLM
+    "kvflow.llm_score": 8,  # LLM.score (cross-encoder pairs, embedding cosine), mixed into LLM
     "kvflow.llm_chat": 8,  # LLM.chat (and enqueue_chat's rendering), mixed into LLM
     "kvflow.llm_queue": 8,  # LLM.enqueue / wait_for_completion and the steps every call runs
     "kvflow.llm_stats": 8,  # LLM.get_metrics's metrics, fed by the offline steps

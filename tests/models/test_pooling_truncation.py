@@ -100,6 +100,20 @@ def test_score_on_an_embedding_model_cuts_each_text_on_the_right(embedder):
     assert out.prompt_token_ids == want
 
 
+def test_score_on_an_embedding_model_takes_embeds_tokenization_kwargs(embedder):
+    """vLLM 0.32's ``LLM.score(tokenization_kwargs=...)`` on an embedding model: each text
+    cut as ``embed`` cuts it under the same kwargs (the whole encoding's last 4 tokens with
+    ``truncation_side="left"``); ``chat_template`` is refused (cosine similarity renders no
+    pair)."""
+    llm, tok, _ = embedder
+    (out,) = llm.score(TEXT, OTHER, use_tqdm=False,
+                       tokenization_kwargs={"truncate_prompt_tokens": 4,
+                                            "truncation_side": "left"})
+    assert out.prompt_token_ids == tok(TEXT).input_ids[-4:] + tok(OTHER).input_ids[-4:]
+    with pytest.raises(ValueError, match="chat_template: an embedding model"):
+        llm.score(TEXT, OTHER, use_tqdm=False, chat_template="{{ messages }}")
+
+
 @pytest.fixture(scope="module")
 def cross_encoder_left(tmp_path_factory):
     """(LLM, folder) of a tiny BERT cross-encoder whose tokenizer config says left."""
