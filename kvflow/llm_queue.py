@@ -32,11 +32,13 @@ class EnqueuedRequests:
         finished: the finished output of each that ended (during any call's steps).
         prompts: the rendered chat text of an ``enqueue_chat`` request, set as its output's
             ``prompt`` (``chat``'s rule).
+        refused: why the engine core refused a request (during any call's steps), by id.
     """
 
     ids: list[str] = field(default_factory=list)
     finished: dict[str, Any] = field(default_factory=dict)
     prompts: dict[str, str] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 class LLMQueue:
@@ -137,8 +139,9 @@ class LLMQueue:
         Raises:
             ValueError: an output that is not an ``output_type`` (naming both);
                 ``RequestRefused`` (a ValueError) ``"request <id>: <why>"`` when the engine
-                core could not run one (as ``generate``): every enqueued request is aborted
-                then and the queue emptied.
+                core could not run one, now or while another call stepped (as ``generate``
+                raises ``"prompt <i>: <why>"``): every enqueued request is aborted then, its
+                output dropped, and the queue emptied.
         """
         queue, self._enqueued = self._enqueued, EnqueuedRequests()
         waiting = [rid for rid in queue.ids if rid not in queue.finished]
@@ -146,16 +149,19 @@ class LLMQueue:
                             "Processed prompts")
         try:
             with caller_heap_frozen(), contextlib.closing(bar):
-                while self.engine.has_unfinished_requests():
+                while not queue.refused and self.engine.has_unfinished_requests():
                     for out in self._step(queue):
                         if out.finished and out.request_id in waiting:
                             bar.update(1)
-        except BaseException as e:
+        except BaseException:
             for rid in queue.ids:
                 self._abort(rid)
-            if isinstance(e, RequestRefused) and e.request_id in queue.ids:
-                raise RequestRefused(f"request {e.request_id}: {e}", e.request_id) from None
             raise
+        if queue.refused:  # refused now or during another call: as generate, drop the rest
+            for rid in queue.ids:
+                self._abort(rid)
+            rid, why = next(iter(queue.refused.items()))
+            raise RequestRefused(f"request {rid}: {why}", rid)
         return _checked(queue, output_type or RequestOutput)
 
     def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any],
@@ -195,18 +201,29 @@ class LLMQueue:
     def _step(self, queue: EnqueuedRequests | None = None) -> list[Any]:
         """One engine step: its outputs (every request's that changed), after feeding them
         to ``get_metrics`` and keeping the finished ones of enqueued requests (in ``queue``,
-        or the LLM's queue).
+        or the LLM's queue). An enqueued request the core refuses is recorded in the queue
+        (``wait_for_completion`` raises it), so the call stepping goes on.
 
         Raises:
-            RequestRefused: see ``LLMEngine.step``.
+            RequestRefused: see ``LLMEngine.step``, for a request not in the queue.
         """
         queue = queue if queue is not None else self._enqueued
-        outputs = self.engine.step()
+        try:
+            outputs, refused = self.engine.step(), {}
+        except RequestRefused as e:  # the step's other outputs are kept on the error
+            outputs, refused = getattr(e, "outputs", []), getattr(e, "refused", {})
+            refused = refused or {e.request_id: str(e)}
         for out in outputs:
             if self._stats is not None:
                 self._stats.observe(out)
             if out.finished and out.request_id in queue.ids:
                 queue.finished[out.request_id] = out
+        others = [(rid, why) for rid, why in refused.items() if rid not in queue.ids]
+        for rid, why in refused.items():
+            if rid in queue.ids:  # raised by wait_for_completion, whichever call stepped
+                queue.refused.setdefault(rid, why)
+        if others:
+            raise RequestRefused(others[0][1], others[0][0])
         return outputs
 
     def _abort(self, request_id: str) -> None:

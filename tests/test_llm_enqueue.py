@@ -143,3 +143,34 @@ def test_default_sampling_params_from_generation_config(tiny_llama, tmp_path):
     plain = LLM(model=str(folder), dtype="float32", num_kv_blocks=64, block_size=4,
                 generation_config="none")
     assert plain.get_default_sampling_params().fields_set == set()
+
+
+@pytest.fixture
+def refused_params(llm):
+    """SamplingParams the engine core refuses once the grammar compiled: letters-only
+    ``allowed_token_ids`` for a JSON object, which starts with ``{`` or whitespace."""
+    from kvflow.structured import StructuredOutputsParams
+
+    tokenizer = llm.get_tokenizer()
+    letters = [i for i in range(len(tokenizer)) if tokenizer.decode([i]).isalpha()]
+    return SamplingParams(max_tokens=4, allowed_token_ids=letters,
+                          structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+
+
+def test_a_refused_enqueued_request_is_named(llm, refused_params, expected, assert_no_leaks):
+    from kvflow.engine.streams import RequestRefused
+
+    ids = llm.enqueue(PROMPTS[:2], [GREEDY, refused_params])
+    with pytest.raises(RequestRefused, match=rf"^request {ids[1]}: SamplingParams\.allowed_"):
+        llm.wait_for_completion(use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.wait_for_completion(use_tqdm=False) == []
+    assert_no_leaks(llm)
+    # refused while generate steps: generate's own output comes back, wait names the refusal
+    ids = llm.enqueue(PROMPTS[:2], [refused_params, GREEDY])
+    (out,) = llm.generate(PROMPTS[2], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == expected[2]
+    with pytest.raises(RequestRefused, match=rf"^request {ids[0]}: "):
+        llm.wait_for_completion(use_tqdm=False)
+    assert llm.wait_for_completion(use_tqdm=False) == []
+    assert_no_leaks(llm)

@@ -192,9 +192,11 @@ class LLMEngine:
                 with ``error``: its grammar did not compile within
                 ``structured_output_compile_timeout``, or failed to; or its
                 ``allowed_token_ids`` miss every token the grammar allows first), naming it by
-                ``request_id``; the step's other outputs are folded in first, the refused
-                request forgotten and its other samples aborted (the other requests keep
-                running; a caller that does not re-raise may step on).
+                ``request_id``; the step's other outputs are folded in first (and set as
+                the error's ``outputs``; its ``refused`` maps each request refused in the
+                step to why), the refused requests forgotten and their other samples
+                aborted (the other requests keep running; a caller that does not re-raise
+                may step on).
         """
         core_outputs = self.core.step()
         refused = [(parent, eco.error) for eco in core_outputs if eco.error is not None
@@ -206,7 +208,10 @@ class LLMEngine:
             self.core.abort_requests(stopped)
         if refused:
             parent, message = refused[0]
-            raise RequestRefused(message, parent)
+            error = RequestRefused(message, parent)
+            error.outputs = outputs  # what the step gave the other requests
+            error.refused = dict(refused)  # every request refused in the step: why
+            raise error
         return outputs
 
 
