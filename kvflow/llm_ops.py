@@ -160,8 +160,9 @@ class LLMOps:
 
     def get_metrics(self) -> list[Metric]:
         """A snapshot of the engine's metrics (vLLM's ``LLM.get_metrics``): the series
-        ``/metrics`` serves, named as vLLM names them (``vllm:num_requests_running``,
-        ``vllm:prompt_tokens``, ``vllm:time_to_first_token_seconds``, ...), as
+        ``/metrics`` serves, named as vLLM names them where vLLM has them
+        (``vllm:num_requests_running``, ``vllm:prompt_tokens``,
+        ``vllm:time_to_first_token_seconds``, ...; kvflow's own keep ``kvflow:``), as
         :mod:`kvflow.metrics_reader`'s ``Counter``, ``Gauge``, ``Histogram`` and ``Vector``
         (vLLM's ``vllm.v1.metrics.reader`` classes); the engine's gauges and counters as
         they are now, the per-request ones over every request since the LLM started.

@@ -1,11 +1,14 @@
 """A snapshot of a Prometheus registry as vLLM's ``vllm.v1.metrics.reader`` gives it
 (``LLM.get_metrics``): one ``Counter``, ``Gauge``, ``Histogram`` or ``Vector`` per series.
 
-The names are vLLM's: kvflow's ``kvflow:`` prefix (``/metrics``) becomes ``vllm:``, so a
-script that looks for ``vllm:num_requests_running`` or ``vllm:prompt_tokens`` finds it. A
+The names are vLLM's where vLLM 0.32 has the metric (``VLLM_NAMES``): kvflow's ``kvflow:``
+prefix (``/metrics``) becomes ``vllm:``, so a script that looks for
+``vllm:num_requests_running`` or ``vllm:prompt_tokens`` finds it; kvflow's own metrics
+(free and usable KV blocks, weight bytes, the step-time model, ...) keep ``kvflow:``. A
 counter's name has no ``_total`` (vLLM's reader takes prometheus_client's name, which drops
-it); its value is the ``_total`` sample, as an int. ``vllm:spec_decode_num_accepted_tokens_per_pos``
-is one ``Vector`` per replica (its ``position`` label turned into the list index), as vLLM's.
+it); its value is the ``_total`` sample, as an int.
+``vllm:spec_decode_num_accepted_tokens_per_pos`` is one ``Vector`` per replica (its
+``position`` label turned into the list index), as vLLM's.
 """
 
 from __future__ import annotations
@@ -17,6 +20,16 @@ from prometheus_client import CollectorRegistry
 
 KVFLOW_PREFIX, VLLM_PREFIX = "kvflow:", "vllm:"
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+# kvflow's metrics that vLLM 0.32 has under the same name (vllm/v1/metrics/loggers.py,
+# counters without their _total)
+VLLM_NAMES = frozenset((
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",
+    "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens",
+    "request_success", "time_to_first_token_seconds", "inter_token_latency_seconds",
+    "e2e_request_latency_seconds", "request_time_per_output_token_seconds",
+    "request_prompt_tokens", "request_generation_tokens", "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+    "spec_decode_num_accepted_tokens_per_pos"))
 
 
 @dataclass
@@ -60,13 +73,15 @@ class Histogram(Metric):
 
 
 def vllm_name(name: str) -> str:
-    """``kvflow:x`` as vLLM names it (``vllm:x``); another name unchanged."""
-    return VLLM_PREFIX + name[len(KVFLOW_PREFIX):] if name.startswith(KVFLOW_PREFIX) else name
+    """``kvflow:x`` as vLLM names it (``vllm:x``) where ``x`` is one of ``VLLM_NAMES``;
+    another name unchanged."""
+    base = name[len(KVFLOW_PREFIX):] if name.startswith(KVFLOW_PREFIX) else None
+    return VLLM_PREFIX + base if base in VLLM_NAMES else name
 
 
 def metrics_snapshot(registry: CollectorRegistry) -> list[Metric]:
-    """Every ``kvflow:`` / ``vllm:`` series of ``registry``, as vLLM's
-    ``get_metrics_snapshot`` reads its own registry.
+    """Every ``vllm:`` and ``kvflow:`` series of ``registry`` (names by :func:`vllm_name`), as
+    vLLM's ``get_metrics_snapshot`` reads its own registry.
 
     Raises:
         ValueError: for a metric type other than counter, gauge and histogram.
@@ -74,7 +89,7 @@ def metrics_snapshot(registry: CollectorRegistry) -> list[Metric]:
     collected: list[Metric] = []
     for family in registry.collect():
         name = vllm_name(family.name)
-        if not name.startswith(VLLM_PREFIX):
+        if not name.startswith((VLLM_PREFIX, KVFLOW_PREFIX)):
             continue
         if family.type == "gauge":
             collected += [Gauge(name, dict(s.labels), s.value) for s in _samples(family, "")]

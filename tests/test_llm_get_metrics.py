@@ -11,7 +11,8 @@ values hand-computed from a controlled workload:
 - a second call adds to the counters; a request aborted (its caller raised) counts once as
   ``abort``.
 
-Names and classes are vLLM's reader's (``vllm:`` prefix, counters without ``_total``).
+Names and classes are vLLM's reader's (``vllm:`` prefix, counters without ``_total``) for the
+metrics vLLM 0.32 has; kvflow's own keep ``kvflow:`` (idle: every usable KV block free).
 """
 
 from __future__ import annotations
@@ -40,8 +41,22 @@ def llm(tiny_llama):
 def test_counts_of_a_known_workload(llm, tiny_llama):
     llm.generate(PROMPTS, [A, B], use_tqdm=False)
     metrics = llm.get_metrics()
-    assert all(m.name.startswith("vllm:") and m.labels["model_name"] == tiny_llama.path
-               for m in metrics)
+    assert all(m.labels["model_name"] == tiny_llama.path for m in metrics)
+    names = {m.name for m in metrics}
+    assert {"vllm:num_requests_running", "vllm:prompt_tokens", "vllm:request_success",
+            "vllm:e2e_request_latency_seconds"} <= names
+    # kvflow's own metrics (vLLM 0.32 has none of these names) keep their prefix
+    assert {"kvflow:kv_cache_free_blocks", "kvflow:model_weight_bytes"} <= names
+    assert all(n.startswith("vllm:") or n in {
+        "kvflow:" + m for m in ("kv_cache_free_blocks", "kv_cache_usable_blocks",
+                                "model_weight_bytes", "kv_cache_bytes_per_token",
+                                "encoder_cache_queries", "encoder_cache_hits",
+                                "encoder_inputs", "step_time_model_predictions",
+                                "step_time_model_abs_error_seconds",
+                                "step_time_model_rel_error", "requests_rejected",
+                                "requests_overloaded")} for n in names)
+    free = find(metrics, "kvflow:kv_cache_free_blocks", engine="0").value
+    assert free == find(metrics, "kvflow:kv_cache_usable_blocks", engine="0").value > 0  # idle
     counters = {m.name: m.value for m in metrics if isinstance(m, Counter)
                 and "finished_reason" not in m.labels}
     assert (counters["vllm:prompt_tokens"], counters["vllm:generation_tokens"]) == (12, 11)
