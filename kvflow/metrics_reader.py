@@ -20,16 +20,26 @@ from prometheus_client import CollectorRegistry
 
 KVFLOW_PREFIX, VLLM_PREFIX = "kvflow:", "vllm:"
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
-# kvflow's metrics that vLLM 0.32 has under the same name (vllm/v1/metrics/loggers.py,
-# counters without their _total)
+# vLLM 0.32's metric names (vllm/v1/metrics/loggers.py; counters without their _total): a
+# kvflow metric of one of these names is reported as vLLM's
 VLLM_NAMES = frozenset((
-    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",
-    "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens",
+    "num_requests_running", "num_requests_waiting", "num_requests_waiting_by_reason",
+    "kv_cache_usage_perc", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
+    "external_prefix_cache_queries", "external_prefix_cache_hits", "mm_cache_queries",
+    "mm_cache_hits", "prompt_tokens", "prompt_tokens_by_source", "prompt_tokens_cached",
+    "prompt_tokens_cached_by_source", "generation_tokens", "iteration_tokens_total",
     "request_success", "time_to_first_token_seconds", "inter_token_latency_seconds",
     "e2e_request_latency_seconds", "request_time_per_output_token_seconds",
-    "request_prompt_tokens", "request_generation_tokens", "spec_decode_num_drafts",
-    "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
-    "spec_decode_num_accepted_tokens_per_pos"))
+    "request_queue_time_seconds", "request_prefill_time_seconds",
+    "request_decode_time_seconds", "request_inference_time_seconds",
+    "request_prompt_tokens", "request_generation_tokens", "request_max_num_generation_tokens",
+    "request_params_n", "request_params_max_tokens", "request_num_preemptions",
+    "request_prefill_kv_computed_tokens", "lora_requests_info", "engine_sleep_state",
+    "cache_config_info", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
+    "kv_block_lifetime_seconds", "kv_block_idle_before_evict_seconds",
+    "kv_block_reuse_gap_seconds", "corrupted_requests", "admission_rejections",
+    "watermark_requests", "num_requests_kv_fetch_by_stage"))
 
 
 @dataclass

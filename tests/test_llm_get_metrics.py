@@ -47,14 +47,7 @@ def test_counts_of_a_known_workload(llm, tiny_llama):
             "vllm:e2e_request_latency_seconds"} <= names
     # kvflow's own metrics (vLLM 0.32 has none of these names) keep their prefix
     assert {"kvflow:kv_cache_free_blocks", "kvflow:model_weight_bytes"} <= names
-    assert all(n.startswith("vllm:") or n in {
-        "kvflow:" + m for m in ("kv_cache_free_blocks", "kv_cache_usable_blocks",
-                                "model_weight_bytes", "kv_cache_bytes_per_token",
-                                "encoder_cache_queries", "encoder_cache_hits",
-                                "encoder_inputs", "step_time_model_predictions",
-                                "step_time_model_abs_error_seconds",
-                                "step_time_model_rel_error", "requests_rejected",
-                                "requests_overloaded")} for n in names)
+    assert not {"vllm:kv_cache_free_blocks", "vllm:model_weight_bytes"} & names
     free = find(metrics, "kvflow:kv_cache_free_blocks", engine="0").value
     assert free == find(metrics, "kvflow:kv_cache_usable_blocks", engine="0").value > 0  # idle
     counters = {m.name: m.value for m in metrics if isinstance(m, Counter)
