@@ -64,9 +64,16 @@ class BeamSearchParams:
         length_penalty: exponent of the length in ``beam_search_score`` (0: rank by
             cumulative logprob; > 0 favours longer sequences). A finite number.
         include_stop_str_in_output: keep the EOS token in ``BeamSearchSequence.text``.
+        structured_outputs: must be None (vLLM's field; kvflow's beam search does not
+            constrain beams to a grammar).
+        skip_special_tokens: leave special tokens out of ``BeamSearchSequence.text``
+            (vLLM's field; the tokens themselves are unchanged).
+        watermarking: vLLM's field, True, False or None; no effect (kvflow does not
+            watermark, and vLLM's beam search steps never do).
 
     Raises:
-        ValueError: naming the field, for a value of the wrong type or out of range.
+        ValueError: naming the field, for a value of the wrong type or out of range, or a
+            ``structured_outputs`` other than None.
     """
 
     beam_width: int
@@ -75,6 +82,9 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    structured_outputs: Any = None
+    skip_special_tokens: bool = True
+    watermarking: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
@@ -85,17 +95,22 @@ class BeamSearchParams:
         if self.beam_width > MAX_BEAM_WIDTH:
             raise ValueError(f"BeamSearchParams.beam_width={self.beam_width} is above the "
                              f"limit of {MAX_BEAM_WIDTH}")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "watermarking"):
+            if not isinstance(getattr(self, name), bool) and \
+                    (name != "watermarking" or self.watermarking is not None):
+                raise ValueError(
                     f"BeamSearchParams.{name}={getattr(self, name)!r} is invalid: it must be "
-                    "True or False")
+                    f"True or False{' (or None)' if name == 'watermarking' else ''}")
         for name in ("temperature", "length_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                     not math.isfinite(value):
                 raise ValueError(f"BeamSearchParams.{name}={value!r} is invalid: it must be "
                                  "a finite number")
+        if self.structured_outputs is not None:
+            raise ValueError("BeamSearchParams.structured_outputs is not supported: kvflow's "
+                             "beam search does not constrain beams to a grammar (leave it None)")
         if self.temperature != 0:
             raise ValueError(f"BeamSearchParams.temperature={self.temperature!r} is not "
                              "supported: kvflow's beam search ranks beams by the model's "
@@ -114,7 +129,8 @@ class BeamSearchSequence:
             was asked for when more; natural log).
         cum_logprob: sum of the generated tokens' logprobs (nats).
         text: set on the returned sequences: ``tokens`` decoded, prompt included (as
-            vLLM's ``LLM.beam_search``), special tokens skipped, a final EOS only with
+            vLLM's ``LLM.beam_search``), special tokens skipped unless
+            ``skip_special_tokens`` is False, a final EOS only with
             ``include_stop_str_in_output``.
         finish_reason: ``"stop"`` (EOS) or ``"length"`` (``max_tokens`` or the context)
             on the returned sequences.
@@ -304,7 +320,7 @@ def beam_search_offline(generate: Callable[[list[list[int]], SamplingParams, lis
     for s in searches:
         best = s.best()
         for beam in best:
-            beam.text = generated_text(tokenizer, beam, 0, params)
+            beam.text = generated_text(tokenizer, beam, 0, params, params.skip_special_tokens)
         results.append(BeamSearchOutput(best))
     return results
 

@@ -236,3 +236,27 @@ def test_include_stop_str_in_output_keeps_the_eos_text(beam_llm, tiny_llama):
             assert b.text == a.text + tok.decode([tiny_llama.eos_token_id]) != a.text
         else:
             assert b.text == a.text
+
+
+def test_vllms_other_params_fields_are_taken(beam_llm, tiny_llama):
+    """vLLM 0.32's BeamSearchParams also has skip_special_tokens, structured_outputs and
+    watermarking (a TypeError here before): skip_special_tokens=False keeps the special
+    tokens in each sequence's text (here the prompt's BOS; text = the tokenizer's decode of
+    the tokens, a final EOS dropped), the beams unchanged; watermarking is taken and does
+    nothing (vLLM's beam steps never watermark); structured_outputs is refused naming it."""
+    tok = beam_llm.get_tokenizer()
+    prompt = [tok.bos_token_id, *EOS_PROMPT]
+    plain, kept = (beam_llm.beam_search([prompt], BeamSearchParams(
+        3, 8, skip_special_tokens=flag, watermarking=flag))[0] for flag in (True, False))
+    assert [s.tokens for s in plain.sequences] == [s.tokens for s in kept.sequences]
+    for a, b in zip(plain.sequences, kept.sequences):
+        tokens = a.tokens[:-1] if a.finish_reason == "stop" else a.tokens
+        assert a.text == tok.decode(tokens, skip_special_tokens=True)
+        assert b.text == tok.decode(tokens, skip_special_tokens=False) != a.text
+        assert b.text.startswith(tok.bos_token)
+    assert BeamSearchParams(2, 4, watermarking=None).watermarking is None
+    with pytest.raises(ValueError, match=r"BeamSearchParams\.structured_outputs "):
+        BeamSearchParams(2, 4, structured_outputs={"json": {"type": "object"}})
+    for field in ("skip_special_tokens", "watermarking"):
+        with pytest.raises(ValueError, match=rf"BeamSearchParams\.{field}=1 "):
+            BeamSearchParams(2, 4, **{field: 1})

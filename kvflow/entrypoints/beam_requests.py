@@ -86,8 +86,8 @@ def check_beam_request(req: SamplingRequest) -> bool:
 
 def beam_params(req: SamplingRequest, params: SamplingParams) -> BeamSearchParams:
     """The search's parameters: ``n`` beams, ``params.max_tokens`` (the request's or the
-    server's default), the request's ``ignore_eos``, ``length_penalty`` and
-    ``include_stop_str_in_output``.
+    server's default), the request's ``ignore_eos``, ``length_penalty``,
+    ``include_stop_str_in_output`` and ``skip_special_tokens``.
 
     Raises:
         OpenAIError: 400 naming ``length_penalty`` when it is not finite.
@@ -95,7 +95,8 @@ def beam_params(req: SamplingRequest, params: SamplingParams) -> BeamSearchParam
     try:
         return BeamSearchParams(beam_width=req.n, max_tokens=params.max_tokens,
                                 ignore_eos=req.ignore_eos, length_penalty=req.length_penalty,
-                                include_stop_str_in_output=req.include_stop_str_in_output)
+                                include_stop_str_in_output=req.include_stop_str_in_output,
+                                skip_special_tokens=req.skip_special_tokens)
     except ValueError as e:
         raise OpenAIError(str(e).replace("BeamSearchParams.", ""), param="length_penalty",
                           code="invalid_value") from None
