@@ -54,6 +54,14 @@ def test_a_responses_line_is_a_request_as_written(body):
     assert got == BatchRequest(2, "a", "/v1/responses", body)
 
 
+@pytest.mark.parametrize("url", ["/score", "/rerank", "/v2/rerank"])
+def test_the_servers_score_and_rerank_aliases_are_batch_urls(url):
+    """vLLM's run-batch takes a url ending in /score or /rerank (its error names /score and
+    /rerank); the server serves these paths too, so a line POSTs to the one it names."""
+    body = {"query": "q", "documents": ["d"]}
+    assert parse_line(_line(url=url, body=body), 3, set()) == BatchRequest(3, "a", url, body)
+
+
 def test_previous_response_id_elsewhere_is_the_endpoint_s_to_refuse():
     """Only /v1/responses has the field: on another url it is the body's unknown field, for
     the server to answer (a 400 there), not the batch's to refuse."""

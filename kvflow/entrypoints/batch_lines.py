@@ -16,10 +16,10 @@ OpenAI's batch output does). ``error`` (``response`` null) holds a line the batc
 before any endpoint saw it: its envelope is not a JSON object, lacks or mistypes
 ``custom_id`` / ``method`` / ``url`` / ``body`` or holds another key (unless
 ``--ignore-unknown-fields``), has a method other than POST, a url other
-than the batch endpoints (``BATCH_URLS``), a ``custom_id`` an earlier line used, a body asking
-to stream, or a /v1/responses body naming a ``previous_response_id``. The error object is
-``{"code", "message", "param", "line"}`` (OpenAI's batch validation errors' fields; ``line``
-counts from 1).
+than the batch endpoints (``BATCH_URLS``, or their aliases ``URL_ALIASES``), a ``custom_id``
+an earlier line used, a body asking to stream, or a /v1/responses body naming a
+``previous_response_id``. The error object is ``{"code", "message", "param", "line"}``
+(OpenAI's batch validation errors' fields; ``line`` counts from 1).
 
 /v1/responses lines and the reply store: ``store`` is sent on as written (absent means true,
 OpenAI's default, so refusing it would refuse nearly every line) and echoed in the body as the
@@ -41,6 +41,9 @@ from typing import Any
 ENVELOPE_KEYS = ("custom_id", "method", "url", "body")
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
               "/v1/score", "/v1/rerank", "/v1/classify")
+# the server's other paths of /v1/score and /v1/rerank, taken too: vLLM's run-batch takes
+# them (it matches a url ending in /score or /rerank, and names /score and /rerank)
+URL_ALIASES = ("/score", "/rerank", "/v2/rerank")
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,7 @@ def _envelope_error(line: int, custom_id: str, value: dict[str, Any]) -> LineErr
         return LineError(line, custom_id, "invalid_method",
                          f"line {line}: method {value['method']!r} is not supported; batch "
                          "requests are POST", "method")
-    if value["url"] not in BATCH_URLS:
+    if value["url"] not in BATCH_URLS + URL_ALIASES:
         return LineError(line, custom_id, "invalid_url",
                          f"line {line}: url {value['url']!r} is not supported; use one of "
                          f"{', '.join(BATCH_URLS)}", "url")

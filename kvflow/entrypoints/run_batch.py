@@ -200,8 +200,8 @@ def add_run_batch_parser(sub: argparse._SubParsersAction) -> None:
         "run-batch", help="run an OpenAI batch file (JSONL) offline",
         description="Run every request of an OpenAI Batch input file (JSONL: one "
         '{"custom_id", "method": "POST", "url", "body"} per line; url /v1/chat/completions, '
-        "/v1/completions, /v1/embeddings, /v1/responses, /v1/score, /v1/rerank or "
-        "/v1/classify) through "
+        "/v1/completions, /v1/embeddings, /v1/responses, /v1/score (or /score), /v1/rerank "
+        "(or /rerank, /v2/rerank) or /v1/classify) through "
         "one engine, "
         "concurrently, and write one output line per input line, in input order, each "
         "holding the body kvflow serve would answer (4xx error bodies included). Lines that "

@@ -25,13 +25,18 @@ def test_score_and_rerank_lines_match_cross_encoder(built_models, tmp_path, run_
     docs = [DOCUMENTS[0], DOCUMENTS[2], DOCUMENTS[3]]  # pairs that fit in 16 tokens
     lines = [_line("score", "/v1/score", {"model": "ce", "text_1": QUERY, "text_2": docs}),
              _line("rerank", "/v1/rerank", {"query": QUERY, "documents": docs, "top_n": 2}),
-             _line("long", "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS[1]})]
+             _line("long", "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS[1]}),
+             # the server's other paths, which vLLM's run-batch takes too (invalid_url before)
+             _line("alias-score", "/score", {"model": "ce", "text_1": QUERY, "text_2": docs}),
+             _line("alias-rerank", "/v2/rerank", {"query": QUERY, "documents": docs,
+                                                  "top_n": 2})]
     out = tmp_path / "out.jsonl"
     proc = run_batch_here(["-i", "-", "-o", str(out), "--model", folder, *ARGS],
                           "".join(line + "\n" for line in lines), tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [g["custom_id"] for g in got] == ["score", "rerank", "long"]
+    assert [g["custom_id"] for g in got] == ["score", "rerank", "long", "alias-score",
+                                             "alias-rerank"]
     expected = st_scores(folder, [(QUERY, d) for d in docs])
     score = got[0]["response"]["body"]
     torch.testing.assert_close(torch.tensor([d["score"] for d in score["data"]]), expected,
@@ -46,6 +51,11 @@ def test_score_and_rerank_lines_match_cross_encoder(built_models, tmp_path, run_
     assert long["status_code"] == 400
     assert long["body"]["error"]["code"] == "context_length_exceeded"
     assert long["body"]["error"]["message"].startswith("pair 0 (text_1, text_2) has 18 tokens")
+    for alias, v1 in ((got[3], got[0]), (got[4], got[1])):
+        assert alias["error"] is None and alias["response"]["status_code"] == 200, alias
+        same = ("data", "usage") if alias is got[3] else ("results", "usage")
+        assert {k: alias["response"]["body"][k] for k in same} == \
+            {k: v1["response"]["body"][k] for k in same}
 
 
 def test_classify_lines_match_transformers(built_models, tmp_path, run_batch_here):
