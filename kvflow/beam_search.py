@@ -197,6 +197,7 @@ class BeamSearch:
     def __init__(self, prompt_token_ids: Sequence[int], params: BeamSearchParams,
                  eos_token_ids: frozenset[int]) -> None:
         self.params = params
+        self.model_eos_ids = eos_token_ids  # a final one is not counted in the final score
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.live = [BeamSearchSequence(list(prompt_token_ids))]
         self.finished: list[BeamSearchSequence] = []
@@ -256,12 +257,14 @@ class BeamSearch:
 
     def best(self) -> list[BeamSearchSequence]:
         """The ``beam_width`` best of the finished and live beams by ``beam_search_score``,
-        best first; live beams get finish_reason ``"length"``."""
+        best first; live beams get finish_reason ``"length"``. A final EOS id is not counted
+        in the length, also on a live beam under ``ignore_eos`` (vLLM's
+        ``get_beam_search_score`` looks at the last token, not at why the beam ended)."""
         for beam in self.live:
             beam.finish_reason = "length"
 
         def score(beam: BeamSearchSequence) -> float:
-            ends_in_eos = beam.finish_reason == "stop"
+            ends_in_eos = beam.tokens[-1] in self.model_eos_ids
             return beam_search_score(len(beam.tokens) - ends_in_eos, beam.cum_logprob,
                                      self.params.length_penalty)
 

@@ -260,3 +260,23 @@ def test_vllms_other_params_fields_are_taken(beam_llm, tiny_llama):
     for field in ("skip_special_tokens", "watermarking"):
         with pytest.raises(ValueError, match=rf"BeamSearchParams\.{field}=1 "):
             BeamSearchParams(2, 4, **{field: 1})
+
+
+def test_a_final_eos_is_not_counted_under_ignore_eos_either():
+    """vLLM's get_beam_search_score drops a last token equal to EOS from the length whatever
+    ended the beam, so with ignore_eos a live beam ending in EOS is scored on one token
+    fewer. Hand-computed, prompt of 3, one step, length_penalty 1: the EOS beam (-1.0) scores
+    -1.0 / 3 = -0.333, the other (-1.2) -1.2 / 4 = -0.3, so the other ranks first (counting
+    the EOS, -1.0 / 4 = -0.25 ranked the EOS beam first)."""
+    from kvflow.beam_search import BeamSearch
+    from kvflow.outputs import Logprob
+
+    search = BeamSearch([5, 6, 7], BeamSearchParams(2, 1, ignore_eos=True), frozenset({0}))
+    search.advance([{0: Logprob(-1.0, 1), 9: Logprob(-1.2, 2), 4: Logprob(-3.0, 3)}])
+    assert [(b.tokens, b.finish_reason) for b in search.best()] == [
+        ([5, 6, 7, 9], "length"), ([5, 6, 7, 0], "length")]
+    # without ignore_eos the EOS beam is finished, and scored the same way
+    search = BeamSearch([5, 6, 7], BeamSearchParams(2, 1), frozenset({0}))
+    search.advance([{0: Logprob(-1.0, 1), 9: Logprob(-1.2, 2), 4: Logprob(-3.0, 3)}])
+    assert [(b.tokens, b.finish_reason) for b in search.best()] == [
+        ([5, 6, 7, 9], "length"), ([5, 6, 7, 0], "stop")]
