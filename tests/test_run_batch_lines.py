@@ -234,6 +234,34 @@ def test_max_concurrency_bounds_lines_not_yet_written():
     assert most == 3
 
 
+def test_an_answer_is_written_while_the_next_line_is_awaited():
+    """A pipe's writer that waits for each answer before sending its next line (stdin fed
+    line by line) gets it: the output line is written while the reader waits, not once the
+    next line (or the end) comes. The stand-in input sends its second line only once the
+    first output line is written (it waited up to 5 s, then gave up, before)."""
+    written: list[dict] = []
+    first_written = threading.Event()
+    sent_after_answer = []
+
+    def lines():
+        yield _line(custom_id="a")
+        sent_after_answer.append(first_written.wait(timeout=5))
+        yield _line(custom_id="b")
+
+    async def answer(request):
+        await asyncio.sleep(0.01)
+        return {"id": "x", "custom_id": request.custom_id, "error": None,
+                "response": {"status_code": 200, "request_id": "r", "body": {}}}
+
+    def write(line):
+        written.append(line)
+        first_written.set()
+
+    asyncio.run(run_lines(lines(), answer, write))
+    assert sent_after_answer == [True]
+    assert [w["custom_id"] for w in written] == ["a", "b"]
+
+
 def test_file_output_appears_whole_at_commit_and_discard_keeps_the_old_file(tmp_path):
     path = tmp_path / "out.jsonl"
     path.write_text("old\n")

@@ -133,7 +133,9 @@ async def run_lines(lines: Iterator[bytes],
     keys beyond the four pass, ``batch_lines.parse_line``). At most ``max_concurrency``
     lines (None: no bound) are read but not yet written: a slow line holds back the reading
     of further lines, so memory stays bounded on a huge file. Lines are read by a thread of
-    their own (``batch_files.LineReader``: stdin may block).
+    their own (``batch_files.LineReader``: stdin may block); while it waits for the next
+    line, the lines answered meanwhile are written (a pipe's writer sees each answer
+    without sending another line first).
 
     Returns:
         The counts of what was written (one output line per input line).
@@ -142,25 +144,44 @@ async def run_lines(lines: Iterator[bytes],
     counts = BatchCounts()
     pending: deque[asyncio.Future] = deque()
     number, reader = 0, LineReader(lines)
+    next_line: asyncio.Future | None = None
 
     def write_next(result: dict[str, Any]) -> None:
         counts.add(result)
         write(result)
 
     try:
-        while (raw := await reader.next()) is not None:
+        while True:
+            next_line = asyncio.ensure_future(reader.next())
+            await _write_answered(pending, next_line, write_next)
+            if (raw := next_line.result()) is None:
+                break
             number += 1
             request = parse_line(raw, number, seen_ids, ignore_unknown)
             pending.append(asyncio.ensure_future(answer(request)))
-            while pending and (pending[0].done() or len(pending) >= (max_concurrency or
-                                                                     float("inf"))):
+            while pending and len(pending) >= (max_concurrency or float("inf")):
                 write_next(await pending.popleft())
         while pending:
             write_next(await pending.popleft())
     finally:  # an error or Ctrl-C: the requests still in flight are cancelled (aborted)
         for future in pending:
             future.cancel()
+        if next_line is not None:
+            next_line.cancel()  # a no-op once done
     return counts
+
+
+async def _write_answered(pending: deque[asyncio.Future], waiting: asyncio.Future,
+                          write_next: Callable[[dict[str, Any]], None]) -> None:
+    """Until ``waiting`` (the next line's read) is done, write each line at the head of
+    ``pending`` as soon as it is answered (input order: only the head is written)."""
+    while True:
+        while pending and pending[0].done():
+            write_next(pending.popleft().result())
+        if waiting.done():
+            return
+        await asyncio.wait([waiting, *([pending[0]] if pending else [])],
+                           return_when=asyncio.FIRST_COMPLETED)
 
 
 async def run_batch(app: FastAPI, lines: Iterator[bytes], write: Callable[[dict], None],
