@@ -63,7 +63,9 @@ class BeamSearchParams:
             temperature only changes which sampled token joins the ranked candidates).
         length_penalty: exponent of the length in ``beam_search_score`` (0: rank by
             cumulative logprob; > 0 favours longer sequences). A finite number.
-        include_stop_str_in_output: keep the EOS token in ``BeamSearchSequence.text``.
+        include_stop_str_in_output: keep a final EOS token in ``BeamSearchSequence.text``
+            (its text shows only with ``skip_special_tokens=False`` when it is a special
+            token, as for a sampled request).
         structured_outputs: must be None (vLLM's field; kvflow's beam search does not
             constrain beams to a grammar).
         skip_special_tokens: leave special tokens out of ``BeamSearchSequence.text``
@@ -131,7 +133,7 @@ class BeamSearchSequence:
         text: set on the returned sequences: ``tokens`` decoded, prompt included (as
             vLLM's ``LLM.beam_search``), special tokens skipped unless
             ``skip_special_tokens`` is False, a final EOS only with
-            ``include_stop_str_in_output``.
+            ``include_stop_str_in_output`` (and then as ``skip_special_tokens`` says).
         finish_reason: ``"stop"`` (EOS) or ``"length"`` (``max_tokens`` or the context)
             on the returned sequences.
     """
@@ -274,16 +276,14 @@ class BeamSearch:
 
 def generated_text(tokenizer: Any, beam: BeamSearchSequence, start: int,
                    params: BeamSearchParams, skip_special_tokens: bool = True) -> str:
-    """``beam.tokens[start:]`` decoded (a final EOS dropped unless
-    ``include_stop_str_in_output``, then decoded as written even when special tokens are
-    skipped); "" without a tokenizer."""
+    """``beam.tokens[start:]`` decoded with ``skip_special_tokens`` (a final EOS dropped
+    unless ``include_stop_str_in_output``; kept, its text shows only where
+    ``skip_special_tokens`` does not skip it, as for a sampled request and in vLLM's beam
+    search); "" without a tokenizer."""
     if tokenizer is None:
         return ""
     tokens = beam.tokens[start:]
-    if beam.finish_reason == "stop" and params.include_stop_str_in_output:
-        return tokenizer.decode(tokens[:-1], skip_special_tokens=skip_special_tokens) + \
-            tokenizer.decode(tokens[-1:], skip_special_tokens=False)
-    if beam.finish_reason == "stop":
+    if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
         tokens = tokens[:-1]
     return tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 

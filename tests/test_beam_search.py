@@ -224,16 +224,26 @@ def test_bad_prompts_are_refused_before_anything_runs(beam_llm, assert_no_leaks)
     assert_no_leaks(beam_llm)
 
 
-def test_include_stop_str_in_output_keeps_the_eos_text(beam_llm, tiny_llama):
-    """The EOS token's text ends a stopped beam's text only with include_stop_str_in_output;
+@pytest.mark.parametrize("skip", [True, False])
+def test_include_stop_str_in_output_keeps_the_eos_text(beam_llm, tiny_llama, skip):
+    """The EOS token's text ends a stopped beam's text only with include_stop_str_in_output,
+    and, the EOS being a special token, only with skip_special_tokens=False (the text is the
+    tokenizer's decode of the tokens with skip_special_tokens, as vLLM's beam search and a
+    sampled request write it; the EOS text showed with skip_special_tokens too before);
     the beams and scores are the same either way."""
     plain, kept = (beam_llm.beam_search([EOS_PROMPT], BeamSearchParams(
-        3, 8, include_stop_str_in_output=flag))[0] for flag in (False, True))
+        3, 8, include_stop_str_in_output=flag, skip_special_tokens=skip))[0]
+        for flag in (False, True))
     assert [s.tokens for s in plain.sequences] == [s.tokens for s in kept.sequences]
     tok = beam_llm.get_tokenizer()
+    eos = tiny_llama.eos_token_id
+    assert eos in tok.all_special_ids
+    assert any(a.finish_reason == "stop" for a in plain.sequences)
     for a, b in zip(plain.sequences, kept.sequences):
+        assert b.text == tok.decode(a.tokens, skip_special_tokens=skip)
         if a.finish_reason == "stop":
-            assert b.text == a.text + tok.decode([tiny_llama.eos_token_id]) != a.text
+            assert a.text == tok.decode(a.tokens[:-1], skip_special_tokens=skip)
+            assert (b.text != a.text) == (not skip)
         else:
             assert b.text == a.text
 

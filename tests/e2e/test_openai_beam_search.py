@@ -112,6 +112,29 @@ def test_chat_beams_match_the_reference(server, hf_model, tiny_chat_model, free_
     assert_no_leak(server, free_at_start)
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_include_stop_str_in_output_text_follows_skip_special_tokens(server, tiny_chat_model,
+                                                                      skip, free_at_start):
+    """A stopped beam's text with include_stop_str_in_output is the tokenizer's decode of its
+    token ids (EOS included) with skip_special_tokens, as vLLM's beam search and a sampled
+    request write it: the special EOS shows only with skip_special_tokens false (it showed
+    with true too before)."""
+    from transformers import AutoTokenizer
+
+    from tests.test_beam_search import EOS_PROMPT
+
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    resp = ok(server, C, {"prompt": EOS_PROMPT, "use_beam_search": True, "n": 3,
+                          "max_tokens": 8, "include_stop_str_in_output": True,
+                          "skip_special_tokens": skip, "return_token_ids": True})
+    stopped = [c for c in resp["choices"] if c["finish_reason"] == "stop"]
+    assert stopped and all(c["token_ids"][-1] == tok.eos_token_id for c in stopped)
+    for c in resp["choices"]:
+        assert c["text"] == tok.decode(c["token_ids"], skip_special_tokens=skip)
+    assert all(c["text"].endswith(tok.eos_token) != skip for c in stopped)
+    assert_no_leak(server, free_at_start)
+
+
 @pytest.mark.parametrize("path,width,k", [(C, 2, 6), (CH, 3, 8)])
 def test_more_top_logprobs_than_a_step_ranks_are_returned(server, hf_model, tiny_chat_model,
                                                           path, width, k, free_at_start):
