@@ -232,6 +232,7 @@ class _RequestTimes:
     arrival_time: float
     num_prompt_tokens: int
     num_samples: int
+    cumulative: bool = False  # outputs hold every token so far (CUMULATIVE / FINAL_ONLY)
     started: bool = False
     first_token_time: dict[int, float] = field(default_factory=dict)  # sample index -> time
     last_token_time: dict[int, float] = field(default_factory=dict)  # sample index -> time
@@ -242,7 +243,7 @@ class _RequestTimes:
 class RequestStatsTracker:
     """Turns the stream of delta RequestOutputs into per-request observations.
 
-    Call ``start`` when a request is accepted, ``observe`` for each of its delta outputs and
+    Call ``start`` when a request is accepted, ``observe`` for each of its outputs and
     ``abort`` if it is cancelled. Times are ``time.monotonic()`` seconds.
     """
 
@@ -251,11 +252,16 @@ class RequestStatsTracker:
         self._requests: dict[str, _RequestTimes] = {}
 
     def start(self, request_id: str, arrival_time: float, num_prompt_tokens: int,
-              num_samples: int) -> None:
-        self._requests[request_id] = _RequestTimes(arrival_time, num_prompt_tokens, num_samples)
+              num_samples: int, cumulative: bool = False) -> None:
+        """Open a request of ``num_samples`` samples. ``cumulative``: its outputs hold each
+        sample's tokens so far (``RequestOutputKind`` CUMULATIVE or FINAL_ONLY), not the new
+        ones alone (delta outputs, the default)."""
+        self._requests[request_id] = _RequestTimes(arrival_time, num_prompt_tokens, num_samples,
+                                                   cumulative)
 
     def observe(self, output: RequestOutput, now: float) -> None:
-        """Record one delta output (only the samples that changed are in ``output.outputs``)."""
+        """Record one output of the request: a delta one (only the samples that changed, with
+        their new tokens) or, for a request started ``cumulative``, every sample so far."""
         times = self._requests.get(output.request_id)
         if times is None:
             return
@@ -269,8 +275,10 @@ class RequestStatsTracker:
         if pooled:  # an embedding: finished, no tokens
             self._observe_sample(times, 0, 0, "stop" if output.finished else None, now)
         for sample in output.outputs if isinstance(output.outputs, list) else ():
-            self._observe_sample(times, sample.index, len(sample.token_ids),
-                                 sample.finish_reason, now)
+            num_new = len(sample.token_ids)
+            if times.cumulative:  # never below 0: a counter cannot go down
+                num_new = max(num_new - times.num_tokens.get(sample.index, 0), 0)
+            self._observe_sample(times, sample.index, num_new, sample.finish_reason, now)
         if len(times.finished) == times.num_samples:
             del self._requests[output.request_id]
 

@@ -3,10 +3,12 @@ for scripted delta outputs at given times."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow.metrics import RequestStatsTracker, ServerMetrics
 from kvflow.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvflow.sampling_params import RequestOutputKind
 
 
 def _delta(samples: list[tuple[int, int, str | None]], finished: bool = False) -> RequestOutput:
@@ -59,10 +61,10 @@ def test_a_request_that_ends_without_a_token_has_no_ttft():
     assert metrics.request_success.labels("m", "abort")._value.get() == 1
 
 
-def open_requests_of(tokenizer, n: int, admission_control: bool = False):
+def open_requests_of(tokenizer, n: int, admission_control: bool = False, output_kind=None):
     """OpenRequests of one server (one replica) holding request "r": ``n`` samples of a
-    3-token prompt, arrived at t=10. Returns (metrics, open requests, the stream, the sample
-    ids)."""
+    3-token prompt, arrived at t=10, streamed as ``output_kind`` asks. Returns (metrics, open
+    requests, the stream, the sample ids)."""
     from kvflow.engine.dp_balancer import DPLoadBalancer
     from kvflow.engine.open_requests import OpenRequests
     from kvflow.input_processor import InputProcessor
@@ -71,7 +73,8 @@ def open_requests_of(tokenizer, n: int, admission_control: bool = False):
 
     metrics = ServerMetrics("m")
     requests = InputProcessor(tokenizer, 128, len(tokenizer), tokenizer.eos_token_id) \
-        .make_requests("r", [5, 6, 7], SamplingParams(n=n, max_tokens=4))
+        .make_requests("r", [5, 6, 7], SamplingParams(n=n, max_tokens=4,
+                                                       output_kind=output_kind))
     open_requests = OpenRequests(OutputProcessor(tokenizer), RequestStatsTracker(metrics),
                                  DPLoadBalancer(1, 16), metrics,
                                  admission_control=admission_control)
@@ -124,3 +127,24 @@ def test_spec_decode_series_exist_at_zero_before_the_first_acceptance():
     assert got[("kvflow:spec_decode_num_accepted_tokens_per_pos_total", "1")] == 0
     assert got[("kvflow:spec_decode_draft_acceptance_rate", None)] == 0
     assert got[("kvflow:spec_decode_mean_acceptance_length", None)] == 1
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_token_counts_do_not_depend_on_the_output_kind(tiny_tokenizer, kind):
+    """One sample fed 1, 2 and 1 tokens on three steps (the last finishes it): 4 generated
+    tokens, 2 inter-token latencies and a generation length of 4 whatever the stream yields
+    (was, for CUMULATIVE and FINAL_ONLY, whose outputs hold every token so far: 1 + 3 + 4 = 8
+    tokens counted)."""
+    from kvflow.engine.messages import EngineOutputs
+    from kvflow.engine_outputs import EngineCoreOutput, EngineStats
+
+    metrics, open_requests, _, (sid,) = open_requests_of(tiny_tokenizer, 1, output_kind=kind)
+    for tokens, reason in (([9], None), ([10, 11], None), ([12], "length")):
+        open_requests.deliver(EngineOutputs(
+            [EngineCoreOutput(sid, tokens, finish_reason=reason)], EngineStats()))
+    got = _samples(metrics)
+    assert got["kvflow:generation_tokens_total"] == 4
+    assert got["kvflow:inter_token_latency_seconds_count"] == 2
+    assert got["kvflow:request_generation_tokens_sum"] == 4
+    assert got["kvflow:request_time_per_output_token_seconds_count"] == 1
+    assert metrics.request_success.labels("m", "length")._value.get() == 1

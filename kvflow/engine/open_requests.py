@@ -64,7 +64,7 @@ class OpenRequests:
         self.streams[request_id] = stream
         self.waiting.add(request_id)
         self.tracker.start(request_id, arrival, len(requests[0].prompt_token_ids),
-                           len(requests))
+                           len(requests), cumulative=request_id in self.kinds)
         return stream
 
     def abort(self, request_id: str) -> tuple[list[str], int | None]:
