@@ -5,7 +5,10 @@ Two sources feed them:
 * per-request timings and lengths, observed in the API process as outputs arrive
   (``RequestStatsTracker``): TTFT, inter-token latency, time per output token (mean per
   sample), end-to-end latency, prompt and generation lengths, token counters and finished
-  requests by ``finished_reason``;
+  requests by ``finished_reason``. As in vLLM, where each of a request's ``n`` samples is a
+  request of its own, all of them are per sample: a request with ``n=2`` has two TTFTs, its
+  prompt counted twice in the prompt tokens, and two prompt and generation lengths (both
+  observed when the sample finishes, so their counts match the finished samples);
 * the engine core's scheduler and KV-cache state, reported with every output message
   (``ServerMetrics.record_engine_stats``): running/waiting requests, KV usage and free blocks,
   weight bytes and KV bytes per token as gauges; preemptions and prefix-cache queries/hits (tokens) as counters;
@@ -61,7 +64,8 @@ class ServerMetrics:
     def _init_request_metrics(self) -> None:
         h = Histogram
         self.ttft = self._labelled(h, "kvflow:time_to_first_token_seconds",
-                                   "Time to first token (s)", buckets=_LATENCY_BUCKETS)
+                                   "Time to first token, per sample (s)",
+                                   buckets=_LATENCY_BUCKETS)
         self.itl = self._labelled(h, "kvflow:inter_token_latency_seconds",
                                   "Time between consecutive output tokens (s)",
                                   buckets=_LATENCY_BUCKETS)
@@ -72,12 +76,14 @@ class ServerMetrics:
                                    "the tokens after the first (s; the TPOT of "
                                    "--target-tpot-ms)", buckets=_LATENCY_BUCKETS)
         self.prompt_len = self._labelled(h, "kvflow:request_prompt_tokens",
-                                         "Prompt length (tokens)", buckets=_TOKEN_BUCKETS)
+                                         "Prompt length per finished sample (tokens)",
+                                         buckets=_TOKEN_BUCKETS)
         self.gen_len = self._labelled(h, "kvflow:request_generation_tokens",
                                       "Generated length per sample (tokens)",
                                       buckets=_TOKEN_BUCKETS)
         self.prompt_tokens = self._labelled(Counter, "kvflow:prompt_tokens",
-                                            "Prompt tokens of requests that started generating")
+                                            "Prompt tokens of samples that started generating "
+                                            "(a prompt once per sample)")
         self.generation_tokens = self._labelled(Counter, "kvflow:generation_tokens",
                                                 "Generated tokens")
         self.request_success = self._labelled(Counter, "kvflow:request_success",
@@ -265,14 +271,11 @@ class RequestStatsTracker:
         times = self._requests.get(output.request_id)
         if times is None:
             return
-        m = self.metrics
         pooled = not isinstance(output.outputs, list)
-        if not times.started and (pooled or any(s.token_ids for s in output.outputs)):
-            times.started = True  # its first token (an embedding: its vector)
-            m.ttft.observe(now - times.arrival_time)
-            m.prompt_tokens.inc(times.num_prompt_tokens)
-            m.prompt_len.observe(times.num_prompt_tokens)
-        if pooled:  # an embedding: finished, no tokens
+        if pooled:  # an embedding: its vector is its first output; finished, no tokens
+            if not times.started:
+                times.started = True
+                self._first_output(times, now)
             self._observe_sample(times, 0, 0, "stop" if output.finished else None, now)
         for sample in output.outputs if isinstance(output.outputs, list) else ():
             num_new = len(sample.token_ids)
@@ -282,12 +285,20 @@ class RequestStatsTracker:
         if len(times.finished) == times.num_samples:
             del self._requests[output.request_id]
 
+    def _first_output(self, times: _RequestTimes, now: float) -> None:
+        """A sample's first token: its TTFT and its prompt's tokens (vLLM counts both per
+        sample: each of ``n`` samples is a request of its own there)."""
+        self.metrics.ttft.observe(now - times.arrival_time)
+        self.metrics.prompt_tokens.inc(times.num_prompt_tokens)
+
     def _observe_sample(self, times: _RequestTimes, index: int, num_new: int,
                         finish_reason: str | None, now: float) -> None:
         m = self.metrics
         if num_new:
             if index in times.last_token_time:
                 m.itl.observe(now - times.last_token_time[index])
+            else:
+                self._first_output(times, now)
             times.first_token_time.setdefault(index, now)
             times.last_token_time[index] = now
             times.num_tokens[index] = times.num_tokens.get(index, 0) + num_new
@@ -296,6 +307,7 @@ class RequestStatsTracker:
             times.finished.add(index)
             num_tokens = times.num_tokens.get(index, 0)
             m.e2e.observe(now - times.arrival_time)
+            m.prompt_len.observe(times.num_prompt_tokens)
             m.gen_len.observe(num_tokens)
             if num_tokens > 1:
                 m.tpot.observe((times.last_token_time[index] - times.first_token_time[index])

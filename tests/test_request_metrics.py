@@ -27,7 +27,10 @@ def _samples(metrics: ServerMetrics) -> dict[str, float]:
 def test_ttft_tpot_and_lengths_by_hand():
     """Two samples of a 3-token prompt arriving at t=10: sample 0 gets tokens at 10.5 (1),
     11.0 (2 more), 12.5 (1) and finishes: TPOT (12.5 - 10.5) / 3; sample 1 gets 1 token at
-    11.0 and finishes at 11.2 with none more (a one-token sample has no TPOT)."""
+    11.0 and finishes at 11.2 with none more (a one-token sample has no TPOT). As vLLM (where
+    each of the n samples is a request of its own) TTFT, prompt tokens and prompt lengths are
+    per sample: TTFTs 0.5 and 1.0, 2 x 3 prompt tokens, 2 prompt lengths (was: one TTFT, 3
+    prompt tokens and one prompt length for the request, beside 2 generation lengths)."""
     metrics = ServerMetrics("m")
     tracker = RequestStatsTracker(metrics)
     tracker.start("r", 10.0, 3, 2)
@@ -36,21 +39,24 @@ def test_ttft_tpot_and_lengths_by_hand():
     tracker.observe(_delta([(1, 0, "stop")]), 11.2)
     tracker.observe(_delta([(0, 1, "length")], finished=True), 12.5)
     got = _samples(metrics)
-    assert got["kvflow:time_to_first_token_seconds_count"] == 1
-    assert got["kvflow:time_to_first_token_seconds_sum"] == 0.5
+    assert got["kvflow:time_to_first_token_seconds_count"] == 2
+    assert got["kvflow:time_to_first_token_seconds_sum"] == 0.5 + 1.0
     assert got["kvflow:request_time_per_output_token_seconds_count"] == 1
     assert abs(got["kvflow:request_time_per_output_token_seconds_sum"] - 2.0 / 3) < 1e-12
     assert got["kvflow:inter_token_latency_seconds_count"] == 2  # 10.5->11.0, 11.0->12.5
     assert got["kvflow:e2e_request_latency_seconds_sum"] == (12.5 - 10) + (11.2 - 10)
     assert got["kvflow:generation_tokens_total"] == 5
-    assert got["kvflow:prompt_tokens_total"] == 3
+    assert got["kvflow:prompt_tokens_total"] == 3 + 3
     assert got["kvflow:request_generation_tokens_sum"] == 4 + 1
+    assert got["kvflow:request_prompt_tokens_count"] == 2
+    assert got["kvflow:request_prompt_tokens_sum"] == 3 + 3
 
 
 def test_a_request_that_ends_without_a_token_has_no_ttft():
     """The engine aborted it before its first token (an abort output with no token and no
     error: a refusal with an error is forgotten instead, see below): nothing was served, so
-    no time to first token and no prompt tokens are recorded; it counts as aborted."""
+    no time to first token and no prompt tokens are recorded; it counts as aborted, and as a
+    finished request its lengths are observed (3 prompt tokens, 0 generated: vLLM's)."""
     metrics = ServerMetrics("m")
     tracker = RequestStatsTracker(metrics)
     tracker.start("r", 10.0, 3, 1)
@@ -59,6 +65,8 @@ def test_a_request_that_ends_without_a_token_has_no_ttft():
     assert got["kvflow:time_to_first_token_seconds_count"] == 0
     assert got["kvflow:prompt_tokens_total"] == 0
     assert metrics.request_success.labels("m", "abort")._value.get() == 1
+    assert got["kvflow:request_prompt_tokens_sum"] == 3
+    assert got["kvflow:request_generation_tokens_count"] == 1
 
 
 def open_requests_of(tokenizer, n: int, admission_control: bool = False, output_kind=None):
