@@ -34,9 +34,28 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kvflow.engine_outputs import EngineStats
 from kvflow.outputs import RequestOutput
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+# vLLM 0.32's default boundaries (vllm/v1/metrics/buckets.py), so that dashboards reading
+# ``le`` values made for vLLM read these unchanged
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)  # inter-token latency and time per output token
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_DEFAULT_MAX_MODEL_LEN = 50000  # token buckets until set_max_model_len is told the real one
+
+
+def token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's token-count boundaries: 1, 2, 5, 10, 20, 50, ... up to ``max_model_len``
+    (tokens) inclusive."""
+    out, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return tuple(out)
+            out.append(mantissa * scale)
+        scale *= 10
+
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS = ("stop", "length", "abort")
@@ -47,12 +66,18 @@ class ServerMetrics:
 
     Args:
         model_name: value of the ``model_name`` label.
+        max_model_len: the engine's context length (tokens): the last boundary of the
+            prompt and generation length histograms (vLLM's); None: 50,000 until
+            :meth:`set_max_model_len` gives it.
     """
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int | None = None) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self._init_request_metrics()
+        self._token_families: tuple[Histogram, ...] = ()
+        self._token_buckets: tuple[int, ...] = ()
+        self._init_token_histograms(max_model_len or _DEFAULT_MAX_MODEL_LEN)
         self._init_engine_metrics()
         self._last_stats: dict[int, EngineStats] = {}  # per replica
 
@@ -65,22 +90,16 @@ class ServerMetrics:
         h = Histogram
         self.ttft = self._labelled(h, "kvflow:time_to_first_token_seconds",
                                    "Time to first token, per sample (s)",
-                                   buckets=_LATENCY_BUCKETS)
+                                   buckets=_TTFT_BUCKETS)
         self.itl = self._labelled(h, "kvflow:inter_token_latency_seconds",
                                   "Time between consecutive output tokens (s)",
-                                  buckets=_LATENCY_BUCKETS)
+                                  buckets=_ITL_BUCKETS)
         self.e2e = self._labelled(h, "kvflow:e2e_request_latency_seconds",
-                                  "Arrival to last token (s)", buckets=_LATENCY_BUCKETS)
+                                  "Arrival to last token (s)", buckets=_REQUEST_LATENCY_BUCKETS)
         self.tpot = self._labelled(h, "kvflow:request_time_per_output_token_seconds",
                                    "Per finished sample of 2+ tokens: first to last token over "
                                    "the tokens after the first (s; the TPOT of "
-                                   "--target-tpot-ms)", buckets=_LATENCY_BUCKETS)
-        self.prompt_len = self._labelled(h, "kvflow:request_prompt_tokens",
-                                         "Prompt length per finished sample (tokens)",
-                                         buckets=_TOKEN_BUCKETS)
-        self.gen_len = self._labelled(h, "kvflow:request_generation_tokens",
-                                      "Generated length per sample (tokens)",
-                                      buckets=_TOKEN_BUCKETS)
+                                   "--target-tpot-ms)", buckets=_ITL_BUCKETS)
         self.prompt_tokens = self._labelled(Counter, "kvflow:prompt_tokens",
                                             "Prompt tokens of samples that started generating "
                                             "(a prompt once per sample)")
@@ -91,6 +110,27 @@ class ServerMetrics:
                                               extra=("finished_reason",))
         for reason in FINISH_REASONS:  # every series exists (at 0) from start-up
             self.request_success.labels(self.model_name, reason)
+
+    def _init_token_histograms(self, max_model_len: int) -> None:
+        """The prompt and generation length histograms, with vLLM's boundaries up to
+        ``max_model_len`` (replacing the ones there were)."""
+        for family in self._token_families:
+            self.registry.unregister(family)
+        buckets = token_buckets(max_model_len)
+        docs = {"kvflow:request_prompt_tokens": "Prompt length per finished sample (tokens)",
+                "kvflow:request_generation_tokens": "Generated length per finished sample "
+                "(tokens)"}
+        families = tuple(Histogram(name, doc, ("model_name",), registry=self.registry,
+                                   buckets=buckets) for name, doc in docs.items())
+        self._token_families, self._token_buckets = families, buckets
+        self.prompt_len, self.gen_len = (f.labels(self.model_name) for f in families)
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """The engine's context length (tokens), known once it started: the length
+        histograms' boundaries go up to it, as vLLM's do. Call it before the first request
+        (the histograms are made anew, without their observations, if it changes them)."""
+        if token_buckets(max_model_len) != self._token_buckets:
+            self._init_token_histograms(max_model_len)
 
     def _init_engine_metrics(self) -> None:
         g, c, e = Gauge, Counter, ("engine",)

@@ -156,3 +156,55 @@ def test_token_counts_do_not_depend_on_the_output_kind(tiny_tokenizer, kind):
     assert got["kvflow:request_generation_tokens_sum"] == 4
     assert got["kvflow:request_time_per_output_token_seconds_count"] == 1
     assert metrics.request_success.labels("m", "length")._value.get() == 1
+
+
+def _bounds(metrics: ServerMetrics, name: str) -> list[float]:
+    """The ``le`` boundaries of histogram ``name`` (without +Inf), as /metrics shows them."""
+    text = metrics.render().decode()
+    return [float(s.labels["le"]) for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == f"{name}_bucket" and s.labels["le"] != "+Inf"]
+
+
+def test_histogram_boundaries_are_vllms():
+    """vLLM 0.32's defaults (vllm/v1/metrics/buckets.py, copied here by hand), so that
+    dashboards made for vLLM find the same ``le`` values (was: TTFT's old list, up to 80 s, for
+    all four timings, and token lengths up to 50,000 whatever the context length)."""
+    ttft = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+            7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+    itl = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+           10.0, 20.0, 40.0, 80.0]
+    e2e = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+    metrics = ServerMetrics("m", max_model_len=2048)
+    assert _bounds(metrics, "kvflow:time_to_first_token_seconds") == ttft
+    assert _bounds(metrics, "kvflow:inter_token_latency_seconds") == itl
+    assert _bounds(metrics, "kvflow:request_time_per_output_token_seconds") == itl
+    assert _bounds(metrics, "kvflow:e2e_request_latency_seconds") == e2e
+    lengths = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]  # 1-2-5 up to 2048
+    assert _bounds(metrics, "kvflow:request_prompt_tokens") == lengths
+    assert _bounds(metrics, "kvflow:request_generation_tokens") == lengths
+    metrics = ServerMetrics("m")
+    metrics.set_max_model_len(200)  # a boundary itself is kept
+    assert _bounds(metrics, "kvflow:request_prompt_tokens") == [1, 2, 5, 10, 20, 50, 100, 200]
+    tracker = RequestStatsTracker(metrics)
+    tracker.start("r", 10.0, 3, 1)
+    tracker.observe(_delta([(0, 1, "length")], finished=True), 10.5)
+    text = metrics.render().decode()
+    assert 'kvflow:request_prompt_tokens_bucket{le="5.0",model_name="m"} 1.0' in text
+    assert 'kvflow:request_prompt_tokens_bucket{le="2.0",model_name="m"} 0.0' in text
+
+
+def test_async_llm_sets_the_length_boundaries_to_its_context(tiny_llama):
+    """The engine's context (256 tokens asked, capped to the 252 the 63 usable 4-token KV
+    blocks hold) ends the length histograms' boundaries: 1-2-5 up to 200."""
+    from kvflow.config import EngineConfig
+    from kvflow.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM(EngineConfig.from_kwargs(model=tiny_llama.path, dtype="float32",
+                                               num_kv_blocks=64, block_size=4))
+    try:
+        assert engine.max_model_len == 252
+        assert _bounds(engine.metrics, "kvflow:request_generation_tokens") == \
+            [1, 2, 5, 10, 20, 50, 100, 200]
+    finally:
+        engine.close()

@@ -177,6 +177,7 @@ class AsyncLLM(AsyncLLMCalls, AsyncLLMShutdown):
 
     def _init_processors(self, ready: EngineReady) -> None:
         self.max_model_len = ready.max_model_len
+        self.metrics.set_max_model_len(ready.max_model_len)
         self.vocab_size = ready.vocab_size
         self.num_kv_blocks = ready.num_blocks  # per replica
         self.task = ready.task
