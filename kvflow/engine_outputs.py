@@ -75,6 +75,10 @@ class EngineStats(msgspec.Struct):
         step_time_abs_error_s / step_time_rel_error: the model's mean |predicted - measured|
             step time (seconds) and that error relative to the measured time, over its recent
             window.
+        iteration_tokens: tokens of each step since the previous stats (vLLM's
+            ``iteration_tokens_total``: generated tokens plus the computed prompt tokens of the
+            requests whose prefill completed; ``Scheduler.iteration_tokens``), oldest first.
+            Not cumulative: each step is in one stats message only.
     """
 
     num_running: int = 0
@@ -97,3 +101,4 @@ class EngineStats(msgspec.Struct):
     step_time_predictions: int = 0
     step_time_abs_error_s: float = 0.0
     step_time_rel_error: float = 0.0
+    iteration_tokens: list[int] = msgspec.field(default_factory=list)

@@ -12,6 +12,7 @@ Two sources feed them:
 * the engine core's scheduler and KV-cache state, reported with every output message
   (``ServerMetrics.record_engine_stats``): running/waiting requests, KV usage and free blocks,
   weight bytes and KV bytes per token as gauges; preemptions and prefix-cache queries/hits (tokens) as counters;
+  the tokens of each engine step (vLLM's ``iteration_tokens_total`` histogram);
   speculative decoding's drafts, draft tokens and accepted tokens (in total and by position) as
   counters, and the acceptance rate and mean acceptance length since start-up as gauges;
   the step-time model's mean absolute and relative error (gauges) and its predictions (counter);
@@ -42,6 +43,7 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 7.5, 10.0, 20.0, 40.0, 80.0)  # inter-token latency and time per output token
 _REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                             40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _DEFAULT_MAX_MODEL_LEN = 50000  # token buckets until set_max_model_len is told the real one
 
 
@@ -151,6 +153,11 @@ class ServerMetrics:
         self.kv_bytes_per_token = self._labelled(g, "kvflow:kv_cache_bytes_per_token",
                                                  "KV-cache bytes per token across all layers",
                                                  e)
+        self.iteration_tokens = self._labelled(
+            Histogram, "kvflow:iteration_tokens_total",
+            "Tokens per engine step: generated tokens plus the computed prompt tokens of the "
+            "requests whose prefill completed in it (vLLM's)", e,
+            buckets=_ITERATION_TOKENS_BUCKETS)
         self.preemptions = self._labelled(c, "kvflow:num_preemptions",
                                           "Requests preempted (recomputed or swapped out, "
                                           "resumed later)", e)
@@ -216,6 +223,9 @@ class ServerMetrics:
                              (self.step_time_abs_error, stats.step_time_abs_error_s),
                              (self.step_time_rel_error, stats.step_time_rel_error)):
             gauge.labels(self.model_name, engine).set(value)
+        steps = self.iteration_tokens.labels(self.model_name, engine)  # exists from the start
+        for num_tokens in stats.iteration_tokens:
+            steps.observe(num_tokens)
         last = self._last_stats.get(engine_index, EngineStats())
         for counter, now, before in (
                 (self.preemptions, stats.num_preemptions, last.num_preemptions),

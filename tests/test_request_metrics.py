@@ -194,17 +194,65 @@ def test_histogram_boundaries_are_vllms():
     assert 'kvflow:request_prompt_tokens_bucket{le="2.0",model_name="m"} 0.0' in text
 
 
-def test_async_llm_sets_the_length_boundaries_to_its_context(tiny_llama):
-    """The engine's context (256 tokens asked, capped to the 252 the 63 usable 4-token KV
-    blocks hold) ends the length histograms' boundaries: 1-2-5 up to 200."""
+def test_async_llm_metrics_of_one_request(tiny_llama):
+    """Through the engine core process: the context (256 tokens asked, capped to the 252 the
+    63 usable 4-token KV blocks hold) ends the length histograms' boundaries (1-2-5 up to
+    200); one request of a 6-token prompt and 3 tokens gives 3 steps of 6 + 1, 1 and 1
+    tokens (iteration_tokens_total), 6 prompt tokens, one TTFT, 2 inter-token latencies, and
+    leaves nothing running or waiting and no KV block in use."""
+    import asyncio
+
     from kvflow.config import EngineConfig
     from kvflow.engine.async_llm import AsyncLLM
+    from kvflow.sampling_params import SamplingParams
 
     engine = AsyncLLM(EngineConfig.from_kwargs(model=tiny_llama.path, dtype="float32",
                                                num_kv_blocks=64, block_size=4))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def run() -> None:
+        await engine.start()
+        try:
+            async for _ in engine.add_request("r", None, [5, 6, 7, 8, 9, 10], params):
+                pass
+        finally:
+            await engine.shutdown()
+
     try:
         assert engine.max_model_len == 252
         assert _bounds(engine.metrics, "kvflow:request_generation_tokens") == \
             [1, 2, 5, 10, 20, 50, 100, 200]
+        asyncio.run(run())
     finally:
         engine.close()
+    got = {s.name: s.value for fam in text_string_to_metric_families(
+        engine.metrics.render().decode()) for s in fam.samples if not s.labels.get("le")}
+    assert got["kvflow:iteration_tokens_total_count"] == 3
+    assert got["kvflow:iteration_tokens_total_sum"] == 6 + 1 + 1 + 1
+    assert got["kvflow:prompt_tokens_total"] == 6
+    assert got["kvflow:generation_tokens_total"] == 3
+    assert got["kvflow:time_to_first_token_seconds_count"] == 1
+    assert got["kvflow:inter_token_latency_seconds_count"] == 2
+    assert got["kvflow:num_requests_running"] == got["kvflow:num_requests_waiting"] == 0
+    assert got["kvflow:kv_cache_usage_perc"] == 0
+
+
+def test_iteration_tokens_observed_per_step_and_replica():
+    """Each stats message carries the token counts of the steps since the previous one:
+    every count is one observation of its replica's histogram (vLLM's boundaries 1, 8, 16,
+    ...), and a replica without steps yet shows an empty series."""
+    from kvflow.engine_outputs import EngineStats
+
+    metrics = ServerMetrics("m")
+    metrics.record_engine_stats(EngineStats(), 0)
+    metrics.record_engine_stats(EngineStats(iteration_tokens=[0, 11, 1]), 1)
+    metrics.record_engine_stats(EngineStats(iteration_tokens=[20]), 1)
+    got = {(s.name, s.labels["engine"], s.labels.get("le")): s.value
+           for fam in text_string_to_metric_families(metrics.render().decode())
+           for s in fam.samples if s.name.startswith("kvflow:iteration_tokens_total")}
+    assert got[("kvflow:iteration_tokens_total_count", "0", None)] == 0
+    assert got[("kvflow:iteration_tokens_total_count", "1", None)] == 4
+    assert got[("kvflow:iteration_tokens_total_sum", "1", None)] == 0 + 11 + 1 + 20
+    assert [got[("kvflow:iteration_tokens_total_bucket", "1", le)]
+            for le in ("1.0", "8.0", "16.0", "32.0", "+Inf")] == [2, 2, 3, 4, 4]
+    assert _bounds(metrics, "kvflow:iteration_tokens_total")[:4] == [1, 8, 16, 32]

@@ -34,6 +34,7 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
     spec_tokens = sched_out.scheduled_spec_decode_tokens
     slos, now = planner.slos, sched.clock()
     pooled = runner_output.pooler_output
+    num_iteration_tokens = 0  # vLLM's count: see Scheduler.iteration_tokens
     for rid in sched_out.num_scheduled_tokens:  # report in scheduling (policy) order
         if rid in stale:  # its request was freed meanwhile (the id may be another's now)
             continue
@@ -47,6 +48,7 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
         if pooled and rid in pooled and request is not None and \
                 not request.status.is_finished:
             outputs.append(_finish_pooled(sched, request, pooled[rid]))
+            num_iteration_tokens += _num_prompt_computed(request)
             continue
         if token_ids is None or request is None or request.status.is_finished:
             continue
@@ -61,6 +63,9 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
             new_token_ids = append_tokens(request, token_ids)
         if slos:
             planner.on_tokens(rid, len(new_token_ids), now)
+        num_iteration_tokens += len(new_token_ids)
+        if new_token_ids and request.num_output_tokens == len(new_token_ids):  # its first
+            num_iteration_tokens += _num_prompt_computed(request)
         logprobs = all_logprobs.get(rid) if all_logprobs and new_token_ids else None
         status = request.status
         outputs.append(EngineCoreOutput(
@@ -73,7 +78,14 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
             sched._free(request)
         elif num_drafts:
             _free_rejected_blocks(sched, request)
+    sched.iteration_tokens.append(num_iteration_tokens)
     return outputs
+
+
+def _num_prompt_computed(request: Request) -> int:
+    """The prompt tokens computed for a request whose prefill just completed: those the
+    prefix cache did not hold at its first admission."""
+    return request.num_prompt_tokens - max(request.num_cached_tokens, 0)
 
 
 def _take_freed(sched: Scheduler, sched_out: SchedulerOutput) -> set[str]:

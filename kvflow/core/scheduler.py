@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 
 from kvflow.config import SchedulerConfig
@@ -60,6 +61,8 @@ from kvflow.request import Request, RequestStatus
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sched_output import SchedulerOutput
 from kvflow.spec_decode.speculator import Speculator
+
+_MAX_ITERATION_TOKENS = 4096  # steps whose token counts wait for take_iteration_tokens
 
 
 class Scheduler:
@@ -113,6 +116,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
+        # vLLM's tokens per step (``vllm:iteration_tokens_total``) of the steps since
+        # ``take_iteration_tokens``: generated tokens, plus the computed prompt tokens
+        # (not prefix-cache hits) of each request whose prefill completed there (in that step,
+        # whatever earlier chunks computed). Bounded: an engine nobody reads keeps the last.
+        self.iteration_tokens: deque[int] = deque(maxlen=_MAX_ITERATION_TOKENS)
         # Several steps in flight (pipeline parallelism; the engine core sets this): request
         # id -> its scheduled steps not yet returned.
         self.track_in_flight = False
@@ -323,6 +331,13 @@ class Scheduler:
         logprobs a step computed are kept on the request and reported with its first token.
         """
         return update_from_output(self, sched_out, runner_output)
+
+    def take_iteration_tokens(self) -> list[int]:
+        """The tokens of each step since the last call (see ``iteration_tokens``), oldest
+        first; forgets them."""
+        out = list(self.iteration_tokens)
+        self.iteration_tokens.clear()
+        return out
 
     def fail_steps(self, outs: list[SchedulerOutput]) -> None:
         """Steps ``outs`` will never complete (the model raised, or was interrupted): abort

@@ -191,7 +191,8 @@ def _ready(core: EngineCore, engine_index: int = 0) -> EngineReady:
 
 
 def collect_stats(core: EngineCore) -> EngineStats:
-    """Snapshot of the scheduler and KV-cache counters."""
+    """Snapshot of the scheduler and KV-cache counters; takes the token counts of the steps
+    since the previous snapshot (``Scheduler.take_iteration_tokens``): send what it returns."""
     kv, sched, enc = core.kv_cache_manager, core.scheduler, core.scheduler.encoder
     stats = EngineStats(sched.num_running, sched.num_waiting, kv.usage, kv.num_free_blocks,
                         kv.pool.num_usable_blocks, sched.num_preemptions, kv.num_queries,
@@ -207,6 +208,7 @@ def collect_stats(core: EngineCore) -> EngineStats:
     stats.step_time_predictions = model.num_predicted
     stats.step_time_abs_error_s = model.mean_abs_error
     stats.step_time_rel_error = model.mean_rel_error
+    stats.iteration_tokens = sched.take_iteration_tokens()
     return stats
 
 

@@ -37,3 +37,21 @@ def test_prefix_hits_counted_at_admission(make_scheduler, make_driver, make_requ
     assert len(drv.steps) == 5  # a; b; b; b; then c
     assert drv.results["c"].num_cached_tokens == 8
     assert (sched.kv.num_queries, sched.kv.num_hits) == (12 + 16 + 14, 8)
+
+
+def test_iteration_tokens_count_as_vllms(make_scheduler, make_driver, make_request):
+    """vLLM's tokens per step: generated tokens, plus a request's computed prompt tokens (not
+    its prefix-cache hits) in the step its prefill completes, whatever earlier chunks did.
+    a: a 10-token prompt in chunks of 4 (budget 4): 0, 0, then 10 + its first token, then 1
+    and 1 (3 tokens). b then repeats a's first 2 blocks (8 cached tokens) with 3 new ones:
+    3 + 1, then 1. Taking the counts forgets them."""
+    sched = make_scheduler(max_num_batched_tokens=4)
+    drv = make_driver(sched)
+    drv.add(make_request("a", list(range(2, 12)), max_tokens=3, ignore_eos=True))
+    drv.run()
+    assert sched.take_iteration_tokens() == [0, 0, 10 + 1, 1, 1]
+    assert sched.take_iteration_tokens() == []
+    drv.add(make_request("b", [*range(2, 10), 40, 41, 42], max_tokens=2, ignore_eos=True))
+    drv.run()
+    assert drv.results["b"].num_cached_tokens == 8
+    assert sched.take_iteration_tokens() == [3 + 1, 1]
