@@ -79,6 +79,8 @@ class EngineStats(msgspec.Struct):
             ``iteration_tokens_total``: generated tokens plus the computed prompt tokens of the
             requests whose prefill completed; ``Scheduler.iteration_tokens``), oldest first.
             Not cumulative: each step is in one stats message only.
+        running_lora_adapters / waiting_lora_adapters: with LoRA enabled, the names of the
+            adapters of the running / waiting requests, sorted, each once (empty without).
     """
 
     num_running: int = 0
@@ -102,3 +104,5 @@ class EngineStats(msgspec.Struct):
     step_time_abs_error_s: float = 0.0
     step_time_rel_error: float = 0.0
     iteration_tokens: list[int] = msgspec.field(default_factory=list)
+    running_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)

@@ -13,6 +13,7 @@ Two sources feed them:
   (``ServerMetrics.record_engine_stats``): running/waiting requests, KV usage and free blocks,
   weight bytes and KV bytes per token as gauges; preemptions and prefix-cache queries/hits (tokens) as counters;
   the tokens of each engine step (vLLM's ``iteration_tokens_total`` histogram);
+  with LoRA enabled, the adapters running and waiting (vLLM's ``lora_requests_info``);
   speculative decoding's drafts, draft tokens and accepted tokens (in total and by position) as
   counters, and the acceptance rate and mean acceptance length since start-up as gauges;
   the step-time model's mean absolute and relative error (gauges) and its predictions (counter);
@@ -81,6 +82,8 @@ class ServerMetrics:
         self._token_buckets: tuple[int, ...] = ()
         self._init_token_histograms(max_model_len or _DEFAULT_MAX_MODEL_LEN)
         self._init_engine_metrics()
+        self.lora_info: Gauge | None = None  # enable_lora_info makes it
+        self.max_loras = 0
         self._last_stats: dict[int, EngineStats] = {}  # per replica
 
     def _labelled(self, cls: type, name: str, doc: str, extra: tuple[str, ...] = (),
@@ -133,6 +136,20 @@ class ServerMetrics:
         (the histograms are made anew, without their observations, if it changes them)."""
         if token_buckets(max_model_len) != self._token_buckets:
             self._init_token_histograms(max_model_len)
+
+    def enable_lora_info(self, max_loras: int) -> None:
+        """LoRA serving is on (``--enable-lora``, ``max_loras`` adapters a step): export vLLM's
+        ``lora_requests_info`` gauge. Each engine report sets the series of its labels
+        ``max_lora``, ``running_lora_adapters`` and ``waiting_lora_adapters`` (adapter names,
+        comma-separated) to the time it came (Unix seconds), as vLLM's does; the newest
+        series is the current state. Not per replica (vLLM's has no ``engine`` label)."""
+        if self.lora_info is None:
+            self.lora_info = Gauge("kvflow:lora_requests_info", "Running stats on LoRA "
+                                   "requests: adapters running and waiting (value: the time "
+                                   "of the report, s)",
+                                   ("model_name", "max_lora", "waiting_lora_adapters",
+                                    "running_lora_adapters"), registry=self.registry)
+        self.max_loras = max_loras
 
     def _init_engine_metrics(self) -> None:
         g, c, e = Gauge, Counter, ("engine",)
@@ -242,6 +259,10 @@ class ServerMetrics:
                 series.inc(now - before)
         if stats.spec_decode_num_drafts:
             self._record_spec_decode(stats, last, engine)
+        if self.lora_info is not None:
+            self.lora_info.labels(self.model_name, str(self.max_loras),
+                                  ",".join(stats.waiting_lora_adapters),
+                                  ",".join(stats.running_lora_adapters)).set_to_current_time()
         self._last_stats[engine_index] = stats
 
     def reset_engine(self, engine_index: int) -> None:

@@ -256,3 +256,25 @@ def test_iteration_tokens_observed_per_step_and_replica():
     assert [got[("kvflow:iteration_tokens_total_bucket", "1", le)]
             for le in ("1.0", "8.0", "16.0", "32.0", "+Inf")] == [2, 2, 3, 4, 4]
     assert _bounds(metrics, "kvflow:iteration_tokens_total")[:4] == [1, 8, 16, 32]
+
+
+def test_lora_requests_info_is_vllms_gauge():
+    """Off until LoRA is enabled (vLLM exports it only with a LoRA config); then each engine
+    report sets the series named by ``max_lora`` and the comma-joined running and waiting
+    adapters to the report's time (Unix seconds), vLLM's encoding."""
+    import time
+
+    from kvflow.engine_outputs import EngineStats
+
+    metrics = ServerMetrics("m")
+    metrics.record_engine_stats(EngineStats(running_lora_adapters=["a"]))
+    assert "lora_requests_info" not in metrics.render().decode()
+    metrics.enable_lora_info(2)
+    before = time.time()
+    metrics.record_engine_stats(EngineStats(running_lora_adapters=["a"],
+                                            waiting_lora_adapters=["b", "c"]))
+    (sample,) = [s for fam in text_string_to_metric_families(metrics.render().decode())
+                 for s in fam.samples if s.name == "kvflow:lora_requests_info"]
+    assert sample.labels == {"model_name": "m", "max_lora": "2", "running_lora_adapters": "a",
+                             "waiting_lora_adapters": "b,c"}
+    assert before <= sample.value <= time.time()

@@ -178,6 +178,8 @@ class AsyncLLM(AsyncLLMCalls, AsyncLLMShutdown):
     def _init_processors(self, ready: EngineReady) -> None:
         self.max_model_len = ready.max_model_len
         self.metrics.set_max_model_len(ready.max_model_len)
+        if self.config.lora_config.enable_lora:
+            self.metrics.enable_lora_info(self.config.lora_config.max_loras)
         self.vocab_size = ready.vocab_size
         self.num_kv_blocks = ready.num_blocks  # per replica
         self.task = ready.task

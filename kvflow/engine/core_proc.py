@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import msgspec
@@ -52,12 +53,14 @@ from kvflow.engine.messages import (
 from kvflow.engine_outputs import EngineCoreOutput, EngineStats
 from kvflow.gc_heap import freeze_startup_heap
 from kvflow.models.loader import resolve_eos_token_id
+from kvflow.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is alive
 _PR_SET_NAME = 15  # prctl option (linux/prctl.h)
 _BUSY_RETRY_AFTER_S = 1.0  # Retry-After of a refusal for saturated grammar compiles
+_WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)  # a request in the waiting queue
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
@@ -209,7 +212,16 @@ def collect_stats(core: EngineCore) -> EngineStats:
     stats.step_time_abs_error_s = model.mean_abs_error
     stats.step_time_rel_error = model.mean_rel_error
     stats.iteration_tokens = sched.take_iteration_tokens()
+    if sched.max_loras is not None:  # LoRA enabled
+        stats.running_lora_adapters = _adapter_names(sched.running)
+        stats.waiting_lora_adapters = _adapter_names(  # the queue's, without sorting it
+            r for r in sched.requests.values() if r.status in _WAITING)
     return stats
+
+
+def _adapter_names(requests: Iterable[Request]) -> list[str]:
+    """The names of the LoRA adapters ``requests`` run with, sorted, each once."""
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
 
 
 class EngineCoreProc:

@@ -530,3 +530,25 @@ def test_chat_takes_a_lora_request(llm, tiny_llama, adapters):
         assert out.outputs[0].token_ids == peft_greedy(tiny_llama.path, adapter,
                                                        out.prompt_token_ids)
     assert outs[0].prompt == f"<user>{PROMPTS[0]}\n"
+
+
+def test_engine_stats_name_the_running_and_waiting_adapters(llm, adapters, assert_no_leaks):
+    """What vLLM's ``lora_requests_info`` gauge shows: requests of both adapters and one of
+    the base model, queued: both adapters waiting (sorted, each once), none running; after
+    one step all three run; once they finish, neither list names one."""
+    from kvflow.engine.core_proc import collect_stats
+
+    lora_all, lora_qv = _requests(adapters)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for lora in (lora_qv, lora_all, None, lora_qv):
+        llm.engine.add_request(PROMPTS[0], params, lora_request=lora)
+    stats = collect_stats(llm.engine.core)
+    assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == ([], ["all", "qv"])
+    llm.engine.step()
+    stats = collect_stats(llm.engine.core)
+    assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == (["all", "qv"], [])
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    stats = collect_stats(llm.engine.core)
+    assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == ([], [])
+    assert_no_leaks(llm)
