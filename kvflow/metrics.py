@@ -257,7 +257,8 @@ class ServerMetrics:
             series = counter.labels(self.model_name, engine)  # exists (at 0) from the start
             if now > before:
                 series.inc(now - before)
-        if stats.spec_decode_num_drafts:
+        if stats.spec_decode_num_drafts or stats.spec_decode_num_accepted_tokens_per_pos:
+            # speculative decoding is on (a speculator reports every position from the start)
             self._record_spec_decode(stats, last, engine)
         if self.lora_info is not None:
             self.lora_info.labels(self.model_name, str(self.max_loras),
@@ -275,8 +276,9 @@ class ServerMetrics:
 
     def _record_spec_decode(self, stats: EngineStats, last: EngineStats, engine: str) -> None:
         """Speculative decoding's counters and gauges of one replica. Every counter's series
-        exists (at 0) from the first draft on, accepted tokens and each drafted position's
-        too, so a ratio of two of them is defined before the first acceptance."""
+        exists (at 0) from the replica's first report on (its start-up), each position's too,
+        as vLLM's do, so that a rate of them is 0 rather than absent before the first draft;
+        the two ratios (gauges) appear with the first draft."""
         name = self.model_name
         for counter, now, before in (
                 (self.spec_drafts, stats.spec_decode_num_drafts, last.spec_decode_num_drafts),
@@ -296,8 +298,9 @@ class ServerMetrics:
         if stats.spec_decode_num_draft_tokens:
             self.spec_acceptance_rate.labels(name, engine).set(
                 stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens)
-        self.spec_mean_acceptance_length.labels(name, engine).set(
-            1 + stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_drafts)
+        if stats.spec_decode_num_drafts:
+            self.spec_mean_acceptance_length.labels(name, engine).set(
+                1 + stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_drafts)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -278,3 +278,24 @@ def test_lora_requests_info_is_vllms_gauge():
     assert sample.labels == {"model_name": "m", "max_lora": "2", "running_lora_adapters": "a",
                              "waiting_lora_adapters": "b,c"}
     assert before <= sample.value <= time.time()
+
+
+def test_spec_decode_counters_exist_from_start_up():
+    """A replica with 3 speculative tokens reports at start-up, before any draft: its
+    counters, each of the 3 positions too, are exported at 0, as vLLM creates them with
+    the engine (was: absent until the first draft, so their rates were absent, not 0); the
+    two ratio gauges wait for a draft. A replica without speculation exports none."""
+    from kvflow.engine_outputs import EngineStats
+
+    metrics = ServerMetrics("m")
+    metrics.record_engine_stats(EngineStats(spec_decode_num_accepted_tokens_per_pos=[0, 0, 0]))
+    metrics.record_engine_stats(EngineStats(), 1)
+    got = {(s.name, s.labels["engine"], s.labels.get("position")): s.value
+           for fam in text_string_to_metric_families(metrics.render().decode())
+           for s in fam.samples
+           if s.name.startswith("kvflow:spec_decode") and not s.name.endswith("_created")}
+    assert got == {("kvflow:spec_decode_num_drafts_total", "0", None): 0,
+                   ("kvflow:spec_decode_num_draft_tokens_total", "0", None): 0,
+                   ("kvflow:spec_decode_num_accepted_tokens_total", "0", None): 0,
+                   **{("kvflow:spec_decode_num_accepted_tokens_per_pos_total", "0", str(p)): 0
+                      for p in range(3)}}
