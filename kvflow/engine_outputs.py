@@ -50,6 +50,27 @@ class EngineCoreOutput:
     retry_after_s: float | None = None
 
 
+class FinishedRequestStats(msgspec.Struct, array_like=True):
+    """vLLM's phases of one request (sample) that finished in the engine (stop or length;
+    not one the client aborted), on the engine core's clock (seconds).
+
+    Attributes:
+        queue_time_s: queued in the core -> first scheduled.
+        prefill_time_s: first scheduled -> first token (preemptions included).
+        decode_time_s: first token -> last token.
+        inference_time_s: first scheduled -> last token.
+        num_preemptions: times it was preempted.
+        num_prefill_computed_tokens: prompt tokens computed (not prefix-cache hits).
+    """
+
+    queue_time_s: float
+    prefill_time_s: float
+    decode_time_s: float
+    inference_time_s: float
+    num_preemptions: int
+    num_prefill_computed_tokens: int
+
+
 class EngineStats(msgspec.Struct):
     """Scheduler and KV-cache state after a step. Counters are cumulative since start-up.
 
@@ -81,6 +102,8 @@ class EngineStats(msgspec.Struct):
             Not cumulative: each step is in one stats message only.
         running_lora_adapters / waiting_lora_adapters: with LoRA enabled, the names of the
             adapters of the running / waiting requests, sorted, each once (empty without).
+        finished_requests: the requests that finished since the previous stats
+            (``Scheduler.take_finished_stats``), not cumulative.
     """
 
     num_running: int = 0
@@ -106,3 +129,4 @@ class EngineStats(msgspec.Struct):
     iteration_tokens: list[int] = msgspec.field(default_factory=list)
     running_lora_adapters: list[str] = msgspec.field(default_factory=list)
     waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = msgspec.field(default_factory=list)

@@ -13,6 +13,8 @@ Two sources feed them:
   (``ServerMetrics.record_engine_stats``): running/waiting requests, KV usage and free blocks,
   weight bytes and KV bytes per token as gauges; preemptions and prefix-cache queries/hits (tokens) as counters;
   the tokens of each engine step (vLLM's ``iteration_tokens_total`` histogram);
+  the phases of each request the engine finishes (vLLM's queue / prefill / decode /
+  inference times, preemptions and computed prompt tokens, histograms);
   with LoRA enabled, the adapters running and waiting (vLLM's ``lora_requests_info``);
   speculative decoding's drafts, draft tokens and accepted tokens (in total and by position) as
   counters, and the acceptance rate and mean acceptance length since start-up as gauges;
@@ -45,6 +47,7 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                             40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 _DEFAULT_MAX_MODEL_LEN = 50000  # token buckets until set_max_model_len is told the real one
 
 
@@ -116,19 +119,39 @@ class ServerMetrics:
         for reason in FINISH_REASONS:  # every series exists (at 0) from start-up
             self.request_success.labels(self.model_name, reason)
 
+    def _init_phase_histograms(self) -> None:
+        """vLLM's per-request phases, observed as the engine reports finished requests."""
+        h, e = Histogram, ("engine",)
+        self.queue_time, self.prefill_time, self.decode_time, self.inference_time = (
+            self._labelled(h, f"kvflow:request_{phase}_time_seconds", doc, e,
+                           buckets=_REQUEST_LATENCY_BUCKETS) for phase, doc in (
+                ("queue", "Queued in the engine until first scheduled (s)"),
+                ("prefill", "First scheduled until the first token (s)"),
+                ("decode", "First token until the last token (s)"),
+                ("inference", "First scheduled until the last token (s)")))
+        self.request_preemptions = self._labelled(
+            h, "kvflow:request_num_preemptions", "Times a finished request was preempted", e,
+            buckets=_REQUEST_NUM_PREEMPTIONS_BUCKETS)
+
     def _init_token_histograms(self, max_model_len: int) -> None:
         """The prompt and generation length histograms, with vLLM's boundaries up to
         ``max_model_len`` (replacing the ones there were)."""
         for family in self._token_families:
             self.registry.unregister(family)
         buckets = token_buckets(max_model_len)
-        docs = {"kvflow:request_prompt_tokens": "Prompt length per finished sample (tokens)",
-                "kvflow:request_generation_tokens": "Generated length per finished sample "
-                "(tokens)"}
-        families = tuple(Histogram(name, doc, ("model_name",), registry=self.registry,
-                                   buckets=buckets) for name, doc in docs.items())
+        per_sample, per_engine = ("model_name",), ("model_name", "engine")
+        docs = (("kvflow:request_prompt_tokens", per_sample,
+                 "Prompt length per finished sample (tokens)"),
+                ("kvflow:request_generation_tokens", per_sample,
+                 "Generated length per finished sample (tokens)"),
+                ("kvflow:request_prefill_kv_computed_tokens", per_engine,
+                 ("Prompt tokens computed (not prefix-cache hits) per request finished in "
+                  "the engine (tokens)")))
+        families = tuple(Histogram(name, doc, labels, registry=self.registry, buckets=buckets)
+                         for name, labels, doc in docs)
         self._token_families, self._token_buckets = families, buckets
-        self.prompt_len, self.gen_len = (f.labels(self.model_name) for f in families)
+        self.prompt_len, self.gen_len = (f.labels(self.model_name) for f in families[:2])
+        self.prefill_kv_computed = families[2]
 
     def set_max_model_len(self, max_model_len: int) -> None:
         """The engine's context length (tokens), known once it started: the length
@@ -175,6 +198,7 @@ class ServerMetrics:
             "Tokens per engine step: generated tokens plus the computed prompt tokens of the "
             "requests whose prefill completed in it (vLLM's)", e,
             buckets=_ITERATION_TOKENS_BUCKETS)
+        self._init_phase_histograms()
         self.preemptions = self._labelled(c, "kvflow:num_preemptions",
                                           "Requests preempted (recomputed or swapped out, "
                                           "resumed later)", e)
@@ -243,6 +267,7 @@ class ServerMetrics:
         steps = self.iteration_tokens.labels(self.model_name, engine)  # exists from the start
         for num_tokens in stats.iteration_tokens:
             steps.observe(num_tokens)
+        self._record_finished(stats, engine)
         last = self._last_stats.get(engine_index, EngineStats())
         for counter, now, before in (
                 (self.preemptions, stats.num_preemptions, last.num_preemptions),
@@ -265,6 +290,21 @@ class ServerMetrics:
                                   ",".join(stats.waiting_lora_adapters),
                                   ",".join(stats.running_lora_adapters)).set_to_current_time()
         self._last_stats[engine_index] = stats
+
+    def _record_finished(self, stats: EngineStats, engine: str) -> None:
+        """The phases of the requests the engine reports finished (series exist from the
+        replica's first report on)."""
+        name = self.model_name
+        times = [(h.labels(name, engine), field) for h, field in (
+            (self.queue_time, "queue_time_s"), (self.prefill_time, "prefill_time_s"),
+            (self.decode_time, "decode_time_s"), (self.inference_time, "inference_time_s"))]
+        preemptions = self.request_preemptions.labels(name, engine)
+        computed = self.prefill_kv_computed.labels(name, engine)
+        for finished in stats.finished_requests:
+            for series, field_name in times:
+                series.observe(getattr(finished, field_name))
+            preemptions.observe(finished.num_preemptions)
+            computed.observe(finished.num_prefill_computed_tokens)
 
     def reset_engine(self, engine_index: int) -> None:
         """Replica ``engine_index`` was replaced by a new core, whose totals start at zero:

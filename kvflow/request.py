@@ -26,6 +26,19 @@ class RequestStatus(enum.Enum):
         self.finish_reason: str | None = value if self.is_finished else None
 
 
+class RequestTimes:
+    """When a request passed each phase (engine core clock, ``Scheduler.clock`` seconds;
+    None until it did): queued in the core, first scheduled, first and latest token."""
+
+    __slots__ = ("first_token", "last_token", "queued", "scheduled")
+
+    def __init__(self) -> None:
+        self.queued: float | None = None
+        self.scheduled: float | None = None
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+
+
 class SpecDecodeCounts:
     """A request's speculative-decoding record (counts since it started).
 
@@ -132,6 +145,7 @@ class Request:
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hits at first schedule; -1 = not yet known
         self.num_preemptions = 0
+        self.times = RequestTimes()  # vLLM's phases, for /metrics
         self.block_hashes: list[int] = []  # hash chain over this request's full blocks
         # kvflow.structured.manager.RequestStructuredOutput when the output is constrained
         self.structured_output = None

@@ -198,8 +198,9 @@ def test_async_llm_metrics_of_one_request(tiny_llama):
     """Through the engine core process: the context (256 tokens asked, capped to the 252 the
     63 usable 4-token KV blocks hold) ends the length histograms' boundaries (1-2-5 up to
     200); one request of a 6-token prompt and 3 tokens gives 3 steps of 6 + 1, 1 and 1
-    tokens (iteration_tokens_total), 6 prompt tokens, one TTFT, 2 inter-token latencies, and
-    leaves nothing running or waiting and no KV block in use."""
+    tokens (iteration_tokens_total), 6 prompt tokens, one TTFT, 2 inter-token latencies, one
+    request in each phase histogram (queue, prefill, decode, inference; no preemption, 6
+    prompt tokens computed), and leaves nothing running or waiting and no KV block in use."""
     import asyncio
 
     from kvflow.config import EngineConfig
@@ -235,6 +236,10 @@ def test_async_llm_metrics_of_one_request(tiny_llama):
     assert got["kvflow:inter_token_latency_seconds_count"] == 2
     assert got["kvflow:num_requests_running"] == got["kvflow:num_requests_waiting"] == 0
     assert got["kvflow:kv_cache_usage_perc"] == 0
+    for phase in ("queue", "prefill", "decode", "inference"):  # vLLM's, for the one request
+        assert got[f"kvflow:request_{phase}_time_seconds_count"] == 1
+    assert got["kvflow:request_num_preemptions_sum"] == 0
+    assert got["kvflow:request_prefill_kv_computed_tokens_sum"] == 6
 
 
 def test_iteration_tokens_observed_per_step_and_replica():
@@ -299,3 +304,30 @@ def test_spec_decode_counters_exist_from_start_up():
                    ("kvflow:spec_decode_num_accepted_tokens_total", "0", None): 0,
                    **{("kvflow:spec_decode_num_accepted_tokens_per_pos_total", "0", str(p)): 0
                       for p in range(3)}}
+
+
+def test_finished_request_phases_observed_per_replica():
+    """The finished requests a replica reports are observed into vLLM's phase histograms
+    (vLLM's e2e boundaries 0.3 ... 7680 s), preemption counts (1, 2, 3, 4, 5, 10, 20) and
+    computed prompt tokens (the length boundaries), under the replica's ``engine`` label."""
+    from kvflow.engine_outputs import EngineStats, FinishedRequestStats
+
+    metrics = ServerMetrics("m", max_model_len=100)
+    metrics.record_engine_stats(EngineStats(finished_requests=[
+        FinishedRequestStats(0.1, 0.4, 2.0, 2.4, 0, 12),
+        FinishedRequestStats(1.0, 0.2, 3.0, 3.2, 2, 30)]), 1)
+    got = {(s.name, s.labels.get("le")): s.value
+           for fam in text_string_to_metric_families(metrics.render().decode())
+           for s in fam.samples if s.labels.get("engine") == "1"}
+    for phase, values in (("queue", (0.1, 1.0)), ("prefill", (0.4, 0.2)),
+                          ("decode", (2.0, 3.0)), ("inference", (2.4, 3.2))):
+        name = f"kvflow:request_{phase}_time_seconds"
+        assert got[(f"{name}_count", None)] == 2
+        assert abs(got[(f"{name}_sum", None)] - sum(values)) < 1e-9
+        assert got[(f"{name}_bucket", "0.3")] == sum(v <= 0.3 for v in values)
+    assert got[("kvflow:request_num_preemptions_sum", None)] == 2
+    assert got[("kvflow:request_num_preemptions_bucket", "1.0")] == 1
+    assert got[("kvflow:request_prefill_kv_computed_tokens_sum", None)] == 42
+    assert got[("kvflow:request_prefill_kv_computed_tokens_bucket", "20.0")] == 1
+    assert _bounds(metrics, "kvflow:request_prefill_kv_computed_tokens") == \
+        [1, 2, 5, 10, 20, 50, 100]

@@ -105,6 +105,8 @@ def _allocate_admitted(sched: Scheduler, request: Request, budget: int,
     if request.num_cached_tokens < 0:  # its first admission: counted once (as vLLM, loaded
         request.num_cached_tokens = num_computed  # tokens too; the hit rate counts local hits)
         sched.kv.count_prefix_query(request, num_hit_tokens)
+    if request.times.scheduled is None:
+        request.times.scheduled = sched.clock()
     return num_new
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvflow.engine_outputs import EngineCoreOutput
+from kvflow.engine_outputs import EngineCoreOutput, FinishedRequestStats
 from kvflow.request import Request, RequestStatus
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sched_output import SchedulerOutput
@@ -47,7 +47,9 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
             request.num_output_placeholders -= 1  # async scheduling: it has arrived
         if pooled and rid in pooled and request is not None and \
                 not request.status.is_finished:
+            request.times.first_token = request.times.last_token = now
             outputs.append(_finish_pooled(sched, request, pooled[rid]))
+            sched.finished_stats.append(_finished_stats(request, now))
             num_iteration_tokens += _num_prompt_computed(request)
             continue
         if token_ids is None or request is None or request.status.is_finished:
@@ -63,9 +65,12 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
             new_token_ids = append_tokens(request, token_ids)
         if slos:
             planner.on_tokens(rid, len(new_token_ids), now)
-        num_iteration_tokens += len(new_token_ids)
-        if new_token_ids and request.num_output_tokens == len(new_token_ids):  # its first
-            num_iteration_tokens += _num_prompt_computed(request)
+        if new_token_ids:
+            num_iteration_tokens += len(new_token_ids)
+            if request.times.first_token is None:  # its first tokens: prefill completed
+                num_iteration_tokens += _num_prompt_computed(request)
+                request.times.first_token = now
+            request.times.last_token = now
         logprobs = all_logprobs.get(rid) if all_logprobs and new_token_ids else None
         status = request.status
         outputs.append(EngineCoreOutput(
@@ -76,10 +81,23 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
         if status.is_finished:
             _dequeue(sched, request)
             sched._free(request)
+            sched.finished_stats.append(_finished_stats(request, now))
         elif num_drafts:
             _free_rejected_blocks(sched, request)
     sched.iteration_tokens.append(num_iteration_tokens)
     return outputs
+
+
+def _finished_stats(request: Request, now: float) -> FinishedRequestStats:
+    """vLLM's phase times of a request finishing ``now`` (a phase it never reached: 0)."""
+    t = request.times
+    queued = t.queued if t.queued is not None else now
+    scheduled = t.scheduled if t.scheduled is not None else queued
+    first = t.first_token if t.first_token is not None else now
+    last = t.last_token if t.last_token is not None else first
+    return FinishedRequestStats(scheduled - queued, first - scheduled, last - first,
+                                last - scheduled, request.num_preemptions,
+                                _num_prompt_computed(request))
 
 
 def _num_prompt_computed(request: Request) -> int:

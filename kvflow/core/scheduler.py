@@ -56,7 +56,7 @@ from kvflow.core.sched_running import schedule_running
 from kvflow.core.sched_update import discard_failed_steps, update_from_output
 from kvflow.core.slo_planner import NotedStep, SLOPlanner
 from kvflow.distributed.kv_transfer import KVConnectorScheduler
-from kvflow.engine_outputs import EngineCoreOutput
+from kvflow.engine_outputs import EngineCoreOutput, FinishedRequestStats
 from kvflow.request import Request, RequestStatus
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sched_output import SchedulerOutput
@@ -121,6 +121,8 @@ class Scheduler:
         # (not prefix-cache hits) of each request whose prefill completed there (in that step,
         # whatever earlier chunks computed). Bounded: an engine nobody reads keeps the last.
         self.iteration_tokens: deque[int] = deque(maxlen=_MAX_ITERATION_TOKENS)
+        # the phases of the requests that finished since ``take_finished_stats`` (bounded too)
+        self.finished_stats: deque[FinishedRequestStats] = deque(maxlen=_MAX_ITERATION_TOKENS)
         # Several steps in flight (pipeline parallelism; the engine core sets this): request
         # id -> its scheduled steps not yet returned.
         self.track_in_flight = False
@@ -156,6 +158,7 @@ class Scheduler:
         if not self.running and not self.waiting:
             self._idle_arrival = self.clock()
         self.requests[request.request_id] = request
+        request.times.queued = self.clock()
         self.planner.add(request)
         self.waiting.open(request)
         self.waiting.add(request)
@@ -331,6 +334,13 @@ class Scheduler:
         logprobs a step computed are kept on the request and reported with its first token.
         """
         return update_from_output(self, sched_out, runner_output)
+
+    def take_finished_stats(self) -> list[FinishedRequestStats]:
+        """The phases of the requests that finished (stop, length, pooled) since the last
+        call, oldest first; forgets them."""
+        out = list(self.finished_stats)
+        self.finished_stats.clear()
+        return out
 
     def take_iteration_tokens(self) -> list[int]:
         """The tokens of each step since the last call (see ``iteration_tokens``), oldest

@@ -212,6 +212,7 @@ def collect_stats(core: EngineCore) -> EngineStats:
     stats.step_time_abs_error_s = model.mean_abs_error
     stats.step_time_rel_error = model.mean_rel_error
     stats.iteration_tokens = sched.take_iteration_tokens()
+    stats.finished_requests = sched.take_finished_stats()
     if sched.max_loras is not None:  # LoRA enabled
         stats.running_lora_adapters = _adapter_names(sched.running)
         stats.waiting_lora_adapters = _adapter_names(  # the queue's, without sorting it

@@ -55,3 +55,45 @@ def test_iteration_tokens_count_as_vllms(make_scheduler, make_driver, make_reque
     drv.run()
     assert drv.results["b"].num_cached_tokens == 8
     assert sched.take_iteration_tokens() == [3 + 1, 1]
+
+
+def test_finished_request_phases_as_vllms(make_scheduler, make_driver, make_request):
+    """vLLM's phases on the scheduler's clock, each step at its own time: a (10-token prompt,
+    3 tokens) and b (4-token prompt, 2 tokens) queued at t=1; budget 8 a step. t=2: a's first
+    8 tokens; t=3: a's last 2 (its first token) and b's 4 (its first token); t=5: a's and b's
+    second tokens (b done); t=6: a's third (done). a: queue 1, prefill 1, decode 3, inference
+    4; b: queue 2, prefill 0, decode 2, inference 2; no preemption, no cached token."""
+    sched = make_scheduler(max_num_batched_tokens=8)
+    now = [1.0]
+    sched.clock = lambda: now[0]
+    drv = make_driver(sched)
+    drv.add(make_request("a", list(range(2, 12)), max_tokens=3, ignore_eos=True))
+    drv.add(make_request("b", list(range(20, 24)), max_tokens=2, ignore_eos=True))
+    for t in (2.0, 3.0, 5.0, 6.0):
+        now[0] = t
+        drv.step()
+    assert not sched.has_unfinished_requests()
+    got = [(f.queue_time_s, f.prefill_time_s, f.decode_time_s, f.inference_time_s,
+            f.num_preemptions, f.num_prefill_computed_tokens)
+           for f in sched.take_finished_stats()]
+    assert got == [(2.0, 0.0, 2.0, 2.0, 0, 4), (1.0, 1.0, 3.0, 4.0, 0, 10)]  # b, then a
+    assert sched.take_finished_stats() == []
+
+
+def test_finished_requests_count_their_preemptions(make_scheduler, make_driver, make_request):
+    """5 usable blocks of 4 tokens for two 8-token prompts growing to 16 tokens each: b (the
+    newest) is preempted, so the finished requests' preemption counts add up to the
+    scheduler's, b's at least 1, a's 0; b's readmission finds its blocks cached, its
+    computed prompt tokens are still those of its first admission (8)."""
+    sched = make_scheduler(num_blocks=6, max_num_batched_tokens=64)
+    drv = make_driver(sched)
+    drv.add(make_request("a", list(range(2, 10)), max_tokens=8, ignore_eos=True))
+    drv.add(make_request("b", list(range(30, 38)), max_tokens=8, ignore_eos=True))
+    drv.run()
+    finish_order = [out.request_id for step in drv.steps for out in step.outputs
+                    if out.finish_reason]
+    finished = dict(zip(finish_order, sched.take_finished_stats(), strict=True))
+    assert sched.num_preemptions > 0
+    assert finished["a"].num_preemptions == 0
+    assert finished["b"].num_preemptions == sched.num_preemptions
+    assert [f.num_prefill_computed_tokens for f in finished.values()] == [8, 8]
