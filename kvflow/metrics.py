@@ -14,7 +14,9 @@ Two sources feed them:
   weight bytes and KV bytes per token as gauges; preemptions and prefix-cache queries/hits (tokens) as counters;
   the tokens of each engine step (vLLM's ``iteration_tokens_total`` histogram);
   the phases of each request the engine finishes (vLLM's queue / prefill / decode /
-  inference times, preemptions and computed prompt tokens, histograms);
+  inference times, preemptions and computed prompt tokens, histograms; a sample ended by a
+  stop string too: the API stops it with ``AbortRequests(stopped=True)``, a client's abort is
+  not one, as in vLLM);
   with LoRA enabled, the adapters running and waiting (vLLM's ``lora_requests_info``);
   speculative decoding's drafts, draft tokens and accepted tokens (in total and by position) as
   counters, and the acceptance rate and mean acceptance length since start-up as gauges;

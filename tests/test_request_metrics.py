@@ -331,3 +331,52 @@ def test_finished_request_phases_observed_per_replica():
     assert got[("kvflow:request_prefill_kv_computed_tokens_bucket", "20.0")] == 1
     assert _bounds(metrics, "kvflow:request_prefill_kv_computed_tokens") == \
         [1, 2, 5, 10, 20, 50, 100]
+
+
+def test_a_stop_string_finish_counts_in_the_phase_histograms(tiny_llama):
+    """A sample ended by a stop string (matched in the API process, then stopped in the
+    core) is a finished request in vLLM's phase histograms, as one the core finishes (was:
+    stopped as an abort, so missing from them). The stop string is a later token's text of
+    the greedy output, taken from a first run without it."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from kvflow.config import EngineConfig
+    from kvflow.engine.async_llm import AsyncLLM
+    from kvflow.sampling_params import SamplingParams
+
+    ids = AutoTokenizer.from_pretrained(tiny_llama.path).encode("prefix caching reuses them,")
+    engine = AsyncLLM(EngineConfig.from_kwargs(model=tiny_llama.path, dtype="float32",
+                                               num_kv_blocks=64, block_size=4))
+
+    def count(name: str) -> float:
+        return next(s.value for f in text_string_to_metric_families(
+            engine.metrics.render().decode()) for s in f.samples if s.name == name)
+
+    async def run() -> tuple[list, list, float]:
+        await engine.start()
+        try:
+            greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+            first = [o.outputs[0] async for o in engine.add_request("a", None, ids, greedy)]
+            texts = [c.text for c in first]
+            k = next(i for i, t in enumerate(texts) if i and t.isprintable() and t.strip()
+                     and t not in "".join(texts[:i]))
+            before = count("kvflow:request_decode_time_seconds_count")
+            stop = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=[texts[k]])
+            second = [o.outputs[0] async for o in engine.add_request("b", None, ids, stop)]
+            for _ in range(100):  # the core stops it after the API saw the stop string
+                await asyncio.sleep(0.02)
+                if count("kvflow:request_decode_time_seconds_count") > before:
+                    break
+            return second, k, before
+        finally:
+            await engine.shutdown()
+
+    try:
+        second, k, before = asyncio.run(run())
+    finally:
+        engine.close()
+    assert second[-1].finish_reason == "stop"
+    assert sum(len(c.token_ids) for c in second) == k + 1
+    assert count("kvflow:request_decode_time_seconds_count") == before + 1 == 2

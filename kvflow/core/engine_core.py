@@ -197,9 +197,13 @@ class EngineCore(EngineCoreStartup):
         seconds after which to retry (see ``Scheduler.admission_verdict``)."""
         return self.scheduler.admission_verdict(requests[0])
 
-    def abort_requests(self, request_ids: list[str]) -> None:
-        """Stop requests now and free their KV blocks (unknown ids are ignored)."""
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+    def abort_requests(self, request_ids: list[str], stopped: bool = False) -> None:
+        """Stop requests now and free their KV blocks (unknown ids are ignored).
+        ``stopped``: a stop string ended them (the output processor matched it): they
+        finish as stopped, their phases recorded for the metrics, not as aborted."""
+        self.scheduler.finish_requests(
+            request_ids, RequestStatus.FINISHED_STOPPED if stopped
+            else RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         """Whether a request is unfinished or outputs wait for the next ``step``."""

@@ -49,7 +49,7 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
                 not request.status.is_finished:
             request.times.first_token = request.times.last_token = now
             outputs.append(_finish_pooled(sched, request, pooled[rid]))
-            sched.finished_stats.append(_finished_stats(request, now))
+            sched.finished_stats.append(finished_request_stats(request, now))
             num_iteration_tokens += _num_prompt_computed(request)
             continue
         if token_ids is None or request is None or request.status.is_finished:
@@ -81,14 +81,14 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
         if status.is_finished:
             _dequeue(sched, request)
             sched._free(request)
-            sched.finished_stats.append(_finished_stats(request, now))
+            sched.finished_stats.append(finished_request_stats(request, now))
         elif num_drafts:
             _free_rejected_blocks(sched, request)
     sched.iteration_tokens.append(num_iteration_tokens)
     return outputs
 
 
-def _finished_stats(request: Request, now: float) -> FinishedRequestStats:
+def finished_request_stats(request: Request, now: float) -> FinishedRequestStats:
     """vLLM's phase times of a request finishing ``now`` (a phase it never reached: 0)."""
     t = request.times
     queued = t.queued if t.queued is not None else now

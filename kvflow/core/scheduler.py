@@ -53,7 +53,11 @@ from kvflow.core.kv_swap import SwapManager
 from kvflow.core.sched_admission import admit_waiting
 from kvflow.core.sched_policy import make_policy, make_waiting_queue
 from kvflow.core.sched_running import schedule_running
-from kvflow.core.sched_update import discard_failed_steps, update_from_output
+from kvflow.core.sched_update import (
+    discard_failed_steps,
+    finished_request_stats,
+    update_from_output,
+)
 from kvflow.core.slo_planner import NotedStep, SLOPlanner
 from kvflow.distributed.kv_transfer import KVConnectorScheduler
 from kvflow.engine_outputs import EngineCoreOutput, FinishedRequestStats
@@ -164,7 +168,9 @@ class Scheduler:
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
-        """Stop requests (abort or stop string): free their blocks now. Unknown ids are ignored."""
+        """Stop requests (abort or stop string): free their blocks now. Unknown ids are ignored.
+        One a stop string ended (``FINISHED_STOPPED``) after its first token finished: its
+        phases go to ``finished_stats`` (an aborted one's do not, as in vLLM)."""
         for rid in request_ids:
             request = self.requests.get(rid)
             if request is None:
@@ -175,6 +181,8 @@ class Scheduler:
                 self.waiting.remove(request)
             request.status = status
             self._free(request)
+            if status is RequestStatus.FINISHED_STOPPED and request.times.first_token is not None:
+                self.finished_stats.append(finished_request_stats(request, self.clock()))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

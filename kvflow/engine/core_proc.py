@@ -283,7 +283,7 @@ class EngineCoreProc:
 
     def _apply(self, msg: AddRequests | AbortRequests | UtilityCall) -> None:
         if isinstance(msg, AbortRequests):
-            self.core.abort_requests(msg.request_ids)
+            self.core.abort_requests(msg.request_ids, stopped=msg.stopped)
             return
         if not isinstance(msg, AddRequests):
             self._call(msg)

@@ -101,8 +101,9 @@ class DPCoreClient:
             AddRequests([EngineCoreRequest.from_request(r) for r in requests])))
         return replica
 
-    def abort_requests(self, request_ids: list[str]) -> None:
-        """Stop these samples on their replicas (unknown or finished ids are ignored)."""
+    def abort_requests(self, request_ids: list[str], stopped: bool = False) -> None:
+        """Stop these samples on their replicas (unknown or finished ids are ignored);
+        ``stopped``: stop strings ended them (``EngineCore.abort_requests``)."""
         by_replica: dict[int, list[str]] = collections.defaultdict(list)
         for rid in request_ids:
             replica = self.balancer.replica_of(rid)
@@ -111,7 +112,7 @@ class DPCoreClient:
                 self.balancer.finish(rid)
         for replica, ids in by_replica.items():
             if self.cores[replica].is_live:
-                self.cores[replica].send(self.replicas.encoder.encode(AbortRequests(ids)))
+                self.cores[replica].send(self.replicas.encoder.encode(AbortRequests(ids, stopped)))
 
     def has_unfinished_requests(self) -> bool:
         """Whether any sample sent to a replica has not finished."""

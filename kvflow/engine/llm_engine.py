@@ -205,7 +205,7 @@ class LLMEngine:
             self.abort_request(parent)
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
-            self.core.abort_requests(stopped)
+            self.core.abort_requests(stopped, stopped=True)
         if refused:
             parent, message = refused[0]
             error = RequestRefused(message, parent)

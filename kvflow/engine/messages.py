@@ -68,9 +68,11 @@ class AddRequests(msgspec.Struct, tag="add"):
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
-    """Sample ids to stop now; their KV blocks are freed before the next step."""
+    """Sample ids to stop now; their KV blocks are freed before the next step. ``stopped``:
+    stop strings ended them (a finish, counted in the metrics as vLLM does), not a client."""
 
     request_ids: list[str]
+    stopped: bool = False
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):

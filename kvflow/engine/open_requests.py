@@ -95,17 +95,16 @@ class OpenRequests:
             stream.put(last)
         return sample_ids, replica
 
-    def deliver(self, msg: EngineOutputs) -> list[str]:
-        """Detokenize a core's outputs and put them on their streams; returns the sample
-        ids that stop strings finished or whose request the core refused (an output with
-        ``error``: its stream ends with ``RequestRefused``), to abort on that core, freeing
-        their KV blocks."""
+    def deliver(self, msg: EngineOutputs) -> tuple[list[str], list[str]]:
+        """Detokenize a core's outputs and put them on their streams; returns, to stop on
+        that core (freeing their KV blocks), the sample ids that stop strings finished and
+        those of the requests the core refused (an output with ``error``: its stream ends
+        with ``RequestRefused``)."""
         refused = [eco for eco in msg.outputs if eco.error is not None]
         others = []
         for eco in refused:
             others += self._refuse(eco.request_id, eco.error, eco.retry_after_s)
         outputs, stopped = self.output_processor.process(msg.outputs)
-        stopped += others
         now = time.monotonic()
         for out in outputs:
             self.tracker.observe(out, now)
@@ -128,7 +127,7 @@ class OpenRequests:
                 stream.put(_snapshot(out))
             elif kind is None:
                 stream.put(out)
-        return stopped
+        return stopped, others
 
     def _refuse(self, sample_id: str, message: str,
                 retry_after_s: float | None = None) -> list[str]:

@@ -141,6 +141,8 @@ class OutputLoop:
     def _handle_outputs(self, msg: EngineOutputs) -> None:
         self.stats[msg.engine_index] = msg.stats
         self.metrics.record_engine_stats(msg.stats, msg.engine_index)
-        stopped = self.requests.deliver(msg)
+        stopped, refused = self.requests.deliver(msg)
         if stopped:  # stop strings matched: free their KV blocks now
-            self.replicas.send(msg.engine_index, AbortRequests(stopped))
+            self.replicas.send(msg.engine_index, AbortRequests(stopped, stopped=True))
+        if refused:  # the other samples of requests the core refused
+            self.replicas.send(msg.engine_index, AbortRequests(refused))

@@ -97,3 +97,28 @@ def test_finished_requests_count_their_preemptions(make_scheduler, make_driver, 
     assert finished["a"].num_preemptions == 0
     assert finished["b"].num_preemptions == sched.num_preemptions
     assert [f.num_prefill_computed_tokens for f in finished.values()] == [8, 8]
+
+
+def test_a_stop_string_finish_records_its_phases(make_scheduler, make_driver, make_request):
+    """The API process matched a stop string and stops the sample (``FINISHED_STOPPED``):
+    a finished request for vLLM's phase metrics, once it had a token; a client's abort
+    (``FINISHED_ABORTED``), or a stop before any token, is not."""
+    from kvflow.request import RequestStatus
+
+    sched = make_scheduler()
+    now = [1.0]
+    sched.clock = lambda: now[0]
+    drv = make_driver(sched)
+    for rid in ("stopped", "aborted"):
+        drv.add(make_request(rid, [2, 3, 4], max_tokens=8, ignore_eos=True))
+    now[0] = 2.0
+    drv.step()  # both prefilled: first tokens at t=2
+    now[0] = 4.0
+    drv.step()
+    drv.add(make_request("unscheduled", [5, 6, 7], max_tokens=8, ignore_eos=True))
+    now[0] = 5.0
+    sched.finish_requests(["stopped", "unscheduled"], RequestStatus.FINISHED_STOPPED)
+    sched.finish_requests(["aborted"], RequestStatus.FINISHED_ABORTED)
+    (stats,) = sched.take_finished_stats()
+    assert (stats.queue_time_s, stats.prefill_time_s, stats.decode_time_s,
+            stats.inference_time_s) == (1.0, 0.0, 2.0, 2.0)
