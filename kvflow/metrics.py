@@ -3,7 +3,7 @@
 Two sources feed them:
 
 * per-request timings and lengths, observed in the API process as outputs arrive
-  (``RequestStatsTracker``): TTFT, inter-token latency, time per output token (mean per
+  (``kvflow/request_stats.py``): TTFT, inter-token latency, time per output token (mean per
   sample), end-to-end latency, prompt and generation lengths, token counters and finished
   requests by ``finished_reason``. As in vLLM, where each of a request's ``n`` samples is a
   request of its own, all of them are per sample: a request with ``n=2`` has two TTFTs, its
@@ -33,37 +33,18 @@ replicas). The per-request series are observed in the API process over all repli
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvflow.engine_outputs import EngineStats
-from kvflow.outputs import RequestOutput
-
-# vLLM 0.32's default boundaries (vllm/v1/metrics/buckets.py), so that dashboards reading
-# ``le`` values made for vLLM read these unchanged
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0)  # inter-token latency and time per output token
-_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-_ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-_REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
-_DEFAULT_MAX_MODEL_LEN = 50000  # token buckets until set_max_model_len is told the real one
-
-
-def token_buckets(max_model_len: int) -> tuple[int, ...]:
-    """vLLM's token-count boundaries: 1, 2, 5, 10, 20, 50, ... up to ``max_model_len``
-    (tokens) inclusive."""
-    out, scale = [], 1
-    while True:
-        for mantissa in (1, 2, 5):
-            if mantissa * scale > max_model_len:
-                return tuple(out)
-            out.append(mantissa * scale)
-        scale *= 10
-
+from kvflow.metrics_buckets import (
+    DEFAULT_MAX_MODEL_LEN,
+    ITERATION_TOKENS_BUCKETS,
+    ITL_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    REQUEST_NUM_PREEMPTIONS_BUCKETS,
+    TTFT_BUCKETS,
+    token_buckets,
+)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS = ("stop", "length", "abort")
@@ -85,7 +66,7 @@ class ServerMetrics:
         self._init_request_metrics()
         self._token_families: tuple[Histogram, ...] = ()
         self._token_buckets: tuple[int, ...] = ()
-        self._init_token_histograms(max_model_len or _DEFAULT_MAX_MODEL_LEN)
+        self._init_token_histograms(max_model_len or DEFAULT_MAX_MODEL_LEN)
         self._init_engine_metrics()
         self.lora_info: Gauge | None = None  # enable_lora_info makes it
         self.max_loras = 0
@@ -100,16 +81,16 @@ class ServerMetrics:
         h = Histogram
         self.ttft = self._labelled(h, "kvflow:time_to_first_token_seconds",
                                    "Time to first token, per sample (s)",
-                                   buckets=_TTFT_BUCKETS)
+                                   buckets=TTFT_BUCKETS)
         self.itl = self._labelled(h, "kvflow:inter_token_latency_seconds",
                                   "Time between consecutive output tokens (s)",
-                                  buckets=_ITL_BUCKETS)
+                                  buckets=ITL_BUCKETS)
         self.e2e = self._labelled(h, "kvflow:e2e_request_latency_seconds",
-                                  "Arrival to last token (s)", buckets=_REQUEST_LATENCY_BUCKETS)
+                                  "Arrival to last token (s)", buckets=REQUEST_LATENCY_BUCKETS)
         self.tpot = self._labelled(h, "kvflow:request_time_per_output_token_seconds",
                                    "Per finished sample of 2+ tokens: first to last token over "
                                    "the tokens after the first (s; the TPOT of "
-                                   "--target-tpot-ms)", buckets=_ITL_BUCKETS)
+                                   "--target-tpot-ms)", buckets=ITL_BUCKETS)
         self.prompt_tokens = self._labelled(Counter, "kvflow:prompt_tokens",
                                             "Prompt tokens of samples that started generating "
                                             "(a prompt once per sample)")
@@ -126,14 +107,14 @@ class ServerMetrics:
         h, e = Histogram, ("engine",)
         self.queue_time, self.prefill_time, self.decode_time, self.inference_time = (
             self._labelled(h, f"kvflow:request_{phase}_time_seconds", doc, e,
-                           buckets=_REQUEST_LATENCY_BUCKETS) for phase, doc in (
+                           buckets=REQUEST_LATENCY_BUCKETS) for phase, doc in (
                 ("queue", "Queued in the engine until first scheduled (s)"),
                 ("prefill", "First scheduled until the first token (s)"),
                 ("decode", "First token until the last token (s)"),
                 ("inference", "First scheduled until the last token (s)")))
         self.request_preemptions = self._labelled(
             h, "kvflow:request_num_preemptions", "Times a finished request was preempted", e,
-            buckets=_REQUEST_NUM_PREEMPTIONS_BUCKETS)
+            buckets=REQUEST_NUM_PREEMPTIONS_BUCKETS)
 
     def _init_token_histograms(self, max_model_len: int) -> None:
         """The prompt and generation length histograms, with vLLM's boundaries up to
@@ -199,7 +180,7 @@ class ServerMetrics:
             Histogram, "kvflow:iteration_tokens_total",
             "Tokens per engine step: generated tokens plus the computed prompt tokens of the "
             "requests whose prefill completed in it (vLLM's)", e,
-            buckets=_ITERATION_TOKENS_BUCKETS)
+            buckets=ITERATION_TOKENS_BUCKETS)
         self._init_phase_histograms()
         self.preemptions = self._labelled(c, "kvflow:num_preemptions",
                                           "Requests preempted (recomputed or swapped out, "
@@ -347,99 +328,3 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
-
-
-@dataclass
-class _RequestTimes:
-    arrival_time: float
-    num_prompt_tokens: int
-    num_samples: int
-    cumulative: bool = False  # outputs hold every token so far (CUMULATIVE / FINAL_ONLY)
-    started: bool = False
-    first_token_time: dict[int, float] = field(default_factory=dict)  # sample index -> time
-    last_token_time: dict[int, float] = field(default_factory=dict)  # sample index -> time
-    num_tokens: dict[int, int] = field(default_factory=dict)
-    finished: set[int] = field(default_factory=set)
-
-
-class RequestStatsTracker:
-    """Turns the stream of delta RequestOutputs into per-request observations.
-
-    Call ``start`` when a request is accepted, ``observe`` for each of its outputs and
-    ``abort`` if it is cancelled. Times are ``time.monotonic()`` seconds.
-    """
-
-    def __init__(self, metrics: ServerMetrics) -> None:
-        self.metrics = metrics
-        self._requests: dict[str, _RequestTimes] = {}
-
-    def start(self, request_id: str, arrival_time: float, num_prompt_tokens: int,
-              num_samples: int, cumulative: bool = False) -> None:
-        """Open a request of ``num_samples`` samples. ``cumulative``: its outputs hold each
-        sample's tokens so far (``RequestOutputKind`` CUMULATIVE or FINAL_ONLY), not the new
-        ones alone (delta outputs, the default)."""
-        self._requests[request_id] = _RequestTimes(arrival_time, num_prompt_tokens, num_samples,
-                                                   cumulative)
-
-    def observe(self, output: RequestOutput, now: float) -> None:
-        """Record one output of the request: a delta one (only the samples that changed, with
-        their new tokens) or, for a request started ``cumulative``, every sample so far."""
-        times = self._requests.get(output.request_id)
-        if times is None:
-            return
-        pooled = not isinstance(output.outputs, list)
-        if pooled:  # an embedding: its vector is its first output; finished, no tokens
-            if not times.started:
-                times.started = True
-                self._first_output(times, now)
-            self._observe_sample(times, 0, 0, "stop" if output.finished else None, now)
-        for sample in output.outputs if isinstance(output.outputs, list) else ():
-            num_new = len(sample.token_ids)
-            if times.cumulative:  # never below 0: a counter cannot go down
-                num_new = max(num_new - times.num_tokens.get(sample.index, 0), 0)
-            self._observe_sample(times, sample.index, num_new, sample.finish_reason, now)
-        if len(times.finished) == times.num_samples:
-            del self._requests[output.request_id]
-
-    def _first_output(self, times: _RequestTimes, now: float) -> None:
-        """A sample's first token: its TTFT and its prompt's tokens (vLLM counts both per
-        sample: each of ``n`` samples is a request of its own there)."""
-        self.metrics.ttft.observe(now - times.arrival_time)
-        self.metrics.prompt_tokens.inc(times.num_prompt_tokens)
-
-    def _observe_sample(self, times: _RequestTimes, index: int, num_new: int,
-                        finish_reason: str | None, now: float) -> None:
-        m = self.metrics
-        if num_new:
-            if index in times.last_token_time:
-                m.itl.observe(now - times.last_token_time[index])
-            else:
-                self._first_output(times, now)
-            times.first_token_time.setdefault(index, now)
-            times.last_token_time[index] = now
-            times.num_tokens[index] = times.num_tokens.get(index, 0) + num_new
-            m.generation_tokens.inc(num_new)
-        if finish_reason is not None and index not in times.finished:
-            times.finished.add(index)
-            num_tokens = times.num_tokens.get(index, 0)
-            m.e2e.observe(now - times.arrival_time)
-            m.prompt_len.observe(times.num_prompt_tokens)
-            m.gen_len.observe(num_tokens)
-            if num_tokens > 1:
-                m.tpot.observe((times.last_token_time[index] - times.first_token_time[index])
-                               / (num_tokens - 1))
-            m.request_success.labels(m.model_name, finish_reason).inc()
-
-    def forget(self, request_id: str) -> None:
-        """Drop a request that never ran (refused by admission control, or by the engine core
-        before scheduling it: the client got an error): nothing recorded."""
-        self._requests.pop(request_id, None)
-
-    def abort(self, request_id: str) -> None:
-        """Count the request's unfinished samples as finished with reason ``abort``."""
-        times = self._requests.pop(request_id, None)
-        if times is None:
-            return
-        unfinished = times.num_samples - len(times.finished)
-        if unfinished:
-            self.metrics.request_success.labels(self.metrics.model_name, "abort").inc(unfinished)

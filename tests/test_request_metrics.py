@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvflow.metrics import RequestStatsTracker, ServerMetrics
+from kvflow.metrics import ServerMetrics
 from kvflow.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvflow.request_stats import RequestStatsTracker
 from kvflow.sampling_params import RequestOutputKind
 
 

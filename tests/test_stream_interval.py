@@ -17,8 +17,9 @@ from kvflow.engine.open_requests import OpenRequests
 from kvflow.engine_outputs import EngineCoreOutput, EngineStats
 from kvflow.entrypoints.cli import build_parser
 from kvflow.input_processor import InputProcessor
-from kvflow.metrics import RequestStatsTracker, ServerMetrics
+from kvflow.metrics import ServerMetrics
 from kvflow.output_processor import OutputProcessor
+from kvflow.request_stats import RequestStatsTracker
 from kvflow.sampling_params import SamplingParams
 
 PROMPT = [5, 6, 7]

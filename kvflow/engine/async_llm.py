@@ -56,7 +56,7 @@ from kvflow.engine_outputs import EngineStats
 from kvflow.input_processor import InputProcessor
 from kvflow.logits_process import load_logits_processors
 from kvflow.lora.request import LoRARequest
-from kvflow.metrics import RequestStatsTracker, ServerMetrics
+from kvflow.metrics import ServerMetrics
 from kvflow.models.generation_config import load_eos_token_ids, load_sampling_defaults
 from kvflow.models.loader import load_hf_config, load_tokenizer, resolve_eos_token_id
 from kvflow.models.model_resolver import resolve_model
@@ -67,6 +67,7 @@ from kvflow.output_processor import OutputProcessor
 from kvflow.pooling_params import PoolingParams
 from kvflow.prompt_embeds import PromptEmbeds
 from kvflow.request import Request
+from kvflow.request_stats import RequestStatsTracker
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.draft_tokenizer import check_draft_tokenizer
 

@@ -15,10 +15,11 @@ from kvflow.engine.dp_balancer import DPLoadBalancer
 from kvflow.engine.messages import AdmissionVerdicts, EngineOutputs
 from kvflow.engine.stream_interval import StreamInterval
 from kvflow.engine.streams import AdmissionRejected, RequestRefused, RequestStream
-from kvflow.metrics import RequestStatsTracker, ServerMetrics
+from kvflow.metrics import ServerMetrics
 from kvflow.output_processor import OutputProcessor
 from kvflow.outputs import RequestOutput
 from kvflow.request import Request
+from kvflow.request_stats import RequestStatsTracker
 from kvflow.sampling_params import RequestOutputKind
 
 
