@@ -122,3 +122,21 @@ def test_max_num_queued_reqs(server):
     assert beside.status_code == 503, beside.text
     assert "sequences in flight: 1, this request's: 2" in beside.json()["error"]["message"]
     assert complete(2).status_code == 200  # the stream has ended: room again
+
+
+def test_metrics_stay_on_with_disable_log_stats(server):
+    """vLLM's ``--disable-log-stats`` turns off its periodic stats log line, not /metrics:
+    a 4-token completion moves the counters (4 generated tokens, one sample finished by
+    length, 3 inter-token latencies: the metrics see every step whatever
+    ``--stream-interval 3`` streams)."""
+    before = server.metrics()
+    _post(server, "/v1/completions", {"prompt": "the quick brown", "max_tokens": 4,
+                                      "stream": True})
+    after = server.metrics()
+
+    def grew(name: str, **labels: str) -> float:
+        return server.value(after, name, **labels) - server.value(before, name, **labels)
+
+    assert grew("kvflow:generation_tokens_total") == 4
+    assert grew("kvflow:request_success_total", finished_reason="length") == 1
+    assert grew("kvflow:inter_token_latency_seconds_count") == 3
