@@ -18,6 +18,7 @@ Two sources feed them:
   stop string too: the API stops it with ``AbortRequests(stopped=True)``, a client's abort is
   not one, as in vLLM);
   with LoRA enabled, the adapters running and waiting (vLLM's ``lora_requests_info``);
+  each replica's sleep state (vLLM's ``engine_sleep_state``, set by ``AsyncLLM``);
   speculative decoding's drafts, draft tokens and accepted tokens (in total and by position) as
   counters, and the acceptance rate and mean acceptance length since start-up as gauges;
   the step-time model's mean absolute and relative error (gauges) and its predictions (counter);
@@ -206,6 +207,10 @@ class ServerMetrics:
         self.step_time_rel_error = self._labelled(
             g, "kvflow:step_time_model_rel_error",
             "Mean |predicted - measured| / measured step time over the recent window", e)
+        self.sleep_state = self._labelled(
+            g, "kvflow:engine_sleep_state", "Engine sleep state (vLLM's): awake = 1 while "
+            "awake; weights_offloaded = 1 asleep at level 1; discard_all = 1 asleep at level 2",
+            (*e, "sleep_state"))
         self.rejected = self._labelled(c, "kvflow:requests_rejected",
                                        "Requests refused by admission control (503) because "
                                        "their predicted TTFT exceeded the target")
@@ -288,6 +293,14 @@ class ServerMetrics:
                 series.observe(getattr(finished, field_name))
             preemptions.observe(finished.num_preemptions)
             computed.observe(finished.num_prefill_computed_tokens)
+
+    def record_sleep_state(self, engine_index: int, level: int | None) -> None:
+        """Replica ``engine_index`` is awake (``level`` None) or asleep at sleep ``level``
+        (1: weights offloaded, 2: weights discarded): vLLM's three series of it, 0 or 1."""
+        engine = str(engine_index)
+        for state, value in (("awake", level is None), ("weights_offloaded", level == 1),
+                             ("discard_all", level == 2)):
+            self.sleep_state.labels(self.model_name, engine, state).set(int(value))
 
     def reset_engine(self, engine_index: int) -> None:
         """Replica ``engine_index`` was replaced by a new core, whose totals start at zero:

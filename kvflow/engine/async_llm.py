@@ -174,6 +174,7 @@ class AsyncLLM(AsyncLLMCalls, AsyncLLMShutdown):
         self.stats[core.index] = ready.stats
         self.metrics.reset_engine(core.index)
         self.metrics.record_engine_stats(ready.stats, core.index)
+        self.metrics.record_sleep_state(core.index, self.sleep_state.level)
         self._restarts.ready(ready)
 
     def _init_processors(self, ready: EngineReady) -> None:

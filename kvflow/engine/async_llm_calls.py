@@ -21,7 +21,8 @@ from kvflow.lora.request import LoRARequest
 
 class AsyncLLMCalls:
     """The replica-wide calls of :class:`~kvflow.engine.async_llm.AsyncLLM`, which sets
-    ``replicas``, ``requests``, ``sleep_state``, ``_calls`` and ``is_healthy`` that these use."""
+    ``replicas``, ``requests``, ``sleep_state``, ``metrics``, ``num_replicas``, ``_calls`` and
+    ``is_healthy`` that these use."""
 
     # ---- LoRA adapters -----------------------------------------------------------------------
     async def add_lora(self, lora_request: LoRARequest) -> None:
@@ -70,6 +71,7 @@ class AsyncLLMCalls:
                              "or abort them)")
         await self._call(Sleep(0, level))
         self.sleep_state.record_sleep(level)
+        self._record_sleep_metrics()
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Wake ``tags`` ("weights", "kv_cache"; None: both) on every replica.
@@ -80,6 +82,13 @@ class AsyncLLMCalls:
         """
         await self._call(WakeUp(0, tags))
         self.sleep_state.record_wake_up(check_wake_tags(tags))
+        self._record_sleep_metrics()
+
+    def _record_sleep_metrics(self) -> None:
+        """/metrics' sleep state of every replica: asleep at the mirrored level until every
+        tag woke up (vLLM's ``engine_sleep_state``)."""
+        for index in range(self.num_replicas):
+            self.metrics.record_sleep_state(index, self.sleep_state.level)
 
     async def collective_rpc(self, method: str, args: list | None = None,
                              kwargs: dict | None = None) -> list:

@@ -66,11 +66,23 @@ def _assert_refused_asleep(server, words: str) -> None:
     assert error["code"] == "engine_sleeping" and words in error["message"], error
 
 
+def _sleep_state(server) -> dict[str, float]:
+    """vLLM's ``engine_sleep_state`` series on /metrics, by ``sleep_state`` label."""
+    metrics = server.metrics()
+    return {state: server.value(metrics, "kvflow:engine_sleep_state", sleep_state=state)
+            for state in ("awake", "weights_offloaded", "discard_all")}
+
+
 def test_level_1_sleep_and_wake_up(server, tiny_llama):
+    """/metrics' ``kvflow:engine_sleep_state`` follows, as vLLM's: awake, weights offloaded
+    while asleep at level 1 (half woken too), awake again once both tags woke."""
     expected = _hf_text(tiny_llama)
     assert not _sleeping(server) and _text(server) == expected
+    awake = {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
+    assert _sleep_state(server) == awake
     assert _post(server, "/sleep?level=1").status_code == 200
     assert _sleeping(server)
+    assert _sleep_state(server) == {"awake": 0, "weights_offloaded": 1, "discard_all": 0}
     _assert_refused_asleep(server, "wake_up")
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     assert _post(server, "/sleep").status_code == 200  # asleep already: a no-op
@@ -78,8 +90,10 @@ def test_level_1_sleep_and_wake_up(server, tiny_llama):
     assert kv == {"results": [0]}
     assert _post(server, "/wake_up?tags=weights").status_code == 200
     assert _sleeping(server)  # the KV cache still sleeps
+    assert _sleep_state(server)["awake"] == 0
     assert _post(server, "/wake_up?tags=kv_cache").status_code == 200
     assert not _sleeping(server)
+    assert _sleep_state(server) == awake
     assert _post(server, "/wake_up").status_code == 200  # awake: a no-op
     assert _post(server, "/collective_rpc",
                  json={"method": "kv_cache_bytes"}).json()["results"][0] > 0
@@ -89,6 +103,7 @@ def test_level_1_sleep_and_wake_up(server, tiny_llama):
 def test_level_2_needs_reload_weights(server, tiny_llama):
     expected = _hf_text(tiny_llama)
     assert _post(server, "/sleep", params={"level": 2}).status_code == 200
+    assert _sleep_state(server) == {"awake": 0, "weights_offloaded": 0, "discard_all": 1}
     assert _post(server, "/wake_up").status_code == 200
     assert not _sleeping(server)
     _assert_refused_asleep(server, "reload_weights")
