@@ -43,6 +43,7 @@ from kvflow.metrics_buckets import (
     ITL_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
     REQUEST_NUM_PREEMPTIONS_BUCKETS,
+    REQUEST_PARAMS_N_BUCKETS,
     TTFT_BUCKETS,
     token_buckets,
 )
@@ -95,6 +96,9 @@ class ServerMetrics:
         self.prompt_tokens = self._labelled(Counter, "kvflow:prompt_tokens",
                                             "Prompt tokens of samples that started generating "
                                             "(a prompt once per sample)")
+        self.params_n = self._labelled(h, "kvflow:request_params_n",
+                                       "The n parameter per finished request",
+                                       buckets=REQUEST_PARAMS_N_BUCKETS)
         self.generation_tokens = self._labelled(Counter, "kvflow:generation_tokens",
                                                 "Generated tokens")
         self.request_success = self._labelled(Counter, "kvflow:request_success",
@@ -128,14 +132,19 @@ class ServerMetrics:
                  "Prompt length per finished sample (tokens)"),
                 ("kvflow:request_generation_tokens", per_sample,
                  "Generated length per finished sample (tokens)"),
+                ("kvflow:request_params_max_tokens", per_sample,
+                 "The max_tokens parameter per finished sample that set it (tokens)"),
+                ("kvflow:request_max_num_generation_tokens", per_sample,
+                 "Per finished request: the longest of its samples (tokens)"),
                 ("kvflow:request_prefill_kv_computed_tokens", per_engine,
                  ("Prompt tokens computed (not prefix-cache hits) per request finished in "
                   "the engine (tokens)")))
         families = tuple(Histogram(name, doc, labels, registry=self.registry, buckets=buckets)
                          for name, labels, doc in docs)
         self._token_families, self._token_buckets = families, buckets
-        self.prompt_len, self.gen_len = (f.labels(self.model_name) for f in families[:2])
-        self.prefill_kv_computed = families[2]
+        self.prompt_len, self.gen_len, self.params_max_tokens, \
+            self.max_num_generation_tokens = (f.labels(self.model_name) for f in families[:4])
+        self.prefill_kv_computed = families[4]
 
     def set_max_model_len(self, max_model_len: int) -> None:
         """The engine's context length (tokens), known once it started: the length

@@ -21,6 +21,7 @@ class _RequestTimes:
     num_prompt_tokens: int
     num_samples: int
     cumulative: bool = False  # outputs hold every token so far (CUMULATIVE / FINAL_ONLY)
+    max_tokens: int | None = None  # its max_tokens parameter (None: not set)
     started: bool = False
     first_token_time: dict[int, float] = field(default_factory=dict)  # sample index -> time
     last_token_time: dict[int, float] = field(default_factory=dict)  # sample index -> time
@@ -40,12 +41,13 @@ class RequestStatsTracker:
         self._requests: dict[str, _RequestTimes] = {}
 
     def start(self, request_id: str, arrival_time: float, num_prompt_tokens: int,
-              num_samples: int, cumulative: bool = False) -> None:
+              num_samples: int, cumulative: bool = False, max_tokens: int | None = None) -> None:
         """Open a request of ``num_samples`` samples. ``cumulative``: its outputs hold each
         sample's tokens so far (``RequestOutputKind`` CUMULATIVE or FINAL_ONLY), not the new
-        ones alone (delta outputs, the default)."""
+        ones alone (delta outputs, the default). ``max_tokens``: its parameter (None for
+        none, a pooling request's)."""
         self._requests[request_id] = _RequestTimes(arrival_time, num_prompt_tokens, num_samples,
-                                                   cumulative)
+                                                   cumulative, max_tokens)
 
     def observe(self, output: RequestOutput, now: float) -> None:
         """Record one output of the request: a delta one (only the samples that changed, with
@@ -64,8 +66,11 @@ class RequestStatsTracker:
             if times.cumulative:  # never below 0: a counter cannot go down
                 num_new = max(num_new - times.num_tokens.get(sample.index, 0), 0)
             self._observe_sample(times, sample.index, num_new, sample.finish_reason, now)
-        if len(times.finished) == times.num_samples:
+        if len(times.finished) == times.num_samples:  # vLLM's per-request (parent) series
             del self._requests[output.request_id]
+            self.metrics.params_n.observe(times.num_samples)
+            self.metrics.max_num_generation_tokens.observe(max(times.num_tokens.values(),
+                                                               default=0))
 
     def _first_output(self, times: _RequestTimes, now: float) -> None:
         """A sample's first token: its TTFT and its prompt's tokens (vLLM counts both per
@@ -91,6 +96,8 @@ class RequestStatsTracker:
             m.e2e.observe(now - times.arrival_time)
             m.prompt_len.observe(times.num_prompt_tokens)
             m.gen_len.observe(num_tokens)
+            if times.max_tokens:
+                m.params_max_tokens.observe(times.max_tokens)
             if num_tokens > 1:
                 m.tpot.observe((times.last_token_time[index] - times.first_token_time[index])
                                / (num_tokens - 1))

@@ -381,3 +381,29 @@ def test_a_stop_string_finish_counts_in_the_phase_histograms(tiny_llama):
     assert second[-1].finish_reason == "stop"
     assert sum(len(c.token_ids) for c in second) == k + 1
     assert count("kvflow:request_decode_time_seconds_count") == before + 1 == 2
+
+
+def test_request_parameter_histograms_as_vllms():
+    """vLLM's per-request series: ``n`` and the longest sample's length once every sample
+    finished (an n=2 request whose samples made 4 and 1 tokens: n 2, longest 4), and
+    ``max_tokens`` per finished sample that set it (2 x 4); a request without max_tokens
+    adds none of the latter, a client's abort none of the former."""
+    metrics = ServerMetrics("m", max_model_len=100)
+    tracker = RequestStatsTracker(metrics)
+    tracker.start("r", 10.0, 3, 2, max_tokens=4)
+    tracker.observe(_delta([(0, 3, None), (1, 1, "stop")]), 10.5)
+    got = _samples(metrics)
+    assert got["kvflow:request_params_n_count"] == 0  # sample 0 still runs
+    assert got["kvflow:request_params_max_tokens_sum"] == 4
+    tracker.observe(_delta([(0, 1, "length")], finished=True), 11.0)
+    tracker.start("r", 20.0, 3, 1)  # the id again, no max_tokens: its sample is aborted
+    tracker.observe(_delta([(0, 1, None)]), 20.5)
+    tracker.abort("r")
+    got = _samples(metrics)
+    assert (got["kvflow:request_params_n_count"], got["kvflow:request_params_n_sum"]) == (1, 2)
+    assert got["kvflow:request_max_num_generation_tokens_sum"] == 4
+    assert (got["kvflow:request_params_max_tokens_count"],
+            got["kvflow:request_params_max_tokens_sum"]) == (2, 8)
+    assert _bounds(metrics, "kvflow:request_params_n") == [1, 2, 5, 10, 20]
+    assert _bounds(metrics, "kvflow:request_max_num_generation_tokens") == \
+        [1, 2, 5, 10, 20, 50, 100]

@@ -65,7 +65,8 @@ class OpenRequests:
         self.streams[request_id] = stream
         self.waiting.add(request_id)
         self.tracker.start(request_id, arrival, len(requests[0].prompt_token_ids),
-                           len(requests), cumulative=request_id in self.kinds)
+                           len(requests), cumulative=request_id in self.kinds,
+                           max_tokens=None if params is None else params.max_tokens)
         return stream
 
     def abort(self, request_id: str) -> tuple[list[str], int | None]:
