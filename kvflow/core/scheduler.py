@@ -66,7 +66,7 @@ from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sched_output import SchedulerOutput
 from kvflow.spec_decode.speculator import Speculator
 
-_MAX_ITERATION_TOKENS = 4096  # steps whose token counts wait for take_iteration_tokens
+_MAX_PENDING_STATS = 4096  # steps (finished requests) kept for the next take_* call
 
 
 class Scheduler:
@@ -124,9 +124,9 @@ class Scheduler:
         # ``take_iteration_tokens``: generated tokens, plus the computed prompt tokens
         # (not prefix-cache hits) of each request whose prefill completed there (in that step,
         # whatever earlier chunks computed). Bounded: an engine nobody reads keeps the last.
-        self.iteration_tokens: deque[int] = deque(maxlen=_MAX_ITERATION_TOKENS)
+        self.iteration_tokens: deque[int] = deque(maxlen=_MAX_PENDING_STATS)
         # the phases of the requests that finished since ``take_finished_stats`` (bounded too)
-        self.finished_stats: deque[FinishedRequestStats] = deque(maxlen=_MAX_ITERATION_TOKENS)
+        self.finished_stats: deque[FinishedRequestStats] = deque(maxlen=_MAX_PENDING_STATS)
         # Several steps in flight (pipeline parallelism; the engine core sets this): request
         # id -> its scheduled steps not yet returned.
         self.track_in_flight = False

@@ -195,7 +195,8 @@ def _ready(core: EngineCore, engine_index: int = 0) -> EngineReady:
 
 def collect_stats(core: EngineCore) -> EngineStats:
     """Snapshot of the scheduler and KV-cache counters; takes the token counts of the steps
-    since the previous snapshot (``Scheduler.take_iteration_tokens``): send what it returns."""
+    and the phases of the requests finished since the previous snapshot
+    (``Scheduler.take_iteration_tokens`` / ``take_finished_stats``): send what it returns."""
     kv, sched, enc = core.kv_cache_manager, core.scheduler, core.scheduler.encoder
     stats = EngineStats(sched.num_running, sched.num_waiting, kv.usage, kv.num_free_blocks,
                         kv.pool.num_usable_blocks, sched.num_preemptions, kv.num_queries,
