@@ -87,7 +87,8 @@ class LLM(LLMChat, LLMQueue, LLMScore, LLMPooling, LLMOps):
         metrics ``get_metrics`` reads."""
         self.engine = engine
         self._enqueued = EnqueuedRequests()
-        self._stats = OfflineStats(engine.config.model_config.model) if log_stats else None
+        self._stats = OfflineStats(engine.config.model_config.model,
+                                   engine.processor.max_model_len) if log_stats else None
 
     def shutdown(self) -> None:
         """Stop the worker processes of a multi-rank engine now (they also stop when this
@@ -200,6 +201,9 @@ class LLM(LLMChat, LLMQueue, LLMScore, LLMPooling, LLMOps):
             for p, sp, prio, who, lora in zip(prompts, params, priorities, users, loras):
                 ids.append(self.engine.add_request(p, sp, priority=prio, client_id=who,
                                                    lora_request=lora))
+                if self._stats is not None:
+                    self._stats.queued(ids[-1], sp.with_defaults(
+                        self.engine.sampling_defaults).max_tokens)
         except BaseException:  # a later request's parameters were rejected: queue none
             for rid in ids:
                 self._abort(rid)

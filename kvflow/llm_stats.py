@@ -10,9 +10,10 @@ import dataclasses
 import time
 from typing import Any
 
-from kvflow.metrics import RequestStatsTracker, ServerMetrics
+from kvflow.metrics import ServerMetrics
 from kvflow.metrics_reader import Metric, metrics_snapshot
 from kvflow.outputs import RequestOutput
+from kvflow.request_stats import RequestStatsTracker
 
 
 class OfflineStats:
@@ -20,13 +21,19 @@ class OfflineStats:
 
     Args:
         model_name: the ``model_name`` label (the ``model`` the LLM was given, as vLLM's).
+        max_model_len: the engine's context length (the length histograms' last boundary).
     """
 
-    def __init__(self, model_name: str) -> None:
-        self.metrics = ServerMetrics(model_name)
+    def __init__(self, model_name: str, max_model_len: int) -> None:
+        self.metrics = ServerMetrics(model_name, max_model_len)
         self.tracker = RequestStatsTracker(self.metrics)
         self._open: set[str] = set()
+        self._max_tokens: dict[str, int | None] = {}  # request -> its max_tokens parameter
         self._tokens: dict[tuple[str, int], int] = {}  # (request, sample) -> tokens seen
+
+    def queued(self, request_id: str, max_tokens: int | None) -> None:
+        """A generation request was queued with this ``max_tokens`` (None: not set)."""
+        self._max_tokens[request_id] = max_tokens
 
     def observe(self, output: Any) -> None:
         """Record one step's output of a request (a cumulative RequestOutput, or a pooling
@@ -36,7 +43,8 @@ class OfflineStats:
             self._open.add(rid)
             samples = len(output.outputs) if isinstance(output.outputs, list) else 1
             self.tracker.start(rid, output.metrics.arrival_time,
-                               len(output.prompt_token_ids or ()), samples)
+                               len(output.prompt_token_ids or ()), samples,
+                               max_tokens=self._max_tokens.pop(rid, None))
         self.tracker.observe(self._delta(output), time.monotonic())
         if output.finished:
             self._forget(output)
@@ -62,6 +70,7 @@ class OfflineStats:
         """The request was aborted before it finished: its open samples count as ``abort``."""
         self.tracker.abort(request_id)
         self._open.discard(request_id)
+        self._max_tokens.pop(request_id, None)
         self._tokens = {k: v for k, v in self._tokens.items() if k[0] != request_id}
 
     def snapshot(self, engine_stats: list[Any]) -> list[Metric]:

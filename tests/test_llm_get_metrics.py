@@ -2,9 +2,9 @@
 values hand-computed from a controlled workload:
 
 - request A: 5 prompt tokens, greedy, 3 tokens; request B: 7 prompt tokens, n=2, 4 tokens each.
-  Prompt tokens 5 + 7 = 12 (B's counted once, the tracker's rule for the server too),
-  generated 3 + 4 + 4 = 11, three samples finished by ``length``; inter-token latencies
-  11 - 3 = 8; TTFT per request (2), e2e and generation length per sample (3, sum 11);
+  Prompt tokens 5 + 7 + 7 = 19 (per sample, vLLM's rule and the server's), generated
+  3 + 4 + 4 = 11, three samples finished by ``length``; inter-token latencies 11 - 3 = 8;
+  TTFT, e2e, prompt and generation length per sample (3; sums 19 and 11);
 - prefix cache (block size 4): queries 5 + 7 + 7 = 19 prompt tokens, B's second sample hits
   B's one full block: 4;
 - idle after the call: nothing running or waiting, no KV block in use;
@@ -52,20 +52,23 @@ def test_counts_of_a_known_workload(llm, tiny_llama):
     assert free == find(metrics, "kvflow:kv_cache_usable_blocks", engine="0").value > 0  # idle
     counters = {m.name: m.value for m in metrics if isinstance(m, Counter)
                 and "finished_reason" not in m.labels}
-    assert (counters["vllm:prompt_tokens"], counters["vllm:generation_tokens"]) == (12, 11)
+    assert (counters["vllm:prompt_tokens"], counters["vllm:generation_tokens"]) == (19, 11)
     assert (counters["vllm:prefix_cache_queries"], counters["vllm:prefix_cache_hits"]) == (19, 4)
     assert counters["vllm:num_preemptions"] == 0
     success = {m.labels["finished_reason"]: m.value for m in metrics
                if m.name == "vllm:request_success"}
     assert success == {"stop": 0, "length": 3, "abort": 0}
-    for name, count, total in (("vllm:time_to_first_token_seconds", 2, None),
+    for name, count, total in (("vllm:time_to_first_token_seconds", 3, None),
                                ("vllm:inter_token_latency_seconds", 8, None),
                                ("vllm:e2e_request_latency_seconds", 3, None),
-                               ("vllm:request_prompt_tokens", 2, 12.0),
+                               ("vllm:request_prompt_tokens", 3, 19.0),
                                ("vllm:request_generation_tokens", 3, 11.0)):
         hist = find(metrics, name)
         assert isinstance(hist, Histogram) and hist.count == count == hist.buckets["+Inf"]
         assert total is None or hist.sum == total
+    max_tokens = find(metrics, "vllm:request_params_max_tokens")  # per sample
+    assert (max_tokens.count, max_tokens.sum) == (3, 3.0 + 4 + 4)
+    assert find(metrics, "vllm:request_params_n").sum == 1 + 2  # per request
     assert find(metrics, "vllm:request_generation_tokens").buckets["2.0"] == 0
     assert find(metrics, "vllm:request_generation_tokens").buckets["5.0"] == 3
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
