@@ -202,6 +202,31 @@ def test_malformed_output_streamed_equals_whole(parser, text, expected):
         assert _chat_stream(out, text, chunk, "stop") == expected, chunk
 
 
+HERMES_TIME = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("text", [
+    HERMES_TIME[:-len("l>")], HERMES_TIME[:-len("</tool_call>") + 1],
+    HERMES_TIME + "\n<tool_ca", HERMES_TIME + "\n<", HERMES_TIME + "<tool_call",
+], ids=["in-end-tag", "end-tag-<", "in-next-tag", "next-tag-<", "next-tag-no-ws"])
+def test_hermes_reply_cut_inside_a_tag_has_no_content(text):
+    """max_tokens cut the reply inside a tag after a finished call: the piece of tag is the
+    calls' markup, not content (it was '</tool_ca' / '<tool_ca' as content). Oracle: vLLM
+    0.32's hermes parser streams this reply as the call and no content (its whole reply, for
+    the cut opening tag, too: call get_time, content None; for the cut closing tag its
+    json.loads of the block fails and it returns all the text as content with no call, which
+    its own stream contradicts). The stream, split every way, joins to the same message."""
+    from kvflow.entrypoints.chat_output import ChatOutputParser
+
+    out = ChatOutputParser(HermesToolParser(), None)
+    message, finish = out.message(text, "length")
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    expected = (None, [("get_time", "{}")], "length")
+    assert (message.content, calls, finish) == expected
+    for chunk in range(1, len(text) + 1):
+        assert _chat_stream(out, text, chunk, "length") == expected, chunk
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call():
     """parallel_tool_calls: false (max_calls=1) under tool_choice auto: the model wrote two
     calls; the reply carries only the first, streamed or not (it carried both)."""

@@ -44,17 +44,21 @@ class HermesToolParser(ToolParser):
         """Add the text after the call object ending at ``end`` (past its ``</tool_call>``,
         up to the next ``<tool_call>``) to ``out.content``, stripped, on a line of its own,
         once a named call was read (before one, ``calls_or_content`` may yet make the whole
-        text content); returns the next call's start, or -1. While streaming, a possible start of a tag and
-        trailing whitespace wait (the content only ever grows)."""
+        text content); returns the next call's start, or -1. While streaming, a possible start
+        of a tag and trailing whitespace wait (the content only ever grows); a reply that ended
+        inside a tag (``</tool_ca``, ``<tool_ca`` cut by ``max_tokens``) adds nothing: the
+        piece is the calls' markup, which the stream never sent."""
         i = skip_ws(text, end)
         if text.startswith(self.END, i):
             i += len(self.END)
-        elif not final and self.END.startswith(text[i:]):
-            return -1  # the closing tag may be coming
+        elif self.END.startswith(text[i:]):
+            return -1  # the closing tag may be coming (once final: the reply ended inside it)
         pos = text.find(self.START, i)
         after = text[i:pos] if pos >= 0 else \
             text[i:len(text) - (0 if final else held_back(text, self.START))]
         after = after.strip()
+        if final and pos < 0 and self.START.startswith(after):
+            after = ""  # the reply ended inside the next call's opening tag: no content
         if after and any(c.name for c in out.calls):  # else the text may all be content
             out.content = f"{out.content}\n{after}" if out.content else after
         return pos
