@@ -46,6 +46,15 @@ class CalledFunction(_StrictModel):
         return arguments
 
 
+def is_object_text(text: str) -> bool:
+    """Whether ``text`` is a JSON object's text: what a call's ``arguments`` must be to come
+    back in a later request (a reply's call whose arguments are not is no usable call)."""
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
+
+
 def _check_object_text(text: str) -> None:
     """Raises ``PydanticCustomError("invalid_arguments")`` unless ``text`` parses to a JSON
     object, saying what was sent and why it is not one."""

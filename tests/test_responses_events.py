@@ -326,6 +326,32 @@ def test_a_call_cut_by_max_output_tokens_is_not_stored_as_a_call():
                                    "function": {"name": "add", "arguments": '{"a": 1}'}}]
 
 
+@pytest.mark.parametrize("bad", [
+    '<tool_call>{"name": "add", "arguments": {"a',  # the model's EOS inside the arguments
+    '<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>',  # malformed JSON
+    '<tool_call>{"name": "add", "arguments": [1]}</tool_call>',  # JSON, not an object
+], ids=["eos-in-arguments", "malformed", "not-an-object"])
+def test_a_call_without_usable_arguments_is_incomplete_and_not_stored(bad):
+    """A reply that ended normally (EOS, status ``completed``) with a call whose arguments are
+    not a JSON object's text: the item is ``incomplete``, not ``completed`` (it was, and the
+    stored conversation kept it, so every previous_response_id continuation was a 400 naming
+    its arguments). vLLM 0.32's hermes parser, the oracle for the call itself, streams such a
+    call too (its whole reply drops it for the text); a finished call before it is kept."""
+    done = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    events, handler = _handler_events(_Stream(["Sure.", done, bad], "stop"),
+                                      make_tool_parser("hermes"))
+    response = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed"
+    calls = [i for i in response["output"] if i["type"] == "function_call"]
+    assert [c["status"] for c in calls] == ["completed", "incomplete"]
+    done_events = [e["item"]["status"] for e in events if e["type"] == "response.output_item.done"
+                   and e["item"]["type"] == "function_call"]
+    assert done_events == ["completed", "incomplete"]  # the stream says so too
+    (_, turn) = handler.store.get("resp_1").messages
+    assert turn["tool_calls"] == [{"id": calls[0]["call_id"], "type": "function",
+                                   "function": {"name": "add", "arguments": '{"a": 1}'}}]
+
+
 def test_engine_death_mid_stream_is_an_error_event():
     from kvflow.engine.streams import EngineDeadError
 

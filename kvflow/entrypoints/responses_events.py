@@ -13,7 +13,9 @@ Per item, the events are (each with ``sequence_number`` counting from the respon
 - function_call: ``response.output_item.added``, ``response.function_call_arguments.delta``,
   ``response.function_call_arguments.done``, ``response.output_item.done``.
 An item is done when another starts or the reply ends; the one the reply's end closes takes
-the reply's status (``incomplete`` when cut by ``max_output_tokens``).
+the reply's status (``incomplete`` when cut by ``max_output_tokens``). A function call whose
+arguments are not a JSON object's text when it closes (an EOS inside them, malformed JSON) is
+``incomplete`` too.
 
 Output logprobs (``include: ["message.output_text.logprobs"]``): each engine delta's tokens
 are held until the parser turns their text into something. Text of the message: they are the
@@ -34,6 +36,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from kvflow.chat_tool_calls import is_object_text
 from kvflow.entrypoints.tool_parsers import StreamDelta
 
 Event = dict[str, Any]
@@ -163,10 +166,16 @@ class ResponseEvents:
 
     # ---- closing -----------------------------------------------------------------------------
     def _close(self, status: str) -> list[Event]:
+        """Close the open item with ``status``. A function call whose arguments are not a JSON
+        object's text (the model's EOS came inside them, or it wrote malformed JSON or no
+        object) is ``incomplete`` whatever ``status`` says: no client could run it, and the
+        stored conversation leaves it out (a continuation would be refused over it)."""
         if self._open is None:
             return []
         index, kind = len(self.items) - 1, self._open
         item, self._open = self.items[index], None
+        if kind == "function_call" and not is_object_text(item["arguments"]):
+            status = "incomplete"  # no usable call: see the docstring
         item["status"] = status
         ids = {"item_id": item["id"], "output_index": index}
         if kind == "function_call":

@@ -168,8 +168,9 @@ def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A reply's output items as chat turns: message text as an assistant turn, function
     calls as its ``tool_calls`` (reasoning items are not rendered again, as chat templates
     drop earlier turns' reasoning). A call the reply's end cut (status ``incomplete``: by
-    ``max_output_tokens`` or a cancel) is no call: its arguments are unfinished JSON, which
-    would make every request continuing the reply a 400, and no output can answer it."""
+    ``max_output_tokens``, a cancel, or an EOS inside its arguments; malformed arguments too)
+    is no call: its arguments are no JSON object's text, which would make every request
+    continuing the reply a 400, and no output can answer it."""
     text = "".join(part["text"] for item in output if item["type"] == "message"
                    for part in item["content"])
     calls = [{"id": item["call_id"], "type": "function",
