@@ -31,6 +31,8 @@ GLM = ("Let me check.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value
        "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>opts</arg_key>"
        '\n<arg_value>{"a": [1, "</tool_call>"]}</arg_value>\n<arg_key>x</arg_key>\n'
        "<arg_value>True</arg_value>\n</tool_call>\n<tool_call>get_time\n</tool_call>")
+GLM_WS = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>  Oslo\n</arg_value>\n"
+          "<arg_key>days</arg_key>\n<arg_value> 3 </arg_value>\n</tool_call>")
 SEED = ("<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
         "<parameter=days>\n2\n</parameter>\n</function>\n</seed:tool_call>")
 S_CALL = "<｜tool_call_begin｜>function<｜tool_sep｜>"
@@ -42,11 +44,14 @@ STEP3 = ("Sure.<｜tool_calls_begin｜>" + S_CALL + '<steptml:invoke name="get_w
          "<｜tool_calls_end｜> Done.")
 
 WELL_FORMED = [
-    # values: a string-typed parameter stays text (stripped), others read as JSON, else as a
+    # values: a string-typed parameter stays text as written, others read as JSON, else as a
     # Python literal; text between and after the blocks is dropped
     ("glm45", GLM, "Let me check.",
-     [("get_weather", ('{"city": "New York", "days": 3, "opts": {"a": [1, "</tool_call>"]}, '
+     [("get_weather", ('{"city": " New York ", "days": 3, "opts": {"a": [1, "</tool_call>"]}, '
                       '"x": true}')), ("get_time", "{}")]),
+    # a string value's spaces and newlines are the value's (GLM's template writes it verbatim;
+    # they were stripped): vLLM 0.32's glm45 reads exactly these arguments, whole and streamed
+    ("glm45", GLM_WS, None, [("get_weather", '{"city": "  Oslo\\n", "days": 3}')]),
     ("qwen3_xml", ("Hi\n<tool_call>\n<function=get_weather>\n<parameter=days>\n5\n</parameter>\n"
      "</function>\n</tool_call>"), "Hi", [("get_weather", '{"days": 5}')]),
     ("seed_oss", "Checking." + SEED, "Checking.",

@@ -7,8 +7,10 @@
     <arg_value>3</arg_value>
     </tool_call>
 
-A value is its text stripped: kept as a string when the tool's schema types the parameter
-``string``, else read as JSON, else as a Python literal, else kept as text (vLLM's reading).
+A value is its text as written when the tool's schema types the parameter ``string`` (GLM's
+chat template writes a string value verbatim, so its spaces and newlines are the value's, as
+vLLM 0.32 keeps them), else its stripped text read as JSON, else as a Python literal, else
+its text as written.
 Text before the first ``<tool_call>`` is content; text between and after the blocks is dropped
 (as vLLM's parser drops it). Streaming sends ``{`` once the name's line ends, then each
 pair as its ``</arg_value>`` arrives, then ``}``. A call to a function the request did not
@@ -86,12 +88,12 @@ class Glm45ToolParser(TaggedBlocksToolParser):
 
 
 def glm_value(raw: str, schema: dict[str, Any] | None) -> Any:
-    """A GLM parameter's value: ``raw`` stripped, as text when ``schema`` types it
-    ``string``, else the JSON value it reads as, else the Python literal (a JSON-encodable
-    one), else the text."""
-    text = raw.strip()
+    """A GLM parameter's value: ``raw`` as written when ``schema`` types it ``string``, else
+    the JSON value its stripped text reads as, else the Python literal (a JSON-encodable one),
+    else ``raw``."""
     if isinstance(schema, dict) and schema.get("type") == "string":
-        return text
+        return raw
+    text = raw.strip()
     for read in (json.loads, ast.literal_eval):
         try:
             value = read(text)
@@ -99,4 +101,4 @@ def glm_value(raw: str, schema: dict[str, Any] | None) -> Any:
             return list(value) if isinstance(value, tuple) else value
         except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
             continue
-    return text
+    return raw
