@@ -186,9 +186,19 @@ def _chat_stream(out, text: str, chunk: int, finish: str):
     (HermesToolParser(), ('<tool_call>{"name": "f", "arguments": {}}</tool_call> mid '
                           '<tool_call>{"name": "g", "arguments": {}}</tool_call>end'),
      ("mid\nend", [("f", "{}"), ("g", "{}")], "tool_calls")),
+    # a key written twice, or both argument keys: the first in the text, which the stream
+    # sent before the second came (the whole reply took the last, or llama3's "parameters"
+    # wherever it stood: '{"a": 2}', 'g', '{"a": 1}', which the stream's joined deltas
+    # contradicted; vLLM 0.32's hermes takes the last and streams garbage for these)
+    (HermesToolParser(), ('<tool_call>{"name": "f", "arguments": {"a": 1}, "arguments": '
+                          '{"a": 2}}</tool_call>'), (None, [("f", '{"a": 1}')], "tool_calls")),
+    (HermesToolParser(), '<tool_call>{"name": "f", "name": "g", "arguments": {}}</tool_call>',
+     (None, [("f", "{}")], "tool_calls")),
+    (Llama3JsonToolParser(), '{"name": "f", "arguments": {"b": 2}, "parameters": {"a": 1}}',
+     (None, [("f", '{"b": 2}')], "tool_calls")),
 ], ids=["hermes-ws", "hermes-bad-json", "llama3-unclosed", "hermes-nameless",
         "hermes-no-args", "hermes-no-json", "llama3-json-reply", "named-ws", "hermes-after",
-        "hermes-between"])
+        "hermes-between", "hermes-dup-arguments", "hermes-dup-name", "llama3-two-arg-keys"])
 def test_malformed_output_streamed_equals_whole(parser, text, expected):
     """Hand-written expectations for odd model output; the stream, split every way, joins to
     exactly the non-streamed message (content, calls, finish_reason)."""

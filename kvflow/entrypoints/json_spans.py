@@ -70,7 +70,9 @@ def _key(literal: str) -> str:
 
 def object_members(text: str, i: int) -> tuple[dict[str, tuple[int, int | None]], int | None]:
     """Members of the (possibly incomplete) JSON object at ``text[i] == '{'``: key ->
-    (value start, value end or None), and the object's end index or None."""
+    (value start, value end or None), in the text's order, and the object's end index or None.
+    A key written twice keeps its first value: what the object's text so far says never changes
+    as more text comes (a stream already sent the first)."""
     members: dict[str, tuple[int, int | None]] = {}
     i = skip_ws(text, i + 1)
     while i < len(text):
@@ -90,7 +92,7 @@ def object_members(text: str, i: int) -> tuple[dict[str, tuple[int, int | None]]
         if start >= len(text):
             return members, None
         end = scan_value(text, start)
-        members[key] = (start, end)
+        members.setdefault(key, (start, end))
         if end is None:
             return members, None
         i = skip_ws(text, end)

@@ -33,9 +33,12 @@ class ParsedOutput:
 
 def call_from_object(text: str, start: int, args_keys: tuple[str, ...]) -> tuple[ParsedCall,
                                                                                    int | None]:
-    """The call in the JSON object at ``text[start]``; returns it and the object's end. An
-    ended object without an arguments member has arguments ``{}`` (OpenAI's arguments are
-    JSON text; the stream sends that ``{}`` once the object ends)."""
+    """The call in the JSON object at ``text[start]``; returns it and the object's end. The
+    arguments are the first member (in the text) named one of ``args_keys``, and an ended
+    object without one has arguments ``{}`` (OpenAI's arguments are JSON text; the stream
+    sends that ``{}`` once the object ends). The name and arguments are the first the object
+    gives (duplicates are ignored), so what the text so far gives never changes: a stream
+    joins to the whole reply's call."""
     members, end = object_members(text, start)
     call = ParsedCall()
     name_span = members.get("name")
@@ -45,9 +48,8 @@ def call_from_object(text: str, start: int, args_keys: tuple[str, ...]) -> tuple
         except json.JSONDecodeError:
             name = None
         call.name = name if isinstance(name, str) and name else None
-    for key in args_keys:
-        if key in members:
-            a, b = members[key]
+    for key, (a, b) in members.items():
+        if key in args_keys:
             call.arguments = text[a:b] if b is not None else text[a:]
             break
     else:

@@ -27,9 +27,10 @@ from kvflow.entrypoints.tool_parsers.base import (
 def list_calls(out: ParsedOutput, text: str, start: int, final: bool,
                args_keys: tuple[str, ...] = ("arguments",)) -> ParsedOutput:
     """The calls of the JSON list at ``text[start]`` (after whitespace), ``out.content`` the
-    text before it, each call's arguments the first of ``args_keys`` present. Text that
-    cannot start a list of objects (another character, ``[]``, ``[1]``) or a first object
-    without a name (a JSON reply, not a call) makes the reply all content at once; a reply
+    text before it, each call's arguments its first member (in the text) named in
+    ``args_keys``. Text that cannot start a list of objects (another character, ``[]``,
+    ``[1]``) or a first object without a name (a JSON reply, not a call) makes the reply all
+    content at once; a reply
     with no named call is all content once ``final`` (while streaming, ``out`` waits, holding
     no calls). Shared by ``jamba``, ``xlam``, ``hunyuan_a13b`` and ``phi4_mini_json``."""
     start = skip_ws(text, start)
