@@ -89,6 +89,26 @@ class ArchKeys:
         return float(value)
 
 
+def check_single_file(meta: GGUFMetadata) -> None:
+    """Refuse one part of a split GGUF (``llama-gguf-split``'s ``*-00001-of-0000N.gguf``,
+    ``split.count`` > 1): its tensor table holds only that part's tensors (the later parts
+    have no model metadata either), which otherwise reads as a ``block_count`` or
+    ``general.architecture`` the file contradicts. kvflow, like transformers and vLLM, loads
+    single-file GGUFs.
+
+    Raises:
+        ValueError: naming the file, ``split.count`` and how to merge the parts.
+    """
+    count = meta.get("split.count")
+    if isinstance(count, int) and not isinstance(count, bool) and count > 1:
+        part = meta.get("split.no")
+        which = f"part {part + 1} of {count}" if isinstance(part, int) else f"one of {count} parts"
+        raise ValueError(f"{meta.path!r} is {which} of a split GGUF (GGUF metadata key "
+                         f"'split.count' is {count}); kvflow loads single-file GGUFs: merge "
+                         "the parts first with llama.cpp's `llama-gguf-split --merge "
+                         "FIRST-PART.gguf MERGED.gguf` and pass the merged file")
+
+
 def _rows(tensors: dict, name: str) -> int | None:
     """Rows (first PyTorch dimension) of tensor ``name``, None when the file lacks it."""
     info = tensors.get(name)

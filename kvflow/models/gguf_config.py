@@ -10,7 +10,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvflow.models.gguf_checks import ArchKeys, check_against_tensors, check_unapplied_keys
+from kvflow.models.gguf_checks import (
+    ArchKeys,
+    check_against_tensors,
+    check_single_file,
+    check_unapplied_keys,
+)
 from kvflow.models.gguf_moe import MOE_ARCHITECTURES, check_no_expert_tensors, moe_kwargs
 from kvflow.models.gguf_reader import GGUFMetadata, read_gguf_metadata
 
@@ -71,8 +76,10 @@ def gguf_architecture(meta: GGUFMetadata) -> tuple[str, ArchSpec]:
     """The file's ``general.architecture`` and its ArchSpec.
 
     Raises:
-        ValueError: for an architecture kvflow does not read (the supported ones named).
+        ValueError: for one part of a split GGUF (see :func:`check_single_file`), or an
+            architecture kvflow does not read (the supported ones named).
     """
+    check_single_file(meta)
     arch = meta.get("general.architecture")
     if arch not in _ARCHS:
         raise ValueError(

@@ -314,3 +314,39 @@ def test_layer_norm_epsilon_without_the_rms_one_is_refused(tmp_path):
     path = _rewritten(tmp_path, {"llama.attention.layer_norm_epsilon": (1e-5, F32)},
                       drop=("llama.attention.layer_norm_rms_epsilon",))
     _assert_refused(path, r"layer_norm_rms_epsilon' is missing \(the file gives a LayerNorm")
+
+
+def test_part_of_a_split_gguf_is_refused_naming_split_count(tmp_path):
+    """``llama-gguf-split``'s parts (gguf-py's ``split_max_tensors`` writes the same
+    ``split.{no,count,tensors.count}`` keys): each part is refused naming ``split.count`` and
+    the merge, not as a ``block_count`` its tensors contradict (part 1) or an architecture
+    ``None`` (part 2, which holds no model metadata). A one-part "split" loads."""
+    path, _ = _synthetic(tmp_path, "llama", permute=True)
+    reader = gguf.GGUFReader(path)
+    for parts, max_tensors in ((2, 12), (1, 0)):
+        folder = tmp_path / f"split{parts}"
+        folder.mkdir()
+        w = gguf.GGUFWriter(str(folder / "m.gguf"), "llama", split_max_tensors=max_tensors)
+        for field in reader.fields.values():
+            if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+                w.add_key_value(field.name, field.contents(), field.types[0],
+                                sub_type=field.types[1] if len(field.types) > 1 else None)
+        for t in reader.tensors:
+            w.add_tensor(t.name, np.array(t.data))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        files = sorted(folder.iterdir())
+        if parts == 1:
+            assert [f.name for f in files] == ["m.gguf"]
+            assert load_gguf_config(str(files[0])).num_hidden_layers == 2
+            continue
+        assert [f.name for f in files] == ["m-00001-of-00002.gguf", "m-00002-of-00002.gguf"]
+        for no, part in enumerate(files, start=1):
+            for load in (lambda p=str(part): load_gguf_config(p),
+                         lambda p=str(part): next(iter(iter_gguf_weights(p, torch.float32)))):
+                with pytest.raises(ValueError, match=rf"{part.name}' is part {no} of 2 of a "
+                                   r"split GGUF \(GGUF metadata key 'split.count' is 2\).*"
+                                   r"llama-gguf-split --merge"):
+                    load()
