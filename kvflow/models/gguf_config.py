@@ -17,7 +17,8 @@ from kvflow.models.gguf_checks import (
     check_unapplied_keys,
 )
 from kvflow.models.gguf_moe import MOE_ARCHITECTURES, check_no_expert_tensors, moe_kwargs
-from kvflow.models.gguf_reader import GGUFMetadata, read_gguf_metadata
+from kvflow.models.gguf_reader import GGUFMetadata, GGUFTensorInfo, read_gguf_metadata
+from kvflow.models.gguf_rope_factors import ROPE_FREQS, llama3_rope_scaling
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PretrainedConfig
@@ -290,11 +291,6 @@ def _config_kwargs(meta: GGUFMetadata) -> tuple[ArchSpec, dict[str, Any]]:
     arch, spec = gguf_architecture(meta)
     keys = ArchKeys(meta, arch)
     tensors = {t.name: t for t in meta.tensors}
-    if "rope_freqs.weight" in tensors:
-        raise ValueError(
-            f"{meta.path!r}: GGUF has a 'rope_freqs' tensor (llama3-style RoPE scaling), which "
-            "kvflow cannot map back to a transformers rope config"
-        )
     moe = spec.hf_architecture in MOE_ARCHITECTURES
     if keys.get("expert_count", 0) and not moe:
         raise keys.error("expert_count", f"is {keys.get('expert_count')}: mixture-of-experts "
@@ -339,9 +335,30 @@ def _config_kwargs(meta: GGUFMetadata) -> tuple[ArchSpec, dict[str, Any]]:
                        kwargs.get("query_pre_attn_scalar", head_dim) ** -0.5)
     check_unapplied_keys(keys, scale, _APPLIED_KEYS.get(arch, frozenset()))
     rope_scaling = _rope_scaling(keys)
+    if ROPE_FREQS in tensors:
+        rope_scaling = _rope_freqs_scaling(keys, tensors[ROPE_FREQS], kwargs, rope_scaling)
     if rope_scaling is not None:
         kwargs["rope_scaling"] = rope_scaling
     return spec, kwargs
+
+
+def _rope_freqs_scaling(keys: ArchKeys, info: GGUFTensorInfo, kwargs: dict[str, Any],
+                        rope_scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The ``llama3`` RoPE scaling of a Llama 3.1+ file's ``rope_freqs`` tensor (see
+    :mod:`kvflow.models.gguf_rope_factors`), None for divisors that are all 1.
+
+    Raises:
+        ValueError: naming the file and the tensor, for an architecture other than ``llama``
+            (llama.cpp writes the tensor for Llama 3.1's scaling only), beside a
+            ``rope.scaling.type`` scaling, or for divisors no llama3 scaling gives.
+    """
+    if keys.arch != "llama" or "num_local_experts" in kwargs or rope_scaling is not None:
+        beside = (f" beside {keys.arch}.rope.scaling.type {rope_scaling['rope_type']!r}"
+                  if rope_scaling is not None else "")
+        raise ValueError(f"{keys.meta.path!r}: GGUF tensor {ROPE_FREQS!r} (Llama 3.1-style "
+                         f"RoPE divisors){beside} is read for dense 'llama' files only")
+    return llama3_rope_scaling(keys.meta, info, kwargs["head_dim"],
+                               keys.float("rope.freq_base", 10000.0))
 
 
 def check_gguf_metadata(meta: GGUFMetadata) -> None:
