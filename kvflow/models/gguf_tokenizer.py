@@ -64,6 +64,7 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
             token = tokenizer.convert_ids_to_tokens(int(token_id))
             if token is not None:
                 setattr(tokenizer, attr, token)
+    _llama_cpp_add_bos(tokenizer, meta)
     if cached is not None:
         _save_tokenizer_cache(tokenizer, cached)
     return tokenizer
@@ -103,6 +104,27 @@ def _llama_cpp_pre(tokenizer: Any, meta: GGUFMetadata) -> None:
     pre_tokenizer = llama_cpp_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
     if pre_tokenizer is not None:
         tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizer
+
+
+# tokenizer.ggml.pre values for which llama.cpp (llama-vocab.cpp) prepends the BOS token when
+# the file has no tokenizer.ggml.add_bos_token (Llama 3, Falcon 3, Mistral's Tekken, ...)
+_BOS_BY_DEFAULT_PRES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1",
+                                  "pixtral", "midm-2.0", "lfm2", "tekken", "chameleon"})
+
+
+def _llama_cpp_add_bos(tokenizer: Any, meta: GGUFMetadata) -> None:
+    """Prepend BOS, as llama.cpp does, for a byte-level vocabulary whose
+    ``tokenizer.ggml.pre`` llama.cpp gives a BOS by default (:data:`_BOS_BY_DEFAULT_PRES`) when
+    the file has no ``tokenizer.ggml.add_bos_token`` (Llama 3 GGUFs converted before
+    gguf-py read the BOS from ``tokenizer.json``'s post-processor): transformers' conversion
+    then added none, though the model's own ``tokenizer.json`` and llama.cpp do. The key, where
+    present, is honoured by transformers as it is."""
+    if meta.get("tokenizer.ggml.model") != "gpt2" or \
+            meta.get("tokenizer.ggml.add_bos_token") is not None or \
+            meta.get("tokenizer.ggml.pre") not in _BOS_BY_DEFAULT_PRES or \
+            tokenizer.bos_token is None or tokenizer.add_bos_token:
+        return
+    tokenizer.add_bos_token = True  # transformers rebuilds the post-processor with BOS
 
 
 def _warn_missing_pre(meta: GGUFMetadata) -> None:
@@ -187,7 +209,7 @@ def gguf_eos_token_ids(path: str) -> list[int]:
 
 
 # Bump when load_gguf_tokenizer changes what it saves, so earlier cache entries are not reused.
-_CACHE_FORMAT = 7
+_CACHE_FORMAT = 8
 
 
 def _tokenizer_cache_dir(path: str) -> str | None:
