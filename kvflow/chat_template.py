@@ -146,7 +146,7 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
             template fails on, or a template with a Jinja syntax error (naming the line, and
             whether it is the model's template, the default or the caller's).
     """
-    source, template = _pick_template(tokenizer, chat_template, default_template)
+    source, template = _pick_template(tokenizer, chat_template, default_template, tools)
     conversation = normalize_conversation(
         messages, image_placeholder,
         content_parts={"string": False, "openai": True}.get(
@@ -164,17 +164,27 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
 
 
 def _pick_template(tokenizer: Any, chat_template: str | None,
-                   default_template: str | None) -> tuple[str, Any]:
+                   default_template: str | None,
+                   tools: list | None = None) -> tuple[str, Any]:
     """``(source, template)``: the caller's ``chat_template`` (checked), else the server's
     ``default_template``, else the tokenizer's own (possibly None); ``source`` is
-    ``"caller"``, ``"default"`` or ``"model"``. Raises ChatTemplateError for a caller's
-    template that is not Jinja text."""
+    ``"caller"``, ``"default"`` or ``"model"``. A tokenizer holding named templates (a dict:
+    a tokenizer_config.json list, a GGUF's ``tokenizer.chat_template.<name>``) gives the one
+    transformers' ``get_chat_template`` picks: ``tool_use`` when ``tools`` are given and it
+    has one, else ``default``. Raises ChatTemplateError for a caller's template that is not
+    Jinja text, or named templates without a ``default`` (naming them)."""
     if chat_template is not None:
         _check_caller_template(chat_template)
     source = "caller" if chat_template is not None else \
         "default" if default_template is not None else "model"
     template = {"caller": chat_template, "default": default_template,
                 "model": getattr(tokenizer, "chat_template", None)}[source]
+    if isinstance(template, dict):
+        name = "tool_use" if tools is not None and "tool_use" in template else "default"
+        if name not in template:
+            raise ChatTemplateError(f"this model has named chat templates {sorted(template)} "
+                                    "and no 'default' one; pass chat_template", "chat_template")
+        template = template[name]
     return source, template
 
 

@@ -51,9 +51,9 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
                          f"metadata ({type(e).__name__}: {e}); {_USE_TOKENIZER}") from e
     _spm_spacing(tokenizer, meta)
     _llama_cpp_pre(tokenizer, meta)
-    template = meta.get("tokenizer.chat_template")
-    if template and not tokenizer.chat_template:
-        tokenizer.chat_template = str(template)
+    template = gguf_chat_templates(meta)  # transformers reads the default one only
+    if isinstance(template, dict) or (template and not tokenizer.chat_template):
+        tokenizer.chat_template = template
     for attr, key in (
         ("bos_token", "bos_token_id"),
         ("eos_token", "eos_token_id"),
@@ -68,6 +68,24 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     if cached is not None:
         _save_tokenizer_cache(tokenizer, cached)
     return tokenizer
+
+
+def gguf_chat_templates(meta: GGUFMetadata) -> str | dict[str, str] | None:
+    """The file's chat template(s): ``tokenizer.chat_template`` alone as a string; with named
+    ones (``tokenizer.chat_template.<name>``, listed in ``tokenizer.chat_templates``, as
+    gguf-py writes a tokenizer_config.json's list of templates, e.g. Hermes' ``tool_use``)
+    a dict ``{"default": ..., name: ...}`` as transformers loads such a list, so a request
+    with tools renders with ``tool_use`` there; None without any."""
+    named = {}
+    for name in meta.get("tokenizer.chat_templates") or []:
+        text = meta.get(f"tokenizer.chat_template.{name}") if isinstance(name, str) else None
+        if isinstance(text, str) and text and name != "default":
+            named[name] = text
+    default = meta.get("tokenizer.chat_template")
+    default = default if isinstance(default, str) and default else None
+    if not named:
+        return default
+    return {**({"default": default} if default is not None else {}), **named}
 
 
 def _spm_spacing(tokenizer: Any, meta: GGUFMetadata) -> None:
@@ -209,7 +227,7 @@ def gguf_eos_token_ids(path: str) -> list[int]:
 
 
 # Bump when load_gguf_tokenizer changes what it saves, so earlier cache entries are not reused.
-_CACHE_FORMAT = 8
+_CACHE_FORMAT = 9
 
 
 def _tokenizer_cache_dir(path: str) -> str | None:
