@@ -96,7 +96,9 @@ def check_pre_tokenizer(pre: Any) -> str | None:
     """None when kvflow splits text as llama.cpp does for ``tokenizer.ggml.pre = pre`` (a
     byte-level vocabulary; an absent value is llama.cpp's ``"default"``), else why not: a
     value llama.cpp handles with custom code (``kimi-k2``, ``afmoe``, ``superbpe``,
-    ``chameleon``) or one unknown to kvflow."""
+    ``chameleon``), one unknown to kvflow, or a value that is not a string."""
+    if pre is not None and not isinstance(pre, str):
+        return f"is {pre!r:.80}, not a string"
     if pre is None or pre in SPLIT_REGEXES or pre in DIGIT_SPLIT_PRES or pre in GPT2_PRES \
             or pre in TRANSFORMERS_PRES or pre in _transformers_pres():
         return None

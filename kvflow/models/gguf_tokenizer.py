@@ -76,8 +76,9 @@ def gguf_chat_templates(meta: GGUFMetadata) -> str | dict[str, str] | None:
     gguf-py writes a tokenizer_config.json's list of templates, e.g. Hermes' ``tool_use``)
     a dict ``{"default": ..., name: ...}`` as transformers loads such a list, so a request
     with tools renders with ``tool_use`` there; None without any."""
+    names = meta.get("tokenizer.chat_templates")
     named = {}
-    for name in meta.get("tokenizer.chat_templates") or []:
+    for name in names if isinstance(names, list) else []:
         text = meta.get(f"tokenizer.chat_template.{name}") if isinstance(name, str) else None
         if isinstance(text, str) and text and name != "default":
             named[name] = text
@@ -187,9 +188,11 @@ def check_tokenizer_metadata(meta: GGUFMetadata) -> None:
         if problem is not None:
             raise bad("pre", problem)
     merges = meta.get("tokenizer.ggml.merges")
+    if merges is not None and not isinstance(merges, list):
+        raise bad("merges", f"is {merges!r:.80}, not a list of merges")
     if merges is not None:
         broken = next((m for m in merges if not isinstance(m, str) or m.count(" ") != 1), None)
-        if not isinstance(merges, list) or broken is not None:
+        if broken is not None:
             raise bad("merges", f"has an entry that is not two tokens joined by one space "
                       f"({broken!r})")
     for key in _TOKEN_ID_KEYS:
@@ -218,7 +221,8 @@ def gguf_eos_token_ids(path: str) -> list[int]:
         FileNotFoundError, ValueError: see :func:`read_gguf_metadata`.
     """
     meta = read_gguf_metadata(path)
-    tokens = meta.get("tokenizer.ggml.tokens") or []
+    tokens = meta.get("tokenizer.ggml.tokens")
+    tokens = tokens if isinstance(tokens, list) else []  # a mistyped vocabulary: none
     ids = [meta.get(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id",
                                                          "eom_token_id")]
     ids += [i for i, text in enumerate(tokens) if text in EOG_TOKEN_TEXTS]

@@ -162,6 +162,11 @@ _VOCAB = {"tokenizer.ggml.model": ("gpt2", _STR),
      r"'tokenizer.ggml.bos_token_id' is 99, not a token id below the 3 tokens"),
     ({**_VOCAB, "tokenizer.ggml.token_type": ([1, 1], ARR, gguf.GGUFValueType.INT32)},
      r"'tokenizer.ggml.token_type' does not hold one value per token"),
+    # mistyped values: before, a TypeError from inside kvflow's own checks
+    ({**_VOCAB, "tokenizer.ggml.merges": (5, _U32)},
+     r"'tokenizer.ggml.merges' is 5, not a list of merges"),
+    ({**_VOCAB, "tokenizer.ggml.pre": (["qwen2"], ARR, _STR)},
+     r"'tokenizer.ggml.pre' is \['qwen2'\], not a string"),
 ])
 def test_bad_tokenizer_metadata_is_named(tmp_path, overrides, pattern):
     """Before: transformers' GGUF conversion raised a bare KeyError ('tokens'), IndexError or
@@ -350,3 +355,20 @@ def test_part_of_a_split_gguf_is_refused_naming_split_count(tmp_path):
                                    r"split GGUF \(GGUF metadata key 'split.count' is 2\).*"
                                    r"llama-gguf-split --merge"):
                     load()
+
+
+def test_mistyped_vocabulary_and_template_names_are_no_crash(tmp_path, monkeypatch):
+    """The end-of-generation ids of a file whose ``tokenizer.ggml.tokens`` is not a list (read
+    even with ``--tokenizer``, which skips the GGUF tokenizer): the eos id alone is out of
+    range, so none, as for a file without a vocabulary; a ``tokenizer.chat_templates`` that is
+    not a list of names: the default template only. Before: TypeErrors."""
+    from kvflow.models.gguf_tokenizer import gguf_eos_token_ids, load_gguf_tokenizer
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    path = _rewritten(tmp_path, {"tokenizer.ggml.tokens": (5, _U32),
+                                 "tokenizer.ggml.eos_token_id": (0, _U32)})
+    assert gguf_eos_token_ids(path) == []
+    template = "{{ messages[0]['content'] }}"
+    path = _rewritten(tmp_path, {**_VOCAB, "tokenizer.chat_template": (template, _STR),
+                                 "tokenizer.chat_templates": (7, _U32)})
+    assert load_gguf_tokenizer(path).chat_template == template
