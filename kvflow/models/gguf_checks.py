@@ -132,7 +132,9 @@ def check_against_tensors(keys: ArchKeys, tensors: dict, kwargs: dict[str, Any])
             raise keys.error("vocab_size", f"is {vocab} but token_embd.weight has "
                              f"{embd.shape[0]} rows")
     blocks = {int(m.group(1)) for m in map(_BLOCK_INDEX_RE.match, tensors) if m}
-    if blocks and blocks != set(range(kwargs["num_hidden_layers"])):
+    # blocks 0..n-1 exactly, without building range(n) (a corrupt count may be 2**40)
+    n_layers = kwargs["num_hidden_layers"]
+    if blocks and (len(blocks) != n_layers or max(blocks) != n_layers - 1):
         raise keys.error("block_count", f"is {kwargs['num_hidden_layers']} but the file has "
                          f"tensors for blocks 0..{max(blocks)} ({len(blocks)} blocks)")
     head_dim, n_kv = kwargs["head_dim"], kwargs["num_key_value_heads"]

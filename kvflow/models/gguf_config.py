@@ -274,13 +274,21 @@ _APPLIED_KEYS: dict[str, frozenset[str]] = {
 
 
 def _token_kwargs(meta: GGUFMetadata) -> dict[str, Any]:
-    """bos/eos/pad token ids and the model name, where the file has them."""
+    """bos/eos/pad token ids and the model name, where the file has them.
+
+    Raises:
+        ValueError: naming the file and the key, for a token id that is not an integer
+            (llama.cpp reads them as uint32).
+    """
     kwargs: dict[str, Any] = {}
     for gguf_key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                              ("padding_token_id", "pad_token_id")):
         value = meta.get(f"tokenizer.ggml.{gguf_key}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{meta.path!r}: GGUF metadata key 'tokenizer.ggml.{gguf_key}' is "
+                             f"{value!r:.80}, not an integer token id")
         if value is not None:
-            kwargs[hf_key] = int(value)
+            kwargs[hf_key] = value
     name = meta.get("general.name")
     if name:
         kwargs["name_or_path"] = str(name)

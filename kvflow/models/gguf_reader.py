@@ -204,9 +204,10 @@ def _parse_header(path: str, buf, size: int) -> GGUFMetadata:
             raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
         dims = [p.unpack("Q") for _ in range(n_dims)]
         infos.append((name, dims, p.unpack("I"), p.unpack("Q")))
-    alignment = int(fields.get("general.alignment", _DEFAULT_ALIGNMENT))
-    if alignment <= 0 or alignment & (alignment - 1):
-        raise ValueError(f"invalid general.alignment {alignment}")
+    alignment = fields.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 \
+            or alignment & (alignment - 1):
+        raise ValueError(f"invalid general.alignment {alignment!r:.80}")
     data_start = -(-p.pos // alignment) * alignment
 
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType

@@ -80,6 +80,9 @@ def test_bad_head_counts_are_named(tmp_path, key, value, pattern):
     ("llama.vocab_size", (50, U32), r"vocab_size' is 50 but token_embd.weight has 40 rows"),
     ("llama.block_count", (1, U32), r"block_count' is 1 but the file has tensors for blocks"),
     ("llama.block_count", (3, U32), r"block_count' is 3"),
+    # a corrupt count: before, range(2**40) was built as a set (the process was OOM-killed)
+    ("llama.block_count", (2**40, gguf.GGUFValueType.UINT64),
+     r"block_count' is 1099511627776 but the file has tensors for blocks 0..1 \(2 blocks\)"),
     ("llama.feed_forward_length", (48, U32), r"feed_forward_length' disagrees with blk.0.ffn_up"),
     ("llama.rope.dimension_count", (4, U32), r"dimension_count' is 4.*partial rotary"),
     ("llama.attention.value_length", (4, U32), r"value_length' is 4.*v head sizes"),
@@ -372,3 +375,16 @@ def test_mistyped_vocabulary_and_template_names_are_no_crash(tmp_path, monkeypat
     path = _rewritten(tmp_path, {**_VOCAB, "tokenizer.chat_template": (template, _STR),
                                  "tokenizer.chat_templates": (7, _U32)})
     assert load_gguf_tokenizer(path).chat_template == template
+
+
+@pytest.mark.parametrize("key,value,pattern", [
+    ("tokenizer.ggml.eos_token_id", ([1, 2], ARR, gguf.GGUFValueType.INT32),
+     r"'tokenizer.ggml.eos_token_id' is \[1, 2\], not an integer token id"),
+    ("tokenizer.ggml.bos_token_id", (float("inf"), F32),
+     r"'tokenizer.ggml.bos_token_id' is inf, not an integer token id"),
+    ("general.alignment", ([32], ARR, U32),
+     r"not a valid GGUF file: invalid general.alignment \[32\]"),
+])
+def test_mistyped_token_ids_and_alignment_are_named(tmp_path, key, value, pattern):
+    """Before: a TypeError / OverflowError from ``int()`` with neither file nor key."""
+    _assert_refused(_rewritten(tmp_path, {key: value}), pattern)
