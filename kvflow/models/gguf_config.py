@@ -139,6 +139,20 @@ def _vocab_size(keys: ArchKeys, tensors: dict) -> int:
     return len(keys.meta.get("tokenizer.ggml.tokens", []))
 
 
+def _context_length(keys: ArchKeys) -> int:
+    """``context_length`` (default 2048), at most :data:`MAX_ROPE_POSITIONS`: the rotary table
+    holds one row per position, so a corrupt count (2**40) would ask for terabytes at start-up.
+
+    Raises:
+        ValueError: naming the key, for a missing-type, non-positive or larger value.
+    """
+    context = keys.int("context_length", 2048)
+    if context > MAX_ROPE_POSITIONS:
+        raise keys.error("context_length", f"is {context}, above the {MAX_ROPE_POSITIONS} RoPE "
+                         "positions kvflow tables")
+    return context
+
+
 # rope.scaling.yarn_* keys -> the transformers YaRN field each one was converted from
 # (llama.cpp's convert_hf_to_gguf.py writes beta_fast / beta_slow / attention_factor as they are).
 _YARN_KEYS = (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
@@ -318,7 +332,7 @@ def _config_kwargs(meta: GGUFMetadata) -> tuple[ArchSpec, dict[str, Any]]:
         "head_dim": head_dim,
         "intermediate_size": keys.int("feed_forward_length"),
         "rms_norm_eps": keys.float("attention.layer_norm_rms_epsilon", 1e-6),
-        "max_position_embeddings": keys.int("context_length", 2048),
+        "max_position_embeddings": _context_length(keys),
         "rope_theta": keys.float("rope.freq_base", 10000.0),
         "tie_word_embeddings": "output.weight" not in tensors,
         # transformers' Qwen2 always has q/k/v biases (and ignores this key); Llama/Qwen3 use it.

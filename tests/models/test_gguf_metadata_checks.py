@@ -384,7 +384,10 @@ def test_mistyped_vocabulary_and_template_names_are_no_crash(tmp_path, monkeypat
      r"'tokenizer.ggml.bos_token_id' is inf, not an integer token id"),
     ("general.alignment", ([32], ARR, U32),
      r"not a valid GGUF file: invalid general.alignment \[32\]"),
+    # before: loaded, then the engine asked for a 4 TB rotary table at start-up
+    ("llama.context_length", (2**40, gguf.GGUFValueType.UINT64),
+     r"'llama.context_length' is 1099511627776, above the 16777216 RoPE positions"),
 ])
-def test_mistyped_token_ids_and_alignment_are_named(tmp_path, key, value, pattern):
+def test_corrupt_values_are_named(tmp_path, key, value, pattern):
     """Before: a TypeError / OverflowError from ``int()`` with neither file nor key."""
     _assert_refused(_rewritten(tmp_path, {key: value}), pattern)
