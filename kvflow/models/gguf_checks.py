@@ -115,6 +115,20 @@ def _rows(tensors: dict, name: str) -> int | None:
     return int(info.shape[0]) if info is not None and info.shape else None
 
 
+def check_block_count(keys: ArchKeys, tensors: dict, n_layers: int) -> None:
+    """The file's ``blk.N`` tensors are blocks 0..n_layers-1 exactly (none at all: a
+    metadata-only file), checked without building ``range(n_layers)``: a corrupt count may be
+    2**40, and per-layer checks (MoE routers) walk it.
+
+    Raises:
+        ValueError: naming the file and ``block_count``.
+    """
+    blocks = {int(m.group(1)) for m in map(_BLOCK_INDEX_RE.match, tensors) if m}
+    if blocks and (len(blocks) != n_layers or max(blocks) != n_layers - 1):
+        raise keys.error("block_count", f"is {n_layers} but the file has tensors for blocks "
+                         f"0..{max(blocks)} ({len(blocks)} blocks)")
+
+
 def check_against_tensors(keys: ArchKeys, tensors: dict, kwargs: dict[str, Any]) -> None:
     """Check the config numbers in ``kwargs`` (transformers config keys) against the tensor
     shapes of the file (``tensors``: name -> GGUFTensorInfo, PyTorch-order shapes).
@@ -131,12 +145,7 @@ def check_against_tensors(keys: ArchKeys, tensors: dict, kwargs: dict[str, Any])
         if embd.shape[0] != vocab:
             raise keys.error("vocab_size", f"is {vocab} but token_embd.weight has "
                              f"{embd.shape[0]} rows")
-    blocks = {int(m.group(1)) for m in map(_BLOCK_INDEX_RE.match, tensors) if m}
-    # blocks 0..n-1 exactly, without building range(n) (a corrupt count may be 2**40)
-    n_layers = kwargs["num_hidden_layers"]
-    if blocks and (len(blocks) != n_layers or max(blocks) != n_layers - 1):
-        raise keys.error("block_count", f"is {kwargs['num_hidden_layers']} but the file has "
-                         f"tensors for blocks 0..{max(blocks)} ({len(blocks)} blocks)")
+    check_block_count(keys, tensors, kwargs["num_hidden_layers"])
     head_dim, n_kv = kwargs["head_dim"], kwargs["num_key_value_heads"]
     up_rows = expected_shapes(kwargs)["ffn_up.weight"][0]
     for name, key, expected in (("blk.0.ffn_up.weight", "feed_forward_length", up_rows),

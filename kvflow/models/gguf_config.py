@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kvflow.models.gguf_checks import (
     ArchKeys,
     check_against_tensors,
+    check_block_count,
     check_single_file,
     check_unapplied_keys,
 )
@@ -339,6 +340,7 @@ def _config_kwargs(meta: GGUFMetadata) -> tuple[ArchSpec, dict[str, Any]]:
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         **_token_kwargs(meta),
     }
+    check_block_count(keys, tensors, kwargs["num_hidden_layers"])  # before any per-layer walk
     if moe:
         kwargs.update(moe_kwargs(keys, tensors, spec.hf_architecture, kwargs))
     check_against_tensors(keys, tensors, kwargs)

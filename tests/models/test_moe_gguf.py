@@ -429,6 +429,10 @@ def test_moe_gguf_experts_load_per_expert(tiny_model_factory, tmp_path):
      (r"'qwen2moe.expert_shared_feed_forward_length' is 40, but blk.0.ffn_gate_shexp.weight "
      r"has 48 rows")),
     ("mixtral", {"expert_weights_norm": False}, r"'llama.expert_weights_norm' is false"),
+    # a corrupt block count: before, the router check listed range(2**32 - 1) (MemoryError or
+    # the process OOM-killed) before the tensors were compared with it
+    ("qwen3_moe", {"block_count": 2**32 - 1},
+     r"'qwen3moe.block_count' is 4294967295 but the file has tensors for blocks 0..1"),
     # GraniteMoeShared's key: kvflow's Granite MoE has no shared expert
     ("granite_moe", {"expert_shared_feed_forward_length": 16},
      (r"'granitemoe.expert_shared_feed_forward_length' is 16: a shared expert is not "
