@@ -20,8 +20,11 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
     Uses ``AutoTokenizer.from_pretrained(dirname, gguf_file=basename)`` (a
     ``PreTrainedTokenizerFast``-style tokenizer; GGUF ``tokenizer.ggml.add_bos_token`` is
-    honoured by transformers). The returned tokenizer has ``chat_template`` set from the GGUF
-    key ``tokenizer.chat_template`` when transformers did not set it, and its bos/eos/pad
+    honoured by transformers, and its absence means llama.cpp's default, see
+    :func:`_llama_cpp_add_bos`). The returned tokenizer has ``chat_template`` set from the GGUF
+    key ``tokenizer.chat_template`` when transformers did not set it (a dict with the named
+    ones where the file has ``tokenizer.chat_template.<name>``: :func:`gguf_chat_templates`),
+    and its bos/eos/pad
     tokens are made to match ``tokenizer.ggml.{bos,eos,padding}_token_id`` when present. The
     result is saved under the kvflow cache directory and reloaded from there next time (see
     ``_tokenizer_cache_dir``).
