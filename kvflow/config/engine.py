@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvflow.close_names import did_you_mean
 from kvflow.config import cpu_limits
 from kvflow.config.cache import CacheConfig
 from kvflow.config.deterministic import check_config as check_deterministic
@@ -244,7 +245,8 @@ class EngineConfig:
         method / model / num_speculative_tokens (``merge_spec_shorthands``).
 
         Raises:
-            ValueError: on an unknown keyword, listing the valid ones, a field given under
+            ValueError: on an unknown keyword, naming the closest valid one (if one is close)
+                and ``kvflow serve --help``, which lists them as flags, a field given under
                 two names (a speculative key both ways too), or a bad value.
         """
         speculative = merge_spec_shorthands(
@@ -262,8 +264,8 @@ class EngineConfig:
                     raise ValueError(f"{key} and {alias[key]} name the same option: give one")
                 key = alias[key]
             if key not in owner:
-                raise ValueError(f"unknown engine option {key!r}; valid: "
-                                 f"{sorted([*owner, *_JSON_SECTIONS, *_SPEC_KEYWORDS])}")
+                raise ValueError(_unknown_option(key, [*owner, *alias, *_JSON_SECTIONS,
+                                                       *_SPEC_KEYWORDS]))
             parts[owner[key]][key] = value
         return cls(**{sec: _SECTIONS[sec](**vals) for sec, vals in parts.items()},
                    speculative_config=speculative, kv_events_config=kv_events,
@@ -317,3 +319,11 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _unknown_option(key: str, names: list[str]) -> str:
+    """The refusal of ``LLM(key=...)`` (``from_kwargs``): the closest of ``names`` (the valid
+    keywords) if one is close, and where the whole list is, short of printing ~150 names."""
+    return (f"unknown engine option {key!r}{did_you_mean(key, names)}; `kvflow serve --help` "
+            "lists them as the flags of its groups ModelConfig to KVTransferConfig "
+            "(--max-model-len is max_model_len)")

@@ -9,13 +9,13 @@ sampling flags from SamplingParams, so each knob is declared once. Bad input exi
 from __future__ import annotations
 
 import argparse
-import difflib
 import logging
 import os
 import re
 import sys
 from typing import NoReturn
 
+from kvflow.close_names import closest_name
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.entrypoints.cli_generate import add_generate_parser
 from kvflow.entrypoints.config_file import add_config_arg, leaf_parsers, read_config_file
@@ -125,14 +125,15 @@ class _Parser(argparse.ArgumentParser):
 
 def _did_you_mean(parser: argparse.ArgumentParser, extras: list[str]) -> str:
     """`` (did you mean --x?)`` naming the closest option of ``parser`` to each unrecognized
-    ``--flag`` in ``extras`` (``--flag=value`` too; difflib's ratio >= 0.75), or ``''``."""
+    ``--flag`` in ``extras`` (``--flag=value`` too; ``closest_name``), or ``''``."""
     options = [o for action in parser._actions for o in action.option_strings
                if o.startswith("--")]
     guesses = []
     for extra in extras:
         if extra.startswith("--"):
-            close = difflib.get_close_matches(extra.split("=", 1)[0], options, n=1, cutoff=0.75)
-            guesses += [g for g in close if g not in guesses]
+            guess = closest_name(extra.split("=", 1)[0], options)
+            if guess is not None and guess not in guesses:
+                guesses.append(guess)
     return f" (did you mean {' or '.join(guesses)}?)" if guesses else ""
 
 

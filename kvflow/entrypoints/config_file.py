@@ -15,11 +15,12 @@ file's list instead of adding to it. Flags themselves are still generated from
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvflow.close_names import closest_name
 
 CONFIG_FLAG = "--config"
 # Repeated (list) flags whose items may be JSON (vLLM's forms): a mapping or list item of the
@@ -228,8 +229,8 @@ def _action_for(parser: argparse.ArgumentParser, key: Any, path: str) -> argpars
     if action is None or action.dest == "help":
         valid = sorted(a.option_strings[0][2:] for a in parser._actions
                        if a.option_strings and a.dest not in ("help", "config"))
-        close = difflib.get_close_matches(flag[2:], valid, n=1, cutoff=0.75)
-        guess = f" (did you mean {close[0]}?)" if close else ""
+        close = closest_name(flag[2:], valid)
+        guess = f" (did you mean {close}?)" if close else ""
         raise ValueError(f"{path}: unknown key {key!r}{guess}: {parser.prog} has no flag "
                          f"{flag}; valid keys: {', '.join(valid)}")
     return action

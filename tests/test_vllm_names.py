@@ -1,0 +1,66 @@
+"""Names a vLLM user types: a misspelled ``LLM(...)`` keyword is answered with the closest
+valid one in a short message (it was a ValueError listing ~150 names in 1,800 characters)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from kvflow import LLM
+from kvflow.config import EngineConfig
+from kvflow.config import engine as engine_config
+from kvflow.entrypoints.cli import build_parser
+from kvflow.entrypoints.config_file import leaf_parsers
+
+HELP_POINTER = ("; `kvflow serve --help` lists them as the flags of its groups ModelConfig to "
+                "KVTransferConfig (--max-model-len is max_model_len)")
+
+
+@pytest.mark.parametrize("key,guess", [
+    ("modle", "model"),
+    ("gpu_memory_utilisation", "gpu_memory_utilization"),
+    ("tensor_parallel", "tensor_parallel_size"),
+    ("scheduling_polcy", "scheduling_policy"),  # vLLM's alias of policy
+    ("spec_token", "spec_tokens"),  # vLLM's speculative shorthand
+    ("speculative_confg", "speculative_config"),  # a JSON section
+])
+def test_unknown_engine_option_names_the_close_one(key, guess):
+    """EngineConfig.from_kwargs (what LLM and an AsyncLLM's config are built by)."""
+    with pytest.raises(ValueError) as e:
+        EngineConfig.from_kwargs(model="m", **{key: 1})
+    assert str(e.value) == f"unknown engine option {key!r} (did you mean {guess!r}?)" \
+        + HELP_POINTER
+
+
+def test_llm_unknown_keyword_names_the_close_one():
+    """The newcomer's line: refused before any model is looked for."""
+    with pytest.raises(ValueError) as e:
+        LLM(model="no/such-model", modle="x")
+    assert str(e.value) == "unknown engine option 'modle' (did you mean 'model'?)" + HELP_POINTER
+
+
+def test_unknown_engine_option_without_a_close_one():
+    with pytest.raises(ValueError) as e:
+        EngineConfig.from_kwargs(model="m", no_such_option=1)
+    assert str(e.value) == "unknown engine option 'no_such_option'" + HELP_POINTER
+
+
+def test_help_pointer_lists_every_engine_keyword():
+    """What the message says is true: the flags of ``kvflow serve``'s groups ModelConfig to
+    KVTransferConfig, written with _ for -, are the keywords from_kwargs takes (those kvflow
+    sets itself, ``cli=False``, have no flag)."""
+    serve, = (p for p in leaf_parsers(build_parser("serve")) if p.prog.endswith(" serve"))
+    titles = [g.title for g in serve._action_groups]
+    groups = serve._action_groups[titles.index("ModelConfig"):
+                                  titles.index("KVTransferConfig") + 1]
+    listed = {o[2:].replace("-", "_") for g in groups for a in g._group_actions
+              for o in a.option_strings
+              if o.startswith("--") and not (o.startswith("--no-") and "--" + o[5:] in a.option_strings)}
+    sections = engine_config._SECTIONS.values()
+    accepted = {f.name for c in sections for f in fields(c)} | \
+        {a.lstrip("-").replace("-", "_") for c in sections for f in fields(c)
+         for a in f.metadata.get("aliases", ())} | \
+        set(engine_config._JSON_SECTIONS) | set(engine_config._SPEC_KEYWORDS)
+    internal = {f.name for c in sections for f in fields(c) if f.metadata.get("cli") is False}
+    assert internal and listed == accepted - internal
