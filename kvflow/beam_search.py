@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvflow.close_names import guess_unknown_keywords
 from kvflow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
@@ -49,6 +50,7 @@ from kvflow.sampling_params import SamplingParams
 MAX_BEAM_WIDTH = 128
 
 
+@guess_unknown_keywords
 @dataclass
 class BeamSearchParams:
     """Parameters of one beam search (vLLM's ``BeamSearchParams``).

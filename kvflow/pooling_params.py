@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvflow.close_names import guess_unknown_keywords
+
 POOLING_TASKS = ("embed", "score", "classify", "token_embed", "token_classify")
 # vLLM's per-token tasks: one row per prompt token instead of one vector per prompt
 TOKEN_TASKS = ("token_embed", "token_classify")
 _EMBED_TASKS = ("embed", "token_embed")  # the tasks that take ``dimensions`` / ``normalize``
 
 
+@guess_unknown_keywords
 @dataclass
 class PoolingParams:
     """Options of one pooling request.

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from kvflow.close_names import guess_unknown_keywords
 from kvflow.structured.params import StructuredOutputsParams
 from kvflow.text_checks import find_lone_surrogate
 
@@ -46,6 +47,7 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
+@guess_unknown_keywords
 @dataclass
 class SamplingParams:
     """How to sample one request's output.

@@ -1,5 +1,7 @@
 """Names a vLLM user types: a misspelled ``LLM(...)`` keyword is answered with the closest
-valid one in a short message (it was a ValueError listing ~150 names in 1,800 characters)."""
+valid one in a short message (it was a ValueError listing ~150 names in 1,800 characters), and
+so is a misspelled field of the request parameter classes (a bare TypeError naming only the
+unknown keyword; TypeError stays, as vLLM's msgspec Structs raise it)."""
 
 from __future__ import annotations
 
@@ -7,11 +9,12 @@ from dataclasses import fields
 
 import pytest
 
-from kvflow import LLM
+from kvflow import LLM, BeamSearchParams, PoolingParams, SamplingParams
 from kvflow.config import EngineConfig
 from kvflow.config import engine as engine_config
 from kvflow.entrypoints.cli import build_parser
 from kvflow.entrypoints.config_file import leaf_parsers
+from kvflow.structured.params import StructuredOutputsParams
 
 HELP_POINTER = ("; `kvflow serve --help` lists them as the flags of its groups ModelConfig to "
                 "KVTransferConfig (--max-model-len is max_model_len)")
@@ -64,3 +67,34 @@ def test_help_pointer_lists_every_engine_keyword():
         set(engine_config._JSON_SECTIONS) | set(engine_config._SPEC_KEYWORDS)
     internal = {f.name for c in sections for f in fields(c) if f.metadata.get("cli") is False}
     assert internal and listed == accepted - internal
+
+
+@pytest.mark.parametrize("cls,key,guess", [
+    (SamplingParams, "max_token", "max_tokens"),
+    (SamplingParams, "temprature", "temperature"),
+    (SamplingParams, "stop_token_id", "stop_token_ids"),
+    (PoolingParams, "normalise", "normalize"),
+    (BeamSearchParams, "beam_widht", "beam_width"),
+    (StructuredOutputsParams, "jsn", "json"),
+])
+def test_params_unknown_field_names_the_close_one(cls, key, guess):
+    with pytest.raises(TypeError) as e:
+        cls(**{key: 5})
+    assert str(e.value) == (f"{cls.__name__}.__init__() got an unexpected keyword argument "
+                            f"{key!r} (did you mean {guess!r}?)")
+
+
+def test_params_unknown_field_without_a_close_one():
+    """Python's own message, which names the keyword."""
+    with pytest.raises(TypeError) as e:
+        SamplingParams(max_tokens=5, xyzzy=1)
+    assert str(e.value) == "SamplingParams.__init__() got an unexpected keyword argument 'xyzzy'"
+
+
+def test_params_known_fields_unchanged():
+    params = SamplingParams(max_tokens=5, top_k=-1)
+    assert (params.max_tokens, params.top_k, params.fields_set) == (5, 0, {"max_tokens", "top_k"})
+    beam = BeamSearchParams(4, max_tokens=3)
+    assert (beam.beam_width, beam.max_tokens) == (4, 3)
+    with pytest.raises(ValueError, match="beam_width=0"):
+        BeamSearchParams(beam_width=0, max_tokens=3)

@@ -11,10 +11,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kvflow.close_names import guess_unknown_keywords
+
 # the constraint fields other than json_object (a flag), in the order ``kind`` reads them
 _SPEC_FIELDS = ("json", "regex", "choice", "grammar", "structural_tag")
 
 
+@guess_unknown_keywords
 @dataclass
 class StructuredOutputsParams:
     """Exactly one constraint on the generated text (vLLM's ``StructuredOutputsParams``).
