@@ -13,18 +13,32 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "BeamSearchParams",
+    "ClassificationOutput",
     "ClassificationRequestOutput",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "LLMEngine",
     "LoRARequest",
+    "PoolingOutput",
     "PoolingParams",
     "PoolingRequestOutput",
+    "PromptType",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "ScoringOutput",
     "ScoringRequestOutput",
+    "TextPrompt",
+    "TokensPrompt",
     "__version__",
 ]
+
+# vLLM's top-level names kvflow has, by the module that holds them (imported on first use)
+_OUTPUTS = ("RequestOutput", "CompletionOutput", "ScoringRequestOutput", "ScoringOutput",
+            "ClassificationRequestOutput", "ClassificationOutput", "PoolingRequestOutput",
+            "PoolingOutput", "EmbeddingRequestOutput", "EmbeddingOutput")
+_INPUTS = ("PromptType", "TextPrompt", "TokensPrompt")
 
 
 def __getattr__(name: str):
@@ -42,16 +56,19 @@ def __getattr__(name: str):
 
         return async_llm.AsyncLLM
     if name == "BeamSearchParams":
-        from kvflow.beam_search import BeamSearchParams
+        from kvflow.beam_search_params import BeamSearchParams
 
         return BeamSearchParams
     if name == "LoRARequest":
         from kvflow.lora.request import LoRARequest
 
         return LoRARequest
-    if name in ("RequestOutput", "CompletionOutput", "ScoringRequestOutput",
-                "ClassificationRequestOutput", "PoolingRequestOutput"):
+    if name in _OUTPUTS:
         from kvflow import outputs
 
         return getattr(outputs, name)
+    if name in _INPUTS:
+        from kvflow import inputs
+
+        return getattr(inputs, name)
     raise AttributeError(f"module 'kvflow' has no attribute {name!r}")

@@ -9,18 +9,18 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from kvflow.inputs import PromptType
 from kvflow.multimodal.video import video_list
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.prompt_embeds import PromptEmbeds
 from kvflow.tokenization_options import TokenizationOptions
 
-# A text prompt, a token-id prompt, or a dict: {"prompt": str} or {"prompt_token_ids": [...]},
-# with "multi_modal_data": {"image": PIL image or list of them, "video": a video (uint8 array
-# (T, H, W, 3) or list of PIL frames) or list of them} for a vision-language model
-# and "cache_salt": a non-empty string salting its prefix-cache blocks (vLLM's); or
-# {"prompt_embeds": float tensor [num_tokens, hidden_size]} (enable_prompt_embeds), with or
-# without "cache_salt".
-PromptType = str | list[int] | Mapping[str, Any]
+# PromptType (kvflow/inputs.py, vLLM's vllm.inputs): a text prompt, a token-id prompt, or a
+# dict: {"prompt": str} or {"prompt_token_ids": [...]}, with "multi_modal_data": {"image": PIL
+# image or list of them, "video": a video (uint8 array (T, H, W, 3) or list of PIL frames) or
+# list of them} for a vision-language model and "cache_salt": a non-empty string salting its
+# prefix-cache blocks (vLLM's); or {"prompt_embeds": float tensor [num_tokens, hidden_size]}
+# (enable_prompt_embeds), with or without "cache_salt".
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt",
                           "mm_processor_kwargs"})
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from kvflow.beam_search_params import BeamSearchParams  # noqa: F401 (vLLM's path of it)
 from kvflow.close_names import guess_unknown_keywords
 from kvflow.structured.params import StructuredOutputsParams
 from kvflow.text_checks import find_lone_surrogate

@@ -67,6 +67,8 @@ LAYERS: dict[str, int] = {
     "kvflow.pooling_params": 0, "kvflow.validation_words": 0, "kvflow.prompt_truncation": 0,
     "kvflow.prompt_embeds": 0, "kvflow.token_masks": 0,
     "kvflow.close_names": 0,  # the closest valid name to a misspelled one (CLI, LLM, params)
+    "kvflow.beam_search_params": 0,  # BeamSearchParams (also kvflow.sampling_params', vLLM's path)
+    "kvflow.inputs": 0,  # vLLM's vllm.inputs: the prompt forms as TypedDicts
     "kvflow.kv_connector_meta": 0,  # a KV connector's per-step loads and saves
     # custom logits processors' interface (the config loads the classes) and the batch
     # changes they are told (runner -> processor)

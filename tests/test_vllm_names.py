@@ -98,3 +98,70 @@ def test_params_known_fields_unchanged():
     assert (beam.beam_width, beam.max_tokens) == (4, 3)
     with pytest.raises(ValueError, match="beam_width=0"):
         BeamSearchParams(beam_width=0, max_tokens=3)
+
+
+# ---- vLLM 0.32's import paths --------------------------------------------------------------------
+# vllm.__all__ (vLLM 0.32); the names kvflow has no counterpart of are VLLM_ONLY
+VLLM_ALL = ("__version__", "__version_tuple__", "LLM", "ModelRegistry", "PromptType", "TextPrompt",
+            "TokensPrompt", "SamplingParams", "RequestOutput", "CompletionOutput", "PoolingOutput",
+            "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
+            "ClassificationOutput", "ClassificationRequestOutput", "ScoringOutput",
+            "ScoringRequestOutput", "LLMEngine", "EngineArgs", "AsyncLLMEngine",
+            "AsyncEngineArgs", "initialize_ray_cluster", "PoolingParams")
+VLLM_ONLY = {"__version_tuple__", "ModelRegistry", "EngineArgs", "AsyncLLMEngine",
+             "AsyncEngineArgs", "initialize_ray_cluster"}
+
+
+def test_vllm_top_level_names():
+    """Every name of vllm.__all__ kvflow implements is in kvflow.__all__ and resolves."""
+    import kvflow
+
+    assert set(VLLM_ALL) - set(kvflow.__all__) == VLLM_ONLY
+    for name in kvflow.__all__:
+        assert getattr(kvflow, name) is not None, name
+
+
+@pytest.mark.parametrize("vllm_path,own_path", [
+    ("kvflow.sampling_params:BeamSearchParams", "kvflow:BeamSearchParams"),
+    ("kvflow.sampling_params:BeamSearchParams", "kvflow.beam_search:BeamSearchParams"),
+    ("kvflow.sampling_params:StructuredOutputsParams", "kvflow.structured.params:StructuredOutputsParams"),
+    ("kvflow.sampling_params:RequestOutputKind", "kvflow:RequestOutputKind"),
+    ("kvflow.inputs:TextPrompt", "kvflow:TextPrompt"),
+    ("kvflow.inputs:TokensPrompt", "kvflow:TokensPrompt"),
+    ("kvflow.inputs:PromptType", "kvflow:PromptType"),
+    ("kvflow.inputs:PromptType", "kvflow.prompt_inputs:PromptType"),
+    ("kvflow.outputs:EmbeddingOutput", "kvflow:EmbeddingOutput"),
+    ("kvflow.outputs:EmbeddingRequestOutput", "kvflow:EmbeddingRequestOutput"),
+    ("kvflow.outputs:PoolingOutput", "kvflow:PoolingOutput"),
+    ("kvflow.outputs:ScoringOutput", "kvflow:ScoringOutput"),
+    ("kvflow.outputs:ClassificationOutput", "kvflow:ClassificationOutput"),
+    ("kvflow.pooling_params:PoolingParams", "kvflow:PoolingParams"),
+    ("kvflow.lora.request:LoRARequest", "kvflow:LoRARequest"),
+])
+def test_vllm_import_path_is_kvflows_own(vllm_path, own_path):
+    import importlib
+
+    def resolve(path: str) -> object:
+        module, name = path.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    assert resolve(vllm_path) is resolve(own_path)
+
+
+def test_prompt_typeddicts_are_the_dicts_kvflow_parses():
+    """vLLM's TypedDicts build plain dicts; every key they declare is one kvflow's parser
+    reads (``unpack_prompt`` for text and token ids, ``InputProcessor`` for embeddings)."""
+    from kvflow.inputs import EmbedsPrompt, TextPrompt, TokensPrompt
+    from kvflow.prompt_inputs import tokenize_prompt, unpack_prompt
+
+    options = {"cache_salt", "multi_modal_data", "mm_processor_kwargs"}
+    assert (TextPrompt.__required_keys__, TextPrompt.__optional_keys__) == ({"prompt"}, options)
+    assert (TokensPrompt.__required_keys__, TokensPrompt.__optional_keys__) == \
+        ({"prompt_token_ids"}, options)
+    assert (EmbedsPrompt.__required_keys__, EmbedsPrompt.__optional_keys__) == \
+        ({"prompt_embeds"}, {"cache_salt"})
+    tokens = TokensPrompt(prompt_token_ids=[5, 6], cache_salt="s", multi_modal_data={},
+                          mm_processor_kwargs={})
+    assert type(tokens) is dict and tokenize_prompt(None, tokens) == (None, [5, 6])
+    text = TextPrompt(prompt="hi", cache_salt="s", multi_modal_data={}, mm_processor_kwargs={})
+    assert unpack_prompt(text) == ("hi", [], [])

@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from kvflow.beam_search import MAX_BEAM_WIDTH, BeamSearchParams, beam_search_async
+from kvflow.beam_search import beam_search_async
+from kvflow.beam_search_params import MAX_BEAM_WIDTH, BeamSearchParams
 from kvflow.engine.async_llm import AdmissionRejected, AsyncLLM, RequestStream
 from kvflow.entrypoints.openai_errors import OpenAIError, invalid_request
 from kvflow.entrypoints.protocol import SamplingRequest
