@@ -8,6 +8,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvflow.chat_tool_calls import check_tool_call_ids, check_tool_calls, message_turns
+from kvflow.chat_tools_text import (
+    HermesToolText,
+    apply_with_tools_prompt,
+    check_calls_before_text,
+    tools_as_text,
+)
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.llm_inputs import with_images
 from kvflow.lora.request import LoRARequest
@@ -51,7 +57,11 @@ class LLMChat:
         likewise, see ``kvflow.multimodal.video``);
         ``continue_final_message`` continues the last (assistant)
         message instead of starting a new turn; ``chat_template`` replaces the model's;
-        ``tools`` / ``documents`` / ``chat_template_kwargs`` become template variables;
+        ``tools`` / ``documents`` / ``chat_template_kwargs`` become template variables
+        (a template that reads no ``tools`` gets hermes' instructions for them at the end of
+        the system message instead, and one that reads neither ``tools`` nor ``tool_calls``
+        gets an assistant's calls as hermes' ``<tool_call>`` text: what ``kvflow serve``
+        renders under its default ``--tool-call-parser``);
         ``on_output`` is ``generate``'s (the outputs it sees have no ``prompt`` text: ``chat``
         sets it on the ones it returns); ``mm_processor_kwargs``, ``lora_request`` and
         ``priority`` are ``generate``'s
@@ -64,7 +74,8 @@ class LLMChat:
         say otherwise: the template writes the special tokens).
 
         Raises:
-            ValueError: for a ``chat_template_content_format`` other than the three, if the
+            ValueError: for a ``chat_template_content_format`` other than the three,
+                ``tools`` that are not a list of dicts, if the
                 model has no chat template, or for a message or option the
                 template cannot honour (``ChatTemplateError`` names the field): an
                 assistant's ``tool_calls`` not in the server's shape
@@ -105,6 +116,10 @@ class LLMChat:
         if chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format={chat_template_content_format!r} "
                              f"must be one of {', '.join(CONTENT_FORMATS)}")
+        if tools is not None and not (isinstance(tools, list)
+                                      and all(isinstance(t, dict) for t in tools)):
+            raise ValueError("tools must be a list of tool dicts ({'type': 'function', "
+                             f"'function': {{...}}}}), got {tools!r:.60}")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         options = {"continue_final_message": continue_final_message,
                    "chat_template": chat_template, "tools": tools, "documents": documents,
@@ -134,7 +149,7 @@ class LLMChat:
                 check_tool_calls(conversation)
                 check_tool_call_ids(message_turns(conversation))
         processor, tokenizer = self.engine.processor, self.engine.tokenizer
-        texts = [processor.apply_chat_template(c, add_generation_prompt, **options)
+        texts = [_render_conversation(processor, tokenizer, c, add_generation_prompt, options)
                  for c in conversations]
         prompts = []
         for text, c in zip(texts, conversations):
@@ -149,3 +164,23 @@ class LLMChat:
                 ids = tokenization.encode(tokenizer, text)
             prompts.append(with_images(ids, images, videos))
         return texts, prompts
+
+
+def _render_conversation(processor: Any, tokenizer: Any, conversation: Any,
+                         add_generation_prompt: bool, options: dict[str, Any]) -> str:
+    """One conversation's prompt text, rendered as ``/v1/chat/completions`` renders it under
+    the server's default ``--tool-call-parser`` (hermes): a template that reads no
+    ``tools`` gets their instructions in the system message, one that reads neither them
+    nor ``tool_calls`` gets earlier calls as text (``kvflow.chat_tools_text``). ``options``:
+    ``apply_chat_template``'s. Raises ValueError (``ChatTemplateError``) as
+    :meth:`LLMChat.chat`."""
+    def apply(messages: Any, tools: Any) -> str:
+        return processor.apply_chat_template(messages, add_generation_prompt,
+                                             **{**options, "tools": tools})
+
+    if not isinstance(conversation, list):
+        return apply(conversation, options.get("tools"))  # refused there, naming it
+    check_calls_before_text(conversation)
+    template = options.get("chat_template") or getattr(tokenizer, "chat_template", None)
+    return apply_with_tools_prompt(apply, tools_as_text(
+        conversation, str(template or ""), options.get("tools"), HermesToolText()))

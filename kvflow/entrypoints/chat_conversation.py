@@ -1,20 +1,14 @@
 """A chat request's conversation before the template renders it: the fields of its
-messages checked, earlier turns' tool calls written as text for a template that cannot read
-them, and the tools' instructions added to the system message (a template that fails on
-that message gets an error saying kvflow added it); and the 400 for a model without a
+messages checked (the tools and tool calls written as text for a template that cannot read
+them: ``kvflow.chat_tools_text``, shared with ``LLM.chat``); and the 400 for a model without a
 template."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 from kvflow.chat_messages import ChatTemplateError, check_call_index, check_message_fields
-from kvflow.chat_template import NoChatTemplateError
 from kvflow.chat_tool_calls import check_tool_call_ids
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.protocol import ChatMessage
-from kvflow.entrypoints.tool_parsers import ToolParser
 
 
 def check_messages(messages: list[ChatMessage]) -> None:
@@ -34,88 +28,6 @@ def check_messages(messages: list[ChatMessage]) -> None:
                             for m in messages)
     except ChatTemplateError as e:
         raise OpenAIError(str(e), param=e.param, code=e.code) from None
-
-
-def with_calls_as_text(conversation: list[dict[str, Any]], parser: ToolParser
-                        ) -> list[dict[str, Any]]:
-    """Each assistant turn's ``tool_calls`` appended to its content as ``parser``'s text
-    (on a line of its own after any text; a new text part for content given as parts)."""
-    out = []
-    for message in conversation:
-        calls = message.get("tool_calls")
-        if not calls:
-            out.append(message)
-            continue
-        text, content = parser.calls_text(calls), message.get("content")
-        if isinstance(content, list):
-            content = [*content, {"type": "text", "text": text}]
-        else:
-            content = f"{content}\n{text}" if content else text
-        out.append({k: v for k, v in message.items() if k != "tool_calls"} |
-                   {"content": content})
-    return out
-
-
-def with_system_prompt(conversation: list[dict[str, Any]], prompt: str
-                        ) -> list[dict[str, Any]]:
-    """``prompt`` as the system message, after the conversation's own system text if any
-    (a blank line between; content given as parts gets it as one more text part, which the
-    parts' newline join renders the same)."""
-    if conversation and conversation[0].get("role") == "system":
-        content = conversation[0].get("content")
-        if isinstance(content, list):
-            content = [*content, {"type": "text", "text": f"\n{prompt}"}]
-        else:
-            content = f"{content or ''}\n\n{prompt}".strip()
-        return [{**conversation[0], "content": content}, *conversation[1:]]
-    return [{"role": "system", "content": prompt}, *conversation]
-
-
-_RENDER_FAILED = "the chat template cannot render these messages: "  # chat_template.py's words
-
-
-def tools_prompt_error(error: ChatTemplateError, before: list[dict[str, Any]]
-                       ) -> ChatTemplateError:
-    """The error for a template that fails on the tools' instructions
-    ``with_system_prompt`` wrote into ``before`` (the conversation as the client sent it,
-    which the template renders): a system message kvflow added, or the end of the client's
-    own. ``error`` is the template's failure, kept in the text; param ``tools`` (the field
-    that brought the message in), code ``invalid_value``."""
-    which = "the end of message 0 (the system message)" \
-        if before and before[0].get("role") == "system" else "message 0 (a system message)"
-    failure = str(error).removeprefix(_RENDER_FAILED)
-    return ChatTemplateError(
-        f"the chat template cannot render {which} that kvflow added for tools: this template "
-        "does not read tools, so kvflow writes their instructions into the system message, "
-        f"and the template fails on it ({failure}); send the request without tools, or use a "
-        "chat template that reads tools", "tools")
-
-
-def apply_with_tools_prompt(apply: Callable[[list[dict[str, Any]], Any], str],
-                            conversation: list[dict[str, Any]], tools: Any,
-                            before_tools: list[dict[str, Any]] | None) -> str:
-    """``apply(conversation, tools)``, the template's prompt text. ``before_tools``: the
-    conversation before ``with_system_prompt`` wrote the tools' instructions into it (None:
-    it did not); when the template fails, it is rendered too (``apply(before_tools,
-    None)``), to tell whether that text is what the template fails on.
-
-    Raises:
-        NoChatTemplateError: from ``apply``.
-        ChatTemplateError: from ``apply``; :func:`tools_prompt_error` (param ``tools``) when
-            the template fails on the conversation but renders ``before_tools``.
-    """
-    try:
-        return apply(conversation, tools)
-    except NoChatTemplateError:
-        raise
-    except ChatTemplateError as e:
-        if before_tools is None or e.param not in ("messages", "chat_template"):
-            raise
-        try:
-            apply(before_tools, None)
-        except ChatTemplateError:
-            raise e from None  # the client's messages fail too: their error
-        raise tools_prompt_error(e, before_tools) from None
 
 
 def no_template_error(task: str, request_templates: bool) -> OpenAIError:

@@ -14,13 +14,8 @@ from typing import Any
 from kvflow.chat_messages import image_urls, video_urls
 from kvflow.chat_template import ChatTemplateError, NoChatTemplateError
 from kvflow.chat_template_source import load_chat_template, template_name
-from kvflow.entrypoints.chat_conversation import (
-    apply_with_tools_prompt,
-    check_messages,
-    no_template_error,
-    with_calls_as_text,
-    with_system_prompt,
-)
+from kvflow.chat_tools_text import ToolsAsText, apply_with_tools_prompt, tools_as_text
+from kvflow.entrypoints.chat_conversation import check_messages, no_template_error
 from kvflow.entrypoints.chat_options import ChatOptions
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.preprocess import INLINE_CHARS, PromptTooLong, encode_checked, off_loop
@@ -71,7 +66,7 @@ class ChatRendering:
         tool_choice none, ``tool_instructions`` False: they would ask for calls the request
         forbids, so such a template sees no tools then): a template
         that fails on that message but renders the client's messages is a 400 at ``tools``
-        saying so (``chat_conversation.apply_with_tools_prompt``). Assistant turns'
+        saying so (``chat_tools_text``, which ``LLM.chat`` shares). Assistant turns'
         ``tool_calls`` go to the template too; one that mentions neither ``tools`` nor
         ``tool_calls`` gets them as the tool parser's text at the end of the turn (the format
         those instructions ask for), one that reads tools but not tool_calls is a 400. A long
@@ -95,21 +90,13 @@ class ChatRendering:
         tokenizer = self.tokenizer
         template = str(options.chat_template or self.chat_template
                        or getattr(tokenizer, "chat_template", None) or "")
-        parser = make_tool_parser(self.config.tool_call_parser)
-        if "tools" not in template and "tool_calls" not in template:
-            conversation = with_calls_as_text(conversation, parser)
-        before_tools = None  # the conversation before kvflow wrote the tools into it
-        if tools and "tools" not in template and not tool_instructions:
-            tools = None
-        if tools and "tools" not in template:
-            before_tools = conversation
-            conversation, tools = with_system_prompt(conversation,
-                                                      parser.system_prompt(tools)), None
+        prepared = tools_as_text(conversation, template, tools,
+                                 make_tool_parser(self.config.tool_call_parser),
+                                 tool_instructions)
         limit = self.engine.max_model_len - 1 if check_length else None
         try:
             return await off_loop(INLINE_CHARS + 1 if size is None else size,
-                                  self._render_now, tokenizer, conversation, options, tools,
-                                  limit, before_tools)
+                                  self._render_now, tokenizer, prepared, options, limit)
         except NoChatTemplateError:
             raise no_template_error(getattr(self.engine, "task", "generate"),
                                     self.config.trust_request_chat_template) from None
@@ -134,23 +121,19 @@ class ChatRendering:
             raise OpenAIError("chat_template is empty", param="chat_template",
                               code="invalid_value")
 
-    def _render_now(self, tokenizer: Any, conversation: list[dict[str, Any]],
-                    options: ChatOptions, tools: list[dict[str, Any]] | None,
-                    limit: int | None, before_tools: list[dict[str, Any]] | None = None
-                    ) -> tuple[str, list[int]]:
-        """``render``'s work (run in a worker thread for a long conversation): the template,
-        then the tokenizer (refusing a text certainly over ``limit`` tokens unless None).
-        ``before_tools``: the conversation before kvflow wrote the tools' instructions into
-        its system message (None: it did not), rendered once more when the template fails, to
-        tell whether that text is what it fails on.
+    def _render_now(self, tokenizer: Any, prepared: ToolsAsText, options: ChatOptions,
+                    limit: int | None) -> tuple[str, list[int]]:
+        """``render``'s work (run in a worker thread for a long conversation): the template
+        on ``prepared`` (``chat_tools_text.tools_as_text``), then the tokenizer (refusing a
+        text certainly over ``limit`` tokens unless None).
 
         Raises:
             NoChatTemplateError, ChatTemplateError: from the template (param ``tools`` when it
-                renders ``before_tools``: ``apply_with_tools_prompt``); PromptTooLong.
+                fails only on the tools' instructions kvflow added:
+                ``chat_tools_text.apply_with_tools_prompt``); PromptTooLong.
         """
         text = apply_with_tools_prompt(
-            lambda messages, tools: self._apply_template(messages, options, tools),
-            conversation, tools, before_tools)
+            lambda messages, tools: self._apply_template(messages, options, tools), prepared)
         special = options.add_special_tokens
         if limit is None:
             return text, tokenizer.encode(text, add_special_tokens=special)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvflow.chat_tools_text import tools_listing
 from kvflow.entrypoints.json_spans import object_members, skip_ws
 
 
@@ -235,15 +236,6 @@ class ToolParser:
         raise NotImplementedError
 
 
-def call_json(call: dict[str, Any], args_key: str) -> str:
-    """``{"name": ..., "<args_key>": ...}`` with the arguments text as given (``{}`` if
-    empty): the model wrote that text; re-encoding it would change what it sees."""
-    function = call["function"]
-    arguments = function["arguments"].strip() or "{}"
-    return (f'{{"name": {json.dumps(function["name"], ensure_ascii=False)}, '
-            f'"{args_key}": {arguments}}}')
-
-
 def arguments_items(function: dict[str, Any]) -> list[tuple[str, str]]:
     """A history call's arguments (``function["arguments"]``, JSON text) as (name, value
     text) pairs, for the formats that write each parameter in tags (``qwen3_coder``,
@@ -255,11 +247,6 @@ def arguments_items(function: dict[str, Any]) -> list[tuple[str, str]]:
         return []
     return [(k, v if isinstance(v, str) else json.dumps(v, ensure_ascii=False))
             for k, v in (arguments.items() if isinstance(arguments, dict) else ())]
-
-
-def tools_listing(tools: list[dict[str, Any]]) -> str:
-    """The request's ``tools`` one JSON object a line, for a parser's ``system_prompt``."""
-    return "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
 
 
 def is_plain_name(name: str) -> bool:

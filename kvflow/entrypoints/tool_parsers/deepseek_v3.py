@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvflow.chat_tools_text import tools_listing
 from kvflow.entrypoints.json_spans import skip_ws
-from kvflow.entrypoints.tool_parsers.base import tools_listing
 from kvflow.entrypoints.tool_parsers.marked_blocks import MarkedBlocksToolParser
 
 

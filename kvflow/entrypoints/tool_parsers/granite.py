@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvflow.chat_tools_text import call_json, tools_listing
 from kvflow.entrypoints.json_spans import skip_ws
 from kvflow.entrypoints.tool_parsers.base import (
     ParsedOutput,
     ToolParser,
-    call_json,
     json_object_calls,
-    tools_listing,
 )
 
 

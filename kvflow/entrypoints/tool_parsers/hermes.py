@@ -5,24 +5,23 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvflow.chat_tools_text import HermesToolText
 from kvflow.entrypoints.json_spans import skip_ws
 from kvflow.entrypoints.tool_parsers.base import (
     ParsedCall,
     ParsedOutput,
     ToolParser,
     call_from_object,
-    call_json,
     calls_or_content,
     held_back,
     read_blocks,
-    tools_listing,
     until_marker,
 )
 
 
 class HermesToolParser(ToolParser):
     name = "hermes"
-    START, END = "<tool_call>", "</tool_call>"
+    START, END = HermesToolText.START, HermesToolText.END
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
         out, first = until_marker(text, self.START, final)
@@ -64,13 +63,7 @@ class HermesToolParser(ToolParser):
         return pos
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listing = tools_listing(tools)
-        return ("You may call one or more functions to assist with the user query. The "
-                f"functions are:\n<tools>\n{listing}\n</tools>\nFor each function call, return "
-                "a JSON object with the function name and arguments within <tool_call></tool_call>"
-                ' tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
-                "\n</tool_call>")
+        return HermesToolText().system_prompt(tools)
 
     def calls_text(self, calls: list[dict[str, Any]]) -> str:
-        return "\n".join(f"{self.START}\n{call_json(c, 'arguments')}\n{self.END}"
-                         for c in calls)
+        return HermesToolText().calls_text(calls)

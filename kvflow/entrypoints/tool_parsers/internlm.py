@@ -13,15 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvflow.chat_tools_text import call_json, tools_listing
 from kvflow.entrypoints.json_spans import skip_ws
 from kvflow.entrypoints.tool_parsers.base import (
     ParsedOutput,
     ToolParser,
     add_call,
     call_from_object,
-    call_json,
     calls_or_content,
-    tools_listing,
     until_marker,
 )
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from kvflow.chat_tools_text import tools_listing
 from kvflow.entrypoints.json_spans import skip_ws
-from kvflow.entrypoints.tool_parsers.base import tools_listing
 from kvflow.entrypoints.tool_parsers.marked_blocks import MarkedBlocksToolParser
 
 _CALL_ID = re.compile(r"(?:[A-Za-z0-9_\-]+\.)*([A-Za-z0-9_\-]+):\d+\Z")

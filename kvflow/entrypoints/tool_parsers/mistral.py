@@ -20,6 +20,7 @@ import re
 import uuid
 from typing import Any
 
+from kvflow.chat_tools_text import call_json
 from kvflow.entrypoints.json_spans import object_members, skip_ws
 from kvflow.entrypoints.tool_parsers.base import (
     ParsedCall,
@@ -27,7 +28,6 @@ from kvflow.entrypoints.tool_parsers.base import (
     ToolParser,
     add_call,
     call_from_object,
-    call_json,
     calls_or_content,
     is_json,
     until_marker,

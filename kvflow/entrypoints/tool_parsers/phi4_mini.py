@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvflow.chat_tools_text import call_json, tools_listing
 from kvflow.entrypoints.tool_parsers.base import (
     ParsedOutput,
     ToolParser,
-    call_json,
-    tools_listing,
     until_marker,
 )
 from kvflow.entrypoints.tool_parsers.jamba import list_calls

@@ -18,6 +18,7 @@ import math
 import re
 from typing import Any
 
+from kvflow.chat_tools_text import tools_listing
 from kvflow.entrypoints.json_spans import skip_ws
 from kvflow.entrypoints.tool_parsers.base import (
     ParsedCall,
@@ -26,7 +27,6 @@ from kvflow.entrypoints.tool_parsers.base import (
     arguments_items,
     calls_or_content,
     read_blocks,
-    tools_listing,
     until_marker,
 )
 

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvflow.chat_tools_text import call_json, tools_listing
 from kvflow.entrypoints.json_spans import skip_ws
 from kvflow.entrypoints.tool_parsers.base import (
     ParsedOutput,
     ToolParser,
-    call_json,
     held_back,
-    tools_listing,
 )
 from kvflow.entrypoints.tool_parsers.jamba import list_calls
 
