@@ -251,3 +251,59 @@ def test_both_names_of_a_setting_refused(capsys, argv):
     first, second = argv[0], argv[2].split("=")[0]
     assert err[0] == (f"kvflow: error: {first} and {second} name the same setting (one is "
                       "vLLM's name for it): give one")
+
+
+# vLLM 0.32's human_readable_int_or_auto (vllm/utils/argparse_utils.py) on these strings,
+# hand-computed: k m g t decimal, K M G T binary with a whole number, -1 / auto its auto-fit
+# (kvflow: unset, the model's length capped to the KV cache).
+HUMAN_INTS = [("2k", 2000), ("1k", 1000), ("1K", 1024), ("25.6k", 25600), ("2048", 2048),
+              (" 4k ", 4000), ("1.5m", 1_500_000), ("2M", 2 * 2**20), ("0.5k", 500),
+              ("1.9999k", 1999)]
+
+
+@pytest.mark.parametrize("text,value", [*HUMAN_INTS, ("-1", None), ("auto", None),
+                                        ("AUTO", None)])
+def test_max_model_len_takes_vllms_spellings(text, value):
+    """``--max-model-len 2k`` was refused by argparse (invalid int value: '2k'); vLLM reads
+    it with human_readable_int_or_auto."""
+    assert _engine("--max-model-len", text).model_config.max_model_len == value
+
+
+@pytest.mark.parametrize("text,value", HUMAN_INTS)
+def test_max_num_batched_tokens_takes_vllms_spellings(text, value):
+    """vLLM reads --max-num-batched-tokens with human_readable_int too."""
+    config = _engine("--max-num-batched-tokens", text, command="generate")
+    assert config.scheduler_config.max_num_batched_tokens == value
+
+
+def test_human_readable_ints_in_a_config_file_and_llm(tmp_path):
+    """The config file's values go through the same parsing; ``LLM(max_model_len=-1)`` is
+    vLLM's auto-fit there too (vLLM's LLM takes no "2k" string: an int field)."""
+    from kvflow.entrypoints.config_file import expand_config_file
+
+    path = tmp_path / "engine.yaml"
+    path.write_text("max-model-len: 2k\nmax-num-batched-tokens: 1K\n")
+    parser = build_parser()
+    args = parser.parse_args(expand_config_file(parser, ["serve", "--config", str(path)]))
+    config = EngineConfig.from_cli_args(args)
+    assert config.model_config.max_model_len == 2000
+    assert config.scheduler_config.max_num_batched_tokens == 1024
+    assert EngineConfig.from_kwargs(max_model_len=-1).model_config.max_model_len is None
+    with pytest.raises(ValueError, match="max_model_len=-2 must be >= 1"):
+        EngineConfig.from_kwargs(max_model_len=-2)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("2x", ("argument --max-model-len: '2x' is not an integer: give e.g. 2048, 2k (2000) or "
+            "2K (2048)")),
+    ("1.5K", ("argument --max-model-len: '1.5K': a binary suffix (K) takes a whole number; "
+              "did you mean 1.5k (decimal)?"))])
+def test_bad_human_readable_int_names_the_flag(capsys, text, message):
+    """One error line, status 2, naming the flag (as vLLM refuses these strings)."""
+    from kvflow.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--max-model-len", text, "--prompt", "x"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert info.value.code == 2
+    assert err == [f"kvflow: error: {message} (see kvflow generate --help)"]

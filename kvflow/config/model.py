@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from kvflow.config.options import check_choices, json_object, opt
+from kvflow.config.options import check_choices, human_readable_int_or_auto, json_object, opt
 from kvflow.logits_process import load_logits_processors
 
 HF_OVERRIDES_FLAG = "--hf-overrides (hf_overrides)"
@@ -119,7 +119,10 @@ class ModelConfig:
                        choices=["auto", "none", "embed", "classify"])
     dtype: str = opt("auto", "compute dtype (also vLLM's half = float16 and float = float32)",
                      choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
-    max_model_len: int | None = opt(None, "context length in tokens (default: the model's)")
+    max_model_len: int | None = opt(None, "context length in tokens (default: the model's, "
+                                    "capped to what the KV cache holds; -1 or auto say so, "
+                                    "as vLLM's); vLLM's spellings 2k = 2000, 2K = 2048, "
+                                    "25.6k = 25600", type=human_readable_int_or_auto)
     seed: int = opt(0, "seed for unseeded random sampling and dummy weights (an integer in "
                      "[-2**63, 2**64); a negative one wraps, as torch's generators take it)")
     load_format: str = opt("auto", "weights: auto (from files: a folder's safetensors or a "
@@ -245,18 +248,21 @@ class ModelConfig:
         self._check_runner()
         self._check_tokenizer_revision()
         if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len={self.max_model_len} must be >= 1 (or unset for "
-                             "the model's own)")
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 1 (or -1 / unset "
+                             "for the model's own)")
 
     def _apply_vllm_spellings(self) -> None:
         """vLLM's values as kvflow's (``VLLM_VALUE_ALIASES``: ``dtype`` half / float,
-        ``generation_config`` vllm), and vLLM's ``load_format`` pt refused.
+        ``generation_config`` vllm; ``max_model_len`` -1, vLLM's auto-fit, is None, which
+        kvflow caps to the KV cache as vLLM fits it), and vLLM's ``load_format`` pt refused.
 
         Raises:
             ValueError: for ``load_format="pt"``, naming the flag and why.
         """
         for name, aliases in VLLM_VALUE_ALIASES.items():
             setattr(self, name, aliases.get(getattr(self, name), getattr(self, name)))
+        if self.max_model_len == -1:  # vLLM's auto-fit: the model's length, cache-capped
+            self.max_model_len = None
         if self.load_format == "pt":
             raise ValueError("load_format='pt' is not available: kvflow "
                              "reads a model's weights from safetensors files or a .gguf "

@@ -95,19 +95,53 @@ def parse_bytes(value: str | int) -> int:
 
 
 def _vllm_size(text: str) -> int:
-    """``text`` (a number and one of k m g t K M G T) in bytes, as vLLM reads it.
+    """``text`` (a number and one of k m g t K M G T) in bytes, as vLLM reads it
+    (:func:`human_readable_int`).
 
     Raises:
         ValueError: for a fraction with an upper-case (binary) suffix, which vLLM refuses.
     """
-    number, suffix = text[:-1], text[-1]
-    power = "kmgt".index(suffix.lower()) + 1
-    if suffix.islower():
-        return int(float(number) * 1000**power)
-    if not number.isdigit():
-        raise ValueError(f"cannot parse memory size {text!r}: a binary suffix ({suffix}) takes "
-                         f"a whole number (or use {number}{suffix.lower()}, decimal)")
-    return int(number) * 1024**power
+    try:
+        return human_readable_int(text)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"cannot parse memory size {e}") from None
+
+
+def human_readable_int(value: str) -> int:
+    """An integer flag's text as vLLM's ``human_readable_int`` reads it (its
+    ``--max-num-batched-tokens``, ``--max-model-len``): a whole number (``2048``), or a
+    number and one letter, lower case decimal (``2k`` = 2000, ``25.6k`` = 25600, ``1m``,
+    ``1g``, ``1t``) or upper case binary with a whole number (``2K`` = 2048, ``1M`` = 2**20).
+
+    Raises:
+        argparse.ArgumentTypeError: for other text (argparse prints it after the flag's name),
+            a fraction with a binary suffix saying to use the decimal one.
+    """
+    text = str(value).strip()
+    if re.fullmatch(r"[0-9]+(?:\.[0-9]+)?[kmgtKMGT]", text):
+        number, suffix = text[:-1], text[-1]
+        power = "kmgt".index(suffix.lower()) + 1
+        if suffix.islower():
+            return int(float(number) * 1000**power)
+        if number.isdigit():
+            return int(number) * 1024**power
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a binary suffix ({suffix}) takes a whole number; did you mean "
+            f"{number}{suffix.lower()} (decimal)?")
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not an integer: give e.g. 2048, 2k (2000) or 2K (2048)") from None
+
+
+def human_readable_int_or_auto(value: str) -> int:
+    """:func:`human_readable_int`, and vLLM's ``-1`` / ``auto`` (any case) as -1 (its
+    ``--max-model-len``: the model's length, fitted to the KV cache). Raises
+    argparse.ArgumentTypeError as :func:`human_readable_int`."""
+    if str(value).strip() == "-1" or str(value).strip().lower() == "auto":
+        return -1
+    return human_readable_int(value)
 
 
 def parse_gib_or_bytes(value: str | float) -> int:
@@ -156,7 +190,8 @@ def check_choices(config: Any) -> None:
 
 def add_field_arg(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
     """Add ``--field-name`` for config field ``f`` to ``group`` (booleans get ``--no-`` forms;
-    int/float annotations parse as such; ``choices``, ``nargs``, ``const``, ``metavar``,
+    int/float annotations parse as such, or with the metadata's ``type``, e.g.
+    :func:`human_readable_int`; ``choices``, ``nargs``, ``const``, ``metavar``,
     ``action`` and ``aliases``,
     further flag names, from the metadata)."""
     if not f.metadata.get("cli", True):  # set by kvflow itself, not a user flag
@@ -167,8 +202,8 @@ def add_field_arg(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
         group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
                            default=f.default, help=meta.get("help"))
         return
-    kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(
-        str(f.type), str)
+    kind = meta.get("type") or {"int": int, "int | None": int, "float": float,
+                                "float | None": float}.get(str(f.type), str)
     choices = meta.get("choices")  # None (unset) is the default, not a value one can type
     choices = None if choices is None else [c for c in choices if c is not None]
     group.add_argument(*flags, dest=f.name, type=kind, default=f.default, choices=choices,

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvflow.config.options import check_choices, opt
+from kvflow.config.options import check_choices, human_readable_int, opt
 
 
 @dataclass
 class SchedulerConfig:
     max_num_batched_tokens: int | None = opt(None, "token budget of one engine step "
-                                              "(default: the platform's, 2048 CPU / 4096 CUDA)")
+                                              "(default: the platform's, 2048 CPU / 4096 "
+                                              "CUDA); 2k = 2000, 2K = 2048, as vLLM's",
+                                              type=human_readable_int)
     max_num_seqs: int = opt(256, "maximum number of running requests")
     policy: str = opt("fcfs", "waiting-queue order: fcfs, priority (lower first), or fair "
                        "(deficit round robin of tokens over clients, the OpenAI 'user' field or "
