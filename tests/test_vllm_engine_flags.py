@@ -307,3 +307,44 @@ def test_bad_human_readable_int_names_the_flag(capsys, text, message):
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert info.value.code == 2
     assert err == [f"kvflow: error: {message} (see kvflow generate --help)"]
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--kv-cache-memory", "10XB"],
+     ("--kv-cache-memory='10XB' is invalid: cannot parse memory size '10XB': expected e.g. "
+     "2GiB, 512MB")),
+    (["--kv-cache-memory-bytes", "1.5G"],
+     ("--kv-cache-memory-bytes='1.5G' is invalid: cannot parse memory size '1.5G': a binary "
+     "suffix (G) takes a whole number; did you mean 1.5g (decimal)?")),
+    (["--kv-cache-memory", "0"],
+     "--kv-cache-memory='0' is invalid: memory size '0' must be positive"),
+    (["--swap-space", "10XB"],
+     ("--swap-space='10XB' is invalid: cannot parse memory size '10XB': expected e.g. 2GiB, "
+     "512MB")),
+], ids=["kv_cache_memory", "vllm_alias", "zero", "swap_space"])
+def test_bad_byte_size_names_the_flag(capsys, argv, line):
+    """``--kv-cache-memory 10XB`` said "cannot parse memory size '10XB'" without naming the
+    flag; now the flag as typed, as other refused values are (one line, status 2)."""
+    from kvflow.entrypoints.cli import main
+
+    rc = main(["generate", *argv, "--prompt", "x"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and err == [f"kvflow: error: {line}"], err
+
+
+def test_bad_byte_size_names_the_keyword_and_the_file_key(tmp_path, capsys):
+    """``LLM(kv_cache_memory=...)`` / ``swap_space`` name the keyword; a --config file's
+    value names the file's key."""
+    from kvflow.entrypoints.cli import main
+
+    for name in ("kv_cache_memory", "swap_space"):
+        with pytest.raises(ValueError) as info:
+            EngineConfig.from_kwargs(**{name: "10XB"})
+        assert str(info.value) == (f"{name}='10XB' is invalid: cannot parse memory size "
+                                   "'10XB': expected e.g. 2GiB, 512MB")
+    path = tmp_path / "engine.yaml"
+    path.write_text("kv-cache-memory: 10XB\n")
+    assert main(["generate", "--config", str(path), "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"kvflow: error: {path}: key 'kv-cache-memory': kv_cache_memory='10XB' is invalid: "
+        "cannot parse memory size '10XB': expected e.g. 2GiB, 512MB")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvflow.config.options import check_choices, opt, parse_bytes, parse_gib_or_bytes
 
@@ -69,10 +71,8 @@ class CacheConfig:
             raise ValueError(f"block_size={self.block_size} must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2")
-        if self.kv_cache_memory is not None:
-            parse_bytes(self.kv_cache_memory)
-        if self.swap_space is not None:
-            parse_gib_or_bytes(self.swap_space)
+        _check_size("kv_cache_memory", self.kv_cache_memory, parse_bytes)
+        _check_size("swap_space", self.swap_space, parse_gib_or_bytes)
         if self.gpu_memory_utilization is not None \
                 and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} "
@@ -113,3 +113,14 @@ class CacheConfig:
         """``gpu_memory_utilization``, or its default 0.9 when unset."""
         return DEFAULT_GPU_MEMORY_UTILIZATION if self.gpu_memory_utilization is None \
             else self.gpu_memory_utilization
+
+
+def _check_size(name: str, value: str | float | None, parse: Callable[[Any], int]) -> None:
+    """Raises ValueError naming field ``name`` (the CLI writes it as the flag typed) when
+    ``parse`` refuses ``value``, a byte size (None: unset, not checked)."""
+    if value is None:
+        return
+    try:
+        parse(value)
+    except ValueError as e:
+        raise ValueError(f"{name}={value!r} is invalid: {e}") from None
