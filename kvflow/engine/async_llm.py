@@ -66,6 +66,7 @@ from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.output_processor import OutputProcessor
 from kvflow.pooling_params import PoolingParams
 from kvflow.prompt_embeds import PromptEmbeds
+from kvflow.quant import get_quant_config
 from kvflow.request import Request
 from kvflow.request_stats import RequestStatsTracker
 from kvflow.sampling_params import SamplingParams
@@ -135,8 +136,11 @@ class AsyncLLM(AsyncLLMCalls, AsyncLLMShutdown):
             # tokenizer class) would call a broken one a tokenizer failure, and the cores
             # load nothing of a model whose config failed (they wait for release())
             self.replicas.start(gated=True)
-            load_hf_config(source, hf_overrides=mc.hf_overrides,
-                           trust_remote_code=mc.trust_remote_code)
+            hf_config = load_hf_config(source, hf_overrides=mc.hf_overrides,
+                                       trust_remote_code=mc.trust_remote_code)
+            # --quantization against the checkpoint's metadata, before any weight is read
+            get_quant_config(mc.quantization, hf_config, source.kind,
+                             mc.quantization_group_size)
             self.sampling_defaults = load_sampling_defaults(source, mc.generation_config,
                                                            mc.override_generation_config)
             self._eos_token_ids = load_eos_token_ids(source)

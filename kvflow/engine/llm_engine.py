@@ -29,6 +29,7 @@ from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
 from kvflow.pooling_params import PoolingParams
 from kvflow.prompt_inputs import ProcessedPrompt, PromptType
 from kvflow.prompt_truncation import SAMPLING_FIELD, truncation_length
+from kvflow.quant import get_quant_config
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.draft_tokenizer import check_draft_tokenizer
 
@@ -58,6 +59,8 @@ class LLMEngine:
         # tokenizer class, and would report a broken one as a tokenizer failure).
         hf_config = load_hf_config(source, hf_overrides=mc.hf_overrides,
                                    trust_remote_code=mc.trust_remote_code)
+        # --quantization against the checkpoint's metadata (the workers build it again)
+        get_quant_config(mc.quantization, hf_config, source.kind, mc.quantization_group_size)
         self.tokenizer = None if mc.skip_tokenizer_init else \
             load_tokenizer(source, tokenizer_source(mc), mc.download_dir, mc.tokenizer_options,
                            mc.hf_token)

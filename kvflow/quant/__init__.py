@@ -254,8 +254,7 @@ def get_quant_config(requested: str | None, hf_config: Any, source_kind: str,
     if requested == "gguf" and source_kind != "gguf":
         raise ValueError("quantization='gguf' needs a .gguf model")
     if requested in CHECKPOINT_METHODS and ckpt_method is None:
-        raise ValueError(f"quantization={asked!r} needs a checkpoint whose config.json has a "
-                         f"{requested} quantization_config (quant_method={requested!r})")
+        raise ValueError(_no_checkpoint_config(asked, requested, source_kind))
     if ckpt_method is not None and requested != ckpt_method:
         if requested in CHECKPOINT_METHODS:
             raise ValueError(f"quantization={asked!r} does not match the checkpoint, whose "
@@ -265,6 +264,17 @@ def get_quant_config(requested: str | None, hf_config: Any, source_kind: str,
     if requested == "none":
         return None
     return QuantConfig(requested, 32 if group_size is None else group_size, ckpt)
+
+
+def _no_checkpoint_config(asked: str, method: str, source_kind: str) -> str:
+    """Why ``--quantization asked`` (``method``, a checkpoint's scheme) is refused on a model
+    without a ``quantization_config``: a GGUF file has its own quantization."""
+    need = (f"quantization={asked!r} needs a checkpoint whose config.json has a "
+            f"quantization_config with quant_method {method!r}")
+    if source_kind == "gguf":
+        return (f"{need}; this model is a .gguf file, whose weights carry llama.cpp's own "
+                "quantization (read as 'gguf'): leave quantization unset, or give gguf")
+    return f"{need}, which this model's config.json does not have"
 
 
 def apply_quant_config(model: nn.Module, quant_config: QuantConfig | None) -> int:

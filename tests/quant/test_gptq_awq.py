@@ -231,9 +231,46 @@ def test_quantization_flag_must_match(gptq_folder, tiny_model_factory):
                                          r"whose quantization_config.quant_method is 'gptq'"):
         LLM(model=gptq_folder, dtype="float32", num_kv_blocks=16, quantization="awq")
     with pytest.raises(ValueError, match=r"quantization='gptq' needs a checkpoint whose "
-                                         r"config.json has a gptq quantization_config"):
+                                         r"config.json has a quantization_config with "
+                                         r"quant_method 'gptq', which this model's"):
         LLM(model=tiny_model_factory("llama").path, dtype="float32", num_kv_blocks=16,
             quantization="gptq")
+
+
+GGUF_REFUSAL = ("quantization={asked!r} needs a checkpoint whose config.json has a "
+                "quantization_config with quant_method {method!r}; this model is a .gguf file, "
+                "whose weights carry llama.cpp's own quantization (read as 'gguf'): leave "
+                "quantization unset, or give gguf")
+
+
+class _Loaded(AssertionError):
+    """Raised by the stand-in for the step that starts loading the model's weights."""
+
+
+@pytest.mark.parametrize("asked, method", [("awq", "awq"), ("gptq_marlin", "gptq")])
+def test_checkpoint_scheme_on_a_gguf_is_refused_before_loading(monkeypatch, asked, method):
+    """``--quantization awq`` on a GGUF said "has a awq quantization_config" once the
+    engine core was building the model (~12 s into ``kvflow serve``); now it is refused
+    from the file's metadata (GGUF: no quantization_config) before anything loads: offline
+    before the engine core is made, served before the core processes are let go (both
+    replaced by stand-ins that fail the test), worded for a GGUF."""
+    from kvflow.config import EngineConfig
+    from kvflow.engine import async_llm, llm_engine
+
+    def loaded(*args, **kwargs):
+        raise _Loaded("the engine went on to load the model")
+
+    expected = GGUF_REFUSAL.format(asked=asked, method=method)
+    monkeypatch.setattr(llm_engine, "EngineCore", loaded)
+    with pytest.raises(ValueError) as info:
+        LLM(model="SmolLM2-135M-Instruct", quantization=asked)
+    assert str(info.value) == expected
+    monkeypatch.setattr(async_llm.ReplicaSet, "start", lambda self, gated=False: None)
+    monkeypatch.setattr(async_llm.ReplicaSet, "release", loaded)
+    with pytest.raises(ValueError) as info:
+        async_llm.AsyncLLM(EngineConfig.from_kwargs(model="SmolLM2-135M-Instruct",
+                                                    quantization=asked))
+    assert str(info.value) == expected
 
 
 def test_fused_shards_with_different_act_order_are_refused(tiny_model_factory, tmp_path):
