@@ -49,7 +49,9 @@ class PoolingInputs:
         model, or another pooling task."""
         if self.pooler is None and task == "embed":
             raise ValueError("this model generates text: embeddings need a model served with "
-                             "task='embed' (--task embed)")
+                             "task='embed' (--task embed), or vLLM 0.32's runner='pooling' "
+                             "convert='embed' (--runner pooling --convert embed), which "
+                             "also turn a text generation model into an embedding model")
         if self.pooler is None:
             raise ValueError(task_mismatch("generate", task))
         if task not in self.pooler.tasks:

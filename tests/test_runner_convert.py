@@ -119,6 +119,37 @@ def _checks(runs: str, **model_kwargs) -> OpenAIServingPooling:
     return checks
 
 
+@pytest.mark.parametrize("runs, asked, serve", [
+    ("generate", "embed", "--runner pooling --convert embed (or --task embed)"),
+    ("generate", "classify", "--runner pooling --convert classify (or --task classify)"),
+    ("embed", "generate", "--runner generate (or --task generate)"),
+])
+def test_wrong_task_names_vllms_runner_and_convert(runs, asked, serve):
+    """/v1/embeddings on a generating server suggested nothing that serves embeddings (only
+    the routes this server has); now the flags that start such a server, vLLM 0.32's
+    --runner / --convert first (hand-written oracle)."""
+    use = {"generate": "/v1/completions or /v1/chat/completions",
+           "embed": "/v1/embeddings, /v1/score or /v1/rerank"}[runs]
+    with pytest.raises(OpenAIError) as err:
+        _checks(runs).check_task(asked)
+    assert str(err.value) == (f"this server's model runs task={runs!r} (--task); this "
+                              f"endpoint needs task={asked!r}: use {use}, or start a server "
+                              f"with {serve}")
+
+
+def test_offline_embed_on_a_generation_model_names_runner_and_convert():
+    """LLM.embed on a generation model named --task embed only."""
+    from kvflow.pooling_inputs import PoolingInputs
+
+    processor = SimpleNamespace(pooler=None)
+    with pytest.raises(ValueError) as err:
+        PoolingInputs.require_task(processor, "embed")
+    assert str(err.value) == (
+        "this model generates text: embeddings need a model served with task='embed' "
+        "(--task embed), or vLLM 0.32's runner='pooling' convert='embed' (--runner pooling "
+        "--convert embed), which also turn a text generation model into an embedding model")
+
+
 def test_server_refusals_name_the_flags_given():
     """/v1/completions on a --runner pooling --convert embed server said "runs task='embed'
     (--task)", a flag the user never typed."""

@@ -16,6 +16,16 @@ from kvflow.lora.request import LoRANameError, LoRARequest
 
 logger = logging.getLogger(__name__)
 
+# The flags that start a server for an endpoint's task, for the wrong_task refusal: vLLM
+# 0.32's --runner / --convert first (what a vLLM command line has), then kvflow's --task.
+_SERVE_FOR = {
+    "embed": "--runner pooling --convert embed (or --task embed)",
+    "classify": "--runner pooling --convert classify (or --task classify)",
+    "score": "--task score (a cross-encoder) or --runner pooling --convert embed (an "
+             "embedding model, cosine similarity)",
+    "generate": "--runner generate (or --task generate)",
+}
+
 
 class OpenAIServingChecks:
     """Checks raising ``OpenAIError`` (4xx) before anything is queued; ``OpenAIServing`` sets
@@ -80,8 +90,10 @@ class OpenAIServingChecks:
                "classify": "/v1/classify",
                "token_classify": "/pooling with task token_classify"}.get(
             self.engine.task, "/v1/completions or /v1/chat/completions")
+        serve = _SERVE_FOR.get(task)
+        how = f", or start a server with {serve}" if serve else ""
         raise OpenAIError(f"this server's model runs task={self.engine.task!r} ({flags}); "
-                          f"this endpoint needs task={task!r}: use {use}", param="model",
+                          f"this endpoint needs task={task!r}: use {use}{how}", param="model",
                           code="wrong_task")
 
     def check_admission(self, num_requests: int, param: str = "prompt", n: int = 1) -> None:

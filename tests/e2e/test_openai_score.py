@@ -323,10 +323,13 @@ def test_a_generating_server_does_not_score(servers):
         assert resp.status_code == 400
         assert resp.json()["error"] == {
             "message": "this server's model runs task='generate' (--task); this endpoint "
-                       "needs task='score': use /v1/completions or /v1/chat/completions",
+                       "needs task='score': use /v1/completions or /v1/chat/completions, or "
+                       "start a server with --task score (a cross-encoder) or --runner "
+                       "pooling --convert embed (an embedding model, cosine similarity)",
             "type": "invalid_request_error", "param": "model", "code": "wrong_task"}
     ce, _ = servers["bert"]
     resp = _post(ce, "/v1/embeddings", {"input": "a"})
     assert resp.status_code == 400 and resp.json()["error"]["message"] == (
         "this server's model runs task='score' (--task); this endpoint needs task='embed': "
-        "use /v1/score, /v1/rerank or /v1/classify")
+        "use /v1/score, /v1/rerank or /v1/classify, or start a server with --runner pooling "
+        "--convert embed (or --task embed)")
