@@ -3,6 +3,9 @@ the first offending field as ``param`` and OpenAI's code for what is wrong with 
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from fastapi.exceptions import RequestValidationError
 
 from kvflow.entrypoints.openai_errors import OpenAIError
@@ -30,7 +33,7 @@ def validation_error(exc: RequestValidationError, unknown: UnknownFields | None 
         return OpenAIError(f"{ctx.get('param')}: {ctx.get('why')}", param=ctx.get("param"),
                            code=ctx.get("code"))
     if first.get("type") == "json_invalid":
-        return OpenAIError(f"the body is not valid JSON: {first.get('ctx', {}).get('error')}",
+        return OpenAIError(f"the body is not valid JSON: {_json_syntax_error(first, exc.body)}",
                            code="invalid_json")
     loc = _field_path(first.get("loc", ()))
     if first.get("type") == "part_key":  # a content part's key of another part type
@@ -52,6 +55,19 @@ def validation_error(exc: RequestValidationError, unknown: UnknownFields | None 
     if param and len(alternatives) > 1:  # fits no member: say what the field takes
         message = f"{param}: expected {', '.join(alternatives[:-1])} or {alternatives[-1]}"
     return OpenAIError(message, param=param, code=error_code(first))
+
+
+def _json_syntax_error(error: dict, doc: Any) -> str:
+    """FastAPI's ``json_invalid`` error (its ``loc`` ends with the character offset, its
+    ``ctx`` holds json's reason) in json's own words with the place, as ``run-batch`` names a
+    line's: ``Expecting value: line 2 column 16 (char 31)`` (``doc``: the body's text, the
+    error's ``body``); the reason alone when either is missing."""
+    why = error.get("ctx", {}).get("error")
+    loc = error.get("loc", ())
+    pos = loc[-1] if loc else None
+    if not isinstance(doc, str) or not isinstance(pos, int) or not 0 <= pos <= len(doc):
+        return str(why)
+    return str(json.JSONDecodeError(str(why), doc, pos))
 
 
 def _unknown_and_missing(ctx: dict, unknown: UnknownFields, endpoint: str) -> OpenAIError:
