@@ -119,9 +119,9 @@ class ModelConfig:
                        choices=["auto", "none", "embed", "classify"])
     dtype: str = opt("auto", "compute dtype (also vLLM's half = float16 and float = float32)",
                      choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
-    max_model_len: int | None = opt(None, "context length in tokens (default: the model's, "
-                                    "capped to what the KV cache holds; -1 or auto say so, "
-                                    "as vLLM's); vLLM's spellings 2k = 2000, 2K = 2048, "
+    max_model_len: int | None = opt(None, "context length in tokens (default, also -1 or "
+                                    "auto as in vLLM: the model's, capped to what the KV "
+                                    "cache holds); vLLM's spellings 2k = 2000, 2K = 2048, "
                                     "25.6k = 25600", type=human_readable_int_or_auto)
     seed: int = opt(0, "seed for unseeded random sampling and dummy weights (an integer in "
                      "[-2**63, 2**64); a negative one wraps, as torch's generators take it)")
