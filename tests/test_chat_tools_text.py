@@ -49,12 +49,12 @@ def _offline(tokenizer, messages: list[dict], **kwargs) -> tuple[str, list[int]]
     from kvflow.input_processor import InputProcessor
 
     queued = []
-    processor = InputProcessor(tokenizer, 4096, len(tokenizer), 0)
-    stub = SimpleNamespace(engine=SimpleNamespace(processor=processor, tokenizer=tokenizer))
-    stub._chat_prompts = lambda *args: LLM._chat_prompts(stub, *args)
-    stub.generate = lambda prompts, *a, **k: queued.extend(prompts) or \
+    llm = LLM.__new__(LLM)  # no engine loaded: chat's own rendering over a stub engine
+    llm.engine = SimpleNamespace(processor=InputProcessor(tokenizer, 4096, len(tokenizer), 0),
+                                 tokenizer=tokenizer)
+    llm.generate = lambda prompts, *a, **k: queued.extend(prompts) or \
         [SimpleNamespace() for _ in prompts]
-    out = LLM.chat(stub, messages, SamplingParams(max_tokens=4), **kwargs)
+    out = llm.chat(messages, SamplingParams(max_tokens=4), **kwargs)
     return out[0].prompt, queued[0]
 
 
