@@ -138,9 +138,11 @@ class EagleDrafter(DraftModel):
 
         - a row verifying drafts: all its rows (positions ``c .. c + k``); the next mirror
           pass reads those of the accepted tokens, the rest are overwritten;
-        - a prompt chunk (more than one token, no drafts): the head reads it now (its K/V of
-          the chunk's positions, the next token being known), except the last position when
-          its next token is still to be sampled: that one row is kept;
+        - a prompt chunk (no drafts; the prompt's tokens after its first known): the head
+          reads it now (its K/V of the chunk's positions whose next token is known: all of a
+          chunk the prompt goes on after, one token long too), and the chunk's last row is
+          kept: the next step's mirror pass reads it again when that step computes the
+          prompt's last token alone and verifies drafts after it (draft 1's logits);
         - a decode without drafts (adaptive lengths turned them off): only its row, which the
           head's first draft reads when drafting resumes (the positions in between keep no
           head K/V of their own: acceptance may drop after the gap, the output cannot).
@@ -154,13 +156,15 @@ class EagleDrafter(DraftModel):
         q, c, num_tokens = qs[1:] - qs[:-1], batch.num_computed_tokens[rows], \
             batch.num_tokens[rows]
         drafts = np.maximum(c + q - num_tokens, 0)
-        prefill = q - drafts > 1
+        # a prompt chunk: tokens follow its first one (a decode's is the last token)
+        prefill = (drafts == 0) & (c + 1 < num_tokens)
+        # the rows with drafts, else the last row (a decode's, or a chunk's, which the mirror
+        # reads again if the next step computes the prompt's last token alone with drafts)
         keep_from = np.where(drafts > 0, c, c + q - 1)
         eager = None
         if prefill.any():  # head token indices c + 1 .. c + eager: x[j] known, f[j - 1] here
             on_host = num_tokens - (batch.pending_sample[rows] >= 0)
             eager = np.where(prefill, np.maximum(np.minimum(c + q, on_host - 1) - c, 0), 0)
-            keep_from = np.where(prefill, c + eager, keep_from)
         slots = self._slots_of_rows(batch, rows, hidden)
         if eager is not None and eager.any():
             self._read_prompt(batch, rows, c, eager, qs[:-1], hidden, block_size, stager)

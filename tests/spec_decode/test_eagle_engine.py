@@ -386,3 +386,38 @@ def test_head_declaring_fewer_positions_than_the_target_drafts_everywhere(tiny_m
         assert_no_leaks(llm)
     assert _drafted(runs["short"]) == _drafted(runs["full"])
     assert _drafted(runs["short"])[1] > 0
+
+
+@pytest.mark.parametrize("prompts_and_lengths", [((16, 12),), ((17, 5), (9, 20))],
+                         ids=["last_token_alone", "one_token_chunks"])
+def test_chunked_prompts_draft_as_the_reference_head(pair, monkeypatch, assert_no_leaks,
+                                                     prompts_and_lengths):
+    """Chunked prefill, 5 tokens a step ((prompt length, max_tokens) per request).
+
+    last_token_alone: a 16-token prompt goes in chunks of 5, 5, 5, then its last token
+    alone, verifying 3 drafts after it: the mirror pass reads the feature of the chunk
+    before's last position again (draft 1's logits). It had been dropped, and the step
+    failed ("EAGLE: request '0' has target features for positions 15..14, not 14..14").
+
+    one_token_chunks: beside the first request's 1 + 3 tokens a step, the second prompt
+    goes in one-token chunks, then (the first done) its last 2 tokens: the head read none
+    of those one-token chunks, so its K/V there held whatever the blocks held and its
+    drafts were not the reference head's (the output stayed exact).
+
+    Oracle: every proposal is the plain-torch head's over the whole context; greedy output
+    is plain greedy output."""
+    target, folder, head, base, _, _ = pair
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, target.vocab_size, (n,), generator=gen).tolist()
+               for n, _ in prompts_and_lengths]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+              for _, m in prompts_and_lengths]
+    seen = _record_proposals(monkeypatch)
+    eagle = _engine(target.path, folder, max_num_batched_tokens=5)
+    got = eagle.generate(prompts, params, use_tqdm=False)
+    _same_outputs(base.generate(prompts, params, use_tqdm=False), got)
+    for prompt in prompts:  # each request drafted
+        assert any(c[:len(prompt)] == prompt for c, _, _ in seen)
+    for context, drafts, _ in seen:
+        assert drafts == _ref_drafts(target.hf_model, head, context, len(drafts))
+    assert_no_leaks(eagle)

@@ -3,8 +3,9 @@ exceed the k + 1 rows of a verification step, over a long prompt read in chunks 
 generation whose drafting adaptive lengths turn off and on; slots are freed when requests
 leave the batch.
 
-Oracles: hand-computed row counts per step (a prompt chunk whose next token is known keeps 0
-rows, the prompt's last chunk 1, a decode without drafts 1, a verification 1 + its drafts);
+Oracles: hand-computed row counts per step (a prompt chunk whose next token is known keeps 1
+row, its last, read again when the prompt's last token is computed alone with drafts after it;
+the prompt's last chunk 1, a decode without drafts 1, a verification 1 + its drafts);
 greedy output equals the plain engine's; with drafting every step, every draft equals a
 plain-torch EAGLE-1 head's over transformers' hidden states (test_eagle_engine.py's
 reference), so the head's K/V of a prompt read chunk by chunk is the whole prompt's.
@@ -52,8 +53,8 @@ def _spy_rows(monkeypatch) -> list[tuple[str, str, int, int]]:
             c, n = int(batch.num_computed_tokens[row]), int(batch.num_tokens[row])
             if c + q > n:  # verifies c + q - n drafts: their rows and the bonus position's
                 steps.append((batch.req_ids[row], "verify", q))
-            elif q > 1 and c + q < n:  # a prompt chunk, next token known: all read now
-                steps.append((batch.req_ids[row], "chunk", 0))
+            elif q > 1 and c + q < n:  # a prompt chunk, next token known: all read now,
+                steps.append((batch.req_ids[row], "chunk", 1))  # its last row kept
             elif q > 1:  # the prompt's last chunk: its last row waits for the next token
                 steps.append((batch.req_ids[row], "last chunk", 1))
             else:  # a decode without drafts: the row drafting would resume from
