@@ -5,11 +5,15 @@ serving."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import httpx
 import openai
 import pytest
+
+from tests.e2e.test_engine_faults import core_pid
 
 API_KEY = "sk-kvflow-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -79,15 +83,22 @@ def test_overload_gets_503_with_retry_after(server):
                         json={"prompt": "the quick brown fox", **long}) as first:
         lines = first.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))  # it is running
-        with http.stream("POST", url, headers=AUTH,
-                         json={"prompt": "kvflow pages keys", **long}) as second:
-            assert second.status_code == 200  # accepted, waiting for the slot
-            third = _completion(server, AUTH)
-            assert third.status_code == 503
-            assert int(third.headers["Retry-After"]) >= 1
-            assert third.json()["error"]["code"] == "server_overloaded"
-            overloaded = server.value(server.metrics(), "kvflow:requests_overloaded_total")
-            assert overloaded == 1  # the only 503 this server has sent
+        # The engine core is held stopped while the others come, so request 1 cannot end
+        # (and free its slot) before request 3 arrives, however slow a busy machine is.
+        core = core_pid(server.proc.pid)
+        os.kill(core, signal.SIGSTOP)
+        try:
+            with http.stream("POST", url, headers=AUTH,
+                             json={"prompt": "kvflow pages keys", **long}) as second:
+                assert second.status_code == 200  # accepted, waiting for the slot
+                third = _completion(server, AUTH)
+        finally:
+            os.kill(core, signal.SIGCONT)
+        assert third.status_code == 503
+        assert int(third.headers["Retry-After"]) >= 1
+        assert third.json()["error"]["code"] == "server_overloaded"
+        overloaded = server.value(server.metrics(), "kvflow:requests_overloaded_total")
+        assert overloaded == 1  # the only 503 this server has sent
     # Both clients hung up: the server aborts their requests as it notices (asynchronously).
     # ignore_eos: the request samples (no temperature sent), and an early EOS is no failure.
     deadline = time.monotonic() + 10
