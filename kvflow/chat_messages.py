@@ -16,7 +16,8 @@ format); rendering them is ``chat_template.py``'s job:
   ``{"type": "video"}``, so it places them as the model was trained; ``image_urls`` /
   ``video_urls`` list the images / videos in prompt order either way;
 * an assistant's ``tool_calls[].function.arguments`` given as JSON text (OpenAI's form) is
-  parsed into an object, as templates that write ``arguments | tojson`` expect.
+  parsed into an object, as templates that write ``arguments | tojson`` expect; text that
+  is no JSON object (a cut or malformed call) becomes ``{}`` (``arguments_object``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from typing import Any
 
 from kvflow.text_checks import find_lone_surrogate
 
-__all__ = ["ROLES", "ChatTemplateError", "check_call_index", "check_message_fields",
-           "image_urls", "normalize_conversation", "video_urls"]
+__all__ = ["ROLES", "ChatTemplateError", "arguments_object", "check_call_index",
+           "check_message_fields", "image_urls", "normalize_conversation", "object_from_text",
+           "video_urls"]
 
 # The roles a message may have: OpenAI's chat roles and the older "function" (the server's
 # ChatMessage schema lists the same ones; LLM.chat checks them here)
@@ -264,13 +266,33 @@ def _part(part: Any, i: int, j: int, placeholders: dict[str, str]) -> tuple[str,
     return kind, text
 
 
+def object_from_text(text: str) -> dict[str, Any] | None:
+    """The JSON object ``text`` reads as, control characters such as raw newlines allowed
+    inside its strings (models write them; ``json.loads(strict=False)``); None for text that
+    is no JSON object's (empty, malformed, a cut call's, JSON that is no object)."""
+    try:
+        value = json.loads(text, strict=False)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def arguments_object(arguments: Any) -> Any:
+    """An earlier call's ``function.arguments`` as the object a chat template gets: an object
+    as it is; text as the object it reads as (:func:`object_from_text`), else ``{}`` (a cut
+    or malformed call a reply returned, as vLLM 0.32 coerces it, so the conversation can go
+    on); any other type as it is (the schema refuses it before)."""
+    if not isinstance(arguments, str):
+        return arguments
+    value = object_from_text(arguments)
+    return {} if value is None else value
+
+
 def _parsed_arguments(call: Any) -> Any:
-    """A tool call whose ``function.arguments`` JSON text is parsed (left alone otherwise)."""
+    """A tool call whose ``function.arguments`` text is the template's object
+    (:func:`arguments_object`; left alone otherwise)."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
         return call
-    try:
-        arguments = json.loads(function["arguments"])
-    except json.JSONDecodeError:
-        return call
+    arguments = arguments_object(function["arguments"])
     return {**call, "function": {**function, "arguments": arguments}}

@@ -15,8 +15,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from kvflow.chat_messages import ChatTemplateError
 from kvflow.validation_words import error_code, field_message
@@ -29,49 +28,24 @@ class _StrictModel(BaseModel):
 
 
 class CalledFunction(_StrictModel):
-    """The function an earlier assistant turn called: ``arguments`` is a JSON object's text, as
-    OpenAI returns it (parsed into an object for the chat template, see
-    kvflow/chat_messages.py); text that is not JSON, or JSON that is not an object, is refused
-    (error type ``invalid_arguments``: the server's ``invalid_value``)."""
+    """The function an earlier assistant turn called: ``arguments`` is text, as OpenAI returns
+    it, and any text is taken, as vLLM 0.32 takes it: a reply's call may be cut or malformed
+    (OpenAI warns its arguments are not always valid JSON), and the client sends that turn
+    back. The chat template gets the object the text reads as, ``{}`` for text that is no
+    JSON object (``chat_messages.arguments_object``)."""
 
     name: str
     arguments: str
 
-    @field_validator("arguments")
-    @classmethod
-    def _object_text(cls, arguments: Any) -> Any:
-        """A string must be a JSON object's text (an object, offline, is taken as it is)."""
-        if isinstance(arguments, str):
-            _check_object_text(arguments)
-        return arguments
-
 
 def is_object_text(text: str) -> bool:
-    """Whether ``text`` is a JSON object's text: what a call's ``arguments`` must be to come
-    back in a later request (a reply's call whose arguments are not is no usable call)."""
+    """Whether ``text`` is a JSON object's text (strict JSON, as clients parse it): a reply's
+    call whose arguments are not is no call a client can run (a Responses function_call is
+    ``incomplete``)."""
     try:
         return isinstance(json.loads(text), dict)
     except json.JSONDecodeError:
         return False
-
-
-def _check_object_text(text: str) -> None:
-    """Raises ``PydanticCustomError("invalid_arguments")`` unless ``text`` parses to a JSON
-    object, saying what was sent and why it is not one."""
-    shown = repr(text) if len(text) <= 40 else f"a string of {len(text)} characters"
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        why = f"not valid JSON: {e.msg} at position {e.pos}"
-    else:
-        if isinstance(value, dict):
-            return
-        kind = {list: "a JSON array", str: "a JSON string", bool: "a JSON boolean",
-                type(None): "JSON null"}.get(type(value), "a JSON number")
-        why = f"{kind}, not an object"
-    raise PydanticCustomError("invalid_arguments",
-                              "must be a JSON object's text, got {shown} ({why})",
-                              {"shown": shown, "why": why})
 
 
 class MessageToolCall(_StrictModel):

@@ -12,7 +12,12 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
-from kvflow.chat_messages import ChatTemplateError, check_call_index, check_message_fields
+from kvflow.chat_messages import (
+    ChatTemplateError,
+    check_call_index,
+    check_message_fields,
+    object_from_text,
+)
 from kvflow.chat_template import NoChatTemplateError
 
 
@@ -30,17 +35,22 @@ def tools_listing(tools: list[dict[str, Any]]) -> str:
     return "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
 
 
-def call_json(call: dict[str, Any], args_key: str) -> str:
-    """``{"name": ..., "<args_key>": ...}`` with the arguments text as given (``{}`` if
-    empty): the model wrote that text; re-encoding it would change what it sees. Arguments
-    given as an object (``LLM.chat`` takes them so) are written as JSON."""
-    function = call["function"]
-    arguments = function["arguments"]
+def arguments_text(arguments: Any) -> str:
+    """An earlier call's ``function.arguments`` as the text written for a template that
+    reads no ``tool_calls``: text that reads as a JSON object as given, stripped (the model
+    wrote it; re-encoding it would change what it sees), an object (``LLM.chat`` takes them
+    so) as JSON, other text (empty, a cut or malformed call's) as ``{}``, the object the
+    template path gets for it (``chat_messages.arguments_object``)."""
     if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    arguments = arguments.strip() or "{}"
+        return json.dumps(arguments, ensure_ascii=False)
+    return arguments.strip() if object_from_text(arguments) is not None else "{}"
+
+
+def call_json(call: dict[str, Any], args_key: str) -> str:
+    """``{"name": ..., "<args_key>": ...}`` with the arguments as :func:`arguments_text`."""
+    function = call["function"]
     return (f'{{"name": {json.dumps(function["name"], ensure_ascii=False)}, '
-            f'"{args_key}": {arguments}}}')
+            f'"{args_key}": {arguments_text(function["arguments"])}}}')
 
 
 class HermesToolText:

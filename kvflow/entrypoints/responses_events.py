@@ -169,7 +169,7 @@ class ResponseEvents:
         """Close the open item with ``status``. A function call whose arguments are not a JSON
         object's text (the model's EOS came inside them, or it wrote malformed JSON or no
         object) is ``incomplete`` whatever ``status`` says: no client could run it, and the
-        stored conversation leaves it out (a continuation would be refused over it)."""
+        stored conversation leaves it out (no output can answer it)."""
         if self._open is None:
             return []
         index, kind = len(self.items) - 1, self._open

@@ -169,8 +169,8 @@ def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     calls as its ``tool_calls`` (reasoning items are not rendered again, as chat templates
     drop earlier turns' reasoning). A call the reply's end cut (status ``incomplete``: by
     ``max_output_tokens``, a cancel, or an EOS inside its arguments; malformed arguments too)
-    is no call: its arguments are no JSON object's text, which would make every request
-    continuing the reply a 400, and no output can answer it."""
+    is no call: its arguments are no JSON object's text, no client can run it, and no output
+    can answer it."""
     text = "".join(part["text"] for item in output if item["type"] == "message"
                    for part in item["content"])
     calls = [{"id": item["call_id"], "type": "function",

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvflow.chat_messages import arguments_object
 from kvflow.chat_tools_text import tools_listing
 from kvflow.entrypoints.json_spans import object_members, skip_ws
 
@@ -240,13 +241,11 @@ def arguments_items(function: dict[str, Any]) -> list[tuple[str, str]]:
     """A history call's arguments (``function["arguments"]``, JSON text) as (name, value
     text) pairs, for the formats that write each parameter in tags (``qwen3_coder``,
     ``glm45``, ``step3``): a string value as its text, any other as JSON; none when the text
-    is not a JSON object."""
-    try:
-        arguments = json.loads(function.get("arguments") or "{}")
-    except json.JSONDecodeError:
-        return []
+    is not a JSON object (``chat_messages.arguments_object``: raw newlines in its strings
+    are read, as the template path reads them)."""
+    arguments = arguments_object(function.get("arguments") or "{}")
     return [(k, v if isinstance(v, str) else json.dumps(v, ensure_ascii=False))
-            for k, v in (arguments.items() if isinstance(arguments, dict) else ())]
+            for k, v in arguments.items()]
 
 
 def is_plain_name(name: str) -> bool:

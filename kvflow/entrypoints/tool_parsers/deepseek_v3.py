@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvflow.chat_tools_text import tools_listing
+from kvflow.chat_tools_text import arguments_text, tools_listing
 from kvflow.entrypoints.json_spans import skip_ws
 from kvflow.entrypoints.tool_parsers.marked_blocks import MarkedBlocksToolParser
 
@@ -44,5 +44,5 @@ class DeepSeekV3ToolParser(MarkedBlocksToolParser):
     def calls_text(self, calls: list[dict[str, Any]]) -> str:
         blocks = "".join(
             f"{self.CALL_BEGIN}function{self.SEP}{c['function']['name']}\n{self.FENCE}\n"
-            f"{c['function']['arguments'].strip() or '{}'}\n```{self.CALL_END}" for c in calls)
+            f"{arguments_text(c['function']['arguments'])}\n```{self.CALL_END}" for c in calls)
         return f"{self.SECTION}{blocks}{self.SECTION_END}"

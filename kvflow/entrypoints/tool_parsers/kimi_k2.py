@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from kvflow.chat_tools_text import tools_listing
+from kvflow.chat_tools_text import arguments_text, tools_listing
 from kvflow.entrypoints.json_spans import skip_ws
 from kvflow.entrypoints.tool_parsers.marked_blocks import MarkedBlocksToolParser
 
@@ -51,5 +51,5 @@ class KimiK2ToolParser(MarkedBlocksToolParser):
             if not (_CALL_ID.match(call_id) and _CALL_ID.match(call_id).group(1) == name):
                 call_id = f"functions.{name}:{index}"
             blocks.append(f"{self.CALL_BEGIN}{call_id}{self.ARGUMENTS}"
-                          f"{c['function']['arguments'].strip() or '{}'}{self.CALL_END}")
+                          f"{arguments_text(c['function']['arguments'])}{self.CALL_END}")
         return f"{self.SECTION}{''.join(blocks)}{self.SECTION_END}"

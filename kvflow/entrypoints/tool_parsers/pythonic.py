@@ -20,6 +20,7 @@ import json
 import re
 from typing import Any
 
+from kvflow.chat_messages import arguments_object
 from kvflow.entrypoints.tool_parsers.base import ParsedCall, ParsedOutput, ToolParser
 
 # every prefix of "[ name (" followed by anything: what a call list may still become
@@ -163,10 +164,5 @@ class Llama4PythonicToolParser(PythonicToolParser):
 
 
 def _call_expr(function: dict[str, Any]) -> str:
-    try:
-        arguments = json.loads(function.get("arguments") or "{}")
-    except json.JSONDecodeError:
-        arguments = {}
-    if not isinstance(arguments, dict):
-        arguments = {}
+    arguments = arguments_object(function.get("arguments") or "{}")
     return f"{function['name']}({', '.join(f'{k}={v!r}' for k, v in arguments.items())})"
