@@ -237,6 +237,36 @@ def test_hermes_reply_cut_inside_a_tag_has_no_content(text):
         assert _chat_stream(out, text, chunk, "length") == expected, chunk
 
 
+@pytest.mark.parametrize("text, expected", [
+    ('<tool_call>{"name": "f", "arguments": {"a": 1}} junk</tool_call>',
+     ("junk", [("f", '{"a": 1}')], "tool_calls")),
+    ('<tool_call>{"name": "f", "arguments": {"a": 1}}}</tool_call>',  # one brace too many
+     ("}", [("f", '{"a": 1}')], "tool_calls")),
+    (('Hi <tool_call>{"name": "f", "arguments": {}} note\n</tool_call>\n after <tool_call>'
+      '{"name": "g", "arguments": {}} x</tool_call>'),
+     ("Hi\nnote\nafter\nx", [("f", "{}"), ("g", "{}")], "tool_calls")),
+    ('<tool_call>{"name": "f", "arguments": {}} junk</tool_ca',  # max_tokens in the tag
+     ("junk", [("f", "{}")], "tool_calls")),
+], ids=["junk", "extra-brace", "inside-and-after", "cut-in-end-tag"])
+def test_hermes_text_after_the_call_inside_its_block_is_content_without_the_tag(text,
+                                                                                 expected):
+    """Text the model wrote between a call's object and its ``</tool_call>`` is content, a
+    stretch of its own, and the closing tag is not (content was 'junk</tool_call>'). vLLM
+    0.32's hermes (recorded): its whole reply has no call and all the text as content (the
+    block's json.loads fails), while its stream sends call f with arguments '{"a": 1}} junk'
+    and no content; kvflow's stream sends the call once its object is read, before the junk
+    comes, so the message keeps the call (stream == whole) and the junk as content. The
+    stream, split every way, joins to the same message."""
+    from kvflow.entrypoints.chat_output import ChatOutputParser
+
+    out = ChatOutputParser(HermesToolParser(), None)
+    message, finish = out.message(text, "stop")
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    assert (message.content, calls, finish) == expected
+    for chunk in range(1, len(text) + 1):
+        assert _chat_stream(out, text, chunk, "stop") == expected, chunk
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call():
     """parallel_tool_calls: false (max_calls=1) under tool_choice auto: the model wrote two
     calls; the reply carries only the first, streamed or not (it carried both)."""

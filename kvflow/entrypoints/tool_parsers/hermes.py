@@ -1,5 +1,6 @@
 """``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes 2/3,
-Qwen2.5, Qwen3, SmolLM2 prompts); text before, between and after the blocks is content."""
+Qwen2.5, Qwen3, SmolLM2 prompts); text before, between and after the blocks is content, and
+so is text inside a block after its call's object (not the closing tag)."""
 
 from __future__ import annotations
 
@@ -40,26 +41,34 @@ class HermesToolParser(ToolParser):
         return call_from_object(text, start, ("arguments", "parameters"))
 
     def _text_after(self, out: ParsedOutput, text: str, end: int, final: bool) -> int:
-        """Add the text after the call object ending at ``end`` (past its ``</tool_call>``,
-        up to the next ``<tool_call>``) to ``out.content``, stripped, on a line of its own,
-        once a named call was read (before one, ``calls_or_content`` may yet make the whole
-        text content); returns the next call's start, or -1. While streaming, a possible start
-        of a tag and trailing whitespace wait (the content only ever grows); a reply that ended
-        inside a tag (``</tool_ca``, ``<tool_ca`` cut by ``max_tokens``) adds nothing: the
-        piece is the calls' markup, which the stream never sent."""
+        """Add the text after the call object ending at ``end``, up to the next
+        ``<tool_call>``, to ``out.content``: text the model wrote inside the block after the
+        object (``<tool_call>{...} junk</tool_call>``) and text after the block, each stretch
+        stripped, on a line of its own (never the ``</tool_call>`` between them), once a
+        named call was read (before one, ``calls_or_content`` may yet make the whole text
+        content); returns the next call's start, or -1. While streaming, a possible start of
+        a tag and trailing whitespace wait (the content only ever grows); a reply that ended
+        inside a tag (``</tool_ca``, ``<tool_ca`` right after the call, cut by ``max_tokens``)
+        adds nothing of it: the piece is the calls' markup, which the stream never sent."""
         i = skip_ws(text, end)
-        if text.startswith(self.END, i):
-            i += len(self.END)
-        elif self.END.startswith(text[i:]):
+        if not text.startswith(self.END, i) and self.END.startswith(text[i:]):
             return -1  # the closing tag may be coming (once final: the reply ended inside it)
         pos = text.find(self.START, i)
-        after = text[i:pos] if pos >= 0 else \
-            text[i:len(text) - (0 if final else held_back(text, self.START))]
-        after = after.strip()
-        if final and pos < 0 and self.START.startswith(after):
-            after = ""  # the reply ended inside the next call's opening tag: no content
-        if after and any(c.name for c in out.calls):  # else the text may all be content
-            out.content = f"{out.content}\n{after}" if out.content else after
+        stop = pos if pos >= 0 else len(text)
+        close = text.find(self.END, i, stop)
+        stretches = [text[i:close], text[close + len(self.END):stop]] if close >= 0 \
+            else [text[i:stop]]
+        if pos < 0:  # the last stretch may end in the start of a tag: it waits, and a
+            # reply that ended inside the block's closing tag adds nothing of it
+            tags = (() if final else (self.START,)) + (() if close >= 0 else (self.END,))
+            cut = max((held_back(stretches[-1], tag) for tag in tags), default=0)
+            stretches[-1] = stretches[-1][:len(stretches[-1]) - cut]
+        stretches = [s.strip() for s in stretches]
+        if final and pos < 0 and self.START.startswith(stretches[-1]):
+            stretches[-1] = ""  # the reply ended inside the next call's opening tag
+        if any(c.name for c in out.calls):  # else the text may all be content
+            for after in filter(None, stretches):
+                out.content = f"{out.content}\n{after}" if out.content else after
         return pos
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
