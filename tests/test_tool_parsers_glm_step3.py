@@ -44,11 +44,12 @@ STEP3 = ("Sure.<｜tool_calls_begin｜>" + S_CALL + '<steptml:invoke name="get_w
          "<｜tool_calls_end｜> Done.")
 
 WELL_FORMED = [
-    # values: a string-typed parameter stays text as written, others read as JSON, else as a
-    # Python literal; text between and after the blocks is dropped
+    # values: a string-typed or untyped parameter (x is not in the schema) stays text as
+    # written, others read as JSON, else as a Python literal; text between and after the
+    # blocks is dropped
     ("glm45", GLM, "Let me check.",
      [("get_weather", ('{"city": " New York ", "days": 3, "opts": {"a": [1, "</tool_call>"]}, '
-                      '"x": true}')), ("get_time", "{}")]),
+                      '"x": "True"}')), ("get_time", "{}")]),
     # a string value's spaces and newlines are the value's (GLM's template writes it verbatim;
     # they were stripped): vLLM 0.32's glm45 reads exactly these arguments, whole and streamed
     ("glm45", GLM_WS, None, [("get_weather", '{"city": "  Oslo\\n", "days": 3}')]),
@@ -100,6 +101,34 @@ def test_calls_whole_and_streamed(name, text, content, calls):
 @pytest.mark.parametrize("name, text", MALFORMED)
 def test_malformed_output_is_content(name, text):
     check_content_only(name, text, [*stream_splits(text), *stream_splits3(text)])
+
+
+def _glm_pair(key: str, value: str) -> str:
+    return f"<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n"
+
+
+@pytest.mark.parametrize("function, key, value, read", [
+    ("get_weather", "x", "3", "3"),  # not in the schema
+    ("get_weather", "x", "true", "true"),
+    ("get_weather", "x", "null", "null"),
+    ("get_weather", "x", '{"a": 1}', '{"a": 1}'),
+    ("get_weather", "x", "{'a': 1}", "{'a': 1}"),
+    ("get_weather", "x", " [1, 2] ", " [1, 2] "),
+    ("get_time", "tz", "5", "5"),  # a function without parameters
+    ("get_weather", "units", "3", "3"),  # typed ["string", "null"]
+    ("get_weather", "units", "null", None),
+    ("get_weather", "units", " null ", " null "),
+    ("get_weather", "days", " 3 ", 3),  # typed: read as before
+])
+def test_glm45_untyped_values_stay_text(function, key, value, read):
+    """A value the schema gives no type (a parameter not in it, a function without
+    parameters) is its text as written, and so is one typed ``["string", "null"]`` except
+    ``null``; they were read as JSON or a Python literal (``"3"`` -> 3, ``"{'a': 1}"`` ->
+    ``{"a": 1}``, ``"3"`` for an optional string -> 3, against its schema). Oracle: vLLM
+    0.32's glm45 (the glm47 engine with its schema coercion), run on these texts with these
+    tools: exactly these arguments; whole and streamed every way."""
+    text = f"<tool_call>{function}\n{_glm_pair(key, value)}</tool_call>"
+    check_calls("glm45", text, None, [(function, json.dumps({key: read}))], stream_splits(text))
 
 
 def test_glm45_streams_a_pair_at_a_time():

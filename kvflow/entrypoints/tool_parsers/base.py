@@ -248,6 +248,20 @@ def arguments_items(function: dict[str, Any]) -> list[tuple[str, str]]:
             for k, v in arguments.items()]
 
 
+def schema_types(schema: dict[str, Any] | None) -> list[str]:
+    """The JSON types a parameter's schema allows (``type``, a list of them, or ``anyOf`` /
+    ``oneOf``); none for a schema without a type (``{}``) or no schema."""
+    if not isinstance(schema, dict):
+        return []
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return [kind]
+    if isinstance(kind, list):
+        return [k for k in kind if isinstance(k, str)]
+    return [k for s in schema.get("anyOf") or schema.get("oneOf") or []
+            for k in schema_types(s)]
+
+
 def is_plain_name(name: str) -> bool:
     """Whether a function name read between tags is one word (not empty, no white space, no
     ``<`` or ``>``: text that is no name, or a tag cut short)."""

@@ -9,8 +9,9 @@
 
 A value is its text as written when the tool's schema types the parameter ``string`` (GLM's
 chat template writes a string value verbatim, so its spaces and newlines are the value's, as
-vLLM 0.32 keeps them), else its stripped text read as JSON, else as a Python literal, else
-its text as written.
+vLLM 0.32 keeps them) or gives it no type (not in the schema, ``{}``, tools unknown: vLLM
+0.32 keeps such values as text), else its stripped text read as JSON, else as a Python
+literal, else its text as written (``glm_value``).
 Text before the first ``<tool_call>`` is content; text between and after the blocks is dropped
 (as vLLM's parser drops it). Streaming sends ``{`` once the name's line ends, then each
 pair as its ``</arg_value>`` arrives, then ``}``. A call to a function the request did not
@@ -31,6 +32,7 @@ from kvflow.entrypoints.tool_parsers.base import (
     arguments_items,
     is_plain_name,
     json_member,
+    schema_types,
 )
 
 
@@ -88,11 +90,15 @@ class Glm45ToolParser(TaggedBlocksToolParser):
 
 
 def glm_value(raw: str, schema: dict[str, Any] | None) -> Any:
-    """A GLM parameter's value: ``raw`` as written when ``schema`` types it ``string``, else
-    the JSON value its stripped text reads as, else the Python literal (a JSON-encodable one),
-    else ``raw``."""
-    if isinstance(schema, dict) and schema.get("type") == "string":
-        return raw
+    """A GLM parameter's value, as vLLM 0.32's glm45 reads it where it can be told: ``raw``
+    as written when ``schema`` gives no type (``{}``, a parameter not in the schema, a
+    function without parameters, tools unknown: GLM's template writes a string verbatim and
+    anything else as JSON, so ``3`` may be either) or types it ``string`` (``["string",
+    "null"]`` too: then ``null`` is None); else the JSON value its stripped text reads as,
+    else the Python literal (a JSON-encodable one), else ``raw``."""
+    types = set(schema_types(schema))
+    if not types or types <= {"string", "null"}:
+        return None if "null" in types and raw.lower() == "null" else raw
     text = raw.strip()
     for read in (json.loads, ast.literal_eval):
         try:

@@ -45,6 +45,7 @@ from kvflow.entrypoints.tool_parsers.base import (
     is_plain_name,
     json_member,
     read_blocks,
+    schema_types,
 )
 
 
@@ -169,19 +170,6 @@ def _call_xml(function: dict[str, Any], start: str, end: str) -> str:
     return f"{start}\n<function={function['name']}>\n{params}</function>\n{end}"
 
 
-def _schema_types(schema: dict[str, Any] | None) -> list[str]:
-    """The JSON types a schema allows (``type``, a list of them, or ``anyOf`` / ``oneOf``)."""
-    if not isinstance(schema, dict):
-        return []
-    kind = schema.get("type")
-    if isinstance(kind, str):
-        return [kind]
-    if isinstance(kind, list):
-        return [k for k in kind if isinstance(k, str)]
-    return [k for s in schema.get("anyOf") or schema.get("oneOf") or []
-            for k in _schema_types(s)]
-
-
 def _number(s: str) -> int | float:
     try:
         return int(s)
@@ -231,7 +219,7 @@ def schema_value(raw: str, schema: dict[str, Any] | None) -> Any:
     """The value of a parameter's text ``raw`` as its JSON ``schema`` types it: the first of
     its non-string types the stripped text reads as, else the text itself (a string, or a
     parameter without a type / not in the schema)."""
-    for kind in _schema_types(schema):
+    for kind in schema_types(schema):
         reader = _READERS.get(kind)
         if reader is None:
             continue
