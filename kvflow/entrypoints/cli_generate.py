@@ -134,7 +134,7 @@ def _run_prompts(llm: Any, args: argparse.Namespace, prompts: list[str],
 
     Raises:
         ValueError: from the engine, naming the ``--image`` / ``--video`` file when the
-            model's own limits refuse one (too small, aspect ratio).
+            model's own limits refuse one (aspect ratio).
     """
     from kvflow.multimodal.video import VideoError
 
@@ -153,7 +153,7 @@ def _run_prompts(llm: Any, args: argparse.Namespace, prompts: list[str],
             return llm.generate([{"prompt": p, "multi_modal_data": media} for p in prompts],
                                 params, **run)
         return llm.generate(prompts, params, **run)
-    except ValueError as e:  # the model's own limits (too small, aspect ratio): name the file
+    except ValueError as e:  # the model's own limits (aspect ratio): name the file
         flag, files = ("--video", args.video) if isinstance(e, VideoError) else \
             ("--image", args.image)
         index = getattr(e, "image_index", None)

@@ -112,8 +112,7 @@ class MultiModalProcessor:
         self.image_token_id = int(hf_config.image_token_id)
         self.merge = int(getattr(image_processor, "merge_size", 1))
         # a fixed-size processor (CLIP's, for LLaVA) has no patch size: the encoder's is used
-        # to cut its output, and any image it can resize is taken
-        self.resizes_freely = getattr(image_processor, "patch_size", None) is None
+        # to cut its output
         self.patch_size = int(getattr(image_processor, "patch_size", None)
                               or _vision_field(hf_config, "patch_size") or 1)
         self.hf_config = hf_config
@@ -162,7 +161,7 @@ class MultiModalProcessor:
             ValueError: if the prompt's placeholder count of either kind differs from the
                 image / video count, or there are more images than
                 ``max_images_per_prompt`` (videos than ``max_videos_per_prompt``);
-                ``MediaError`` for an image or video the model cannot take (too small, too
+                ``MediaError`` for an image or video the model cannot take (no pixels, too
                 elongated, too large).
         """
         self._check_counts(token_ids, len(images), len(videos))
@@ -243,9 +242,8 @@ class MultiModalProcessor:
             raise MediaError(f"images must be PIL.Image.Image objects, got "
                              f"{type(image).__name__}")
         width, height = image.size
-        if not self.resizes_freely and min(width, height) < self.patch_size:
-            raise MediaError(f"the image is {width} x {height} pixels; each side must be at "
-                             f"least {self.patch_size} pixels (one vision patch)")
+        if min(width, height) < 1:  # the processors would divide by zero
+            raise MediaError(f"the image is {width} x {height} pixels: it has no pixels")
         image = check_image(image, self.config)
         kwargs = {} if size is None else {"size": size}
         kwargs.update(mm_kwargs or {})

@@ -63,18 +63,18 @@ def test_missing_or_bad_image_file_is_one_error_line(tiny_qwen2_vl, tmp_path, ca
 
 
 def test_an_image_the_model_cannot_take_names_its_file(tiny_qwen2_vl, tmp_path, capsys):
-    """A 1x1 image passes the file checks and is refused by the model's processor (each side
-    at least one 14-pixel patch): its error lacked the ``--image FILE:`` prefix the other
-    --image errors have."""
-    good, tiny = tmp_path / "good.png", tmp_path / "tiny.png"
+    """A 1 x 300 image passes the file checks and is refused by the model's processor
+    (transformers' aspect-ratio limit, 200): its error lacked the ``--image FILE:`` prefix
+    the other --image errors have."""
+    good, thin = tmp_path / "good.png", tmp_path / "thin.png"
     random_image(28, 28, 0).save(good)
-    random_image(1, 1, 0).save(tiny)
+    random_image(1, 300, 0).save(thin)
     for prompt in (["--prompt", f"{PLACEHOLDER} {PLACEHOLDER}"], ["--chat", "--prompt", "?"]):
         assert main(["generate", "--model", tiny_qwen2_vl.path, *prompt, "--image", str(good),
-                     "--image", str(tiny), *ARGS]) == 2
-        assert capsys.readouterr().err == (f"kvflow: error: --image {tiny}: the image is 1 x "
-                                           "1 pixels; each side must be at least 14 pixels "
-                                           "(one vision patch)\n")
+                     "--image", str(thin), *ARGS]) == 2
+        assert capsys.readouterr().err == (f"kvflow: error: --image {thin}: the image cannot "
+                                           "be preprocessed: absolute aspect ratio must be "
+                                           "smaller than 200, got 300.0\n")
 
 
 def test_video_file_without_pyav_is_one_error_line(tiny_qwen2_vl, tmp_path, capsys,

@@ -168,13 +168,24 @@ def test_video_placeholder_without_a_video_is_refused(llm, text):
     assert not llm.engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("size,match", [((1, 1), "at least 14 pixels"),
-                                        ((3000, 10), "at least 14 pixels"),
+@pytest.mark.parametrize("size,match", [((0, 5), "no pixels"),
+                                        ((3000, 10), "aspect ratio"),
                                         ((5000, 20), "aspect ratio")])
 def test_images_the_model_cannot_take(llm, size, match):
     image = random_image(*size, seed=0)
     with pytest.raises(ValueError, match=match):
         llm.generate({"prompt": PLACEHOLDER, "multi_modal_data": {"image": image}}, greedy())
+
+
+def test_images_smaller_than_a_patch_equal_transformers(llm, tiny_qwen2_vl):
+    """transformers resizes an image of any size up to ``min_pixels`` (1 x 1 -> 56 x 56, 4
+    placeholder tokens; 5 x 300 -> 28 x 448): they were refused as smaller than one 14-pixel
+    patch, which transformers 5 does not ask for."""
+    text = f"a {PLACEHOLDER} and {PLACEHOLDER} and {PLACEHOLDER} what?"
+    images = [random_image(1, 1, 40), random_image(8, 8, 41), random_image(5, 300, 42)]
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, greedy())[0]
+    assert out.prompt_token_ids == hf_prompt_ids(tiny_qwen2_vl, text, images)
+    assert out.outputs[0].token_ids == hf_generate(tiny_qwen2_vl, text, images, MAX_TOKENS)
 
 
 def test_text_model_refuses_images(tiny_llama):
