@@ -20,7 +20,11 @@ from PIL import Image
 
 from kvflow.config import MultiModalConfig
 from kvflow.multimodal.media import MediaError, check_image
-from kvflow.multimodal.processor_kwargs import RESIZE_KEYS, check_mm_processor_kwargs
+from kvflow.multimodal.processor_kwargs import (
+    RESIZE_KEYS,
+    check_mm_processor_kwargs,
+    pixel_bounds_as_size,
+)
 from kvflow.multimodal.video import (
     DEFAULT_VIDEO_FPS,
     VideoError,
@@ -246,7 +250,7 @@ class MultiModalProcessor:
             raise MediaError(f"the image is {width} x {height} pixels: it has no pixels")
         image = check_image(image, self.config)
         kwargs = {} if size is None else {"size": size}
-        kwargs.update(mm_kwargs or {})
+        kwargs = pixel_bounds_as_size(self.image_processor, {**kwargs, **(mm_kwargs or {})})
         try:
             out = self.image_processor(images=[image], return_tensors="np", **kwargs)
         except ValueError as e:  # e.g. an aspect ratio above 200

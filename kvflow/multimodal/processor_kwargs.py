@@ -21,6 +21,7 @@ depends on the image's shape, and are refused.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -100,3 +101,23 @@ def _check_resize(kwargs: Mapping[str, Any], pixel_counts: bool, max_pixels: int
         if value > max_pixels:
             raise ValueError(f"{FIELD} {name}={value} would resize images to more than "
                              f"{max_pixels} pixels, the limit (--max-image-pixels)")
+
+
+def pixel_bounds_as_size(image_processor: Any, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``kwargs`` for a call of ``image_processor`` with ``min_pixels`` / ``max_pixels``
+    written as the ``size`` transformers 5 wants (``shortest_edge`` / ``longest_edge``, pixel
+    counts) over the ``size`` the call would use (the given one, else the processor's own):
+    the resize transformers makes of them, without its FutureWarning that passing them to a
+    call is deprecated (and, in a later transformers, gone). Other kwargs pass unchanged.
+    """
+    bounds = {"shortest_edge": kwargs.get("min_pixels"), "longest_edge": kwargs.get("max_pixels")}
+    if all(v is None for v in bounds.values()):
+        return dict(kwargs)
+    size = kwargs.get("size")
+    size = getattr(image_processor, "size", None) if size is None else size
+    if size is not None and not isinstance(size, Mapping):  # transformers 5's SizeDict
+        size = dataclasses.asdict(size) if dataclasses.is_dataclass(size) else {}
+    size = {k: v for k, v in (size or {}).items() if v is not None}
+    size.update({k: v for k, v in bounds.items() if v is not None})
+    rest = {k: v for k, v in kwargs.items() if k not in ("min_pixels", "max_pixels")}
+    return {**rest, "size": size}
