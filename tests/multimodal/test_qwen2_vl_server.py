@@ -132,7 +132,8 @@ def bmp_bytes() -> bytes:
 PNG = png_bytes(random_image(64, 64, 4))
 BAD_IMAGES = [  # (id, url, words the message must hold)
     ("truncated_png", data_url(PNG[:len(PNG) // 2]), ["truncated"]),
-    ("one_pixel", data_url(random_image(1, 1, 6)), ["1 x 1", "at least 14"]),
+    # a 1 x 1 image is resized up as transformers does; one 300 times taller than wide is not
+    ("aspect_ratio_300", data_url(random_image(1, 300, 6)), ["aspect ratio", "200"]),
     ("20000x20000", data_url(png_header_only(20000, 20000)), ["pixels"]),
     ("bad_base64", "data:image/png;base64,iVBORw0KGgo***notbase64***", ["base64"]),
     ("unsupported_media_type", data_url(PNG, "image/tiff"), ["image/tiff", "not supported"]),
