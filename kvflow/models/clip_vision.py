@@ -10,8 +10,9 @@ class token and the pre-LayerNorm, its patch embedding with a bias.
 
 A vision-language model reads the hidden states after some layer (``vision_feature_layer``:
 ``k >= 0`` counts layers, the embeddings being 0; negative counts from the end, ``-1`` the
-last layer's output), so only the layers up to it are built, and the final LayerNorm is never
-applied. The modules keep transformers' names (``embeddings.*``, ``pre_layrnorm.*``,
+last layer's output), or after each of a list of layers, concatenated along the hidden size
+in the list's order (transformers' ``LlavaModel.get_image_features``), so only the layers up
+to the last one read are built, and the final LayerNorm is never applied. The modules keep transformers' names (``embeddings.*``, ``pre_layrnorm.*``,
 ``encoder.layers.N.self_attn.q_proj.*``, ...; older checkpoints put them under
 ``vision_model.``, which the model's loader strips); checkpoint tensors of
 the layers past the feature layer, of ``post_layernorm`` and of SigLIP's pooling ``head``
@@ -121,7 +122,9 @@ class VisionTower(nn.Module):
         config: the ``vision_config`` (``model_type`` ``clip_vision_model`` or
             ``siglip_vision_model``; hidden_size, intermediate_size, num_hidden_layers,
             num_attention_heads, patch_size, image_size, hidden_act, layer_norm_eps).
-        feature_layer: the hidden state read (see :func:`vision_layers_needed`).
+        feature_layer: the hidden state read (see :func:`vision_layers_needed`), or a list
+            of them, concatenated (``num_features`` of them: the output has
+            ``num_features * hidden_size`` columns).
 
     Raises:
         ValueError: for another vision model type, an unsupported activation or a feature
@@ -135,7 +138,12 @@ class VisionTower(nn.Module):
             raise ValueError(f"vision_config.model_type {model_type!r} is not supported for "
                              f"LLaVA; kvflow runs {sorted(VISION_MODEL_TYPES)}")
         self.class_token = VISION_MODEL_TYPES[model_type]
-        self.num_layers = vision_layers_needed(config.num_hidden_layers, feature_layer)
+        layers = [feature_layer] if isinstance(feature_layer, int) else list(feature_layer)
+        # the hidden-state indices read, 0 the embeddings (after CLIP's pre-LayerNorm)
+        self.feature_indices = [vision_layers_needed(config.num_hidden_layers, layer)
+                                for layer in layers]
+        self.num_features = len(self.feature_indices)
+        self.num_layers = max(self.feature_indices)
         self.patch_size = config.patch_size
         self.embeddings = VisionEmbeddings(config, self.class_token)
         self.pre_layrnorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) \
@@ -144,13 +152,15 @@ class VisionTower(nn.Module):
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         """patches float [B, N, channels * patch^2] (N = (image_size / patch)^2) -> the
-        feature layer's hidden states [B, N (+1: CLIP's class token first), hidden]."""
+        feature layers' hidden states [B, N (+1: CLIP's class token first), num_features *
+        hidden], the layers' in ``feature_layer``'s order."""
         x = self.embeddings(patches)
         if self.pre_layrnorm is not None:
             x = self.pre_layrnorm(x)
+        states = [x]  # states[i]: the hidden states after i layers
         for layer in self.encoder.layers:
-            x = layer(x)
-        return x
+            states.append(layer(states[-1]))
+        return torch.cat([states[i] for i in self.feature_indices], dim=-1)
 
     def needs(self, name: str) -> bool:
         """Whether a checkpoint tensor name (relative to the tower: ``embeddings.*``,

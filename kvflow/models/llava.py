@@ -4,7 +4,8 @@ projector and a Llama / Mistral decoder.
 LLaVA-1.5 (Liu et al. 2023, arXiv:2310.03744): the image, resized and center-cropped to the
 tower's ``image_size`` by the CLIP image processor, runs through the vision tower
 (``clip_vision.py``); the hidden states after ``vision_feature_layer`` (default -2: the
-second-to-last layer's output), without the class token for
+second-to-last layer's output; for a list of layers, theirs concatenated along the hidden
+size), without the class token for
 ``vision_feature_select_strategy`` "default" (all tokens for "full"), go through the
 projector ``linear_2(act(linear_1(x)))`` to the decoder's width and replace the image's
 placeholder tokens (``image_token_index``), one row per token: 576 for a 336-pixel image of
@@ -49,16 +50,17 @@ def check_llava_config(config: Any, anyres: bool = False) -> None:
     LLaVA-NeXT's, whose ``image_grid_pinpoints`` are read (``llava_next_packing.py``).
 
     Raises:
-        ValueError: naming the field: ``vision_feature_layer`` not one integer (a list of
-            layers, concatenated), a ``vision_feature_select_strategy`` other than "default"
+        ValueError: naming the field: ``vision_feature_layer`` neither an integer nor a
+            non-empty list of integers, a ``vision_feature_select_strategy`` other than "default"
             / "full", ``image_grid_pinpoints`` (any-resolution tiling) in a LLaVA-1.5
             config, or a vision tower other than CLIP / SigLIP.
     """
     layer = getattr(config, "vision_feature_layer", -2)
-    if isinstance(layer, bool) or not isinstance(layer, int):
-        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
-            f"vision_feature_layer={layer!r}: kvflow's LLaVA reads one vision layer (an "
-            "integer); a list of layers is not supported")
+    layers = layer if isinstance(layer, (list, tuple)) else [layer]
+    if not layers or any(isinstance(v, bool) or not isinstance(v, int) for v in layers):
+        raise ValueError(f"vision_feature_layer={layer!r}: an integer (the vision layer "
+                         "read) or a non-empty list of integers (the layers read, "
+                         "concatenated)")
     strategy = getattr(config, "vision_feature_select_strategy", "default")
     if strategy not in SELECT_STRATEGIES:
         raise ValueError(f"vision_feature_select_strategy={strategy!r}: choose one of "
@@ -121,8 +123,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         super().__init__(config, ctx, parallel)
         vision = config.vision_config
         self.vision_tower = VisionTower(vision, getattr(config, "vision_feature_layer", -2))
-        self.multi_modal_projector = LlavaMultiModalProjector(
-            vision.hidden_size, config.hidden_size,
+        self.multi_modal_projector = LlavaMultiModalProjector(  # a block per feature layer
+            vision.hidden_size * self.vision_tower.num_features, config.hidden_size,
             getattr(config, "projector_hidden_act", "gelu"),
             bool(getattr(config, "multimodal_projector_bias", True)))
         self.drop_first = getattr(config, "vision_feature_select_strategy",

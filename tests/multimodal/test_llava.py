@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from kvflow import LLM, SamplingParams
 from tests.multimodal.conftest import (
     LLAVA_IMAGE,
+    _tiny_llava,
     data_url,
     hf_generate,
     hf_prompt_ids,
@@ -160,13 +161,41 @@ def test_unknown_tensor_is_refused(tiny_llava, tmp_path):
 
 
 @pytest.mark.parametrize("override,match", [
-    ({"vision_feature_layer": [-2, -1]}, "vision_feature_layer"),
+    ({"vision_feature_layer": []}, "vision_feature_layer"),
+    ({"vision_feature_layer": [-2, 1.5]}, "vision_feature_layer"),
+    ({"vision_feature_layer": [-2, 9]}, "outside the vision encoder"),
     ({"image_grid_pinpoints": [[336, 672]]}, "image_grid_pinpoints"),
     ({"vision_config": {"model_type": "pixtral", "hidden_size": 32}}, "vision_config"),
 ])
 def test_fields_kvflow_does_not_compute_are_refused(tiny_llava, override, match):
     with pytest.raises(ValueError, match=match):
         LLM(tiny_llava.path, dtype="float32", num_kv_blocks=64, hf_overrides=override)
+
+
+@pytest.mark.parametrize("tower,layers,strategy", [
+    ("clip_vision_model", [-2, 0, 3], "default"), ("siglip_vision_model", [1, -1], "full")])
+def test_a_list_of_feature_layers_equals_transformers(tmp_path, tiny_tokenizer, tower, layers,
+                                                      strategy, assert_no_leaks):
+    """``vision_feature_layer`` a list (transformers concatenates those layers' hidden
+    states, the projector taking len(list) x the tower's width) was refused at load; now the
+    same prompt ids, greedy tokens and logprobs as transformers."""
+    act = "quick_gelu" if tower == "clip_vision_model" else "gelu_pytorch_tanh"
+    tiny = _tiny_llava(str(tmp_path), tiny_tokenizer, {"model_type": tower, "hidden_act": act},
+                       {"model_type": "llama"}, seed=31, vision_feature_layer=layers,
+                       vision_feature_select_strategy=strategy)
+    assert tiny.hf_model.model.multi_modal_projector.linear_1.in_features == 32 * len(layers)
+    llm = LLM(tiny.path, dtype="float32", num_kv_blocks=64, block_size=16)
+    _, one, two = cases()
+    outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": imgs}}
+                         for t, imgs in (one, two)], greedy())
+    for (text, images), out in zip((one, two), outs):
+        assert out.prompt_token_ids == hf_prompt_ids(tiny, text, images)
+        ref_tokens, ref_logprobs = hf_reference(tiny, text, images)
+        assert out.outputs[0].token_ids == ref_tokens
+        for step, token in enumerate(ref_tokens):
+            got = out.outputs[0].logprobs[step][token].logprob
+            assert got == pytest.approx(ref_logprobs[step][token].item(), abs=2e-4)
+    assert_no_leaks(llm)
 
 
 def test_wrong_image_processor_size_is_refused(tiny_llava, tmp_path):

@@ -204,13 +204,37 @@ def test_in_memory_checkpoint_names_map_to_parameters(llm, tiny):
 @pytest.mark.parametrize("override,match", [
     ({"vision_feature_select_strategy": "full"}, "vision_feature_select_strategy"),
     ({"image_grid_pinpoints": [[32, 48]]}, "image_grid_pinpoints"),
-    ({"vision_feature_layer": [-2, -1]}, "vision_feature_layer"),
+    ({"vision_feature_layer": []}, "vision_feature_layer"),
 ])
 def test_configs_kvflow_cannot_pack_are_refused(tiny_clip, override, match):
     """"full" would keep CLIP's class token in every tile; 48 pixels is no whole number of
-    32-pixel tiles; a list of feature layers is refused as for LLaVA-1.5."""
+    32-pixel tiles; an empty list of feature layers names none."""
     with pytest.raises(ValueError, match=match):
         LLM(tiny_clip.path, dtype="float32", num_kv_blocks=64, hf_overrides=override)
+
+
+def test_a_list_of_feature_layers_equals_transformers(tmp_path, tiny_tokenizer,
+                                                      assert_no_leaks):
+    """``vision_feature_layer`` a list: every tile's hidden states of those layers,
+    concatenated (the projector 3 x the tower's width), then packed; was refused at load."""
+    tiny = build_tiny_llava_next(str(tmp_path), tiny_tokenizer,
+                                 {"model_type": "clip_vision_model", "hidden_act": "quick_gelu"},
+                                 {"model_type": "llama"}, seed=37,
+                                 vision_feature_layer=[-1, 0, -3])
+    llm = LLM(tiny.path, dtype="float32", num_kv_blocks=128, block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            prompt_logprobs=0)
+    prompts = cases()[1:]
+    outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": imgs}}
+                         for t, imgs in prompts], params)
+    for (text, imgs), out in zip(prompts, outs):
+        inputs = tiny.processor(text=[text], images=imgs, return_tensors="pt")
+        ids = out.prompt_token_ids
+        assert ids == inputs["input_ids"][0].tolist()
+        got = [entry[ids[i]].logprob for i, entry in enumerate(out.prompt_logprobs) if i]
+        np.testing.assert_allclose(got, hf_prompt_logprobs(tiny, inputs), atol=2e-4)
+        assert out.outputs[0].token_ids == hf_generate(tiny, text, imgs, MAX_TOKENS)
+    assert_no_leaks(llm)
 
 
 def test_image_processor_with_other_pinpoints_is_refused(tiny_clip, tmp_path):
