@@ -1,0 +1,105 @@
+"""Conversations rendered as vLLM 0.32 renders them where it differs from passing the messages
+to ``apply_chat_template`` unchanged (kvflow/chat_template.py, kvflow/chat_messages.py):
+developer messages for a template without that role (and an assistant's ``reasoning``, which
+transformers aliases as vLLM does). Oracle: the HF tokenizer's own ``apply_chat_template`` on the
+messages vLLM hands it, written by hand (vllm/renderers/hf.py, chat_utils.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from types import SimpleNamespace
+
+import pytest
+
+from kvflow.chat_template import render_chat
+
+# SmolLM2-135M-Instruct's template (ChatML with a default system message), which names no
+# developer role
+CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+          "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+          "Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+          "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\n' }}{% endif %}")
+# a template that has a developer role of its own
+WITH_DEVELOPER = ("{% for m in messages %}{% if m.role == 'developer' %}[dev]{% else %}"
+                  "<{{ m.role }}>{% endif %}{{ m.content }}\n{% endfor %}")
+# Qwen3's way of writing an earlier reply's reasoning
+REASONING = ("{% for m in messages %}<{{ m.role }}>{% if m.reasoning_content %}<think>"
+             "{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}\n{% endfor %}")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_tokenizer):
+    tok = copy.deepcopy(tiny_tokenizer)  # the session's tokenizer stays without a template
+    tok.chat_template = CHATML
+    return tok
+
+
+def _hf(tok, messages, template=CHATML, **kwargs) -> str:
+    return tok.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                   add_generation_prompt=True, **kwargs)
+
+
+def _sys(text: str) -> dict:
+    return {"role": "system", "content": text}
+
+
+def _user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+DEV = {"role": "developer", "content": "Answer in French."}
+
+
+@pytest.mark.parametrize("messages, as_vllm", [
+    ([DEV, _user("hi")], [_sys("Answer in French."), _user("hi")]),
+    # a system message that is not first once developers are systems: all merged at the front
+    ([_sys("Be brief."), DEV, _user("hi")], [_sys("Be brief.\n\nAnswer in French."), _user("hi")]),
+    ([_user("hi"), DEV, _user("ho")], [_sys("Answer in French."), _user("hi"), _user("ho")]),
+    ([{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                        {"type": "text", "text": "b"}]},
+      _sys(""), _user("hi")], [_sys("a\nb"), _user("hi")]),
+], ids=["first", "after-system", "later", "parts-and-empty"])
+def test_developer_is_system_for_a_template_without_the_role(tok, messages, as_vllm):
+    assert render_chat(tok, messages) == _hf(tok, as_vllm)
+    assert render_chat(tok, messages, content_format="openai") == _hf(tok, as_vllm)
+
+
+def test_developer_kept_for_a_template_with_the_role(tok):
+    messages = [_sys("s"), DEV, _user("hi")]
+    out = render_chat(tok, messages, chat_template=WITH_DEVELOPER)
+    assert out == _hf(tok, messages, WITH_DEVELOPER) == "<system>s\n[dev]Answer in French.\n<user>hi\n"
+
+
+def test_assistant_reasoning_is_reasoning_content(tok):
+    """vLLM copies an assistant's ``reasoning`` to ``reasoning_content`` (the name templates
+    read); transformers' apply_chat_template does the same (kvflow relies on it)."""
+    messages = [_user("hi"), {"role": "assistant", "content": "yo", "reasoning": "greet"}]
+    out = render_chat(tok, messages, chat_template=REASONING, add_generation_prompt=False)
+    assert out == "<user>hi\n<assistant><think>greet</think>yo\n"
+
+
+@pytest.fixture(scope="module")
+def served_chat(tok):
+    """The server's chat handler (rendering only) on ``tok``."""
+    from kvflow.config import ServerConfig
+    from kvflow.entrypoints.serving_chat import OpenAIServingChat
+    from kvflow.input_processor import InputProcessor
+
+    engine = SimpleNamespace(tokenizer=tok, processor=InputProcessor(tok, 64, 320, 0),
+                             max_model_len=4096)
+    return OpenAIServingChat(engine, ServerConfig(), "m")
+
+
+def test_served_chat_renders_as_vllm(served_chat, tok):
+    """/v1/chat/completions (and /tokenize, the same ``render``): a developer message is the
+    system message."""
+    from kvflow.entrypoints.chat_options import ChatOptions
+    from kvflow.entrypoints.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest.model_validate({"messages": [
+        DEV, {"role": "user", "content": "hi"}]})
+    text, ids = asyncio.run(served_chat.render(req.messages, ChatOptions.of(req)))
+    assert text == _hf(tok, [_sys("Answer in French."), _user("hi")])
+    assert ids == tok.encode(text, add_special_tokens=False)
