@@ -7,12 +7,13 @@ format); rendering them is ``chat_template.py``'s job:
   needs ``tool_call_id``, a non-empty string (OpenAI's rules, ``check_message_fields``);
   null (an assistant turn that only calls tools, or any empty turn) becomes ``""``;
 * a list of content parts becomes the ``"\\n"``-joined text of its ``text`` parts (``refusal``
-  parts of assistant turns count as text); ``image_url`` parts, for a model that takes images
-  (the caller passes its ``image_placeholder``), become that placeholder text, one line per
-  image before the text (``detail`` other than ``"auto"`` is refused), and ``video_url``
-  parts likewise (``video_placeholder``); any other part is refused. A template that loops
-  over a message's content itself (Qwen2-VL's; found by ``chat_template.loops_over_content``)
-  gets the parts instead (``content_parts``), images as ``{"type": "image"}`` and videos as
+  parts of assistant turns count as text, and so do the Responses API's ``input_text`` /
+  ``output_text`` parts, their ``text``, as vLLM takes them); ``image_url`` parts, for a
+  model that takes images (the caller passes its ``image_placeholder``), become that
+  placeholder text, one line per image before the text (``detail`` other than ``"auto"``
+  is refused), and ``video_url`` parts likewise (``video_placeholder``); any other part is
+  refused. A template that loops over a message's content itself (Qwen2-VL's; found by
+  ``chat_template.loops_over_content``) gets the parts instead (``content_parts``), images as ``{"type": "image"}`` and videos as
   ``{"type": "video"}``, so it places them as the model was trained; ``image_urls`` /
   ``video_urls`` list the images / videos in prompt order either way;
 * an assistant's ``tool_calls[].function.arguments`` given as JSON text (OpenAI's form) is
@@ -36,7 +37,10 @@ __all__ = ["ROLES", "ChatTemplateError", "arguments_object", "check_call_index",
 # ChatMessage schema lists the same ones; LLM.chat checks them here)
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
-_TEXT_PARTS = {"text", "refusal"}
+# Text part types -> the key holding their text: OpenAI's chat parts, and the Responses API's
+# input_text / output_text, which vLLM's chat takes as text parts too (clients reuse them)
+_TEXT_PARTS = {"text": "text", "refusal": "refusal", "input_text": "text",
+               "output_text": "text"}
 _IMAGE_PARTS = {"image_url", "video_url"}  # media parts: a URL and a placeholder
 _TEMPLATE_TYPES = {"image_url": "image", "video_url": "video"}
 
@@ -235,11 +239,12 @@ def _part(part: Any, i: int, j: int, placeholders: dict[str, str]) -> tuple[str,
     ``type`` and its type's payload only (another non-null key would go unread: a
     ChatTemplateError naming it, as the HTTP schema refuses it)."""
     kind = part.get("type") if isinstance(part, dict) else None
-    other = next((k for k, v in part.items() if k not in ("type", kind) and v is not None),
+    key = _TEXT_PARTS.get(kind, kind) if isinstance(kind, str) else None
+    other = next((k for k, v in part.items() if k not in ("type", key) and v is not None),
                  None) if isinstance(kind, str) else None
-    if other is not None and kind in _TEXT_PARTS | _IMAGE_PARTS:
+    if other is not None and (kind in _TEXT_PARTS or kind in _IMAGE_PARTS):
         raise ChatTemplateError(f"message {i}: content part {j} of type {kind!r} carries "
-                                f"{kind} only, not {other!r}",
+                                f"{key} only, not {other!r}",
                                 f"messages.{i}.content.{j}.{other}", "unknown_parameter")
     if kind in placeholders:
         image = part.get(kind)
@@ -254,10 +259,10 @@ def _part(part: Any, i: int, j: int, placeholders: dict[str, str]) -> tuple[str,
                                     f"messages.{i}.content.{j}.{kind}.detail",
                                     "unsupported_value")
         return kind, placeholders[kind]
-    text = part.get(kind) if kind in _TEXT_PARTS else None
+    text = part.get(key) if kind in _TEXT_PARTS else None
     if kind in _TEXT_PARTS and not isinstance(text, str):
         raise ChatTemplateError(f"message {i}: content part {j} of type {kind!r} needs "
-                                f"{kind} (a string)", f"messages.{i}.content.{j}.{kind}")
+                                f"{key} (a string)", f"messages.{i}.content.{j}.{key}")
     if not isinstance(text, str):
         what = " and ".join(["text", *placeholders]) if placeholders else \
             "text only: this model does not take images or videos"

@@ -1,7 +1,7 @@
 """Conversations rendered as vLLM 0.32 renders them where it differs from passing the messages
 to ``apply_chat_template`` unchanged (kvflow/chat_template.py, kvflow/chat_messages.py):
-developer messages for a template without that role (and an assistant's ``reasoning``, which
-transformers aliases as vLLM does). Oracle: the HF tokenizer's own ``apply_chat_template`` on the
+developer messages for a template without that role, the Responses API's text parts (and an
+assistant's ``reasoning``, which transformers aliases as vLLM does). Oracle: the HF tokenizer's own ``apply_chat_template`` on the
 messages vLLM hands it, written by hand (vllm/renderers/hf.py, chat_utils.py)."""
 
 from __future__ import annotations
@@ -72,6 +72,13 @@ def test_developer_kept_for_a_template_with_the_role(tok):
     assert out == _hf(tok, messages, WITH_DEVELOPER) == "<system>s\n[dev]Answer in French.\n<user>hi\n"
 
 
+@pytest.mark.parametrize("kind", ["input_text", "output_text"])
+def test_responses_text_parts_are_text(tok, kind):
+    messages = [{"role": "user", "content": [{"type": kind, "text": "a"},
+                                             {"type": "text", "text": "b"}]}]
+    assert render_chat(tok, messages) == _hf(tok, [_user("a\nb")])
+
+
 def test_assistant_reasoning_is_reasoning_content(tok):
     """vLLM copies an assistant's ``reasoning`` to ``reasoning_content`` (the name templates
     read); transformers' apply_chat_template does the same (kvflow relies on it)."""
@@ -93,13 +100,13 @@ def served_chat(tok):
 
 
 def test_served_chat_renders_as_vllm(served_chat, tok):
-    """/v1/chat/completions (and /tokenize, the same ``render``): a developer message is the
-    system message."""
+    """/v1/chat/completions (and /tokenize, the same ``render``): an ``input_text`` part passes
+    the schema, and a developer message is the system message."""
     from kvflow.entrypoints.chat_options import ChatOptions
     from kvflow.entrypoints.protocol import ChatCompletionRequest
 
     req = ChatCompletionRequest.model_validate({"messages": [
-        DEV, {"role": "user", "content": "hi"}]})
+        DEV, {"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]})
     text, ids = asyncio.run(served_chat.render(req.messages, ChatOptions.of(req)))
     assert text == _hf(tok, [_sys("Answer in French."), _user("hi")])
     assert ids == tok.encode(text, add_special_tokens=False)

@@ -78,8 +78,14 @@ class VideoURL(RequestModel):
     url: str
 
 
+# Part types whose payload key is not their type: the Responses API's text parts, which chat
+# takes as text parts (their ``text``), as vLLM does
+_TEXT_KEYS = {"input_text": "text", "output_text": "text"}
+
+
 class ContentPart(RequestModel):
-    """A content part: ``text`` (or an assistant's ``refusal``) is rendered; ``image_url``
+    """A content part: ``text`` (or an assistant's ``refusal``, or the Responses API's
+    ``input_text`` / ``output_text`` parts' ``text``, as vLLM takes them) is rendered; ``image_url``
     and ``video_url`` parts are images and videos for a vision-language model (a 400 for a
     text-only one); other types
     (audio, files) are a 400 naming the part (kvflow/chat_messages.py). A key other than
@@ -104,12 +110,13 @@ class ContentPart(RequestModel):
         if kind in data and kind not in cls.model_fields:
             data = {k: v for k, v in data.items() if k != kind}
         payloads = set(cls.model_fields) - {"type"}
-        other = next((k for k in data if k in payloads and k != kind
+        own = _TEXT_KEYS.get(kind, kind)
+        other = next((k for k in data if k in payloads and k != own
                       and data[k] is not None), None)
         if other is not None:
             raise PydanticCustomError(
                 "part_key", "Unrecognized request argument supplied: {key} (a {kind!r} part "
-                "carries {kind} only)", {"key": other, "kind": kind})
+                "carries {own} only)", {"key": other, "kind": kind, "own": own})
         return data
 
 
