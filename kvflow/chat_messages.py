@@ -12,10 +12,14 @@ format); rendering them is ``chat_template.py``'s job:
   model that takes images (the caller passes its ``image_placeholder``), become that
   placeholder text, one line per image before the text (``detail`` other than ``"auto"``
   is refused), and ``video_url`` parts likewise (``video_placeholder``); any other part is
-  refused. A template that loops over a message's content itself (Qwen2-VL's; found by
-  ``chat_template.loops_over_content``) gets the parts instead (``content_parts``), images as ``{"type": "image"}`` and videos as
-  ``{"type": "video"}``, so it places them as the model was trained; ``image_urls`` /
-  ``video_urls`` list the images / videos in prompt order either way;
+  refused. A template that loops over a message's content itself (Qwen2-VL's, llava-hf's;
+  found by ``chat_template.loops_over_content``) gets the parts instead (``content_parts``,
+  vLLM's "openai" content format), images as ``{"type": "image"}`` and videos as
+  ``{"type": "video"}``, so it places them as the model was trained; a string content is
+  then one text part and null none (llava-hf's templates print only the text parts), and a
+  tool message's text parts stay one ``"\\n"``-joined string (as vLLM gives them: most
+  templates print a tool result as it is); ``image_urls`` / ``video_urls`` list the images /
+  videos in prompt order either way;
 * an assistant's ``tool_calls[].function.arguments`` given as JSON text (OpenAI's form) is
   parsed into an object, as templates that write ``arguments | tojson`` expect; text that
   is no JSON object (a cut or malformed call) becomes ``{}`` (``arguments_object``).
@@ -63,7 +67,8 @@ def normalize_conversation(messages: Sequence[Any], image_placeholder: str | Non
     Args:
         messages: OpenAI-style message dicts.
         image_placeholder: the text standing for one image (None: images are refused).
-        content_parts: keep list content as parts (for templates that loop over them).
+        content_parts: give content as a list of parts (for templates that loop over them;
+            a tool message's text as one string), as vLLM's "openai" content format.
         video_placeholder: the text standing for one video (None: videos are refused).
 
     Raises:
@@ -115,10 +120,8 @@ def _normalize_message(message: Any, i: int, placeholders: dict[str, str],
     check_message_fields(message, i)
     out = dict(message)
     content = message.get("content")
-    if content_parts and isinstance(content, list):
-        out["content"] = _content_parts(content, i, placeholders)
-    else:
-        out["content"] = _content_text(content, i, placeholders)
+    out["content"] = _content_as_parts(message["role"], content, i, placeholders) \
+        if content_parts else _content_text(content, i, placeholders)
     if isinstance(message.get("tool_calls"), list):
         out["tool_calls"] = [_parsed_arguments(_without_index(c, i, j))
                              for j, c in enumerate(message["tool_calls"])]
@@ -222,6 +225,23 @@ def _content_text(content: Any, i: int, placeholders: dict[str, str]) -> str:
         kind, text = _part(part, i, j, placeholders)
         (images if kind in _IMAGE_PARTS else texts).append(text)
     return "\n".join(images + texts)
+
+
+def _content_as_parts(role: str, content: Any, i: int,
+                      placeholders: dict[str, str]) -> str | list[dict]:
+    """Message ``i``'s content in vLLM's "openai" format: a list of parts (a string is one
+    text part, null none), except a tool message's text, which stays one string (its text
+    parts ``"\\n"``-joined). Raises ChatTemplateError for a bad content or part."""
+    if isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    elif content is None:
+        content = []
+    elif not isinstance(content, list):
+        return _content_text(content, i, placeholders)  # raises: no content of any form
+    parts = _content_parts(content, i, placeholders)
+    if role == "tool" and all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
 
 
 def _content_parts(content: list, i: int, placeholders: dict[str, str]) -> list[dict]:

@@ -63,7 +63,6 @@ DEV = {"role": "developer", "content": "Answer in French."}
 ], ids=["first", "after-system", "later", "parts-and-empty"])
 def test_developer_is_system_for_a_template_without_the_role(tok, messages, as_vllm):
     assert render_chat(tok, messages) == _hf(tok, as_vllm)
-    assert render_chat(tok, messages, content_format="openai") == _hf(tok, as_vllm)
 
 
 def test_developer_kept_for_a_template_with_the_role(tok):
@@ -110,3 +109,43 @@ def test_served_chat_renders_as_vllm(served_chat, tok):
     text, ids = asyncio.run(served_chat.render(req.messages, ChatOptions.of(req)))
     assert text == _hf(tok, [_sys("Answer in French."), _user("hi")])
     assert ids == tok.encode(text, add_special_tokens=False)
+
+
+# Qwen2-VL's way with content: a string printed as it is, else each part (images as a pad)
+QWEN2_VL = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+            "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+            "<|vision_pad|>{% elif 'text' in c %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+            "<|im_end|>\n{% endfor %}")
+
+
+def test_openai_format_gives_a_string_content_as_a_text_part(tok):
+    """llava-hf's template prints only the parts of type text: a string content (the usual
+    text-only turn) was printed as nothing, 'USER: ASSISTANT:'. vLLM's "openai" format (the
+    format detected for it) hands it as one text part, null as no part."""
+    from tests.multimodal.conftest import LLAVA_CHAT_TEMPLATE
+
+    messages = [_user("What is this?"), {"role": "assistant", "content": None},
+                _user("And that?")]
+    as_vllm = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}]},
+               {"role": "assistant", "content": []},
+               {"role": "user", "content": [{"type": "text", "text": "And that?"}]}]
+    for fmt in ("auto", "openai"):
+        out = render_chat(tok, messages, chat_template=LLAVA_CHAT_TEMPLATE, content_format=fmt)
+        assert out == _hf(tok, as_vllm, LLAVA_CHAT_TEMPLATE)
+        assert out == "USER: What is this? ASSISTANT: USER: And that? ASSISTANT:"
+
+
+def test_openai_format_gives_a_tool_result_as_one_string(tok):
+    """A tool message's text parts reach the template as one ``"\\n"``-joined string in
+    vLLM's "openai" format too (they were parts, printed back to back: 'ab')."""
+    messages = [_user("add"), {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "a"},
+                                                           {"type": "text", "text": "b"}]}]
+    template = QWEN2_VL + "{# tool_calls: not printed #}"
+    out = render_chat(tok, messages, chat_template=template, add_generation_prompt=False)
+    as_vllm = [{"role": "user", "content": [{"type": "text", "text": "add"}]},
+               {"role": "assistant", "content": [{"type": "text", "text": ""}]},
+               {"role": "tool", "content": "a\nb"}]
+    assert out == tok.apply_chat_template(as_vllm, chat_template=template, tokenize=False)
+    assert out.endswith("<|im_start|>tool\na\nb<|im_end|>\n")
