@@ -27,7 +27,8 @@ from kvflow.chat_messages import ChatTemplateError, normalize_conversation
 from kvflow.text_checks import find_lone_surrogate
 
 __all__ = ["ChatTemplateError", "NoChatTemplateError", "check_default_template_kwargs",
-           "developer_as_system", "loops_over_content", "render_chat", "syntax_error_message"]
+           "developer_as_system", "loops_over_content", "render_chat", "syntax_error_message",
+           "template_text"]
 
 # A message's keys in OpenAI's API and vLLM's (passed to the template whether it reads them
 # or not, as vLLM does: clients send them routinely); any other key must be read by the
@@ -197,6 +198,20 @@ def _text_of(content: Any) -> str:
     return content or ""
 
 
+def template_text(tokenizer: Any, chat_template: str | None = None,
+                  default_template: str | None = None,
+                  tools: list[dict[str, Any]] | None = None) -> str:
+    """The Jinja text :func:`render_chat` renders with for these arguments (one of a
+    tokenizer's named templates picked as it picks them), for callers that look into it
+    first (which variables it mentions: ``chat_tools_text.tools_as_text``); ``""`` for none,
+    or for a caller's template ``render_chat`` refuses (it reports that)."""
+    try:
+        template = _pick_template(tokenizer, chat_template, default_template, tools)[1]
+    except ChatTemplateError:
+        return ""
+    return template if isinstance(template, str) else ""
+
+
 def _pick_template(tokenizer: Any, chat_template: str | None,
                    default_template: str | None,
                    tools: list | None = None) -> tuple[str, Any]:
@@ -205,8 +220,13 @@ def _pick_template(tokenizer: Any, chat_template: str | None,
     ``"caller"``, ``"default"`` or ``"model"``. A tokenizer holding named templates (a dict:
     a tokenizer_config.json list, a GGUF's ``tokenizer.chat_template.<name>``) gives the one
     transformers' ``get_chat_template`` picks: ``tool_use`` when ``tools`` are given and it
-    has one, else ``default``. Raises ChatTemplateError for a caller's template that is not
-    Jinja text, or named templates without a ``default`` (naming them)."""
+    has one, else ``default``; a caller's ``chat_template`` that is one of their names
+    picks that one (transformers' and vLLM's rule: ``chat_template="tool_use"``). Raises
+    ChatTemplateError for a caller's template that is not Jinja text, or named templates
+    without a ``default`` (naming them)."""
+    named = getattr(tokenizer, "chat_template", None)
+    if isinstance(named, dict) and isinstance(chat_template, str) and chat_template in named:
+        return "model", named[chat_template]
     if chat_template is not None:
         _check_caller_template(chat_template)
     source = "caller" if chat_template is not None else \

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvflow.chat_template import template_text
 from kvflow.chat_tool_calls import check_tool_call_ids, check_tool_calls, message_turns
 from kvflow.chat_tools_text import (
     HermesToolText,
@@ -181,6 +182,7 @@ def _render_conversation(processor: Any, tokenizer: Any, conversation: Any,
     if not isinstance(conversation, list):
         return apply(conversation, options.get("tools"))  # refused there, naming it
     check_calls_before_text(conversation)
-    template = options.get("chat_template") or getattr(tokenizer, "chat_template", None)
+    template = template_text(tokenizer, options.get("chat_template"),
+                             tools=options.get("tools"))
     return apply_with_tools_prompt(apply, tools_as_text(
-        conversation, str(template or ""), options.get("tools"), HermesToolText()))
+        conversation, template, options.get("tools"), HermesToolText()))

@@ -149,3 +149,61 @@ def test_openai_format_gives_a_tool_result_as_one_string(tok):
                {"role": "tool", "content": "a\nb"}]
     assert out == tok.apply_chat_template(as_vllm, chat_template=template, tokenize=False)
     assert out.endswith("<|im_start|>tool\na\nb<|im_end|>\n")
+
+
+# named templates (a tokenizer_config.json list): the default reads neither tools nor calls
+NAMED_DEFAULT = "D:{% for m in messages %}{{ m['content'] }};{% endfor %}"
+NAMED_TOOL_USE = ("T:{% for t in tools or [] %}{{ t['function']['name'] }},{% endfor %}"
+                  "{% for m in messages %}{{ m['content'] }}"
+                  "{% for c in m.tool_calls or [] %}[{{ c.function.name }}]{% endfor %};"
+                  "{% endfor %}")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+
+
+@pytest.fixture(scope="module")
+def named_tok(tiny_tokenizer):
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = {"default": NAMED_DEFAULT, "tool_use": NAMED_TOOL_USE}
+    return tok
+
+
+def test_chat_template_names_one_of_the_models_templates(named_tok):
+    """``chat_template="tool_use"`` picks the model's template of that name, as transformers'
+    ``get_chat_template`` (and so vLLM, for a request's or LLM.chat's chat_template) does; it
+    was refused as text holding no Jinja markup."""
+    messages = [_user("hi")]
+    for tools in (None, TOOLS):
+        out = render_chat(named_tok, messages, chat_template="tool_use", tools=tools,
+                          add_generation_prompt=False)
+        assert out == named_tok.apply_chat_template(messages, chat_template="tool_use",
+                                                    tools=tools, tokenize=False)
+    assert out == "T:get_weather,hi;"
+
+
+def test_named_templates_earlier_calls_without_tools(named_tok, tiny_tokenizer):
+    """A conversation with an earlier tool call and no ``tools`` renders with the default
+    template, which reads no tool_calls: the calls become the tool parser's text, as for a
+    tokenizer holding that template alone (the check looked into every named template, found
+    tool_calls in tool_use's, and the default template's render was a 400)."""
+    from kvflow.config import ServerConfig
+    from kvflow.entrypoints.chat_options import ChatOptions
+    from kvflow.entrypoints.protocol import ChatCompletionRequest
+    from kvflow.entrypoints.serving_chat import OpenAIServingChat
+    from kvflow.input_processor import InputProcessor
+
+    plain = copy.deepcopy(tiny_tokenizer)
+    plain.chat_template = NAMED_DEFAULT
+    req = ChatCompletionRequest.model_validate({"messages": [
+        _user("weather?"),
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]})
+    texts = []
+    for tok in (named_tok, plain):
+        engine = SimpleNamespace(tokenizer=tok, processor=InputProcessor(tok, 64, 320, 0),
+                                 max_model_len=4096)
+        chat = OpenAIServingChat(engine, ServerConfig(), "m")
+        texts.append(asyncio.run(chat.render(req.messages, ChatOptions.of(req)))[0])
+    assert texts[0] == texts[1]
+    assert texts[0].startswith("D:weather?;<tool_call>")

@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from kvflow.chat_messages import image_urls, video_urls
-from kvflow.chat_template import ChatTemplateError, NoChatTemplateError
+from kvflow.chat_template import ChatTemplateError, NoChatTemplateError, template_text
 from kvflow.chat_template_source import load_chat_template, template_name
 from kvflow.chat_tools_text import ToolsAsText, apply_with_tools_prompt, tools_as_text
 from kvflow.entrypoints.chat_conversation import check_messages, no_template_error
@@ -88,8 +88,7 @@ class ChatRendering:
         conversation = [m.model_dump(exclude_none=True) | {"content": m.model_dump()["content"]}
                         for m in messages]
         tokenizer = self.tokenizer
-        template = str(options.chat_template or self.chat_template
-                       or getattr(tokenizer, "chat_template", None) or "")
+        template = template_text(tokenizer, options.chat_template, self.chat_template, tools)
         prepared = tools_as_text(conversation, template, tools,
                                  make_tool_parser(self.config.tool_call_parser),
                                  tool_instructions)
