@@ -28,7 +28,7 @@ from kvflow.text_checks import find_lone_surrogate
 
 __all__ = ["ChatTemplateError", "NoChatTemplateError", "check_default_template_kwargs",
            "developer_as_system", "loops_over_content", "render_chat", "syntax_error_message",
-           "template_text"]
+           "template_text", "template_variables"]
 
 # A message's keys in OpenAI's API and vLLM's (passed to the template whether it reads them
 # or not, as vLLM does: clients send them routinely); any other key must be read by the
@@ -85,6 +85,12 @@ def _jinja_environment(template: str) -> Any:
         return _compile_jinja_template(template).environment
     except Exception:  # noqa: BLE001 - a syntax error, or another transformers version
         return jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+
+
+def template_variables(template: str) -> frozenset[str] | None:
+    """The variables a Jinja chat template reads from its context (``messages``,
+    ``enable_thinking``, ...), found statically; None when it does not parse."""
+    return _template_variables(template)
 
 
 @functools.lru_cache(maxsize=16)

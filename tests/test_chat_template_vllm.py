@@ -207,3 +207,61 @@ def test_named_templates_earlier_calls_without_tools(named_tok, tiny_tokenizer):
         texts.append(asyncio.run(chat.render(req.messages, ChatOptions.of(req)))[0])
     assert texts[0] == texts[1]
     assert texts[0].startswith("D:weather?;<tool_call>")
+
+
+# Qwen3's thinking switch, and gpt-oss's effort line
+THINKING = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and "
+            "enable_thinking is false %}<think></think>{% endif %}{% endif %}")
+EFFORT = ("Reasoning: {{ reasoning_effort or 'medium' }}\n"
+          "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}")
+
+
+def _served_with(tiny_tokenizer, template: str, body: dict, ignore: bool = False) -> str:
+    """The prompt /v1/chat/completions renders for ``body`` on a model whose template is
+    ``template`` (an OpenAIError for a request it refuses)."""
+    from kvflow.config import ServerConfig
+    from kvflow.entrypoints.chat_options import ChatOptions
+    from kvflow.entrypoints.protocol import ChatCompletionRequest
+    from kvflow.entrypoints.serving_chat import OpenAIServingChat
+    from kvflow.input_processor import InputProcessor
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = template
+    engine = SimpleNamespace(tokenizer=tok, processor=InputProcessor(tok, 64, 320, 0),
+                             max_model_len=4096)
+    chat = OpenAIServingChat(engine, ServerConfig(ignore_unknown_fields=ignore), "m")
+    req = ChatCompletionRequest.model_validate({"messages": [_user("hi")], **body})
+    return asyncio.run(chat.render(req.messages, ChatOptions.of(req)))[0]
+
+
+@pytest.mark.parametrize("body, hf_kwargs", [
+    ({"reasoning_effort": "none"}, {"enable_thinking": False}),
+    ({"reasoning_effort": "low"}, {"enable_thinking": True}),
+    ({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}},
+     {"enable_thinking": True}),  # the request's own switch wins
+])
+def test_reasoning_effort_switches_thinking(tiny_tokenizer, body, hf_kwargs):
+    """vLLM's ``reasoning_effort`` sets a template's ``enable_thinking`` (false for "none")
+    unless chat_template_kwargs sets it; it was a 400 (unsupported)."""
+    out = _served_with(tiny_tokenizer, THINKING, body)
+    assert out == _hf(tiny_tokenizer, [_user("hi")], THINKING, **hf_kwargs)
+
+
+def test_reasoning_effort_is_a_template_variable(tiny_tokenizer):
+    out = _served_with(tiny_tokenizer, EFFORT, {"reasoning_effort": "high",
+                                                "chat_template_kwargs": {
+                                                    "reasoning_effort": "low"}})
+    assert out == "Reasoning: high\n<user>hi\n"  # the field wins, as in vLLM
+
+
+def test_reasoning_effort_a_template_does_not_read(tiny_tokenizer):
+    """Refused, naming the field (it would change nothing), unless the server ignores
+    unknown fields (then dropped, as vLLM drops it)."""
+    from kvflow.entrypoints.openai_errors import OpenAIError
+
+    with pytest.raises(OpenAIError) as info:
+        _served_with(tiny_tokenizer, CHATML, {"reasoning_effort": "low"})
+    assert (info.value.param, info.value.code) == ("reasoning_effort", "unsupported_value")
+    assert _served_with(tiny_tokenizer, CHATML, {"reasoning_effort": "low"}, ignore=True) == \
+        _hf(tiny_tokenizer, [_user("hi")])

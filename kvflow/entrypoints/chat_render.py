@@ -89,6 +89,10 @@ class ChatRendering:
                         for m in messages]
         tokenizer = self.tokenizer
         template = template_text(tokenizer, options.chat_template, self.chat_template, tools)
+        try:
+            options = options.with_effort(template, drop=self.unknown_fields.ignore)
+        except ChatTemplateError as e:
+            raise OpenAIError(str(e), param=e.param, code=e.code) from None
         prepared = tools_as_text(conversation, template, tools,
                                  make_tool_parser(self.config.tool_call_parser),
                                  tool_instructions)

@@ -47,8 +47,8 @@ UNSUPPORTED = {
     "audio": "audio output is not supported",
     "modalities": "the reply is text only",
     "web_search_options": "web search is not supported",
-    "reasoning_effort": "pass the model's own switch in chat_template_kwargs "
-                        "(e.g. enable_thinking)",
+    "reasoning_effort": "only /v1/chat/completions takes it (elsewhere pass the model's "
+                        "own switch in chat_template_kwargs, e.g. enable_thinking)",
     # vLLM's /v1/embeddings extensions; normalize and add_special_tokens are declared (and
     # honoured) there, these entries refuse them on the endpoints that do not take them
     "normalize": "only /v1/embeddings and /pooling take it (scores and classes use the "
