@@ -163,12 +163,14 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
         video_placeholder=video_placeholder)
     if not template:
         raise NoChatTemplateError("this model has no chat template", "messages")
-    conversation = developer_as_system(conversation, template)
     kwargs = _template_kwargs(conversation, template, add_generation_prompt,
                               continue_final_message, tools, documents, template_kwargs,
                               on_unread_kwargs)
     kwargs = {**_read_defaults(template, default_kwargs, kwargs), **kwargs}
-    text = _apply_template(tokenizer, conversation, template, source, kwargs)
+    # the checks above and below name messages by their index as sent; the template gets
+    # developers as systems
+    text = _apply_template(tokenizer, developer_as_system(conversation, template), template,
+                           source, kwargs)
     _check_other_keys_read(tokenizer, conversation, template, kwargs, text)
     return text
 
@@ -319,7 +321,8 @@ def _check_other_keys_read(tokenizer: Any, conversation: list[dict[str, Any]], t
             raise ChatTemplateError(f"{param}: a conversation may use at most "
                                     f"{_MAX_OTHER_KEYS} message keys beyond OpenAI's", param,
                                     "unknown_parameter")
-        without = [{k: v for k, v in m.items() if k != key} for m in conversation]
+        without = developer_as_system(
+            [{k: v for k, v in m.items() if k != key} for m in conversation], template)
         try:
             same = tokenizer.apply_chat_template(without, chat_template=template,
                                                  tokenize=False, **kwargs) == text

@@ -265,3 +265,19 @@ def test_reasoning_effort_a_template_does_not_read(tiny_tokenizer):
     assert (info.value.param, info.value.code) == ("reasoning_effort", "unsupported_value")
     assert _served_with(tiny_tokenizer, CHATML, {"reasoning_effort": "low"}, ignore=True) == \
         _hf(tiny_tokenizer, [_user("hi")])
+
+
+def test_developer_merge_keeps_the_fields_named_as_sent(tok):
+    """Errors name a message by its index as sent, not as merged (the system message moves
+    to the front): an unread key, an assistant's tool_calls the template does not render."""
+    from kvflow.chat_template import ChatTemplateError
+
+    sent = [_user("hi"), _sys("s"), DEV, {"role": "user", "content": "x", "foo": 1}]
+    with pytest.raises(ChatTemplateError) as info:
+        render_chat(tok, sent)
+    assert info.value.param == "messages.3.foo"
+    sent = [_user("hi"), _sys("s"), DEV, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    with pytest.raises(ChatTemplateError) as info:
+        render_chat(tok, sent)
+    assert info.value.param == "messages.3.tool_calls"
