@@ -34,8 +34,8 @@ from typing import Any
 from kvflow.text_checks import find_lone_surrogate
 
 __all__ = ["ROLES", "ChatTemplateError", "arguments_object", "check_call_index",
-           "check_message_fields", "image_urls", "normalize_conversation", "object_from_text",
-           "video_urls"]
+           "check_message_fields", "developer_as_system", "image_urls", "normalize_conversation",
+           "object_from_text", "video_urls"]
 
 # The roles a message may have: OpenAI's chat roles and the older "function" (the server's
 # ChatMessage schema lists the same ones; LLM.chat checks them here)
@@ -87,6 +87,37 @@ def normalize_conversation(messages: Sequence[Any], image_placeholder: str | Non
                     if text is not None}
     return [_normalize_message(m, i, placeholders, content_parts)
             for i, m in enumerate(messages)]
+
+
+def developer_as_system(conversation: list[dict[str, Any]],
+                        template: Any) -> list[dict[str, Any]]:
+    """The conversation as vLLM renders it for a template that has no ``developer`` role
+    (its text never names ``"developer"`` or ``'developer'``, vLLM's test): every developer
+    message becomes a system message, and when that leaves a system message anywhere but
+    first (or several), all system messages are merged into one at the front, their texts
+    (a list content's text parts joined with ``"\\n"``; empty ones left out) joined with
+    ``"\\n\\n"`` (vLLM's ``_convert_developer_to_system`` and
+    ``_consolidate_system_messages``). Unchanged without a developer message, or for a
+    template that names the role. Inputs are not changed."""
+    if not any(m["role"] == "developer" for m in conversation) or \
+            any(f"{q}developer{q}" in str(template) for q in "\"'"):
+        return conversation
+    converted = [{**m, "role": "system"} if m["role"] == "developer" else m
+                 for m in conversation]
+    systems = [i for i, m in enumerate(converted) if m["role"] == "system"]
+    if systems == [0]:
+        return converted
+    texts = [_text_of(converted[i]["content"]) for i in systems]
+    merged = {"role": "system", "content": "\n\n".join(t for t in texts if t)}
+    return [merged, *(m for m in converted if m["role"] != "system")]
+
+
+def _text_of(content: Any) -> str:
+    """A normalized message content as text: a list of parts' text parts joined with
+    ``"\\n"`` (media parts carry none)."""
+    if isinstance(content, list):
+        return "\n".join(p["text"] for p in content if isinstance(p, dict) and "text" in p)
+    return content or ""
 
 
 def image_urls(messages: Sequence[Any], kind: str = "image_url") -> list[tuple[str, Any]]:

@@ -5,8 +5,8 @@ the same everywhere. The messages are checked and normalized first (``chat_messa
 ``content`` required and null as ``""``, content parts joined, or kept as parts for a template
 that loops over a message's content, images as the model's placeholder, tool-call arguments
 parsed); ``ChatTemplateError``, defined there, is every error of both. A developer message
-is a system message for a template that has no developer role (``developer_as_system``,
-vLLM's rule).
+is a system message for a template that has no developer role (vLLM's rule,
+``chat_messages.developer_as_system``).
 
 Options are honoured or refused, never dropped: ``continue_final_message`` (the reply continues
 the last, assistant, message; exclusive with ``add_generation_prompt``), ``chat_template`` (a
@@ -23,11 +23,11 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvflow.chat_messages import ChatTemplateError, normalize_conversation
+from kvflow.chat_messages import ChatTemplateError, developer_as_system, normalize_conversation
 from kvflow.text_checks import find_lone_surrogate
 
 __all__ = ["ChatTemplateError", "NoChatTemplateError", "check_default_template_kwargs",
-           "developer_as_system", "loops_over_content", "render_chat", "syntax_error_message",
+           "loops_over_content", "render_chat", "syntax_error_message",
            "template_text", "template_variables"]
 
 # A message's keys in OpenAI's API and vLLM's (passed to the template whether it reads them
@@ -173,37 +173,6 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
                            source, kwargs)
     _check_other_keys_read(tokenizer, conversation, template, kwargs, text)
     return text
-
-
-def developer_as_system(conversation: list[dict[str, Any]],
-                        template: Any) -> list[dict[str, Any]]:
-    """The conversation as vLLM renders it for a template that has no ``developer`` role
-    (its text never names ``"developer"`` or ``'developer'``, vLLM's test): every developer
-    message becomes a system message, and when that leaves a system message anywhere but
-    first (or several), all system messages are merged into one at the front, their texts
-    (a list content's text parts joined with ``"\\n"``; empty ones left out) joined with
-    ``"\\n\\n"`` (vLLM's ``_convert_developer_to_system`` and
-    ``_consolidate_system_messages``). Unchanged without a developer message, or for a
-    template that names the role. Inputs are not changed."""
-    if not any(m["role"] == "developer" for m in conversation) or \
-            any(f"{q}developer{q}" in str(template) for q in "\"'"):
-        return conversation
-    converted = [{**m, "role": "system"} if m["role"] == "developer" else m
-                 for m in conversation]
-    systems = [i for i, m in enumerate(converted) if m["role"] == "system"]
-    if systems == [0]:
-        return converted
-    texts = [_text_of(converted[i]["content"]) for i in systems]
-    merged = {"role": "system", "content": "\n\n".join(t for t in texts if t)}
-    return [merged, *(m for m in converted if m["role"] != "system")]
-
-
-def _text_of(content: Any) -> str:
-    """A normalized message content as text: a list of parts' text parts joined with
-    ``"\\n"`` (media parts carry none)."""
-    if isinstance(content, list):
-        return "\n".join(p["text"] for p in content if isinstance(p, dict) and "text" in p)
-    return content or ""
 
 
 def template_text(tokenizer: Any, chat_template: str | None = None,
