@@ -281,3 +281,23 @@ def test_developer_merge_keeps_the_fields_named_as_sent(tok):
     with pytest.raises(ChatTemplateError) as info:
         render_chat(tok, sent)
     assert info.value.param == "messages.3.tool_calls"
+
+
+def test_responses_reasoning_effort_is_chats(tiny_tokenizer):
+    """/v1/responses' ``reasoning.effort`` reaches the template as chat's reasoning_effort
+    (vLLM's Responses API does so; it was a 400), and its errors name reasoning.effort."""
+    from kvflow.entrypoints.openai_errors import OpenAIError
+    from kvflow.entrypoints.protocol.responses_api import ResponsesRequest
+    from kvflow.entrypoints.responses_checks import refuse_unhonoured
+    from kvflow.entrypoints.responses_errors import renamed_error
+    from kvflow.entrypoints.responses_input import chat_messages
+
+    req = ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "none"}})
+    refuse_unhonoured(req)  # no longer refused
+    conv = chat_messages(req.input, req.instructions, [])
+    body = {"messages": conv.messages, "reasoning_effort": req.reasoning.effort}
+    assert _served_with(tiny_tokenizer, THINKING, body) == \
+        _hf(tiny_tokenizer, [_user("hi")], THINKING, enable_thinking=False)
+    with pytest.raises(OpenAIError) as info:
+        _served_with(tiny_tokenizer, CHATML, body)
+    assert renamed_error(info.value, conv).param == "reasoning.effort"

@@ -34,11 +34,11 @@ def refuse_unhonoured(req: ResponsesRequest) -> None:
                            "longer than the context is a 400 (send disabled)")
     _check_include(req)
     if req.reasoning is not None:
-        for key in ("effort", "summary", "generate_summary"):
+        for key in ("summary", "generate_summary"):  # effort: chat's reasoning_effort
             if getattr(req.reasoning, key) is not None:
                 raise _unsupported(f"reasoning.{key}", f"reasoning.{key} is not supported: "
-                                   "kvflow has no reasoning switch (pass none; reasoning "
-                                   "text is returned when the server runs with "
+                                   "kvflow writes no reasoning summary (pass none; "
+                                   "reasoning text is returned when the server runs with "
                                    "--reasoning-parser)")
     if req.text is not None and req.text.verbosity is not None:
         raise _unsupported("text.verbosity", "text.verbosity is not supported: the reply's "

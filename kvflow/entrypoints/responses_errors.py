@@ -16,7 +16,8 @@ from kvflow.entrypoints.responses_input import Conversation
 _RENAMED = {"logprobs": "include", "max_completion_tokens": "max_output_tokens",
             "max_tokens": "max_output_tokens",
             "response_format.json_schema": "text.format", "response_format": "text.format",
-            "tool_choice.function": "tool_choice", "messages": "input"}
+            "tool_choice.function": "tool_choice", "messages": "input",
+            "reasoning_effort": "reasoning.effort"}
 # the chat fields a Responses request cannot have: wherever a message names one, it means
 # the Responses field it came from (longest first)
 _CHAT_ONLY = ("max_completion_tokens", "max_tokens", "response_format.json_schema",

@@ -209,6 +209,7 @@ class OpenAIServingResponses:
                     "top_logprobs": req.top_logprobs if wants_logprobs(req) else None,
                     "prompt_cache_key": req.prompt_cache_key, "cache_salt": req.cache_salt,
                     "safety_identifier": req.safety_identifier,
+                    "reasoning_effort": req.reasoning and req.reasoning.effort,
                     "vllm_xargs": req.vllm_xargs}
         except RequestFieldError as e:
             raise OpenAIError(str(e), param=e.param, code=e.code) from None

@@ -47,11 +47,11 @@ class TextConfig(RequestModel):
 
 
 class ReasoningConfig(RequestModel):
-    """``reasoning``: kvflow has no switch for it; an empty object or nulls are accepted, any
-    set key is a 400 naming it (``reasoning.effort``). Reasoning text is returned when the
-    server runs with ``--reasoning-parser``."""
+    """``reasoning``: ``effort`` is chat's ``reasoning_effort`` (template variables, as
+    vLLM's); ``summary`` / ``generate_summary`` set are a 400 naming them. Reasoning text is
+    returned when the server runs with ``--reasoning-parser``."""
 
-    effort: Any = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: Any = None
     generate_summary: Any = None
 
