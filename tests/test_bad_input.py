@@ -35,14 +35,16 @@ def test_prompt_longer_than_max_model_len(llm, assert_no_leaks):
 
 
 def test_prompt_past_what_the_kv_cache_holds_names_the_cache(llm, tiny_llama, assert_no_leaks):
-    """max_model_len=64 asked of a 4-block pool (block 0 is the null block: 3 x 4 = 12 tokens
-    per request): the engine caps it at 12, and a longer prompt is refused at once, saying
-    the KV cache capped it (the error said only 'max_model_len is 12', contradicting the 64
-    asked) and what to raise; the engine keeps serving."""
-    small = _llm(tiny_llama.path, num_kv_blocks=4, max_model_len=64)
+    """max_model_len unset on a 4-block pool (block 0 is the null block: 3 x 4 = 12 tokens
+    per request): the engine caps the model's 256 positions at 12, and a longer prompt is
+    refused at once, saying the KV cache capped it (the error said only 'max_model_len is
+    12', which the model's context contradicts) and what to raise; the engine keeps serving.
+    (An explicit max_model_len the pool cannot hold is refused at start-up:
+    tests/test_max_model_len_kv_cache.py.)"""
+    small = _llm(tiny_llama.path, num_kv_blocks=4)
     assert small.engine.core.max_model_len == 12
     for n in (12, 20):
-        with pytest.raises(ValueError, match=r"max_model_len is 12 \(capped from 64: the KV "
+        with pytest.raises(ValueError, match=r"max_model_len is 12 \(capped from 256: the KV "
                                              r"cache holds 12 tokens per request; raise "
                                              r"--num-kv-blocks or --kv-cache-memory"):
             small.generate([[3] * n], GREEDY, use_tqdm=False)

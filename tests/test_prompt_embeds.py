@@ -166,7 +166,7 @@ def test_dtypes_are_cast_to_the_model_dtype(tiny_llama, llm):
 def test_preempted_requests_recompute_from_their_embeddings(tiny_llama, assert_no_leaks,
                                                             async_scheduling):
     llm = LLM(model=tiny_llama.path, dtype="float32", enable_prompt_embeds=True,
-              block_size=4, num_kv_blocks=14, max_num_batched_tokens=16, max_model_len=64,
+              block_size=4, num_kv_blocks=14, max_num_batched_tokens=16, max_model_len=52,
               enable_prefix_caching=False, async_scheduling=async_scheduling)
     embeds = [_embeds(30 + i, 14) for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -15,7 +15,11 @@ from kvflow.core.encoder_cache_manager import EncoderCacheManager
 from kvflow.core.engine_dtype import cpu_dtype_measure, resolve_dtype
 from kvflow.core.engine_steps import InFlightStep
 from kvflow.core.kv_cache_manager import KVCacheManager
-from kvflow.core.kv_cache_sizing import make_kv_cache_config, model_positions
+from kvflow.core.kv_cache_sizing import (
+    make_kv_cache_config,
+    model_len_refusal,
+    model_positions,
+)
 from kvflow.core.kv_cache_utils import (
     kv_bytes_per_token,
     max_concurrency,
@@ -217,6 +221,21 @@ class EngineCoreStartup:
                              "it at: lower it, or leave --disable-sliding-window out")
         return window if wanted is None else min(wanted, window)
 
+    def _check_model_len_fits(self, model_len: int, capacity: int) -> None:
+        """An explicit ``max_model_len`` (``model_len`` tokens) longer than one request's
+        share of the pool (``capacity`` tokens) is refused, as vLLM refuses it at start-up
+        (its ``num_gpu_blocks_override``, kvflow's ``--num-kv-blocks``, included); unset or
+        -1 (vLLM's auto-fit) it is capped at ``capacity`` instead.
+
+        Raises:
+            ValueError: naming max_model_len, the blocks and bytes one such request needs
+                and the pool has, the estimated maximum model length and the settings to
+                change (``kv_cache_sizing.model_len_refusal``).
+        """
+        if self.config.model_config.max_model_len is not None:
+            raise ValueError(model_len_refusal(self.config, self.kv_cache_config, model_len,
+                                               capacity, self.platform.default_kv_cache_bytes))
+
     def _init_kv_cache(self) -> None:
         cc = self.config.cache_config
         positions = self.positions
@@ -226,15 +245,16 @@ class EngineCoreStartup:
         self.kv_cache_config = make_kv_cache_config(self.executor, self.config, self.is_encoder,
                                                     self.dtype)
         self.num_blocks = self.kv_cache_config.num_blocks
-        self.executor.initialize_kv_cache(self.kv_cache_config)
         step_tokens = self.config.scheduler_config.max_num_batched_tokens
         wanted = self._window_capped(self.config.model_config.max_model_len or positions)
         # only sliding-window layers: any length fits a pool holding one window (and chunk)
         capacity = max_tokens_per_request(self.kv_cache_config, step_tokens, wanted or 0)
         model_len = wanted or capacity
         if model_len > capacity:
+            self._check_model_len_fits(model_len, capacity)
             logger.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it",
                            model_len, capacity)
+        self.executor.initialize_kv_cache(self.kv_cache_config)
         self.max_model_len = min(model_len, capacity)
         # why max_model_len is what it is, for the refusal of a prompt that does not fit
         self.max_model_len_note = "" if model_len <= capacity else (

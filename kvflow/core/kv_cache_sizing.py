@@ -124,3 +124,52 @@ def encoder_kv_cache_config(config: EngineConfig, dtype: torch.dtype) -> KVCache
     spec = FullAttentionSpec(bs, 1, 1, dtype)
     num_blocks = -(-sc.max_num_batched_tokens // bs) + sc.max_num_seqs + 1
     return KVCacheConfig(num_blocks, (KVCacheGroupSpec((), spec),))
+
+
+def model_len_refusal(config: EngineConfig, kv_config: KVCacheConfig, model_len: int,
+                      capacity: int, fixed_kv_bytes: int | None) -> str:
+    """Why an explicit ``max_model_len`` of ``model_len`` tokens is refused: one request of
+    that length needs more blocks than the pool's usable ones (block 0 is the null block),
+    which hold ``capacity`` tokens per request. vLLM's start-up check
+    (``_check_enough_kv_cache_memory``): the KV memory needed vs available, the estimated
+    maximum model length, and the settings to change (the one that sized the pool first;
+    ``fixed_kv_bytes``: the platform's fixed default budget, None where
+    ``gpu_memory_utilization`` sizes it).
+
+    Args:
+        config: the engine's configuration (the pool's sizing settings).
+        kv_config: the sized pool.
+        model_len: the ``max_model_len`` asked for (tokens).
+        capacity: the longest request the pool holds (tokens), below ``model_len``.
+    """
+    cc, page = config.cache_config, kv_config.page_size_bytes
+    step_tokens = config.scheduler_config.max_num_batched_tokens
+    need = sum(g.kv_cache_spec.max_num_blocks(model_len, step_tokens)
+               for g in kv_config.kv_cache_groups)
+    usable = kv_config.num_blocks - 1
+    if cc.num_kv_blocks is not None:
+        fix = f"raise --num-kv-blocks (to at least {need + 1}: block 0 is the null block)"
+    elif cc.kv_cache_memory is not None:
+        fix = f"raise --kv-cache-memory (now {cc.kv_cache_memory!r})"
+    elif fixed_kv_bytes is None:
+        fix = (f"raise --gpu-memory-utilization (now {cc.gpu_memory_fraction}), or set "
+               "--kv-cache-memory or --num-kv-blocks")
+    else:
+        fix = (f"set --kv-cache-memory (the KV cache is {_size(fixed_kv_bytes)} by default "
+               "here) or --num-kv-blocks")
+    return (f"max_model_len={model_len} does not fit the KV cache: one request of "
+            f"{model_len} tokens needs {need} blocks of {kv_config.block_size} tokens "
+            f"({_size(need * page)} of KV cache), more than the {usable} usable blocks "
+            f"({_size(usable * page)}; block 0 is the null block), which hold {capacity} "
+            f"tokens per request: the estimated maximum model length is {capacity}. "
+            f"{fix[0].upper()}{fix[1:]}; or lower --max-model-len to {capacity} or less "
+            "(or leave it unset, or -1, to cap it at what the KV cache holds)")
+
+
+def _size(num_bytes: int) -> str:
+    """``num_bytes`` for a message: GiB or MiB with two decimals, or plain bytes below 1 MiB."""
+    if num_bytes >= 2**30:
+        return f"{num_bytes / 2**30:.2f} GiB"
+    if num_bytes >= 2**20:
+        return f"{num_bytes / 2**20:.2f} MiB"
+    return f"{num_bytes} bytes"

@@ -417,14 +417,15 @@ def free_at_start(server: ServerProcess) -> float:
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
 SMOLLM2_NUM_KV_BLOCKS = 64
+# max_model_len: all the 63 usable blocks hold (63 x 16; block 0 is the null block)
 SMOLLM2_ARGS = ["--dtype", "float32", "--num-kv-blocks", str(SMOLLM2_NUM_KV_BLOCKS),
-                "--block-size", "16", "--max-model-len", "1024"]
+                "--block-size", "16", "--max-model-len", "1008"]
 
 
 @pytest.fixture(scope="session")
 def smollm2_server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
     """One ``kvflow serve`` of the packaged SmolLM2-135M-Instruct (float32: no bf16 near-ties;
-    ``SMOLLM2_NUM_KV_BLOCKS`` blocks of 16 tokens; max_model_len 1024) for every module that
+    ``SMOLLM2_NUM_KV_BLOCKS`` blocks of 16 tokens; max_model_len 1008) for every module that
     talks to it (tests/e2e/test_openai_reported.py, test_openai_smollm.py): its start-up takes
     10-20 s. ``server.metrics_at_start`` is /metrics read once it is ready, before any request
     reached it. Stopped at the end of the session."""

@@ -26,7 +26,7 @@ def prestart_servers(fixture):
 
 @pytest.fixture(scope="module")
 def server(smollm2_server):
-    """The session's SmolLM2 server (float32, 64 blocks of 16 tokens, max_model_len 1024),
+    """The session's SmolLM2 server (float32, 64 blocks of 16 tokens, max_model_len 1008),
     shared with tests/e2e/test_openai_smollm.py."""
     return smollm2_server
 

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(smollm2_server):
-    """The session's SmolLM2 server (float32, 64 blocks of 16 tokens, max_model_len 1024),
+    """The session's SmolLM2 server (float32, 64 blocks of 16 tokens, max_model_len 1008),
     shared with tests/e2e/test_openai_reported.py."""
     return smollm2_server
 
