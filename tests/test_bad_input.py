@@ -266,7 +266,7 @@ def test_unknown_engine_option(tiny_llama):
     ({"max_num_seqs": 1.5}, "max_num_seqs=1.5 is invalid; it must be int"),
     ({"max_model_len": "64"}, "max_model_len='64' is invalid"),
     ({"max_model_len": 0}, "max_model_len=0 must be >= 1"),
-    ({"max_model_len": -1}, "max_model_len=-1 must be >= 1"),
+    ({"max_model_len": -2}, "max_model_len=-2 must be >= 1"),  # -1 is vLLM's auto-fit
     ({"enable_prefix_caching": "no"}, "enable_prefix_caching='no' is invalid"),
 ])
 def test_bad_engine_values(tiny_llama, kwargs, match):
