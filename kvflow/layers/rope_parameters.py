@@ -13,6 +13,12 @@ from typing import Any
 # what the config's own fields give (an EAGLE head reads every position of its target)
 EXTENDED_ROPE_POSITIONS = "kvflow_extended_rope_positions"
 
+# The most positions a model's RoPE (or position-embedding) table may cover, after scaling:
+# 16M, above any released model's context (Llama 4 Scout: 10M); a corrupt config beyond it
+# would ask for a table that does not fit in memory (2**40 positions: terabytes). GGUF
+# metadata is held to the same limit (``kvflow.models.gguf_config.MAX_ROPE_POSITIONS``).
+MAX_ROPE_POSITIONS = 1 << 24
+
 
 def get_rope_parameters(config: Any) -> tuple[float, dict | None]:
     """Read (rope_theta, rope_scaling) from an HF config of any transformers version.

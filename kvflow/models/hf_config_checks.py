@@ -18,6 +18,8 @@ import json
 import math
 from typing import Any
 
+from kvflow.layers.rope_parameters import MAX_ROPE_POSITIONS, rope_max_positions
+
 # every architecture kvflow serves describes its transformer with these
 REQUIRED_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 # checked when present (null means "derive it", e.g. a Mistral config's head_dim)
@@ -65,7 +67,7 @@ def check_config_sizes(raw: dict[str, Any], path: str) -> None:
     """Check the transformer sizes of a parsed config.json: :data:`REQUIRED_SIZES` present and
     every size positive integers, and ``num_attention_heads`` a multiple of
     ``num_key_value_heads`` (grouped-query attention shares each KV head among a whole number
-    of query heads). A vision-language config keeps them in ``text_config``, where a size left
+    of query heads), and ``max_position_embeddings`` at most :data:`MAX_ROPE_POSITIONS`. A vision-language config keeps them in ``text_config``, where a size left
     out takes the default of transformers' config class for its ``model_type`` (as
     transformers builds the sub-config: llava-hf/llava-1.5-7b-hf's ``text_config`` names only
     ``vocab_size`` and a few more); a size at the top level wins, as in
@@ -89,6 +91,12 @@ def check_config_sizes(raw: dict[str, Any], path: str) -> None:
             raise ValueError(f"model config {path!r}: {name}={value!r} is invalid; it must be "
                              "a positive integer")
         sizes[name] = value
+    positions = sizes.get("max_position_embeddings")
+    if positions is not None and positions > MAX_ROPE_POSITIONS:
+        raise ValueError(f"model config {path!r}: max_position_embeddings={positions} is above "
+                         f"the {MAX_ROPE_POSITIONS} positions kvflow tables (the RoPE or "
+                         "position-embedding table has one row per position; is the file "
+                         "corrupt?)")
     heads, kv_heads = sizes["num_attention_heads"], sizes.get("num_key_value_heads")
     if kv_heads is not None and heads % kv_heads:
         raise ValueError(f"model config {path!r}: num_attention_heads={heads} is not a multiple "
@@ -221,3 +229,24 @@ def check_rope_parameters(config: Any, path: str) -> None:
             raise ValueError(f"model config {path!r}: {where}.factor={factor!r} is invalid "
                              f"for rope_type {rope_type!r}; it must be a number >= 1 (how "
                              "many times the original context the scaled RoPE covers)")
+
+
+def check_rope_positions(config: Any, path: str) -> None:
+    """Check that the positions the model's RoPE table covers after scaling
+    (:func:`~kvflow.layers.rope_parameters.rope_max_positions`: ``max_position_embeddings``
+    times a linear or dynamic ``factor``, YaRN's original length times its ``factor``) are at
+    most :data:`MAX_ROPE_POSITIONS`: the table is built at start-up with one row per
+    position, so a corrupt ``factor`` (2**40) asked for petabytes.
+
+    Raises:
+        ValueError: naming ``path``, the positions and the fields they come from.
+    """
+    if getattr(config, "max_position_embeddings", None) is None:
+        return  # no positions to table (a config check has refused a bad value)
+    positions = rope_max_positions(config)
+    if positions > MAX_ROPE_POSITIONS:
+        raise ValueError(f"model config {path!r}: the RoPE scaling covers {positions} "
+                         f"positions (max_position_embeddings="
+                         f"{config.max_position_embeddings} with its rope_parameters "
+                         f"factor), above the {MAX_ROPE_POSITIONS} positions kvflow tables (is "
+                         "the factor right?)")

@@ -17,6 +17,7 @@ from kvflow.distributed.parallel_state import ParallelState
 from kvflow.models.fused_shards import missing_expert_tensors, missing_shard_tensors
 from kvflow.models.hf_config_checks import (
     check_rope_parameters,
+    check_rope_positions,
     read_config_json,
     unread_field_warnings,
 )
@@ -55,8 +56,9 @@ def load_hf_config(source: ModelSource, warn_unread: bool = False,
     Raises:
         ValueError: if config.json is missing, cannot be parsed, or its sizes, other fields
             or RoPE parameters are missing or invalid (see
-            :func:`kvflow.models.hf_config_checks.read_config_json` and
-            :func:`~kvflow.models.hf_config_checks.check_rope_parameters`).
+            :func:`kvflow.models.hf_config_checks.read_config_json`,
+            :func:`~kvflow.models.hf_config_checks.check_rope_parameters` and
+            :func:`~kvflow.models.hf_config_checks.check_rope_positions`).
     """
     if source.kind == "gguf":
         if hf_overrides:
@@ -81,6 +83,7 @@ def load_hf_config(source: ModelSource, warn_unread: bool = False,
         raise ValueError(f"cannot read model config {path!r}: {_one_line(e)}") from e
     config = hoist_text_config(config)
     check_rope_parameters(config, path)
+    check_rope_positions(config, path)
     return config
 
 

@@ -51,8 +51,14 @@ def _config_copy(tiny, folder, remove=(), **changes) -> str:
     ((), {"max_position_embeddings": 0}, ": max_position_embeddings=0 is invalid"),
     ((), {"num_key_value_heads": 3},
      ": num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    # was torch's "DefaultCPUAllocator: can't allocate memory: you tried to allocate
+    # 4398046511104 bytes" for the rotary table (a value it could allocate was computed and
+    # filled at start-up: the process was killed for memory)
+    ((), {"max_position_embeddings": 2**40},
+     ": max_position_embeddings=1099511627776 is above the 16777216 positions kvflow tables"),
 ], ids=["no_hidden_size", "no_layers", "zero_layers", "negative_layers", "negative_hidden",
-        "string_hidden", "zero_heads", "zero_vocab", "max_positions_0", "kv_heads_not_dividing"])
+        "string_hidden", "zero_heads", "zero_vocab", "max_positions_0", "kv_heads_not_dividing",
+        "max_positions_2e40"])
 def test_bad_config_size_is_named(tiny_llama, tmp_path, remove, changes, reason):
     config_path = _config_copy(tiny_llama, tmp_path / "model", remove, **changes)
     with pytest.raises(ValueError) as info:

@@ -59,9 +59,21 @@ def _llm(config_path: str) -> LLM:
      "(how many times the original context the scaled RoPE covers)")),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": -5.0}},
      "rope_parameters.rope_theta=-5.0 is invalid; it must be a number > 0 (the RoPE base)"),
+    # was torch's "can't allocate memory: you tried to allocate 1125899906842624 bytes" for
+    # the rotary table of 256 x 2**40 positions
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0**40, "rope_theta": 10000.0}},
+     ("the RoPE scaling covers 281474976710656 positions (max_position_embeddings=256 with "
+      "its rope_parameters factor), above the 16777216 positions kvflow tables (is the factor "
+      "right?)")),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0**40, "rope_theta": 10000.0,
+                          "original_max_position_embeddings": 64}},
+     ("the RoPE scaling covers 70368744177664 positions (max_position_embeddings=256 with its "
+      "rope_parameters factor), above the 16777216 positions kvflow tables (is the factor "
+      "right?)")),
 ], ids=["architectures_string", "architectures_not_names", "quantization_config_string",
         "quantization_config_empty", "negative_eps", "string_eps", "negative_window",
-        "zero_linear_factor", "dynamic_factor_below_1", "negative_theta"])
+        "zero_linear_factor", "dynamic_factor_below_1", "negative_theta",
+        "linear_factor_2e40", "yarn_factor_2e40"])
 def test_bad_field_is_named(tiny_llama, tmp_path, changes, message):
     config_path = _edited(tiny_llama, tmp_path / "model", **changes)
     with pytest.raises(ValueError) as info:
