@@ -14,6 +14,7 @@ from torch import nn
 
 from kvflow.attention.layer import AttentionContext
 from kvflow.distributed.parallel_state import ParallelState
+from kvflow.models.checkpoint_config_checks import check_config_against_checkpoint
 from kvflow.models.fused_shards import missing_expert_tensors, missing_shard_tensors
 from kvflow.models.hf_config_checks import (
     check_rope_parameters,
@@ -26,7 +27,8 @@ from kvflow.models.model_resolver import ModelSource, resolve_tokenizer
 from kvflow.models.registry import get_model_class
 from kvflow.models.safetensors_files import (
     checkpoint_files,
-    checkpoint_tensor_names,
+    checkpoint_tensor_headers,
+    checkpoint_tensor_names,  # noqa: F401 (spec_decode.head_loading reads it from here)
     iter_safetensors,
 )
 from kvflow.models.tokenizer_files import tokenizer_files_problem
@@ -184,16 +186,22 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
     safetensors files only, as ``auto`` reads them) or ``dummy`` (random weights).
 
     Raises:
-        ValueError: for an unsupported architecture, missing weights, a checkpoint that leaves
+        ValueError: for an unsupported architecture, a config whose layer count or embedding
+            size is larger than the checkpoint's tensors (checked from the safetensors headers
+            before the model is built, :mod:`kvflow.models.checkpoint_config_checks`),
+            missing weights, a checkpoint that leaves
             parameters unset (also one part of a fused parameter: ``k_proj`` of ``qkv_proj``),
             or ``load_format="safetensors"`` on a GGUF file or a folder without safetensors.
     """
     if load_format == "safetensors":
         _check_safetensors_source(source)
     model_cls = get_model_class(getattr(hf_config, "architectures", None))
-    adapt = getattr(model_cls, "adapt_config_to_checkpoint", None)
-    if adapt is not None and load_format != "dummy" and source.kind != "gguf":
-        adapt(hf_config, checkpoint_tensor_names(source.path))
+    if load_format != "dummy" and source.kind != "gguf":
+        headers = checkpoint_tensor_headers(source.path)
+        adapt = getattr(model_cls, "adapt_config_to_checkpoint", None)
+        if adapt is not None:
+            adapt(hf_config, list(headers))
+        check_config_against_checkpoint(hf_config, headers, source.path)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, ctx, parallel=parallel or ParallelState.single(device))
         apply_quant_config(model, quant_config)

@@ -66,19 +66,33 @@ def checkpoint_tensor_names(folder: str) -> list[str]:
         ValueError: see :func:`checkpoint_files`, or naming a file that cannot be read or is
             not a safetensors file.
     """
+    return list(checkpoint_tensor_headers(folder))
+
+
+def checkpoint_tensor_headers(folder: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, safetensors dtype such as ``"BF16"``, ``"I32"``) of every tensor in the
+    folder's checkpoint files (:func:`checkpoint_files`), read from the safetensors headers
+    only (no tensor data); a name in several files keeps its last file's entry.
+
+    Raises:
+        ValueError: see :func:`checkpoint_files`, or naming a file that cannot be read or is
+            not a safetensors file.
+    """
     from safetensors import SafetensorError
 
-    names: list[str] = []
+    headers: dict[str, tuple[tuple[int, ...], str]] = {}
     for path in checkpoint_files(folder):
         try:
             with _safe_open(path) as f:
-                names.extend(f.keys())
+                for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    info = f.get_slice(name)
+                    headers[name] = (tuple(info.get_shape()), info.get_dtype())
         except SafetensorError as e:
             raise ValueError(f"weight file {path!r} is truncated or corrupt (not a complete "
                              f"safetensors file: {e}); download or copy it again") from None
         except OSError as e:
             raise ValueError(f"cannot read weight file {path!r}: {e.strerror or e}") from None
-    return names
+    return headers
 
 
 def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:

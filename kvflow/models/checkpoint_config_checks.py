@@ -1,0 +1,86 @@
+"""Checks of a config.json's sizes against the safetensors headers of its checkpoint, made
+before the model is built.
+
+Every size is allocated at build time, before a weight is read, so a corrupt config.json
+whose sizes are still positive integers (``num_hidden_layers`` 2**40, ``vocab_size`` 2**40)
+used to fail as torch's ``can't allocate memory: you tried to allocate 281474976710656
+bytes``, or built layer after layer until the process was killed for memory. A size the
+checkpoint's own tensors cannot fill (more layers than its ``layers.N`` tensors, a wider
+embedding than its embedding tensor) is refused here from the headers alone (no tensor data).
+A size smaller than the checkpoint's is left to the weight loading, which names the tensor
+that does not fit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+# checkpoint names of the decoder / encoder layers: model.layers.N. (Llama and most decoders,
+# LLaVA's language_model.model.layers.N.), encoder.layer.N. (BERT, RoBERTa)
+_LAYER_INDEX_RE = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
+# the input embedding table [vocab_size, hidden_size], outside the layers (DeepSeek-V3's MTP
+# layer model.layers.61.embed_tokens is a copy of it)
+_EMBEDDING_SUFFIXES = ("embed_tokens.weight", "word_embeddings.weight")
+# a dense MLP's down projection [hidden_size, intermediate_size] (not an expert's)
+_DENSE_DOWN_PROJ_RE = re.compile(r"(?:^|\.)layers\.\d+\.mlp\.down_proj\.weight$")
+# safetensors dtypes that hold one value per element (not packed quantized blocks)
+_UNPACKED_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "I8"})
+
+Headers = dict[str, tuple[tuple[int, ...], str]]
+
+
+def check_config_against_checkpoint(hf_config: Any, headers: Headers, folder: str) -> None:
+    """Refuse a config whose ``num_hidden_layers``, ``vocab_size``, ``hidden_size`` or
+    ``intermediate_size`` (of a dense ``mlp.down_proj``) is larger than the checkpoint's tensors (``headers``: name -> (shape, safetensors dtype), see
+    :func:`kvflow.models.safetensors_files.checkpoint_tensor_headers`). Checkpoints whose
+    tensors follow none of these namings (no ``layers.N.`` tensor, no embedding tensor, no
+    dense ``mlp.down_proj``: Mixtral's experts) are not checked for that size.
+
+    Raises:
+        ValueError: naming ``folder``'s config.json, the field, its value and the tensors
+            that contradict it.
+    """
+    path = os.path.join(folder, "config.json")
+    _check_layer_count(hf_config, headers, path)
+    _check_embedding(hf_config, headers, path)
+    _check_intermediate_size(hf_config, headers, path)
+
+
+def _check_layer_count(hf_config: Any, headers: Headers, path: str) -> None:
+    layers = getattr(hf_config, "num_hidden_layers", None)
+    indices = {int(m.group(1)) for m in map(_LAYER_INDEX_RE.search, headers) if m}
+    if not isinstance(layers, int) or not indices or layers <= max(indices) + 1:
+        return
+    raise ValueError(f"model config {path!r}: num_hidden_layers={layers} is more than the "
+                     f"checkpoint holds: its tensors are for layers 0..{max(indices)} "
+                     f"({len(indices)} layers)")
+
+
+def _check_embedding(hf_config: Any, headers: Headers, path: str) -> None:
+    tables = {name: shape for name, (shape, dtype) in headers.items()
+              if name.endswith(_EMBEDDING_SUFFIXES) and not _LAYER_INDEX_RE.search(name)
+              and len(shape) == 2 and dtype in _UNPACKED_DTYPES}
+    if not tables:
+        return
+    name, (rows, cols) = min(tables.items(), key=lambda item: len(item[0]))
+    for field, value, size in (("vocab_size", getattr(hf_config, "vocab_size", None), rows),
+                               ("hidden_size", getattr(hf_config, "hidden_size", None), cols)):
+        if isinstance(value, int) and value > size:
+            raise ValueError(f"model config {path!r}: {field}={value} is larger than the "
+                             f"checkpoint's embedding {name!r} of shape [{rows}, {cols}] "
+                             "([vocab_size, hidden_size])")
+
+
+def _check_intermediate_size(hf_config: Any, headers: Headers, path: str) -> None:
+    value = getattr(hf_config, "intermediate_size", None)
+    widths = {name: shape[1] for name, (shape, dtype) in headers.items()
+              if _DENSE_DOWN_PROJ_RE.search(name) and len(shape) == 2
+              and dtype in _UNPACKED_DTYPES}
+    if not isinstance(value, int) or not widths or value <= max(widths.values()):
+        return
+    name = max(widths, key=widths.__getitem__)
+    raise ValueError(f"model config {path!r}: intermediate_size={value} is larger than the "
+                     f"checkpoint's MLP: {name!r} has {widths[name]} columns "
+                     "([hidden_size, intermediate_size])")

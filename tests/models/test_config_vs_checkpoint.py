@@ -1,0 +1,67 @@
+"""A config.json size larger than its checkpoint's tensors is one ``ValueError`` naming the
+file and the field, raised from the safetensors headers before the model is built: every size
+is allocated at build time, so a corrupt 2**40 was torch's "can't allocate memory: you tried
+to allocate 281474976710656 bytes" (vocab_size, hidden_size, intermediate_size), and a
+``num_hidden_layers`` of 2**40 built layer after layer until the process was killed for
+memory (1.8 GB in 28 s under a 6 GB address-space limit, then a RuntimeError)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from kvflow import LLM
+from kvflow.models import loader
+from tests.folder_edits import copy_with_json
+
+
+@pytest.fixture
+def no_model_build(monkeypatch):
+    """Building the model class fails the test (instead of allocating the sizes given)."""
+    real = loader.get_model_class
+
+    def model_class(architectures):
+        cls = real(architectures)
+
+        class NotBuilt(cls):
+            def __init__(self, *args, **kwargs):
+                raise AssertionError(f"{cls.__name__} was built from the config")
+
+        return NotBuilt
+
+    monkeypatch.setattr(loader, "get_model_class", model_class)
+
+
+# The tiny Llama: vocab 320, hidden 64, intermediate 128, 2 layers.
+@pytest.mark.parametrize("changes, message", [
+    ({"num_hidden_layers": 2**40}, ("num_hidden_layers=1099511627776 is more than the "
+     "checkpoint holds: its tensors are for layers 0..1 (2 layers)")),
+    ({"num_hidden_layers": 3}, ("num_hidden_layers=3 is more than the checkpoint holds: its "
+     "tensors are for layers 0..1 (2 layers)")),
+    ({"vocab_size": 2**40}, ("vocab_size=1099511627776 is larger than the checkpoint's "
+     "embedding 'model.embed_tokens.weight' of shape [320, 64] ([vocab_size, hidden_size])")),
+    ({"hidden_size": 2**40}, ("hidden_size=1099511627776 is larger than the checkpoint's "
+     "embedding 'model.embed_tokens.weight' of shape [320, 64] ([vocab_size, hidden_size])")),
+    ({"intermediate_size": 2**40}, ("intermediate_size=1099511627776 is larger than the "
+     "checkpoint's MLP: 'model.layers.0.mlp.down_proj.weight' has 128 columns "
+     "([hidden_size, intermediate_size])")),
+], ids=["layers_2e40", "layers_3", "vocab_2e40", "hidden_2e40", "intermediate_2e40"])
+def test_size_larger_than_the_checkpoint_is_refused_before_the_build(
+        tiny_llama, tmp_path, no_model_build, changes, message):
+    config_path = copy_with_json(tiny_llama.path, tmp_path / "model", **changes)
+    with pytest.raises(ValueError, match=re.escape(f"model config {config_path!r}: {message}")):
+        LLM(model=os.path.dirname(config_path), dtype="float32", device="cpu",
+            num_kv_blocks=16, block_size=4)
+
+
+def test_smaller_size_is_left_to_the_weight_loading(tiny_llama, tmp_path):
+    """A size smaller than the checkpoint's allocates less; the loader names the tensor that
+    does not fit, as before."""
+    config_path = copy_with_json(tiny_llama.path, tmp_path / "model", vocab_size=300)
+    with pytest.raises(ValueError, match=re.escape(
+            "checkpoint tensor 'lm_head.weight': shape (320, 64): the config gives "
+            "[vocab_size, hidden_size] = [300, 64]")):
+        LLM(model=os.path.dirname(config_path), dtype="float32", device="cpu",
+            num_kv_blocks=16, block_size=4)
