@@ -158,6 +158,12 @@ TINY_MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
                                      "moe_intermediate_size": 32,
                                      "shared_expert_intermediate_size": 48,
                                      "norm_topk_prob": False, "mlp_only_layers": [1]}),
+    # Qwen2-MoE with shared_expert_intermediate_size 0: transformers saves the width-0 shared
+    # expert's empty tensors and its [1, hidden] gate
+    "qwen2_moe_no_shared": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
+                                               "moe_intermediate_size": 32,
+                                               "shared_expert_intermediate_size": 0,
+                                               "norm_topk_prob": False, "mlp_only_layers": [1]}),
     # Qwen3-MoE: q/k norm, 8 experts, renormalized top-2
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 32, "norm_topk_prob": True,

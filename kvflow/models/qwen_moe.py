@@ -13,8 +13,10 @@ bias (``attention_bias``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from kvflow.distributed.parallel_state import ParallelState
@@ -43,6 +45,28 @@ class Qwen2MoeForCausalLM(SparseMoeForCausalLM):
                               bool(config.norm_topk_prob),
                               getattr(config, "shared_expert_intermediate_size", 0) or 0,
                               parallel)
+
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; with ``shared_expert_intermediate_size`` 0, skip the shared
+        expert transformers saves anyway: its empty gate/up/down tensors (width 0) and its
+        ``shared_expert_gate`` [1, hidden], which only scales that expert's zero output
+        (kvflow builds neither). Returns the names of loaded parameters.
+
+        Raises:
+            ValueError: for a checkpoint tensor that matches no parameter.
+        """
+        if getattr(self.config, "shared_expert_intermediate_size", 0):
+            return super().load_weights(weights)
+
+        def without_shared_expert() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if (".mlp.shared_expert." in name and tensor.numel() == 0) or \
+                        ".mlp.shared_expert_gate." in name:
+                    continue
+                yield name, tensor
+
+        return super().load_weights(without_shared_expert())
 
 
 class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
