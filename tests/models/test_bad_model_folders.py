@@ -277,6 +277,26 @@ def test_truncated_tokenizer_json_is_named(tiny_llama, tmp_path):
     assert message.endswith("); pass a tokenizer with --tokenizer (LLM(tokenizer=...))")
 
 
+@pytest.mark.parametrize("name, text, reason", [
+    ("tokenizer_config.json", "[]", "is not a JSON object (it is a list)"),
+    ("tokenizer.json", "[]", "is not a JSON object (it is a list)"),
+    ("tokenizer.json", "{}", ('has no "model" object (the tokenizer\'s vocabulary and '
+                              "algorithm): not a whole tokenizers file")),
+], ids=["config_list", "tokenizer_list", "tokenizer_without_model"])
+def test_tokenizer_file_of_the_wrong_shape_is_named(tiny_llama, tmp_path, name, text, reason):
+    """Valid JSON of the wrong shape was transformers' own words: "'list' object has no
+    attribute 'get'", "'str' object cannot be interpreted as an integer", or the bare key
+    "'added_tokens'", naming neither the file nor what is wrong with it."""
+    folder = shutil.copytree(tiny_llama.path, str(tmp_path / "model"))
+    path = os.path.join(folder, name)
+    with open(path, "w") as f:
+        f.write(text)
+    with pytest.raises(ValueError) as info:
+        _llm(folder)
+    assert str(info.value) == (f"cannot load a tokenizer from {folder!r}: {path!r} {reason}; "
+                               "pass a tokenizer with --tokenizer (LLM(tokenizer=...))")
+
+
 def test_unreadable_tokenizer_json_says_so(tiny_llama, monkeypatch):
     """Named with the OS reason, not called "not valid JSON" (``load_tokenizer`` puts this
     reason after "cannot load a tokenizer from <folder>: ")."""
