@@ -25,6 +25,13 @@ _LAYER_INDEX_RE = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
 _EMBEDDING_SUFFIXES = ("embed_tokens.weight", "word_embeddings.weight")
 # a dense MLP's down projection [hidden_size, intermediate_size] (not an expert's)
 _DENSE_DOWN_PROJ_RE = re.compile(r"(?:^|\.)layers\.\d+\.mlp\.down_proj\.weight$")
+# one routed expert's down projection [hidden_size, expert width] (Mixtral's w2)
+_EXPERT_DOWN_PROJ_RE = re.compile(r"\.experts\.\d+\.(?:down_proj|w2)\.weight$")
+# Qwen2-MoE's shared expert [hidden_size, shared_expert_intermediate_size]
+_SHARED_DOWN_PROJ_RE = re.compile(r"\.shared_expert\.down_proj\.weight$")
+_EXPERT_INDEX_RE = re.compile(r"\.experts\.(\d+)\.")
+# the config field of the routed expert count: Mixtral, Qwen MoE, DeepSeek
+_EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 # safetensors dtypes that hold one value per element (not packed quantized blocks)
 _UNPACKED_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "I8"})
 
@@ -32,11 +39,13 @@ Headers = dict[str, tuple[tuple[int, ...], str]]
 
 
 def check_config_against_checkpoint(hf_config: Any, headers: Headers, folder: str) -> None:
-    """Refuse a config whose ``num_hidden_layers``, ``vocab_size``, ``hidden_size`` or
-    ``intermediate_size`` (of a dense ``mlp.down_proj``) is larger than the checkpoint's tensors (``headers``: name -> (shape, safetensors dtype), see
+    """Refuse a config whose ``num_hidden_layers``, ``vocab_size``, ``hidden_size``, MLP widths
+    (``intermediate_size`` of a dense ``mlp.down_proj``, the experts' and Qwen2-MoE's shared
+    expert's) or routed expert count is larger than the checkpoint's tensors (``headers``:
+    name -> (shape, safetensors dtype), see
     :func:`kvflow.models.safetensors_files.checkpoint_tensor_headers`). Checkpoints whose
     tensors follow none of these namings (no ``layers.N.`` tensor, no embedding tensor, no
-    dense ``mlp.down_proj``: Mixtral's experts) are not checked for that size.
+    per-expert tensor: stacked experts) are not checked for that size.
 
     Raises:
         ValueError: naming ``folder``'s config.json, the field, its value and the tensors
@@ -45,7 +54,8 @@ def check_config_against_checkpoint(hf_config: Any, headers: Headers, folder: st
     path = os.path.join(folder, "config.json")
     _check_layer_count(hf_config, headers, path)
     _check_embedding(hf_config, headers, path)
-    _check_intermediate_size(hf_config, headers, path)
+    _check_widths(hf_config, headers, path)
+    _check_expert_count(hf_config, headers, path)
 
 
 def _check_layer_count(hf_config: Any, headers: Headers, path: str) -> None:
@@ -73,14 +83,35 @@ def _check_embedding(hf_config: Any, headers: Headers, path: str) -> None:
                              "([vocab_size, hidden_size])")
 
 
-def _check_intermediate_size(hf_config: Any, headers: Headers, path: str) -> None:
-    value = getattr(hf_config, "intermediate_size", None)
-    widths = {name: shape[1] for name, (shape, dtype) in headers.items()
-              if _DENSE_DOWN_PROJ_RE.search(name) and len(shape) == 2
-              and dtype in _UNPACKED_DTYPES}
-    if not isinstance(value, int) or not widths or value <= max(widths.values()):
+def _check_widths(hf_config: Any, headers: Headers, path: str) -> None:
+    """The MLP widths against the columns of their down projections [hidden, width]: the
+    dense ``intermediate_size``, the experts' (``moe_intermediate_size``, else Mixtral's
+    ``intermediate_size``) and Qwen2-MoE's ``shared_expert_intermediate_size``."""
+    expert_field = "moe_intermediate_size" \
+        if getattr(hf_config, "moe_intermediate_size", None) is not None else "intermediate_size"
+    for field, pattern, what in (("intermediate_size", _DENSE_DOWN_PROJ_RE, "MLP"),
+                                 (expert_field, _EXPERT_DOWN_PROJ_RE, "experts"),
+                                 ("shared_expert_intermediate_size", _SHARED_DOWN_PROJ_RE,
+                                  "shared expert")):
+        value = getattr(hf_config, field, None)
+        widths = {name: shape[1] for name, (shape, dtype) in headers.items()
+                  if pattern.search(name) and len(shape) == 2 and dtype in _UNPACKED_DTYPES}
+        if not isinstance(value, int) or not widths or value <= max(widths.values()):
+            continue
+        name = max(widths, key=widths.__getitem__)
+        raise ValueError(f"model config {path!r}: {field}={value} is larger than the "
+                         f"checkpoint's {what}: {name!r} has {widths[name]} columns "
+                         f"([hidden_size, {field}])")
+
+
+def _check_expert_count(hf_config: Any, headers: Headers, path: str) -> None:
+    """The routed expert count against the checkpoint's per-expert tensors (``experts.N.``;
+    stacked expert tensors are not checked)."""
+    field = next((f for f in _EXPERT_COUNT_FIELDS
+                  if isinstance(getattr(hf_config, f, None), int)), None)
+    indices = {int(m.group(1)) for m in map(_EXPERT_INDEX_RE.search, headers) if m}
+    if field is None or not indices or getattr(hf_config, field) <= max(indices) + 1:
         return
-    name = max(widths, key=widths.__getitem__)
-    raise ValueError(f"model config {path!r}: intermediate_size={value} is larger than the "
-                     f"checkpoint's MLP: {name!r} has {widths[name]} columns "
-                     "([hidden_size, intermediate_size])")
+    raise ValueError(f"model config {path!r}: {field}={getattr(hf_config, field)} is more "
+                     f"than the checkpoint holds: its expert tensors are for experts "
+                     f"0..{max(indices)}")
