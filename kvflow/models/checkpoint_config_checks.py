@@ -29,6 +29,8 @@ _DENSE_DOWN_PROJ_RE = re.compile(r"(?:^|\.)layers\.\d+\.mlp\.down_proj\.weight$"
 _EXPERT_DOWN_PROJ_RE = re.compile(r"\.experts\.\d+\.(?:down_proj|w2)\.weight$")
 # Qwen2-MoE's shared expert [hidden_size, shared_expert_intermediate_size]
 _SHARED_DOWN_PROJ_RE = re.compile(r"\.shared_expert\.down_proj\.weight$")
+# a layer's key projection [num_key_value_heads * head_dim, hidden_size]
+_K_PROJ_RE = re.compile(r"(?:^|\.)layers\.\d+\.self_attn\.k_proj\.weight$")
 _EXPERT_INDEX_RE = re.compile(r"\.experts\.(\d+)\.")
 # the config field of the routed expert count: Mixtral, Qwen MoE, DeepSeek
 _EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -41,8 +43,8 @@ Headers = dict[str, tuple[tuple[int, ...], str]]
 def check_config_against_checkpoint(hf_config: Any, headers: Headers, folder: str) -> None:
     """Refuse a config whose ``num_hidden_layers``, ``vocab_size``, ``hidden_size``, MLP widths
     (``intermediate_size`` of a dense ``mlp.down_proj``, the experts' and Qwen2-MoE's shared
-    expert's) or routed expert count is larger than the checkpoint's tensors (``headers``:
-    name -> (shape, safetensors dtype), see
+    expert's), key heads x head size or routed expert count is larger than the checkpoint's
+    tensors (``headers``: name -> (shape, safetensors dtype), see
     :func:`kvflow.models.safetensors_files.checkpoint_tensor_headers`). Checkpoints whose
     tensors follow none of these namings (no ``layers.N.`` tensor, no embedding tensor, no
     per-expert tensor: stacked experts) are not checked for that size.
@@ -55,6 +57,7 @@ def check_config_against_checkpoint(hf_config: Any, headers: Headers, folder: st
     _check_layer_count(hf_config, headers, path)
     _check_embedding(hf_config, headers, path)
     _check_widths(hf_config, headers, path)
+    _check_key_rows(hf_config, headers, path)
     _check_expert_count(hf_config, headers, path)
 
 
@@ -115,3 +118,24 @@ def _check_expert_count(hf_config: Any, headers: Headers, path: str) -> None:
     raise ValueError(f"model config {path!r}: {field}={getattr(hf_config, field)} is more "
                      f"than the checkpoint holds: its expert tensors are for experts "
                      f"0..{max(indices)}")
+
+
+def _check_key_rows(hf_config: Any, headers: Headers, path: str) -> None:
+    """``num_key_value_heads`` x ``head_dim`` (``hidden_size / num_attention_heads`` when the
+    config has none) against the rows of the layers' ``self_attn.k_proj.weight``: the head
+    size also sizes the rotary table, built first."""
+    heads = getattr(hf_config, "num_attention_heads", None)
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None)
+    if head_dim is None and isinstance(heads, int) and isinstance(
+            getattr(hf_config, "hidden_size", None), int):
+        head_dim = hf_config.hidden_size // heads
+    rows = {name: shape[0] for name, (shape, dtype) in headers.items()
+            if _K_PROJ_RE.search(name) and len(shape) == 2 and dtype in _UNPACKED_DTYPES}
+    if not (isinstance(kv_heads, int) and isinstance(head_dim, int)) or not rows or \
+            kv_heads * head_dim <= max(rows.values()):
+        return
+    name = max(rows, key=rows.__getitem__)
+    raise ValueError(f"model config {path!r}: head_dim={head_dim} x num_key_value_heads="
+                     f"{kv_heads} is more rows than the checkpoint's {name!r} has "
+                     f"({rows[name]})")

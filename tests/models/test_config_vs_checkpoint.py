@@ -47,7 +47,11 @@ def no_model_build(monkeypatch):
     ({"intermediate_size": 2**40}, ("intermediate_size=1099511627776 is larger than the "
      "checkpoint's MLP: 'model.layers.0.mlp.down_proj.weight' has 128 columns "
      "([hidden_size, intermediate_size])")),
-], ids=["layers_2e40", "layers_3", "vocab_2e40", "hidden_2e40", "intermediate_2e40"])
+    # the head size also sizes the rotary table: "tried to allocate 4398046511104 bytes"
+    ({"head_dim": 2**40}, ("head_dim=1099511627776 x num_key_value_heads=2 is more rows than "
+     "the checkpoint's 'model.layers.0.self_attn.k_proj.weight' has (32)")),
+], ids=["layers_2e40", "layers_3", "vocab_2e40", "hidden_2e40", "intermediate_2e40",
+        "head_dim_2e40"])
 def test_size_larger_than_the_checkpoint_is_refused_before_the_build(
         tiny_llama, tmp_path, no_model_build, changes, message):
     config_path = copy_with_json(tiny_llama.path, tmp_path / "model", **changes)
