@@ -63,7 +63,8 @@ def checkpoint_tensor_names(folder: str) -> list[str]:
     from the safetensors headers only (no tensor data).
 
     Raises:
-        ValueError: see :func:`checkpoint_tensor_headers`.
+        ValueError: see :func:`checkpoint_files`, or naming a file that cannot be read or is
+            not a safetensors file.
     """
     return list(checkpoint_tensor_headers(folder))
 
@@ -71,30 +72,21 @@ def checkpoint_tensor_names(folder: str) -> list[str]:
 def checkpoint_tensor_headers(folder: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, safetensors dtype such as ``"BF16"``, ``"I32"``) of every tensor in the
     folder's checkpoint files (:func:`checkpoint_files`), read from the safetensors headers
-    only (no tensor data).
+    only (no tensor data); a name in several files keeps its last file's entry.
 
     Raises:
-        ValueError: see :func:`checkpoint_files`, naming a file that cannot be read or is
-            not a safetensors file, or a tensor stored in two of the files (each load would
-            copy both, the later file's winning: a stale shard of another save, whichever
-            the index names, loaded silently).
+        ValueError: see :func:`checkpoint_files`, or naming a file that cannot be read or is
+            not a safetensors file.
     """
     from safetensors import SafetensorError
 
     headers: dict[str, tuple[tuple[int, ...], str]] = {}
-    owners: dict[str, str] = {}
     for path in checkpoint_files(folder):
         try:
             with _safe_open(path) as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                    if name in owners:
-                        raise ValueError(f"checkpoint tensor {name!r} is stored twice, in "
-                                         f"{owners[name]!r} and {path!r}; a checkpoint holds "
-                                         "each tensor once (files of two saves mixed in one "
-                                         "folder?)")
                     info = f.get_slice(name)
-                    headers[name], owners[name] = (tuple(info.get_shape()),
-                                                   info.get_dtype()), path
+                    headers[name] = (tuple(info.get_shape()), info.get_dtype())
         except SafetensorError as e:
             raise ValueError(f"weight file {path!r} is truncated or corrupt (not a complete "
                              f"safetensors file: {e}); download or copy it again") from None

@@ -112,23 +112,3 @@ def test_index_naming_a_missing_shard_is_named(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match=r"model.safetensors.index.json' names weight files "
                                          rf"that are not in the folder: \['{gone}'\]"):
         LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
-
-
-def test_tensor_stored_in_two_shards_is_named(tiny_llama, tmp_path):
-    """A shard that also holds another shard's tensor (files of two saves mixed) loaded both
-    copies, the later file's silently winning whatever the index says; now refused before the
-    model is built, naming the tensor and both files."""
-    from safetensors.torch import load_file, save_file
-
-    path = _sharded_copy(tiny_llama, str(tmp_path / "model"))
-    first, second = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))[:2]
-    tensors = load_file(os.path.join(path, second))
-    name, tensor = min(load_file(os.path.join(path, first)).items(), key=lambda kv: kv[0])
-    tensors[name] = torch.randn_like(tensor)  # a stale value the index does not name
-    save_file(tensors, os.path.join(path, second), metadata={"format": "pt"})
-    with pytest.raises(ValueError) as info:
-        LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
-    assert str(info.value) == (
-        f"checkpoint tensor {name!r} is stored twice, in {os.path.join(path, first)!r} and "
-        f"{os.path.join(path, second)!r}; a checkpoint holds each tensor once (files of two "
-        "saves mixed in one folder?)")
