@@ -14,6 +14,7 @@ from typing import Any
 
 from kvflow.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 from kvflow.engine_outputs import EngineCoreOutput
+from kvflow.logprob_tokens import MAX_CONTEXT_TOKENS, LogprobTokenTexts
 from kvflow.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -78,6 +79,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._token_texts = None if tokenizer is None else LogprobTokenTexts(tokenizer)
         self._states: dict[str, _RequestState] = {}
         self._parent_of: dict[str, str] = {}
 
@@ -246,34 +248,42 @@ class OutputProcessor:
     def _add_logprobs(self, out: CompletionOutput, token_ids: list[int], entries: list,
                       decode: bool) -> None:
         """Append each token's {token_id: Logprob} (the sampled token, then the top-k;
-        ``decode``: with their text) and add to the cumulative logprob."""
+        ``decode``: with their text, as :class:`LogprobTokenTexts` writes it after the tokens
+        sampled before) and add to the cumulative logprob."""
         for token_id, (top_ids, top_lps, sampled_lp, rank) in zip(token_ids, entries):
-            step = {token_id: Logprob(sampled_lp, rank, self._decode(token_id, decode))}
-            for r, (tid, lp) in enumerate(zip(top_ids, top_lps), start=1):
-                step.setdefault(tid, Logprob(lp, r, self._decode(tid, decode)))
+            texts = self._texts([token_id, *top_ids], out.logprobs, decode)
+            step = {token_id: Logprob(sampled_lp, rank, texts[0])}
+            for r, (tid, lp, text) in enumerate(zip(top_ids, top_lps, texts[1:]), start=1):
+                step.setdefault(tid, Logprob(lp, r, text))
             out.logprobs.append(step)
             out.cumulative_logprob += sampled_lp
 
     def _prompt_logprobs(self, prompt: list[int], entries: list, decode: bool
                          ) -> list[dict[int, Logprob] | None]:
         """Per prompt token {token_id: Logprob} (the prompt token first, then the top-k;
-        ``decode``: with their text)."""
+        ``decode``: with their text, after the prompt tokens before)."""
         out: list[dict[int, Logprob] | None] = []
         for token_id, entry in zip(prompt, entries):
             if entry is None:
                 out.append(None)
                 continue
             top_ids, top_lps, lp, rank = entry
-            step = {token_id: Logprob(lp, rank, self._decode(token_id, decode))}
-            for r, (tid, tlp) in enumerate(zip(top_ids, top_lps), start=1):
-                step.setdefault(tid, Logprob(tlp, r, self._decode(tid, decode)))
+            texts = self._texts([token_id, *top_ids], out, decode)
+            step = {token_id: Logprob(lp, rank, texts[0])}
+            for r, (tid, tlp, text) in enumerate(zip(top_ids, top_lps, texts[1:]), start=1):
+                step.setdefault(tid, Logprob(tlp, r, text))
             out.append(step)
         return out
 
-    def _decode(self, token_id: int, decode: bool = True) -> str | None:
-        """One token's text; None without a tokenizer or with ``decode`` False."""
-        return None if self.tokenizer is None or not decode else \
-            self.tokenizer.decode([token_id])
+    def _texts(self, token_ids: list[int], before: list[dict[int, Logprob] | None] | None,
+               decode: bool = True) -> list[str | None]:
+        """The texts of the ids at one position (None each without a tokenizer or with
+        ``decode`` False); ``before``: the entries of the positions before (their first key
+        is the token there: the context of a split character)."""
+        if self._token_texts is None or not decode:
+            return [None] * len(token_ids)
+        context = [next(iter(e)) for e in (before or ())[-MAX_CONTEXT_TOKENS:] if e]
+        return self._token_texts.texts(token_ids, context)
 
     @staticmethod
     def _request_output(parent: str, state: _RequestState
