@@ -39,7 +39,9 @@ tokens (at most ``2 * _CONTEXT_TOKENS`` plus the new ones, plus one verification
 ``_CONTEXT_TOKENS`` steps); only the fallback is O(length).
 
 Text that a later token may still change is held back: a trailing run of U+FFFD (at most
-``_MAX_PENDING_REPLACEMENTS`` characters: an incomplete UTF-8 sequence has at most 3 bytes) and,
+``_MAX_PENDING_REPLACEMENTS`` characters: an incomplete UTF-8 sequence has at most 3 bytes;
+when a byte-fallback decoder turns a whole run of ``<0xNN>`` tokens into U+FFFD because it ends
+in an incomplete character, the text is taken from the decode without the last 1 to 3 ids) and,
 for tokenizers with ``clean_up_tokenization_spaces`` enabled, a trailing proper prefix of one of
 the patterns that ``transformers``' ``clean_up_tokenization`` rewrites (``" ."``, ``" n't"``, ...).
 
@@ -198,8 +200,9 @@ class IncrementalDetokenizer:
 
     # ---- token ids -> text -------------------------------------------------------------
 
-    def _decode(self, start: int) -> str:
-        ids = self._ids
+    def _decode(self, start: int, end: int | None = None) -> str:
+        """Decode ``self._ids[start:end]`` (``end`` None: to the last id)."""
+        ids = self._ids[:end] if end is not None else self._ids
         if self._glued:  # decode in runs, each glued added token starting one
             cuts = [i for i in range(start + 1, len(ids))
                     if ids[i] in self._glued and ids[i - 1] in self._glued]
@@ -215,17 +218,50 @@ class IncrementalDetokenizer:
         """Append ids, return the newly stable text (all remaining text when ``flush``)."""
         self._ids.extend(new_token_ids)
         text = self._decode(self._start)
+        split = None if flush else self._before_split_character(text)
+        if split is not None:  # release what precedes the split character
+            return self._release(split, flush=False)
         if not text.startswith(self._released):
             text = self._resync()
-        end = len(text) if flush else len(text) - self._unstable_suffix_len(text)
-        if end <= len(self._released):
-            delta = ""
-        else:
-            delta = text[len(self._released) : end]
-            self._released = text[:end]
+        delta = self._release(text, flush)
         if not flush:
             self._narrow_window(text)
         return delta
+
+    def _release(self, text: str, flush: bool) -> str:
+        """Release the stable part of the window decode ``text`` beyond what was released;
+        return it (all of it when ``flush``)."""
+        end = len(text) if flush else len(text) - self._unstable_suffix_len(text)
+        if end <= len(self._released):
+            return ""
+        delta = text[len(self._released) : end]
+        self._released = text[:end]
+        return delta
+
+    def _before_split_character(self, text: str) -> str | None:
+        """The window decode without the last 1 to 3 ids, when ``text`` ends in U+FFFD
+        because those ids hold an incomplete character: the first such decode that starts
+        with the released text and does not end in U+FFFD; else None.
+
+        A byte-fallback decoder (``<0xNN>`` tokens) writes a run of byte tokens as one
+        group: while the run ends in an incomplete character, every token of the run reads
+        U+FFFD, the complete characters before it too (``中`` and the first byte of ``🙂``
+        read ``\ufffd`` * 4), so neither the window decode nor a count of trailing U+FFFD
+        tells what is stable until the character completes.
+        """
+        if not text.endswith(_REPLACEMENT_CHAR):
+            return None
+        if text.startswith(self._released) and \
+                _trailing_replacements(text, _MAX_PENDING_REPLACEMENTS + 1) <= \
+                _MAX_PENDING_REPLACEMENTS:
+            return None  # at most one split character's worth: held back as it is
+        n = len(self._ids)
+        for k in range(1, min(_MAX_PENDING_REPLACEMENTS, n - self._start - 1) + 1):
+            shorter = self._decode(self._start, n - k)
+            if shorter.startswith(self._released) and \
+                    not shorter.endswith(_REPLACEMENT_CHAR):
+                return shorter
+        return None
 
     def _unstable_suffix_len(self, text: str) -> int:
         """Characters at the end of ``text`` that a later token may still change."""
@@ -256,13 +292,16 @@ class IncrementalDetokenizer:
         A candidate start is accepted only if its decode ends with the not-yet-released text and
         the rest is a non-empty suffix of the released text, so that position-dependent effects
         at the window start (stripped leading space, ``##`` pieces, a split character) fall in
-        already-released text.
+        already-released text. The candidates are the ``_CONTEXT_TOKENS`` starts from
+        ``_CONTEXT_TOKENS`` ids back, so that one of them is a character boundary inside a run
+        of byte tokens (a character has at most 4 bytes; a byte-fallback decode from the
+        middle of a character reads U+FFFD for the whole run and is refused).
         """
         n = len(self._ids)
         if n - self._start <= 2 * _CONTEXT_TOKENS:
             return
         pending = text[len(self._released) :]
-        for start in (n - _CONTEXT_TOKENS, n - 2 * _CONTEXT_TOKENS + 1):
+        for start in range(n - _CONTEXT_TOKENS, n - 2 * _CONTEXT_TOKENS, -1):
             window_text = self._decode(start)
             if not window_text.endswith(pending):
                 continue
@@ -320,10 +359,10 @@ def _normalize_stops(stop: Sequence[str] | str | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(stops))
 
 
-def _trailing_replacements(text: str) -> int:
-    """Length of the trailing U+FFFD run of ``text``, capped at ``_MAX_PENDING_REPLACEMENTS``."""
+def _trailing_replacements(text: str, cap: int = _MAX_PENDING_REPLACEMENTS) -> int:
+    """Length of the trailing U+FFFD run of ``text``, capped at ``cap``."""
     n = 0
-    while n < min(len(text), _MAX_PENDING_REPLACEMENTS) and text[-1 - n] == _REPLACEMENT_CHAR:
+    while n < min(len(text), cap) and text[-1 - n] == _REPLACEMENT_CHAR:
         n += 1
     return n
 

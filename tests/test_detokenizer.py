@@ -263,6 +263,52 @@ def test_non_prefix_stable_decode_recovers(llama_style):
     assert [d.text for d in deltas] == ["A", "", "", "中"]
 
 
+def _byte_fallback_ids(tokenizer, text: str) -> list[int]:
+    """``text`` as <0xNN> byte tokens only (a Llama-2 model writes a character its vocabulary
+    lacks this way)."""
+    return token_ids(tokenizer, *(f"<0x{b:02X}>" for b in text.encode()))
+
+
+@pytest.mark.parametrize("text", ["中🙂", "é🙂 ok", "✓✓ a", "ab中文🙂👍🏽", "\n\n🙂"])
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_byte_fallback_run_of_several_characters(llama_style, text, chunk):
+    """ByteFallback decodes a run of <0xNN> tokens as one group: while the run ends in an
+    incomplete character every token of it reads U+FFFD, the complete characters before it
+    too ("中" + the first byte of "🙂" is 4 x U+FFFD). Such U+FFFD were emitted and the
+    characters lost ("中🙂" streamed as "中\ufffd\ufffd")."""
+    ids = _byte_fallback_ids(llama_style, text.replace(" ok", "")) + \
+        (llama_style.encode(" ok", add_special_tokens=False) if " ok" in text else [])
+    assert llama_style.decode(ids) == text
+    deltas = assert_streams_exactly(llama_style, ids, chunk=chunk)
+    assert not any("\ufffd" in d.text for d in deltas)
+
+
+def test_byte_fallback_characters_emitted_when_complete(llama_style):
+    ids = _byte_fallback_ids(llama_style, "中🙂")
+    deltas = assert_streams_exactly(llama_style, ids)
+    assert [d.text for d in deltas] == ["", "", "中", "", "", "", "🙂"]
+
+
+@pytest.mark.parametrize("char", ["龘", "😀", "Ω"])
+def test_long_byte_fallback_run_keeps_the_window_small(llama_style, char):
+    """A long run of byte tokens (3-byte characters: the window start must land on a
+    character boundary to narrow) is decoded O(1) tokens at a time: it grew with the run."""
+    lengths: list[int] = []
+
+    class Recording:
+        clean_up_tokenization_spaces = False
+
+        def decode(self, ids, **kwargs):
+            lengths.append(len(ids))
+            return llama_style.decode(ids, **kwargs)
+
+    ids = _byte_fallback_ids(llama_style, char * 150)
+    deltas, _ = stream(Recording(), ids)
+    assert joined(deltas) == char * 150
+    assert max(lengths) <= 12
+    assert len(lengths) <= 6 * len(ids)
+
+
 def test_wordpiece_cleanup_spaces(wordpiece):
     tokens = "hello , world ! it ' s play ##ing . don ' t ?"
     ids = token_ids(wordpiece, *tokens.split())
