@@ -31,11 +31,11 @@ def leading_space_marker(tokenizer: Any) -> str | None:
     ``replacement`` says otherwise), also inside a ``Sequence``; None for any other
     pre-tokenizer or a tokenizer without a ``tokenizers`` backend (its single-token decode
     keeps leading spaces)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
+    pre_tokenizer = getattr(getattr(tokenizer, "backend_tokenizer", None), "pre_tokenizer", None)
+    if pre_tokenizer is None:
         return None
-    try:
-        pre = json.loads(backend.to_str()).get("pre_tokenizer") or {}
+    try:  # the pre-tokenizer's own JSON (the whole tokenizer's is megabytes)
+        pre = json.loads(pre_tokenizer.__getstate__())
     except (ValueError, TypeError, AttributeError):
         return None
     candidates = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
