@@ -16,7 +16,10 @@ Contract
   exactly as the full decode would (e.g. a SentencePiece tokenizer drops its leading space).
 * A partial UTF-8 character (a byte-level BPE or byte-fallback token that splits a multi-byte
   character decodes to U+FFFD) is never emitted while the request runs; it is held back until
-  it completes. At ``finished=True`` everything is flushed exactly as the full decode gives it.
+  it completes. At ``finished=True`` everything is flushed exactly as the full decode gives it,
+  but for a byte-fallback run of ``<0xNN>`` tokens that ends inside a character: the full
+  decode writes the whole run as U+FFFD, while its complete characters were already
+  emitted; the incomplete character's ids are then written as they decode alone.
 * With stop strings, a suffix that may be the start of a stop string is held back until it is
   resolved (unless ``include_stop_str_in_output``, where nothing can be lost by emitting it).
   When a stop string completes, the output is cut right before it (or right after it with
@@ -218,9 +221,13 @@ class IncrementalDetokenizer:
         """Append ids, return the newly stable text (all remaining text when ``flush``)."""
         self._ids.extend(new_token_ids)
         text = self._decode(self._start)
-        split = None if flush else self._before_split_character(text)
-        if split is not None:  # release what precedes the split character
-            return self._release(split, flush=False)
+        split = self._before_split_character(text, flush)
+        if split is not None:
+            before, num_split = split
+            if not flush:  # release what precedes the split character
+                return self._release(before, flush=False)
+            # The output ends in it: its ids are written as they decode alone.
+            text = before + self._decode(len(self._ids) - num_split)
         if not text.startswith(self._released):
             text = self._resync()
         delta = self._release(text, flush)
@@ -238,20 +245,22 @@ class IncrementalDetokenizer:
         self._released = text[:end]
         return delta
 
-    def _before_split_character(self, text: str) -> str | None:
-        """The window decode without the last 1 to 3 ids, when ``text`` ends in U+FFFD
-        because those ids hold an incomplete character: the first such decode that starts
-        with the released text and does not end in U+FFFD; else None.
+    def _before_split_character(self, text: str, flush: bool) -> tuple[str, int] | None:
+        """The window decode without the last 1 to 3 ids and their number, when ``text``
+        ends in U+FFFD because those ids hold an incomplete character: the first such decode
+        that starts with the released text and does not end in U+FFFD; else None.
 
         A byte-fallback decoder (``<0xNN>`` tokens) writes a run of byte tokens as one
         group: while the run ends in an incomplete character, every token of the run reads
         U+FFFD, the complete characters before it too (``中`` and the first byte of ``🙂``
         read ``\ufffd`` * 4), so neither the window decode nor a count of trailing U+FFFD
-        tells what is stable until the character completes.
+        tells what is stable until the character completes. While the request runs, text
+        with at most 3 trailing U+FFFD that extends the released text is held back as it is
+        (None); at ``flush`` every trailing U+FFFD is looked at.
         """
         if not text.endswith(_REPLACEMENT_CHAR):
             return None
-        if text.startswith(self._released) and \
+        if not flush and text.startswith(self._released) and \
                 _trailing_replacements(text, _MAX_PENDING_REPLACEMENTS + 1) <= \
                 _MAX_PENDING_REPLACEMENTS:
             return None  # at most one split character's worth: held back as it is
@@ -260,7 +269,7 @@ class IncrementalDetokenizer:
             shorter = self._decode(self._start, n - k)
             if shorter.startswith(self._released) and \
                     not shorter.endswith(_REPLACEMENT_CHAR):
-                return shorter
+                return shorter, k
         return None
 
     def _unstable_suffix_len(self, text: str) -> int:

@@ -289,6 +289,21 @@ def test_byte_fallback_characters_emitted_when_complete(llama_style):
     assert [d.text for d in deltas] == ["", "", "中", "", "", "", "🙂"]
 
 
+@pytest.mark.parametrize("cut", [1, 2, 3])
+@pytest.mark.parametrize("chunk", [1, 2, 9])
+def test_byte_fallback_output_ending_inside_a_character(llama_style, cut, chunk):
+    """An output that ends inside a character (max_tokens) whose run of byte tokens holds
+    complete characters before it: those stay, and the incomplete one's byte tokens read
+    as they decode alone (one U+FFFD each), whatever the chunking. The full decode writes
+    the whole run as U+FFFD; the complete characters had been streamed already, and the
+    rest read 5 x U+FFFD after "中" for 3 pending bytes."""
+    ids = _byte_fallback_ids(llama_style, "中🙂")[:-cut]
+    expected = llama_style.decode(ids[:3]) + llama_style.decode(ids[3:])
+    assert expected == "中" + "\ufffd" * (4 - cut)
+    deltas, detok = stream(llama_style, ids, chunk=chunk)
+    assert joined(deltas) == detok.output_text == expected
+
+
 @pytest.mark.parametrize("char", ["龘", "😀", "Ω"])
 def test_long_byte_fallback_run_keeps_the_window_small(llama_style, char):
     """A long run of byte tokens (3-byte characters: the window start must land on a
