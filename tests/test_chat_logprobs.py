@@ -21,6 +21,30 @@ def test_partial_character_tokens_carry_their_own_bytes(tiny_tokenizer):
     assert [t.token for t in content] == [tiny_tokenizer.decode([i]) for i in ids]
 
 
+def test_own_bytes_with_the_logprob_texts_the_engine_writes(tiny_tokenizer):
+    """The engine's logprob texts (kvflow.logprob_tokens, vLLM's rule) are "" for a token
+    holding part of a character and the whole character for the one completing it; each
+    token's bytes are still its own (they were [] and the whole character's 4 bytes), and
+    joined they are the text's UTF-8."""
+    from kvflow.logprob_tokens import LogprobTokenTexts
+
+    text = "東京🙂 ok"
+    ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+    texts = [LogprobTokenTexts(tiny_tokenizer).texts([i], ids[max(0, k - 4):k])[0]
+             for k, i in enumerate(ids)]
+    assert "" in texts and "".join(texts) == text
+    steps = [{i: Logprob(-0.5, 1, t)} for i, t in zip(ids, texts)]
+    content = chat_logprobs(ids, steps, 1, tiny_tokenizer).content
+    own = [list(tiny_tokenizer.convert_tokens_to_string([p]).encode("utf-8", "surrogateescape"))
+           if "\ufffd" not in tiny_tokenizer.decode([i]) else None
+           for i, p in zip(ids, tiny_tokenizer.convert_ids_to_tokens(ids))]
+    assert all(bytes(t.bytes) for t in content)  # none empty
+    assert [t.token for t in content] == texts
+    assert b"".join(bytes(t.bytes) for t in content) == text.encode("utf-8")
+    assert [t.bytes for t, o in zip(content, own) if o is not None] == \
+        [o for o in own if o is not None]
+
+
 class _ByteFallbackTokenizer:
     """A sentencepiece-style vocabulary: partial characters are ``<0xNN>`` pieces."""
 

@@ -2,8 +2,9 @@
 ``bytes`` and the best alternatives.
 
 ``bytes`` are the token's own bytes, as OpenAI's are: a token holding part of a multi-byte
-character decodes alone to U+FFFD, whose bytes would say nothing of the character, so such a
-token's bytes come from the vocabulary (byte-level BPE pieces, ``<0xNN>`` byte-fallback
+character decodes alone to U+FFFD (its logprob text is ``""``, or the whole character for the
+token completing it), which says nothing of its own bytes, so such a token's bytes come from
+the vocabulary (byte-level BPE pieces, ``<0xNN>`` byte-fallback
 pieces); joined, a reply's token bytes are its UTF-8 text where that text holds every token
 whole (a special token skipped from the text, ``<eos>`` under ``ignore_eos``, keeps its
 vocabulary string's bytes; a token that completed a stop string keeps all of its bytes).
@@ -36,11 +37,13 @@ def _byte_level_table() -> dict[str, int]:
 
 
 def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
-    """The UTF-8 bytes of token ``token_id`` whose decoded ``text`` is given: ``text``'s own
-    unless it holds U+FFFD (part of a character), then the vocabulary piece's bytes when
-    the piece is byte-level or ``<0xNN>`` (else ``text``'s, the best there is)."""
+    """The UTF-8 bytes of token ``token_id`` whose logprob ``text`` is given: ``text``'s own
+    unless the token holds part of a character (``text`` or the token decoded alone holds
+    U+FFFD: a logprob's text is ``""`` for such a token, the whole character for the one
+    completing it), then the vocabulary piece's bytes when the piece is byte-level or
+    ``<0xNN>`` (else ``text``'s, the best there is)."""
     convert = getattr(tokenizer, "convert_ids_to_tokens", None)
-    if "\ufffd" not in text or convert is None:
+    if convert is None or "\ufffd" not in text and not _splits_a_character(tokenizer, token_id):
         return list(text.encode("utf-8"))
     piece = convert(token_id)
     if isinstance(piece, str):
@@ -51,6 +54,12 @@ def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
         if piece and all(ch in table for ch in piece):
             return [table[ch] for ch in piece]
     return list(text.encode("utf-8"))
+
+
+def _splits_a_character(tokenizer: Any, token_id: int) -> bool:
+    """Whether ``token_id`` decoded alone holds U+FFFD (False without ``decode``)."""
+    decode = getattr(tokenizer, "decode", None)
+    return decode is not None and "\ufffd" in (decode([token_id]) or "")
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_k: int,
