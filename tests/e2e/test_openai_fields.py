@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from kvflow.entrypoints import protocol
+from kvflow.logprob_tokens import LogprobTokenTexts
 from tests.conftest import TINY_CHAT_TEMPLATE
 from tests.e2e.conftest import RUNTIME_LORA_ENV, post_at_once, ready_side_by_side
 from tests.lora.adapters import make_adapter
@@ -431,7 +432,8 @@ def sampling_cases(path: str) -> dict[str, Callable]:
 
     def return_tokens_as_token_ids(server, tokenizer):
         """Every logprobs token is "token_id:{id}", the chosen one's id the generated id; the
-        logprobs are the plain request's (an alternative's id decodes to its text)."""
+        logprobs are the plain request's (an alternative's id reads as its text: decoded
+        alone, or after the ids before it where it holds part of a character)."""
         body = {"logprobs": 2} if path == C else {"logprobs": True, "top_logprobs": 2}
         plain, resp = ok(server, path, body), ok(server, path, {**body,
                                                                 "return_tokens_as_token_ids": True})
@@ -453,8 +455,10 @@ def sampling_cases(path: str) -> dict[str, Callable]:
                      for c, p in zip(content, plain_content)]
             assert all(t["bytes"] == list(t["token"].encode()) for c in content
                        for t in c["top_logprobs"])
-        for top, plain_top in steps:
-            decoded = {tokenizer.decode([int(re.fullmatch(r"token_id:(\d+)", name)[1])]): lp
+        texts = LogprobTokenTexts(tokenizer)  # a partial character's: after the ids before
+        for k, (top, plain_top) in enumerate(steps):
+            decoded = {texts.texts([int(re.fullmatch(r"token_id:(\d+)", name)[1])],
+                                   token_ids[:k])[0]: lp
                        for name, lp in top}
             if len(decoded) == len(plain_top):  # no two ids decode alike
                 assert decoded == plain_top
