@@ -632,6 +632,17 @@ def chat_cases() -> dict[str, Callable]:
         assert prompt_ids(server, body) == tokenizer.encode("lazy dog", add_special_tokens=False)
         rejected(CH, {"documents": docs}, "documents")(server, tokenizer)  # template ignores
 
+    def reasoning_effort(server, tokenizer):
+        """vLLM's rule: the template variable ``reasoning_effort`` (and ``enable_thinking``
+        true unless "none"); a template reading neither is a 400 naming the field."""
+        body = {"chat_template": "{{ reasoning_effort }} {{ enable_thinking }} dog",
+                "reasoning_effort": "low"}
+        assert prompt_ids(server, body) == tokenizer.encode("low True dog",
+                                                            add_special_tokens=False)
+        assert prompt_ids(server, {**body, "reasoning_effort": "none"}) == \
+            tokenizer.encode("none False dog", add_special_tokens=False)
+        rejected(CH, {"reasoning_effort": "low"}, "reasoning_effort")(server, tokenizer)
+
     def tool_choice(server, tokenizer):
         body = {"tools": [TOOL], "chat_template": TOOLS_TEMPLATE,
                 "tool_choice": {"type": "function", "function": {"name": "get_x"}}}
@@ -695,6 +706,7 @@ def chat_cases() -> dict[str, Callable]:
             "continue_final_message": continue_final_message,
             "add_special_tokens": add_special_tokens, "chat_template": chat_template,
             "chat_template_kwargs": chat_template_kwargs, "documents": documents,
+            "reasoning_effort": reasoning_effort,
             # the tiny Llama takes no images (a vision model's case:
             # tests/multimodal/test_mm_processor_kwargs.py)
             "mm_processor_kwargs": rejected(CH, {"mm_processor_kwargs": {"max_pixels": 1}},
