@@ -9,7 +9,8 @@ is a system message for a template that has no developer role (vLLM's rule,
 ``chat_messages.developer_as_system``).
 
 Options are honoured or refused, never dropped: ``continue_final_message`` (the reply continues
-the last, assistant, message; exclusive with ``add_generation_prompt``), ``chat_template`` (a
+the last message, whatever its role, as transformers' ``apply_chat_template`` and vLLM
+continue it; exclusive with ``add_generation_prompt``), ``chat_template`` (a
 Jinja template replacing the model's; rendered in transformers' sandbox), ``documents``,
 ``tools`` and an assistant's ``tool_calls`` (refused when the template never reads them;
 callers that can inject them as text do so first), ``chat_template_kwargs`` (extra template
@@ -127,7 +128,7 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
         tokenizer: a transformers tokenizer (its ``chat_template`` unless ``chat_template``).
         messages: OpenAI-style message dicts (normalized here).
         add_generation_prompt: end with the header of a new assistant turn.
-        continue_final_message: leave the last (assistant) message open for the reply.
+        continue_final_message: leave the last message (of any role) open for the reply.
         chat_template: a Jinja template to use instead of the model's.
         tools / documents: the template's ``tools`` / ``documents`` variables.
         template_kwargs: further template variables.
@@ -344,9 +345,6 @@ def _template_kwargs(conversation: list[dict[str, Any]], template: Any,
                                 "be true; add_generation_prompt defaults to true, so send it "
                                 "as false with continue_final_message",
                                 "continue_final_message")
-    if continue_final_message and conversation[-1]["role"] != "assistant":
-        raise ChatTemplateError("continue_final_message needs the last message to be an "
-                                "assistant message", "continue_final_message")
     for name, value in (("tools", tools), ("documents", documents)):
         if value and name not in str(template):
             raise ChatTemplateError(f"this chat template does not use {name}", name)

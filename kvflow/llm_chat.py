@@ -56,8 +56,8 @@ class LLMChat:
         image URLs are ``data:`` URLs, http(s) from ``allowed_media_domains`` or ``file://``
         inside ``allowed_local_media_path``; video URLs
         likewise, see ``kvflow.multimodal.video``);
-        ``continue_final_message`` continues the last (assistant)
-        message instead of starting a new turn; ``chat_template`` replaces the model's;
+        ``continue_final_message`` continues the last message (whatever its role, as
+        transformers and vLLM do) instead of starting a new turn; ``chat_template`` replaces the model's;
         ``tools`` / ``documents`` / ``chat_template_kwargs`` become template variables
         (a template that reads no ``tools`` gets hermes' instructions for them at the end of
         the system message instead, and one that reads neither ``tools`` nor ``tool_calls``

@@ -75,10 +75,31 @@ def test_options_honoured(tok):
     assert render_chat(tok, hi, chat_template="{{ documents[0].text }}", documents=docs) == "d1"
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template,want", [
+    (TEMPLATE, "<system>be brief\n<user>Once upon"),
+    (CHATML, "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nOnce upon"),
+])
+def test_continue_final_message_continues_a_message_of_any_role(tok, template, want):
+    """A last message from the user (or the system) is left open too, as transformers'
+    ``apply_chat_template(..., continue_final_message=True)`` and vLLM leave it (it was
+    refused: "needs the last message to be an assistant message")."""
+    for last in ({"role": "user", "content": "Once upon"},
+                 {"role": "system", "content": "Once upon"}):
+        messages = [{"role": "system", "content": "be brief"}, last]
+        got = render_chat(tok, messages, add_generation_prompt=False,
+                          continue_final_message=True, chat_template=template)
+        assert got == tok.apply_chat_template(messages, chat_template=template,
+                                              tokenize=False, add_generation_prompt=False,
+                                              continue_final_message=True)
+        assert got == want.replace("user", last["role"])
+
+
 @pytest.mark.parametrize("kwargs,param", [
     ({"continue_final_message": True}, "continue_final_message"),  # + add_generation_prompt
-    ({"continue_final_message": True, "add_generation_prompt": False},
-     "continue_final_message"),  # the last message is the user's
     ({"documents": [{"text": "d"}]}, "documents"),  # the template never reads them
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
@@ -178,6 +199,20 @@ def test_llm_chat_null_content_and_continue(chat_llm):
                                                             "content": None}],
                         params, add_generation_prompt=False, continue_final_message=True)
     assert out[0].prompt == "<user>a\n<assistant>"
+
+
+def test_llm_chat_continues_a_final_user_message(chat_llm, tiny_llama):
+    """Offline as on the server: the user's message is left open (``<user>a``, the
+    template's text by hand; was a ValueError) and generation continues it."""
+    from transformers import AutoTokenizer
+
+    params = SamplingParams(temperature=0, max_tokens=2)
+    out = chat_llm.chat([{"role": "user", "content": "a"}], params,
+                        add_generation_prompt=False, continue_final_message=True)
+    assert out[0].prompt == "<user>a"
+    tok = AutoTokenizer.from_pretrained(tiny_llama.path)
+    assert out[0].prompt_token_ids == tok.encode("<user>a", add_special_tokens=False)
+    assert len(out[0].outputs[0].token_ids) == 2
 
 
 def test_llm_chat_takes_vllms_positional_arguments(chat_llm):
