@@ -16,7 +16,7 @@ from kvflow.beam_search import beam_search_async
 from kvflow.beam_search_params import MAX_BEAM_WIDTH, BeamSearchParams
 from kvflow.engine.async_llm import AdmissionRejected, AsyncLLM, RequestStream
 from kvflow.entrypoints.openai_errors import OpenAIError, invalid_request
-from kvflow.entrypoints.protocol import SamplingRequest
+from kvflow.entrypoints.protocol import ChatCompletionRequest, SamplingRequest
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams
@@ -45,11 +45,14 @@ _SAMPLING_ONLY = {
     "guided_grammar": ((None,), _STRUCTURED),
     "target_ttft_ms": ((None,), _TARGETS), "target_tpot_ms": ((None,), _TARGETS),
     "prompt_logprobs": ((None,), "prompt logprobs are not returned with beam search"),
-    "echo": ((None, False), "the prompt is not echoed with beam search"),
+    "echo": ((None, False), "the prompt is not echoed with beam search"),  # completions'
     "vllm_xargs": ((None, {}),
                    "beam search does not pass custom arguments to custom logits processors"),
     "spaces_between_special_tokens": ((True,), _BEAM_TEXT),
 }
+# chat's echo prepends the last message's text to each reply (serving_chat.echo_text), a
+# beam's included, as vLLM's chat does
+_CHAT_HONOURS = frozenset({"echo"})
 
 
 def check_beam_request(req: SamplingRequest) -> bool:
@@ -61,7 +64,7 @@ def check_beam_request(req: SamplingRequest) -> bool:
             ``MAX_BEAM_WIDTH``, any sampling, stop, penalty, structured-output or
             service-level (``target_ttft_ms`` / ``target_tpot_ms``) field set to something
             beam search would ignore, ``response_format`` other than
-            ``text``, or ``echo``. With ``stream`` the reply comes as one chunk per beam when the
+            ``text``, or ``echo`` (on /v1/completions; chat's is honoured). With ``stream`` the reply comes as one chunk per beam when the
             search ends (vLLM's behaviour: beams change until the last step).
     """
     if not req.use_beam_search:
@@ -75,6 +78,8 @@ def check_beam_request(req: SamplingRequest) -> bool:
                           f"of {MAX_BEAM_WIDTH}", param="n", code="integer_above_max_value")
     for name, (harmless, why) in _SAMPLING_ONLY.items():
         value = getattr(req, name, None)
+        if name in _CHAT_HONOURS and isinstance(req, ChatCompletionRequest):
+            continue
         if value not in harmless:
             raise OpenAIError(f"{name}={value!r} cannot be used with use_beam_search: {why}",
                               param=name, code="unsupported_value")

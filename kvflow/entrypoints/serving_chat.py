@@ -182,10 +182,6 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             raise OpenAIError("prompt_logprobs is not returned when streaming chat (vLLM's "
                               "rule): send stream: false", param="prompt_logprobs",
                               code="unsupported_value")
-        if req.echo:
-            raise OpenAIError("echo is not supported on /v1/chat/completions (use "
-                              "continue_final_message to continue an assistant message)",
-                              param="echo", code="unsupported_parameter")
         check_length_fields(req.max_tokens, req.max_completion_tokens)
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs",
@@ -204,7 +200,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             check_max_tokens(max_tokens, field)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(self.engine, req, max_tokens, logprobs, tool_grammar)
-        params.prompt_logprobs = req.prompt_logprobs
+        params.prompt_logprobs = _prompt_logprobs(req)
         self.check_prompt(ids, max_tokens, "messages", length_param=field)
         return params
 
@@ -215,6 +211,19 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             return self.config.response_role
         return req.messages[-1].role
 
+    def echo_text(self, req: ChatCompletionRequest) -> str:
+        """What ``echo`` prepends to every choice's content: the last message's content
+        when that message has the reply's role (``response_role``), else ``""`` (vLLM's
+        rule); a list of parts is its text (and ``refusal``) parts joined with ``"\\n"``,
+        image and video parts left out. ``""`` without ``echo``."""
+        last = req.messages[-1]
+        if not req.echo or last.role != self.response_role(req):
+            return ""
+        if not isinstance(last.content, list):
+            return last.content or ""
+        texts = (p.text if p.text is not None else p.refusal for p in last.content)
+        return "\n".join(t for t in texts if t is not None)
+
     # ---- whole response ----------------------------------------------------------------------
     async def _response(self, req: ChatCompletionRequest, request_id: str, ids: list[int],
                         stream: RequestStream, parser: ChatOutputParser
@@ -224,6 +233,8 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         for c in out.outputs:
             message, finish_reason = parser.message(c.text, c.finish_reason)
             message.role = self.response_role(req)
+            if req.echo:  # as vLLM: content null (tool calls only) becomes the echo, "" too
+                message.content = self.echo_text(req) + (message.content or "")
             choices.append(ChatChoice(index=c.index, message=message,
                                       **{**self._choice_extras(req, c),
                                          "finish_reason": finish_reason}))
@@ -233,7 +244,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             usage=self.usage(len(ids), num_generated, out.metrics.num_cached_tokens),
             service_tier=served_tier(req),
             prompt_token_ids=ids if req.return_token_ids else None,
-            prompt_logprobs=None if req.prompt_logprobs is None
+            prompt_logprobs=None if _prompt_logprobs(req) is None
             else vllm_prompt_logprobs(out.prompt_logprobs))
 
     def _choice_extras(self, req: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any]:
@@ -260,12 +271,16 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
                                                 usage=usage, service_tier=served_tier(req),
                                                 prompt_token_ids=prompt_token_ids)
 
-        def role_chunk() -> ChatCompletionStreamResponse:
-            """Every choice's first chunk: the role and (as vLLM) the prompt's token ids."""
-            role = self.response_role(req)
-            return chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role=role, content=""))
-                          for i in range(req.n)],
-                         prompt_token_ids=ids if req.return_token_ids else None)
+        def first_chunks() -> list[ChatCompletionStreamResponse]:
+            """Every choice's first chunk: the role and (as vLLM) the prompt's token ids;
+            with ``echo``, then one chunk per choice holding the echoed text (none when it
+            is empty), as vLLM streams it."""
+            role, echo = self.response_role(req), self.echo_text(req)
+            chunks = [chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role=role, content=""))
+                             for i in range(req.n)],
+                            prompt_token_ids=ids if req.return_token_ids else None)]
+            return chunks + [chunk([ChatStreamChoice(index=i, delta=DeltaMessage(content=echo))])
+                             for i in range(req.n) if echo]
 
         want_tokens = req.logprobs or req.return_token_ids
         states = {i: parser.stream_state() for i in range(req.n)}
@@ -273,7 +288,8 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         async for _, delta in merge_streams(streams):
             if not sent_role:  # with the first output, as vLLM: a client's TTFT (time to its
                 sent_role = True  # first chunk) then includes the prefill it waits for
-                yield role_chunk()
+                for first in first_chunks():
+                    yield first
             num_cached = delta.metrics.num_cached_tokens  # the prompt's, once known
             for c in delta.outputs:
                 num_generated += len(c.token_ids)
@@ -287,9 +303,22 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
                     continue  # text held back (partial character, stop-string prefix)
                 yield chunk([ChatStreamChoice(index=c.index, delta=message, **extras)])
         if not sent_role:
-            yield role_chunk()
+            for first in first_chunks():
+                yield first
         if include_usage:
             yield chunk([], self.usage(len(ids), num_generated, num_cached))
+
+
+def _prompt_logprobs(req: ChatCompletionRequest) -> int | None:
+    """The prompt logprobs a request gets (top-k per prompt token; None: none): its
+    ``prompt_logprobs``, else with ``echo`` its ``top_logprobs`` (0 when unset: the prompt
+    token's own logprob alone), vLLM's rule, on a whole (not streamed) reply, as vLLM returns
+    them (a streamed reply has no place for them; beam search gives none)."""
+    if req.prompt_logprobs is not None:
+        return req.prompt_logprobs
+    if req.echo and not req.stream and not req.use_beam_search:
+        return req.top_logprobs or 0
+    return None
 
 
 def _truncated(text: str, ids: list[int], limit: int | None, images: list | None

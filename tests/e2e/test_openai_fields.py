@@ -598,6 +598,20 @@ def chat_cases() -> dict[str, Callable]:
             rendered(tokenizer, msgs, continue_final_message=True)
         assert post(server, CH, {**body, "add_generation_prompt": True,
                                  "continue_final_message": True}).status_code == 400
+        # a last message of another role is continued too (transformers' and vLLM's rule)
+        assert prompt_ids(server, {"add_generation_prompt": False,
+                                   "continue_final_message": True}) == \
+            rendered(tokenizer, HI, continue_final_message=True)
+
+    def echo(server, tokenizer):
+        """vLLM's rule: the last message's content comes before the reply when it has the
+        reply's role (streaming, n and the prompt logprobs: tests/test_chat_echo.py)."""
+        msgs = [*HI, {"role": "assistant", "content": "the lazy"}]
+        body = {"messages": msgs, "add_generation_prompt": False,
+                "continue_final_message": True}
+        assert text(ok(server, CH, {**body, "echo": True})) == \
+            "the lazy" + text(ok(server, CH, body))
+        assert text(ok(server, CH, {"echo": True})) == text(ok(server, CH, {}))  # user's last
 
     def add_special_tokens(server, tokenizer):
         assert prompt_ids(server, {"add_special_tokens": True}) == \
@@ -711,7 +725,7 @@ def chat_cases() -> dict[str, Callable]:
             # tests/multimodal/test_mm_processor_kwargs.py)
             "mm_processor_kwargs": rejected(CH, {"mm_processor_kwargs": {"max_pixels": 1}},
                                             "mm_processor_kwargs"),
-            "echo": rejected(CH, {"echo": True}, "echo"), "tools": tools,
+            "echo": echo, "tools": tools,
             "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls,
             "metadata": same_reply({"metadata": {"team": "a", "run": "7"}},
                                    {"metadata": {f"k{i}": "v" for i in range(17)}}),

@@ -173,7 +173,6 @@ REFUSED = [  # (path, body, param, code): decided after the schema
     (C, {"prompt": "hi", "priority": 1}, "priority", "unsupported_value"),
     (CH, {"messages": HI, "priority": -2}, "priority", "unsupported_value"),
     (C, {"prompt": "hi", "suffix": "x"}, "suffix", "unsupported_parameter"),
-    (CH, {"messages": HI, "echo": True}, "echo", "unsupported_parameter"),
     ("/tokenize", {}, "prompt", "missing_required_parameter"),
     # the schema's
     (CH, {"messages": [{"role": 5, "content": "hi"}]}, "messages.0.role", "invalid_type"),
