@@ -768,9 +768,10 @@ def tokenize_cases() -> dict[str, Callable]:
         "messages": chat_option({}, lambda t: messages_text(t, add_generation_prompt=True)),
         "add_special_tokens": add_special_tokens,
         "add_generation_prompt": chat_option({"add_generation_prompt": False}, messages_text),
-        "continue_final_message": rejected(
-            TOK, {"prompt": None, "messages": HI, "add_generation_prompt": False,
-                  "continue_final_message": True}, "continue_final_message"),
+        # a final user message is continued, as transformers and vLLM continue it
+        "continue_final_message": chat_option(
+            {"add_generation_prompt": False, "continue_final_message": True},
+            lambda t: messages_text(t, continue_final_message=True)),
         "chat_template": chat_option({"chat_template": "{{ messages[0].content }}!"},
                                      lambda t: "hi!"),
         "chat_template_kwargs": chat_option(
