@@ -86,4 +86,6 @@ def test_classify_lines_match_transformers(built_models, tmp_path, run_batch_her
     # the wrong-task 400 points at an endpoint this batch file takes: the one "many" used
     wrong = got[2]["response"]
     assert (wrong["status_code"], wrong["body"]["error"]["code"]) == (400, "wrong_task")
-    assert wrong["body"]["error"]["message"].endswith(f"use {json.loads(lines[0])['url']}")
+    assert wrong["body"]["error"]["message"].endswith(
+        f"use {json.loads(lines[0])['url']}, or start a server with --runner generate (or "
+        "--task generate)")
