@@ -2,12 +2,14 @@
 cannot be read is refused with a ValueError naming the file, and ``kvflow generate`` prints it
 as one line with status 2, not a safetensors traceback. The files read are those transformers
 reads: the shards ``model.safetensors.index.json`` names (not a stale shard beside them), and
-never Mistral's ``consolidated.safetensors``; outputs checked against transformers."""
+never Mistral's ``consolidated.safetensors``; a tensor stored in two of them loads the copy the
+index names (else the later file's); outputs checked against transformers."""
 
 from __future__ import annotations
 
 import os
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -112,3 +114,61 @@ def test_index_naming_a_missing_shard_is_named(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match=r"model.safetensors.index.json' names weight files "
                                          rf"that are not in the folder: \['{gone}'\]"):
         LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
+
+
+def _stored_twice(tiny, folder: str, into_later: bool) -> tuple[str, str, torch.Tensor]:
+    """A sharded copy of ``tiny`` in which one tensor of a shard is also stored, with other
+    values, in the next shard (``into_later``) or the one before (files of two saves mixed);
+    returns (name, path of the file holding the stale copy, stale copy)."""
+    from safetensors.torch import load_file, save_file
+
+    _sharded_copy(tiny, folder)
+    files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    assert len(files) > 2
+    owner, other = (files[0], files[1]) if into_later else (files[1], files[0])
+    name = min(n for n in load_file(os.path.join(folder, owner)) if n.endswith("_proj.weight"))
+    tensors = load_file(os.path.join(folder, other))
+    stale = tensors[name] = torch.randn_like(load_file(os.path.join(folder, owner))[name])
+    save_file(tensors, os.path.join(folder, other), metadata={"format": "pt"})
+    return name, os.path.join(folder, other), stale
+
+
+@pytest.mark.parametrize("into_later", [True, False], ids=["stale_in_later", "stale_in_earlier"])
+def test_tensor_stored_in_two_shards_loads_the_index_copy(tiny_llama, tmp_path, into_later):
+    """Both copies used to load, the later file's winning whatever the index says; now the copy
+    in the file the index's weight_map names loads, the other is ignored."""
+    _stored_twice(tiny_llama, str(tmp_path / "model"), into_later)
+    _assert_matches_hf(str(tmp_path / "model"), tiny_llama)
+
+
+def test_index_naming_a_file_without_the_tensor_loads_the_stored_copy(tiny_llama, tmp_path):
+    """An index mapping a tensor to a shard that lacks it (the shard is still read): the copy
+    another shard holds loads, as before, rather than a missing weight."""
+    import json
+
+    from safetensors.torch import load_file
+
+    path = _sharded_copy(tiny_llama, str(tmp_path / "model"))
+    index = os.path.join(path, "model.safetensors.index.json")
+    with open(index) as f:
+        data = json.load(f)
+    files = sorted(set(data["weight_map"].values()))
+    name = min(load_file(os.path.join(path, files[0])))
+    data["weight_map"][name] = files[1]
+    with open(index, "w") as f:
+        json.dump(data, f)
+    _assert_matches_hf(path, tiny_llama)
+
+
+def test_tensor_stored_in_two_files_without_an_index_loads_the_later_copy(tiny_llama, tmp_path):
+    """No index to say which copy is right: the later file's loads, as transformers and vLLM
+    load such a folder. Oracle: the transformers model with that weight replaced."""
+    import copy
+
+    path = str(tmp_path / "model")
+    name, _, stale = _stored_twice(tiny_llama, path, into_later=True)
+    os.remove(os.path.join(path, "model.safetensors.index.json"))
+    hf_model = copy.deepcopy(tiny_llama.hf_model)
+    with torch.no_grad():
+        hf_model.get_parameter(name).copy_(stale)
+    _assert_matches_hf(path, SimpleNamespace(hf_model=hf_model))
