@@ -143,7 +143,8 @@ class AsyncLLM(AsyncLLMCalls, AsyncLLMShutdown):
                              mc.quantization_group_size)
             self.sampling_defaults = load_sampling_defaults(source, mc.generation_config,
                                                            mc.override_generation_config)
-            self._eos_token_ids = load_eos_token_ids(source)
+            self._eos_token_ids = load_eos_token_ids(source,
+                                                     vocab_size=hf_config.vocab_size)
             self.replicas.release()
             # while the core processes load the model:
             self.tokenizer = None if mc.skip_tokenizer_init else \

@@ -67,16 +67,19 @@ class LLMEngine:
         check_draft_tokenizer(config, source, self.tokenizer)  # before the draft's weights
         self.sampling_defaults = load_sampling_defaults(source, mc.generation_config,
                                                        mc.override_generation_config)
+        # the EOS ids as the front end stops on them: a data-parallel parent reads config.json
+        dp = config.parallel_config.data_parallel_size > 1
+        eos_ids = load_eos_token_ids(source, None if dp else hf_config, hf_config.vocab_size)
         mm_processor = _mm_processor(source, hf_config, self.tokenizer, config)
-        if config.parallel_config.data_parallel_size > 1:
+        if dp:
             self.core: EngineCore | DPCoreClient = DPCoreClient(config)
             max_model_len, eos_source = self.core.max_model_len, self.core.ready
             note = self.core.ready.max_model_len_note
-            vocab_size, eos_config = self.core.ready.vocab_size, None
+            vocab_size = self.core.ready.vocab_size
             pooler, hidden_size = self.core.ready.pooler, self.core.ready.hidden_size
         else:
             self.core = EngineCore(config, source)
-            eos_source = eos_config = self.core.hf_config
+            eos_source = self.core.hf_config
             max_model_len, vocab_size = self.core.max_model_len, self.core.hf_config.vocab_size
             note = self.core.max_model_len_note
             pooler, hidden_size = self.core.pooler_config, self.core.hf_config.hidden_size
@@ -85,7 +88,7 @@ class LLMEngine:
         if pooler is None:  # a data-parallel parent's config has not looked for plugins yet
             config.find_logits_processor_plugins("generate")
         self.processor = InputProcessor(self.tokenizer, max_model_len, vocab_size, eos,
-                                        mm_processor, load_eos_token_ids(source, eos_config),
+                                        mm_processor, eos_ids,
                                         pooler, hidden_size, max_model_len_note=note,
                                         enable_prompt_embeds=mc.enable_prompt_embeds,
                                         logits_processors=() if pooler else

@@ -113,3 +113,74 @@ def test_server_stops_on_every_eos_id(eos_model, tiny_llama, start_server, reque
     choice = reply.choices[0]
     assert choice.token_ids == expected
     assert (choice.finish_reason, choice.stop_reason) == ("stop", extra)
+
+
+@pytest.mark.parametrize("value", ["</s>", "0", [0, "7"], 2.0, True, [0, None], [[0]]],
+                         ids=["token_string", "digit_string", "list_with_string", "float",
+                              "bool", "list_with_null", "nested_list"])
+def test_eos_id_that_is_not_an_integer_is_refused(tmp_path, value):
+    """transformers' ``generate`` fails on such a value (TypeError) and vLLM stops on no token
+    for it; it used to be dropped silently, config.json's ids standing in."""
+    folder = Path(tmp_path)
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    path = folder / "generation_config.json"
+    path.write_text(json.dumps({"eos_token_id": value}))
+    with pytest.raises(ValueError) as info:
+        load_eos_token_ids(ModelSource("hf", str(folder), "m"))
+    assert str(info.value).startswith(f"{str(path)!r}: eos_token_id must be a token id (an "
+                                      f"integer) or a list of token ids, not {value!r}")
+    path.write_text(json.dumps({"eos_token_id": None}))  # null is unset: config.json's
+    assert load_eos_token_ids(ModelSource("hf", str(folder), "m")) == [2]
+
+
+def test_eos_id_that_is_not_an_integer_fails_before_the_weights_load(tiny_llama, tmp_path,
+                                                                      monkeypatch):
+    from kvflow.models import safetensors_files
+
+    folder = shutil.copytree(tiny_llama.path, tmp_path / "m")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, "</s>"]}))
+    monkeypatch.setattr(safetensors_files, "iter_safetensors_file",
+                        lambda *a, **k: pytest.fail("weights read"))
+    with pytest.raises(ValueError, match=r"generation_config.json': eos_token_id must be a "
+                                         r"token id .* not \[0, '</s>'\] \('</s>' is not"):
+        LLM(model=str(folder), dtype="float32", num_kv_blocks=64, block_size=4)
+
+
+def test_eos_id_outside_the_vocabulary_is_kept_and_named(eos_model, tiny_llama, tmp_path,
+                                                         caplog):
+    """An id >= vocab_size is loaded as transformers and vLLM load it: no token can be it, so
+    it stops nothing, and the file's other ids still stop generation (oracle: transformers'
+    greedy ``generate`` with the same list); it used to be dropped without a word."""
+    import logging
+
+    _, extra, _ = eos_model
+    big = tiny_llama.vocab_size + 5
+    folder = shutil.copytree(tiny_llama.path, tmp_path / "m")
+    path = folder / "generation_config.json"
+    path.write_text(json.dumps({"eos_token_id": [0, big, extra]}))
+    expected = _hf_greedy(tiny_llama, _ids(tiny_llama), [0, big, extra])
+    assert expected[-1] == extra and len(expected) < N
+    with caplog.at_level(logging.WARNING, logger="kvflow"):
+        llm = LLM(model=str(folder), dtype="float32", num_kv_blocks=64, block_size=4)
+    warnings = [r.getMessage() for r in caplog.records if "eos_token_id" in r.getMessage()]
+    assert warnings == [(f"{str(path)!r}: eos_token_id {big} is not a token id of the model "
+                        f"(vocab_size {tiny_llama.vocab_size}): no generated token can be it, "
+                        "so it never ends generation (transformers and vLLM load it the same "
+                        "way)")]
+    (out,) = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=N), use_tqdm=False)
+    assert out.outputs[0].token_ids == expected
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", extra)
+
+
+def test_server_refuses_it_before_the_cores_load(tiny_llama, tmp_path, monkeypatch):
+    """``AsyncLLM`` (the server) reads the EOS ids while the core processes wait, gated."""
+    from kvflow.config import EngineConfig
+    from kvflow.engine import async_llm
+
+    folder = shutil.copytree(tiny_llama.path, tmp_path / "m")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    monkeypatch.setattr(async_llm.ReplicaSet, "start", lambda self, gated=False: None)
+    monkeypatch.setattr(async_llm.ReplicaSet, "release", lambda self: pytest.fail("released"))
+    with pytest.raises(ValueError, match="generation_config.json': eos_token_id must be"):
+        async_llm.AsyncLLM(EngineConfig.from_kwargs(model=str(folder), dtype="float32",
+                                                    device="cpu"))
