@@ -19,6 +19,11 @@ EXTENDED_ROPE_POSITIONS = "kvflow_extended_rope_positions"
 # metadata is held to the same limit (``kvflow.models.gguf_config.MAX_ROPE_POSITIONS``).
 MAX_ROPE_POSITIONS = 1 << 24
 
+# the ``rope_type`` values kvflow's RoPE tables implement (:mod:`kvflow.layers.rotary`; ``su`` is
+# older Phi-3 configs' name of ``longrope``); config.json is checked against them at load
+# (``models.hf_config_checks.check_rope_parameters``)
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su", "yarn", "dynamic")
+
 
 def get_rope_parameters(config: Any) -> tuple[float, dict | None]:
     """Read (rope_theta, rope_scaling) from an HF config of any transformers version.

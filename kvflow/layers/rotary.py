@@ -20,6 +20,7 @@ import torch
 from kvflow.kernels.cpu_native import native_kernels_for
 from kvflow.layers.custom_op import CustomOp
 from kvflow.layers.rope_parameters import (
+    ROPE_TYPES,
     get_rope_parameters,
     longrope_attention_factor,
     rope_max_positions,
@@ -64,8 +65,8 @@ def compute_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> tor
         return _yarn_inv_freq(rotary_dim, theta, scaling)
     if rope_type == "dynamic":  # the frequencies up to the original length; see _dynamic_cache
         return inv_freq
-    raise ValueError(f"unsupported rope_type {rope_type!r}: kvflow supports default, linear, "
-                     "llama3, longrope, yarn, dynamic")
+    raise ValueError(f"unsupported rope_type {rope_type!r}: kvflow supports "
+                     f"{', '.join(ROPE_TYPES)}")
 
 
 def _yarn_correction_range(rotary_dim: int, theta: float, scaling: dict) -> tuple[float, float]:

@@ -18,7 +18,7 @@ import json
 import math
 from typing import Any
 
-from kvflow.layers.rope_parameters import MAX_ROPE_POSITIONS, rope_max_positions
+from kvflow.layers.rope_parameters import MAX_ROPE_POSITIONS, ROPE_TYPES, rope_max_positions
 
 # every architecture kvflow serves describes its transformer with these
 REQUIRED_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -192,15 +192,25 @@ def unread_field_warnings(raw: dict[str, Any], path: str) -> list[str]:
 _FACTOR_ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope", "su")
 
 
-def check_rope_parameters(config: Any, path: str) -> None:
+def check_rope_parameters(config: Any, path: str, raw: dict[str, Any] | None = None) -> None:
     """Check the RoPE parameters of a loaded transformers config (``rope_parameters``, one
     dict or one per layer type as Gemma 3's; transformers 5 has moved an older
-    ``rope_scaling`` / ``rope_theta`` there): ``rope_theta`` a finite number > 0 and, for a
+    ``rope_scaling`` / ``rope_theta`` there): ``rope_type`` one kvflow implements
+    (:data:`~kvflow.layers.rope_parameters.ROPE_TYPES`; transformers only warns of an unknown
+    one, and kvflow refused it only when building the model, without naming the file),
+    ``rope_theta`` a finite number > 0 and, for a
     scaling type, ``factor`` (when given) a finite number >= 1. transformers only logs a
     warning for such values; kvflow built its cos/sin table from them (a zero ``factor``
     generated a constant token). LongRoPE (``longrope`` / ``su``) in a per-layer-type entry is
     refused: kvflow's long-prompt rows (``layers.rotary.long_prompt_rope``) cover one
     model-wide LongRoPE only.
+
+    Args:
+        config: the loaded config.
+        path: its config.json, for the errors.
+        raw: the parsed config.json (with any ``hf_overrides``), to name an unknown
+            ``rope_type`` by the field the file writes (an older ``rope_scaling``); None:
+            ``rope_parameters``.
 
     Raises:
         ValueError: naming ``path``, the field and its value.
@@ -217,6 +227,10 @@ def check_rope_parameters(config: Any, path: str) -> None:
             raise ValueError(f"model config {path!r}: {where}.rope_theta={theta!r} is "
                              "invalid; it must be a number > 0 (the RoPE base)")
         rope_type = entry.get("rope_type", entry.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"model config {path!r}: "
+                             f"{_rope_type_field(entry, layer_type, raw)}={rope_type!r} is not "
+                             f"supported; kvflow's RoPE implements {', '.join(ROPE_TYPES)}")
         if layer_type is not None and rope_type in ("longrope", "su"):
             raise ValueError(f"model config {path!r}: {where}.rope_type={rope_type!r} is not "
                              "supported per layer type: transformers rotates a prompt longer "
@@ -229,6 +243,20 @@ def check_rope_parameters(config: Any, path: str) -> None:
             raise ValueError(f"model config {path!r}: {where}.factor={factor!r} is invalid "
                              f"for rope_type {rope_type!r}; it must be a number >= 1 (how "
                              "many times the original context the scaled RoPE covers)")
+
+
+def _rope_type_field(entry: dict[str, Any], layer_type: str | None,
+                     raw: dict[str, Any] | None) -> str:
+    """The config.json field path of a RoPE entry's type, as the file writes it: an older
+    ``rope_scaling`` (transformers 5 reads it as ``rope_parameters``) and its ``type`` key
+    (transformers copies it to ``rope_type``), else ``rope_parameters[...].rope_type``."""
+    if layer_type is not None:
+        return f"rope_parameters[{layer_type!r}].rope_type"
+    older = raw is not None and "rope_parameters" not in raw and \
+        isinstance(raw.get("rope_scaling"), dict)
+    key = "type" if entry.get("type") == entry.get("rope_type") and "type" in entry \
+        else "rope_type"
+    return f"{'rope_scaling' if older else 'rope_parameters'}.{key}"
 
 
 def check_rope_positions(config: Any, path: str) -> None:

@@ -84,7 +84,7 @@ def load_hf_config(source: ModelSource, warn_unread: bool = False,
     except Exception as e:  # transformers raises many types for a bad config
         raise ValueError(f"cannot read model config {path!r}: {_one_line(e)}") from e
     config = hoist_text_config(config)
-    check_rope_parameters(config, path)
+    check_rope_parameters(config, path, raw)
     check_rope_positions(config, path)
     return config
 

@@ -132,3 +132,43 @@ def test_longrope_per_layer_type_is_refused(tiny_model_factory, tmp_path, layer_
         "original_max_position_embeddings with the long factors at every position, which "
         "kvflow does only for one model-wide LongRoPE (long prompts would run with the short "
         "factors)")
+
+
+_ROPE_TYPES = "default, linear, llama3, longrope, su, yarn, dynamic"
+
+
+@pytest.mark.parametrize("rope, field", [
+    ({"rope_parameters": {"rope_type": "foo", "rope_theta": 10000.0}},
+     "rope_parameters.rope_type='foo'"),
+    ({"rope_scaling": {"type": "foo", "factor": 2.0}, "rope_theta": 10000.0},
+     "rope_scaling.type='foo'"),
+    ({"rope_scaling": {"rope_type": "proportional", "factor": 2.0}, "rope_theta": 10000.0},
+     "rope_scaling.rope_type='proportional'"),
+], ids=["rope_parameters", "older_rope_scaling_type", "transformers_type_kvflow_lacks"])
+def test_unknown_rope_type_names_the_file_and_field(tiny_llama, tmp_path, rope, field):
+    """It was "unsupported rope_type 'foo': kvflow supports ..." from the model's build, not
+    saying where the value came from (transformers only logs "Missing validation function"
+    for it)."""
+    config_path = _edited(tiny_llama, tmp_path / "model", **rope)
+    if "rope_scaling" in rope:
+        with open(config_path) as f:
+            edited = json.load(f)
+        del edited["rope_parameters"]  # what the tiny model's save wrote
+        with open(config_path, "w") as f:
+            json.dump(edited, f)
+    with pytest.raises(ValueError) as info:
+        _llm(config_path)
+    assert str(info.value) == (f"model config {config_path!r}: {field} is not supported; "
+                               f"kvflow's RoPE implements {_ROPE_TYPES}")
+
+
+def test_unknown_rope_type_per_layer_type_is_named(tiny_model_factory, tmp_path):
+    tiny = tiny_model_factory("gemma3")
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "foo", "rope_theta": 10000.0}}
+    config_path = _edited(tiny, tmp_path / "model", rope_parameters=rope)
+    with pytest.raises(ValueError) as info:
+        _llm(config_path)
+    assert str(info.value) == (
+        f"model config {config_path!r}: rope_parameters['sliding_attention'].rope_type='foo' "
+        f"is not supported; kvflow's RoPE implements {_ROPE_TYPES}")
