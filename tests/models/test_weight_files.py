@@ -135,8 +135,9 @@ def _stored_twice(tiny, folder: str, into_later: bool) -> tuple[str, str, torch.
 
 @pytest.mark.parametrize("into_later", [True, False], ids=["stale_in_later", "stale_in_earlier"])
 def test_tensor_stored_in_two_shards_loads_the_index_copy(tiny_llama, tmp_path, into_later):
-    """Both copies used to load, the later file's winning whatever the index says; now the copy
-    in the file the index's weight_map names loads, the other is ignored."""
+    """Both copies used to load, the later file's winning whatever the index says (as
+    transformers 5.25 and vLLM load them); now the copy in the file the index's weight_map names
+    loads, the other is ignored."""
     _stored_twice(tiny_llama, str(tmp_path / "model"), into_later)
     _assert_matches_hf(str(tmp_path / "model"), tiny_llama)
 
