@@ -161,18 +161,24 @@ def hf_prompt_logprobs(tiny, inputs) -> list[float]:
 
 
 def test_prompt_logprobs_and_greedy_tokens_equal_transformers(llm, tiny, assert_no_leaks):
+    _assert_batch_equals_transformers(llm, tiny, cases())  # different grids, image counts
+    assert_no_leaks(llm)
+
+
+def _assert_batch_equals_transformers(llm, tiny, prompts) -> None:
+    """``prompts`` ((text, images) pairs) generated in one batch: the prompt ids, prompt
+    logprobs and greedy tokens are transformers' (processor, forward pass, generate)."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
                             prompt_logprobs=0)
-    prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases()]
-    outs = llm.generate(prompts, params)  # one batch, different grids and image counts
-    for (text, imgs), out in zip(cases(), outs):
+    outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": imgs}}
+                         for t, imgs in prompts], params)
+    for (text, imgs), out in zip(prompts, outs):
         inputs = tiny.processor(text=[text], images=imgs or None, return_tensors="pt")
         ids = out.prompt_token_ids
         assert ids == inputs["input_ids"][0].tolist()
         got = [entry[ids[i]].logprob for i, entry in enumerate(out.prompt_logprobs) if i]
         np.testing.assert_allclose(got, hf_prompt_logprobs(tiny, inputs), atol=2e-4)
         assert out.outputs[0].token_ids == hf_generate(tiny, text, imgs, MAX_TOKENS)
-    assert_no_leaks(llm)
 
 
 def test_chat_with_image_url(llm, tiny):
@@ -222,18 +228,7 @@ def test_a_list_of_feature_layers_equals_transformers(tmp_path, tiny_tokenizer,
                                  {"model_type": "llama"}, seed=37,
                                  vision_feature_layer=[-1, 0, -3])
     llm = LLM(tiny.path, dtype="float32", num_kv_blocks=128, block_size=16)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                            prompt_logprobs=0)
-    prompts = cases()[1:]
-    outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": imgs}}
-                         for t, imgs in prompts], params)
-    for (text, imgs), out in zip(prompts, outs):
-        inputs = tiny.processor(text=[text], images=imgs, return_tensors="pt")
-        ids = out.prompt_token_ids
-        assert ids == inputs["input_ids"][0].tolist()
-        got = [entry[ids[i]].logprob for i, entry in enumerate(out.prompt_logprobs) if i]
-        np.testing.assert_allclose(got, hf_prompt_logprobs(tiny, inputs), atol=2e-4)
-        assert out.outputs[0].token_ids == hf_generate(tiny, text, imgs, MAX_TOKENS)
+    _assert_batch_equals_transformers(llm, tiny, cases()[1:])
     assert_no_leaks(llm)
 
 
