@@ -12,8 +12,19 @@ Contract
   are decoded in runs split before each such token, so no text a decoder puts between them
   (WordPiece's space: ``[SEP] [SEP]``) survives (vLLM's fast detokenizer's rule; byte-level
   and SentencePiece decoders put nothing there, so their text does not change).
-  The prompt's text never appears in the output, and the first generated token is decoded
-  exactly as the full decode would (e.g. a SentencePiece tokenizer drops its leading space).
+  The prompt's text never appears in the output.
+* The first generated token is decoded in the prompt's context, as vLLM (its fast
+  detokenizer primes tokenizers' ``DecodeStream`` with the prompt's last tokens) and
+  text-generation-inference do: with ``tail`` = :func:`prompt_context` (the prompt's last 4
+  to 23 ids, the fewest whose decode has no U+FFFD; the whole prompt when it has at most 4
+  ids), the output text is ``decode(tail + generated)`` minus ``decode(tail)``. A
+  SentencePiece / Metaspace tokenizer (Llama-2, Mistral) therefore keeps the first token's
+  leading space: prompt "The quick brown" + ``[▁fox, ▁jumps]`` gives " fox jumps", so
+  prompt + completion reads "The quick brown fox jumps". Byte-level BPE text is the
+  generated ids' own decode either way. Without a prompt (no prompt ids, e.g. prompt
+  embeddings only), for a WordPiece decoder (which would put a space before every token
+  that does not continue a word; kept as the ids' own decode) and when ``decode(tail)``
+  holds a U+FFFD, there is no context: the text is ``decode(generated)``.
 * A partial UTF-8 character (a byte-level BPE or byte-fallback token that splits a multi-byte
   character decodes to U+FFFD) is never emitted while the request runs; it is held back until
   it completes. At ``finished=True`` everything is flushed exactly as the full decode gives it,
@@ -62,7 +73,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
-__all__ = ["DetokenizerDelta", "IncrementalDetokenizer"]
+__all__ = ["DetokenizerDelta", "IncrementalDetokenizer", "prompt_context"]
 
 # Tokens kept in the decode window before the newest ones (context for position-dependent
 # decoders). The window is narrowed back to this many tokens once it exceeds twice as many.
@@ -70,6 +81,9 @@ _CONTEXT_TOKENS = 4
 # Longest run of trailing U+FFFD that a later token may still turn into a real character.
 _MAX_PENDING_REPLACEMENTS = 3
 _REPLACEMENT_CHAR = "\ufffd"
+# vLLM's FastIncrementalDetokenizer prompt tail: between 4 and 23 of the prompt's last ids.
+_MIN_PROMPT_CONTEXT = 4
+_MAX_PROMPT_CONTEXT = 23
 # Patterns rewritten by transformers' PreTrainedTokenizerBase.clean_up_tokenization.
 _CLEANUP_PATTERNS = (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're")
 _MAX_CLEANUP_HOLD = max(len(p) for p in _CLEANUP_PATTERNS) - 1
@@ -95,9 +109,10 @@ class IncrementalDetokenizer:
     Args:
         tokenizer: A ``transformers`` tokenizer (fast or slow); only ``decode`` and the
             ``clean_up_tokenization_spaces`` attribute are used.
-        prompt_token_ids: The request's prompt ids. The output is defined relative to the
-            generated ids only (see the module docstring), so the prompt never enters the decode
-            window; its length is kept as :attr:`num_prompt_tokens` for callers' bookkeeping.
+        prompt_token_ids: The request's prompt ids. Their last few (:func:`prompt_context`)
+            open the decode window, so that the first generated token is decoded in the
+            prompt's context (see the module docstring); their text is never emitted. Their
+            number is kept as :attr:`num_prompt_tokens` for callers' bookkeeping.
         skip_special_tokens: Passed to ``tokenizer.decode``.
         spaces_between_special_tokens: False: nothing between two adjacent added tokens
             (see the module docstring); read only with ``skip_special_tokens=False``, as
@@ -138,10 +153,15 @@ class IncrementalDetokenizer:
         self._include_stop = include_stop_str_in_output
         self._stop_window = max((len(s) for s in self._stops), default=1) - 1
         self._min_tokens = min_tokens
-        # Token -> text stage: window start and the released prefix of the window's decode.
-        self._ids: list[int] = []
+        # Token -> text stage: the ids (prompt context first), window start and the released
+        # prefix of the window's decode (the context's own text counts as released).
+        self._ids: list[int] = prompt_context(tokenizer, prompt_token_ids)
         self._start = 0
-        self._released = ""
+        self._released = self._decode(0) if self._ids else ""
+        if _REPLACEMENT_CHAR in self._released:  # a tail that splits a character: none
+            self._ids, self._released = [], ""
+        self._num_context = len(self._ids)
+        self._context_text = self._released
         # Stop stage: emitted chunks, held-back text, last `_stop_window` decoded characters.
         self._chunks: list[str] = []
         self._held = ""
@@ -185,7 +205,7 @@ class IncrementalDetokenizer:
             return DetokenizerDelta("")
         if stop_terminated and not self._include_stop and new_token_ids:
             new_token_ids = new_token_ids[:-1]
-        before_min = self._min_tokens - len(self._ids)
+        before_min = self._min_tokens - self._num_generated
         if 0 < before_min < len(new_token_ids):  # stops start counting inside these ids
             first = self._update(new_token_ids[:before_min], finished=False)
             rest = self._update(new_token_ids[before_min:], finished)
@@ -194,12 +214,17 @@ class IncrementalDetokenizer:
 
     def _update(self, new_token_ids: Sequence[int], finished: bool) -> DetokenizerDelta:
         decoded = self._decode_step(new_token_ids, finished)
-        search = len(self._ids) > self._min_tokens
+        search = self._num_generated > self._min_tokens
         text, stop_str = self._apply_stops(decoded, finished, search)
         if text:
             self._chunks.append(text)
         self._done = finished or stop_str is not None
         return DetokenizerDelta(text, stop_str)
+
+    @property
+    def _num_generated(self) -> int:
+        """Generated ids consumed so far (the prompt context not counted)."""
+        return len(self._ids) - self._num_context
 
     # ---- token ids -> text -------------------------------------------------------------
 
@@ -265,7 +290,8 @@ class IncrementalDetokenizer:
                 _MAX_PENDING_REPLACEMENTS:
             return None  # at most one split character's worth: held back as it is
         n = len(self._ids)
-        for k in range(1, min(_MAX_PENDING_REPLACEMENTS, n - self._start - 1) + 1):
+        most = min(_MAX_PENDING_REPLACEMENTS, n - self._start - 1, self._num_generated)
+        for k in range(1, most + 1):
             shorter = self._decode(self._start, n - k)
             if shorter.startswith(self._released) and \
                     not shorter.endswith(_REPLACEMENT_CHAR):
@@ -286,7 +312,7 @@ class IncrementalDetokenizer:
         the full decode does not extend what was released (a decoder that is not prefix-stable),
         the text after the released length is emitted as a best effort.
         """
-        released_total = self.output_text + self._held
+        released_total = self._context_text + self.output_text + self._held
         text = self._decode(0)
         self._start = 0
         if text.startswith(released_total):
@@ -356,6 +382,41 @@ def added_token_ids(tokenizer: Any) -> frozenset[int]:
     if backend is not None and hasattr(backend, "get_added_tokens_decoder"):
         return frozenset(backend.get_added_tokens_decoder())
     return frozenset(getattr(tokenizer, "added_tokens_decoder", None) or ())
+
+
+def prompt_context(tokenizer: Any, prompt_token_ids: Sequence[int]) -> list[int]:
+    """The prompt ids that the first generated token is decoded after (vLLM 0.32's
+    ``FastIncrementalDetokenizer`` rule): the whole prompt when it has at most 4 ids, else its
+    last ``i`` ids for the smallest ``i`` in 4..23 whose decode (special tokens skipped) has
+    no U+FFFD, else the whole prompt. Empty for an empty prompt and for a tokenizer with a
+    WordPiece decoder (see the module docstring).
+
+    Args:
+        tokenizer: A ``transformers`` tokenizer; ``decode`` is called at most 20 times.
+        prompt_token_ids: The request's prompt ids (may be empty).
+
+    Returns:
+        A new list of ids (a suffix of ``prompt_token_ids``).
+    """
+    ids = list(prompt_token_ids)
+    if not ids or _has_wordpiece_decoder(tokenizer):
+        return []
+    if len(ids) <= _MIN_PROMPT_CONTEXT:
+        return ids
+    for i in range(_MIN_PROMPT_CONTEXT, min(len(ids), _MAX_PROMPT_CONTEXT) + 1):
+        if _REPLACEMENT_CHAR not in tokenizer.decode(ids[-i:], skip_special_tokens=True):
+            return ids[-i:]
+    return ids
+
+
+def _has_wordpiece_decoder(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` decodes WordPiece-style (a fast tokenizer's ``WordPiece``
+    decoder, or a slow BERT-style tokenizer's ``wordpiece_tokenizer``)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    if decoder is not None:
+        return type(decoder).__name__ == "WordPiece"
+    return hasattr(tokenizer, "wordpiece_tokenizer")
 
 
 def _normalize_stops(stop: Sequence[str] | str | None) -> tuple[str, ...]:

@@ -103,7 +103,9 @@ class OutputProcessor:
             p = r.sampling_params
             detok = None
             if self.tokenizer is not None and r.pooling_params is None and p.detokenize:
-                detok = IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids,
+                # A prompt given as embeddings has placeholder ids only: no text context.
+                context = r.prompt_token_ids if r.prompt_embeds is None else []
+                detok = IncrementalDetokenizer(self.tokenizer, context,
                                                p.skip_special_tokens, p.stop,
                                                p.include_stop_str_in_output, p.min_tokens,
                                                p.spaces_between_special_tokens)

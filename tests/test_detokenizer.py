@@ -146,9 +146,15 @@ def smollm2():
 # ---- helpers -------------------------------------------------------------------------------
 
 
-def stream(tokenizer, ids, chunk=1, **kwargs) -> tuple[list[DetokenizerDelta], object]:
+# The prompt ids every streamed test runs after (at most 4 ids: vLLM decodes the first
+# generated token after all of them).
+PROMPT = [1, 2, 3]
+
+
+def stream(tokenizer, ids, chunk=1, prompt=PROMPT, **kwargs
+           ) -> tuple[list[DetokenizerDelta], object]:
     """Feed ``ids`` ``chunk`` at a time (``chunk`` may be a callable returning a size)."""
-    detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], **kwargs)
+    detok = IncrementalDetokenizer(tokenizer, prompt, **kwargs)
     deltas, pos = [], 0
     while True:
         size = chunk() if callable(chunk) else chunk
@@ -163,9 +169,21 @@ def joined(deltas) -> str:
     return "".join(d.text for d in deltas)
 
 
-def assert_streams_exactly(tokenizer, ids, skip=True, chunk=1) -> list[DetokenizerDelta]:
+def in_context(tokenizer, tail, ids, skip=True) -> str:
+    """vLLM's output text, by hand: decode(tail + ids) minus decode(tail)."""
+    before = tokenizer.decode(tail, skip_special_tokens=skip)
+    text = tokenizer.decode([*tail, *ids], skip_special_tokens=skip)
+    assert text.startswith(before), (before, text)
+    return text[len(before):]
+
+
+def assert_streams_exactly(tokenizer, ids, skip=True, chunk=1, context=False
+                           ) -> list[DetokenizerDelta]:
+    """The stream joins to the full decode of ``ids`` (``context``: to ``in_context``'s text
+    after ``PROMPT``, for a decoder that strips a leading space)."""
     deltas, detok = stream(tokenizer, ids, chunk=chunk, skip_special_tokens=skip)
-    expected = tokenizer.decode(ids, skip_special_tokens=skip)
+    expected = in_context(tokenizer, PROMPT, ids, skip) if context else \
+        tokenizer.decode(ids, skip_special_tokens=skip)
     assert joined(deltas) == expected
     assert detok.output_text == expected
     assert all(d.stop_str is None for d in deltas)
@@ -236,20 +254,20 @@ def test_metaspace_leading_spaces(metaspace):
     assert metaspace.decode(ids) == text
     # Decoding tokens one by one would lose the spaces: the window needs context.
     assert "".join(metaspace.decode([i]) for i in ids) != text
-    deltas = assert_streams_exactly(metaspace, ids)
-    assert deltas[0].text == "The"
+    deltas = assert_streams_exactly(metaspace, ids, context=True)
+    assert deltas[0].text == " The"  # decoded after the prompt: its leading space stays
     assert deltas[1].text.startswith(" ")
     rng = random.Random(7)
     for _ in range(60):
         ids = [rng.randrange(len(metaspace)) for _ in range(rng.randint(1, 30))]
-        assert_streams_exactly(metaspace, ids, skip=rng.random() < 0.5)
+        assert_streams_exactly(metaspace, ids, skip=rng.random() < 0.5, context=True)
 
 
 def test_llama_style_byte_fallback(llama_style):
     ids = llama_style.encode(MIXED_TEXT, add_special_tokens=False)
     assert llama_style.decode(ids) == MIXED_TEXT
     assert any(llama_style.convert_ids_to_tokens(i).startswith("<0x") for i in ids)
-    deltas = assert_streams_exactly(llama_style, ids)
+    deltas = assert_streams_exactly(llama_style, ids, context=True)
     assert not any("\ufffd" in d.text for d in deltas)
 
 
@@ -562,3 +580,99 @@ def test_spaces_between_special_tokens_reaches_the_output_and_the_server(wordpie
         check_beam_request(beam)
     with pytest.raises(ValueError, match="spaces_between_special_tokens"):
         SamplingParams(spaces_between_special_tokens="no")
+
+
+# ---- the first generated token in the prompt's context (vLLM's rule) ---------------------------
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_first_token_keeps_its_leading_space_after_the_prompt(metaspace, chunk):
+    """SentencePiece/Metaspace: the first generated token is decoded after the prompt's last
+    ids (vLLM primes its DecodeStream with them), so "▁fox" keeps its space and prompt +
+    completion reads as the whole decode. It was "fox jumps ...": "The quick brownfox"."""
+    prompt = metaspace.encode("Tabs and spaces. The quick brown", add_special_tokens=False)
+    out = metaspace.encode("fox jumps over the lazy dog.", add_special_tokens=False)
+    assert len(prompt) > 4 and metaspace.convert_ids_to_tokens(out[0]) == "\u2581fox"
+    expected = " fox jumps over the lazy dog."
+    assert in_context(metaspace, prompt[-4:], out) == expected  # vLLM's tail: 4 ids
+    assert metaspace.decode(prompt) + expected == metaspace.decode(prompt + out)
+    for skip in (True, False):
+        deltas, detok = stream(metaspace, out, chunk=chunk, prompt=prompt,
+                               skip_special_tokens=skip)
+        assert joined(deltas) == detok.output_text == expected
+        assert deltas[0].text.startswith(" ")
+    stopped, _ = stream(metaspace, out, chunk=chunk, prompt=prompt, stop=["lazy"])
+    assert joined(stopped) == " fox jumps over the " and stopped[-1].stop_str == "lazy"
+    kept, _ = stream(metaspace, out, chunk=chunk, prompt=prompt, stop="lazy",
+                     include_stop_str_in_output=True)
+    assert joined(kept) == " fox jumps over the lazy"
+
+
+def test_prompt_ending_in_special_tokens(metaspace, llama_style):
+    """A prompt ending in a special token: decode writes the text after an added token as a
+    new start, so the leading space goes when the token is kept, as vLLM's decode of the
+    same ids gives; skipped, the text before it is the context."""
+    for tok in (metaspace, llama_style):
+        prompt = tok.encode("The quick brown", add_special_tokens=False) + [tok.eos_token_id]
+        out = tok.encode("fox jumps", add_special_tokens=False)
+        for skip in (True, False):
+            deltas, _ = stream(tok, out, prompt=prompt, skip_special_tokens=skip)
+            assert joined(deltas) == in_context(tok, prompt[-4:], out, skip)
+        assert joined(stream(tok, out, prompt=prompt)[0]) == " fox jumps"
+
+
+def test_prompt_context_tail(metaspace, llama_style, wordpiece, byte_bpe):
+    """vLLM's tail: the whole prompt up to 4 ids, else the fewest last ids (4 to 23) whose
+    decode has no U+FFFD; none for an empty prompt or a WordPiece decoder."""
+    from kvflow.detokenizer import prompt_context
+
+    words = metaspace.encode("alpha beta gamma delta epsilon", add_special_tokens=False)
+    assert len(words) > 4 and prompt_context(metaspace, words) == words[-4:]
+    assert prompt_context(metaspace, words[:3]) == words[:3]
+    assert prompt_context(metaspace, []) == []
+    # "中文" as 6 byte tokens: the last 4 or 5 start inside "中" (U+FFFD); 6 do not.
+    cjk = _byte_fallback_ids(llama_style, "中文")
+    prompt = llama_style.encode("ok", add_special_tokens=False) + cjk
+    assert "\ufffd" in llama_style.decode(cjk[-5:])
+    assert prompt_context(llama_style, prompt) == cjk
+    assert prompt_context(wordpiece, token_ids(wordpiece, "hello", "world")) == []
+    assert prompt_context(byte_bpe, [5, 6]) == [5, 6]
+
+
+def test_byte_level_text_unchanged_by_the_prompt(byte_bpe):
+    """Byte-level BPE: the text after a chat prompt is the generated ids' own decode (also
+    vLLM's rule, computed by hand)."""
+    prompt = byte_bpe.encode("<|im_start|>user\nhi 🙂<|im_end|>\n<|im_start|>assistant\n")
+    out = byte_bpe.encode(f"{WORDS} 🙂 done") + [byte_bpe.eos_token_id]
+    for skip in (True, False):
+        expected = byte_bpe.decode(out, skip_special_tokens=skip)
+        assert in_context(byte_bpe, prompt[-4:], out, skip) == expected
+        deltas, _ = stream(byte_bpe, out, prompt=prompt, skip_special_tokens=skip)
+        assert joined(deltas) == expected
+
+
+def test_every_sample_decoded_in_the_prompts_context(metaspace):
+    """OutputProcessor: each of n samples gets the prompt's context; a prompt given as
+    embeddings (its ids are placeholders) gets none."""
+    from kvflow.engine_outputs import EngineCoreOutput
+    from kvflow.input_processor import InputProcessor
+    from kvflow.output_processor import OutputProcessor
+    from kvflow.sampling_params import SamplingParams
+
+    prompt = metaspace.encode("The quick brown", add_special_tokens=False)
+    outs_ids = [metaspace.encode(t, add_special_tokens=False) for t in ("fox jumps", "dog")]
+    for embeds, expected in ((None, [" fox jumps", " dog"]), (object(), ["fox jumps", "dog"])):
+        requests = InputProcessor(metaspace, 64, len(metaspace), None).make_requests(
+            "r", prompt, SamplingParams(n=2, max_tokens=8))
+        for r in requests:
+            r.prompt_embeds = embeds
+        out_proc = OutputProcessor(metaspace)
+        out_proc.add_request(None, requests)
+        texts = {}
+        for r, ids in zip(requests, outs_ids, strict=True):
+            for i, t in enumerate(ids):
+                outs, _ = out_proc.process([EngineCoreOutput(
+                    r.request_id, [t], None, "length" if i == len(ids) - 1 else None)])
+                for o in outs:
+                    texts.update({c.index: c.text for c in o.outputs})
+        assert [texts[0], texts[1]] == expected
