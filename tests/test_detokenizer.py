@@ -676,3 +676,21 @@ def test_every_sample_decoded_in_the_prompts_context(metaspace):
                 for o in outs:
                     texts.update({c.index: c.text for c in o.outputs})
         assert [texts[0], texts[1]] == expected
+
+
+def test_text_offsets_index_the_text_decoded_in_context(metaspace):
+    """Legacy completions' text_offset: a completion's offsets come from the same prompt
+    context as its text, so each indexes where its token starts in " fox jumps ..." (hand
+    count: a piece's characters with ▁ as a space). Without the prompt they were one short."""
+    from kvflow.entrypoints.text_offsets import TokenTextOffsets
+
+    prompt = metaspace.encode("Tabs and spaces. The quick brown", add_special_tokens=False)
+    out = metaspace.encode("fox jumps over the lazy dog.", add_special_tokens=False)
+    lengths = [len(p.replace("\u2581", " ")) for p in metaspace.convert_ids_to_tokens(out)]
+    want = [10 + sum(lengths[:k]) for k in range(len(out))]
+    offsets = TokenTextOffsets(metaspace, 10, True, prompt_token_ids=prompt)
+    assert offsets.next_offsets(out[:3]) + offsets.next_offsets(out[3:]) == want
+    text = joined(stream(metaspace, out, prompt=prompt)[0])
+    pieces = [p.replace("\u2581", " ") for p in metaspace.convert_ids_to_tokens(out)]
+    assert text == " fox jumps over the lazy dog." == "".join(pieces)
+    assert all(text[o - 10:].startswith(p) for o, p in zip(want, pieces, strict=True))

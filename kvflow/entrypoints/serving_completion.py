@@ -87,9 +87,10 @@ class OpenAIServingCompletion(OpenAIServing):
         param = grammar_param(req, None)
         if req.stream:
             return SSEResponse(with_keep_alive(
-                self.stream(streams, self._chunks(req, reply_id, prompts, streams), param),
+                self.stream(streams, self._chunks(req, reply_id, prompts, streams, len(embeds)), param),
                 self.config.sse_keep_alive_interval))
-        return await self.respond(raw, streams, self._response(req, reply_id, prompts, streams),
+        return await self.respond(raw, streams, self._response(req, reply_id, prompts,
+                                                                    streams, len(embeds)),
                                   param)
 
     def _check_request(self, req: CompletionRequest) -> LoRARequest | None:
@@ -257,7 +258,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # ---- whole response ----------------------------------------------------------------------
     async def _response(self, req: CompletionRequest, request_id: str, prompts: list[Prompt],
-                        streams: Sequence[RequestStream]) -> CompletionResponse:
+                        streams: Sequence[RequestStream], num_embeds: int
+                        ) -> CompletionResponse:
         choices, num_generated, num_cached = [], 0, 0
         for i, stream in enumerate(streams):
             out = await collect(stream)
@@ -266,7 +268,8 @@ class OpenAIServingCompletion(OpenAIServing):
             for c in out.outputs:
                 num_generated += len(c.token_ids)
                 offsets = [] if req.logprobs is None else self._offsets(
-                    req, len(echo)).next_offsets(c.token_ids, len(echo + c.text))
+                    req, len(echo), _context(req, prompts, i, num_embeds)).next_offsets(
+                        c.token_ids, len(echo + c.text))
                 choice = self._choice(req, i * req.n + c.index, echo + c.text, c, offsets)
                 if req.echo and choice.logprobs is not None:
                     echoed = await off_loop(len(prompts[i][1]), prompt_logprobs_legacy,
@@ -283,10 +286,12 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionResponse(id=request_id, model=self.response_model(req.model), choices=choices,
                                   usage=self._usage(prompts, num_generated, num_cached))
 
-    def _offsets(self, req: CompletionRequest, start: int) -> TokenTextOffsets:
-        """The text offsets of a choice's completion tokens, which start at ``start``."""
+    def _offsets(self, req: CompletionRequest, start: int,
+                 context: Sequence[int]) -> TokenTextOffsets:
+        """The text offsets of a choice's completion tokens, which start at ``start``;
+        ``context``: the prompt ids its text was decoded after (see ``_context``)."""
         return TokenTextOffsets(self.engine.tokenizer, start, req.skip_special_tokens,
-                                req.spaces_between_special_tokens)
+                                req.spaces_between_special_tokens, context)
 
     @staticmethod
     def _choice(req: CompletionRequest, index: int, text: str, c: CompletionOutput,
@@ -303,21 +308,22 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _release(self, req: CompletionRequest, c: CompletionOutput,
                  held: dict[int, StreamedTokenOffsets], index: int, start: int,
-                 text_sent: int) -> tuple[CompletionOutput, list[int]]:
+                 text_sent: int, context: Sequence[int]
+                 ) -> tuple[CompletionOutput, list[int]]:
         """A streamed delta ``c`` of choice ``index`` with only the tokens (and logprobs)
         the stream may send now, and their text offsets: a token starting in text the stream
         still holds back waits for it (``StreamedTokenOffsets``). ``start``: the offset of
         the choice's first token; ``text_sent``: the choice's characters sent so far, this
-        delta's included."""
+        delta's included; ``context``: as ``_offsets``'."""
         if index not in held:
-            held[index] = StreamedTokenOffsets(self._offsets(req, start))
+            held[index] = StreamedTokenOffsets(self._offsets(req, start, context))
         ids, entries, text_offsets = held[index].release(c.token_ids, c.logprobs or [],
                                                          text_sent, c.finished)
         return dataclasses.replace(c, token_ids=ids, logprobs=entries), text_offsets
 
     # ---- streaming ---------------------------------------------------------------------------
     async def _chunks(self, req: CompletionRequest, request_id: str, prompts: list[Prompt],
-                      streams: Sequence[RequestStream]) -> AsyncIterator[CompletionResponse]:
+                      streams: Sequence[RequestStream], num_embeds: int) -> AsyncIterator[CompletionResponse]:
         created, num_generated = int(time.time()), 0
         cached: dict[int, int] = {}  # prompt index -> its prefix-cache hits, once known
         include_usage, continuous_usage = self.stream_usage(req)
@@ -341,7 +347,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 text_offsets: list[int] = []
                 if req.logprobs is not None:
                     c, text_offsets = self._release(req, c, offsets, index, len(echo),
-                                                    ends[index])
+                                                    ends[index],
+                                                    _context(req, prompts, i, num_embeds))
                 if not text and c.finish_reason is None and not (want_tokens and c.token_ids):
                     continue  # text held back (partial character, stop-string prefix)
                 choice = self._choice(req, index, text, c, text_offsets)
@@ -388,6 +395,17 @@ def _check_embeds_request(req: CompletionRequest) -> None:
             raise OpenAIError(f"{name} cannot be used with prompt_embeds: a prompt given as "
                               "embeddings has no token ids", param=name,
                               code="unsupported_value")
+
+
+def _context(req: CompletionRequest, prompts: list[Prompt], index: int,
+             num_embeds: int) -> list[int]:
+    """The prompt ids prompt ``index``'s completion text was decoded after (the detokenizer
+    decodes the first generated token in the prompt's context): none for a beam search
+    (its text is a plain decode) or a prompt given as embeddings (the first ``num_embeds``
+    prompts; their ids are placeholders)."""
+    if req.use_beam_search or index < num_embeds:
+        return []
+    return prompts[index][1]
 
 
 def _is_prompt_list(prompt: Any) -> bool:

@@ -31,12 +31,15 @@ class TokenTextOffsets:
             for an echoed prompt, which is ``tokenizer.decode(ids)``).
         spaces_between_special_tokens: as the text was decoded (the request's for a
             completion).
+        prompt_token_ids: the ids the text was decoded after (a completion's prompt: its
+            first token is decoded in the prompt's context; empty for an echoed prompt).
     """
 
     def __init__(self, tokenizer: Any, start: int, skip_special_tokens: bool,
-                 spaces_between_special_tokens: bool = True) -> None:
+                 spaces_between_special_tokens: bool = True,
+                 prompt_token_ids: Sequence[int] = ()) -> None:
         self._detok = None if tokenizer is None else IncrementalDetokenizer(
-            tokenizer, [], skip_special_tokens=skip_special_tokens,
+            tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens,
             spaces_between_special_tokens=spaces_between_special_tokens)
         self._start = start
 
