@@ -5,8 +5,9 @@ offline ``LLM.generate`` path and for streaming (SSE) responses alike.
 
 Contract
 --------
-* The concatenation of every ``DetokenizerDelta.text`` returned for a request equals
-  ``tokenizer.decode(generated_ids, skip_special_tokens=...)`` when no stop string matched.
+* The concatenation of every ``DetokenizerDelta.text`` returned for a request equals the
+  generated ids' decode in the prompt's context (next item; ``tokenizer.decode(generated_ids,
+  skip_special_tokens=...)`` without one) when no stop string matched.
   With ``spaces_between_special_tokens=False`` (and special tokens kept), an added token
   (special or not) that follows another added token is written as its content alone: the ids
   are decoded in runs split before each such token, so no text a decoder puts between them
