@@ -28,9 +28,11 @@ def test_draft_checkpoint_error_names_the_draft(tiny_llama, tmp_path):
     with pytest.raises(ValueError) as info:
         LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=32,
             block_size=4, speculative_config={"model": draft, "num_speculative_tokens": 2})
+    # the config is checked against the checkpoint's headers before the draft is built
     assert str(info.value) == (
-        f"speculative_config model {draft!r}: checkpoint tensor 'lm_head.weight': shape "
-        "(320, 64): the config gives [vocab_size, hidden_size] = [320, 128]")
+        f"speculative_config model {draft!r}: model config {config_path!r}: hidden_size=128 "
+        "is larger than the checkpoint's embedding 'model.embed_tokens.weight' of shape "
+        "[320, 64] ([vocab_size, hidden_size])")
 
 
 def test_draft_config_error_names_the_draft(tiny_llama, tmp_path):
