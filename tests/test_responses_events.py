@@ -311,17 +311,27 @@ def test_a_call_cut_by_max_output_tokens_is_not_stored_as_a_call():
     """A reply cut mid-call: the call item is ``incomplete`` in the output (OpenAI's), and
     the stored conversation has no such call, whose unfinished arguments made every
     ``previous_response_id`` continuation a 400; a finished call before it is kept."""
-    done = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
-    cut = '<tool_call>{"name": "add", "arguments": {"a'
-    events, handler = _handler_events(_Stream(["Sure.", done, cut], "length"),
-                                      make_tool_parser("hermes"))
-    response = events[-1]["response"]
+    events, calls, turn = _done_call_then('<tool_call>{"name": "add", "arguments": {"a',
+                                          "length")
     assert events[-1]["type"] == "response.incomplete"
-    calls = [i for i in response["output"] if i["type"] == "function_call"]
     assert [(c["arguments"], c["status"]) for c in calls] == [
         ('{"a": 1}', "completed"), ('{"a', "incomplete")]
-    (_, turn) = handler.store.get("resp_1").messages
     assert turn["content"] == "Sure."
+    _assert_only_the_done_call_stored(turn, calls)
+
+
+def _done_call_then(last: str, finish_reason: str) -> tuple[list, list, dict]:
+    """A hermes reply "Sure." + a finished ``add`` call + ``last``, ending with
+    ``finish_reason``: (its events, its function_call items, the stored assistant turn)."""
+    done = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    events, handler = _handler_events(_Stream(["Sure.", done, last], finish_reason),
+                                      make_tool_parser("hermes"))
+    calls = [i for i in events[-1]["response"]["output"] if i["type"] == "function_call"]
+    (_, turn) = handler.store.get("resp_1").messages
+    return events, calls, turn
+
+
+def _assert_only_the_done_call_stored(turn: dict, calls: list) -> None:
     assert turn["tool_calls"] == [{"id": calls[0]["call_id"], "type": "function",
                                    "function": {"name": "add", "arguments": '{"a": 1}'}}]
 
@@ -337,19 +347,13 @@ def test_a_call_without_usable_arguments_is_incomplete_and_not_stored(bad):
     stored conversation kept it, so every previous_response_id continuation was a 400 naming
     its arguments). vLLM 0.32's hermes parser, the oracle for the call itself, streams such a
     call too (its whole reply drops it for the text); a finished call before it is kept."""
-    done = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
-    events, handler = _handler_events(_Stream(["Sure.", done, bad], "stop"),
-                                      make_tool_parser("hermes"))
-    response = events[-1]["response"]
+    events, calls, turn = _done_call_then(bad, "stop")
     assert events[-1]["type"] == "response.completed"
-    calls = [i for i in response["output"] if i["type"] == "function_call"]
     assert [c["status"] for c in calls] == ["completed", "incomplete"]
     done_events = [e["item"]["status"] for e in events if e["type"] == "response.output_item.done"
                    and e["item"]["type"] == "function_call"]
     assert done_events == ["completed", "incomplete"]  # the stream says so too
-    (_, turn) = handler.store.get("resp_1").messages
-    assert turn["tool_calls"] == [{"id": calls[0]["call_id"], "type": "function",
-                                   "function": {"name": "add", "arguments": '{"a": 1}'}}]
+    _assert_only_the_done_call_stored(turn, calls)
 
 
 def test_engine_death_mid_stream_is_an_error_event():
