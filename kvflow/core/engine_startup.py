@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from kvflow.config import EngineConfig, SchedulerConfig
+from kvflow.config import EngineConfig
 from kvflow.config.speculative import HEAD_METHODS
 from kvflow.core.block_hashing import BlockHasher, connector_extra_keys
 from kvflow.core.encoder_cache_manager import EncoderCacheManager
@@ -19,6 +19,7 @@ from kvflow.core.kv_cache_sizing import (
     make_kv_cache_config,
     model_len_refusal,
     model_positions,
+    window_capped,
 )
 from kvflow.core.kv_cache_utils import (
     kv_bytes_per_token,
@@ -28,6 +29,7 @@ from kvflow.core.kv_cache_utils import (
 from kvflow.core.kv_event_publisher import make_kv_event_publisher
 from kvflow.core.kv_events import MEDIUM_CPU, MEDIUM_GPU
 from kvflow.core.kv_swap import SwapManager
+from kvflow.core.log_scheduling import log_scheduling
 from kvflow.core.scheduler import Scheduler
 from kvflow.core.unread_options import (
     check_cpu_only_options,
@@ -200,27 +202,6 @@ class EngineCoreStartup:
                              f"{type(self.executor).__name__} does not")
         self._in_flight: SchedulerOutput | None = None  # async: sampled, not folded in
 
-    def _window_capped(self, wanted: int | None) -> int | None:
-        """``wanted`` (the context asked for, tokens; None: no limit) capped at the model's
-        sliding window under ``disable_sliding_window`` (vLLM's flag: a context within the
-        window sees every key, so the sliding-window layers attend fully); unchanged without
-        the flag or for a model without a sliding-window layer (ignored there, as in vLLM).
-
-        Raises:
-            ValueError: for a ``max_model_len`` above the window under the flag.
-        """
-        mc = self.config.model_config
-        windows = [g.kv_cache_spec.sliding_window for g in self.kv_cache_config.kv_cache_groups
-                   if g.kv_cache_spec.sliding_window is not None]
-        if not mc.disable_sliding_window or not windows:
-            return wanted
-        window = min(windows)
-        if mc.max_model_len is not None and mc.max_model_len > window:
-            raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's sliding "
-                             f"window ({window} tokens), which disable_sliding_window caps "
-                             "it at: lower it, or leave --disable-sliding-window out")
-        return window if wanted is None else min(wanted, window)
-
     def _check_model_len_fits(self, model_len: int, capacity: int) -> None:
         """An explicit ``max_model_len`` (``model_len`` tokens) longer than one request's
         share of the pool (``capacity`` tokens) is refused, as vLLM refuses it at start-up
@@ -246,7 +227,8 @@ class EngineCoreStartup:
                                                     self.dtype)
         self.num_blocks = self.kv_cache_config.num_blocks
         step_tokens = self.config.scheduler_config.max_num_batched_tokens
-        wanted = self._window_capped(self.config.model_config.max_model_len or positions)
+        wanted = window_capped(self.config, self.kv_cache_config,
+                               self.config.model_config.max_model_len or positions)
         # only sliding-window layers: any length fits a pool holding one window (and chunk)
         capacity = max_tokens_per_request(self.kv_cache_config, step_tokens, wanted or 0)
         model_len = wanted or capacity
@@ -406,20 +388,3 @@ class EngineCoreStartup:
                                                      mc.hf_token)
         return XgrammarBackend(tokenizer, self.hf_config.vocab_size,
                                resolve_eos_token_id(tokenizer, self.hf_config))
-
-def log_scheduling(sc: SchedulerConfig) -> None:
-    """One start-up line saying which scheduling options are in force (policy, the limits of
-    one step: ``max_num_seqs`` requests and ``max_num_batched_tokens`` tokens, service-level
-    targets in ms, admission control, preemption mode, an idle batch window), so a user can
-    check that flags took."""
-    admission = ", admission control" if sc.admission_control else ""
-    window = f"; idle batch window {sc.idle_batch_window_ms:g} ms" \
-        if sc.idle_batch_window_ms else ""
-    logger.info("scheduling: policy %s; at most %d requests and %s tokens per step; TTFT "
-                "target %s, TPOT target %s%s; preemption %s%s", sc.policy, sc.max_num_seqs,
-                sc.max_num_batched_tokens, _ms(sc.target_ttft_ms), _ms(sc.target_tpot_ms),
-                admission, sc.preemption_mode, window)
-
-
-def _ms(value: float | None) -> str:
-    return "none" if value is None else f"{value:g} ms"

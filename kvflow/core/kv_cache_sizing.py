@@ -1,6 +1,7 @@
 """The engine's KV-cache configuration: the layers' specs grouped, the pool sized (from
 ``--num-kv-blocks`` or the executor's memory budget), the host pool of swap preemption, an
-encoder's stand-in pool, and the positions a request may reach."""
+encoder's stand-in pool, and the positions a request may reach (the model's, and a sliding
+window's cap under ``disable_sliding_window``)."""
 
 from __future__ import annotations
 
@@ -173,3 +174,26 @@ def _size(num_bytes: int) -> str:
     if num_bytes >= 2**20:
         return f"{num_bytes / 2**20:.2f} MiB"
     return f"{num_bytes} bytes"
+
+
+def window_capped(config: EngineConfig, kv_cache_config: KVCacheConfig,
+                  wanted: int | None) -> int | None:
+    """``wanted`` (the context asked for, tokens; None: no limit) capped at the model's
+    sliding window under ``disable_sliding_window`` (vLLM's flag: a context within the
+    window sees every key, so the sliding-window layers attend fully); unchanged without
+    the flag or for a model without a sliding-window layer (ignored there, as in vLLM).
+
+    Raises:
+        ValueError: for a ``max_model_len`` above the window under the flag.
+    """
+    mc = config.model_config
+    windows = [g.kv_cache_spec.sliding_window for g in kv_cache_config.kv_cache_groups
+               if g.kv_cache_spec.sliding_window is not None]
+    if not mc.disable_sliding_window or not windows:
+        return wanted
+    window = min(windows)
+    if mc.max_model_len is not None and mc.max_model_len > window:
+        raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's sliding "
+                         f"window ({window} tokens), which disable_sliding_window caps "
+                         "it at: lower it, or leave --disable-sliding-window out")
+    return window if wanted is None else min(wanted, window)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from kvflow.config import SchedulerConfig
-from kvflow.core.engine_startup import log_scheduling
+from kvflow.core.log_scheduling import log_scheduling
 
 
 def test_line_names_every_scheduling_option(caplog):
