@@ -148,28 +148,35 @@ def test_the_engine_asks_its_executor_once_set_up(monkeypatch, tiny_llama):
 
 def test_worker_freeze_returns_the_frozen_count(monkeypatch):
     """Worker.freeze_startup_heap freezes its process and returns gc.get_freeze_count() as
-    ``gc.freeze`` left it (in this process; handed back at the end). The count is read right
-    after the real ``gc.freeze`` as the oracle: a frozen object freed later (the log line's
-    handlers may drop one) lowers the live count, so reading it after the call is off by a few
-    objects now and then (it was 2 in a session-41 CI rehearsal)."""
+    ``gc.freeze`` left it (in this process; handed back at the end). The oracle is the count
+    read right after the real ``gc.freeze``, recorded as it is returned: a frozen object freed
+    later (a wrapper's own frame, the log line's handlers) lowers the live count, so a count
+    read anywhere else was off by a few objects now and then (2 in CI rehearsals of sessions
+    41 and 45)."""
     import gc
 
     from kvflow import gc_heap
     from kvflow.worker.worker import Worker
 
-    counts, real_freeze = [], gc.freeze
+    calls, real_freeze, real_count = [], gc.freeze, gc.get_freeze_count
 
     def freeze() -> None:
+        calls.append("freeze")
         real_freeze()
-        counts.append(gc.get_freeze_count())
+
+    def get_freeze_count() -> int:
+        calls.append(count := real_count())
+        return count
 
     monkeypatch.setattr(gc_heap.gc, "freeze", freeze)
+    monkeypatch.setattr(gc_heap.gc, "get_freeze_count", get_freeze_count)
     w = Worker.__new__(Worker)
     w.rank = 1
     try:
         n = w.freeze_startup_heap()
-        assert counts and n == counts[0] > 1000, (n, counts)
+        assert calls[-2:] == ["freeze", n] and n > 1000, (n, calls)
     finally:
+        monkeypatch.undo()
         gc_heap.unfreeze_heap()
     assert gc.get_freeze_count() == 0
 
