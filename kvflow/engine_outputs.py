@@ -71,6 +71,27 @@ class FinishedRequestStats(msgspec.Struct, array_like=True):
     num_prefill_computed_tokens: int
 
 
+class PromptTokenStats(msgspec.Struct, array_like=True):
+    """Where one engine's prompt tokens came from, cumulative since start-up (tokens): vLLM
+    0.32's ``prompt_tokens_by_source`` and ``external_prefix_cache_*`` counts.
+
+    Attributes:
+        local_compute / local_cache_hit / external_kv_transfer: the prompt tokens of the
+            requests whose prefill completed (each request once, with its first token, as
+            vLLM counts them), split as at its first admission: computed, found in the local
+            prefix cache, loaded by the KV connector. The three sum to those prompts' tokens.
+        external_queries / external_hits: with a KV connector (``--kv-transfer-config``),
+            at each request's first admission: the tokens after its local prefix-cache hit
+            (asked of the connector) / those the connector supplied.
+    """
+
+    local_compute: int = 0
+    local_cache_hit: int = 0
+    external_kv_transfer: int = 0
+    external_queries: int = 0
+    external_hits: int = 0
+
+
 class EngineStats(msgspec.Struct):
     """Scheduler and KV-cache state after a step. Counters are cumulative since start-up.
 
@@ -104,6 +125,11 @@ class EngineStats(msgspec.Struct):
             adapters of the running / waiting requests, sorted, each once (empty without).
         finished_requests: the requests that finished since the previous stats
             (``Scheduler.take_finished_stats``), not cumulative.
+        prompt_tokens: where the prompt tokens came from (cumulative; a copy of the
+            scheduler's ``prompt_token_stats``).
+        num_waiting_deferred: of ``num_waiting``, the requests admission passed over for a
+            transient constraint (vLLM's ``deferred`` waiting reason: no free LoRA slot,
+            grammar still compiling, a sampled token still out) and has not admitted since.
     """
 
     num_running: int = 0
@@ -130,3 +156,5 @@ class EngineStats(msgspec.Struct):
     running_lora_adapters: list[str] = msgspec.field(default_factory=list)
     waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = msgspec.field(default_factory=list)
+    prompt_tokens: PromptTokenStats = msgspec.field(default_factory=PromptTokenStats)
+    num_waiting_deferred: int = 0

@@ -10,8 +10,12 @@ Two sources feed them:
   prompt counted twice in the prompt tokens, and two prompt and generation lengths (both
   observed when the sample finishes, so their counts match the finished samples);
 * the engine core's scheduler and KV-cache state, reported with every output message
-  (``ServerMetrics.record_engine_stats``): running/waiting requests, KV usage and free blocks,
+  (``ServerMetrics.record_engine_stats``): running/waiting requests (and the waiting ones by
+  reason, vLLM's ``num_requests_waiting_by_reason``), KV usage and free blocks,
   weight bytes and KV bytes per token as gauges; preemptions and prefix-cache queries/hits (tokens) as counters;
+  where the prompt tokens came from (vLLM's ``prompt_tokens_by_source``,
+  ``prompt_tokens_cached``, ``..._cached_by_source`` and ``external_prefix_cache_*``,
+  ``kvflow/metrics_prompt_sources.py``);
   the tokens of each engine step (vLLM's ``iteration_tokens_total`` histogram);
   the phases of each request the engine finishes (vLLM's queue / prefill / decode /
   inference times, preemptions and computed prompt tokens, histograms; a sample ended by a
@@ -23,8 +27,9 @@ Two sources feed them:
   counters, and the acceptance rate and mean acceptance length since start-up as gauges;
   the step-time model's mean absolute and relative error (gauges) and its predictions (counter);
 * requests refused by admission control (``ServerMetrics.rejected``, counted by the API) and
-  for overload (``ServerMetrics.overloaded``: ``--max-waiting-requests``, counted by the
-  handler that refuses them).
+  for overload (``ServerMetrics.overloaded``: ``--max-waiting-requests`` or
+  ``--max-num-queued-reqs``, counted by the handler that refuses them; the latter also as
+  vLLM's ``admission_rejections{reason="max_num_queued_reqs"}``).
 
 Names follow vLLM's with a ``kvflow:`` prefix; every series carries a ``model_name`` label,
 and the engine-state series also an ``engine`` label: the data-parallel replica they describe
@@ -47,9 +52,11 @@ from kvflow.metrics_buckets import (
     TTFT_BUCKETS,
     token_buckets,
 )
+from kvflow.metrics_prompt_sources import PromptSourceMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS = ("stop", "length", "abort")
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")  # vLLM 0.32's
 
 
 class ServerMetrics:
@@ -70,6 +77,7 @@ class ServerMetrics:
         self._token_buckets: tuple[int, ...] = ()
         self._init_token_histograms(max_model_len or DEFAULT_MAX_MODEL_LEN)
         self._init_engine_metrics()
+        self.prompt_sources = PromptSourceMetrics(self.registry, model_name)
         self.lora_info: Gauge | None = None  # enable_lora_info makes it
         self.max_loras = 0
         self._last_stats: dict[int, EngineStats] = {}  # per replica
@@ -173,6 +181,11 @@ class ServerMetrics:
                                           "Samples in the engine's running batch", e)
         self.num_waiting = self._labelled(g, "kvflow:num_requests_waiting",
                                           "Samples in the engine's waiting queue", e)
+        self.num_waiting_by_reason = self._labelled(
+            g, "kvflow:num_requests_waiting_by_reason", "Waiting samples by reason: capacity "
+            "(waiting for room in the batch or the KV cache) or deferred (passed over for a "
+            "transient constraint: no free LoRA slot, grammar compiling, a token still out); "
+            "the two sum to num_requests_waiting", (*e, "reason"))
         self.kv_usage = self._labelled(g, "kvflow:kv_cache_usage_perc",
                                        "Fraction of usable KV blocks in use (0-1)", e)
         self.kv_free_blocks = self._labelled(g, "kvflow:kv_cache_free_blocks",
@@ -225,7 +238,14 @@ class ServerMetrics:
                                        "their predicted TTFT exceeded the target")
         self.overloaded = self._labelled(c, "kvflow:requests_overloaded",
                                          "Requests refused with 503 because "
-                                         "--max-waiting-requests requests were waiting")
+                                         "--max-waiting-requests requests were waiting or "
+                                         "--max-num-queued-reqs sequences were in flight")
+        self.admission_rejections = self._labelled(
+            c, "kvflow:admission_rejections", "Number of admission attempts rejected by a "
+            "queue limit, by reason (vLLM's; max_num_queued_reqs: --max-num-queued-reqs; "
+            "max_num_queued_tokens: kvflow has no such limit, always 0)", ("reason",))
+        for reason in ADMISSION_REASONS:  # both series exist (at 0) from start-up, as vLLM's
+            self.admission_rejections.labels(self.model_name, reason)
         self._init_spec_decode_metrics()
 
     def _init_spec_decode_metrics(self) -> None:
@@ -261,6 +281,8 @@ class ServerMetrics:
                              (self.step_time_abs_error, stats.step_time_abs_error_s),
                              (self.step_time_rel_error, stats.step_time_rel_error)):
             gauge.labels(self.model_name, engine).set(value)
+        self._record_waiting_by_reason(engine, stats.num_waiting - stats.num_waiting_deferred,
+                                       stats.num_waiting_deferred)
         steps = self.iteration_tokens.labels(self.model_name, engine)  # exists from the start
         for num_tokens in stats.iteration_tokens:
             steps.observe(num_tokens)
@@ -279,6 +301,7 @@ class ServerMetrics:
             series = counter.labels(self.model_name, engine)  # exists (at 0) from the start
             if now > before:
                 series.inc(now - before)
+        self.prompt_sources.record(stats, last, engine)
         if stats.spec_decode_num_drafts or stats.spec_decode_num_accepted_tokens_per_pos:
             # speculative decoding is on (a speculator reports every position from the start)
             self._record_spec_decode(stats, last, engine)
@@ -287,6 +310,17 @@ class ServerMetrics:
                                   ",".join(stats.waiting_lora_adapters),
                                   ",".join(stats.running_lora_adapters)).set_to_current_time()
         self._last_stats[engine_index] = stats
+
+    def _record_waiting_by_reason(self, engine: str, capacity: int, deferred: int) -> None:
+        for reason, value in (("capacity", capacity), ("deferred", deferred)):
+            self.num_waiting_by_reason.labels(self.model_name, engine, reason).set(value)
+
+    def record_admission_rejection(self, reason: str) -> None:
+        """The API refused a request for a queue limit (503): ``reason`` is one of
+        ``ADMISSION_REASONS`` (vLLM's ``admission_rejections``); also counted in
+        ``requests_overloaded``."""
+        self.admission_rejections.labels(self.model_name, reason).inc()
+        self.overloaded.inc()
 
     def _record_finished(self, stats: EngineStats, engine: str) -> None:
         """The phases of the requests the engine reports finished (series exist from the
@@ -318,6 +352,7 @@ class ServerMetrics:
         engine = str(engine_index)
         self.num_running.labels(self.model_name, engine).set(0)
         self.num_waiting.labels(self.model_name, engine).set(0)
+        self._record_waiting_by_reason(engine, 0, 0)
 
     def _record_spec_decode(self, stats: EngineStats, last: EngineStats, engine: str) -> None:
         """Speculative decoding's counters and gauges of one replica. Every counter's series

@@ -144,6 +144,7 @@ class Request:
         # the next step's inputs on the device, not yet appended here.
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hits at first schedule; -1 = not yet known
+        self.num_external_cached_tokens = 0  # of those, the tokens a KV connector loaded
         self.num_preemptions = 0
         self.times = RequestTimes()  # vLLM's phases, for /metrics
         self.block_hashes: list[int] = []  # hash chain over this request's full blocks

@@ -6,7 +6,7 @@ values hand-computed from a controlled workload:
   3 + 4 + 4 = 11, three samples finished by ``length``; inter-token latencies 11 - 3 = 8;
   TTFT, e2e, prompt and generation length per sample (3; sums 19 and 11);
 - prefix cache (block size 4): queries 5 + 7 + 7 = 19 prompt tokens, B's second sample hits
-  B's one full block: 4;
+  B's one full block: 4 (vLLM's prompt tokens by source: 15 computed, 4 local hits, 4 cached);
 - idle after the call: nothing running or waiting, no KV block in use;
 - a second call adds to the counters; a request aborted (its caller raised) counts once as
   ``abort``.
@@ -55,6 +55,11 @@ def test_counts_of_a_known_workload(llm, tiny_llama):
     assert (counters["vllm:prompt_tokens"], counters["vllm:generation_tokens"]) == (19, 11)
     assert (counters["vllm:prefix_cache_queries"], counters["vllm:prefix_cache_hits"]) == (19, 4)
     assert counters["vllm:num_preemptions"] == 0
+    # per sample too: B's second sample's prompt is 4 cached + 3 computed tokens
+    by_source = {m.labels["source"]: m.value for m in metrics
+                 if m.name == "vllm:prompt_tokens_by_source"}
+    assert by_source == {"local_compute": 19 - 4, "local_cache_hit": 4, "external_kv_transfer": 0}
+    assert find(metrics, "vllm:prompt_tokens_cached").value == 4
     success = {m.labels["finished_reason"]: m.value for m in metrics
                if m.name == "vllm:request_success"}
     assert success == {"stop": 0, "length": 3, "abort": 0}

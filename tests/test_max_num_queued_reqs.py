@@ -2,8 +2,9 @@
 those in flight, waiting or running, past L gets 503 ``server_overloaded`` with Retry-After
 (vLLM's ``AsyncLLM.check_admission``); unlike ``--max-waiting-requests`` running requests
 count; a request that alone has more sequences than L is a 400 naming ``n`` or the prompt
-field (it could never be admitted). The serving check over a stand-in engine (counts
-hand-set), and the count itself from ``OutputProcessor`` (samples of the requests in flight, gone once a request finishes)."""
+field (it could never be admitted); each 503 is counted on /metrics as
+``kvflow:requests_overloaded`` and vLLM's ``admission_rejections{reason="max_num_queued_reqs"}``.
+The serving check over a stand-in engine (counts hand-set, the server's real metrics), and the count itself from ``OutputProcessor`` (samples of the requests in flight, gone once a request finishes)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from kvflow.entrypoints.cli import build_parser, main
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.serving_checks import OpenAIServingChecks
 from kvflow.input_processor import InputProcessor
+from kvflow.metrics import ServerMetrics
 from kvflow.output_processor import OutputProcessor
 from kvflow.sampling_params import SamplingParams
 
@@ -25,12 +27,19 @@ def _checks(in_flight: int, waiting: int = 0, *argv: str) -> OpenAIServingChecks
     checks = OpenAIServingChecks()
     checks.config = ServerConfig.from_cli_args(build_parser().parse_args(["serve", *argv]),
                                                env={})
-    overloaded = SimpleNamespace(count=0)
-    overloaded.inc = lambda: setattr(overloaded, "count", overloaded.count + 1)
     checks.engine = SimpleNamespace(is_healthy=True, num_open_sequences=in_flight,
-                                    num_waiting_requests=waiting,
-                                    metrics=SimpleNamespace(overloaded=overloaded))
+                                    num_waiting_requests=waiting, metrics=ServerMetrics("m"))
     return checks
+
+
+def _refusals(checks: OpenAIServingChecks) -> tuple[float, float, float]:
+    """/metrics' ``requests_overloaded`` and vLLM's ``admission_rejections`` by reason
+    (``max_num_queued_reqs``, ``max_num_queued_tokens``) on the stand-in's registry."""
+    registry = checks.engine.metrics.registry
+    return (registry.get_sample_value("kvflow:requests_overloaded_total", {"model_name": "m"}),
+            *(registry.get_sample_value("kvflow:admission_rejections_total",
+                                        {"model_name": "m", "reason": reason})
+              for reason in ("max_num_queued_reqs", "max_num_queued_tokens")))
 
 
 @pytest.mark.parametrize("in_flight,prompts,n,admitted", [
@@ -47,7 +56,7 @@ def test_sequences_counted_against_the_limit(in_flight, prompts, n, admitted):
     e = info.value
     assert (e.status, e.code, e.headers) == (503, "server_overloaded", {"Retry-After": "1"})
     assert "--max-num-queued-reqs" in str(e)
-    assert checks.engine.metrics.overloaded.count == 1
+    assert _refusals(checks) == (1, 1, 0)  # vLLM's reason; kvflow has no token limit
 
 
 @pytest.mark.parametrize("prompts,n,param,code", [
@@ -65,7 +74,7 @@ def test_a_request_that_alone_exceeds_the_limit_is_a_400(prompts, n, param, code
     e = info.value
     assert (e.status, e.param, e.code, e.headers) == (400, param, code, None)
     assert "--max-num-queued-reqs" in str(e) and f"{prompts * n}" in str(e)
-    assert checks.engine.metrics.overloaded.count == 0
+    assert _refusals(checks) == (0, 0, 0)
     with pytest.raises(OpenAIError) as info:  # the embeddings field is named as such
         checks.check_admission(5, "input")
     assert (info.value.status, info.value.param) == (400, "input")
@@ -99,3 +108,12 @@ def test_flag(capsys):
         ["serve", "--max-num-queued-reqs", "64"]), env={}).max_num_queued_reqs == 64
     assert main(["serve", "m", "--max-num-queued-reqs", "0"]) == 2
     assert "max-num-queued-reqs" in capsys.readouterr().err
+
+
+def test_the_waiting_limit_is_not_one_of_vllms_admission_rejections():
+    """``--max-waiting-requests`` (kvflow's; vLLM has no such limit) counts as overloaded
+    only: vLLM's two reasons stay 0."""
+    checks = _checks(0, 4, "--max-waiting-requests", "4")
+    with pytest.raises(OpenAIError, match="4 requests are waiting"):
+        checks.check_admission(1)
+    assert _refusals(checks) == (1, 0, 0)

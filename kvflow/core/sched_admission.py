@@ -35,7 +35,11 @@ def admit_waiting(sched: Scheduler, budget: int, cap: int, out: SchedulerOutput,
     while waiting and budget > 0 and len(running) < sched.config.max_num_seqs \
             and len(out.num_scheduled_tokens) < cap:
         request = waiting.peek()
-        if _passed_over(sched, request, running_loras, now, skip_late):
+        if _deferred(sched, request, running_loras):
+            sched.deferred.add(request.request_id)  # until admitted (vLLM's rule)
+            not_ready.append(waiting.pass_over())
+            continue
+        if skip_late and sched.planner.is_late(request, now):
             not_ready.append(waiting.pass_over())
             continue
         if step_budget is not None and \
@@ -54,18 +58,15 @@ def admit_waiting(sched: Scheduler, budget: int, cap: int, out: SchedulerOutput,
     return budget, drained
 
 
-def _passed_over(sched: Scheduler, request: Request, running_loras: set[int] | None,
-                 now: float, skip_late: bool) -> bool:
-    """Whether admission passes over ``request`` this step (it stays queued without blocking
-    the queue): every adapter slot is taken by other adapters, its grammar is compiling, its
-    token is still out, or (``skip_late``) it already missed its TTFT target."""
+def _deferred(sched: Scheduler, request: Request, running_loras: set[int] | None) -> bool:
+    """Whether admission passes over ``request`` this step for a transient constraint (it
+    stays queued without blocking the queue): every adapter slot is taken by other adapters,
+    its grammar is compiling, or its token is still out."""
     if request.lora_request is not None and running_loras is not None and \
             request.lora_int_id not in running_loras and \
             len(running_loras) >= sched.max_loras:
         return True  # every adapter slot is taken
-    # grammar compiling / token out / late
-    return not request.is_schedulable or bool(request.num_output_placeholders) or \
-        (skip_late and sched.planner.is_late(request, now))
+    return not request.is_schedulable or bool(request.num_output_placeholders)
 
 
 def _allocate_admitted(sched: Scheduler, request: Request, budget: int,
@@ -104,7 +105,11 @@ def _allocate_admitted(sched: Scheduler, request: Request, budget: int,
     request.num_computed_tokens = num_computed
     if request.num_cached_tokens < 0:  # its first admission: counted once (as vLLM, loaded
         request.num_cached_tokens = num_computed  # tokens too; the hit rate counts local hits)
+        request.num_external_cached_tokens = num_external
         sched.kv.count_prefix_query(request, num_hit_tokens)
+        if sched.connector is not None:  # vLLM's external_prefix_cache_queries / hits
+            sched.prompt_token_stats.external_queries += request.num_tokens - num_hit_tokens
+            sched.prompt_token_stats.external_hits += num_external
     if request.times.scheduled is None:
         request.times.scheduled = sched.clock()
     return num_new
@@ -114,6 +119,7 @@ def _start_running(sched: Scheduler, request: Request, num_new: int,
                    out: SchedulerOutput) -> None:
     """An admitted request: sent to the runners, running, its step recorded."""
     _send_admitted(sched, request, num_new, out)
+    sched.deferred.discard(request.request_id)
     request.status = RequestStatus.RUNNING
     sched.running.append(request)
     sched._running_sorted = False

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvflow.engine_outputs import EngineCoreOutput, FinishedRequestStats
+from kvflow.engine_outputs import EngineCoreOutput, FinishedRequestStats, PromptTokenStats
 from kvflow.request import Request, RequestStatus
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sched_output import SchedulerOutput
@@ -51,6 +51,7 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
             outputs.append(_finish_pooled(sched, request, pooled[rid]))
             sched.finished_stats.append(finished_request_stats(request, now))
             num_iteration_tokens += _num_prompt_computed(request)
+            count_prompt_sources(sched.prompt_token_stats, request)
             continue
         if token_ids is None or request is None or request.status.is_finished:
             continue
@@ -69,6 +70,7 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
             num_iteration_tokens += len(new_token_ids)
             if request.times.first_token is None:  # its first tokens: prefill completed
                 num_iteration_tokens += _num_prompt_computed(request)
+                count_prompt_sources(sched.prompt_token_stats, request)
                 request.times.first_token = now
             request.times.last_token = now
         logprobs = all_logprobs.get(rid) if all_logprobs and new_token_ids else None
@@ -98,6 +100,16 @@ def finished_request_stats(request: Request, now: float) -> FinishedRequestStats
     return FinishedRequestStats(scheduled - queued, first - scheduled, last - first,
                                 last - scheduled, request.num_preemptions,
                                 _num_prompt_computed(request))
+
+
+def count_prompt_sources(stats: PromptTokenStats, request: Request) -> None:
+    """A request's prefill completed: add its prompt tokens by source (vLLM's
+    ``prompt_tokens_by_source``) as its first admission found them: computed, local
+    prefix-cache hits, tokens the KV connector loaded."""
+    cached = max(request.num_cached_tokens, 0)
+    stats.local_compute += request.num_prompt_tokens - cached
+    stats.local_cache_hit += cached - request.num_external_cached_tokens
+    stats.external_kv_transfer += request.num_external_cached_tokens
 
 
 def _num_prompt_computed(request: Request) -> int:

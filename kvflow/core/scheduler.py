@@ -60,7 +60,7 @@ from kvflow.core.sched_update import (
 )
 from kvflow.core.slo_planner import NotedStep, SLOPlanner
 from kvflow.distributed.kv_transfer import KVConnectorScheduler
-from kvflow.engine_outputs import EngineCoreOutput, FinishedRequestStats
+from kvflow.engine_outputs import EngineCoreOutput, FinishedRequestStats, PromptTokenStats
 from kvflow.request import Request, RequestStatus
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sched_output import SchedulerOutput
@@ -127,6 +127,11 @@ class Scheduler:
         self.iteration_tokens: deque[int] = deque(maxlen=_MAX_PENDING_STATS)
         # the phases of the requests that finished since ``take_finished_stats`` (bounded too)
         self.finished_stats: deque[FinishedRequestStats] = deque(maxlen=_MAX_PENDING_STATS)
+        # where the prompt tokens came from (cumulative, /metrics' prompt_tokens_by_source), and
+        # the ids of the waiting requests admission passed over for a transient constraint
+        # and has not admitted since (vLLM's "deferred" waiting reason)
+        self.prompt_token_stats = PromptTokenStats()
+        self.deferred: set[str] = set()
         # Several steps in flight (pipeline parallelism; the engine core sets this): request
         # id -> its scheduled steps not yet returned.
         self.track_in_flight = False
@@ -377,5 +382,6 @@ class Scheduler:
         if self.connector is not None:
             self.connector.request_finished(request)
         self.requests.pop(request.request_id, None)
+        self.deferred.discard(request.request_id)
         self.waiting.close(request)
         self._finished_ids.add(request.request_id)

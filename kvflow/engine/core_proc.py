@@ -214,6 +214,9 @@ def collect_stats(core: EngineCore) -> EngineStats:
     stats.step_time_rel_error = model.mean_rel_error
     stats.iteration_tokens = sched.take_iteration_tokens()
     stats.finished_requests = sched.take_finished_stats()
+    # a copy: the offline LLM reads the stats in-process, and /metrics counts what they grew
+    stats.prompt_tokens = msgspec.structs.replace(sched.prompt_token_stats)
+    stats.num_waiting_deferred = len(sched.deferred)
     if sched.max_loras is not None:  # LoRA enabled
         stats.running_lora_adapters = _adapter_names(sched.running)
         stats.waiting_lora_adapters = _adapter_names(  # the queue's, without sorting it

@@ -100,7 +100,8 @@ class OpenAIServingChecks:
         """Raises OpenAIError 503 (with Retry-After) when too many requests wait already, or
         when ``num_requests`` prompts of ``n`` samples each would take the sequences in
         flight past ``--max-num-queued-reqs`` (both counted on /metrics as
-        ``kvflow:requests_overloaded``), or 400 naming ``param`` (or ``n``) when the request
+        ``kvflow:requests_overloaded``, the latter also as vLLM's
+        ``kvflow:admission_rejections{reason="max_num_queued_reqs"}``), or 400 naming ``param`` (or ``n``) when the request
         alone has more prompts than ``--max-waiting-requests`` or more sequences than
         ``--max-num-queued-reqs`` (no retry would ever be admitted)."""
         limit = self.config.max_waiting_requests
@@ -146,7 +147,7 @@ class OpenAIServingChecks:
         limit = self.config.max_num_queued_reqs
         in_flight = self.engine.num_open_sequences if limit is not None else 0
         if limit is not None and in_flight + slots > limit:
-            self.engine.metrics.overloaded.inc()
+            self.engine.metrics.record_admission_rejection("max_num_queued_reqs")
             raise OpenAIError(f"the server is overloaded: sequences in flight: {in_flight}, "
                               f"this request's: {slots} (limit {limit}, "
                               "--max-num-queued-reqs); retry later", 503,

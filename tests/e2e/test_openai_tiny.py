@@ -539,11 +539,36 @@ def test_metrics_counters_move(server, client, tokenizer):
     assert server.value(after, "kvflow:num_requests_running") == 0
     assert server.value(after, "kvflow:kv_cache_usable_blocks") == NUM_KV_BLOCKS - 1
     assert server.value(after, "kvflow:kv_cache_free_blocks") == NUM_KV_BLOCKS - 1
+    # vLLM's prompt tokens by source: every prompt token computed or a local hit, none loaded
+    by_source = {source: grew("kvflow:prompt_tokens_by_source_total", source=source)
+                 for source in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+    assert sum(by_source.values()) == num_prompt and by_source["external_kv_transfer"] == 0
     complete(client, prompt, max_tokens=5, temperature=0, ignore_eos=True)  # same prefix
     again = server.metrics()
-    hits = server.value(again, "kvflow:prefix_cache_hits_total") - \
-        server.value(after, "kvflow:prefix_cache_hits_total")
+
+    def grew_again(name, **labels):
+        return server.value(again, name, **labels) - server.value(after, name, **labels)
+
+    hits = grew_again("kvflow:prefix_cache_hits_total")
     assert hits == (num_prompt - 1) // 4 * 4  # whole 4-token blocks, one token left to compute
+    assert grew_again("kvflow:prompt_tokens_cached_total") == hits
+    assert grew_again("kvflow:prompt_tokens_by_source_total", source="local_cache_hit") == hits
+    assert grew_again("kvflow:prompt_tokens_by_source_total",
+                      source="local_compute") == num_prompt - hits
+    assert grew_again("kvflow:prompt_tokens_cached_by_source_total", source="device") == hits
+    for source in ("host", "p2p", "disk", "external_unspecified"):  # no connector: 0, exported
+        assert (("kvflow:prompt_tokens_cached_by_source_total",
+                 (("engine", "0"), ("source", source))) in again)
+        assert server.value(again, "kvflow:prompt_tokens_cached_by_source_total",
+                            source=source) == 0
+    for name in ("kvflow:external_prefix_cache_queries_total",
+                 "kvflow:external_prefix_cache_hits_total"):
+        assert ((name, (("engine", "0"),)) in again) and server.value(again, name) == 0
+    for reason in ("capacity", "deferred"):  # idle: nothing waits
+        key = ("kvflow:num_requests_waiting_by_reason", (("engine", "0"), ("reason", reason)))
+        assert again[key] == 0
+    for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):  # no limit set: none
+        assert again["kvflow:admission_rejections_total", (("reason", reason),)] == 0
 
 
 # ---- bad input -----------------------------------------------------------------------------------
