@@ -89,6 +89,8 @@ class LLM(LLMChat, LLMQueue, LLMScore, LLMPooling, LLMOps):
         self._enqueued = EnqueuedRequests()
         self._stats = OfflineStats(engine.config.model_config.model,
                                    engine.processor.max_model_len) if log_stats else None
+        if self._stats is not None:
+            self._stats.record_cache_config(engine)
 
     def shutdown(self) -> None:
         """Stop the worker processes of a multi-rank engine now (they also stop when this

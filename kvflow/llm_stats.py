@@ -10,6 +10,7 @@ import dataclasses
 import time
 from typing import Any
 
+from kvflow.engine.dp_client import DPCoreClient
 from kvflow.metrics import ServerMetrics
 from kvflow.metrics_reader import Metric, metrics_snapshot
 from kvflow.outputs import RequestOutput
@@ -30,6 +31,22 @@ class OfflineStats:
         self._open: set[str] = set()
         self._max_tokens: dict[str, int | None] = {}  # request -> its max_tokens parameter
         self._tokens: dict[tuple[str, int], int] = {}  # (request, sample) -> tokens seen
+
+    def record_cache_config(self, engine: Any) -> None:
+        """Each replica's ``cache_config_info`` series (vLLM's) for the started ``engine``
+        (an ``LLMEngine``): an in-process core's pool and prefix caching, or for every
+        replica of a data-parallel engine replica 0's (they run one configuration)."""
+        core = engine.core
+        if isinstance(core, DPCoreClient):
+            ready = core.ready
+            num_blocks, caching, replicas = \
+                ready.num_blocks, ready.enable_prefix_caching, core.num_replicas
+        else:
+            num_blocks, caching, replicas = \
+                core.num_blocks, core.kv_cache_manager.enable_prefix_caching, 1
+        for index in range(replicas):
+            self.metrics.cache_config_info.set(index, engine.config.cache_config, num_blocks,
+                                               caching)
 
     def queued(self, request_id: str, max_tokens: int | None) -> None:
         """A generation request was queued with this ``max_tokens`` (None: not set)."""

@@ -52,6 +52,7 @@ from kvflow.metrics_buckets import (
     TTFT_BUCKETS,
     token_buckets,
 )
+from kvflow.metrics_cache_config import CacheConfigInfo
 from kvflow.metrics_prompt_sources import PromptSourceMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -78,6 +79,7 @@ class ServerMetrics:
         self._init_token_histograms(max_model_len or DEFAULT_MAX_MODEL_LEN)
         self._init_engine_metrics()
         self.prompt_sources = PromptSourceMetrics(self.registry, model_name)
+        self.cache_config_info = CacheConfigInfo(self.registry, model_name)  # set per replica
         self.lora_info: Gauge | None = None  # enable_lora_info makes it
         self.max_loras = 0
         self._last_stats: dict[int, EngineStats] = {}  # per replica

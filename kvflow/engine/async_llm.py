@@ -180,6 +180,8 @@ class AsyncLLM(AsyncLLMCalls, AsyncLLMShutdown):
         self.metrics.reset_engine(core.index)
         self.metrics.record_engine_stats(ready.stats, core.index)
         self.metrics.record_sleep_state(core.index, self.sleep_state.level)
+        self.metrics.cache_config_info.set(core.index, self.config.cache_config,
+                                           ready.num_blocks, ready.enable_prefix_caching)
         self._restarts.ready(ready)
 
     def _init_processors(self, ready: EngineReady) -> None:

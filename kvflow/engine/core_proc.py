@@ -190,7 +190,7 @@ def _ready(core: EngineCore, engine_index: int = 0) -> EngineReady:
                        resolve_eos_token_id(None, core.hf_config), core.num_blocks,
                        core.config.cache_config.block_size, collect_stats(core), engine_index,
                        core.task, core.pooler_config, core.hf_config.hidden_size,
-                       core.max_model_len_note)
+                       core.max_model_len_note, core.kv_cache_manager.enable_prefix_caching)
 
 
 def collect_stats(core: EngineCore) -> EngineStats:

@@ -143,6 +143,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     pooler: PoolerConfig | None = None  # a pooling (embed or score) model's pooling
     hidden_size: int = 0
     max_model_len_note: str = ""  # why max_model_len is lower than asked (the KV cache)
+    enable_prefix_caching: bool = True  # as the core resolved it (/metrics' cache_config_info)
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):

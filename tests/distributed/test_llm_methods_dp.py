@@ -3,7 +3,8 @@
 ``get_world_size`` counts the replicas only with ``include_dp``; ``get_metrics`` has one
 engine-state series per replica (``engine`` "0" and "1"), whose prefix-cache queries are the
 prompts each replica ran (the balancer alternates them: 6 + 4 and 21 + 40 tokens,
-tests/distributed/test_data_parallel_llm.py works it out), and per-request counters over
+tests/distributed/test_data_parallel_llm.py works it out; their prompt tokens by source sum
+to the same), a ``cache_config_info`` series each, and per-request counters over
 both (4 prompts x 10 tokens); ``apply_model`` and ``reset_mm_cache`` are refused, naming
 data parallelism."""
 
@@ -35,6 +36,12 @@ def test_enqueue_metrics_and_world_size_over_replicas(dp_llm, single_process_gre
     queries = {m.labels["engine"]: m.value for m in metrics
                if m.name == "vllm:prefix_cache_queries"}
     assert queries == {"0": 6 + 4, "1": 21 + 40}
+    by_source = {e: sum(m.value for m in metrics if m.name == "vllm:prompt_tokens_by_source"
+                        and m.labels["engine"] == e) for e in ("0", "1")}
+    assert by_source == queries  # each replica's prompts, computed or cached
+    blocks = {m.labels["engine"]: m.labels["num_gpu_blocks"] for m in metrics
+              if m.name == "vllm:cache_config_info"}
+    assert blocks == {"0": "96", "1": "96"}
     running = {m.labels["engine"]: m.value for m in metrics
                if m.name == "vllm:num_requests_running"}
     assert running == {"0": 0.0, "1": 0.0}

@@ -569,6 +569,13 @@ def test_metrics_counters_move(server, client, tokenizer):
         assert again[key] == 0
     for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):  # no limit set: none
         assert again["kvflow:admission_rejections_total", (("reason", reason),)] == 0
+    (info,) = [(dict(labels), v) for (name, labels), v in again.items()
+               if name == "kvflow:cache_config_info"]
+    assert info == ({"engine": "0", "block_size": "4", "cache_dtype": "auto",
+                     "enable_prefix_caching": "True", "prefix_caching_hash_algo": "blake2b",
+                     "num_gpu_blocks": str(NUM_KV_BLOCKS),
+                     "num_gpu_blocks_override": str(NUM_KV_BLOCKS),
+                     "kv_cache_memory_bytes": "None"}, 1)
 
 
 # ---- bad input -----------------------------------------------------------------------------------
