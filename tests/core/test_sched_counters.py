@@ -5,6 +5,8 @@ Oracles: the prompt lengths and prefix-cache hits worked out by hand for each wo
 
 from __future__ import annotations
 
+from kvflow.engine_outputs import PromptTokenStats
+
 
 def test_prefix_queries_count_each_admission_once(make_scheduler, make_driver, make_request):
     """b waits at the head of the queue while a holds the pool (5 usable blocks of 4 tokens:
@@ -37,6 +39,8 @@ def test_prefix_hits_counted_at_admission(make_scheduler, make_driver, make_requ
     assert len(drv.steps) == 5  # a; b; b; b; then c
     assert drv.results["c"].num_cached_tokens == 8
     assert (sched.kv.num_queries, sched.kv.num_hits) == (12 + 16 + 14, 8)
+    # vLLM's prompt tokens by source: computed 12 + 16 + 6, c's 8 local hits, none loaded
+    assert sched.prompt_token_stats == PromptTokenStats(12 + 16 + 6, 8, 0)
 
 
 def test_iteration_tokens_count_as_vllms(make_scheduler, make_driver, make_request):
@@ -84,7 +88,8 @@ def test_finished_requests_count_their_preemptions(make_scheduler, make_driver, 
     """5 usable blocks of 4 tokens for two 8-token prompts growing to 16 tokens each: b (the
     newest) is preempted, so the finished requests' preemption counts add up to the
     scheduler's, b's at least 1, a's 0; b's readmission finds its blocks cached, its
-    computed prompt tokens are still those of its first admission (8)."""
+    computed prompt tokens are still those of its first admission (8), as are its prompt
+    tokens by source."""
     sched = make_scheduler(num_blocks=6, max_num_batched_tokens=64)
     drv = make_driver(sched)
     drv.add(make_request("a", list(range(2, 10)), max_tokens=8, ignore_eos=True))
@@ -97,6 +102,8 @@ def test_finished_requests_count_their_preemptions(make_scheduler, make_driver, 
     assert finished["a"].num_preemptions == 0
     assert finished["b"].num_preemptions == sched.num_preemptions
     assert [f.num_prefill_computed_tokens for f in finished.values()] == [8, 8]
+    # by source, each prompt once as first admitted: b's readmission hits are not counted
+    assert sched.prompt_token_stats == PromptTokenStats(local_compute=8 + 8)
 
 
 def test_a_stop_string_finish_records_its_phases(make_scheduler, make_driver, make_request):
