@@ -90,7 +90,8 @@ class SamplingParams:
             (vLLM's fast detokenizer's rule: byte-level and SentencePiece decoders put nothing
             there, so their text is the same either way).
         output_kind: what an ``AsyncLLM`` stream yields (:class:`RequestOutputKind`); None:
-            ``DELTA``, kvflow's default (vLLM's is ``CUMULATIVE``). The offline ``LLM``
+            ``CUMULATIVE`` from ``AsyncLLM.generate`` (vLLM's default), ``DELTA`` from the
+            lower-level ``AsyncLLM.add_request`` (the server's call). The offline ``LLM``
             returns finished outputs whatever it says (vLLM's ``LLM`` sets ``FINAL_ONLY``), and
             the server streams its own way.
         detokenize: False: no text (vLLM's): ``CompletionOutput.text`` stays "" and the

@@ -100,3 +100,71 @@ def test_offline_llm_returns_finished_outputs_whatever_the_kind(tiny_llama):
 def test_output_kind_must_be_a_request_output_kind(value):
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind=value)
+
+
+@pytest.mark.timeout(300)
+def test_async_generate_yields_cumulative_outputs_by_default(tiny_llama):
+    """vLLM's ``AsyncLLM.generate`` (was missing: AttributeError): without an output_kind it
+    yields CUMULATIVE outputs, vLLM's default (each the whole output so far, the last equal to
+    transformers' greedy tokens and their decode); DELTA still joins to the same; a text
+    prompt is tokenized as the tokenizer encodes it; leaving the loop early aborts the
+    request (no stream left open)."""
+    from kvflow.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM(EngineConfig.from_kwargs(model=tiny_llama.path, dtype="float32",
+                                               num_kv_blocks=64))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama.path)
+    text_prompt = tokenizer.decode(IDS[1:])
+
+    async def drain(request_id, prompt, kind=None):
+        return [out async for out in engine.generate(prompt, _params(kind), request_id)]
+
+    async def first_then_break():
+        async for out in engine.generate(IDS, _params(None), "early"):
+            return out
+
+    async def run():
+        await engine.start()
+        try:
+            results = await asyncio.gather(
+                drain("default", IDS), drain("delta", IDS, RequestOutputKind.DELTA),
+                drain("text", text_prompt), first_then_break())
+            return (*results, dict(engine.requests.streams))
+        finally:
+            await engine.shutdown()
+
+    try:
+        default, delta, text_outs, early, still_open = asyncio.run(run())
+    finally:
+        engine.close()
+    want = _hf_greedy(tiny_llama)
+    text = tokenizer.decode(want, skip_special_tokens=True)
+
+    lengths = [len(o.outputs[0].token_ids) for o in default]
+    assert len(default) > 1 and lengths == sorted(set(lengths)) and lengths[-1] == MAX_TOKENS
+    for out in default:
+        assert out.outputs[0].token_ids == want[:len(out.outputs[0].token_ids)]
+        assert text.startswith(out.outputs[0].text)
+    assert [o.finished for o in default] == [False] * (len(default) - 1) + [True]
+    assert default[-1].outputs[0].token_ids == want and default[-1].outputs[0].text == text
+    assert default[-1].prompt_token_ids == IDS
+
+    assert [t for o in delta for t in o.outputs[0].token_ids] == want
+    assert "".join(o.outputs[0].text for o in delta) == text
+
+    assert text_outs[-1].prompt == text_prompt
+    assert text_outs[-1].prompt_token_ids == tokenizer.encode(text_prompt)
+    assert text_outs[-1].finished and len(text_outs[-1].outputs[0].token_ids) == MAX_TOKENS
+
+    assert not early.finished and still_open == {}
+
+
+def test_async_generate_refuses_other_params():
+    from kvflow.engine.async_llm import AsyncLLM
+
+    async def run():
+        async for _ in AsyncLLM.generate(object(), "hi", {"max_tokens": 4}, "r"):
+            pass
+
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams"):
+        asyncio.run(run())

@@ -1,11 +1,13 @@
 """README's ``AsyncLLM`` example ("In an asyncio program"), run as the README shows it: a
 script file with the ``__main__`` guard, its engine core in a process of its own. The model
 name is swapped for a tiny model's folder. Oracle: transformers' greedy continuation of the
-prompt (the streamed pieces, joined, are its decoded text) and the finished flags."""
+prompt (each streamed text is the whole text so far, vLLM's default, the last its decoded
+text) and the finished flags."""
 
 from __future__ import annotations
 
 import ast
+import itertools
 import os
 import re
 import subprocess
@@ -40,6 +42,9 @@ def test_the_readme_asyncllm_example_streams_the_greedy_text(tiny_llama, tmp_pat
                                               pad_token_id=0)[0, ids.shape[1]:]
     eos_at = (greedy == tiny_llama.eos_token_id).nonzero()
     greedy = greedy[:int(eos_at[0]) + 1] if len(eos_at) else greedy  # the engine stops at EOS
-    assert "".join(ast.literal_eval(text) for text, _ in pieces) == \
-        tokenizer.decode(greedy, skip_special_tokens=True)
+    texts = [ast.literal_eval(text) for text, _ in pieces]
+    want = tokenizer.decode(greedy, skip_special_tokens=True)
+    # cumulative (vLLM's default): each the whole text so far, the last the greedy text
+    assert len(texts) > 1 and texts[-1] == want
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
     assert [flag for _, flag in pieces] == ["False"] * (len(pieces) - 1) + ["True"]

@@ -29,6 +29,7 @@ import msgspec
 from kvflow.config import EngineConfig
 from kvflow.core.sleep_mode import EngineSleep
 from kvflow.engine.async_llm_calls import AsyncLLMCalls
+from kvflow.engine.async_llm_generate import AsyncLLMGenerate
 from kvflow.engine.async_llm_shutdown import AsyncLLMShutdown
 from kvflow.engine.core_client import CoreProcess, ReplicaState
 from kvflow.engine.dp_balancer import DPLoadBalancer, cache_key
@@ -78,7 +79,7 @@ __all__ = ["AdmissionRejected", "AsyncLLM", "EngineDeadError", "EngineShutdownEr
            "EngineSleepingError", "RequestRefused", "RequestStream", "collect"]
 
 
-class AsyncLLM(AsyncLLMCalls, AsyncLLMShutdown):
+class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
     """Engine client for the server: starts the engine-core process(es) and streams outputs.
 
     With ``data_parallel_size = N`` it runs N engine-core processes (replicas, each a whole
@@ -89,8 +90,9 @@ class AsyncLLM(AsyncLLMCalls, AsyncLLMShutdown):
     keep serving).
 
     Construction blocks until the model is loaded (call it before the event loop serves);
-    then ``await start()`` inside the loop, ``add_request`` / ``abort`` per request, and
-    ``await shutdown()`` at the end.
+    then ``await start()`` inside the loop, ``generate`` (vLLM's call: a prompt in, its
+    outputs out, cumulative by default) or ``add_request`` / ``abort`` (the server's: token
+    ids in, a stream of deltas by default) per request, and ``await shutdown()`` at the end.
 
     Args:
         config: engine configuration (each core process builds its EngineCore from it).
