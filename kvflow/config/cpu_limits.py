@@ -30,9 +30,11 @@ def usable_cpus() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def _own_cgroup_dirs(root: Path, proc_cgroup: str) -> list[Path]:
+def own_cgroup_dirs(root: Path, proc_cgroup: str, controller: str = "cpu") -> list[Path]:
     """The cgroup folders of this process and of its ancestors, deepest first, for the v2
-    hierarchy (``0::/path``) and the v1 ``cpu`` controller (``N:cpu,cpuacct:/path``)."""
+    hierarchy (``0::/path``) and the v1 ``controller`` (``N:cpu,cpuacct:/path``,
+    ``N:memory:/path``), from ``proc_cgroup`` (the text of ``/proc/self/cgroup``)."""
+    mounts = (("cpu,cpuacct", "cpu") if controller == "cpu" else (controller,))
     dirs: list[Path] = []
     for line in proc_cgroup.splitlines():
         parts = line.split(":", 2)
@@ -42,9 +44,9 @@ def _own_cgroup_dirs(root: Path, proc_cgroup: str) -> list[Path]:
         names = controllers.split(",")
         if controllers == "":
             base = root
-        elif "cpu" in names:
-            base = next((root / n for n in (controllers, "cpu,cpuacct", "cpu")
-                         if (root / n).is_dir()), root / "cpu")
+        elif controller in names:
+            base = next((root / n for n in (controllers, *mounts)
+                         if (root / n).is_dir()), root / controller)
         else:
             continue
         here = base / rel.lstrip("/")
@@ -82,7 +84,7 @@ def cgroup_cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: str | None = None) -
             proc_cgroup = Path("/proc/self/cgroup").read_text()
         except OSError:
             return None
-    quotas = [q for d in _own_cgroup_dirs(root, proc_cgroup) if (q := _quota_in(d)) is not None]
+    quotas = [q for d in own_cgroup_dirs(root, proc_cgroup) if (q := _quota_in(d)) is not None]
     return min(quotas) if quotas else None
 
 

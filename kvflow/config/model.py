@@ -127,7 +127,9 @@ class ModelConfig:
                      "[-2**63, 2**64); a negative one wraps, as torch's generators take it)")
     load_format: str = opt("auto", "weights: auto (from files: a folder's safetensors or a "
                             ".gguf file), safetensors (a folder's safetensors files only, "
-                            "as vLLM's) or dummy (random init); vLLM's pt is refused (kvflow "
+                            "as vLLM's) or dummy (random init; refused before anything is built "
+                            "when config.json's sizes need more memory than is available); "
+                            "vLLM's pt is refused (kvflow "
                             "reads no PyTorch .bin/.pt model checkpoint)",
                             choices=["auto", "safetensors", "dummy", "pt"])
     disable_sliding_window: bool = opt(False, "cap max_model_len at the model's sliding "

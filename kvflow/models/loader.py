@@ -15,6 +15,7 @@ from torch import nn
 from kvflow.attention.layer import AttentionContext
 from kvflow.distributed.parallel_state import ParallelState
 from kvflow.models.checkpoint_config_checks import check_config_against_checkpoint
+from kvflow.models.dummy_weight_bytes import check_dummy_weights_fit
 from kvflow.models.fused_shards import missing_expert_tensors, missing_shard_tensors
 from kvflow.models.hf_config_checks import (
     check_rope_parameters,
@@ -189,14 +190,19 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
         ValueError: for an unsupported architecture, a config whose layer count or embedding
             size is larger than the checkpoint's tensors (checked from the safetensors headers
             before the model is built, :mod:`kvflow.models.checkpoint_config_checks`),
-            missing weights, a checkpoint that leaves
+            missing weights, ``load_format="dummy"`` weights whose size from the config
+            exceeds the memory available (:mod:`kvflow.models.dummy_weight_bytes`), a
+            checkpoint that leaves
             parameters unset (also one part of a fused parameter: ``k_proj`` of ``qkv_proj``),
             or ``load_format="safetensors"`` on a GGUF file or a folder without safetensors.
     """
     if load_format == "safetensors":
         _check_safetensors_source(source)
     model_cls = get_model_class(getattr(hf_config, "architectures", None))
-    if load_format != "dummy" and source.kind != "gguf":
+    if load_format == "dummy":  # no headers to check the sizes against: the memory they take
+        check_dummy_weights_fit(hf_config, model_cls, dtype, device, quant_config is not None,
+                                parallel)
+    elif source.kind != "gguf":
         headers = checkpoint_tensor_headers(source.path)
         adapt = getattr(model_cls, "adapt_config_to_checkpoint", None)
         if adapt is not None:
