@@ -23,6 +23,7 @@ from kvflow.multimodal.media import MediaError, check_image
 from kvflow.multimodal.processor_kwargs import (
     RESIZE_KEYS,
     check_mm_processor_kwargs,
+    image_call_kwargs,
     pixel_bounds_as_size,
 )
 from kvflow.multimodal.video import (
@@ -148,7 +149,8 @@ class MultiModalProcessor:
             ValueError: naming ``mm_processor_kwargs`` and the keys refused.
         """
         return check_mm_processor_kwargs(self.image_processor, kwargs,
-                                         int(self.config.limit("max_image_pixels")))
+                                         int(self.config.limit("max_image_pixels")),
+                                         takes_videos=self.video_token_id is not None)
 
     def process(self, token_ids: list[int], images: list[Image.Image],
                 videos: list[Any] = (), mm_kwargs: dict[str, Any] | None = None
@@ -227,8 +229,9 @@ class MultiModalProcessor:
             length = self.token_count(self.hf_config, grid, image_size)
         if not is_video:
             return _feature("image", pixels, grid, offset, length, image_size=image_size)
+        fps = (mm_kwargs or {}).get("fps", DEFAULT_VIDEO_FPS)  # the frames' rate
         return _feature("video", pixels, grid, offset, length,
-                        self.temporal_patch_size / DEFAULT_VIDEO_FPS)
+                        self.temporal_patch_size / fps)
 
     def preprocess(self, image: Any, size: dict[str, int] | None = None,
                    mm_kwargs: dict[str, Any] | None = None
@@ -250,7 +253,8 @@ class MultiModalProcessor:
             raise MediaError(f"the image is {width} x {height} pixels: it has no pixels")
         image = check_image(image, self.config)
         kwargs = {} if size is None else {"size": size}
-        kwargs = pixel_bounds_as_size(self.image_processor, {**kwargs, **(mm_kwargs or {})})
+        kwargs = pixel_bounds_as_size(self.image_processor,
+                                      {**kwargs, **image_call_kwargs(mm_kwargs)})
         try:
             out = self.image_processor(images=[image], return_tensors="np", **kwargs)
         except ValueError as e:  # e.g. an aspect ratio above 200

@@ -11,6 +11,13 @@ the output's form (``return_tensors``, ``data_format``, ``input_data_format``, `
 model). Every other key is refused, naming it (vLLM hands an unknown one to the processor,
 which raises).
 
+``fps`` is a video key, taken by a model that takes videos (Qwen2-VL, Qwen2.5-VL) and kept
+from the image processor: the frame rate of the video's frames, frames per second (a finite
+number > 0; default 2, transformers' Qwen2.5-VL default). Qwen2.5-VL spaces a video's
+M-RoPE time ids by its seconds per temporal patch, ``temporal_patch_size / fps``
+(transformers' ``second_per_grid_ts``: 4.x's processor computes it from its ``fps`` argument,
+5.x's from the video metadata's frame rate); Qwen2-VL ignores it, as transformers does.
+
 Resizing is bounded as images are (``--max-image-pixels``): a request could otherwise make
 the processor upscale a small image to any size. ``min_pixels``, and ``size``'s
 ``shortest_edge``, are pixel counts on processors that take ``min_pixels`` (Qwen2-VL's: the
@@ -22,6 +29,7 @@ depends on the image's shape, and are refused.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,6 +41,8 @@ FIXED = {name: "the vision encoder's geometry is the model's" for name in
      ("return_tensors", "data_format", "input_data_format", "device", "image_seq_length")}
 # keys that set how far an image is resized (a video's own bounds give way to them)
 RESIZE_KEYS = frozenset({"size", "min_pixels", "max_pixels"})
+# keys about a whole video, not passed to the image processor's call for its frames
+VIDEO_KEYS = frozenset({"fps"})
 
 
 def processor_kwarg_names(image_processor: Any) -> frozenset[str]:
@@ -43,26 +53,30 @@ def processor_kwarg_names(image_processor: Any) -> frozenset[str]:
 
 
 def check_mm_processor_kwargs(image_processor: Any, kwargs: Mapping[str, Any] | None,
-                              max_pixels: int) -> dict[str, Any] | None:
-    """``kwargs`` checked against ``image_processor`` and the pixel limit ``max_pixels`` (the
-    ``max_image_pixels`` in force); None for None or an empty dict.
+                              max_pixels: int, takes_videos: bool = False
+                              ) -> dict[str, Any] | None:
+    """``kwargs`` checked against ``image_processor``, the pixel limit ``max_pixels`` (the
+    ``max_image_pixels`` in force) and, for the ``VIDEO_KEYS``, whether the model
+    ``takes_videos``; None for None or an empty dict.
 
     Raises:
         ValueError: naming ``mm_processor_kwargs`` and the keys, for something that is not a
-            dict, keys the processor does not take, keys kvflow refuses (``FIXED``), or a
-            resize beyond ``max_pixels`` (see the module docstring).
+            dict, keys the processor does not take, keys kvflow refuses (``FIXED``), a
+            resize beyond ``max_pixels`` (see the module docstring), a video key for a model
+            without videos or an ``fps`` that is not a finite number > 0.
     """
     if kwargs is None:
         return None
     if not isinstance(kwargs, Mapping):
         raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
             f"{FIELD} must be a dict, got {type(kwargs).__name__}")
+    _check_video_keys(kwargs, takes_videos)
     fixed = sorted(set(kwargs) & set(FIXED))
     if fixed:
         raise ValueError(f"{FIELD} {fixed} cannot be changed per request: "
                          f"{FIXED[fixed[0]]}")
     taken = processor_kwarg_names(image_processor)
-    unknown = sorted(set(kwargs) - taken)
+    unknown = sorted(set(kwargs) - taken - VIDEO_KEYS)
     if unknown:
         name = type(image_processor).__name__
         accepted = sorted(taken - set(FIXED))
@@ -72,6 +86,28 @@ def check_mm_processor_kwargs(image_processor: Any, kwargs: Mapping[str, Any] | 
                          f"({name}), which declares no per-call options")
     _check_resize(kwargs, "min_pixels" in taken, max_pixels)
     return dict(kwargs) or None
+
+
+def _check_video_keys(kwargs: Mapping[str, Any], takes_videos: bool) -> None:
+    """Refuse ``VIDEO_KEYS`` for a model without videos, and an ``fps`` that is not a finite
+    number > 0.
+
+    Raises:
+        ValueError: naming the key.
+    """
+    video = sorted(set(kwargs) & VIDEO_KEYS)
+    if video and not takes_videos:
+        raise ValueError(f"{FIELD} {video} are for videos; this model takes images only")
+    fps = kwargs.get("fps")
+    if "fps" in kwargs and (isinstance(fps, bool) or not isinstance(fps, (int, float))
+                            or not math.isfinite(fps) or fps <= 0):
+        raise ValueError(f"{FIELD} fps={fps!r} must be a number > 0 (the video's frames per "
+                         "second)")
+
+
+def image_call_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Checked ``kwargs`` as the image processor's call takes them: without ``VIDEO_KEYS``."""
+    return {k: v for k, v in (kwargs or {}).items() if k not in VIDEO_KEYS}
 
 
 def _check_resize(kwargs: Mapping[str, Any], pixel_counts: bool, max_pixels: int) -> None:

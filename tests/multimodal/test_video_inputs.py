@@ -315,3 +315,75 @@ def test_jpeg_frames_beyond_num_frames_are_refused_before_decoding(monkeypatch):
     with pytest.raises(VideoError, match="33 JPEG frames; the limit is 32 frames"):
         load_video_url(default, MultiModalConfig())
     assert len(load_video_url(default.rsplit(",", 1)[0], MultiModalConfig())) == 32
+
+
+def _hf_second_per_grid_ts(tiny, video: np.ndarray, fps: float) -> list[float]:
+    """transformers' ``Qwen2_5_VLProcessor._process_videos`` on one video whose frames run
+    at ``fps`` per second (its video metadata's frame rate, as transformers 5 reads it), the
+    video processor (it needs torchvision, which does not install here) stubbed to return
+    the grid and transformers' own batched metadata."""
+    import copy
+
+    from transformers.video_utils import make_batched_metadata, make_batched_videos
+
+    class StubVideoProcessor:
+        temporal_patch_size, merge_size = 2, 2
+
+        def __call__(self, videos, video_metadata=None, **kwargs):
+            videos = make_batched_videos(videos)
+            grid = [-(-len(videos[0]) // 2), video.shape[1] // 14, video.shape[2] // 14]
+            return {"video_grid_thw": np.array([grid]),
+                    "video_metadata": make_batched_metadata(videos, video_metadata)}
+
+    processor = copy.copy(tiny.processor)
+    processor.video_processor = StubVideoProcessor()
+    out, _ = processor._process_videos([video], video_metadata=[{
+        "total_num_frames": len(video), "fps": fps, "frames_indices": list(range(len(video)))}])
+    return out["second_per_grid_ts"]
+
+
+def test_qwen2_5_vl_fps_sets_the_seconds_per_temporal_patch(llm25, tiny_qwen2_5_vl,
+                                                            assert_no_leaks):
+    """mm_processor_kwargs ``fps`` (was refused: the image processor does not take it) is
+    the frames' rate: Qwen2.5-VL's time ids step by tokens_per_second x temporal_patch_size
+    / fps, transformers' second_per_grid_ts for a video at that rate (fps 1: 2 s per
+    temporal patch, time ids 0 and 4; fps 4: 0.5 s, 0 and 1; the default 2: 0 and 2); the
+    logprobs and greedy tokens equal transformers' given that second_per_grid_ts. 224 x 224
+    frames (8 x 8 merged tokens): the time ids stay below 8, where transformers 5.25 and
+    vLLM start the text after a video alike (transformers at the start plus 8, vLLM one past
+    the largest id)."""
+    text = f"a clip {VIDEO_PLACEHOLDER} now say"
+    video = random_video(4, 224, 5)
+    want = expand(tiny_qwen2_5_vl, text, [("video", [2, 16, 16])])
+    for fps in (1, 4.0):
+        (seconds,) = _hf_second_per_grid_ts(tiny_qwen2_5_vl, video, fps)
+        assert seconds == 2 / fps
+        out = llm25.generate({"prompt": text, "multi_modal_data": {"video": video}}, params(),
+                             mm_processor_kwargs={"fps": fps})[0]
+        check_against_hf(out, tiny_qwen2_5_vl, want, video=video, second_per_grid_t=seconds)
+        # a dict prompt's own key too
+        own = llm25.generate({"prompt": text, "multi_modal_data": {"video": video},
+                              "mm_processor_kwargs": {"fps": fps}}, params())[0]
+        assert own.outputs[0].token_ids == out.outputs[0].token_ids
+    assert_no_leaks(llm25)
+
+
+@pytest.mark.parametrize("fps", [0, -1.0, float("inf"), float("nan"), "2", True, [2.0]])
+def test_a_bad_fps_is_refused_naming_it(llm2, fps):
+    video = random_video(2, 56, 3)
+    with pytest.raises(ValueError, match=r"mm_processor_kwargs fps=.* must be a number > 0"):
+        llm2.generate({"prompt": VIDEO_PLACEHOLDER, "multi_modal_data": {"video": video}},
+                      params(), mm_processor_kwargs={"fps": fps})
+    assert not llm2.engine.has_unfinished_requests()
+
+
+def test_fps_is_refused_for_a_model_without_videos(tiny_llava):
+    from kvflow.multimodal.processor import load_image_processor
+    from kvflow.multimodal.processor_kwargs import check_mm_processor_kwargs
+
+    image_processor = load_image_processor(tiny_llava.path)
+    with pytest.raises(ValueError, match=r"mm_processor_kwargs \['fps'\] are for videos; "
+                                         "this model takes images only"):
+        check_mm_processor_kwargs(image_processor, {"fps": 2.0}, 4096 * 4096)
+    assert check_mm_processor_kwargs(image_processor, {"fps": 2.0}, 4096 * 4096,
+                                     takes_videos=True) == {"fps": 2.0}
