@@ -17,6 +17,7 @@ from kvflow.prompt_inputs import (
     ProcessedPrompt,
     PromptType,
     check_cache_salt,
+    prompt_text,
     tokenize_prompt,
     unpack_prompt,
 )
@@ -77,7 +78,10 @@ class InputProcessor(PoolingInputs):
                 options: TokenizationOptions | None = None,
                 mm_kwargs: Mapping[str, Any] | None = None) -> ProcessedPrompt:
         """Tokenize a prompt and, for a vision-language model, preprocess its images and
-        expand their placeholders; a dict prompt's ``cache_salt`` is kept. ``keep_last``
+        expand their placeholders; a dict prompt's ``cache_salt`` is kept, and so is the
+        ``prompt`` text beside its token ids or embeddings (vLLM's ``TokensPrompt`` /
+        ``EmbedsPrompt``: the ids are what the model reads, the text what
+        ``RequestOutput.prompt`` shows). ``keep_last``
         (the request's ``truncate_prompt_tokens`` length) cuts a ``prompt_embeds`` prompt's
         rows before their length check; token prompts are cut by ``make_requests``.
         ``options`` (the call's ``tokenization_kwargs``) tokenize, cut and pad text and
@@ -93,16 +97,17 @@ class InputProcessor(PoolingInputs):
                 ``{"prompt_embeds": ...}``, see :meth:`embeds_prompt`.
         """
         images, videos, salt = [], [], None
+        given_text = prompt_text(prompt)  # a TokensPrompt's / EmbedsPrompt's text
         if isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
-            if not set(prompt) <= {"prompt_embeds", "cache_salt"}:
-                raise ValueError(f"a prompt_embeds prompt takes no other keys than cache_salt; "
-                                 f"got keys {sorted(prompt)}")
+            if not set(prompt) <= {"prompt_embeds", "cache_salt", "prompt"}:
+                raise ValueError(f"a prompt_embeds prompt takes no other keys than cache_salt "
+                                 f"and prompt; got keys {sorted(prompt)}")
             if options is not None and options.reshapes:
                 raise ValueError("tokenization_kwargs cannot cut or pad a prompt_embeds "
                                  "prompt (use SamplingParams.truncate_prompt_tokens)")
             salt = check_cache_salt(prompt.get("cache_salt"))
             return dataclasses.replace(self.embeds_prompt(prompt["prompt_embeds"], keep_last),
-                                       cache_salt=salt)
+                                       text=given_text, cache_salt=salt)
         if isinstance(prompt, Mapping):
             salt = check_cache_salt(prompt.get("cache_salt"))
             own = prompt.get("mm_processor_kwargs")
@@ -117,8 +122,8 @@ class InputProcessor(PoolingInputs):
                                  "or videos (their placeholders are expanded after "
                                  "tokenization)")
         text, token_ids = self.tokenize(prompt, options)
-        return dataclasses.replace(self.attach_images(text, token_ids, images, videos,
-                                                      mm_kwargs), cache_salt=salt)
+        return dataclasses.replace(self.attach_images(given_text or text, token_ids, images,
+                                                      videos, mm_kwargs), cache_salt=salt)
 
     def embeds_prompt(self, embeds: Any, keep_last: int | None = None) -> ProcessedPrompt:
         """A prompt given as embedding rows: ``embeds`` a float tensor [num_tokens,

@@ -5,14 +5,16 @@ a list of token ids, or a dict, named here as vLLM names the dicts: :class:`Text
 TypedDicts: ``TokensPrompt(prompt_token_ids=[1, 2])`` is the plain dict kvflow parses
 (``kvflow/prompt_inputs.py``), so they only name the keys. Typing only, no kvflow imports.
 
-Unlike vLLM's, a ``TokensPrompt`` takes no ``prompt`` text beside its ids (kvflow refuses a dict
-with both), and an ``EmbedsPrompt`` takes ``cache_salt`` alone beside its tensor.
+As in vLLM, a ``TokensPrompt`` and an ``EmbedsPrompt`` may carry the ``prompt`` text they stand
+for: the model reads the ids (embeddings), and the text is the ``RequestOutput.prompt``. Unlike
+vLLM's, an ``EmbedsPrompt`` takes no ``prompt_token_ids`` / ``prompt_is_token_ids`` (vLLM's
+mixed token and embedding chat prompts).
 """
 
 # no ``from __future__ import annotations``: a TypedDict reads its keys' requiredness when the
 # class is made, from the ``total`` of the class that declares each key
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 if TYPE_CHECKING:
     import torch
@@ -43,16 +45,20 @@ class TextPrompt(_PromptOptions):
 
 
 class TokensPrompt(_PromptOptions):
-    """A token-id prompt as a dict (vLLM's ``TokensPrompt``)."""
+    """A token-id prompt as a dict (vLLM's ``TokensPrompt``); ``prompt``: the text the ids
+    stand for, returned as ``RequestOutput.prompt`` (not tokenized)."""
 
     prompt_token_ids: list[int]
+    prompt: NotRequired[str]
 
 
 class EmbedsPrompt(_CacheSalt):
     """A prompt given as its input embeddings (vLLM's ``EmbedsPrompt``): a float tensor
-    [num_tokens, hidden_size]; the engine needs ``enable_prompt_embeds``."""
+    [num_tokens, hidden_size]; the engine needs ``enable_prompt_embeds``. ``prompt``: the
+    text the rows stand for, returned as ``RequestOutput.prompt``."""
 
     prompt_embeds: "torch.Tensor"
+    prompt: NotRequired[str]
 
 
 # What LLM.generate and the other entry points take for one prompt: text, token ids, or one

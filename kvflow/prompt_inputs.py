@@ -16,11 +16,12 @@ from kvflow.prompt_embeds import PromptEmbeds
 from kvflow.tokenization_options import TokenizationOptions
 
 # PromptType (kvflow/inputs.py, vLLM's vllm.inputs): a text prompt, a token-id prompt, or a
-# dict: {"prompt": str} or {"prompt_token_ids": [...]}, with "multi_modal_data": {"image": PIL
+# dict: {"prompt": str} or {"prompt_token_ids": [...]} (its text may come beside the ids, as
+# "prompt": not tokenized, the output's prompt), with "multi_modal_data": {"image": PIL
 # image or list of them, "video": a video (uint8 array (T, H, W, 3) or list of PIL frames) or
 # list of them} for a vision-language model and "cache_salt": a non-empty string salting its
 # prefix-cache blocks (vLLM's); or {"prompt_embeds": float tensor [num_tokens, hidden_size]}
-# (enable_prompt_embeds), with or without "cache_salt".
+# (enable_prompt_embeds), with or without "cache_salt" and its "prompt" text.
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt",
                           "mm_processor_kwargs"})
 
@@ -54,9 +55,10 @@ class ProcessedPrompt:
 
 def unpack_prompt(prompt: Mapping[str, Any]) -> tuple[str | list[int], list[Any], list[Any]]:
     """(text or token ids, images, videos) of a dict prompt (``{"prompt": str}`` or
-    ``{"prompt_token_ids": [...]}``, optionally ``multi_modal_data``, ``cache_salt`` and
-    ``mm_processor_kwargs``; the salt is checked by :func:`check_cache_salt`, the kwargs by
-    the model's processor).
+    ``{"prompt_token_ids": [...]}``, whose ids win over a ``prompt`` text beside them, vLLM's
+    ``TokensPrompt``: :func:`prompt_text` reads that; optionally ``multi_modal_data``,
+    ``cache_salt`` and ``mm_processor_kwargs``; the salt is checked by
+    :func:`check_cache_salt`, the kwargs by the model's processor).
 
     Raises:
         ValueError: for a ``prompt_embeds`` prompt (generation only, not read here), unknown
@@ -66,10 +68,10 @@ def unpack_prompt(prompt: Mapping[str, Any]) -> tuple[str | list[int], list[Any]
         raise ValueError("a prompt_embeds prompt is for text generation only "
                          "(LLM.generate, /v1/completions)")
     unknown = sorted(set(prompt) - _PROMPT_KEYS)
-    if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
-        raise ValueError(f"a dict prompt needs exactly one of 'prompt' and "
-                         f"'prompt_token_ids' (and optionally 'multi_modal_data', "
-                         f"'mm_processor_kwargs', 'cache_salt'); got keys {sorted(prompt)}")
+    if unknown or not ({"prompt", "prompt_token_ids"} & set(prompt)):
+        raise ValueError(f"a dict prompt needs 'prompt' or 'prompt_token_ids' (and "
+                         f"optionally 'multi_modal_data', 'mm_processor_kwargs', "
+                         f"'cache_salt'); got keys {sorted(prompt)}")
     data = prompt.get("multi_modal_data") or {}
     if not isinstance(data, Mapping) or set(data) - {"image", "video"}:
         raise ValueError("multi_modal_data must be a dict with 'image' (a PIL image or a "
@@ -85,7 +87,24 @@ def unpack_prompt(prompt: Mapping[str, Any]) -> tuple[str | list[int], list[Any]
     if "prompt_token_ids" in prompt and not isinstance(ids, (list, tuple)):
         raise ValueError(f"a dict prompt's 'prompt_token_ids' must be a list of integer "
                          f"token ids, got {type(ids).__name__}")
-    return prompt.get("prompt", ids), images, videos
+    return (prompt["prompt"] if ids is None else ids), images, videos
+
+
+def prompt_text(prompt: PromptType) -> str | None:
+    """The text a dict prompt gives beside its token ids or embeddings (vLLM's
+    ``TokensPrompt`` / ``EmbedsPrompt`` ``prompt``: what ``RequestOutput.prompt`` shows), or
+    None.
+
+    Raises:
+        ValueError: if that ``prompt`` is not a string.
+    """
+    if not isinstance(prompt, Mapping) or "prompt" not in prompt or not (
+            {"prompt_token_ids", "prompt_embeds"} & set(prompt)):
+        return None
+    if not isinstance(prompt["prompt"], str):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"a dict prompt's 'prompt' must be a string, got {type(prompt['prompt']).__name__}")
+    return prompt["prompt"]
 
 
 def tokenize_prompt(tokenizer: Any, prompt: PromptType,

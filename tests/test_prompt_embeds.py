@@ -194,12 +194,24 @@ def test_bad_embeddings_are_refused(llm, embeds, match):
     assert not llm.engine.core.has_unfinished_requests()
 
 
+def test_an_embeds_prompt_may_carry_its_text(llm):
+    """vLLM's EmbedsPrompt ``prompt`` (was refused: "takes no other keys"): the rows are what
+    the model reads (the same tokens as without it), the text is the output's ``prompt``."""
+    e = _embeds(41, 5)
+    plain, with_text = llm.generate([{"prompt_embeds": e},
+                                     {"prompt_embeds": e, "prompt": "five rows"}], GREEDY)
+    assert (plain.prompt, with_text.prompt) == (None, "five rows")
+    assert with_text.outputs[0].token_ids == plain.outputs[0].token_ids
+    with pytest.raises(ValueError, match="'prompt' must be a string, got int"):
+        llm.generate({"prompt_embeds": e, "prompt": 5}, GREEDY)
+
+
 def test_refused_combinations(llm):
     e = _embeds(40, 4)
     with pytest.raises(ValueError, match="prompt_logprobs cannot be computed"):
         llm.generate({"prompt_embeds": e}, SamplingParams(max_tokens=2, prompt_logprobs=1))
-    with pytest.raises(ValueError, match="takes no other keys"):
-        llm.generate({"prompt_embeds": e, "prompt": "x"}, GREEDY)
+    with pytest.raises(ValueError, match="takes no other keys than cache_salt and prompt"):
+        llm.generate({"prompt_embeds": e, "prompt_token_ids": [1, 2, 3, 4]}, GREEDY)
     with pytest.raises(ValueError, match="beam search takes no prompt_embeds"):
         llm.beam_search({"prompt_embeds": e}, BeamSearchParams(beam_width=2, max_tokens=2))
     assert not llm.engine.core.has_unfinished_requests()

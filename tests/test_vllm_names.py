@@ -157,11 +157,33 @@ def test_prompt_typeddicts_are_the_dicts_kvflow_parses():
     options = {"cache_salt", "multi_modal_data", "mm_processor_kwargs"}
     assert (TextPrompt.__required_keys__, TextPrompt.__optional_keys__) == ({"prompt"}, options)
     assert (TokensPrompt.__required_keys__, TokensPrompt.__optional_keys__) == \
-        ({"prompt_token_ids"}, options)
+        ({"prompt_token_ids"}, options | {"prompt"})
     assert (EmbedsPrompt.__required_keys__, EmbedsPrompt.__optional_keys__) == \
-        ({"prompt_embeds"}, {"cache_salt"})
+        ({"prompt_embeds"}, {"cache_salt", "prompt"})
     tokens = TokensPrompt(prompt_token_ids=[5, 6], cache_salt="s", multi_modal_data={},
                           mm_processor_kwargs={})
     assert type(tokens) is dict and tokenize_prompt(None, tokens) == (None, [5, 6])
     text = TextPrompt(prompt="hi", cache_salt="s", multi_modal_data={}, mm_processor_kwargs={})
     assert unpack_prompt(text) == ("hi", [], [])
+
+
+def test_a_tokens_prompt_may_carry_its_text(tiny_llama):
+    """vLLM's TokensPrompt ``prompt`` (was refused: "exactly one of 'prompt' and
+    'prompt_token_ids'"): the ids are what the model reads (the same greedy tokens as the
+    ids alone, not the text's), the text is the output's ``prompt``; AsyncLLM.generate
+    reads it the same way (one processing path)."""
+    from kvflow import LLM, SamplingParams
+    from kvflow.inputs import TokensPrompt
+
+    llm = LLM(model=tiny_llama.path, dtype="float32", num_kv_blocks=32)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = [1, 5, 9, 13, 17]
+    text = "text that is not those ids"
+    plain, given, from_text = llm.generate(
+        [ids, TokensPrompt(prompt_token_ids=ids, prompt=text), text], params, use_tqdm=False)
+    assert (given.prompt, given.prompt_token_ids) == (text, ids)
+    assert plain.prompt is None
+    assert given.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert from_text.prompt_token_ids != ids
+    with pytest.raises(ValueError, match="'prompt' must be a string, got list"):
+        llm.generate({"prompt_token_ids": ids, "prompt": [1]}, params, use_tqdm=False)

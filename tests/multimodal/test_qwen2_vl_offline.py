@@ -147,7 +147,7 @@ def test_chat_with_image_url(llm, tiny_qwen2_vl):
     ({"prompt": f"{PLACEHOLDER}", "multi_modal_data": {"image": "cat.png"}}, "PIL"),
     ({"prompt": f"{PLACEHOLDER}", "multi_modal_data": {"audio": []}}, "multi_modal_data"),
     ({"prompt": f"{PLACEHOLDER}", "multi_modal_data": {"video": []}}, "1 image placeholder"),
-    ({"prompt": "x", "prompt_token_ids": [3]}, "exactly one"),
+    ({"cache_salt": "s"}, "needs 'prompt' or 'prompt_token_ids'"),
 ])
 def test_bad_prompts_raise_value_error(llm, prompt, match):
     with pytest.raises(ValueError, match=match):
