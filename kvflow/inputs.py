@@ -14,7 +14,7 @@ mixed token and embedding chat prompts).
 # no ``from __future__ import annotations``: a TypedDict reads its keys' requiredness when the
 # class is made, from the ``total`` of the class that declares each key
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 if TYPE_CHECKING:
     import torch
@@ -44,21 +44,26 @@ class TextPrompt(_PromptOptions):
     prompt: str
 
 
-class TokensPrompt(_PromptOptions):
-    """A token-id prompt as a dict (vLLM's ``TokensPrompt``); ``prompt``: the text the ids
-    stand for, returned as ``RequestOutput.prompt`` (not tokenized)."""
+class _PromptText(TypedDict, total=False):
+    """The text a token-id or embedding prompt stands for: returned as
+    ``RequestOutput.prompt``, not tokenized (vLLM's)."""
+
+    prompt: str
+
+
+class TokensPrompt(_PromptOptions, _PromptText):
+    """A token-id prompt as a dict (vLLM's ``TokensPrompt``), with the text the ids stand
+    for as ``prompt`` if the caller has it."""
 
     prompt_token_ids: list[int]
-    prompt: NotRequired[str]
 
 
-class EmbedsPrompt(_CacheSalt):
+class EmbedsPrompt(_CacheSalt, _PromptText):
     """A prompt given as its input embeddings (vLLM's ``EmbedsPrompt``): a float tensor
     [num_tokens, hidden_size]; the engine needs ``enable_prompt_embeds``. ``prompt``: the
-    text the rows stand for, returned as ``RequestOutput.prompt``."""
+    text the rows stand for, if the caller has it."""
 
     prompt_embeds: "torch.Tensor"
-    prompt: NotRequired[str]
 
 
 # What LLM.generate and the other entry points take for one prompt: text, token ids, or one
