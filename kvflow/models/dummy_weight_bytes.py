@@ -6,7 +6,7 @@ A real checkpoint's config is checked against its tensors' headers
 with ``num_hidden_layers`` 100000 used to build layer after layer until the process was
 killed for memory. Here a lower bound of the weights' bytes on this rank is computed from
 the config alone and compared with the memory the device has left: host memory
-(``MemAvailable``, capped by the memory cgroup's limit: :mod:`kvflow.config.memory_limits`)
+(``MemAvailable``, capped by the memory cgroup's limit: :mod:`kvflow.platforms.memory_limits`)
 on CPU, the GPU's free memory on CUDA.
 
 The bound counts only tensors every supported architecture of that shape has, at their
@@ -82,10 +82,10 @@ def min_weight_bytes(hf_config: Any, dtype: torch.dtype, *, encoder: bool = Fals
 
 def device_memory_available(device: torch.device) -> tuple[int, str] | None:
     """(free bytes, where that comes from) of ``device``: host memory on CPU
-    (:func:`kvflow.config.memory_limits.host_memory_available`), the GPU's free memory on
+    (:func:`kvflow.platforms.memory_limits.host_memory_available`), the GPU's free memory on
     CUDA; None on another device (not checked)."""
     if device.type == "cpu":
-        from kvflow.config.memory_limits import host_memory_available
+        from kvflow.platforms.memory_limits import host_memory_available
 
         return host_memory_available()
     if device.type == "cuda":

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from kvflow import LLM
-from kvflow.config import memory_limits
+from kvflow.platforms import memory_limits
 from kvflow.distributed.comm import CommGroup
 from kvflow.distributed.parallel_state import ParallelState
 from kvflow.models import dummy_weight_bytes
