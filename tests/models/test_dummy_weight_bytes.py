@@ -11,11 +11,11 @@ import torch
 import transformers
 
 from kvflow import LLM
-from kvflow.platforms import memory_limits
 from kvflow.distributed.comm import CommGroup
 from kvflow.distributed.parallel_state import ParallelState
 from kvflow.models import dummy_weight_bytes
 from kvflow.models.dummy_weight_bytes import min_weight_bytes
+from kvflow.platforms import memory_limits
 
 SMALL = {"hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
          "num_hidden_layers": 3, "vocab_size": 1000}
