@@ -60,6 +60,18 @@ class SchedulerConfig:
         "(default: the platform's: off on CPU, where the forward pass runs on the calling "
         "thread, and off on CUDA until measured)")
 
+    def check_priority(self, priority: int) -> None:
+        """A request's ``priority`` orders only the priority and fair policies' queues.
+
+        Raises:
+            ValueError: for a nonzero ``priority`` under another policy (it would be
+                ignored), naming the policies that read it.
+        """
+        if priority and self.policy not in ("priority", "fair"):
+            raise ValueError(f"priority={priority} needs the priority or fair scheduling "
+                             f"policy (policy='priority' or 'fair'); this engine runs "
+                             f"{self.policy!r}")
+
     def __post_init__(self) -> None:
         check_choices(self)
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

@@ -276,10 +276,12 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
         ``prompt_token_ids`` are then its placeholders).
 
         Raises:
-            ValueError: for a bad prompt, parameters or ``cache_salt``, or a request id in use
-                (nothing queued).
+            ValueError: for a bad prompt, parameters or ``cache_salt``, a request id in use,
+                or a nonzero ``priority`` under a policy that does not read it (nothing
+                queued).
             EngineDeadError: if no replica is running.
         """
+        self.config.scheduler_config.check_priority(priority)
         self._check_serving()
         arrival = time.monotonic()
         params = params.with_defaults(self.sampling_defaults)
@@ -352,9 +354,11 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
         ``priority`` its place under the priority policy (lower first).
 
         Raises:
-            ValueError: on a generation model, for a bad prompt or ``dimensions``.
+            ValueError: on a generation model, for a bad prompt or ``dimensions``, or a
+                nonzero ``priority`` under a policy that does not read it.
             EngineDeadError: if no replica is running.
         """
+        self.config.scheduler_config.check_priority(priority)
         self._check_serving()
         arrival = time.monotonic()
         request = self.processor.make_pooling_request(request_id, prompt_token_ids, params,

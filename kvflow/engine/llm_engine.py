@@ -107,9 +107,10 @@ class LLMEngine:
         ``lora_request``: the adapter to run with (loaded first if it is not yet).
 
         Raises:
-            ValueError: for a bad prompt, image, parameters or LoRA adapter (nothing is
-                queued).
+            ValueError: for a bad prompt, image, parameters or LoRA adapter, or a nonzero
+                ``priority`` under a policy that does not read it (nothing is queued).
         """
+        self.config.scheduler_config.check_priority(priority)
         request_id = request_id if request_id is not None else str(next(self._ids))
         params = params.with_defaults(self.sampling_defaults)
         if not isinstance(prompt, ProcessedPrompt):  # prompt_embeds rows cut before their check
