@@ -2,8 +2,10 @@
 "Coming from vLLM"): each maps onto kvflow's own setting (values hand-computed), or is
 refused with a message naming it and why. Effects: --override-generation-config merged over a
 generation_config.json written here, --trust-remote-code letting transformers load a config
-class from the model folder's own Python file, --enable-chunked-prefill refused for an
-encoder-only model (which runs prompts whole)."""
+class from the model folder's own Python file, --enable-chunked-prefill and
+--long-prefill-token-threshold refused for an encoder-only model (which runs prompts whole),
+--long-prefill-token-threshold capping each request's tokens per step on the tiny Llama (the
+same greedy tokens as without it)."""
 
 from __future__ import annotations
 
@@ -213,6 +215,50 @@ def test_chunked_prefill_refused_for_an_encoder():
                                          "encoder-only model"):
         check_no_kv_cache_settings(EngineConfig.from_kwargs(enable_chunked_prefill=True), bert)
     check_no_kv_cache_settings(EngineConfig.from_kwargs(), bert)  # nothing given: fine
+
+
+def test_long_prefill_token_threshold_refused_for_an_encoder():
+    from kvflow.core.unread_options import check_no_kv_cache_settings
+
+    bert = SimpleNamespace(architectures=["BertModel"])
+    config = _engine("--long-prefill-token-threshold", "64")
+    assert config.scheduler_config.long_prefill_token_threshold == 64
+    with pytest.raises(ValueError, match="long_prefill_token_threshold=64: BertModel is an "
+                                         "encoder-only model"):
+        check_no_kv_cache_settings(config, bert)
+
+
+def test_long_prefill_token_threshold_caps_chunks_beside_other_requests(tiny_llama):
+    """Threshold 8, budget 32: while both requests are unfinished no request computes more
+    than 8 tokens a step (the 40-token prompt is split 8 by 8, next to the short one's
+    decodes); the tokens are those of the engine without the threshold. A threshold above
+    max_model_len is refused, as vLLM refuses it."""
+    from kvflow import LLM, SamplingParams
+
+    common = {"model": tiny_llama.path, "dtype": "float32", "block_size": 4,
+              "num_kv_blocks": 80, "max_num_batched_tokens": 32}
+    prompts = [[5, 6, 7], [(3 * i) % 300 + 2 for i in range(40)]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    capped = LLM(**common, long_prefill_token_threshold=8)
+    scheduler, steps = capped.engine.core.scheduler, []
+    schedule = scheduler.schedule
+
+    def recording_schedule(*args, **kwargs):
+        crowded = len(scheduler.requests) > 1
+        out = schedule(*args, **kwargs)
+        steps.append((crowded, dict(out.num_scheduled_tokens)))
+        return out
+
+    scheduler.schedule = recording_schedule
+    got = [o.outputs[0].token_ids for o in capped.generate(prompts, params, use_tqdm=False)]
+    plain = LLM(**common)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert all(n <= 8 for crowded, step in steps if crowded for n in step.values())
+    assert [step.get("1") for _, step in steps[:5]] == [8, 8, 8, 8, 8]  # 40 = 5 x 8
+    with pytest.raises(ValueError, match=r"long_prefill_token_threshold=300 cannot be greater "
+                                         r"than max_model_len \(256\)"):
+        LLM(**common, long_prefill_token_threshold=300)
 
 
 def test_prefix_caching_hash_algo_refused_for_an_encoder():

@@ -15,6 +15,11 @@ class SchedulerConfig:
                                               "CUDA); 2k = 2000, 2K = 2048, as vLLM's",
                                               type=human_readable_int)
     max_num_seqs: int = opt(256, "maximum number of running requests")
+    long_prefill_token_threshold: int = opt(
+        0, "vLLM's: while more than one request is running or waiting, a request computes at "
+        "most this many tokens per step (a long prompt's chunks), so that it does not take "
+        "a step's whole budget from the other requests' decodes and prefills; 0: no cap "
+        "(default); at most max_model_len")
     policy: str = opt("fcfs", "waiting-queue order: fcfs, priority (lower first), or fair "
                        "(deficit round robin of tokens over clients, the OpenAI 'user' field or "
                        "API key; priority classes weighted, none starved)",
@@ -81,6 +86,9 @@ class SchedulerConfig:
                              "step's tokens are streamed at once)")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold}"
+                             " must be >= 0 (0: no cap)")
         if self.enable_chunked_prefill is False:
             raise ValueError("turning chunked prefill off (--no-enable-chunked-prefill, "
                              "enable_chunked_prefill False) is refused: kvflow always splits "

@@ -84,7 +84,7 @@ def _allocate_admitted(sched: Scheduler, request: Request, budget: int,
     num_external = 0 if sched.connector is None else \
         sched.connector.get_num_new_matched_tokens(request, num_hit_tokens)
     num_computed = num_hit_tokens + num_external
-    num_new = min(request.num_tokens - num_computed, budget)
+    num_new = min(request.num_tokens - num_computed, _request_budget(sched, budget))
     if num_new > 1 and step_budget is not None:
         num_new = step_budget.take_prefill(num_computed, num_new)
     encodes = None
@@ -115,6 +115,13 @@ def _allocate_admitted(sched: Scheduler, request: Request, budget: int,
     return num_new
 
 
+def _request_budget(sched: Scheduler, budget: int) -> int:
+    """What one admitted request may compute this step: what is left of ``budget``, within
+    ``Scheduler.chunk_cap`` (``long_prefill_token_threshold``)."""
+    chunk_cap = sched.chunk_cap()
+    return min(budget, chunk_cap) if chunk_cap else budget
+
+
 def _start_running(sched: Scheduler, request: Request, num_new: int,
                    out: SchedulerOutput) -> None:
     """An admitted request: sent to the runners, running, its step recorded."""
@@ -132,7 +139,7 @@ def _swap_in(sched: Scheduler, request: Request, budget: int, step_budget: StepB
     count kept) plus the step's tokens. Returns the step's tokens (0: it does not fit,
     nothing allocated)."""
     start = request.num_computed_tokens
-    num_new = min(request.num_tokens - start, budget)
+    num_new = min(request.num_tokens - start, _request_budget(sched, budget))
     if num_new > 1 and step_budget is not None:
         num_new = step_budget.take_prefill(start, num_new)
     if num_new <= 0 or sched.swap.blocks_needed(request, num_new) > sched.kv.num_free_blocks:

@@ -24,10 +24,11 @@ def schedule_running(sched: Scheduler, budget: int, cap: int, out: SchedulerOutp
                      step_budget: StepBudget | None = None) -> int:
     """Catch the running requests up, in policy order, within ``budget`` tokens and
     ``cap`` requests, their ``drafts`` included (prefill chunks also within
-    ``step_budget``); returns what is left of the budget. This loop runs for every running
-    request on every step, so it keeps what it reads in locals and fills
-    ``out.scheduled_cached_reqs``' columns directly."""
+    ``step_budget``, and each request within ``Scheduler.chunk_cap``); returns what is left
+    of the budget. This loop runs for every running request on every step, so it keeps what
+    it reads in locals and fills ``out.scheduled_cached_reqs``' columns directly."""
     running, cached, empty = sched.running, out.scheduled_cached_reqs, sched.kv.empty_blocks
+    chunk_cap = sched.chunk_cap()
     try_allocate, num_scheduled = sched.kv.try_allocate_slots, out.num_scheduled_tokens
     add_id, add_computed = cached.req_ids.append, cached.num_computed_tokens.append
     track, send_token_ids = sched.track_in_flight, sched.send_token_ids
@@ -37,7 +38,8 @@ def schedule_running(sched: Scheduler, budget: int, cap: int, out: SchedulerOutp
         rid, computed = request.request_id, request.num_computed_tokens
         num_tokens = len(request.all_token_ids) + request.num_output_placeholders
         extra = drafts.get(rid) if drafts else None  # speculative decoding
-        num_new, encodes = _tokens_wanted(sched, request, num_tokens, extra, budget,
+        num_new, encodes = _tokens_wanted(sched, request, num_tokens, extra,
+                                          min(budget, chunk_cap) if chunk_cap else budget,
                                           step_budget)
         new_blocks = try_allocate(request, num_new) if num_new > 0 else None
         if new_blocks is None and num_new > 0:  # no room: drop the drafts, then preempt
@@ -75,9 +77,9 @@ def schedule_running(sched: Scheduler, budget: int, cap: int, out: SchedulerOutp
 def _tokens_wanted(sched: Scheduler, request: Request, num_tokens: int,
                    extra: list[int] | None, budget: int, step_budget: StepBudget | None
                    ) -> tuple[int, object]:
-    """How many tokens a running request computes this step (``num_tokens``: its tokens,
-    async scheduling's placeholders included; ``extra``: its drafts), and the encoder's plan
-    for its images. 0 when its pending tokens finish it, its sampling step is in flight or
+    """How many tokens a running request computes this step, at most ``budget``
+    (``num_tokens``: its tokens, async scheduling's placeholders included; ``extra``: its
+    drafts), and the encoder's plan for its images. 0 when its pending tokens finish it, its sampling step is in flight or
     the encoder cut it to nothing."""
     computed = request.num_computed_tokens
     if request.num_output_placeholders and num_tokens >= request.max_num_tokens:

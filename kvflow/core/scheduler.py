@@ -27,6 +27,10 @@ slots are written again later) and the blocks that held only rejected drafts are
 runners learn the tables' new length in the next step's ``truncated_block_tables``. Drafts
 never preempt: a request whose drafts find no free blocks decodes without them this step.
 
+``long_prefill_token_threshold`` (vLLM's): while more than one request is unfinished, no
+request computes more than that many tokens in one step (``chunk_cap``), so a long prompt's
+chunks leave room in the budget for the others; a lone request takes the whole budget.
+
 Service levels (``core/slo_planner.py``): with TTFT/TPOT targets, a ``StepBudget`` caps the
 tokens of prefill chunks (never decodes) so the step is predicted to end before the earliest
 running request's next-token deadline, gates admissions so a decode-only step stays under the
@@ -92,7 +96,12 @@ class Scheduler:
     scheduling.
         speculator: proposes draft tokens each step (speculative decoding), or None.
         whole_prompts: never split a prompt over steps (encoder-only models: their attention
-            is bidirectional, so a prompt is computed in one step or not at all).
+            is bidirectional, so a prompt is computed in one step or not at all; no
+            ``long_prefill_token_threshold`` cap then).
+
+    Raises:
+        ValueError: for a ``long_prefill_token_threshold`` above ``max_model_len`` (vLLM's
+            check).
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
@@ -100,6 +109,10 @@ class Scheduler:
                  speculator: Speculator | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  max_loras: int | None = None, whole_prompts: bool = False) -> None:
+        if config.long_prefill_token_threshold > max_model_len:
+            raise ValueError(f"long_prefill_token_threshold="
+                             f"{config.long_prefill_token_threshold} cannot be greater than "
+                             f"max_model_len ({max_model_len})")
         self.config = config
         self.max_loras = max_loras
         self.whole_prompts = whole_prompts
@@ -199,6 +212,14 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def chunk_cap(self) -> int:
+        """The most tokens one request computes in this step: ``long_prefill_token_threshold``
+        while more than one request is unfinished (running or waiting), else 0 (no cap: a
+        lone request starves no one, as in vLLM)."""
+        threshold = self.config.long_prefill_token_threshold
+        return threshold if threshold and len(self.requests) > 1 and \
+            not self.whole_prompts else 0
 
     def batch_wait_s(self) -> float:
         """Seconds the next step should still wait for more arrivals (0.0: step now).

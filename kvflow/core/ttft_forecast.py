@@ -90,10 +90,13 @@ def _is_late(slo: RequestSLO | None, t: float) -> bool:
 
 def _schedule(live: list[_Twin], queue: list[_Twin], budget: StepBudget,
               slos: dict[str, RequestSLO], config: SchedulerConfig) -> list[tuple[_Twin, int]]:
-    """One simulated step: decodes, prefill chunks within the budget, admissions."""
+    """One simulated step: decodes, prefill chunks within the budget (each within
+    ``long_prefill_token_threshold`` while more than one request is in play), admissions."""
     left, step = config.max_num_batched_tokens, []
+    threshold = config.long_prefill_token_threshold
+    chunk_cap = threshold if threshold and len(live) + len(queue) > 1 else left
     for twin in live:
-        n = min(twin.num_tokens - twin.num_computed_tokens, left)
+        n = min(twin.num_tokens - twin.num_computed_tokens, left, chunk_cap)
         if n > 1:
             n = budget.take_prefill(twin.num_computed_tokens, n)
         if n > 0:
@@ -104,7 +107,7 @@ def _schedule(live: list[_Twin], queue: list[_Twin], budget: StepBudget,
         slo = slos.get(twin.request_id)
         if not budget.may_admit(twin, None if slo is None else slo.tpot_s):
             break
-        n = min(twin.num_tokens - twin.num_computed_tokens, left)
+        n = min(twin.num_tokens - twin.num_computed_tokens, left, chunk_cap)
         n = budget.take_prefill(twin.num_computed_tokens, n) if n > 1 else n
         if n <= 0:
             break

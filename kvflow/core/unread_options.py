@@ -116,8 +116,8 @@ def check_no_kv_cache_settings(config: EngineConfig, hf_config: Any) -> None:
             ``gpu_memory_utilization``, a ``kv_cache_dtype`` other than auto,
             ``enable_prefix_caching=True``; False asks for what an encoder does;
             a ``prefix_caching_hash_algo`` other than blake2b;
-            ``enable_chunked_prefill=True``: an encoder runs each prompt whole) and the
-            architecture.
+            ``enable_chunked_prefill=True`` and a ``long_prefill_token_threshold``: an
+            encoder runs each prompt whole) and the architecture.
     """
     cc = config.cache_config
     given = [f"{name}={getattr(cc, name)!r}" for name in
@@ -127,8 +127,10 @@ def check_no_kv_cache_settings(config: EngineConfig, hf_config: Any) -> None:
     given += ["enable_prefix_caching=True"] if cc.enable_prefix_caching else []
     given += [f"prefix_caching_hash_algo={cc.prefix_caching_hash_algo!r}"] \
         if cc.prefix_caching_hash_algo != "blake2b" else []  # no block is ever hashed
-    given += ["enable_chunked_prefill=True"] \
-        if config.scheduler_config.enable_chunked_prefill else []  # it runs prompts whole
+    sc = config.scheduler_config
+    given += ["enable_chunked_prefill=True"] if sc.enable_chunked_prefill else []
+    given += [f"long_prefill_token_threshold={sc.long_prefill_token_threshold}"] \
+        if sc.long_prefill_token_threshold else []  # it runs prompts whole
     _refuse_unread(given, hf_config, "an encoder-only model, which keeps no KV cache")
 
 

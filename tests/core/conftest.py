@@ -422,12 +422,14 @@ def make_scheduler(_leak_registry):
                 max_num_batched_tokens: int = 4096, max_num_seqs: int = 256,
                 policy: str = "fcfs", max_model_len: int | None = None,
                 enable_prefix_caching: bool = True,
-                async_scheduling: bool = False) -> Scheduler:
+                async_scheduling: bool = False,
+                long_prefill_token_threshold: int = 0) -> Scheduler:
         kv = KVCacheManager(fake_kv_cache_config(num_blocks, block_size),
                             enable_prefix_caching)
         cfg = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, policy=policy,
-                              async_scheduling=async_scheduling)
+                              async_scheduling=async_scheduling,
+                              long_prefill_token_threshold=long_prefill_token_threshold)
         sched = Scheduler(cfg, kv, max_model_len or (num_blocks - 1) * block_size)
         _leak_registry["pools"].append(kv.pool)
         _leak_registry["schedulers"].append(sched)
