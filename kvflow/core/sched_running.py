@@ -79,8 +79,8 @@ def _tokens_wanted(sched: Scheduler, request: Request, num_tokens: int,
                    ) -> tuple[int, object]:
     """How many tokens a running request computes this step, at most ``budget``
     (``num_tokens``: its tokens, async scheduling's placeholders included; ``extra``: its
-    drafts), and the encoder's plan for its images. 0 when its pending tokens finish it, its sampling step is in flight or
-    the encoder cut it to nothing."""
+    drafts), and the encoder's plan for its images. 0 when its pending tokens finish it, its
+    sampling step is in flight or the encoder cut it to nothing."""
     computed = request.num_computed_tokens
     if request.num_output_placeholders and num_tokens >= request.max_num_tokens:
         return 0, None  # async scheduling: the tokens still out finish it
