@@ -13,20 +13,19 @@ from kvflow.entrypoints.text_offsets import TokenTextOffsets
 from kvflow.outputs import Logprob, RequestOutput
 
 
-def prompt_logprobs_legacy(tokenizer: Any, ids: list[int], out: RequestOutput, text_end: int,
+def prompt_logprobs_legacy(tokenizer: Any, ids: list[int], out: RequestOutput, echo: str,
                           as_token_ids: bool = False, num_logprobs: int | None = None
                           ) -> CompletionLogProbs:
     """The echoed prompt's logprobs (OpenAI legacy form: the first token has none); the
-    offsets index the echo (``tokenizer.decode(ids)``, ``text_end`` characters);
-    ``as_token_ids``: tokens as ``token_id:{id}`` (``completion_logprobs``);
-    ``num_logprobs``: each token's alternatives cut to that many (the request's
-    ``logprobs``; the engine may have computed more for ``prompt_logprobs``)."""
+    offsets index ``echo``, the echoed text (``echo_offsets``); ``as_token_ids``: tokens as
+    ``token_id:{id}`` (``completion_logprobs``); ``num_logprobs``: each token's
+    alternatives cut to that many (the request's ``logprobs``; the engine may have computed
+    more for ``prompt_logprobs``)."""
     entries = out.prompt_logprobs or [None] * len(ids)
     if num_logprobs is not None:
         entries = cut_prompt_logprobs(entries, ids, num_logprobs)
     lp = CompletionLogProbs()
-    offsets = TokenTextOffsets(tokenizer, 0, skip_special_tokens=False)
-    for token_id, step, offset in zip(ids, entries, offsets.next_offsets(ids, text_end)):
+    for token_id, step, offset in zip(ids, entries, echo_offsets(tokenizer, ids, echo)):
         if step is None:
             lp.tokens.append(f"token_id:{token_id}" if as_token_ids
                              else tokenizer.decode([token_id]))
@@ -38,6 +37,23 @@ def prompt_logprobs_legacy(tokenizer: Any, ids: list[int], out: RequestOutput, t
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             getattr(lp, name).extend(getattr(one, name))
     return lp
+
+
+def echo_offsets(tokenizer: Any, ids: list[int], echo: str) -> list[int]:
+    """Where each prompt token's text starts in ``echo`` (units: ``str`` characters), the
+    echoed prompt: the prompt's own text when it came as text, else ``tokenizer.decode(ids)``.
+
+    The offsets are counted in the ids' decode with special tokens kept. A text prompt's
+    ids also hold the special tokens the tokenizer added (Llama's and Gemma's BOS), whose
+    text its echo lacks: where that decode ends with the echo (else holds it), the text
+    before the echo is taken off every offset, so a BOS and the prompt's first token both
+    start at 0 (not at ``len("<s>")``). Every offset is capped at ``len(echo)``.
+    """
+    decoded = tokenizer.decode(ids) if tokenizer is not None else echo
+    # not found (a decode that rewrites the text): the decode's offsets, capped
+    shift = len(decoded) - len(echo) if decoded.endswith(echo) else max(decoded.find(echo), 0)
+    offsets = TokenTextOffsets(tokenizer, 0, skip_special_tokens=False).next_offsets(ids)
+    return [min(max(offset - shift, 0), len(echo)) for offset in offsets]
 
 
 def with_prompt(prompt: CompletionLogProbs, completion: CompletionLogProbs

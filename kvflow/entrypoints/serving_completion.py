@@ -273,7 +273,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice = self._choice(req, i * req.n + c.index, echo + c.text, c, offsets)
                 if req.echo and choice.logprobs is not None:
                     echoed = await off_loop(len(prompts[i][1]), prompt_logprobs_legacy,
-                                            self.tokenizer, prompts[i][1], out, len(echo),
+                                            self.tokenizer, prompts[i][1], out, echo,
                                             req.return_tokens_as_token_ids,
                                             req.logprobs)  # decodes all
                     choice.logprobs = with_prompt(echoed, choice.logprobs)
@@ -356,7 +356,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 if echo and choice.logprobs is not None:
                     echoed = await off_loop(len(prompts[i][1]), prompt_logprobs_legacy,
                                             self.tokenizer, prompts[i][1],
-                                            prompt_outputs.get(i, delta), len(echo),
+                                            prompt_outputs.get(i, delta), echo,
                                             req.return_tokens_as_token_ids, req.logprobs)
                     choice.logprobs = with_prompt(echoed, choice.logprobs)
                 if first and req.prompt_logprobs is not None:

@@ -1,0 +1,116 @@
+"""/v1/completions ``echo`` with ``logprobs`` on a tokenizer that adds a BOS (Llama's,
+Gemma's rule), through ``build_app`` on a real AsyncLLM over the tiny Llama (FastAPI's
+TestClient). The echoed prompt's ``text_offset`` counted the BOS's ``<bos>`` (5 characters)
+though the echo is the prompt's own text. Oracles: transformers' log-softmax over the
+prompt, and the offsets of ``tests/test_text_offsets.stable_offsets`` (the tokens' UTF-8
+bytes)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from tests.test_text_offsets import stable_offsets
+
+CO = "/v1/completions"
+PROMPTS = ["the quick brown"]
+
+
+@pytest.fixture(scope="module")
+def bos_model(tiny_llama, tmp_path_factory) -> str:
+    """The tiny Llama in a folder of its own whose tokenizer puts ``<bos>`` (id 1) first."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("bos_llama") / "model"
+    shutil.copytree(tiny_llama.path, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", 1)])
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(bos_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(bos_model)
+
+
+@pytest.fixture(scope="module")
+def client(bos_model):
+    from kvflow.config import EngineConfig, ServerConfig
+    from kvflow.engine.async_llm import AsyncLLM
+    from kvflow.entrypoints.api_server import build_app, start_app
+
+    engine = AsyncLLM(EngineConfig.from_kwargs(model=bos_model, dtype="float32",
+                                               num_kv_blocks=64, block_size=4))
+    try:
+        app = build_app(engine, ServerConfig(), "m")
+        with TestClient(app) as client:
+            client.portal.call(start_app, app)
+            yield client
+    finally:
+        engine.close()
+
+
+def _reply(client: TestClient, **body) -> dict:
+    resp = client.post(CO, json={"model": "m", "temperature": 0, **body})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _streamed(client: TestClient, **body) -> tuple[dict[int, dict], list[dict]]:
+    """The streamed reply's choices joined per index (text, logprobs lists, token ids, the
+    last finish_reason), and its chunks."""
+    resp = client.post(CO, json={"model": "m", "temperature": 0, **body, "stream": True})
+    assert resp.status_code == 200, resp.text
+    chunks = [json.loads(line[6:]) for line in resp.text.splitlines()
+              if line.startswith("data: {")]
+    joined: dict[int, dict] = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            j = joined.setdefault(c["index"], {"text": "", "token_ids": [], "logprobs": {
+                "text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}})
+            j["text"] += c["text"]
+            j["token_ids"] += c.get("token_ids") or []
+            for key, values in (c["logprobs"] or {}).items():
+                j["logprobs"][key] += values
+            j["finish_reason"] = c["finish_reason"]
+    return joined, chunks
+
+
+def _hf_prompt_logprobs(tiny_llama, ids: list[int]) -> list[float]:
+    """transformers' logprob of each prompt token after the ones before it (from the 2nd)."""
+    with torch.no_grad():
+        logits = tiny_llama.hf_model(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return [lp[p - 1, ids[p]].item() for p in range(1, len(ids))]
+
+
+def test_echo_text_offsets_index_the_prompt_text_past_the_added_bos(client, tokenizer,
+                                                                    tiny_llama):
+    """The echo is the prompt's text, without ``<bos>``: the BOS and the first word's token
+    start at 0, each prompt token where its text starts in the prompt, the completion's
+    tokens (made ``t`` by ``logit_bias``) after the prompt's text; streamed, the same
+    lists."""
+    t = tokenizer.convert_tokens_to_ids("t")
+    body = {"prompt": PROMPTS[0], "max_tokens": 3, "echo": True, "logprobs": 1,
+            "return_token_ids": True, "logit_bias": {str(t): 100}}
+    c = _reply(client, **body)["choices"][0]
+    ids, out_ids = c["prompt_token_ids"], c["token_ids"]
+    assert ids == tokenizer.encode(PROMPTS[0]) and ids[0] == 1 and out_ids == [t] * 3
+    lp = c["logprobs"]
+    assert c["text"] == PROMPTS[0] + "ttt"
+    assert lp["tokens"][0] == "<bos>" and lp["token_logprobs"][0] is None
+    assert lp["text_offset"] == [0, *stable_offsets(tokenizer, ids[1:]),
+                                 *stable_offsets(tokenizer, out_ids, len(PROMPTS[0]))]
+    assert lp["token_logprobs"][1:len(ids)] == pytest.approx(
+        _hf_prompt_logprobs(tiny_llama, ids), abs=1e-4)
+    joined, _ = _streamed(client, **body)
+    assert joined[0]["text"] == c["text"] and joined[0]["logprobs"] == lp
