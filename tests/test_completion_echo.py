@@ -1,9 +1,10 @@
 """/v1/completions ``echo`` with ``logprobs`` on a tokenizer that adds a BOS (Llama's,
-Gemma's rule), through ``build_app`` on a real AsyncLLM over the tiny Llama (FastAPI's
-TestClient). The echoed prompt's ``text_offset`` counted the BOS's ``<bos>`` (5 characters)
-though the echo is the prompt's own text. Oracles: transformers' log-softmax over the
-prompt, and the offsets of ``tests/test_text_offsets.stable_offsets`` (the tokens' UTF-8
-bytes)."""
+Gemma's rule), and ``echo`` with ``max_tokens: 0`` (the prompt alone, as vLLM 0.32 and the
+legacy OpenAI API return it), through ``build_app`` on a real AsyncLLM over the tiny Llama
+(FastAPI's TestClient). The echoed prompt's ``text_offset`` counted the BOS's ``<bos>`` (5
+characters) though the echo is the prompt's own text, and ``max_tokens: 0`` was a 400.
+Oracles: transformers' log-softmax over the prompt, and the offsets of
+``tests/test_text_offsets.stable_offsets`` (the tokens' UTF-8 bytes)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from fastapi.testclient import TestClient
 from tests.test_text_offsets import stable_offsets
 
 CO = "/v1/completions"
-PROMPTS = ["the quick brown"]
+PROMPTS = ["the quick brown", "a lazy dog"]
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +115,43 @@ def test_echo_text_offsets_index_the_prompt_text_past_the_added_bos(client, toke
         _hf_prompt_logprobs(tiny_llama, ids), abs=1e-4)
     joined, _ = _streamed(client, **body)
     assert joined[0]["text"] == c["text"] and joined[0]["logprobs"] == lp
+
+
+def test_echo_with_max_tokens_0_returns_each_prompt_alone(client, tokenizer, tiny_llama):
+    """``max_tokens: 0`` with ``echo``: every choice (two prompts, n=2) is its prompt's text
+    with the prompt tokens' logprobs (the first None) and nothing generated: no token ids,
+    finish_reason ``length``, no completion tokens in the usage; streamed, the same
+    choices and usage."""
+    body = {"prompt": PROMPTS, "n": 2, "max_tokens": 0, "echo": True, "logprobs": 0,
+            "return_token_ids": True}
+    reply = _reply(client, **body)
+    prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
+    assert reply["usage"] == {"prompt_tokens": sum(map(len, prompt_ids)),
+                              "completion_tokens": 0,
+                              "total_tokens": sum(map(len, prompt_ids))}
+    assert [c["index"] for c in reply["choices"]] == [0, 1, 2, 3]
+    for c in reply["choices"]:
+        ids = prompt_ids[c["index"] // 2]
+        assert c["text"] == PROMPTS[c["index"] // 2] and c["token_ids"] == []
+        assert (c["finish_reason"], c["stop_reason"]) == ("length", None)
+        assert c["logprobs"]["tokens"] == [tokenizer.decode([t]) for t in ids]
+        assert c["logprobs"]["text_offset"] == [0, *stable_offsets(tokenizer, ids[1:])]
+        assert c["logprobs"]["token_logprobs"][0] is None
+        assert c["logprobs"]["token_logprobs"][1:] == pytest.approx(
+            _hf_prompt_logprobs(tiny_llama, ids), abs=1e-4)
+    joined, chunks = _streamed(client, **body, stream_options={"include_usage": True})
+    assert chunks[-1]["usage"] == reply["usage"]
+    assert [joined[i] for i in range(4)] == [
+        {key: c[key] for key in ("text", "token_ids", "logprobs", "finish_reason")}
+        for c in reply["choices"]]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"max_tokens": 0}, "max_tokens"),  # nothing to return without echo
+    ({"max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens"),
+    ({"max_tokens": -1, "echo": True}, "max_tokens"),
+])
+def test_max_tokens_0_needs_echo_and_no_min_tokens(client, body, param):
+    resp = client.post(CO, json={"model": "m", "prompt": PROMPTS[0], **body})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param

@@ -1,6 +1,7 @@
 """POST /v1/completions: prompts (text or token ids, one or many; embedding rows with
 ``--enable-prompt-embeds``) -> completions, streamed (SSE) or whole. Choice ``i * n + j`` is
-sample ``j`` of prompt ``i``; ``prompt_embeds`` prompts come first, then ``prompt``'s."""
+sample ``j`` of prompt ``i``; ``prompt_embeds`` prompts come first, then ``prompt``'s.
+``echo`` with ``max_tokens`` 0 returns each prompt alone (``_echo_only``)."""
 
 from __future__ import annotations
 
@@ -226,6 +227,9 @@ class OpenAIServingCompletion(OpenAIServing):
             check_token_ids(ids, self.engine.vocab_size, param)
         if req.max_tokens is None:  # unset or null: the model's default, else OpenAI's 16
             max_tokens = default_max_tokens(self.engine, len(ids), fallback=16)
+        elif _echo_only(req):  # the engine samples one token, which the reply leaves out
+            _check_echo_only(req)
+            max_tokens = 1
         else:
             max_tokens = req.max_tokens
             check_max_tokens(max_tokens, "max_tokens")
@@ -265,7 +269,7 @@ class OpenAIServingCompletion(OpenAIServing):
             out = await collect(stream)
             num_cached += out.metrics.num_cached_tokens
             echo = self._echo(req, prompts[i])
-            for c in out.outputs:
+            for c in map(_prompt_only, out.outputs) if _echo_only(req) else out.outputs:
                 num_generated += len(c.token_ids)
                 offsets = [] if req.logprobs is None else self._offsets(
                     req, len(echo), _context(req, prompts, i, num_embeds)).next_offsets(
@@ -336,7 +340,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if delta.prompt_logprobs is not None:
                 prompt_outputs[i] = delta
             cached[i] = delta.metrics.num_cached_tokens
-            for c in delta.outputs:
+            for c in map(_prompt_only, delta.outputs) if _echo_only(req) else delta.outputs:
                 index = i * req.n + c.index
                 num_generated += len(c.token_ids)
                 # The first chunk sent for a choice carries the echo.
@@ -382,6 +386,32 @@ def _load_prompt_embeds(processor: Any, encoded: str, keep_last: int | None
     the whole CPU work of it, for one worker thread. Raises ValueError saying what is
     wrong."""
     return processor.embeds_prompt(decode_prompt_embeds(encoded), keep_last).prompt_embeds
+
+
+def _echo_only(req: CompletionRequest) -> bool:
+    """Whether ``req`` asks for its prompt alone: ``echo`` with ``max_tokens`` 0 (the legacy
+    OpenAI API's and vLLM's way to score a prompt: with ``logprobs``, the reply holds the
+    prompt tokens' logprobs and nothing generated)."""
+    return req.echo and req.max_tokens == 0
+
+
+def _check_echo_only(req: CompletionRequest) -> None:
+    """Raises OpenAIError 400 naming ``min_tokens`` when an echo-only request
+    (``_echo_only``) asks for generated tokens all the same."""
+    if req.min_tokens:
+        raise OpenAIError(f"min_tokens={req.min_tokens} asks for generated tokens, but "
+                          "max_tokens=0 with echo returns the prompt alone", param="min_tokens",
+                          code="invalid_value")
+
+
+def _prompt_only(c: CompletionOutput) -> CompletionOutput:
+    """An echo-only request's sample (``_echo_only``) without the one token the engine
+    generated for it: no text, tokens or logprobs; finished for ``length`` (max_tokens 0),
+    whatever ended the hidden token, so usage counts no completion tokens."""
+    return dataclasses.replace(
+        c, text="", token_ids=[], cumulative_logprob=None,
+        logprobs=None if c.logprobs is None else [],
+        finish_reason="length" if c.finished else None, stop_reason=None)
 
 
 def _check_embeds_request(req: CompletionRequest) -> None:
