@@ -131,6 +131,10 @@ def test_previous_response_id_elsewhere_is_the_endpoint_s_to_refuse():
      ("a", "unsupported_value", ('line 7: body.encoding_format "bytes" answers with a binary '
       "body, which an output line (JSON) cannot hold; send base64 (with embed_dtype and "
       "endianness as needed)"), "body.encoding_format")),
+    (_line(url="/v1/embeddings", body={"input": "x", "encoding_format": "bytes_only"}),
+     ("a", "unsupported_value", ('line 7: body.encoding_format "bytes_only" answers with a '
+      "binary body, which an output line (JSON) cannot hold; send base64 (with embed_dtype "
+      "and endianness as needed)"), "body.encoding_format")),
     (_line(body=...), ("a", "missing_required_parameter",
                        "line 7 has no 'body': it must be a JSON object", "body")),
     (_line(body=["x"]), ("a", "invalid_value",

@@ -158,15 +158,16 @@ def _envelope_error(line: int, custom_id: str, value: dict[str, Any]) -> LineErr
 def _body_error(line: int, custom_id: str, url: str, body: dict[str, Any]) -> LineError | None:
     """What a batch cannot do that ``body`` asks for (a stream; on /v1/responses, a
     ``previous_response_id`` or ``background`` true; on /v1/embeddings, ``encoding_format``
-    bytes); None if nothing."""
+    bytes or bytes_only); None if nothing."""
     stream = body.get("stream")
     if stream is not None and stream is not False:
         return LineError(line, custom_id, "stream_unsupported",
                          f"line {line}: batch requests cannot stream; leave body.stream out "
                          f"or false (got {_shown(stream)})", "body.stream")
-    if url == "/v1/embeddings" and body.get("encoding_format") == "bytes":
+    if url == "/v1/embeddings" and body.get("encoding_format") in ("bytes", "bytes_only"):
         return LineError(line, custom_id, "unsupported_value",
-                         f"line {line}: body.encoding_format \"bytes\" answers with a binary "
+                         f"line {line}: body.encoding_format {_shown(body['encoding_format'])} "
+                         "answers with a binary "
                          "body, which an output line (JSON) cannot hold; send base64 (with "
                          "embed_dtype and endianness as needed)", "body.encoding_format")
     previous = body.get("previous_response_id")

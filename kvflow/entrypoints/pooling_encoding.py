@@ -3,7 +3,8 @@
 to ``embed_dtype``, in ``endianness`` byte order, base64-encoded per input) or ``bytes`` (the
 same bytes of every input concatenated as the response body, application/octet-stream, with a
 ``metadata`` header: JSON with the reply's ``id``, ``created``, ``model``, ``usage`` and per
-input ``index``, ``embed_dtype``, ``endianness``, ``start`` / ``end`` byte offsets, ``shape``).
+input ``index``, ``embed_dtype``, ``endianness``, ``start`` / ``end`` byte offsets, ``shape``),
+or ``bytes_only`` (vLLM 0.32's: the same body without the ``metadata`` header).
 
 The cast is torch's own ``Tensor.to`` from float32 (round to nearest even; float16 and the
 fp8 types give inf / NaN for values beyond their range, as torch does), so a client's
@@ -89,14 +90,19 @@ def split_rows(values: list[float], num_rows: int) -> list[list[float]]:
     return [values[i:i + width] for i in range(0, len(values), width)]
 
 
+BYTES_FORMATS = ("bytes", "bytes_only")  # the encodings answered with a binary body
+
+
 def bytes_response(vectors: Sequence[list[float]], embed_dtype: str, endianness: str,
                    head: dict[str, Any], num_prompt_tokens: int,
-                   rows: Sequence[int] | None = None) -> Response:
+                   rows: Sequence[int] | None = None, metadata: bool = True) -> Response:
     """``encoding_format: bytes``: every vector's ``vector_bytes`` in input order as the
     body; the ``metadata`` header holds ``head`` (``id``, ``created``, ``model``), ``data``
     (per input: ``index``, ``embed_dtype``, ``endianness``, ``start``, ``end``, ``shape``)
     and ``usage`` (vLLM's layout). ``rows``: per input, the number of rows its values hold
-    (per-token outputs, flattened row-major: ``shape`` [rows, D]); None: one vector each."""
+    (per-token outputs, flattened row-major: ``shape`` [rows, D]); None: one vector each.
+    ``metadata`` False (``encoding_format: bytes_only``, vLLM 0.32's): the same body, no
+    header."""
     chunks, items, offset = [], [], 0
     for i, vector in enumerate(vectors):
         chunks.append(vector_bytes(vector, embed_dtype, endianness))
@@ -105,7 +111,10 @@ def bytes_response(vectors: Sequence[list[float]], embed_dtype: str, endianness:
                       "shape": [len(vector)] if rows is None else
                       [rows[i], len(vector) // rows[i]]})
         offset += len(chunks[-1])
-    metadata = {**head, "data": items, "usage": {"prompt_tokens": num_prompt_tokens,
-                                                 "total_tokens": num_prompt_tokens}}
-    return Response(b"".join(chunks), media_type="application/octet-stream",
-                    headers={"metadata": json.dumps(metadata)})
+    body = b"".join(chunks)
+    if not metadata:
+        return Response(body, media_type="application/octet-stream")
+    header = {**head, "data": items, "usage": {"prompt_tokens": num_prompt_tokens,
+                                               "total_tokens": num_prompt_tokens}}
+    return Response(body, media_type="application/octet-stream",
+                    headers={"metadata": json.dumps(header)})

@@ -17,6 +17,7 @@ from kvflow.entrypoints.chat_options import ChatOptions
 from kvflow.entrypoints.engine_requests import pooled_vector
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.pooling_encoding import (
+    BYTES_FORMATS,
     bytes_response,
     check_encoding,
     encode_vector,
@@ -281,7 +282,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                             streams: Sequence[RequestStream],
                             reply: Callable[[list[Any], int], BaseModel],
                             per_token: bool = False) -> BaseModel | Response:
-        """The answer once every input's vector is in: the ``bytes`` body
+        """The answer once every input's vector is in: the ``bytes`` / ``bytes_only`` body
         (``bytes_response``), else ``reply(values, prompt tokens)``, each value a vector as
         ``req.encoding_format`` encodes it (``encode_vector``). With ``per_token`` (vLLM's
         token_embed / token_classify: an input's values are its prompt tokens' rows,
@@ -291,10 +292,11 @@ class OpenAIServingEmbedding(OpenAIServing):
         vectors = [await pooled_vector(stream) for stream in streams]
         num_tokens = sum(len(ids) for _, ids in prompts)
         rows = [len(ids) if per_token else 1 for _, ids in prompts]
-        if req.encoding_format == "bytes":
+        if req.encoding_format in BYTES_FORMATS:
             head = {"id": reply_id, "created": now(), "model": self.model_name}
             return bytes_response(vectors, req.embed_dtype, req.endianness, head, num_tokens,
-                                  rows if per_token else None)
+                                  rows if per_token else None,
+                                  metadata=req.encoding_format == "bytes")
         if per_token and req.encoding_format == "float":
             return reply([split_rows(v, n) for v, n in zip(vectors, rows)], num_tokens)
         return reply([encode_vector(vector, req.encoding_format, req.embed_dtype,

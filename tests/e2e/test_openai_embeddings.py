@@ -244,7 +244,8 @@ def test_embed_dtype_and_endianness(bert, path):
 def test_bytes_encoding(bert, path, tiny_tokenizer):
     """vLLM's ``encoding_format: bytes``: the body is every input's bytes in input order
     (application/octet-stream), the ``metadata`` header their offsets, shape, dtype and the
-    usage; each slice decodes to torch's cast of the float reply."""
+    usage; each slice decodes to torch's cast of the float reply. vLLM 0.32's
+    ``bytes_only``: the same body without the header."""
     server, _ = bert
     key = "embedding" if path == "/v1/embeddings" else "data"
     floats = [d[key] for d in httpx.post(f"{server.url}{path}", timeout=60, json={
@@ -267,6 +268,17 @@ def test_bytes_encoding(bert, path, tiny_tokenizer):
         got = _decoded(resp.content[m["start"]:m["end"]], torch.bfloat16, "big")
         want = torch.tensor(vector).to(torch.bfloat16)
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    # vLLM 0.32's bytes_only: the same body, no metadata header
+    only = httpx.post(f"{server.url}{path}", timeout=60, json={
+        "input": INPUTS, "encoding_format": "bytes_only", "embed_dtype": "bfloat16",
+        "endianness": "big"})
+    assert only.status_code == 200, only.text
+    assert only.headers["content-type"] == "application/octet-stream"
+    assert "metadata" not in only.headers
+    assert only.content == resp.content
+    little = httpx.post(f"{server.url}{path}", timeout=60, json={
+        "input": INPUTS, "encoding_format": "bytes_only", "endianness": "little"}).content
+    assert np.frombuffer(little, "<f4").reshape(len(INPUTS), dim).tolist() == floats
 
 
 def test_pooling_embeds_inputs(bert, decoder):

@@ -19,7 +19,8 @@ class EmbeddingRequest(RequestBody):
     """POST /v1/embeddings. ``input``: a string, a list of strings, a list of token ids or a
     list of token-id lists; ``dimensions``: Matryoshka truncation (models that support it);
     ``encoding_format``: ``float`` (a JSON list), ``base64`` or ``bytes`` (vLLM's: the raw
-    bytes as the body, their layout in the ``metadata`` header), the bytes being the values
+    bytes as the body, their layout in the ``metadata`` header; vLLM 0.32's ``bytes_only``:
+    the same body without the header), the bytes being the values
     cast to vLLM's ``embed_dtype`` in its ``endianness`` (default float32, this machine's
     order; ``entrypoints/pooling_encoding.py``);
     vLLM's ``request_id`` names the reply (``id``: ``embd-{request_id}``); vLLM's
@@ -39,7 +40,7 @@ class EmbeddingRequest(RequestBody):
     request_id: str | None = Field(None, min_length=1, max_length=256)
     input: str | list[int] | list[str] | list[list[int]] | None = None  # ids first: see
     messages: list[ChatMessage] | None = Field(None, min_length=1)  # CompletionRequest
-    encoding_format: Literal["float", "base64", "bytes"] = "float"
+    encoding_format: Literal["float", "base64", "bytes", "bytes_only"] = "float"
     embed_dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "float32"
     endianness: Literal["native", "big", "little"] = "native"
     dimensions: int | None = Field(None, ge=1, le=INT32_MAX)
