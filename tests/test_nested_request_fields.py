@@ -18,7 +18,12 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from kvflow.entrypoints.http_guards import add_error_handlers
-from kvflow.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from kvflow.entrypoints.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+)
 
 HI = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -44,6 +49,11 @@ def client() -> TestClient:
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
         return req.model_dump(by_alias=True, exclude_unset=True)
+
+    @app.post("/embeddings")
+    async def embeddings(req: EmbeddingRequest) -> dict[str, Any]:
+        return {**req.model_dump(by_alias=True, exclude_unset=True),
+                "messages_field": req.messages_field}
 
     return TestClient(app)
 
@@ -405,6 +415,22 @@ def test_many_messages_count_against_the_content_part_cap(client):
     assert resp.status_code == 400, resp.text[:300]
     assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == \
         ("messages.10000.content", "array_above_max_length")
+
+
+@pytest.mark.parametrize("field", ["messages", "input"])
+def test_embedding_batches_count_against_the_content_part_cap(client, field):
+    """/v1/embeddings' batch of conversations (vLLM 0.32's, in ``messages`` or, as chat
+    messages, in ``input``): their messages count together against the cap, the refusal
+    naming the conversation and message that pass it under the field sent; at the limit the
+    batch validates, read as ``messages``."""
+    batch = [[{"role": "user", "content": "a"}] * (MAX_CONTENT_PARTS // 2)] * 2
+    resp = client.post("/embeddings", json={field: batch})
+    assert resp.status_code == 200, resp.text[:300]
+    assert len(resp.json()["messages"]) == 2 and resp.json()["messages_field"] == field
+    resp = client.post("/embeddings", json={field: [*batch, [{"role": "user", "content": "a"}]]})
+    assert resp.status_code == 400, resp.text[:300]
+    assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == \
+        (f"{field}.2.0.content", "array_above_max_length")
 
 
 MAX_TOOLS = MAX_TOOL_CALLS = 2048  # the limits README documents

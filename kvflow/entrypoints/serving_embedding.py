@@ -32,6 +32,7 @@ from kvflow.entrypoints.protocol import (
     EmbeddingUsage,
 )
 from kvflow.entrypoints.protocol.base import now
+from kvflow.entrypoints.protocol.chat import ChatMessage, is_batch
 from kvflow.entrypoints.serving_base import OpenAIServing, body_size, request_ids
 from kvflow.entrypoints.serving_chat import OpenAIServingChat
 from kvflow.entrypoints.serving_checks import check_token_ids
@@ -87,7 +88,9 @@ class OpenAIServingEmbedding(OpenAIServing):
     async def _inputs_of(self, req: EmbeddingRequest | ClassificationRequest, raw: Request
                          ) -> list[Prompt]:
         """The request's prompts (/v1/embeddings', /pooling's or /classify's): its ``input``
-        as /v1/embeddings reads it, or its ``messages`` rendered (``_conversation``).
+        as /v1/embeddings reads it, or its ``messages`` rendered (``_conversation``), one
+        prompt per conversation (/v1/embeddings takes a list of them, in ``messages`` or, as
+        chat messages, in ``input``: vLLM 0.32's batch chat requests).
 
         Raises:
             OpenAIError: 400 (param ``messages``) for both, (``input``, code
@@ -97,7 +100,11 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise OpenAIError("give input or messages, not both", param="messages",
                               code="invalid_value")
         if req.messages is not None:
-            return [await self._conversation(req, raw)]
+            field = getattr(req, "messages_field", "messages")
+            if not is_batch(req.messages):
+                return [await self._conversation(req, raw, req.messages, field)]
+            return [await self._conversation(req, raw, messages, f"{field}.{b}")
+                    for b, messages in enumerate(req.messages)]
         if req.input is None:
             raise OpenAIError("give input (or messages)", param="input",
                               code="missing_required_parameter")
@@ -111,15 +118,19 @@ class OpenAIServingEmbedding(OpenAIServing):
                                           req.truncation_side)
 
     async def _conversation(self, req: EmbeddingRequest | ClassificationRequest,
-                            raw: Request) -> Prompt:
-        """``messages`` rendered with the chat template (the chat handler's ``render``;
-        special tokens only with ``add_special_tokens: true``), cut to
-        ``truncate_prompt_tokens`` as an input text is (``_cut_inputs``).
+                            raw: Request, messages: list[ChatMessage],
+                            field: str = "messages") -> Prompt:
+        """One conversation of the request (``messages``, sent at ``field``: ``messages``,
+        ``input``, or ``messages.<b>`` / ``input.<b>`` in a batch) rendered with the chat
+        template (the chat handler's ``render``; special tokens only with
+        ``add_special_tokens: true``), cut to ``truncate_prompt_tokens`` as an input text is
+        (``_cut_inputs``).
 
         Raises:
-            OpenAIError: what ``render`` refuses (a model without a chat template, ...); 400
-                (param ``messages``, code ``context_length_exceeded``) for a conversation
-                longer than ``--max-model-len`` and no ``truncate_prompt_tokens``.
+            OpenAIError: what ``render`` refuses (a model without a chat template, ...),
+                its param under ``field``; 400 (param ``field``, code
+                ``context_length_exceeded``) for a conversation longer than
+                ``--max-model-len`` and no ``truncate_prompt_tokens``.
         """
         options = ChatOptions(req.add_generation_prompt, req.continue_final_message,
                               bool(req.add_special_tokens), req.chat_template, None,
@@ -127,8 +138,11 @@ class OpenAIServingEmbedding(OpenAIServing):
         if self.chat is None:
             raise OpenAIError("this endpoint takes input, not messages", param="messages",
                               code="unsupported_parameter")
-        text, ids = await self.chat.render(req.messages, options, check_length=False,
-                                           size=body_size(raw))
+        try:
+            text, ids = await self.chat.render(messages, options, check_length=False,
+                                               size=body_size(raw))
+        except OpenAIError as e:
+            raise _moved(e, field) from None
         try:
             limit = truncation_length(req.truncate_prompt_tokens, self.engine.max_model_len)
         except ValueError as e:
@@ -141,7 +155,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         if len(ids) > self.engine.max_model_len:
             raise OpenAIError(f"the conversation has {len(ids)} tokens but max_model_len is "
                               f"{self.engine.max_model_len}: send truncate_prompt_tokens to "
-                              "cut it", param="messages", code="context_length_exceeded")
+                              "cut it", param=field, code="context_length_exceeded")
         return text, ids
 
     async def _request_inputs(self, value: str | list[int] | list[str] | list[list[int]],
@@ -316,6 +330,20 @@ def check_normalize(normalize: bool | None, use_activation: bool | None, name: s
                           f"normalize={str(normalize).lower()} ({name} is vLLM 0.32's name "
                           "of normalize on embeddings: send one)", param=name,
                           code="invalid_value")
+
+
+def _moved(error: OpenAIError, field: str) -> OpenAIError:
+    """``error`` about a conversation's ``messages`` (param ``messages...``) named at
+    ``field`` instead (``input``, ``messages.<b>``, ``input.<b>``), in its param and in its
+    message when the message starts with the param; other errors as they are."""
+    param = error.param or ""
+    if field == "messages" or param.split(".")[0] != "messages":
+        return error
+    moved = field + param[len("messages"):]
+    message = str(error)
+    if message.startswith(param):
+        message = moved + message[len(param):]
+    return OpenAIError(message, error.status, error.type, moved, error.code, error.headers)
 
 
 def _embedding_error_code(message: str) -> str:

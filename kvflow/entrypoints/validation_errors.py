@@ -30,12 +30,16 @@ def validation_error(exc: RequestValidationError, unknown: UnknownFields | None 
                            code="invalid_unicode")
     if first.get("type") == "request_limit":  # raised before validation
         ctx = first.get("ctx", {})
-        return OpenAIError(f"{ctx.get('param')}: {ctx.get('why')}", param=ctx.get("param"),
-                           code=ctx.get("code"))
+        param = str(ctx.get("param"))
+        if param.startswith("messages.") and _chat_input(exc.body):
+            param = "input" + param[len("messages"):]
+        return OpenAIError(f"{param}: {ctx.get('why')}", param=param, code=ctx.get("code"))
     if first.get("type") == "json_invalid":
         return OpenAIError(f"the body is not valid JSON: {_json_syntax_error(first, exc.body)}",
                            code="invalid_json")
     loc = _field_path(first.get("loc", ()))
+    if loc[:1] == ["messages"] and len(loc) > 1 and _chat_input(exc.body):
+        loc[0] = "input"  # /v1/embeddings' chat messages sent in input (moved to messages)
     if first.get("type") == "part_key":  # a content part's key of another part type
         param = ".".join([*loc, first["ctx"]["key"]])
         return OpenAIError(f"Unrecognized request argument supplied: {param} (a "
@@ -55,6 +59,12 @@ def validation_error(exc: RequestValidationError, unknown: UnknownFields | None 
     if param and len(alternatives) > 1:  # fits no member: say what the field takes
         message = f"{param}: expected {', '.join(alternatives[:-1])} or {alternatives[-1]}"
     return OpenAIError(message, param=param, code=error_code(first))
+
+
+def _chat_input(body: Any) -> bool:
+    """Whether ``body`` sent its chat messages in ``input`` (no ``messages``): an embeddings
+    request whose model validated them as ``messages`` (``EmbeddingRequest``)."""
+    return isinstance(body, dict) and "messages" not in body and "input" in body
 
 
 def _json_syntax_error(error: dict, doc: Any) -> str:

@@ -357,6 +357,43 @@ def test_pooling_messages(decoder, tiny_tokenizer, endpoint):
         assert (resp.status_code, resp.json()["error"]["param"]) == (400, param), resp.text
 
 
+def test_embeddings_batch_chat_requests(decoder, tiny_tokenizer):
+    """vLLM 0.32's batch chat embedding requests on /v1/embeddings: ``messages`` as a list of
+    conversations, and chat messages (one conversation or a list of them) in ``input``: each
+    conversation rendered by the chat template and embedded as that text (sentence-
+    transformers' vector), in order, usage summing their tokens; errors name the
+    conversation where it was sent (``messages.<b>``, ``input...``); /pooling, as vLLM's,
+    takes one conversation only."""
+    server, st = decoder
+    first = [{"role": "user", "content": "the quick brown fox"}]
+    second = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "tokens"}]
+    texts = ["<user>the quick brown fox\n", "<system>be brief\n<user>tokens\n"]
+    tokens = sum(len(tiny_tokenizer.encode(t)) for t in texts)
+    for body in ({"messages": [first, second]}, {"input": [first, second]}):
+        reply = httpx.post(f"{server.url}/v1/embeddings", timeout=60, json=body).json()
+        assert [d["index"] for d in reply["data"]] == [0, 1], reply
+        for d, ref in zip(reply["data"], st_embed(st, texts)):
+            _close(d["embedding"], ref)
+        assert reply["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    reply = httpx.post(f"{server.url}/v1/embeddings", timeout=60, json={"input": second}).json()
+    _close(reply["data"][0]["embedding"], st_embed(st, texts[1:])[0])
+    long = [{"role": "user", "content": "word " * 60}]
+    for body, param, code in (
+            ({"messages": [first, []]}, "messages.1", "empty_array"),
+            ({"messages": [first, [{"role": "user"}]]}, "messages.1.0.content",
+             "missing_required_parameter"),
+            ({"input": [{"role": "bogus", "content": "x"}]}, "input.0.role", "invalid_value"),
+            ({"input": [{"role": "user"}]}, "input.0.content", "missing_required_parameter"),
+            ({"input": [first, long]}, "input.1", "context_length_exceeded"),
+            ({"messages": long}, "messages", "context_length_exceeded")):
+        resp = httpx.post(f"{server.url}/v1/embeddings", timeout=60, json=body)
+        error = resp.json()["error"]
+        assert (resp.status_code, error["param"], error["code"]) == (400, param, code), \
+            (body, resp.text)
+    resp = httpx.post(f"{server.url}/pooling", timeout=60, json={"messages": [first, second]})
+    assert (resp.status_code, resp.json()["error"]["param"]) == (400, "messages.0"), resp.text
+
+
 def test_invocations_embeds_and_scores(bert):
     """SageMaker's /invocations on an embedding server: ``input`` embeds (equal to
     /v1/embeddings' answer and to sentence-transformers), ``text_1``/``text_2`` score as

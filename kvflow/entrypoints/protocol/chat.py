@@ -29,13 +29,14 @@ def check_list_caps(data: Any) -> None:
     parts in all (a message whose content is not a list counts as one), more than
     :data:`MAX_TOOL_CALLS` ``tool_calls`` in all, or whose ``tools`` are more than
     :data:`MAX_TOOLS`, before anything else of it is read: one pass over the messages, not
-    over the parts or calls.
+    over the parts or calls. ``messages`` may be a list of conversations (/v1/embeddings'
+    batch, vLLM 0.32's): their messages count together.
 
     Raises:
         PydanticCustomError: ``request_limit`` (``base.request_limit``), its context naming
             the field (``messages.<i>.content`` / ``messages.<i>.tool_calls`` of the message
-            that passes the limit, or ``tools``), the limit and the count (the server's 400,
-            code ``array_above_max_length``).
+            that passes the limit, ``messages.<b>.<i>...`` in a batch, or ``tools``), the
+            limit and the count (the server's 400, code ``array_above_max_length``).
     """
     if not isinstance(data, dict):
         return
@@ -46,17 +47,28 @@ def check_list_caps(data: Any) -> None:
     messages = data.get("messages")
     if not isinstance(messages, list):
         return
+    named = [(f"messages.{b}.{i}", m) for b, conversation in enumerate(messages)
+             for i, m in enumerate(conversation)] if is_batch(messages) else \
+        [(f"messages.{i}", m) for i, m in enumerate(messages)]
     for key, limit, what in (("content", MAX_CONTENT_PARTS, "content parts"),
                              ("tool_calls", MAX_TOOL_CALLS, "tool calls")):
-        values = [m.get(key) if isinstance(m, dict) else None for m in messages]
+        values = [m.get(key) if isinstance(m, dict) else None for _, m in named]
         one = 1 if key == "content" else 0  # a content that is no list is one part
         totals = list(accumulate(len(v) if isinstance(v, list) else one for v in values))
         if not totals or totals[-1] <= limit:
             continue
         i = next(i for i, total in enumerate(totals) if total > limit)
         note = " (a string content counts as one)" if key == "content" else ""
-        raise request_limit(f"messages.{i}.{key}", f"a request holds at most {limit} {what}, "
+        raise request_limit(f"{named[i][0]}.{key}", f"a request holds at most {limit} {what}, "
                             f"all messages together{note}; this one holds {totals[-1]}")
+
+
+def is_batch(messages: Any) -> bool:
+    """Whether a body's ``messages`` is a list of conversations (each a list), as
+    /v1/embeddings takes a batch (vLLM 0.32's ``EmbeddingBatchChatRequest``), rather than
+    one conversation."""
+    return isinstance(messages, list) and bool(messages) and \
+        all(isinstance(m, list) for m in messages)
 
 
 class ImageURL(RequestModel):

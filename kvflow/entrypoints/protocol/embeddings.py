@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Discriminator, Field, PrivateAttr, Tag, model_validator
 
 from kvflow.entrypoints.protocol.base import (
     INT32_MAX,
@@ -12,7 +12,28 @@ from kvflow.entrypoints.protocol.base import (
     RequestBody,
     now,
 )
-from kvflow.entrypoints.protocol.chat import ChatMessage, check_list_caps
+from kvflow.entrypoints.protocol.chat import ChatMessage, check_list_caps, is_batch
+
+Conversation = Annotated[list[ChatMessage], Field(min_length=1)]
+# one conversation, or (vLLM 0.32's EmbeddingBatchChatRequest) a list of them; the tags read
+# as types in an error's location, which validation_errors leaves out of its param
+Conversations = Annotated[
+    Annotated[Conversation, Tag("list[ChatMessage]")]
+    | Annotated[Annotated[list[Conversation], Field(min_length=1)],
+                Tag("list[list[ChatMessage]]")],
+    Discriminator(lambda v: "list[list[ChatMessage]]" if is_batch(v) else "list[ChatMessage]")]
+
+
+def is_chat_input(value: Any) -> bool:
+    """Whether an embeddings ``input`` is chat messages, as vLLM 0.32 reads it
+    (``EmbeddingChatInputRequest`` / ``EmbeddingBatchChatInputRequest``): a non-empty list of
+    objects each with a string ``role``, or a non-empty list of such lists."""
+    def conversation(v: Any) -> bool:
+        return isinstance(v, list) and bool(v) and \
+            all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in v)
+
+    return conversation(value) or (isinstance(value, list) and bool(value)
+                                   and all(conversation(v) for v in value))
 
 
 class EmbeddingRequest(RequestBody):
@@ -34,12 +55,17 @@ class EmbeddingRequest(RequestBody):
     kept; token ids their first N), or, with vLLM's ``truncation_side`` ``"left"``, its last
     N (``"right"``: the first N of the whole encoding, special tokens cut too); vLLM's
     ``priority`` orders the waiting queue as a
-    generation request's does (needs ``--policy priority`` or ``fair``)."""
+    generation request's does (needs ``--policy priority`` or ``fair``). Instead of
+    ``input``, ``messages``: one conversation, or (vLLM 0.32) a list of conversations, each
+    rendered with the chat template and embedded; vLLM 0.32 also reads chat messages sent in
+    ``input`` (``is_chat_input``) as ``messages`` (``messages_field`` then ``input``)."""
+
+    CHAT_INPUT: ClassVar[bool] = True  # vLLM 0.32 reads chat messages in input (not /pooling)
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
     input: str | list[int] | list[str] | list[list[int]] | None = None  # ids first: see
-    messages: list[ChatMessage] | None = Field(None, min_length=1)  # CompletionRequest
+    messages: Conversations | None = None  # CompletionRequest
     encoding_format: Literal["float", "base64", "bytes", "bytes_only"] = "float"
     embed_dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "float32"
     endianness: Literal["native", "big", "little"] = "native"
@@ -56,11 +82,27 @@ class EmbeddingRequest(RequestBody):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
+    _messages_field: str = PrivateAttr(default="messages")
+
     @model_validator(mode="wrap")
     @classmethod
     def _cap_lists(cls, data: Any, handler: Any) -> Any:
+        moved = cls.CHAT_INPUT and isinstance(data, dict) and "messages" not in data \
+            and is_chat_input(data.get("input"))
+        if moved:  # vLLM 0.32: chat messages in input are the messages
+            data = {**{k: v for k, v in data.items() if k != "input"},
+                    "messages": data["input"]}
         check_list_caps(data)  # as chat's: before the body's other checks
-        return handler(data)
+        model = handler(data)
+        if moved:
+            model._messages_field = "input"
+        return model
+
+    @property
+    def messages_field(self) -> str:
+        """The field the client sent its ``messages`` in: ``messages``, or ``input`` (chat
+        messages there, vLLM 0.32's reading), for the errors that name it."""
+        return self._messages_field
 
 
 class EmbeddingData(OpenAIBaseModel):

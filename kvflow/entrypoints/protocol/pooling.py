@@ -3,11 +3,12 @@ an embedding model's vectors, a sequence classifier's class probabilities."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
 from kvflow.entrypoints.protocol.base import OpenAIBaseModel, now
+from kvflow.entrypoints.protocol.chat import ChatMessage
 from kvflow.entrypoints.protocol.embeddings import EmbeddingRequest
 from kvflow.entrypoints.protocol.responses import UsageInfo
 
@@ -19,8 +20,12 @@ class PoolingRequest(EmbeddingRequest):
     ``normalize`` apply to ``embed`` only; ``activation`` / ``use_activation`` to every task
     (the head's activation, or on the embedding tasks vLLM 0.32's name of ``normalize``),
     and vLLM 0.10's reward-model ``softmax`` (the same switch) to ``token_classify``
-    only."""
+    only. Unlike /v1/embeddings (vLLM 0.32's /pooling as well), ``messages`` is one
+    conversation and ``input`` never holds chat messages."""
 
+    CHAT_INPUT: ClassVar[bool] = False
+
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     task: str | None = None
     activation: bool | None = None  # vLLM 0.10's name of use_activation
     use_activation: bool | None = None  # False: raw head logits / an unnormalized embedding
