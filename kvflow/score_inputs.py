@@ -58,6 +58,31 @@ def _as_texts(value: Any, name: str) -> list[str]:
     return list(texts)
 
 
+def cut_text(text: str, tokenizer: Any, max_tokens: int) -> str:
+    """``text`` cut to its first ``max_tokens`` tokens (the tokenizer's, special tokens not
+    counted) at a character boundary: vLLM 0.32's ``truncate_text_to_tokens`` for /score's
+    and /rerank's ``max_tokens_per_query`` / ``max_tokens_per_doc``. With a fast tokenizer
+    the text is cut where token ``max_tokens`` begins (its character offsets, the text
+    re-tokenized until it fits); otherwise its first ``max_tokens`` ids decoded.
+
+    Raises:
+        ValueError: for a ``max_tokens`` below 1.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens} must be >= 1")
+    if not getattr(tokenizer, "is_fast", False):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return text if len(ids) <= max_tokens else tokenizer.decode(ids[:max_tokens])
+    while text:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = enc["offset_mapping"]
+        if len(enc["input_ids"]) <= max_tokens:
+            break
+        end = min(offsets[max_tokens - 1][1], offsets[max_tokens][0])
+        text = text[:min(end, len(text) - 1)]  # always shorter: the loop ends
+    return text
+
+
 def pair_prompt(tokenizer: Any, text_1: str, text_2: str,
                 truncate_prompt_tokens: int | None = None,
                 truncation_side: str | None = None) -> tuple[list[int], PoolingParams]:

@@ -164,8 +164,9 @@ def test_platform_fields_asking_for_what_kvflow_cannot_do_are_refused_everywhere
 
 def test_vllm_fields_pass_where_declared_and_are_refused_elsewhere():
     """``cache_salt`` (completions, chat, responses), ``normalize`` / ``add_special_tokens``
-    / ``embed_dtype`` / ``endianness`` / ``priority`` (embeddings, /pooling) are declared, so
-    honoured, where vLLM takes them; sent to another endpoint each is refused as unsupported
+    / ``embed_dtype`` / ``endianness`` / ``priority`` (embeddings, /pooling; ``priority`` on
+    /v1/score and /v1/rerank too, as vLLM 0.32) are declared, so honoured, where vLLM takes
+    them; sent to another endpoint each is refused as unsupported
     even under ``--ignore-unknown-fields`` (ignored, a salt would share the prefix cache)."""
     for endpoint in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         UnknownFields().check(_parsed(endpoint, {"cache_salt": "a"}), endpoint)
@@ -176,12 +177,14 @@ def test_vllm_fields_pass_where_declared_and_are_refused_elsewhere():
     # vLLM 0.32's classification requests take add_special_tokens and messages
     UnknownFields().check(_parsed("/classify", {"add_special_tokens": False, "priority": 1,
                                                 "messages": HI}), "/classify")
+    for endpoint in ("/v1/score", "/v1/rerank"):
+        UnknownFields().check(_parsed(endpoint, {"priority": 1}), endpoint)
     for endpoint, field, value in (("/v1/embeddings", "cache_salt", "a"),
                                    ("/v1/score", "normalize", False),
                                    ("/v1/score", "add_special_tokens", False),
                                    ("/v1/score", "embed_dtype", "float16"),
                                    ("/v1/rerank", "endianness", "big"),
-                                   ("/v1/score", "priority", 1)):
+                                   ("/tokenize", "priority", 1)):
         error = _refusal(endpoint, {field: value}, ignore=True)
         assert (error.status, error.param, error.code) == (400, field, "unsupported_parameter")
 

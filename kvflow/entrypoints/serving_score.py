@@ -30,7 +30,13 @@ from kvflow.entrypoints.protocol import (
 from kvflow.entrypoints.serving_base import OpenAIServing, request_activation, request_ids
 from kvflow.pooling_params import PoolingParams
 from kvflow.prompt_truncation import truncation_length
-from kvflow.score_inputs import cosine_similarity, pair_prompt, score_pairs, score_value
+from kvflow.score_inputs import (
+    cosine_similarity,
+    cut_text,
+    pair_prompt,
+    score_pairs,
+    score_value,
+)
 from kvflow.tokenization_options import pooling_cut
 
 Pair = tuple[list[int], PoolingParams]
@@ -60,6 +66,7 @@ class OpenAIServingScore(OpenAIServing):
         fields = score_fields(req)
         pairs = _pairs(getattr(req, fields[0]), getattr(req, fields[1]), fields)
         names = [f"pair {i} ({fields[0]}, {fields[1]})" for i in range(len(pairs))]
+        pairs = await self._cut_pairs(req, pairs)
         reply_id, streams, finish = await self._queue(req, raw, pairs, names, fields)
 
         async def response() -> ScoreResponse:
@@ -85,15 +92,16 @@ class OpenAIServingScore(OpenAIServing):
             raise OpenAIError(f"rerank needs one relevance score per document, but this model "
                               f"has num_labels={labels}: use /v1/score for its {labels} values",
                               param="model", code="invalid_value")
-        pairs = _pairs(req.query, req.documents, ("query", "documents"))
-        names = [f"documents[{i}]" for i in range(len(pairs))]
+        sent = _pairs(req.query, req.documents, ("query", "documents"))
+        names = [f"documents[{i}]" for i in range(len(sent))]
+        pairs = await self._cut_pairs(req, sent)
         reply_id, streams, finish = await self._queue(req, raw, pairs, names,
                                                       ("query", "documents"))
 
         async def response() -> RerankResponse:
             scores, tokens = await finish()
             order = sorted(range(len(scores)), key=lambda i: -scores[i])  # stable on ties
-            documents = [d for _, d in pairs]  # a one-text ``documents`` as a list
+            documents = [d for _, d in sent]  # as sent, a one-text ``documents`` as a list
             results = [RerankResult(index=i, relevance_score=scores[i],
                                     document=RerankDocument(text=documents[i])
                                     if req.return_documents else None)
@@ -111,6 +119,40 @@ class OpenAIServingScore(OpenAIServing):
         self.check_model(req.model)
         if self.engine.task != "embed":
             self.check_task("score")
+        self.check_priority(req.priority)
+
+    async def _cut_pairs(self, req: ScoreRequest | RerankRequest,
+                         pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """``pairs`` with each first text cut to ``max_tokens_per_query`` tokens and each
+        second text to ``max_tokens_per_doc`` (0: not cut; ``score_inputs.cut_text``, vLLM
+        0.32's cut, before the pair is tokenized or, for an embedding model, each text
+        embedded), off the event loop when long.
+
+        Raises:
+            OpenAIError: 400 naming the field for a limit not below ``--max-model-len``
+                (vLLM's rule).
+        """
+        limits = (req.max_tokens_per_query, req.max_tokens_per_doc)
+        for name, limit in zip(("max_tokens_per_query", "max_tokens_per_doc"), limits):
+            if limit >= self.engine.max_model_len:
+                raise OpenAIError(f"{name}={limit} must be less than max_model_len "
+                                  f"({self.engine.max_model_len})", param=name,
+                                  code="invalid_value")
+        if not any(limits):
+            return pairs
+        tokenizer, cut = self.tokenizer, {}
+
+        def cut_all() -> list[tuple[str, str]]:
+            def one(text: str, limit: int) -> str:
+                if not limit:
+                    return text
+                if (text, limit) not in cut:  # a 1-to-N query is cut once
+                    cut[text, limit] = cut_text(text, tokenizer, limit)
+                return cut[text, limit]
+
+            return [(one(a, limits[0]), one(b, limits[1])) for a, b in pairs]
+
+        return await off_loop(sum(len(a) + len(b) for a, b in pairs), cut_all)
 
     async def _queue(self, req: ScoreRequest | RerankRequest, raw: Request,
                      pairs: list[tuple[str, str]], names: list[str], fields: tuple[str, str]
@@ -229,7 +271,7 @@ class OpenAIServingScore(OpenAIServing):
             ids, params = prompts[i]
             self.log_request(f"{request_id}-{i}", None, ids, params)
             return self.engine.add_pooling_request(f"{request_id}-{i}", None, ids, params,
-                                                   client)
+                                                   client, req.priority)
 
         return await self.admit_all(add, len(prompts))
 

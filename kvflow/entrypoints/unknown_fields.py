@@ -60,9 +60,9 @@ UNSUPPORTED = {
                    "or bytes)",
     "endianness": "only /v1/embeddings and /pooling take it (with encoding_format base64 "
                   "or bytes)",
-    "priority": "only /v1/completions, /v1/chat/completions, /v1/embeddings, /pooling and "
-                "/classify take a priority (other requests are queued at priority 0, by "
-                "client under --policy fair)",
+    "priority": "only /v1/completions, /v1/chat/completions, /v1/embeddings, /pooling, "
+                "/classify, /v1/score and /v1/rerank take a priority (other requests are "
+                "queued at priority 0, by client under --policy fair)",
     "target_ttft_ms": "only generation requests take one (embedding requests take the "
                       "server's --target-ttft-ms)",
     "target_tpot_ms": "only generation requests generate tokens",

@@ -253,6 +253,51 @@ def test_truncation_side_cuts_the_whole_pair(servers):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncation_side"
 
 
+def test_max_tokens_per_query_and_doc(servers):
+    """vLLM 0.32's ``max_tokens_per_query`` / ``max_tokens_per_doc`` on /v1/score and
+    /v1/rerank: each query / document is cut to its first N tokens (special tokens not
+    counted) before the pair is tokenized, so a pair too long for --max-model-len 16 fits;
+    oracle: transformers' score of the texts cut where the tokenizer's offsets put the N-th
+    token's end. /v1/rerank echoes each document as sent. A limit not below the context is a
+    400 naming it; so is vLLM's ``priority`` on a server without a priority policy (the
+    embedding server runs one: taken there)."""
+    server, folder = servers["bert"]
+    tok = AutoTokenizer.from_pretrained(folder)
+
+    def cut(text: str, n: int) -> str:
+        offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        return text[:offsets["offset_mapping"][n - 1][1]]
+
+    limits = {"max_tokens_per_query": 3, "max_tokens_per_doc": 4}
+    assert _post(server, "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS[1]}) \
+        .status_code == 400  # 18 tokens
+    body = _post(server, "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS[1],
+                                       **limits}).json()
+    query, doc = cut(QUERY, 3), cut(DOCUMENTS[1], 4)
+    assert (query, doc) == ("what is the", "the quick brown fox")
+    assert body["data"][0]["score"] == pytest.approx(float(hf_scores(folder, [(query, doc)])[0]),
+                                                     abs=TOL)
+    assert body["usage"]["prompt_tokens"] == len(tok(query, doc)["input_ids"]) == 10
+    docs = DOCUMENTS[1:3]
+    body = _post(server, "/v1/rerank", {"query": QUERY, "documents": docs,
+                                        "max_tokens_per_doc": 4}).json()
+    want = hf_scores(folder, [(QUERY, cut(d, 4)) for d in docs])
+    got = {r["index"]: (r["relevance_score"], r["document"]["text"]) for r in body["results"]}
+    assert {i: text for i, (_, text) in got.items()} == dict(enumerate(docs))
+    torch.testing.assert_close(torch.tensor([got[i][0] for i in range(2)]), want, atol=TOL,
+                               rtol=1e-4)
+    for field, value, code in (("max_tokens_per_doc", 16, "invalid_value"),
+                               ("max_tokens_per_query", -1, "integer_below_min_value"),
+                               ("priority", 1, "unsupported_value")):
+        resp = _post(server, "/v1/score", {"text_1": "a", "text_2": "b", field: value})
+        error = resp.json()["error"]
+        assert (resp.status_code, error["param"], error["code"]) == (400, field, code), resp.text
+    embed, _ = servers["embed"]
+    for path, body in (("/v1/score", {"text_1": "a", "text_2": "b"}),
+                       ("/v1/rerank", {"query": "a", "documents": ["b"]})):
+        assert _post(embed, path, {**body, "priority": -1}).status_code == 200
+
+
 def test_an_embedding_server_scores_by_cosine_similarity(servers):
     from sentence_transformers import util
 

@@ -25,8 +25,11 @@ class ScoreRequest(RequestBody):
     longer text first, each keeping its first tokens; vLLM's ``truncation_side``
     ``"left"`` / ``"right"`` cuts the whole encoding to its last / first N:
     ``kvflow.score_inputs.pair_prompt``; an embedding model cuts each text as
-    /v1/embeddings does) instead of refusing a pair longer than the context; vLLM's
-    ``request_id`` names the reply (``id``: ``score-{request_id}``)."""
+    /v1/embeddings does) instead of refusing a pair longer than the context; vLLM 0.32's
+    ``max_tokens_per_query`` / ``max_tokens_per_doc`` (0: no cut) first cut each first /
+    second text to that many tokens (``kvflow.score_inputs.cut_text``); vLLM's
+    ``request_id`` names the reply (``id``: ``score-{request_id}``) and ``priority``
+    orders the waiting queue (needs ``--policy priority`` or ``fair``)."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
@@ -39,7 +42,10 @@ class ScoreRequest(RequestBody):
     data_2: str | list[str] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     truncation_side: Literal["left", "right"] | None = None  # None: keep the first tokens
+    max_tokens_per_query: int = Field(0, ge=0, le=INT32_MAX)  # 0: no cut (vLLM 0.32's)
+    max_tokens_per_doc: int = Field(0, ge=0, le=INT32_MAX)
     user: str | None = None
+    priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
     activation: bool | None = None  # vLLM 0.10's name of use_activation
     use_activation: bool | None = None  # False: raw head logits, no softmax / sigmoid
 
@@ -66,8 +72,9 @@ class RerankRequest(RequestBody):
     """POST /v1/rerank (and /rerank): ``documents`` (a list of texts, or one text as vLLM
     takes it) scored against ``query``, best first; ``top_n`` keeps the best N (0 or None:
     all); ``return_documents`` echoes each document's text (default true, as vLLM and Jina
-    do; false: no ``document``); ``truncate_prompt_tokens`` and ``truncation_side`` as
-    /v1/score reads them."""
+    do; false: no ``document``, else the document as sent); ``truncate_prompt_tokens``,
+    ``truncation_side``, ``max_tokens_per_query`` (the query), ``max_tokens_per_doc`` and
+    ``priority`` as /v1/score reads them."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
@@ -77,7 +84,10 @@ class RerankRequest(RequestBody):
     return_documents: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     truncation_side: Literal["left", "right"] | None = None  # None: keep the first tokens
+    max_tokens_per_query: int = Field(0, ge=0, le=INT32_MAX)  # 0: no cut (vLLM 0.32's)
+    max_tokens_per_doc: int = Field(0, ge=0, le=INT32_MAX)
     user: str | None = None
+    priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
     activation: bool | None = None  # vLLM 0.10's name of use_activation
     use_activation: bool | None = None  # False: raw head logits, no softmax / sigmoid
 
