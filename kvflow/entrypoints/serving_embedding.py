@@ -102,9 +102,11 @@ class OpenAIServingEmbedding(OpenAIServing):
         if req.messages is not None:
             field = getattr(req, "messages_field", "messages")
             if not is_batch(req.messages):
-                return [await self._conversation(req, raw, req.messages, field)]
-            return [await self._conversation(req, raw, messages, f"{field}.{b}")
-                    for b, messages in enumerate(req.messages)]
+                prompts = [await self._conversation(req, raw, req.messages, field)]
+            else:
+                prompts = [await self._conversation(req, raw, messages, f"{field}.{b}")
+                           for b, messages in enumerate(req.messages)]
+            return self._padded(prompts, req.padding)
         if req.input is None:
             raise OpenAIError("give input (or messages)", param="input",
                               code="missing_required_parameter")
@@ -113,9 +115,28 @@ class OpenAIServingEmbedding(OpenAIServing):
             if getattr(req, name) != EmbeddingRequest.model_fields[name].default:
                 raise OpenAIError(f"{name} applies to messages only", param=name,
                                   code="invalid_value")
-        return await self._request_inputs(req.input, req.truncate_prompt_tokens,
-                                          req.add_special_tokens is not False,
-                                          req.truncation_side)
+        return self._padded(await self._request_inputs(
+            req.input, req.truncate_prompt_tokens, req.add_special_tokens is not False,
+            req.truncation_side), req.padding)
+
+    def _padded(self, prompts: list[Prompt], padding: str | None) -> list[Prompt]:
+        """``prompts`` with vLLM 0.32's ``padding``: ``"max_length"`` appends the
+        tokenizer's pad token to each prompt's ids up to ``max_model_len`` (its
+        ``TokenizeParams`` pad after the cut, before the length check); None or
+        ``"do_not_pad"``: as they are.
+
+        Raises:
+            OpenAIError: 400 naming ``padding`` when the tokenizer has no pad token.
+        """
+        if padding != "max_length":
+            return prompts
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        if pad is None:
+            raise OpenAIError("padding='max_length' pads with the tokenizer's pad token, and "
+                              "this model's tokenizer has none", param="padding",
+                              code="invalid_value")
+        length = self.engine.max_model_len
+        return [(text, ids + [pad] * (length - len(ids))) for text, ids in prompts]
 
     async def _conversation(self, req: EmbeddingRequest | ClassificationRequest,
                             raw: Request, messages: list[ChatMessage],

@@ -154,6 +154,29 @@ def test_truncate_prompt_tokens(servers):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncation_side"
 
 
+def test_padding_max_length(servers):
+    """vLLM 0.32's ``padding: "max_length"`` on /classify: the ids padded with the
+    tokenizer's pad token to --max-model-len (10) and the last position (a pad) pooled, as
+    vLLM does; oracle: transformers' ``score`` head on the decoder's last hidden state of the
+    padded ids (its own classifier would skip the pads)."""
+    from transformers import AutoModelForSequenceClassification
+
+    server, folder = servers["cls"]
+    tok = _tokenizer(folder)
+    ids = tok(TEXTS[0])["input_ids"]
+    assert len(ids) < 10 and tok.pad_token_id is not None
+    padded = ids + [tok.pad_token_id] * (10 - len(ids))
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    with torch.no_grad():
+        hidden = model.model(input_ids=torch.tensor([padded])).last_hidden_state[0, -1]
+        expected = torch.softmax(model.score(hidden).float(), dim=-1)
+    body = _post(server, "/classify", {"input": TEXTS[0], "padding": "max_length"}).json()
+    torch.testing.assert_close(torch.tensor(body["data"][0]["probs"]), expected, atol=ATOL,
+                               rtol=0)
+    assert body["usage"]["prompt_tokens"] == 10
+    assert (expected - _hf_probs_of_ids(folder, [ids])[0]).abs().max() > 1e-3
+
+
 def test_errors_and_the_server_keeps_serving(servers):
     server, folder = servers["cls"]
     idle = _free_blocks(server)

@@ -166,6 +166,45 @@ def test_normalize(which, bert, decoder):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "normalize", resp.text
 
 
+@pytest.mark.parametrize("which", ["bert", "decoder"])
+def test_padding_max_length(which, bert, decoder):
+    """vLLM 0.32's ``padding: "max_length"``: each prompt's ids padded with the tokenizer's
+    pad token to --max-model-len and embedded whole, as vLLM does (no attention mask: mean
+    pooling averages the pads, last-token pooling takes the last pad), usage counting the
+    pads; oracle: sentence-transformers over the padded ids with every position attended.
+    ``"do_not_pad"`` is no padding; /v1/score, which kvflow does not pad, refuses
+    ``max_length`` naming it."""
+    server, st = bert if which == "bert" else decoder
+    length = httpx.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"]
+    tok = st.tokenizer
+    assert tok.pad_token_id is not None
+
+    def padded_st(text: str) -> torch.Tensor:
+        ids = tok.encode(text)
+        ids = ids + [tok.pad_token_id] * (length - len(ids))
+        with torch.no_grad():
+            return st({"input_ids": torch.tensor([ids]), "attention_mask":
+                       torch.ones(1, length, dtype=torch.long)})["sentence_embedding"][0]
+
+    for path, key in (("/v1/embeddings", "embedding"), ("/pooling", "data")):
+        body = httpx.post(f"{server.url}{path}", timeout=60, json={
+            "input": INPUTS[:2], "padding": "max_length"}).json()
+        for d, text in zip(body["data"], INPUTS):
+            _close(d[key], padded_st(text))
+        assert body["usage"]["prompt_tokens"] == 2 * length
+    plain = httpx.post(f"{server.url}/v1/embeddings", timeout=60, json={"input": INPUTS[0]})
+    same = httpx.post(f"{server.url}/v1/embeddings", timeout=60, json={
+        "input": INPUTS[0], "padding": "do_not_pad"})
+    _close(same.json()["data"][0]["embedding"], torch.tensor(plain.json()["data"][0]["embedding"]))
+    assert (padded_st(INPUTS[0]) - torch.tensor(plain.json()["data"][0]["embedding"])) \
+        .abs().max() > 1e-3
+    resp = httpx.post(f"{server.url}/v1/score", timeout=60, json={
+        "text_1": "a", "text_2": "b", "padding": "max_length"})
+    error = resp.json()["error"]
+    assert (resp.status_code, error["param"], error["code"]) == \
+        (400, "padding", "unsupported_parameter"), resp.text
+
+
 def test_add_special_tokens_embed_dtype_and_endianness_refusals(bert, decoder):
     """A non-bool ``add_special_tokens`` is a 400 naming it (what false does is checked with a
     tokenizer that adds ``<bos>``: tests/e2e/test_openai_fields.py); so are an unknown

@@ -30,7 +30,8 @@ class ClassificationRequest(RequestBody):
     /v1/embeddings): ``add_special_tokens`` (default true; false tokenizes text inputs
     without the tokenizer's special tokens) and, instead of ``input``, ``messages``: one
     conversation rendered with the chat template, with the chat fields /v1/embeddings takes
-    (``add_special_tokens`` then defaults to false)."""
+    (``add_special_tokens`` then defaults to false), and ``padding`` as /v1/embeddings
+    reads it."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
@@ -43,6 +44,7 @@ class ClassificationRequest(RequestBody):
     chat_template_kwargs: dict[str, Any] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     truncation_side: Literal["left", "right"] | None = None  # None: keep the first tokens
+    padding: Literal["max_length", "do_not_pad"] | None = None  # vLLM 0.32's
     user: str | None = None
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
     activation: bool | None = None  # vLLM 0.10's name of use_activation

@@ -58,7 +58,11 @@ class EmbeddingRequest(RequestBody):
     generation request's does (needs ``--policy priority`` or ``fair``). Instead of
     ``input``, ``messages``: one conversation, or (vLLM 0.32) a list of conversations, each
     rendered with the chat template and embedded; vLLM 0.32 also reads chat messages sent in
-    ``input`` (``is_chat_input``) as ``messages`` (``messages_field`` then ``input``)."""
+    ``input`` (``is_chat_input``) as ``messages`` (``messages_field`` then ``input``).
+    vLLM 0.32's ``padding`` ``"max_length"`` pads each prompt's token ids (after any cut)
+    with the tokenizer's pad token to ``max_model_len``, all of them embedded and counted
+    (models trained at a fixed length without an attention mask); ``"do_not_pad"`` or unset:
+    no padding."""
 
     CHAT_INPUT: ClassVar[bool] = True  # vLLM 0.32 reads chat messages in input (not /pooling)
 
@@ -76,6 +80,7 @@ class EmbeddingRequest(RequestBody):
     add_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     truncation_side: Literal["left", "right"] | None = None  # None: keep the first tokens
+    padding: Literal["max_length", "do_not_pad"] | None = None  # vLLM 0.32's
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
     add_generation_prompt: bool = False
     continue_final_message: bool = False
