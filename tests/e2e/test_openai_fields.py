@@ -978,6 +978,22 @@ def embedding_cases() -> dict[str, Callable]:
         rejected(EMB, {"truncate_prompt_tokens": 3, "truncation_side": "middle"},
                  "truncation_side")(server, tokenizer)
 
+    def padding(server, tokenizer):
+        """vLLM 0.32's: "max_length" pads the prompt's ids with the tokenizer's pad token to
+        max_model_len (the vector of those ids sent as input; usage counts them);
+        "do_not_pad" pads nothing; another value is a 400 naming it."""
+        assert vector(ok(server, EMB, {"padding": "do_not_pad"})) == vector(ok(server, EMB, {}))
+        length = httpx.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"]
+        ids = tokenizer.encode(embed_text)
+        assert len(ids) < length
+        pad = tokenizer.eos_token_id  # the embedding model's pad: save_sentence_transformer
+        padded = ids + [pad] * (length - len(ids))
+        reply = ok(server, EMB, {"padding": "max_length"})
+        assert reply["usage"]["prompt_tokens"] == length
+        assert vector(reply) == pytest.approx(vector(ok(server, EMB, {"input": padded})),
+                                              abs=1e-6)
+        rejected(EMB, {"padding": "longest"}, "padding")(server, tokenizer)
+
     def request_id(server, tokenizer):
         reply = ok(server, EMB, {"request_id": "trace-7"})
         assert reply["id"] == "embd-trace-7" and vector(reply) == vector(ok(server, EMB, {}))
@@ -1028,7 +1044,7 @@ def embedding_cases() -> dict[str, Callable]:
             "request_id": request_id, "add_special_tokens": add_special_tokens,
             "normalize": normalize, "use_activation": use_activation,
             "truncate_prompt_tokens": truncate_prompt_tokens,
-            "truncation_side": truncation_side,
+            "truncation_side": truncation_side, "padding": padding,
             "embed_dtype": embed_dtype, "endianness": endianness, "priority": priority,
             "messages": messages, "add_generation_prompt": add_generation_prompt,
             "continue_final_message": continue_final_message, "chat_template": chat_template,
