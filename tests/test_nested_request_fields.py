@@ -433,6 +433,23 @@ def test_embedding_batches_count_against_the_content_part_cap(client, field):
         (f"{field}.2.0.content", "array_above_max_length")
 
 
+def test_embedding_chat_input_errors_name_input(client):
+    """Chat messages sent in /v1/embeddings' ``input`` are validated as ``messages``; the
+    errors found before validation (a lone surrogate) and by it (an unknown role) name the
+    field the client sent, ``input``."""
+    raw = '{"input": [{"role": "user", "content": "a\\ud800"}]}'
+    resp = client.post("/embeddings", content=raw, headers={"Content-Type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == \
+        ("input.0.content", "invalid_unicode")
+    assert resp.json()["error"]["message"].startswith("input.0.content: ")
+    resp = client.post("/embeddings", json={"input": [[{"role": "user", "content": "a"}],
+                                                      [{"role": "robot", "content": "b"}]]})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "input.1.0.role"
+    assert resp.json()["error"]["message"].startswith("input.1.0.role: ")
+
+
 MAX_TOOLS = MAX_TOOL_CALLS = 2048  # the limits README documents
 MAX_LOGIT_BIAS = 300_000
 

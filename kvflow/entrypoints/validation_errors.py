@@ -24,22 +24,17 @@ def validation_error(exc: RequestValidationError, unknown: UnknownFields | None 
     first = _reported(exc.errors())
     if first.get("type") == "unknown_and_missing":
         return _unknown_and_missing(first["ctx"], unknown or UnknownFields(), endpoint)
-    if first.get("type") == "invalid_unicode":
+    if first.get("type") in ("invalid_unicode", "request_limit"):  # before validation
         ctx = first.get("ctx", {})
-        return OpenAIError(f"{ctx.get('param')}: {ctx.get('why')}", param=ctx.get("param"),
-                           code="invalid_unicode")
-    if first.get("type") == "request_limit":  # raised before validation
-        ctx = first.get("ctx", {})
-        param = str(ctx.get("param"))
-        if param.startswith("messages.") and _chat_input(exc.body):
-            param = "input" + param[len("messages"):]
-        return OpenAIError(f"{param}: {ctx.get('why')}", param=param, code=ctx.get("code"))
+        param = _sent_at(str(ctx.get("param")), exc.body)
+        return OpenAIError(f"{param}: {ctx.get('why')}", param=param,
+                           code=ctx.get("code", "invalid_unicode"))
     if first.get("type") == "json_invalid":
         return OpenAIError(f"the body is not valid JSON: {_json_syntax_error(first, exc.body)}",
                            code="invalid_json")
     loc = _field_path(first.get("loc", ()))
     if loc[:1] == ["messages"] and len(loc) > 1 and _chat_input(exc.body):
-        loc[0] = "input"  # /v1/embeddings' chat messages sent in input (moved to messages)
+        loc[0] = "input"  # as _sent_at
     if first.get("type") == "part_key":  # a content part's key of another part type
         param = ".".join([*loc, first["ctx"]["key"]])
         return OpenAIError(f"Unrecognized request argument supplied: {param} (a "
@@ -61,9 +56,18 @@ def validation_error(exc: RequestValidationError, unknown: UnknownFields | None 
     return OpenAIError(message, param=param, code=error_code(first))
 
 
+def _sent_at(param: str, body: Any) -> str:
+    """``param`` as the client sent it: a ``messages.<...>`` path is ``input.<...>`` in a
+    body without ``messages`` but with ``input`` (/v1/embeddings' chat messages sent in
+    ``input``, which ``EmbeddingRequest`` validates as ``messages``)."""
+    if param.startswith("messages.") and _chat_input(body):
+        return "input" + param[len("messages"):]
+    return param
+
+
 def _chat_input(body: Any) -> bool:
-    """Whether ``body`` sent its chat messages in ``input`` (no ``messages``): an embeddings
-    request whose model validated them as ``messages`` (``EmbeddingRequest``)."""
+    """Whether ``body`` has ``input`` and no ``messages`` (an error about its ``messages``
+    is then about chat messages sent in ``input``)."""
     return isinstance(body, dict) and "messages" not in body and "input" in body
 
 
