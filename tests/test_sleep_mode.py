@@ -179,6 +179,10 @@ REFUSED = [
     (lambda llm: llm.collective_rpc("_init_device"), "not a Worker method"),
     (lambda llm: llm.collective_rpc("kv_cache_bytes", timeout=5.0), "timeout"),
     (lambda llm: llm.collective_rpc("kv_cache_bytes", kwargs={"x": 1}), "unexpected keyword"),
+    # args that are not the objects the method reads (an AttributeError in the worker: it
+    # was raised as such offline, and over HTTP it ended the engine core: a 503 for good)
+    (lambda llm: llm.collective_rpc("determine_available_memory", args=("x",)),
+     "determine_available_memory: AttributeError"),
 ]
 
 
@@ -198,6 +202,7 @@ def test_bad_arguments_are_refused(refusing_engine):
 @pytest.mark.parametrize(("method", "args"), [
     ("sleep", (1,)), ("wake_up", ()), ("execute_model", (None,)), ("shutdown", ()),
     ("initialize_kv_cache", (None,)), ("add_lora", (None,)), ("run_method", ("sleep",)),
+    ("time_draft_passes", ()), ("freeze_startup_heap", ()),
 ])
 def test_collective_rpc_refuses_what_the_engine_drives(refusing_engine, method, args):
     """A worker's sleep called behind the engine's back freed the KV cache the engine still

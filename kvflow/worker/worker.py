@@ -49,6 +49,10 @@ ENGINE_DRIVEN: dict[str, str] = {
                      "discard_output"), "the engine runs its steps itself"),
     **dict.fromkeys(("initialize_kv_cache", "capture_graphs"),
                     "the engine sets its KV cache and graphs up at start-up"),
+    # start-up only: the draft timing writes dummy K/V into free blocks (prefix-cached ones,
+    # once requests ran; freed ones while asleep), the heap freeze is once per process
+    **dict.fromkeys(("time_draft_passes", "freeze_startup_heap"),
+                    "the engine calls it once, at start-up"),
     "shutdown": "call LLM.shutdown() (or stop the server)",
     "run_method": "name the method itself",
 }
@@ -56,7 +60,7 @@ ENGINE_DRIVEN: dict[str, str] = {
 
 @dataclass
 class RpcRefusal:
-    """A ``run_method`` call that raised ValueError or TypeError: its message."""
+    """A named ``run_method`` call that raised (bad arguments, a failed load): its message."""
 
     message: str
 
@@ -219,8 +223,11 @@ class Worker:
         """``collective_rpc``'s call on this rank: the public Worker method named ``method``
         (or, in the engine's own process, a callable run as ``method(worker, ...)``).
 
-        A ValueError or TypeError the method raises (bad arguments) is returned as an
-        :class:`RpcRefusal`, so a worker process lives on (the engine core raises it).
+        An exception the named method raises (bad arguments: a ValueError or TypeError, or
+        an AttributeError where ``args`` are not the objects it reads, as JSON arguments of
+        ``POST /collective_rpc`` cannot be) is returned as an :class:`RpcRefusal`, so the
+        worker, and the engine, live on (the engine core raises it as a ValueError, the
+        server answers a 400).
 
         Raises:
             ValueError: for a name that is not a public method of Worker.
@@ -230,7 +237,7 @@ class Worker:
         self.check_method(method)
         try:
             return getattr(self, method)(*args, **(kwargs or {}))
-        except (TypeError, ValueError) as e:  # answered, not a failure of this worker
+        except Exception as e:  # noqa: BLE001 - the caller's call failed, not this worker
             return RpcRefusal(f"{method}: {type(e).__name__}: {e}")
 
     def add_lora(self, lora_request: LoRARequest) -> RpcRefusal | None:

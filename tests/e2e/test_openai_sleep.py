@@ -153,6 +153,9 @@ def test_sleep_with_a_request_in_flight_is_refused(server, tiny_llama):
     ("/collective_rpc", {"json": {"method": "sleep", "args": [1]}}, "method",
      "driven by the engine"),
     ("/collective_rpc", {"json": {"method": "shutdown"}}, "method", "driven by the engine"),
+    # an AttributeError in the worker ended the engine core (503 engine_dead for good)
+    ("/collective_rpc", {"json": {"method": "determine_available_memory", "args": ["x"]}},
+     "method", "determine_available_memory: AttributeError"),
     ("/sleep?levle=2", {}, "levle", "only the query parameter 'level'"),
     ("/sleep?level=1&level=2", {}, "level", "more than once"),
     ("/wake_up?tag=weights", {}, "tag", "only the query parameter 'tags'"),
