@@ -57,9 +57,14 @@ class LLMOps:
         after a level-2 sleep) and return the results by rank; a callable (called as
         ``method(worker, *args, **kwargs)``) only with the in-process executor.
 
+        ``reload_weights`` also forgets the prefix cache and the cached image embeddings
+        (computed by the old weights); one whose load fails leaves the engine refusing
+        requests until a reload succeeds.
+
         Raises:
             ValueError: for a name that is not a Worker method, a callable with worker
-                processes, or a ``timeout`` (not supported: calls are waited for).
+                processes, a ``timeout`` (not supported: calls are waited for), or whatever
+                the named method raised on a rank (its type and message).
         """
         if timeout is not None:
             raise ValueError(f"collective_rpc timeout={timeout!r} is not supported; leave it "

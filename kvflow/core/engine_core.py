@@ -59,7 +59,7 @@ class EngineCore(EngineCoreStartup):
         self.sleep_mode = EngineSleep(config.model_config.enable_sleep_mode)
         self.executor.freeze_worker_heaps()  # worker processes only (kvflow/gc_heap.py)
 
-    def _publish_kv_events(self) -> None:
+    def publish_kv_events(self) -> None:
         """Send the KV cache events recorded since the last batch (none: nothing sent)."""
         events = self.kv_cache_manager.take_kv_events()
         if events:
@@ -149,7 +149,7 @@ class EngineCore(EngineCoreStartup):
             return False
         self.kv_cache_manager.reset_prefix_cache()
         if self.kv_event_publisher is not None:
-            self._publish_kv_events()
+            self.publish_kv_events()
         return True
 
     # ---- requests ----------------------------------------------------------------------------
@@ -232,7 +232,7 @@ class EngineCore(EngineCoreStartup):
             outputs = step_async(self) if self.scheduler.async_scheduling else step_sync(self)
             self._last_step = (self._last_step[0], time.perf_counter())
         if self.kv_event_publisher is not None:
-            self._publish_kv_events()
+            self.publish_kv_events()
         return failed + outputs
 
     def _finish_failed_compiles(self) -> list[EngineCoreOutput]:

@@ -44,7 +44,8 @@ class EngineSleep:
             return (f"the engine is asleep (sleep level {self.level}; sleeping: "
                     f"{sorted(self.asleep)}): call wake_up() (POST /wake_up) first")
         if self.weights_dropped:
-            return ("the engine's weights were dropped by sleep(level=2): reload them with "
+            return ("the engine's weights were dropped (by sleep(level=2), or a "
+                    "reload_weights whose load failed): reload them with "
                     "collective_rpc('reload_weights') (or a weight update) first")
         return None
 
@@ -68,9 +69,7 @@ class EngineSleep:
             raise ValueError(f"cannot sleep with {busy} request(s) in flight: sleep needs an "
                              "idle engine (wait for them to finish, or abort them)")
         core.reset_prefix_cache()  # its blocks point into freed tensors
-        encoder = core.scheduler.encoder
-        if encoder is not None:  # the runners drop their encoder outputs too
-            encoder.forget(set(encoder.cached))
+        _forget_images(core)  # the runners drop their encoder outputs too
         core.executor.collective_rpc("sleep", level)
         self.record_sleep(level)
         logger.info("engine asleep (level %d)", level)
@@ -108,10 +107,17 @@ class EngineSleep:
         be a callable (run as ``method(worker, *args, **kwargs)``) only where the workers
         run in this process.
 
+        ``reload_weights`` builds new models: the images the encoder-cache mirror lists
+        are gone from the ranks (they drop their models' caches), and the prefix cache's
+        K/V were computed by the old weights (the checkpoint may have changed), so both are
+        forgotten (the prefix cache as far as no request holds its blocks). A reload that
+        fails leaves the ranks without weights: requests are refused until one succeeds.
+
         Raises:
             ValueError: for a name that is not a Worker method, a callable with worker
                 processes, ``args`` that are not a tuple or list, or ``kwargs`` that are
-                not a dict; ``reload_weights`` while the weights sleep.
+                not a dict; ``reload_weights`` while the weights sleep; whatever the method
+                raised on a rank (its message).
         """
         if callable(method) and not core.executor.runs_in_process:
             raise ValueError("collective_rpc: a callable can run only with the in-process "
@@ -127,11 +133,34 @@ class EngineSleep:
                              "wake_up(tags=['weights']) first")
         if not callable(method):
             Worker.check_method(method)  # before it reaches a worker process
+        reload = method == "reload_weights"
+        if reload:
+            _forget_images(core)
         results = core.executor.collective_rpc("run_method", method, tuple(args), kwargs)
         refused = next((r for r in results if isinstance(r, RpcRefusal)), None)
         if refused is not None:
+            if reload:  # a rank whose load failed has no model (bad arguments: it kept it)
+                self.weights_dropped = weights_missing(core.executor.collective_rpc(
+                    "weight_bytes")) or self.weights_dropped
             raise ValueError(f"collective_rpc {refused.message}")
-        if method == "reload_weights":
+        if reload:
             self.weights_dropped = False
             core.weight_bytes = core.executor.weight_bytes
+            core.kv_cache_manager.reset_prefix_cache()  # K/V of the old weights
+            if core.kv_event_publisher is not None:
+                core.publish_kv_events()
         return results
+
+
+def weights_missing(weight_bytes: list[int]) -> bool:
+    """Whether a rank holds no weights, from ``Worker.weight_bytes`` of every rank (0 once a
+    rank let its model go: a level-2 sleep, or a ``reload_weights`` whose load failed)."""
+    return 0 in weight_bytes
+
+
+def _forget_images(core: Any) -> None:
+    """Take every image out of ``core``'s encoder-cache mirror (the ranks' caches go with
+    their models): a later request encodes its images again."""
+    encoder = core.scheduler.encoder
+    if encoder is not None:
+        encoder.forget(set(encoder.cached))

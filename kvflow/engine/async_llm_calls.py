@@ -5,7 +5,7 @@ AsyncLLM's base class."""
 
 from __future__ import annotations
 
-from kvflow.core.sleep_mode import check_wake_tags
+from kvflow.core.sleep_mode import check_wake_tags, weights_missing
 from kvflow.engine.messages import (
     AddLoRA,
     CollectiveRPC,
@@ -94,14 +94,21 @@ class AsyncLLMCalls:
                              kwargs: dict | None = None) -> list:
         """The Worker method named ``method`` on every rank of every replica; results by
         replica, each a list by rank (``reload_weights`` also ends a level-2 sleep's
-        refusals).
+        refusals; one whose load failed starts them, as the replicas do).
 
         Raises:
             ValueError: for a name that is not a Worker method, bad ``args`` / ``kwargs``,
-                or results that are not plain data.
+                what the method raised, or results that are not plain data.
             EngineDeadError: if the engine is gone.
         """
-        results = await self._call(CollectiveRPC(0, method, list(args or []), kwargs))
+        try:
+            results = await self._call(CollectiveRPC(0, method, list(args or []), kwargs))
+        except ValueError:
+            if method == "reload_weights":  # a rank whose load failed has no weights now
+                sizes = await self._call(CollectiveRPC(0, "weight_bytes", [], None))
+                if any(weights_missing(replica) for replica in sizes):
+                    self.sleep_state.weights_dropped = True
+            raise
         if method == "reload_weights":
             self.sleep_state.weights_dropped = False
         return results

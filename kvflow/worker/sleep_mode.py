@@ -221,6 +221,10 @@ class RunnerSleep:
         """Build the model again from its checkpoint (the draft model too), keeping the KV
         tensors bound (when awake) and the LoRA adapters loaded.
 
+        The old model is let go first (two would not fit): a load that fails leaves the
+        runner as a level-2 sleep does (weights dropped, adapters kept aside, no step
+        graphs), for another ``reload_weights``.
+
         Raises:
             ValueError: while the weights sleep (``wake_up(tags=["weights"])`` first), or
                 from loading the checkpoint.
@@ -229,8 +233,11 @@ class RunnerSleep:
             raise ValueError("reload_weights: the weights are asleep; call "
                              "wake_up(tags=['weights']) first")
         bindings = _kv_bindings(runner)
-        adapters = _lora_adapters(runner) if runner.model is not None else self.adapters
+        if not self.weights_dropped:
+            self.adapters = _lora_adapters(runner)
+        adapters = self.adapters
         _drop_model(runner)
+        self.weights_dropped = True  # until the load below succeeds
         gc.collect()
         runner.platform.empty_cache()
         runner.load_model()
@@ -239,6 +246,7 @@ class RunnerSleep:
                 if name in bindings:
                     layer.kv_cache, layer.kv_group, layer.kv_scales = bindings[name]
         if not bindings and KV_CACHE not in self.asleep:  # woken while the weights were gone
+            _free_kv_cache(runner)  # unbound tensors a failed reload left
             _allocate_kv_cache(runner)
         if runner.lora_manager is not None:
             runner.lora_manager.adapters.update(adapters)
