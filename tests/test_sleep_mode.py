@@ -309,9 +309,34 @@ def test_level_2_keeps_the_lora_adapters_loaded(tiny_llama, tmp_path):
     assert run() == expected
     llm.sleep(level=2)
     llm.wake_up()
+    llm.sleep(level=2)  # the weights gone already: the second sleep forgot the adapters
+    llm.wake_up()
     llm.collective_rpc("reload_weights")
     assert _runner(llm).lora_manager.adapters.keys() == {1}
     assert run() == expected
+
+
+def test_level_1_after_dropped_weights_offloads_nothing(tiny_llama):
+    """sleep(level=2), wake_up() without reload_weights, then sleep(level=1): on an
+    accelerator the offload walked the dropped model (AttributeError: 'NoneType' object has
+    no attribute 'modules', the engine dead). The runner's device reads as CUDA for that
+    sleep, so the CPU run takes the accelerator's branch."""
+    llm = _engine(tiny_llama.path)
+    expected = _greedy(llm)
+    runner = _runner(llm)
+    llm.sleep(level=2)
+    llm.wake_up()
+    cpu, runner.device = runner.device, torch.device("cuda")
+    try:
+        llm.sleep(level=1)
+    finally:
+        runner.device = cpu
+    assert llm.is_sleeping() and runner.model is None
+    llm.wake_up()
+    with pytest.raises(ValueError, match="reload_weights"):  # still dropped
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.collective_rpc("reload_weights")
+    assert _greedy(llm) == expected
 
 
 @pytest.mark.parametrize(("argv", "expected"), [

@@ -195,10 +195,11 @@ class RunnerSleep:
         if runner.mm_runner is not None:  # the engine core's mirror forgets them too
             runner.mm_runner.encoder_cache.clear()
         if level == 2:
-            self.adapters = _lora_adapters(runner)
+            if not self.weights_dropped:  # else dropped already, adapters kept aside
+                self.adapters = _lora_adapters(runner)
             _drop_model(runner)
             self.weights_dropped = True
-        elif runner.device.type != "cpu":
+        elif runner.device.type != "cpu" and not self.weights_dropped:  # dropped: none left
             self.offloaded = offload_weights(_models(runner), torch.device("cpu"))
         self.asleep = set(SLEEP_TAGS)
         gc.collect()
