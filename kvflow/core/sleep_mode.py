@@ -32,6 +32,7 @@ class EngineSleep:
         self.asleep: set[str] = set()
         self.level: int | None = None
         self.weights_dropped = False  # level 2 until reload_weights
+        self.falling_asleep = False  # the API process's mirror: a sleep call is under way
 
     @property
     def is_sleeping(self) -> bool:
@@ -40,6 +41,9 @@ class EngineSleep:
 
     def refusal(self) -> str | None:
         """Why a new request cannot run now (None: it can)."""
+        if self.falling_asleep:
+            return ("the engine is going to sleep (a sleep call is under way): call "
+                    "wake_up() (POST /wake_up) once it returned")
         if self.asleep:
             return (f"the engine is asleep (sleep level {self.level}; sleeping: "
                     f"{sorted(self.asleep)}): call wake_up() (POST /wake_up) first")

@@ -5,6 +5,8 @@ AsyncLLM's base class."""
 
 from __future__ import annotations
 
+import logging
+
 from kvflow.core.sleep_mode import check_wake_tags, weights_missing
 from kvflow.engine.messages import (
     AddLoRA,
@@ -17,6 +19,8 @@ from kvflow.engine.messages import (
 )
 from kvflow.engine.streams import EngineDeadError
 from kvflow.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
 
 
 class AsyncLLMCalls:
@@ -59,6 +63,9 @@ class AsyncLLMCalls:
     # ---- sleep mode (core/sleep_mode.py) -----------------------------------------------------
     async def sleep(self, level: int = 1) -> None:
         """Put every replica to sleep (see ``LLM.sleep``); a no-op if it sleeps already.
+        New requests are refused from the moment the call is sent: one sent to a replica
+        behind it would find the engine asleep there (the core's refusal, an empty
+        ``abort`` answered 200).
 
         Raises:
             ValueError: without enable_sleep_mode, for a bad level, or while requests are
@@ -69,7 +76,12 @@ class AsyncLLMCalls:
             raise ValueError(f"cannot sleep with {len(self.requests.streams)} request(s) in "
                              "flight: sleep needs an idle engine (wait for them to finish, "
                              "or abort them)")
-        await self._call(Sleep(0, level))
+        self.sleep_state.falling_asleep = True
+        logger.info("sleep(level=%s): sent to the engine; new requests are refused", level)
+        try:
+            await self._call(Sleep(0, level))
+        finally:
+            self.sleep_state.falling_asleep = False
         self.sleep_state.record_sleep(level)
         self._record_sleep_metrics()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import httpx
 import pytest
@@ -138,6 +139,38 @@ def test_sleep_with_a_request_in_flight_is_refused(server, tiny_llama):
     assert resp.status_code == 400, resp.text
     assert "in flight" in resp.json()["error"]["message"]
     assert done["last"] == "data: [DONE]" and not _sleeping(server)
+    assert _text(server) == expected
+
+
+def test_a_request_sent_while_the_engine_falls_asleep_is_a_503(server, tiny_llama):
+    """The API process refused requests only once every replica answered the sleep: one
+    sent meanwhile reached the core after it fell asleep, which refused it as an empty
+    ``abort`` that the client got as a 200 with no text."""
+    expected = _hf_text(tiny_llama)
+    core = core_pid(server.proc.pid)
+    answers: dict[str, httpx.Response] = {}
+    sent = "sleep(level=1): sent to the engine"
+    before = server.log_path.read_text(errors="replace").count(sent)
+    os.kill(core, signal.SIGSTOP)  # the sleep call waits for the core: it is under way
+    try:
+        sleeper = threading.Thread(target=lambda: answers.update(sleep=_post(server, "/sleep")))
+        sleeper.start()
+        deadline = time.monotonic() + 60
+        while server.log_path.read_text(errors="replace").count(sent) == before:
+            assert time.monotonic() < deadline, "the server never sent the sleep call"
+            time.sleep(0.05)
+        body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS}  # refused at once, core or not
+        answers["request"] = httpx.post(f"{server.url}/v1/completions", json=body, timeout=10)
+    finally:
+        os.kill(core, signal.SIGCONT)
+    sleeper.join(60)
+    assert answers["sleep"].status_code == 200 and _sleeping(server)
+    resp = answers["request"]
+    assert resp.status_code == 503, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "engine_sleeping" and "going to sleep" in error["message"], error
+    _assert_refused_asleep(server, "wake_up")
+    assert _post(server, "/wake_up").status_code == 200
     assert _text(server) == expected
 
 
