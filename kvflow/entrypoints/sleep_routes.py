@@ -2,7 +2,10 @@
 runs with ``KVFLOW_SERVER_DEV_MODE=1`` (they free the model's memory: not for the public):
 
 ``POST /sleep?level=1``     free the KV cache, offload (1) or drop (2) the weights; 200
+                            ``{"status": "sleeping", "level": 1}`` (vLLM 0.32's body)
 ``POST /wake_up[?tags=..]`` wake "weights" and/or "kv_cache" (repeat ``tags``; none: both); 200
+                            ``{"status": "awake" | "sleeping", "tags": [...] | null}``
+                            ("sleeping" while a tag still sleeps)
 ``GET  /is_sleeping``       ``{"is_sleeping": bool}``
 ``POST /collective_rpc``    ``{"method": "reload_weights", "args": [], "kwargs": {}}``: a
                             Worker method on every rank, ``{"results": [...]}`` by rank
@@ -17,7 +20,7 @@ import json
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.ops_routes import add_disabled_route, engine_call
@@ -33,7 +36,7 @@ def add_sleep_routes(app: FastAPI, dev_mode: bool) -> None:
         return
 
     @app.post("/sleep")
-    async def sleep(raw: Request) -> Response:
+    async def sleep(raw: Request) -> JSONResponse:
         """Raises OpenAIError: 400 for a level other than 1 and 2, requests in flight, or an
         engine without --enable-sleep-mode; 503 if the engine is gone."""
         _only_params(raw, "/sleep", "level")
@@ -44,15 +47,16 @@ def add_sleep_routes(app: FastAPI, dev_mode: bool) -> None:
             raise OpenAIError(f"level={text!r} must be 1 or 2", param="level",
                               code="invalid_value") from None
         await engine_call(raw, "level", lambda e: e.sleep(level))
-        return Response(status_code=200)
+        return JSONResponse({"status": "sleeping", "level": level})
 
     @app.post("/wake_up")
-    async def wake_up(raw: Request) -> Response:
+    async def wake_up(raw: Request) -> JSONResponse:
         """Raises OpenAIError: 400 for an unknown tag; 503 if the engine is gone."""
         _only_params(raw, "/wake_up", "tags")
         tags = raw.query_params.getlist("tags") or None
         await engine_call(raw, "tags", lambda e: e.wake_up(tags))
-        return Response(status_code=200)
+        awake = not raw.app.state.engine.sleep_state.is_sleeping
+        return JSONResponse({"status": "awake" if awake else "sleeping", "tags": tags})
 
     @app.get("/is_sleeping")
     async def is_sleeping(raw: Request) -> JSONResponse:

@@ -81,7 +81,8 @@ def test_level_1_sleep_and_wake_up(server, tiny_llama):
     assert not _sleeping(server) and _text(server) == expected
     awake = {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
     assert _sleep_state(server) == awake
-    assert _post(server, "/sleep?level=1").status_code == 200
+    resp = _post(server, "/sleep?level=1")  # vLLM 0.32's bodies (they were empty)
+    assert (resp.status_code, resp.json()) == (200, {"status": "sleeping", "level": 1})
     assert _sleeping(server)
     assert _sleep_state(server) == {"awake": 0, "weights_offloaded": 1, "discard_all": 0}
     _assert_refused_asleep(server, "wake_up")
@@ -89,10 +90,12 @@ def test_level_1_sleep_and_wake_up(server, tiny_llama):
     assert _post(server, "/sleep").status_code == 200  # asleep already: a no-op
     kv = _post(server, "/collective_rpc", json={"method": "kv_cache_bytes"}).json()
     assert kv == {"results": [0]}
-    assert _post(server, "/wake_up?tags=weights").status_code == 200
+    resp = _post(server, "/wake_up?tags=weights")
+    assert (resp.status_code, resp.json()) == (200, {"status": "sleeping", "tags": ["weights"]})
     assert _sleeping(server)  # the KV cache still sleeps
     assert _sleep_state(server)["awake"] == 0
-    assert _post(server, "/wake_up?tags=kv_cache").status_code == 200
+    resp = _post(server, "/wake_up?tags=kv_cache")
+    assert (resp.status_code, resp.json()) == (200, {"status": "awake", "tags": ["kv_cache"]})
     assert not _sleeping(server)
     assert _sleep_state(server) == awake
     assert _post(server, "/wake_up").status_code == 200  # awake: a no-op
@@ -103,9 +106,11 @@ def test_level_1_sleep_and_wake_up(server, tiny_llama):
 
 def test_level_2_needs_reload_weights(server, tiny_llama):
     expected = _hf_text(tiny_llama)
-    assert _post(server, "/sleep", params={"level": 2}).status_code == 200
+    resp = _post(server, "/sleep", params={"level": 2})
+    assert (resp.status_code, resp.json()) == (200, {"status": "sleeping", "level": 2})
     assert _sleep_state(server) == {"awake": 0, "weights_offloaded": 0, "discard_all": 1}
-    assert _post(server, "/wake_up").status_code == 200
+    resp = _post(server, "/wake_up")
+    assert (resp.status_code, resp.json()) == (200, {"status": "awake", "tags": None})
     assert not _sleeping(server)
     _assert_refused_asleep(server, "reload_weights")
     resp = _post(server, "/collective_rpc", json={"method": "reload_weights", "args": []})
