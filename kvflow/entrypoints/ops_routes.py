@@ -99,8 +99,9 @@ async def _tokenizer_info(raw: Request) -> JSONResponse:
     return JSONResponse(info)
 
 
-async def _reset_prefix_cache(raw: Request) -> Response:
-    """Forget every cached prefix (``AsyncLLM.reset_prefix_cache``): 200 with no body.
+async def _reset_prefix_cache(raw: Request) -> JSONResponse:
+    """Forget every cached prefix (``AsyncLLM.reset_prefix_cache``): 200
+    ``{"success": true}`` (vLLM 0.32's body).
 
     Raises:
         OpenAIError: 400 for a query parameter or a body (it takes neither); 409 (code
@@ -123,7 +124,7 @@ async def _reset_prefix_cache(raw: Request) -> Response:
                           "served (their blocks would keep serving prefix hits); nothing "
                           "was changed: retry once they finished", 409,
                           "invalid_request_error", code="engine_busy")
-    return Response(status_code=200)
+    return JSONResponse({"success": True})
 
 
 async def _server_info(raw: Request) -> JSONResponse:
