@@ -3,7 +3,8 @@ replay) and null. The engine core hands each step's batch to ``publish``; a thre
 ZeroMQ publisher encodes and sends it, so a step never waits on the network (only on a full
 queue, ``max_queue_size`` batches).
 
-Replay protocol (vLLM's): a DEALER client sends ``[b"", start]``, ``start`` the first sequence
+Replay protocol (vLLM 0.10-0.11's, whose event format this is; vLLM 0.32 adds the topic
+frame before ``seq`` and an empty one before the end marker): a DEALER client sends ``[b"", start]``, ``start`` the first sequence
 number it wants (8 bytes big-endian); the ROUTER answers with one ``[b"", seq, payload]``
 message per buffered batch from that number on (at most the ``buffer_steps`` latest), then
 ``[b"", -1 as 8 signed big-endian bytes, b""]`` as the end marker. (A REQ client may ask,
