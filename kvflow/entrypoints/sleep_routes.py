@@ -10,7 +10,7 @@ runs with ``KVFLOW_SERVER_DEV_MODE=1`` (they free the model's memory: not for th
 ``POST /collective_rpc``    ``{"method": "reload_weights", "args": [], "kwargs": {}}``: a
                             Worker method on every rank, ``{"results": [...]}`` by rank
 
-Refusals (a bad level or tag, another query parameter, requests in flight, no
+Refusals (a bad level or tag, another query parameter, a body, requests in flight, no
 ``--enable-sleep-mode``) are 400s with an OpenAI error body; while asleep, generation routes answer 503 (code ``engine_sleeping``).
 """
 
@@ -39,7 +39,7 @@ def add_sleep_routes(app: FastAPI, dev_mode: bool) -> None:
     async def sleep(raw: Request) -> JSONResponse:
         """Raises OpenAIError: 400 for a level other than 1 and 2, requests in flight, or an
         engine without --enable-sleep-mode; 503 if the engine is gone."""
-        _only_params(raw, "/sleep", "level")
+        await _only_params(raw, "/sleep", "level")
         text = raw.query_params.get("level", "1")
         try:
             level = int(text)
@@ -52,7 +52,7 @@ def add_sleep_routes(app: FastAPI, dev_mode: bool) -> None:
     @app.post("/wake_up")
     async def wake_up(raw: Request) -> JSONResponse:
         """Raises OpenAIError: 400 for an unknown tag; 503 if the engine is gone."""
-        _only_params(raw, "/wake_up", "tags")
+        await _only_params(raw, "/wake_up", "tags")
         tags = raw.query_params.getlist("tags") or None
         await engine_call(raw, "tags", lambda e: e.wake_up(tags))
         awake = not raw.app.state.engine.sleep_state.is_sleeping
@@ -73,9 +73,15 @@ def add_sleep_routes(app: FastAPI, dev_mode: bool) -> None:
         return JSONResponse({"results": [r for replica in results for r in replica]})
 
 
-def _only_params(raw: Request, path: str, allowed: str) -> None:
+async def _only_params(raw: Request, path: str, allowed: str) -> None:
     """Raises OpenAIError: 400 for a query parameter other than ``allowed`` (a misspelt
-    ``levle=2`` would otherwise sleep at level 1), or a repeated ``level``."""
+    ``levle=2`` would otherwise sleep at level 1), a repeated ``level``, or a body (the
+    routes read none: ``{"level": 2}`` slept at level 1, ``{"tags": ["weights"]}`` woke
+    both tags)."""
+    if (await raw.body()).strip() not in (b"", b"{}"):
+        raise OpenAIError(f"POST {path} takes no body: give {allowed} as a query parameter "
+                          f"({path}?{allowed}=...)", param=allowed,
+                          code="unsupported_parameter")
     for name in raw.query_params:
         if name != allowed:
             raise OpenAIError(f"POST {path} takes only the query parameter {allowed!r} "

@@ -197,6 +197,9 @@ def test_a_request_sent_while_the_engine_falls_asleep_is_a_503(server, tiny_llam
     ("/sleep?levle=2", {}, "levle", "only the query parameter 'level'"),
     ("/sleep?level=1&level=2", {}, "level", "more than once"),
     ("/wake_up?tag=weights", {}, "tag", "only the query parameter 'tags'"),
+    # bodies were ignored: a level-1 sleep, both tags woken
+    ("/sleep", {"json": {"level": 2}}, "level", "takes no body"),
+    ("/wake_up", {"json": {"tags": ["weights"]}}, "tags", "takes no body"),
 ])
 def test_bad_calls_are_400s(server, tiny_llama, path, kwargs, param, words):
     resp = _post(server, path, **kwargs)
