@@ -316,6 +316,39 @@ def test_level_2_keeps_the_lora_adapters_loaded(tiny_llama, tmp_path):
     assert run() == expected
 
 
+def test_adapters_while_the_weights_are_dropped(tiny_llama, tmp_path):
+    """An adapter unloaded after a level-2 sleep came back with reload_weights (kept aside
+    by the sleep) while the engine had forgotten it, so the id loaded again for another
+    folder served the old adapter's weights; one loaded meanwhile was refused as if LoRA
+    were off."""
+    from kvflow.lora.request import LoRARequest
+    from tests.lora.adapters import MAX_TOKENS as LORA_TOKENS
+    from tests.lora.adapters import make_adapter, peft_greedy
+
+    targets = ["q_proj", "v_proj", "down_proj"]
+    old = make_adapter(tiny_llama.path, str(tmp_path / "old"), 1, r=8, lora_alpha=16,
+                       target_modules=targets)
+    new = make_adapter(tiny_llama.path, str(tmp_path / "new"), 2, r=8, lora_alpha=16,
+                       target_modules=targets)
+    llm = _engine(tiny_llama.path, enable_lora=True, max_loras=1, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=LORA_TOKENS, ignore_eos=True)
+
+    def run(lora: LoRARequest) -> list[int]:
+        out = llm.generate(PROMPTS[:1], params, use_tqdm=False, lora_request=lora)
+        return list(out[0].outputs[0].token_ids)
+
+    assert run(LoRARequest("old", 1, old)) == peft_greedy(tiny_llama.path, old, PROMPTS[0])
+    core = llm.engine.core
+    llm.sleep(level=2)
+    assert core.remove_lora(1) is True  # the server's /v1/unload_lora_adapter
+    llm.wake_up()
+    with pytest.raises(ValueError, match=r"dropped \(sleep\(level=2\)\).*reload_weights"):
+        core.add_lora(LoRARequest("new", 1, new))
+    llm.collective_rpc("reload_weights")
+    assert _runner(llm).lora_manager.adapters.keys() == set()
+    assert run(LoRARequest("new", 1, new)) == peft_greedy(tiny_llama.path, new, PROMPTS[0])
+
+
 def test_level_1_after_dropped_weights_offloads_nothing(tiny_llama):
     """sleep(level=2), wake_up() without reload_weights, then sleep(level=1): on an
     accelerator the offload walked the dropped model (AttributeError: 'NoneType' object has

@@ -249,6 +249,10 @@ class Worker:
             worker process that raises ends, and a refused adapter must leave every rank
             running; every rank checks the same folder, so all refuse alike).
         """
+        if self.sleep_state.weights_dropped:  # no model to check it against, no manager
+            return RpcRefusal(f"LoRA adapter {lora_request.lora_name!r}: the weights were "
+                              "dropped (sleep(level=2)): reload them with "
+                              "collective_rpc('reload_weights') before loading an adapter")
         try:
             self.runner.add_lora(lora_request)
         except ValueError as e:
@@ -256,8 +260,10 @@ class Worker:
         return None
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget a LoRA adapter; False if it was not loaded."""
-        return self.runner.remove_lora(lora_int_id)
+        """Forget a LoRA adapter (one a level-2 sleep keeps aside for ``reload_weights``
+        too); False if it was not loaded."""
+        kept = self.sleep_state.adapters.pop(lora_int_id, None) is not None
+        return self.runner.remove_lora(lora_int_id) or kept
 
     # ---- one step: whole (execute_model) or split (launch_forward ... collect_output) -----
     def execute_model(self, sched: SchedulerOutput,
