@@ -190,6 +190,26 @@ def test_wire_format_and_replay_of_missed_batches(tiny, tmp_path):
         ctx.destroy(linger=0)
 
 
+def test_reload_weights_clears_the_blocks(tiny, tmp_path):
+    """``reload_weights`` forgets the prefix cache (its K/V were the old weights'): one
+    ``AllBlocksCleared`` at once (else a router sends prompts here for blocks no longer
+    served), and the same prompt is stored again, same hashes."""
+    llm = make_llm(tiny, tmp_path)
+    ctx = zmq.Context()
+    try:
+        sub = Subscriber(ctx, f"ipc://{tmp_path}/pub")
+        llm.generate(PROMPTS[:1], ONE_TOKEN, use_tqdm=False)
+        stored = stored_blocks(events_of(sub.drain()))
+        assert stored
+        assert llm.collective_rpc("reload_weights") == [None]
+        assert [type(e) for e in events_of(sub.drain())] == [AllBlocksCleared]
+        llm.generate(PROMPTS[:1], ONE_TOKEN, use_tqdm=False)
+        assert stored_blocks(events_of(sub.drain())) == stored
+    finally:
+        llm.shutdown()
+        ctx.destroy(linger=0)
+
+
 def test_off_by_default_creates_no_events(tiny):
     llm = LLM(model=tiny.path, dtype="float32", block_size=BLOCK_SIZE,
               num_kv_blocks=NUM_KV_BLOCKS)
