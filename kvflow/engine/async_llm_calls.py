@@ -85,8 +85,12 @@ class AsyncLLMCalls:
         self.sleep_state.record_sleep(level)
         self._record_sleep_metrics()
 
-    async def wake_up(self, tags: list[str] | None = None) -> None:
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
         """Wake ``tags`` ("weights", "kv_cache"; None: both) on every replica.
+
+        Returns:
+            True when every tag is awake after it (vLLM's ``AsyncLLM.wake_up``), False
+            while one still sleeps.
 
         Raises:
             ValueError: for an unknown tag.
@@ -95,6 +99,7 @@ class AsyncLLMCalls:
         await self._call(WakeUp(0, tags))
         self.sleep_state.record_wake_up(check_wake_tags(tags))
         self._record_sleep_metrics()
+        return not self.sleep_state.is_sleeping
 
     def _record_sleep_metrics(self) -> None:
         """/metrics' sleep state of every replica: asleep at the mirrored level until every

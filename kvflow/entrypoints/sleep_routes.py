@@ -54,8 +54,7 @@ def add_sleep_routes(app: FastAPI, dev_mode: bool) -> None:
         """Raises OpenAIError: 400 for an unknown tag; 503 if the engine is gone."""
         await _only_params(raw, "/wake_up", "tags")
         tags = raw.query_params.getlist("tags") or None
-        await engine_call(raw, "tags", lambda e: e.wake_up(tags))
-        awake = not raw.app.state.engine.sleep_state.is_sleeping
+        awake = await engine_call(raw, "tags", lambda e: e.wake_up(tags))
         return JSONResponse({"status": "awake" if awake else "sleeping", "tags": tags})
 
     @app.get("/is_sleeping")
