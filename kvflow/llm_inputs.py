@@ -9,6 +9,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvflow.config.scheduler import check_priority
 from kvflow.input_processor import InputProcessor
 from kvflow.lora.request import LoRARequest
 from kvflow.pooling_params import PoolingParams
@@ -177,9 +178,8 @@ def check_priorities(priority: int | Sequence[int] | None, n: int, policy: str) 
                                        for p in priorities):
         raise ValueError(f"priority must be an integer or a list of {n} integers (one per "
                          f"prompt), got {priority!r}")
-    if policy not in ("priority", "fair") and any(priorities):
-        raise ValueError(f"priority={priorities} needs the priority or fair scheduling policy "
-                         f"(policy='priority' or 'fair'); this engine runs {policy!r}")
+    for p in priorities:  # the scheduler's rule: a nonzero one needs priority or fair
+        check_priority(p, policy)
     return priorities
 
 

@@ -7,6 +7,25 @@ from dataclasses import dataclass
 
 from kvflow.config.options import check_choices, human_readable_int, opt
 
+# the waiting-queue orders that read a request's priority
+PRIORITY_POLICIES = ("priority", "fair")
+
+
+def check_priority(priority: int, policy: str) -> None:
+    """The rule for a request's ``priority`` under scheduling ``policy``: only the
+    priority and fair policies read it, so a nonzero one under fcfs is refused rather
+    than ignored. ``SchedulerConfig.check_priority``, ``LLM.generate``'s per-prompt
+    check (``llm_inputs.check_priorities``) and the server's (``serving_checks``) apply it.
+
+    Raises:
+        ValueError: for a nonzero ``priority`` under another policy, naming the policies
+            that read it.
+    """
+    if priority and policy not in PRIORITY_POLICIES:
+        raise ValueError(f"priority={priority} needs the priority or fair scheduling "
+                         f"policy (policy='priority' or 'fair'); this engine runs "
+                         f"{policy!r}")
+
 
 @dataclass
 class SchedulerConfig:
@@ -66,16 +85,14 @@ class SchedulerConfig:
         "thread, and off on CUDA until measured)")
 
     def check_priority(self, priority: int) -> None:
-        """A request's ``priority`` orders only the priority and fair policies' queues.
+        """A request's ``priority`` orders only the priority and fair policies' queues
+        (:func:`check_priority`, the one rule every caller applies).
 
         Raises:
             ValueError: for a nonzero ``priority`` under another policy (it would be
                 ignored), naming the policies that read it.
         """
-        if priority and self.policy not in ("priority", "fair"):
-            raise ValueError(f"priority={priority} needs the priority or fair scheduling "
-                             f"policy (policy='priority' or 'fair'); this engine runs "
-                             f"{self.policy!r}")
+        check_priority(priority, self.policy)
 
     def __post_init__(self) -> None:
         check_choices(self)

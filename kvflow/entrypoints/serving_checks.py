@@ -253,13 +253,12 @@ class OpenAIServingChecks:
             OpenAIError: 400 (param ``priority``, code ``unsupported_value``) for a nonzero
                 priority while the scheduler is not run by priority (it would be ignored).
         """
-        if not priority:
-            return
-        policy = self.engine.config.scheduler_config.policy
-        if policy not in ("priority", "fair"):
-            raise OpenAIError(f"priority={priority} needs the priority or fair scheduling "
-                              f"policy (start the server with --policy priority or fair); it "
-                              f"runs {policy!r}", param="priority", code="unsupported_value")
+        try:  # the scheduler's rule (SchedulerConfig.check_priority), answered as a 400
+            self.engine.config.scheduler_config.check_priority(priority)
+        except ValueError as e:
+            raise OpenAIError(f"{e}: start the server with --policy priority or fair",
+                              param="priority", code="unsupported_value") from None
+
 
 def usage_info(num_prompt: int, num_generated: int, num_cached: int,
                details: bool) -> UsageInfo:
