@@ -74,6 +74,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
+from kvflow.detokenizer_stops import earliest_stop, longest_suffix_prefix, normalize_stops
 from kvflow.detokenizer_tokens import added_token_ids, prompt_context
 
 __all__ = ["DetokenizerDelta", "IncrementalDetokenizer", "prompt_context"]
@@ -149,7 +150,7 @@ class IncrementalDetokenizer:
             else added_token_ids(tokenizer)
         self._cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
         self.num_prompt_tokens = len(prompt_token_ids)
-        self._stops = _normalize_stops(stop)
+        self._stops = normalize_stops(stop)
         self._include_stop = include_stop_str_in_output
         self._stop_window = max((len(s) for s in self._stops), default=1) - 1
         self._min_tokens = min_tokens
@@ -303,7 +304,7 @@ class IncrementalDetokenizer:
         replacements = _trailing_replacements(text)
         if replacements or not self._cleanup:
             return replacements
-        return _longest_suffix_prefix(text, _CLEANUP_PATTERNS, _MAX_CLEANUP_HOLD)
+        return longest_suffix_prefix(text, _CLEANUP_PATTERNS, _MAX_CLEANUP_HOLD)
 
     def _resync(self) -> str:
         """Fallback when a window decode disagrees with released text: decode everything.
@@ -359,7 +360,7 @@ class IncrementalDetokenizer:
             return "", None
         region = self._tail + decoded
         emitted_upto = len(self._tail) - len(self._held)
-        hit = _earliest_stop(region, self._stops, len(self._tail)) if search else None
+        hit = earliest_stop(region, self._stops, len(self._tail)) if search else None
         if hit is not None:
             start, stop_str = hit
             cut = start + len(stop_str) if self._include_stop else start
@@ -367,21 +368,11 @@ class IncrementalDetokenizer:
             return region[emitted_upto:cut] if cut > emitted_upto else "", stop_str
         hold = 0
         if not (flush or self._include_stop):
-            hold = _longest_suffix_prefix(region, self._stops, len(region) - emitted_upto)
+            hold = longest_suffix_prefix(region, self._stops, len(region) - emitted_upto)
         keep = len(region) - hold
         self._held = region[keep:]
         self._tail = region[max(0, len(region) - self._stop_window):]
         return region[emitted_upto:keep], None
-
-
-def _normalize_stops(stop: Sequence[str] | str | None) -> tuple[str, ...]:
-    """Validate stop strings; a bare string is one stop string. Raises ValueError if empty."""
-    if stop is None:
-        return ()
-    stops = (stop,) if isinstance(stop, str) else tuple(stop)
-    if any(not s for s in stops):
-        raise ValueError("stop strings must be non-empty")
-    return tuple(dict.fromkeys(stops))
 
 
 def _trailing_replacements(text: str, cap: int = _MAX_PENDING_REPLACEMENTS) -> int:
@@ -390,32 +381,3 @@ def _trailing_replacements(text: str, cap: int = _MAX_PENDING_REPLACEMENTS) -> i
     while n < min(len(text), cap) and text[-1 - n] == _REPLACEMENT_CHAR:
         n += 1
     return n
-
-
-def _longest_suffix_prefix(text: str, patterns: Sequence[str], limit: int) -> int:
-    """Length (<= ``limit``) of the longest suffix of ``text`` that is a proper prefix of any
-    of ``patterns``; 0 when there is none."""
-    best = 0
-    for pattern in patterns:
-        for k in range(min(len(pattern) - 1, len(text), limit), best, -1):
-            if text.endswith(pattern[:k]):
-                best = k
-                break
-    return best
-
-
-def _earliest_stop(region: str, stops: Sequence[str], min_end: int) -> tuple[int, str] | None:
-    """Find the stop occurrence in ``region`` ending after ``min_end`` that completes first.
-
-    Returns ``(start offset, stop string)``; ties on the end offset go to the earlier start.
-    Occurrences ending at or before ``min_end`` were already searched in an earlier step.
-    """
-    best: tuple[int, int, str] | None = None
-    for stop_str in stops:
-        start = region.find(stop_str, max(0, min_end - len(stop_str) + 1))
-        if start < 0:
-            continue
-        candidate = (start + len(stop_str), start, stop_str)
-        if best is None or candidate[:2] < best[:2]:
-            best = candidate
-    return None if best is None else (best[1], best[2])
