@@ -23,6 +23,7 @@ from kvflow.prompt_inputs import (
 )
 from kvflow.prompt_truncation import SAMPLING_FIELD, keep_last_tokens, truncation_length
 from kvflow.request import Request
+from kvflow.sampling_checks import check_extra_args, check_sampling_params
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import CheckedConstraints, StructuredOutputsParams
 from kvflow.token_masks import bad_words_token_ids, check_masks_leave_a_token
@@ -221,34 +222,11 @@ class InputProcessor(PoolingInputs):
         strings without a tokenizer, a malformed structured-output schema / regex /
         grammar (``check_structured``; SamplingParams checks everything that does not depend
         on the model), or what a custom logits processor's ``validate_params`` refuses."""
-        if params.stop and self.tokenizer is None:
-            raise ValueError("SamplingParams.stop needs a tokenizer to match text "
-                             "(skip_tokenizer_init is set); use stop_token_ids")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.vocab_size:
-                raise ValueError(f"SamplingParams.{name}={value} exceeds the vocabulary "
-                                 f"size ({self.vocab_size})")
-        for name, ids in (("logit_bias", params.logit_bias or {}),
-                          ("stop_token_ids", params.stop_token_ids),
-                          ("allowed_token_ids", params.allowed_token_ids or [])):
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"SamplingParams.{name} has token id {bad[0]} outside the "
-                                 f"vocabulary [0, {self.vocab_size})")
-        if params.bad_words and self.tokenizer is None:
-            raise ValueError("SamplingParams.bad_words needs a tokenizer to tokenize the words "
-                             "(skip_tokenizer_init is set); use logit_bias or "
-                             "allowed_token_ids")
-        truncation_length(params.truncate_prompt_tokens, self.max_model_len, SAMPLING_FIELD)
+        check_sampling_params(params, self.vocab_size, self.max_model_len,
+                              has_tokenizer=self.tokenizer is not None)
         if params.structured_outputs is not None:
             self.check_structured(params.structured_outputs)
-        if params.extra_args and not self.logits_processors:
-            raise ValueError("SamplingParams.extra_args is read only by custom logits "
-                             "processors, and this engine runs none: start it with "
-                             "logits_processors (--logits-processors), or leave extra_args out")
-        for processor in self.logits_processors:
-            processor.validate_params(params)
+        check_extra_args(params, self.logits_processors)
 
     def check_structured(self, constraint: StructuredOutputsParams) -> None:
         """Raises ValueError for a malformed structured-output schema / regex / grammar
