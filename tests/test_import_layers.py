@@ -42,7 +42,7 @@ LAYERS: dict[str, int] = {
     "kvflow.score_inputs": 8,  # text pairs -> cross-encoder prompts (LLM.score, /v1/score)
     "kvflow.chat_template_source": 8, "kvflow.chat_messages": 8, "kvflow.chat_tool_calls": 8,
     "kvflow.chat_tools_text": 8,  # tools as text for a template without them (LLM.chat, server)
-    "kvflow.multimodal": 8,
+    "kvflow.multimodal": 8, "kvflow.multimodal.processor_files": 8,  # its processor configs read
     "kvflow.core": 7, "kvflow.structured": 7, "kvflow.spec_decode": 7,
     "kvflow.executor": 6,
     "kvflow.worker": 5,

@@ -1,6 +1,6 @@
 """Image and video inputs on the API side: decoding and checking images (``media.py``) and
 videos (``video.py``) and turning them into preprocessed features with expanded placeholders
-(``processor.py``)."""
+(``processor.py``; ``processor_files.py`` reads the model folder's processor configs)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,8 @@ from typing import Any
 
 from kvflow.config import MultiModalConfig
 from kvflow.multimodal.media import MediaError, load_image_url
-from kvflow.multimodal.processor import (
-    MultiModalProcessor,
-    VideoNotSupported,
-    load_image_processor,
-    load_video_size,
-)
+from kvflow.multimodal.processor import MultiModalProcessor, VideoNotSupported
+from kvflow.multimodal.processor_files import load_image_processor, load_video_size
 from kvflow.multimodal.video import VideoError, load_video_url
 
 __all__ = ["MediaError", "MultiModalProcessor", "VideoNotSupported", "load_chat_media",
