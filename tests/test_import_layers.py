@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1] / "kvflow"
 # Longest matching prefix wins. Rank: higher runs above lower.
 LAYERS: dict[str, int] = {
     "kvflow.entrypoints": 10, "kvflow.bench": 10, "kvflow.__main__": 10,
+    "kvflow.entrypoints.completion_embeds": 10,  # /v1/completions' prompt_embeds
     "kvflow.llm": 9, "kvflow.llm_ops": 9,
     "kvflow.engine": 8, "kvflow.input_processor": 8, "kvflow.output_processor": 8,
     "kvflow.pooling_inputs": 8,  # InputProcessor's pooling half (its base class)

@@ -15,6 +15,7 @@ from fastapi.responses import Response
 
 from kvflow.engine.async_llm import RequestStream, collect
 from kvflow.entrypoints.beam_requests import beam_params
+from kvflow.entrypoints.completion_embeds import check_embeds_request, embeds_prompts
 from kvflow.entrypoints.completion_logprobs import (
     completion_logprobs,
     prompt_logprobs_legacy,
@@ -38,13 +39,12 @@ from kvflow.entrypoints.sampling_requests import (
     sampling_params,
 )
 from kvflow.entrypoints.serving_base import OpenAIServing, body_size, request_ids
-from kvflow.entrypoints.serving_checks import check_token_ids, prompt_error_code
+from kvflow.entrypoints.serving_checks import check_token_ids
 from kvflow.entrypoints.sse_keep_alive import with_keep_alive
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.entrypoints.text_offsets import StreamedTokenOffsets, TokenTextOffsets
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import CompletionOutput
-from kvflow.prompt_embeds import PromptEmbeds, decode_prompt_embeds
 from kvflow.prompt_truncation import keep_last_tokens
 from kvflow.sampling_params import SamplingParams
 
@@ -64,7 +64,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_fields(req, "/v1/completions")
         lora = self._check_request(req)
         await check_constraint(self.engine, req, None, body_size(raw))
-        embeds = await self._embeds_prompts(req)
+        embeds = await embeds_prompts(self.engine, req)
         prompts = [(None, [0] * e.num_tokens) for e in embeds] + await self._prompts(req)
         listed = _is_prompt_list(req.prompt)
         embeds_listed = isinstance(req.prompt_embeds, list)
@@ -115,46 +115,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError("either prompt or prompt_embeds is required", param="prompt",
                               code="missing_required_parameter")
         if req.prompt_embeds is not None:
-            try:
-                self.engine.processor.require_prompt_embeds()
-            except ValueError as e:  # first: the other refusals would not apply then
-                raise OpenAIError(str(e), param="prompt_embeds",
-                                  code="unsupported_parameter") from None
-            _check_embeds_request(req)
+            check_embeds_request(self.engine, req)
         return lora
-
-    async def _embeds_prompts(self, req: CompletionRequest) -> list[PromptEmbeds]:
-        """The request's ``prompt_embeds`` decoded (``torch.load(weights_only=True)``), cut
-        to their last ``truncate_prompt_tokens`` rows (vLLM's rule) and checked, off the
-        event loop when large, in order (none: []).
-
-        Raises:
-            OpenAIError: 400 naming ``prompt_embeds`` (``prompt_embeds.<i>`` in a list) for
-                an empty list, or for an entry that is not base64 of a ``torch.save``d float
-                tensor [num_tokens, hidden_size] of finite values shorter than the context
-                (a server without ``--enable-prompt-embeds`` refused it before); naming
-                ``truncate_prompt_tokens`` for a bad one.
-        """
-        raw = req.prompt_embeds
-        if raw is None:
-            return []
-        processor = self.engine.processor
-        items = [raw] if isinstance(raw, str) else raw
-        if not items:
-            raise OpenAIError("prompt_embeds is an empty list", param="prompt_embeds",
-                              code="empty_array")
-        limit = prompt_truncation(self.engine, req)  # the last rows, as vLLM keeps them
-        out = []
-        for i, item in enumerate(items):
-            try:
-                out.append(await off_loop(len(item), _load_prompt_embeds, processor, item,
-                                          limit))
-            except ValueError as e:
-                listed = isinstance(raw, list)
-                raise OpenAIError(f"prompt_embeds {i} of the list: {e}" if listed else str(e),
-                                  param=f"prompt_embeds.{i}" if listed else "prompt_embeds",
-                                  code=prompt_error_code(str(e))) from None
-        return out
 
     async def _prompts(self, req: CompletionRequest) -> list[Prompt]:
         """The request's prompts as (text or None, token ids), in order; text is tokenized
@@ -379,15 +341,6 @@ class OpenAIServingCompletion(OpenAIServing):
                                                                    sum(cached.values())))
 
 
-def _load_prompt_embeds(processor: Any, encoded: str, keep_last: int | None
-                        ) -> PromptEmbeds:
-    """One ``prompt_embeds`` entry decoded, cut to its last ``keep_last`` rows (the
-    request's ``truncate_prompt_tokens``; None: all), checked and packed (digest included):
-    the whole CPU work of it, for one worker thread. Raises ValueError saying what is
-    wrong."""
-    return processor.embeds_prompt(decode_prompt_embeds(encoded), keep_last).prompt_embeds
-
-
 def _echo_only(req: CompletionRequest) -> bool:
     """Whether ``req`` asks for its prompt alone: ``echo`` with ``max_tokens`` 0 (the legacy
     OpenAI API's and vLLM's way to score a prompt: with ``logprobs``, the reply holds the
@@ -412,19 +365,6 @@ def _prompt_only(c: CompletionOutput) -> CompletionOutput:
         c, text="", token_ids=[], cumulative_logprob=None,
         logprobs=None if c.logprobs is None else [],
         finish_reason="length" if c.finished else None, stop_reason=None)
-
-
-def _check_embeds_request(req: CompletionRequest) -> None:
-    """Raises OpenAIError 400 naming the field a ``prompt_embeds`` request cannot have:
-    ``echo``, ``prompt_logprobs`` (its prompt has no token ids to echo or score) and
-    ``use_beam_search`` (each beam step is a token-id prompt)."""
-    for name, value in (("echo", req.echo),
-                        ("prompt_logprobs", req.prompt_logprobs is not None),
-                        ("use_beam_search", req.use_beam_search)):
-        if value:
-            raise OpenAIError(f"{name} cannot be used with prompt_embeds: a prompt given as "
-                              "embeddings has no token ids", param=name,
-                              code="unsupported_value")
 
 
 def _context(req: CompletionRequest, prompts: list[Prompt], index: int,
