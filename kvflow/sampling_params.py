@@ -14,25 +14,14 @@ import msgspec
 
 from kvflow.beam_search_params import BeamSearchParams  # noqa: F401 (vLLM's path of it)
 from kvflow.close_names import guess_unknown_keywords
+from kvflow.stop_limits import (  # noqa: F401 (re-exports: defined here before)
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    LimitError,
+    check_stop_limits,
+)
 from kvflow.structured.params import StructuredOutputsParams
 from kvflow.text_checks import find_lone_surrogate
-
-# Stop strings are matched on the API process's output loop, per stop string per token (a
-# search over the last ``max(len(stop))`` characters, and the held-back suffix against each
-# stop's prefixes): these caps bound that work for one request (OpenAI allows 4 stops).
-MAX_STOP_STRINGS = 128
-MAX_STOP_CHARS = 256
-
-
-class LimitError(ValueError):
-    """A value over one of the caps above; ``code`` is the OpenAI error code the server gives
-    it (``array_above_max_length`` for too many items, ``string_above_max_length`` for a
-    string too long)."""
-
-    def __init__(self, message: str, code: str) -> None:
-        super().__init__(message)
-        self.code = code
-
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -286,7 +275,7 @@ class SamplingParams:
             raise bad("bad_words", self.bad_words, "a list of strings or None")
 
     def _validate(self) -> None:
-        self._check_stop_limits()
+        check_stop_limits(self.stop)
         max_tokens = self.max_tokens if self.max_tokens is not None else math.inf
         # a bias out of range is named alone: logit_bias may hold 100,000s of entries
         out_of_range = next(({t: b} for t, b in (self.logit_bias or {}).items()
@@ -338,24 +327,6 @@ class SamplingParams:
         for ok, name, value, why in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name}={value!r} is invalid: it {why}")
-
-    def _check_stop_limits(self) -> None:
-        """At most ``MAX_STOP_STRINGS`` stop strings of at most ``MAX_STOP_CHARS`` characters
-        (the message gives the counts, not the strings: they may be megabytes).
-
-        Raises:
-            LimitError: (a ValueError) naming ``SamplingParams.stop``, the limit and what was
-                sent; code ``array_above_max_length`` / ``string_above_max_length``.
-        """
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise LimitError(f"SamplingParams.stop holds {len(self.stop)} strings: at most "
-                             f"{MAX_STOP_STRINGS} stop strings are accepted per request",
-                             "array_above_max_length")
-        for i, stop in enumerate(self.stop):
-            if isinstance(stop, str) and len(stop) > MAX_STOP_CHARS:
-                raise LimitError(f"SamplingParams.stop[{i}] holds {len(stop)} characters: at "
-                                 f"most {MAX_STOP_CHARS} are accepted per stop string",
-                                 "string_above_max_length")
 
     @property
     def is_greedy(self) -> bool:

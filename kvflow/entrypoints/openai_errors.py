@@ -42,7 +42,7 @@ def invalid_request(error: ValueError) -> OpenAIError:
     """A 400 for a ValueError from the engine's validation. When the message names a
     ``SamplingParams.<field>`` (the request field of that name), the field is the error's
     ``param``, and the message names the field alone. The code is the error's own ``code``
-    when it carries one (``sampling_params.LimitError``: ``array_above_max_length``, ...),
+    when it carries one (``stop_limits.LimitError``: ``array_above_max_length``, ...),
     else ``invalid_value``."""
     match = _PARAM_RE.search(str(error))
     code = getattr(error, "code", None) or "invalid_value"
