@@ -41,7 +41,7 @@ from kvflow.core.unread_options import (
     warn_unread_settings,
 )
 from kvflow.distributed.kv_transfer import make_kv_connector_scheduler
-from kvflow.distributed.kv_transfer.shared_storage import model_identity
+from kvflow.distributed.kv_transfer.storage_keys import model_identity
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor import make_executor
 from kvflow.kernels.cpu_threads import check_cpu_threads
