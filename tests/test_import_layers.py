@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "kvflow.entrypoints.completion_embeds": 10,  # /v1/completions' prompt_embeds
     "kvflow.llm": 9, "kvflow.llm_ops": 9,
     "kvflow.engine": 8, "kvflow.input_processor": 8, "kvflow.output_processor": 8,
+    "kvflow.engine.front_end": 8,  # AsyncLLM's tokenizer, defaults, InputProcessor
     "kvflow.pooling_inputs": 8,  # InputProcessor's pooling half (its base class)
     "kvflow.sampling_checks": 8,  # InputProcessor's SamplingParams checks against the model
     "kvflow.prompt_inputs": 8,  # the prompt forms, a dict prompt's parsing, its token ids

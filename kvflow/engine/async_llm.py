@@ -33,6 +33,7 @@ from kvflow.engine.async_llm_generate import AsyncLLMGenerate
 from kvflow.engine.async_llm_shutdown import AsyncLLMShutdown
 from kvflow.engine.core_client import CoreProcess, ReplicaState
 from kvflow.engine.dp_balancer import DPLoadBalancer, cache_key
+from kvflow.engine.front_end import load_front_end, make_input_processor
 from kvflow.engine.messages import (
     AbortRequests,
     AddRequests,
@@ -54,24 +55,15 @@ from kvflow.engine.streams import (
 )
 from kvflow.engine.utility_calls import UtilityCalls
 from kvflow.engine_outputs import EngineStats
-from kvflow.input_processor import InputProcessor
-from kvflow.logits_process import load_logits_processors
 from kvflow.lora.request import LoRARequest
 from kvflow.metrics import ServerMetrics
-from kvflow.models.generation_config import load_eos_token_ids, load_sampling_defaults
-from kvflow.models.loader import load_hf_config, load_tokenizer, resolve_eos_token_id
-from kvflow.models.model_resolver import resolve_model
-from kvflow.models.tokenizer_source import tokenizer_source
-from kvflow.multimodal import mm_processor_of_source
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.output_processor import OutputProcessor
 from kvflow.pooling_params import PoolingParams
 from kvflow.prompt_embeds import PromptEmbeds
-from kvflow.quant import get_quant_config
 from kvflow.request import Request
 from kvflow.request_stats import RequestStatsTracker
 from kvflow.sampling_params import SamplingParams
-from kvflow.spec_decode.draft_tokenizer import check_draft_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -130,34 +122,9 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
         self.replicas = ReplicaSet(config, start_method=start_method)
         self._restarts = ReplicaRestarts(self.replicas)
         try:
-            mc = config.model_config
-            source = resolve_model(mc.model, mc.download_dir, mc.revision, mc.hf_token)  # a Hub download happens here
-            # the core processes start now (their resolve_model then finds the snapshot
-            # cached) and import the engine while config.json is checked here, before
-            # anything reads it: the tokenizer below (transformers may read it to pick the
-            # tokenizer class) would call a broken one a tokenizer failure, and the cores
-            # load nothing of a model whose config failed (they wait for release())
-            self.replicas.start(gated=True)
-            hf_config = load_hf_config(source, hf_overrides=mc.hf_overrides,
-                                       trust_remote_code=mc.trust_remote_code)
-            # --quantization against the checkpoint's metadata, before any weight is read
-            get_quant_config(mc.quantization, hf_config, source.kind,
-                             mc.quantization_group_size)
-            self.sampling_defaults = load_sampling_defaults(source, mc.generation_config,
-                                                           mc.override_generation_config)
-            self._eos_token_ids = load_eos_token_ids(source,
-                                                     vocab_size=hf_config.vocab_size)
-            self.replicas.release()
-            # while the core processes load the model:
-            self.tokenizer = None if mc.skip_tokenizer_init else \
-                load_tokenizer(source, tokenizer_source(mc), mc.download_dir,
-                               mc.tokenizer_options, mc.hf_token)
-            check_draft_tokenizer(config, source, self.tokenizer)
-            self._mm_processor = mm_processor_of_source(source, self.tokenizer,
-                                                        config.multimodal_config,
-                                                        mc.hf_overrides, mc.trust_remote_code)
-            if on_tokenizer is not None:
-                on_tokenizer(self.tokenizer)
+            self._front = load_front_end(config, self.replicas, on_tokenizer)
+            self.tokenizer = self._front.tokenizer
+            self.sampling_defaults = self._front.sampling_defaults
             self._init_processors(self._wait_ready(start_timeout))
         except BaseException:
             self.close()
@@ -195,17 +162,7 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
         self.num_kv_blocks = ready.num_blocks  # per replica
         self.task = ready.task
         self.config.find_logits_processor_plugins(ready.task)  # the core's lookup, here too
-        self.processor = InputProcessor(self.tokenizer, ready.max_model_len, ready.vocab_size,
-                                        resolve_eos_token_id(self.tokenizer, ready),
-                                        self._mm_processor,
-                                        eos_token_ids=self._eos_token_ids,
-                                        pooler=ready.pooler, hidden_size=ready.hidden_size,
-                                        max_model_len_note=ready.max_model_len_note,
-                                        enable_prompt_embeds=self.config.model_config
-                                        .enable_prompt_embeds,
-                                        logits_processors=() if ready.pooler else
-                                        load_logits_processors(self.config.model_config
-                                                               .custom_logits_processors()))
+        self.processor = make_input_processor(self.config, self._front, ready)
         self.balancer = DPLoadBalancer(self.num_replicas, ready.block_size)
         sc = self.config.scheduler_config
         self.requests = OpenRequests(OutputProcessor(self.tokenizer), self.tracker,
