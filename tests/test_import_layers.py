@@ -46,6 +46,7 @@ LAYERS: dict[str, int] = {
     "kvflow.chat_tools_text": 8,  # tools as text for a template without them (LLM.chat, server)
     "kvflow.multimodal": 8, "kvflow.multimodal.processor_files": 8,  # its processor configs read
     "kvflow.core": 7, "kvflow.structured": 7, "kvflow.spec_decode": 7,
+    "kvflow.core.sched_arrivals": 7,  # the scheduler's admission verdict, TTFT forecast
     "kvflow.executor": 6,
     "kvflow.worker": 5,
     # speculative decoding's runner side: the draft model and verification run in the worker,

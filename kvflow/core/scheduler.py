@@ -39,13 +39,14 @@ still meet it. Without targets the fixed ``max_num_batched_tokens`` budget is th
 
 The paths live beside this module, one job each: ``sched_running`` (catch the running requests
 up, preempting when the pool runs dry), ``sched_admission`` (admit waiting requests) and
-``sched_update`` (after the step: tokens, rejected drafts, stops); this class owns the state
+``sched_update`` (after the step: tokens, rejected drafts, stops), ``sched_arrivals`` (what
+arrivals are told: admission control, the TTFT forecast, the idle batch window); this class
+owns the state
 and the requests' lifecycle (add, preempt, finish, free).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -55,6 +56,7 @@ from kvflow.core.encoder_cache_manager import EncoderCacheManager
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.kv_swap import SwapManager
 from kvflow.core.sched_admission import admit_waiting
+from kvflow.core.sched_arrivals import admission_verdict, batch_wait_s, ttft_outlook
 from kvflow.core.sched_policy import make_policy, make_waiting_queue
 from kvflow.core.sched_running import schedule_running
 from kvflow.core.sched_update import (
@@ -222,26 +224,10 @@ class Scheduler:
             not self.whole_prompts else 0
 
     def batch_wait_s(self) -> float:
-        """Seconds the next step should still wait for more arrivals (0.0: step now).
-
-        Only an idle engine's first step waits (``idle_batch_window_ms``): while nothing is
-        running, the waiting requests fit in one step's ``max_num_batched_tokens`` and
-        ``max_num_seqs`` with room to spare (prompt tokens counted before prefix-cache
-        hits), and the window, counted from the first waiting
-        request's arrival on this scheduler's clock, is still open. A lone request therefore
-        waits the window and no longer; a burst's first step takes what arrived meanwhile
-        instead of only its first requests. A busy engine never waits.
-        """
-        window_s = self.config.idle_batch_window_ms / 1e3
-        if not window_s or self.running or not self.waiting or self._idle_arrival is None:
-            return 0.0
-        if len(self.waiting) >= self.config.max_num_seqs:
-            return 0.0
-        # tokens before prefix-cache hits (cheap; an overestimate only ends the wait sooner)
-        pending = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
-        if pending >= self.config.max_num_batched_tokens:
-            return 0.0
-        return max(0.0, self._idle_arrival + window_s - self.clock())
+        """Seconds the next step should still wait for more arrivals (0.0: step now; only
+        an idle engine's first step waits, ``idle_batch_window_ms``: see
+        ``sched_arrivals.batch_wait_s``)."""
+        return batch_wait_s(self)
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self, max_num_reqs: int | None = None) -> SchedulerOutput:
@@ -293,30 +279,14 @@ class Scheduler:
 
     def admission_verdict(self, request: Request) -> float | None:
         """Admission control: None to queue ``request``, else the seconds after which to
-        retry, because its predicted time to first token exceeds its TTFT target. Accepts
-        while the step-time model is still learning, when the request has no TTFT target,
-        and on an idle engine (nothing running or waiting): there no request is delayed by
-        it and none would be served sooner, and the forecast is then a pure extrapolation of
-        one lone prefill, where the fitted model errs most (it refused lone requests a warm
-        server answered well within target)."""
-        if not self.running and not self.waiting:
-            return None
-        slo = self.planner.targets_of(request)
-        outlook = None if slo.ttft_s is None else self.ttft_outlook(request)
-        if outlook is None or outlook <= slo.ttft_s:
-            return None
-        # past the forecast's horizon: by one target from now the queue ahead has moved on
-        late_by = slo.ttft_s if outlook == math.inf else outlook - slo.ttft_s
-        return float(max(1, math.ceil(late_by)))
+        retry, because its predicted time to first token exceeds its TTFT target (see
+        ``sched_arrivals.admission_verdict``)."""
+        return admission_verdict(self, request)
 
     def ttft_outlook(self, request: Request) -> float | None:
         """Predicted seconds from ``request``'s arrival to its first token if it were queued
         now (see ``SLOPlanner.ttft_outlook``); None when no prediction can be made."""
-        key, peek = self.policy.key(request), self.kv.peek_computed_tokens
-        ahead = [(r, r.num_tokens - peek(r)) for r in self.waiting
-                 if self.policy.name == "fair" or self.policy.key(r) <= key]
-        return self.planner.ttft_outlook(request, request.num_tokens - peek(request),
-                                         self.running, ahead, self.clock())
+        return ttft_outlook(self, request)
 
     def record_step_time(self, seconds: float) -> None:
         """The step last returned by ``schedule`` took ``seconds`` (schedule to the next
