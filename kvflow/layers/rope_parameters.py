@@ -16,7 +16,7 @@ EXTENDED_ROPE_POSITIONS = "kvflow_extended_rope_positions"
 # The most positions a model's RoPE (or position-embedding) table may cover, after scaling:
 # 16M, above any released model's context (Llama 4 Scout: 10M); a corrupt config beyond it
 # would ask for a table that does not fit in memory (2**40 positions: terabytes). GGUF
-# metadata is held to the same limit (``kvflow.models.gguf_rope_scaling.MAX_ROPE_POSITIONS``).
+# metadata is held to the same limit (kvflow.models.gguf_rope_scaling imports this one).
 MAX_ROPE_POSITIONS = 1 << 24
 
 # the ``rope_type`` values kvflow's RoPE tables implement (:mod:`kvflow.layers.rotary`; ``su`` is

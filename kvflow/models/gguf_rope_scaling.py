@@ -8,15 +8,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kvflow.layers.rope_parameters import MAX_ROPE_POSITIONS
 from kvflow.models.gguf_checks import ArchKeys
 from kvflow.models.gguf_reader import GGUFTensorInfo
 from kvflow.models.gguf_rope_factors import ROPE_FREQS, llama3_rope_scaling
 
 __all__ = ["MAX_ROPE_POSITIONS", "gguf_rope_scaling"]
 
-# The most positions a scaled RoPE may cover (context x factor): 16M, above any released
-# model's context (Llama 4 Scout: 10M); beyond it the rotary table would not fit in memory.
-MAX_ROPE_POSITIONS = 1 << 24
 
 
 def gguf_rope_scaling(keys: ArchKeys, tensors: dict[str, GGUFTensorInfo],
