@@ -36,6 +36,22 @@ def test_api_key_falls_back_to_the_environment():
     assert ServerConfig.from_cli_args(_parse(), env={}).api_key is None
 
 
+def test_api_key_falls_back_to_vllms_variable():
+    """vLLM's server takes its key from VLLM_API_KEY when no --api-key is given; kvflow read
+    KVFLOW_API_KEY only, so a deployment keeping its key in VLLM_API_KEY was served with
+    every route open. Either variable sets it; both alike are one key; a flag wins."""
+    assert ServerConfig.from_cli_args(_parse(), env={"VLLM_API_KEY": "v"}).api_key == "v"
+    assert ServerConfig.from_cli_args(
+        _parse(), env={"VLLM_API_KEY": "v", "KVFLOW_API_KEY": "v"}).api_key == "v"
+    assert ServerConfig.from_cli_args(_parse("--api-key", "f"),
+                                      env={"VLLM_API_KEY": "v"}).api_key == "f"
+    with pytest.raises(ValueError, match=r"^KVFLOW_API_KEY and VLLM_API_KEY are set to "
+                                         r"different keys"):
+        ServerConfig.from_cli_args(_parse(), env={"VLLM_API_KEY": "v", "KVFLOW_API_KEY": "k"})
+    with pytest.raises(ValueError, match=r"^VLLM_API_KEY=' ' is empty"):
+        ServerConfig.from_cli_args(_parse(), env={"VLLM_API_KEY": " "})
+
+
 @pytest.mark.parametrize("kwargs,field", [({"port": 70000}, "port"), ({"max_n": 0}, "max_n"),
                                           ({"responses_store_size": -1}, "responses_store_size"),
                                           ({"max_waiting_requests": -1},

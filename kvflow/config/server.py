@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
+from kvflow.config.api_key_env import api_key_from_env
 from kvflow.config.options import add_field_arg, check_choices, json_object, opt, parse_bytes
 from kvflow.config.profiler import profiler_options
 from kvflow.config.runtime_lora import runtime_lora_updating
@@ -29,7 +30,7 @@ class ServerConfig:
     port: int = opt(8000, "TCP port the HTTP server listens on")
     api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on every route but "
                                "/health, /ping, /load, /metrics and /version; unset: "
-                               "$KVFLOW_API_KEY, if set")
+                               "$KVFLOW_API_KEY or vLLM's $VLLM_API_KEY, if set")
     served_model_name: tuple[str, ...] | None = opt(
         None, "model name clients send; unset: the model argument. Several names (vLLM's "
         "aliases): each is accepted as a request's model; the first names the metrics' "
@@ -363,8 +364,9 @@ class ServerConfig:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace,
                       env: dict[str, str] | None = None) -> ServerConfig:
-        """Build from parsed flags; ``--api-key`` falls back to ``KVFLOW_API_KEY`` in ``env``
-        (default: the process environment), and ``dev_mode`` is ``KVFLOW_SERVER_DEV_MODE``
+        """Build from parsed flags; ``--api-key`` falls back to ``KVFLOW_API_KEY`` or vLLM's
+        ``VLLM_API_KEY`` in ``env`` (default: the process environment;
+        :func:`kvflow.config.api_key_env.api_key_from_env`), and ``dev_mode`` is ``KVFLOW_SERVER_DEV_MODE``
         (vLLM's ``VLLM_SERVER_DEV_MODE``: ``1`` on; ``0`` or unset off), and ``profiling``
         whether ``KVFLOW_TORCH_PROFILER_DIR`` is set (vLLM's ``VLLM_TORCH_PROFILER_DIR``),
         and ``allow_runtime_lora_updating`` vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (or
@@ -372,9 +374,10 @@ class ServerConfig:
         :func:`kvflow.config.runtime_lora.runtime_lora_updating`).
 
         Raises:
-            ValueError: for a bad flag value, a ``KVFLOW_API_KEY`` that is set but empty
-                or blank (it would leave the server open, as an empty ``--api-key`` would;
-                unset it to serve without a key), a ``KVFLOW_SERVER_DEV_MODE`` other
+            ValueError: for a bad flag value, a ``KVFLOW_API_KEY`` or ``VLLM_API_KEY`` that
+                is set but empty or blank (it would leave the server open, as an empty
+                ``--api-key`` would; unset it to serve without a key), the two set to
+                different keys, a ``KVFLOW_SERVER_DEV_MODE`` other
                 than 0 or 1, a bad ``KVFLOW_TORCH_PROFILER_*`` switch, or a
                 ``*_ALLOW_RUNTIME_LORA_UPDATING`` other than 0, 1, false, true (or the two
                 disagreeing).
@@ -389,10 +392,5 @@ class ServerConfig:
         values["profiling"] = profiler_options(env) is not None
         values["allow_runtime_lora_updating"] = runtime_lora_updating(env)
         if values.get("api_key") is None:
-            key = env.get("KVFLOW_API_KEY")
-            if key is not None and not key.strip():
-                raise ValueError(f"KVFLOW_API_KEY={key!r} is empty: an empty key would leave "
-                                 "the server open; give a key, or unset the variable to "
-                                 "serve without one")
-            values["api_key"] = key
+            values["api_key"] = api_key_from_env(env)
         return cls(**values)
