@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -16,7 +17,27 @@ from kvflow.entrypoints.protocol.chat import (
 )
 
 
+class ModelPermission(OpenAIBaseModel):
+    """A model card's ``permission`` entry, as vLLM 0.32 writes it (the legacy OpenAI
+    schema's: every model may be sampled, with logprobs, and viewed, by any organization)."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=now)
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(OpenAIBaseModel):
+    """One served name of /v1/models (vLLM's fields; ``permission`` one entry, as vLLM's)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
@@ -24,6 +45,7 @@ class ModelCard(OpenAIBaseModel):
     root: str | None = None
     parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(OpenAIBaseModel):
