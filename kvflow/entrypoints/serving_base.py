@@ -46,11 +46,29 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def request_ids(prefix: str, client_request_id: str | None) -> tuple[str, str]:
+# the longest X-Request-Id header taken as a request's id (as the body's request_id field)
+MAX_REQUEST_ID_CHARS = 256
+
+
+def request_ids(prefix: str, body_request_id: str | None,
+                raw: Request | None = None) -> tuple[str, str]:
     """``(reply id, engine request id)`` for a request: both ``{prefix}-{uuid}``; or, when
-    the client sent vLLM's ``request_id``, the reply's ``id`` is ``{prefix}-{request_id}``
-    (as vLLM names it) and the engine's that with ``-{uuid}`` appended, so that two requests
-    sending the same id stay two requests in the engine."""
+    the client sent an id, the reply's ``id`` is ``{prefix}-{id}`` (as vLLM names it) and the
+    engine's that with ``-{uuid}`` appended, so that two requests sending the same id stay
+    two requests in the engine. The client's id is ``raw``'s ``X-Request-Id`` header when it
+    carries a non-empty one, else vLLM's ``request_id`` body field (``body_request_id``), as
+    vLLM picks it (``OpenAIServing._base_request_id``).
+
+    Raises:
+        OpenAIError: 400 (param ``X-Request-Id``) for a header longer than
+            ``MAX_REQUEST_ID_CHARS`` characters (the body field's cap).
+    """
+    header = raw.headers.get("x-request-id", "").strip() if raw is not None else ""
+    if len(header) > MAX_REQUEST_ID_CHARS:
+        raise OpenAIError(f"the X-Request-Id header is {len(header)} characters long; at most "
+                          f"{MAX_REQUEST_ID_CHARS} are taken as a request's id",
+                          param="X-Request-Id", code="invalid_value")
+    client_request_id = header or body_request_id
     if client_request_id is None:
         engine_id = random_id(prefix)
         return engine_id, engine_id

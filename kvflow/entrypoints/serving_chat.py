@@ -140,7 +140,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         if parser.keeps_special_tokens:  # the call markers are special tokens
             params.skip_special_tokens = False
         self.check_admission(1, n=req.n or 1)
-        reply_id, request_id = request_ids(prefix, req.request_id)
+        reply_id, request_id = request_ids(prefix, req.request_id, raw)
         self.note_request(req, request_id)
         if req.use_beam_search:
             _refuse_for_beam_search(tool_grammar, prompt.mm_features)

@@ -46,7 +46,7 @@ class OpenAIServingClassification(OpenAIServingEmbedding):
         self.check_priority(req.priority)
         prompts = await self._inputs_of(req, raw)
         self.check_admission(len(prompts), "input")
-        reply_id, request_id = request_ids("classify", req.request_id)
+        reply_id, request_id = request_ids("classify", req.request_id, raw)
         self.note_request(req, request_id)
         params = PoolingParams(task="classify", use_activation=request_activation(req))
         streams = await self._add(request_id, prompts, params, self.client_id(req, raw),

@@ -73,7 +73,7 @@ class OpenAIServingCompletion(OpenAIServing):
             [self._params(req, prompt, i if listed else None)
              for i, prompt in enumerate(prompts[len(embeds):])]
         self.check_admission(len(prompts), n=req.n or 1)
-        reply_id, request_id = request_ids("cmpl", req.request_id)
+        reply_id, request_id = request_ids("cmpl", req.request_id, raw)
         self.note_request(req, request_id)
         if req.use_beam_search:
             streams = self.start_beam_searches(

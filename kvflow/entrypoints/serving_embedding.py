@@ -78,7 +78,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize,
                                use_activation=req.use_activation)
         self.check_admission(len(prompts), "input")
-        reply_id, request_id = request_ids("embd", req.request_id)
+        reply_id, request_id = request_ids("embd", req.request_id, raw)
         self.note_request(req, request_id)
         streams = await self._add(request_id, prompts, params, self.client_id(req, raw),
                                   req.priority)

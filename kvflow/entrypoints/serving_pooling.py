@@ -60,7 +60,7 @@ class OpenAIServingPooling(OpenAIServingEmbedding):
         self.check_priority(req.priority)
         prompts = await self._inputs_of(req, raw)
         self.check_admission(len(prompts), "input")
-        reply_id, request_id = request_ids("pool", req.request_id)
+        reply_id, request_id = request_ids("pool", req.request_id, raw)
         self.note_request(req, request_id)
         streams = await self._add(request_id, prompts, params, self.client_id(req, raw),
                                   req.priority)

@@ -167,7 +167,7 @@ class OpenAIServingScore(OpenAIServing):
             OpenAIError: see ``create_score``.
         """
         reply_id, request_id = request_ids("score" if isinstance(req, ScoreRequest)
-                                           else "rerank", req.request_id)
+                                           else "rerank", req.request_id, raw)
         texts = None  # an embedding model's distinct texts, in the order they are queued
         use_activation = request_activation(req)
         if self.engine.task == "embed":

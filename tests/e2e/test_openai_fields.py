@@ -326,6 +326,11 @@ def sampling_cases(path: str) -> dict[str, Callable]:
         assert events and {e["id"] for e in events} == {f"{prefix}-trace-42"}
         assert re.fullmatch(f"{prefix}-[0-9a-f]{{32}}", ok(server, path, {})["id"])
         rejected(path, {"request_id": ""}, "request_id")(server, tokenizer)
+        # vLLM's X-Request-Id header names it too, before the body's field
+        headed = httpx.post(f"{server.url}{path}", json={**BASE[path], "max_tokens": 2,
+                                                         "request_id": "trace-42"},
+                            headers={"X-Request-Id": "gw-7"}, timeout=60)
+        assert headed.status_code == 200 and headed.json()["id"] == f"{prefix}-gw-7"
 
     def prompt_logprobs(server, tokenizer):
         """Chat (vLLM's field on the reply): one entry per rendered prompt token, None
