@@ -114,8 +114,10 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
 
     async def start(self, req: ChatCompletionRequest, raw: Request, prefix: str) -> ChatRun:
         """Check ``req`` (its unknown fields were checked by the caller), render the
-        conversation and queue it; the reply's id is ``{prefix}-...``. /v1/responses runs its
-        requests through here too (``serving_responses``).
+        conversation and queue it; the reply's id is ``{prefix}-...`` (``X-Request-Id`` or
+        ``request_id`` after the prefix, as vLLM names chat replies). /v1/responses runs its
+        requests through here too (``serving_responses``, prefix ``resp``): their ids stay
+        random, as vLLM's, since a response is stored under its id.
 
         Raises:
             OpenAIError: 400 for bad input, 404 for another model, 503 when overloaded.
@@ -140,7 +142,8 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         if parser.keeps_special_tokens:  # the call markers are special tokens
             params.skip_special_tokens = False
         self.check_admission(1, n=req.n or 1)
-        reply_id, request_id = request_ids(prefix, req.request_id, raw)
+        reply_id, request_id = request_ids(prefix, req.request_id,
+                                          raw if prefix != "resp" else None)
         self.note_request(req, request_id)
         if req.use_beam_search:
             _refuse_for_beam_search(tool_grammar, prompt.mm_features)

@@ -297,6 +297,24 @@ def test_store_and_previous_response_id(server):
         "response_not_found"
 
 
+def test_x_request_id_header_leaves_response_ids_unique(server):
+    """A response is stored under its id, so an ``X-Request-Id`` header does not name it (as
+    vLLM's /v1/responses ignores the header; chat and completions take it): two requests
+    sending one header get two ids, each retrieving its own reply."""
+    replies = []
+    for _ in range(2):
+        resp = httpx.post(f"{server.url}/v1/responses", timeout=60,
+                          headers={"X-Request-Id": "gw-1"},
+                          json={"model": MODEL, "input": "hi", "max_output_tokens": 2})
+        assert resp.status_code == 200, resp.text
+        replies.append(resp.json())
+    assert replies[0]["id"] != replies[1]["id"]
+    for reply in replies:
+        assert re.fullmatch(r"resp_[0-9a-f]{32}", reply["id"]), reply["id"]
+        got = httpx.get(f"{server.url}/v1/responses/{reply['id']}", timeout=10)
+        assert got.status_code == 200 and got.json() == reply
+
+
 # ---- errors --------------------------------------------------------------------------------------
 BAD = [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
