@@ -278,7 +278,7 @@ def test_text_values_are_taken_as_written(config):
         "served-model-name: [1.10, v2]\napi-key: 0123\nresponse-role: off\n"
         "chat-template: null\n")])
     assert (args.served_model_name, args.api_key, args.response_role) == \
-        (["1.10", "v2"], "0123", "off")
+        (["1.10", "v2"], ["0123"], "off")
     assert args.chat_template is None  # null: the flag unset, as before
     args = _parse(["serve", "m", "--config", config(
         "lora-modules: [{name: a, path: /p, base_model_name: 1.10}, b=/q]\n"

@@ -17,7 +17,7 @@ def test_serve_flags_reach_both_configs():
     args = _parse("some/model", "--port", "9001", "--api-key", "k", "--max-waiting-requests",
                   "3", "--served-model-name", "m", "--block-size", "8", "--max-n", "4")
     server = ServerConfig.from_cli_args(args, env={})
-    assert (server.port, server.api_key, server.max_waiting_requests) == (9001, "k", 3)
+    assert (server.port, server.api_key, server.max_waiting_requests) == (9001, ("k",), 3)
     assert (server.served_model_name, server.max_n, server.host) == (("m",), 4, "127.0.0.1")
     assert server.model_names("some/model") == ("m",)
     aliased = ServerConfig.from_cli_args(_parse("--served-model-name", "m", "alias"), env={})
@@ -30,9 +30,9 @@ def test_serve_flags_reach_both_configs():
 
 
 def test_api_key_falls_back_to_the_environment():
-    assert ServerConfig.from_cli_args(_parse(), env={"KVFLOW_API_KEY": "e"}).api_key == "e"
+    assert ServerConfig.from_cli_args(_parse(), env={"KVFLOW_API_KEY": "e"}).api_key == ("e",)
     assert ServerConfig.from_cli_args(_parse("--api-key", "f"),
-                                      env={"KVFLOW_API_KEY": "e"}).api_key == "f"
+                                      env={"KVFLOW_API_KEY": "e"}).api_key == ("f",)
     assert ServerConfig.from_cli_args(_parse(), env={}).api_key is None
 
 
@@ -40,11 +40,11 @@ def test_api_key_falls_back_to_vllms_variable():
     """vLLM's server takes its key from VLLM_API_KEY when no --api-key is given; kvflow read
     KVFLOW_API_KEY only, so a deployment keeping its key in VLLM_API_KEY was served with
     every route open. Either variable sets it; both alike are one key; a flag wins."""
-    assert ServerConfig.from_cli_args(_parse(), env={"VLLM_API_KEY": "v"}).api_key == "v"
+    assert ServerConfig.from_cli_args(_parse(), env={"VLLM_API_KEY": "v"}).api_key == ("v",)
     assert ServerConfig.from_cli_args(
-        _parse(), env={"VLLM_API_KEY": "v", "KVFLOW_API_KEY": "v"}).api_key == "v"
+        _parse(), env={"VLLM_API_KEY": "v", "KVFLOW_API_KEY": "v"}).api_key == ("v",)
     assert ServerConfig.from_cli_args(_parse("--api-key", "f"),
-                                      env={"VLLM_API_KEY": "v"}).api_key == "f"
+                                      env={"VLLM_API_KEY": "v"}).api_key == ("f",)
     with pytest.raises(ValueError, match=r"^KVFLOW_API_KEY and VLLM_API_KEY are set to "
                                          r"different keys"):
         ServerConfig.from_cli_args(_parse(), env={"VLLM_API_KEY": "v", "KVFLOW_API_KEY": "k"})
@@ -273,7 +273,7 @@ def test_empty_api_key_in_the_environment_is_refused(value):
         ServerConfig.from_cli_args(_parse(), env={"KVFLOW_API_KEY": value})
     # a key typed on the command line wins over the variable, empty or not
     assert ServerConfig.from_cli_args(_parse("--api-key", "k"),
-                                      env={"KVFLOW_API_KEY": value}).api_key == "k"
+                                      env={"KVFLOW_API_KEY": value}).api_key == ("k",)
 
 
 def test_empty_api_key_variable_is_one_line_before_loading(monkeypatch, capsys):

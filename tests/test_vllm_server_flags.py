@@ -248,3 +248,40 @@ def test_root_path_keeps_open_routes_open_and_bodyless_posts_bodyless():
         assert refused.json()["error"]["code"] == "invalid_api_key"
     woke = client.post("/llm/wake_up", headers={"Authorization": "Bearer k"})
     assert (woke.status_code, woken) == (200, [None])
+
+
+@pytest.mark.parametrize("argv", [["--api-key", "key-a", "key-b"], ["--config", "CONFIG"]])
+def test_several_api_keys_each_open_the_server(argv, tmp_path):
+    """vLLM's ``--api-key`` takes a list (nargs "+"; a config file's ``api-key: [..]``), any of
+    them accepted; kvflow took one key, so vLLM's ``--api-key a b`` was refused at start
+    ("unrecognized arguments: b"). Each key opens the routes, a third key or none does not
+    (401, invalid_api_key), and /health stays open."""
+    from kvflow.entrypoints.api_server import build_app
+    from kvflow.entrypoints.config_file import expand_config_file
+
+    if "CONFIG" in argv:
+        config_file = tmp_path / "serve.yaml"
+        config_file.write_text("api-key: [key-a, key-b]\n")
+        argv = ["--config", str(config_file)]
+    parser = build_parser()
+    config = ServerConfig.from_cli_args(
+        parser.parse_args(expand_config_file(parser, ["serve", *argv])), env={})
+    assert config.api_key == ("key-a", "key-b")
+    engine = SimpleNamespace(config=EngineConfig(), is_healthy=True)
+    client = TestClient(build_app(engine, config, "m"))
+    for key in ("key-a", "key-b"):
+        opened = client.get("/openapi.json", headers={"Authorization": f"Bearer {key}"})
+        assert opened.status_code == 200, key
+    for header in ("Bearer key-c", "Bearer key-a key-b", "Bearer key-akey-b", ""):
+        refused = client.get("/openapi.json", headers={"Authorization": header})
+        assert refused.status_code == 401, header
+        assert refused.json()["error"]["code"] == "invalid_api_key"
+    assert client.get("/health").status_code == 200
+
+
+def test_one_api_key_is_a_tuple_of_one():
+    """A config file's (or a caller's) single key string is one key, as before."""
+    assert ServerConfig(api_key="k").api_key == ("k",)
+    for bad in ((), ("k", " ")):
+        with pytest.raises(ValueError, match="api_key"):
+            ServerConfig(api_key=bad)

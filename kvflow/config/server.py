@@ -28,9 +28,10 @@ class ServerConfig:
 
     host: str = opt("127.0.0.1", "address the HTTP server listens on")
     port: int = opt(8000, "TCP port the HTTP server listens on")
-    api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on every route but "
-                               "/health, /ping, /load, /metrics and /version; unset: "
-                               "$KVFLOW_API_KEY or vLLM's $VLLM_API_KEY, if set")
+    api_key: tuple[str, ...] | None = opt(
+        None, "require 'Authorization: Bearer KEY' on every route but /health, /ping, /load, "
+        "/metrics and /version; several keys (vLLM's list): any of them is accepted; unset: "
+        "$KVFLOW_API_KEY or vLLM's $VLLM_API_KEY, if set", nargs="+")
     served_model_name: tuple[str, ...] | None = opt(
         None, "model name clients send; unset: the model argument. Several names (vLLM's "
         "aliases): each is accepted as a request's model; the first names the metrics' "
@@ -252,6 +253,10 @@ class ServerConfig:
             self.lora_modules = (self.lora_modules,)
         if self.lora_modules is not None:
             self.lora_modules = tuple(lora_module(m) for m in self.lora_modules)
+        if isinstance(self.api_key, str):  # a config file's (or a caller's) one key
+            self.api_key = (self.api_key,)
+        elif self.api_key is not None:
+            self.api_key = tuple(self.api_key)
         if isinstance(self.served_model_name, str):  # a config file's one name
             self.served_model_name = (self.served_model_name,)
         elif self.served_model_name is not None:
@@ -268,7 +273,8 @@ class ServerConfig:
                    "max_waiting_requests", "must be >= 1 (0 would refuse every request)"),
                   (self.max_num_queued_reqs is None or self.max_num_queued_reqs >= 1,
                    "max_num_queued_reqs", "must be >= 1 (0 would refuse every request)"),
-                  (self.api_key is None or self.api_key.strip() != "", "api_key",
+                  (self.api_key is None or (len(self.api_key) > 0 and all(
+                      isinstance(k, str) and k.strip() for k in self.api_key)), "api_key",
                    "must not be empty (an empty key would leave the server open)"),
                   (self.served_model_name is None or (
                       len(self.served_model_name) > 0
@@ -392,5 +398,6 @@ class ServerConfig:
         values["profiling"] = profiler_options(env) is not None
         values["allow_runtime_lora_updating"] = runtime_lora_updating(env)
         if values.get("api_key") is None:
-            values["api_key"] = api_key_from_env(env)
+            key = api_key_from_env(env)
+            values["api_key"] = None if key is None else (key,)
         return cls(**values)

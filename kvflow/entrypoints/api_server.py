@@ -205,7 +205,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
         app.add_middleware(ServerLoadMiddleware, load=app.state.server_load)
     app.add_middleware(BodySizeLimitMiddleware, limit=config.max_request_body_bytes)
     if config.api_key:  # outermost: a request without the key is refused before its body
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+        app.add_middleware(ApiKeyMiddleware, api_keys=config.api_key)
     add_http_middleware(app, config)  # CORS outermost: preflights before the key check
     add_error_handlers(app)
     add_openai_routes(app)

@@ -4,9 +4,11 @@ a 500 only for a fault of kvflow's own)."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -34,21 +36,30 @@ BODYLESS_POSTS = re.compile(
 
 
 class ApiKeyMiddleware:
-    """ASGI middleware: every path but ``OPEN_PATHS`` needs ``Authorization: Bearer KEY``
-    (compared in constant time); otherwise 401 with an OpenAI error body. The path is the
-    route's, without the ``--root-path`` prefix uvicorn puts in front of it (``route_path``),
-    as vLLM strips it: /health stays open behind a proxy."""
+    """ASGI middleware: every path but ``OPEN_PATHS`` needs ``Authorization: Bearer KEY``,
+    KEY any of ``api_keys`` (vLLM's ``--api-key`` takes a list; each compared in constant time,
+    as SHA-256 digests, so neither a key's length nor which key matched shows in the timing);
+    otherwise 401 with an OpenAI error body. The path is the route's, without the
+    ``--root-path`` prefix uvicorn puts in front of it (``route_path``), as vLLM strips it:
+    /health stays open behind a proxy."""
 
-    def __init__(self, app: Any, api_key: str) -> None:
+    def __init__(self, app: Any, api_keys: Sequence[str]) -> None:
         self.app = app
-        self._expected = api_key.encode()
+        self._expected = [hashlib.sha256(key.encode()).digest() for key in api_keys]
+
+    def _accepts(self, given: bytes) -> bool:
+        digest = hashlib.sha256(given).digest()
+        matched = False
+        for expected in self._expected:  # every key, whichever matches
+            matched |= hmac.compare_digest(digest, expected)
+        return matched
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
             return await self.app(scope, receive, send)
         scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
         # the scheme name is case-insensitive (RFC 7235, section 2.1)
-        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self._expected):
+        if scheme.lower() == b"bearer" and self._accepts(given.strip()):
             return await self.app(scope, receive, send)
         error = OpenAIError("invalid or missing API key: send 'Authorization: Bearer <key>'",
                             401, "authentication_error", code="invalid_api_key")
