@@ -99,6 +99,17 @@ def test_cors_preflight_and_simple_request():
     other = client.options("/v1/models", headers={
         "Origin": "http://evil.example", "Access-Control-Request-Method": "GET"})
     assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    # an OpenAI error body, as every 4xx (starlette's was the text "Disallowed CORS origin")
+    assert other.json() == {"error": {
+        "message": "the CORS preflight was refused: its origin is not allowed (origin: "
+                   "--allowed-origins)", "type": "invalid_request_error", "param": None,
+        "code": "cors_preflight_refused"}}
+    assert other.headers["access-control-allow-methods"] == "GET"  # starlette's headers kept
+    both = client.options("/v1/models", headers={
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "DELETE"})
+    assert both.status_code == 400 and both.json()["error"]["message"] == (
+        "the CORS preflight was refused: its origin and method are not allowed (origin: "
+        "--allowed-origins, method: --allowed-methods)")
     refused = client.get("/v1/models", headers={"Origin": "http://a.example"})
     assert refused.status_code == 401  # the key is still needed; the browser may read why
     assert refused.headers["access-control-allow-origin"] == "http://a.example"

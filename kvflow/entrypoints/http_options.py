@@ -10,11 +10,14 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvflow.config import ServerConfig
 from kvflow.entrypoints.access_log import access_log_options
+from kvflow.entrypoints.openai_errors import OpenAIError
 
 
 def fastapi_options(config: ServerConfig) -> dict[str, Any]:
@@ -33,10 +36,38 @@ def add_http_middleware(app: FastAPI, config: ServerConfig) -> None:
     if config.enable_request_id_headers:
         app.add_middleware(RequestIdHeaderMiddleware)
     if config.cors_enabled:
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins or ["*"]),
+        app.add_middleware(OpenAIErrorCORSMiddleware, allow_origins=list(config.allowed_origins or ["*"]),
                            allow_methods=list(config.allowed_methods or ["*"]),
                            allow_headers=list(config.allowed_headers or ["*"]),
                            allow_credentials=bool(config.allow_credentials))
+
+
+# what a refused preflight names (starlette's failure words) -> the flag that allows it
+_CORS_FLAGS = {"origin": "--allowed-origins", "method": "--allowed-methods",
+               "headers": "--allowed-headers", "private-network": "no flag"}
+
+
+class OpenAIErrorCORSMiddleware(CORSMiddleware):
+    """starlette's CORS middleware whose refused preflight (an origin, method or header the
+    CORS flags do not allow) is a 400 with an OpenAI error body (code
+    ``cors_preflight_refused``, naming what was refused and the flag that allows it) and the
+    same CORS headers; starlette answers it as plain text ("Disallowed CORS origin"), the one
+    4xx of the server that was not an OpenAI error body."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code < 400:
+            return response
+        refused = bytes(response.body).decode().removeprefix("Disallowed CORS ").split(", ")
+        allowed_by = ", ".join(f"{what}: {_CORS_FLAGS.get(what, 'no flag')}"
+                               for what in refused)
+        verb = "is" if len(refused) == 1 else "are"
+        error = OpenAIError(f"the CORS preflight was refused: its {' and '.join(refused)} "
+                            f"{verb} not allowed ({allowed_by})", response.status_code,
+                            code="cors_preflight_refused")
+        headers = {k: v for k, v in response.headers.items()
+                   if k.lower() not in ("content-length", "content-type")}
+        return JSONResponse(error.body(), response.status_code, headers=headers)
 
 
 class RequestIdHeaderMiddleware:
