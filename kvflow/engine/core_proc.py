@@ -2,7 +2,11 @@
 
 The loop, once per iteration: take every pending input message (block only when there is no
 work, waking every ``_IDLE_POLL_MS`` to check that the API process is still alive), run one
-step if any request is unfinished, and send the step's outputs with fresh stats. With
+step if any request is unfinished, and send the step's outputs with fresh stats. A busy loop
+also checks the API process every ``_PARENT_CHECK_S``: the core ends within about a second
+of the API process's death (a SIGKILL, an OOM kill) with requests in flight, where it had
+generated on for them, holding its device, until they finished (tens of seconds to minutes,
+to nobody), and then only once its output socket's queue (1000 steps) had room. With
 ``--idle-batch-window-ms`` an idle engine's first step waits for input instead while the
 scheduler's window is open (``Scheduler.batch_wait_s``). Aborts are
 therefore applied (and their KV blocks freed) before the next step. Before it reports ready,
@@ -21,6 +25,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Iterable
 from typing import Any, NoReturn
@@ -58,6 +63,7 @@ from kvflow.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is alive
+_PARENT_CHECK_S = 1.0  # how often a busy core checks it (between steps)
 _PR_SET_NAME = 15  # prctl option (linux/prctl.h)
 _BUSY_RETRY_AFTER_S = 1.0  # Retry-After of a refusal for saturated grammar compiles
 _WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)  # a request in the waiting queue
@@ -246,10 +252,18 @@ class EngineCoreProc:
         self._verdicts = AdmissionVerdicts([], [])
 
     def run(self) -> None:
+        next_parent_check = time.monotonic() + _PARENT_CHECK_S
         while True:
-            handled = self._handle_inputs(block=not self.core.has_unfinished_requests())
+            busy = self.core.has_unfinished_requests()
+            handled = self._handle_inputs(block=not busy)
             if handled is None:
                 return
+            if busy and time.monotonic() >= next_parent_check:
+                if not self._parent_alive():
+                    logger.warning("API process is gone; engine core exiting (its "
+                                   "unfinished requests dropped)")
+                    return
+                next_parent_check = time.monotonic() + _PARENT_CHECK_S
             if self._verdicts.accepted or self._verdicts.rejected:  # answer before the step
                 self.out.send(self._encoder.encode(self._verdicts))
                 self._verdicts = AdmissionVerdicts([], [])

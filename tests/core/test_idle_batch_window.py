@@ -166,3 +166,27 @@ def test_engine_core_loop_polls_its_input_for_the_wait_then_steps():
     EngineCoreProc(core, inp, SimpleNamespace(send=events.append)).run()
     assert events == ["step"]
     assert inp.polls == [0, 13, 0, core_proc._IDLE_POLL_MS, 0]
+
+
+def test_busy_engine_core_loop_ends_when_the_api_process_dies(monkeypatch):
+    """A busy core checks its API process between steps (every ``_PARENT_CHECK_S``): once it
+    is gone the loop ends with requests unfinished. It had been checked only while the core
+    was idle, so a core whose API process was killed generated on for its requests, to
+    nobody, until they all finished (measured: 10-15 s for one 200-token request on a CPU)."""
+    monkeypatch.setattr(core_proc, "_PARENT_CHECK_S", 0.0, raising=False)  # every step
+    inp = SimpleNamespace(poll=lambda ms: False)
+    steps = []
+
+    def step():
+        steps.append("step")
+        if len(steps) > 10:
+            raise AssertionError("the core stepped on after its API process died")
+        return []
+    core = SimpleNamespace(config=EngineConfig(), step=step,
+                           has_unfinished_requests=lambda: True,  # never finishes
+                           scheduler=SimpleNamespace(batch_wait_s=lambda: 0.0))
+    loop = EngineCoreProc(core, inp, SimpleNamespace(send=lambda payload: None))
+    alive = iter([True, True, False, False])
+    loop._parent = SimpleNamespace(is_alive=lambda: next(alive))
+    loop.run()  # returns: before, it stepped on (forever here)
+    assert steps == ["step"] * 2  # checked before each step: alive, alive, gone
