@@ -15,6 +15,7 @@ import collections
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Callable
 
 from kvflow.config import EngineConfig
@@ -63,6 +64,10 @@ class DPCoreClient:
     def __init__(self, config: EngineConfig, start_timeout: float = 600.0) -> None:
         self.num_replicas = config.parallel_config.data_parallel_size
         self.replicas = ReplicaSet(config, prefix="kvflow-dp-")
+        # An LLM dropped without shutdown() (garbage collected) stops its replicas too, as
+        # the multiprocess executor stops its workers: the finalizer holds the ReplicaSet,
+        # not this client. (Was: the core processes ran on until the interpreter exited.)
+        self._finalizer = weakref.finalize(self, self.replicas.close)
         try:
             self.replicas.start()
             ready = self.replicas.wait_ready(start_timeout)
@@ -247,5 +252,6 @@ class DPCoreClient:
                                    f"exited with code {core.proc.exitcode}")
 
     def shutdown(self) -> None:
-        """Stop every core process and release the sockets (idempotent)."""
-        self.replicas.close()
+        """Stop every core process and release the sockets (idempotent; also run when this
+        client is garbage collected or the interpreter exits)."""
+        self._finalizer()
