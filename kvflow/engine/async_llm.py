@@ -220,7 +220,8 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
                     client_id: str = "",
                     lora_request: LoRARequest | None = None,
                     cache_salt: str | None = None,
-                    prompt_embeds: PromptEmbeds | None = None) -> RequestStream:
+                    prompt_embeds: PromptEmbeds | None = None,
+                    data_parallel_rank: int | None = None) -> RequestStream:
         """Validate and queue one prompt (its ``n`` samples) on one replica; returns its
         output stream. Fields ``params`` was not given take the model's sampling defaults
         (``sampling_defaults``, from its generation_config.json). ``mm_features``: the
@@ -230,13 +231,14 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
         ``lora_request``: the adapter it runs with (added with ``add_lora`` first).
         ``cache_salt``: salts its prefix-cache blocks (a non-empty string; None: unsalted).
         ``prompt_embeds``: the prompt's embedding rows (``processor.embeds_prompt``;
-        ``prompt_token_ids`` are then its placeholders).
+        ``prompt_token_ids`` are then its placeholders). ``data_parallel_rank``: the replica
+        it must run on (vLLM's; None: the balancer chooses).
 
         Raises:
             ValueError: for a bad prompt, parameters or ``cache_salt``, a request id in use,
-                or a nonzero ``priority`` under a policy that does not read it (nothing
-                queued).
-            EngineDeadError: if no replica is running.
+                a nonzero ``priority`` under a policy that does not read it, or a
+                ``data_parallel_rank`` outside the replicas (nothing queued).
+            EngineDeadError: if no replica is running, or the pinned one is not.
         """
         self.config.scheduler_config.check_priority(priority)
         self._check_serving()
@@ -245,7 +247,7 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
         requests = self.processor.make_requests(request_id, prompt_token_ids, params, arrival,
                                                 priority, mm_features, client_id,
                                                 lora_request, cache_salt, prompt_embeds)
-        return self._queue(request_id, prompt, requests, arrival)
+        return self._queue(request_id, prompt, requests, arrival, data_parallel_rank)
 
     def _check_serving(self) -> None:
         """Raises EngineDeadError if no replica is running, EngineSleepingError (one) while
@@ -257,11 +259,14 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
             raise EngineSleepingError(refusal)
 
     def _queue(self, request_id: str, prompt: str | None, requests: list[Request],
-               arrival: float) -> RequestStream:
-        """Send one user request's samples to one replica; returns its stream.
+               arrival: float, data_parallel_rank: int | None = None) -> RequestStream:
+        """Send one user request's samples to one replica (``data_parallel_rank``, else the
+        balancer's choice); returns its stream.
 
         Raises:
-            ValueError: if the request cannot be encoded (nothing registered then).
+            ValueError: if the request cannot be encoded, or for a ``data_parallel_rank``
+                outside the replicas (nothing registered then).
+            EngineDeadError: if the pinned replica is not running.
         """
         self._name_in_cores(requests)
         try:  # encode before registering anything, so a refusal leaves no state behind
@@ -269,10 +274,13 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
                 AddRequests([EngineCoreRequest.from_request(r) for r in requests]))
         except (msgspec.EncodeError, OverflowError, TypeError) as e:
             raise ValueError(f"request {request_id!r} cannot be encoded: {e}") from None
-        replica = self.balancer.choose(requests[0].prompt_token_ids,
-                                       [c.is_live for c in self.cores],
-                                       [s.kv_cache_usage for s in self.stats],
-                                       cache_key(requests[0].lora_request, requests[0].cache_salt))
+        try:
+            replica = self.balancer.choose(
+                requests[0].prompt_token_ids, [c.is_live for c in self.cores],
+                [s.kv_cache_usage for s in self.stats],
+                cache_key(requests[0].lora_request, requests[0].cache_salt), data_parallel_rank)
+        except RuntimeError as e:  # no replica live, or not the pinned one (dead, restarting)
+            raise EngineDeadError(str(e)) from None
         stream = self.requests.open(request_id, prompt, requests, arrival, replica)
         logger.debug("request %s -> replica %d (depths %s)", request_id, replica,
                      self.balancer.depth)
@@ -305,22 +313,25 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
 
     def add_pooling_request(self, request_id: str, prompt: str | None,
                             prompt_token_ids: list[int], params: PoolingParams | None = None,
-                            client_id: str = "", priority: int = 0) -> RequestStream:
+                            client_id: str = "", priority: int = 0,
+                            data_parallel_rank: int | None = None) -> RequestStream:
         """Validate and queue one embedding request; its stream ends with one
         ``EmbeddingRequestOutput``. ``client_id`` names the sender for the fair policy,
-        ``priority`` its place under the priority policy (lower first).
+        ``priority`` its place under the priority policy (lower first),
+        ``data_parallel_rank`` the replica it must run on (None: the balancer chooses).
 
         Raises:
-            ValueError: on a generation model, for a bad prompt or ``dimensions``, or a
-                nonzero ``priority`` under a policy that does not read it.
-            EngineDeadError: if no replica is running.
+            ValueError: on a generation model, for a bad prompt or ``dimensions``, a
+                nonzero ``priority`` under a policy that does not read it, or a
+                ``data_parallel_rank`` outside the replicas.
+            EngineDeadError: if no replica is running, or the pinned one is not.
         """
         self.config.scheduler_config.check_priority(priority)
         self._check_serving()
         arrival = time.monotonic()
         request = self.processor.make_pooling_request(request_id, prompt_token_ids, params,
                                                       arrival, client_id, priority)
-        return self._queue(request_id, prompt, [request], arrival)
+        return self._queue(request_id, prompt, [request], arrival, data_parallel_rank)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (no-op if it already finished or is unknown, as a second

@@ -23,7 +23,8 @@ class AsyncLLMGenerate:
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str, *, lora_request: LoRARequest | None = None,
                        tokenization_kwargs: Mapping[str, Any] | None = None,
-                       priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+                       priority: int = 0, data_parallel_rank: int | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """Queue one prompt and yield its outputs as they come (vLLM's
         ``AsyncLLM.generate``, with its argument order).
 
@@ -44,11 +45,15 @@ class AsyncLLMGenerate:
             lora_request: the adapter to run with (loaded with ``add_lora`` first).
             tokenization_kwargs: how a text prompt is tokenized (``LLM.generate``'s).
             priority: its place under the priority policy (lower first).
+            data_parallel_rank: the data-parallel replica it must run on (vLLM's; None:
+                the load balancer chooses).
 
         Raises:
-            ValueError: for a bad prompt or parameters, or a request id in use (before
-                anything is yielded; nothing is queued).
-            EngineDeadError: if no replica runs, or the engine dies meanwhile.
+            ValueError: for a bad prompt or parameters, a request id in use, or a
+                ``data_parallel_rank`` outside the replicas (before anything is yielded;
+                nothing is queued).
+            EngineDeadError: if no replica runs (or not the pinned one), or the engine dies
+                meanwhile.
             AdmissionRejected: if admission control refuses the request.
             RequestRefused: if the engine core cannot run it.
         """
@@ -63,7 +68,7 @@ class AsyncLLMGenerate:
                                  None if tokenization_kwargs is None else dict(tokenization_kwargs))
         stream = self.add_request(request_id, p.text, p.token_ids, sampling_params, priority,
                                   p.mm_features, "", lora_request, p.cache_salt,
-                                  p.prompt_embeds)
+                                  p.prompt_embeds, data_parallel_rank)
         try:
             async for out in stream:
                 yield out

@@ -89,7 +89,8 @@ class DPLoadBalancer:
         return None
 
     def choose(self, prompt_token_ids: Sequence[int], live: Sequence[bool],
-               kv_usage: Sequence[float] | None = None, cache_key: Hashable = None) -> int:
+               kv_usage: Sequence[float] | None = None, cache_key: Hashable = None,
+               data_parallel_rank: int | None = None) -> int:
         """The replica for a new request (see the module's rule); records its prefixes there.
 
         Args:
@@ -99,10 +100,15 @@ class DPLoadBalancer:
                 reported; breaks ties of depth (None: all equal).
             cache_key: what else the prefix cache keys the prompt's blocks by
                 (:func:`cache_key` of the request; None: nothing, the base model unsalted).
+            data_parallel_rank: the replica the caller pinned the request to (vLLM's
+                ``data_parallel_rank``: the rule is skipped); None: the rule chooses.
 
         Raises:
-            RuntimeError: when no replica is live.
+            ValueError: for a ``data_parallel_rank`` outside ``[0, num_replicas)``.
+            RuntimeError: when no replica is live, or the pinned one is not.
         """
+        if data_parallel_rank is not None:
+            return self._pinned(prompt_token_ids, live, cache_key, data_parallel_rank)
         candidates = [r for r in range(self.num_replicas) if live[r]]
         if not candidates:
             raise RuntimeError("no data-parallel replica is running")
@@ -116,6 +122,20 @@ class DPLoadBalancer:
                 chosen = pref
         self._record(hashes, chosen)
         return chosen
+
+    def _pinned(self, prompt_token_ids: Sequence[int], live: Sequence[bool],
+                cache_key: Hashable, rank: int) -> int:
+        """``rank``, checked (see ``choose``); its prefixes are recorded there (they will be
+        cached there)."""
+        if isinstance(rank, bool) or not isinstance(rank, int) \
+                or not 0 <= rank < self.num_replicas:
+            raise ValueError(f"data_parallel_rank {rank!r} is out of range "
+                             f"[0, {self.num_replicas})")
+        if not live[rank]:
+            raise RuntimeError(f"data-parallel replica {rank} (data_parallel_rank) is not "
+                               "running")
+        self._record(self.prefix_hashes(prompt_token_ids, cache_key), rank)
+        return rank
 
     def _record(self, hashes: Sequence[int], replica: int) -> None:
         for h in hashes:

@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 # Logprobs of masked tokens are -inf, which JSON cannot carry; clamp them as vLLM does.
 MIN_LOGPROB = -9999.0
+# The header that pins a request to a data-parallel replica (vLLM's; a router sets it).
+DP_RANK_HEADER = "X-data-parallel-rank"
 
 
 def random_id(prefix: str) -> str:
@@ -155,6 +157,27 @@ class OpenAIServing(OpenAIServingChecks):
                     params, ids[:limit] if limit is not None else ids,
                     None if lora_request is None else lora_request.lora_name)
 
+    def data_parallel_rank(self, raw: Request) -> int | None:
+        """The data-parallel replica the request is pinned to by its
+        ``X-data-parallel-rank`` header (vLLM's, which a router sets), None without one.
+
+        Raises:
+            OpenAIError: 400 naming the header for a value that is not an integer in
+                ``[0, data_parallel_size)`` (vLLM ignores a non-integer one).
+        """
+        value = raw.headers.get(DP_RANK_HEADER)
+        if value is None:
+            return None
+        replicas = self.engine.num_replicas
+        try:
+            rank = int(value.strip())
+        except ValueError:
+            rank = None
+        if rank is None or not 0 <= rank < replicas:
+            raise OpenAIError(f"{DP_RANK_HEADER} {value!r} is not a data-parallel rank in "
+                              f"[0, {replicas})", param=DP_RANK_HEADER)
+        return rank
+
     @staticmethod
     def client_id(req: SamplingRequest | EmbeddingRequest, raw: Request) -> str:
         """Who sent the request (completions, chat and embeddings alike), for ``--policy
@@ -216,14 +239,16 @@ class OpenAIServing(OpenAIServingChecks):
                            client_id: str = "",
                            lora_request: LoRARequest | None = None,
                            cache_salt: str | None = None,
-                           prompt_embeds: Sequence[PromptEmbeds | None] = ()
+                           prompt_embeds: Sequence[PromptEmbeds | None] = (),
+                           data_parallel_rank: int | None = None
                            ) -> list[RequestStream]:
         """Queue every prompt (ids ``{request_id}-{i}``) at ``priority`` (lower first under
         the priority policy) for ``client_id``, with the images ``mm_features`` (placeholders
         expanded in the prompts' ids); with admission control, wait until the engine core
         accepted them all; ``lora_request``: their adapter; ``cache_salt``: their prefix-cache
         salt (None: unsalted); ``prompt_embeds``: the embedding rows of the first prompts
-        (their ids are placeholders). On failure abort what was queued. Under
+        (their ids are placeholders); ``data_parallel_rank``: the replica they run on (None:
+        the balancer chooses). On failure abort what was queued. Under
         ``--enable-log-outputs`` each stream logs its samples' outputs (``OutputLog``).
 
         Raises:
@@ -236,7 +261,7 @@ class OpenAIServing(OpenAIServingChecks):
             embeds = prompt_embeds[i] if i < len(prompt_embeds) else None
             stream = self.engine.add_request(f"{request_id}-{i}", text, ids, sp, priority,
                                              mm_features, client_id, lora_request, cache_salt,
-                                             embeds)
+                                             embeds, data_parallel_rank)
             if self.config.enable_log_outputs:
                 stream.observer = OutputLog(f"{request_id}-{i}", self.config.max_log_len)
             return stream

@@ -142,6 +142,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         if parser.keeps_special_tokens:  # the call markers are special tokens
             params.skip_special_tokens = False
         self.check_admission(1, n=req.n or 1)
+        dp_rank = self.data_parallel_rank(raw)
         reply_id, request_id = request_ids(prefix, req.request_id,
                                           raw if prefix != "resp" else None)
         self.note_request(req, request_id)
@@ -155,7 +156,8 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             streams = await self.add_requests(request_id, [(text, ids)], [params],
                                               req.priority, prompt.mm_features,
                                               self.client_id(req, raw), lora_request=lora,
-                                              cache_salt=req.cache_salt)
+                                              cache_salt=req.cache_salt,
+                                              data_parallel_rank=dp_rank)
         return ChatRun(reply_id, ids, streams, parser, grammar_param(req, tool_grammar))
 
     async def _tools(self, req: ChatCompletionRequest) -> tuple[str | None, ChatOutputParser]:

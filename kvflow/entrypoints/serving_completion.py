@@ -73,6 +73,7 @@ class OpenAIServingCompletion(OpenAIServing):
             [self._params(req, prompt, i if listed else None)
              for i, prompt in enumerate(prompts[len(embeds):])]
         self.check_admission(len(prompts), n=req.n or 1)
+        dp_rank = self.data_parallel_rank(raw)
         reply_id, request_id = request_ids("cmpl", req.request_id, raw)
         self.note_request(req, request_id)
         if req.use_beam_search:
@@ -84,7 +85,7 @@ class OpenAIServingCompletion(OpenAIServing):
             streams = await self.add_requests(request_id, prompts, params, req.priority,
                                               client_id=self.client_id(req, raw),
                                               lora_request=lora, cache_salt=req.cache_salt,
-                                              prompt_embeds=embeds)
+                                              prompt_embeds=embeds, data_parallel_rank=dp_rank)
         param = grammar_param(req, None)
         if req.stream:
             return SSEResponse(with_keep_alive(

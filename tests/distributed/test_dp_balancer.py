@@ -143,6 +143,22 @@ def test_a_dead_replica_gets_nothing_and_is_forgotten():
         lb.choose([1, 2], [False, False])
 
 
+def test_a_pinned_rank_wins_over_the_rule_and_is_checked():
+    """vLLM's ``data_parallel_rank``: the request goes to that replica even when it is the
+    deeper one and another holds its prefix; its prefixes are recorded there. A rank outside
+    the replicas is a ValueError, a pinned replica that is down a RuntimeError."""
+    lb = DPLoadBalancer(2, BS)
+    assert lb.choose(prompt(5, 6), LIVE2) == 0  # least loaded, records the prefix on 0
+    lb.assign("a", 1, 7)
+    assert lb.choose(prompt(5, 6), LIVE2, data_parallel_rank=1) == 1
+    assert lb.preferred(lb.prefix_hashes(prompt(5, 6))) == 1
+    for bad in (2, -1, True, "1"):
+        with pytest.raises(ValueError, match="data_parallel_rank .* out of range"):
+            lb.choose(prompt(5), LIVE2, data_parallel_rank=bad)
+    with pytest.raises(RuntimeError, match="replica 0 .* not running"):
+        lb.choose(prompt(5), [False, True], data_parallel_rank=0)
+
+
 def test_the_prefix_map_is_bounded():
     lb = DPLoadBalancer(2, BS, affinity_blocks=1, max_entries=3)
     for b in range(5):

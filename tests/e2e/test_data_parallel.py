@@ -5,6 +5,7 @@ one API server.
   both replicas serve (their own ``engine`` series in /metrics);
 * a prompt that shares its first blocks with an earlier one goes to that one's replica (its
   prefix-cache hits grow there), even when another replica is as idle;
+* vLLM's ``X-data-parallel-rank`` header pins a request to its replica (a bad one is a 400);
 * /metrics counts every replica's requests (the server-wide counters grow by what was sent)
   and a bad prompt is a 400 on a data-parallel server too;
 * with ``--engine-failure restart`` a killed replica fails only its own stream, the other
@@ -127,6 +128,39 @@ def test_metrics_sum_the_replicas_and_bad_input_is_a_400(server):
                      json={"prompt": [10**6], "max_tokens": 2})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt.0"
     assert len(complete(server, [5, 6, 7], max_tokens=2)["token_ids"]) == 2
+
+
+def test_the_data_parallel_rank_header_pins_the_replica(server):
+    """vLLM's ``X-data-parallel-rank`` header sends a request to that replica, whatever the
+    balancer would choose: with both idle it would take replica 0 (lowest index), and then the
+    replica holding the prompt's prefix. Each replica's prefix-cache queries grow by the
+    prompt's 12 tokens where it ran, and only there. A rank outside [0, 2) or not an integer
+    is a 400 naming the header (was: the header was ignored)."""
+    prompt = list(range(200, 212))
+    for rank in ("1", "0", "1"):
+        wait_for(lambda: per_engine(server, "kvflow:num_requests_running") == {"0": 0, "1": 0})
+        before = per_engine(server, "kvflow:prefix_cache_queries_total")
+        resp = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                          headers={"X-data-parallel-rank": rank},
+                          json={"prompt": prompt, "max_tokens": 2, "ignore_eos": True})
+        assert resp.status_code == 200, resp.text
+        grew = {e: v - before[e] for e, v in per_engine(
+            server, "kvflow:prefix_cache_queries_total").items()}
+        assert grew == {"0": 0, "1": 0, rank: 12}, (rank, grew)
+    before = per_engine(server, "kvflow:prefix_cache_queries_total")
+    resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=120,
+                      headers={"X-data-parallel-rank": "1"},
+                      json={"messages": [{"role": "user", "content": "the quick fox"}],
+                            "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+    after = per_engine(server, "kvflow:prefix_cache_queries_total")
+    assert after["0"] == before["0"] and after["1"] > before["1"]
+    for bad in ("2", "-1", "one"):
+        resp = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                          headers={"X-data-parallel-rank": bad},
+                          json={"prompt": prompt, "max_tokens": 2})
+        assert resp.status_code == 400, (bad, resp.text)
+        assert resp.json()["error"]["param"] == "X-data-parallel-rank"
 
 
 def _stream(server, prompt: list[int], kill_after: int | None = None) -> list[dict]:
