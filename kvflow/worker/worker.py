@@ -95,12 +95,11 @@ class Worker:
         self.profiler = RankProfiler()
 
     def _init_device(self, local_rank: int) -> None:
-        """Bind the device: data-parallel replica ``d`` of engines with ``W`` ranks each uses
-        the machine's devices ``d * W`` to ``d * W + W - 1`` (on CPU the ModelRunner gives this
+        """Bind the device :func:`device_index` names (on CPU the ModelRunner gives this
         rank its share of the cores: ``kvflow.kernels.cpu_threads``)."""
         pc = self.config.parallel_config
         if pc.world_size > 1 or pc.data_parallel_size > 1:
-            self.platform.set_device(pc.data_parallel_rank * pc.world_size + local_rank)
+            self.platform.set_device(device_index(pc, local_rank))
 
     @property
     def is_driver(self) -> bool:
@@ -333,3 +332,16 @@ class Worker:
     def shutdown(self) -> None:
         """Leave the process groups (idempotent)."""
         destroy_parallel_state(self.parallel)
+
+
+def device_index(parallel_config: Any, local_rank: int) -> int:
+    """The index, among the devices this process sees, of a rank's device: data-parallel
+    replica ``d`` of engines with ``W`` ranks each uses the machine's devices ``d * W`` to
+    ``d * W + W - 1`` (``local_rank`` is the rank within its engine); a Ray actor sees only
+    the device Ray gave it (``CUDA_VISIBLE_DEVICES``; ``local_rank`` 0), which it binds as
+    it is. (Was: a Ray actor of replica ``d > 0`` bound device ``d * W``, which it cannot see:
+    CUDA's invalid device ordinal, so ``--distributed-executor-backend ray`` with
+    ``--data-parallel-size`` 2 failed to start on GPUs.)"""
+    if parallel_config.executor_backend == "ray":
+        return local_rank
+    return parallel_config.data_parallel_rank * parallel_config.world_size + local_rank

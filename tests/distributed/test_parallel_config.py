@@ -213,3 +213,27 @@ def test_core_process_env_shares_this_process_ray_cluster(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS")
     fake.is_initialized = lambda: False
     assert core_process_env(ray_config) == {}
+
+
+@pytest.mark.parametrize(("backend", "tp", "dp_rank", "local_rank", "device"), [
+    ("mp", 2, 1, 1, 3),  # replica 1 of two-rank engines: the machine's devices 2 and 3
+    ("mp", 1, 1, 0, 1),  # one-rank replicas (uni executor): device d
+    ("ray", 1, 1, 0, 0),  # a Ray actor sees only its own device (was: bound device 1)
+    ("ray", 2, 1, 0, 0),  # (was: device 2)
+])
+def test_each_rank_binds_the_device_it_can_see(backend, tp, dp_rank, local_rank, device):
+    """The device a worker binds (hand-worked): data-parallel replica d of W-rank engines
+    takes the machine's devices d*W + local_rank under mp and uni; a Ray actor, which Ray
+    gives one device (CUDA_VISIBLE_DEVICES), binds it as device 0."""
+    from kvflow.worker.worker import Worker
+
+    config = EngineConfig.from_kwargs(model="x", data_parallel_size=2, tensor_parallel_size=tp,
+                                      distributed_executor_backend="mp")
+    config.parallel_config.distributed_executor_backend = backend  # ray need not be installed
+    config.parallel_config.data_parallel_rank = dp_rank
+    bound = []
+    worker = Worker.__new__(Worker)
+    worker.config = config
+    worker.platform = type("Recorder", (), {"set_device": lambda self, i: bound.append(i)})()
+    worker._init_device(local_rank)
+    assert bound == [device]
