@@ -32,7 +32,7 @@ from kvflow.engine.async_llm_calls import AsyncLLMCalls
 from kvflow.engine.async_llm_generate import AsyncLLMGenerate
 from kvflow.engine.async_llm_shutdown import AsyncLLMShutdown
 from kvflow.engine.core_client import CoreProcess, ReplicaState
-from kvflow.engine.dp_balancer import DPLoadBalancer, cache_key
+from kvflow.engine.dp_balancer import DPLoadBalancer
 from kvflow.engine.front_end import load_front_end, make_input_processor
 from kvflow.engine.messages import (
     AbortRequests,
@@ -275,10 +275,9 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
         except (msgspec.EncodeError, OverflowError, TypeError) as e:
             raise ValueError(f"request {request_id!r} cannot be encoded: {e}") from None
         try:
-            replica = self.balancer.choose(
-                requests[0].prompt_token_ids, [c.is_live for c in self.cores],
-                [s.kv_cache_usage for s in self.stats],
-                cache_key(requests[0].lora_request, requests[0].cache_salt), data_parallel_rank)
+            replica = self.balancer.choose_for(requests[0], [c.is_live for c in self.cores],
+                                               [s.kv_cache_usage for s in self.stats],
+                                               data_parallel_rank)
         except RuntimeError as e:  # no replica live, or not the pinned one (dead, restarting)
             raise EngineDeadError(str(e)) from None
         stream = self.requests.open(request_id, prompt, requests, arrival, replica)

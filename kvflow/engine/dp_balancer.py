@@ -13,9 +13,11 @@ The rule (``DPLoadBalancer.choose``):
 2. *Preferred* replica: the prompt's first ``affinity_blocks`` full KV blocks
    (``block_size`` token ids each; a shorter prompt has fewer, one under a block has none)
    give a chain of prefix hashes (block ``i``'s hash covers blocks ``0..i``, as the prefix
-   cache's do; the chain starts from the request's ``cache_key``, its LoRA adapter and
-   ``cache_salt``, which the prefix cache keys its blocks by too, so a prompt under another
-   adapter or salt, which cannot hit those blocks, is not drawn to their replica). The
+   cache's do; the chain starts from the request's ``cache_key``, its LoRA adapter,
+   ``cache_salt`` and prompt embeddings, and a block mixes in the images whose placeholders
+   it holds: the prefix cache keys its blocks by them too, so a prompt under another adapter
+   or salt, or with other embeddings or images behind the same placeholder ids, which cannot
+   hit those blocks, is not drawn to their replica). The
    longest of them that a recent request was sent with names the preferred replica (an LRU
    map of ``max_entries`` prefixes).
 3. The preferred replica is taken when it is alive and
@@ -34,6 +36,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvflow.multimodal_inputs import MultiModalFeature
+    from kvflow.prompt_embeds import PromptEmbeds
+    from kvflow.request import Request
 
 
 class DPLoadBalancer:
@@ -67,16 +75,22 @@ class DPLoadBalancer:
         self._prefix_owner: OrderedDict[int, int] = OrderedDict()
         self._requests: dict[str, tuple[int, int]] = {}  # request id -> (replica, samples)
 
-    def prefix_hashes(self, prompt_token_ids: Sequence[int],
-                      cache_key: Hashable = None) -> list[int]:
+    def prefix_hashes(self, prompt_token_ids: Sequence[int], cache_key: Hashable = None,
+                      mm_features: Sequence[MultiModalFeature] | None = None) -> list[int]:
         """Hashes of the prompt's first 1, 2, ... ``affinity_blocks`` full blocks (each covers
-        every block before it and ``cache_key``: see :func:`cache_key`), shortest first;
-        empty for a prompt under one block."""
+        every block before it and ``cache_key``: see :func:`cache_key`; a block also covers
+        the ``mm_features`` whose placeholders it holds, by identifier and offset in the
+        block, as the prefix cache's block hashes do), shortest first; empty for a prompt
+        under one block."""
         bs, out = self.block_size, []
         parent = 0 if cache_key is None else hash(("cache_key", cache_key))
         full = min(len(prompt_token_ids) // bs, self.affinity_blocks)
         for i in range(full):
-            parent = hash((parent, tuple(prompt_token_ids[i * bs:(i + 1) * bs])))
+            start, end = i * bs, (i + 1) * bs
+            images = tuple((f.identifier, f.offset - start) for f in mm_features or ()
+                           if f.offset < end and f.offset + f.length > start)
+            block = tuple(prompt_token_ids[start:end])
+            parent = hash((parent, block, images) if images else (parent, block))
             out.append(parent)
         return out
 
@@ -88,9 +102,24 @@ class DPLoadBalancer:
                 return replica
         return None
 
+    def choose_for(self, request: Request, live: Sequence[bool],
+                   kv_usage: Sequence[float] | None = None,
+                   data_parallel_rank: int | None = None) -> int:
+        """:meth:`choose` for ``request`` (the first sample of a prompt): its prompt token
+        ids, images and :func:`cache_key`.
+
+        Raises:
+            ValueError / RuntimeError: as :meth:`choose`.
+        """
+        return self.choose(request.prompt_token_ids, live, kv_usage,
+                           cache_key(request.lora_request, request.cache_salt,
+                                     request.prompt_embeds),
+                           data_parallel_rank, request.mm_features)
+
     def choose(self, prompt_token_ids: Sequence[int], live: Sequence[bool],
                kv_usage: Sequence[float] | None = None, cache_key: Hashable = None,
-               data_parallel_rank: int | None = None) -> int:
+               data_parallel_rank: int | None = None,
+               mm_features: Sequence[MultiModalFeature] | None = None) -> int:
         """The replica for a new request (see the module's rule); records its prefixes there.
 
         Args:
@@ -102,19 +131,20 @@ class DPLoadBalancer:
                 (:func:`cache_key` of the request; None: nothing, the base model unsalted).
             data_parallel_rank: the replica the caller pinned the request to (vLLM's
                 ``data_parallel_rank``: the rule is skipped); None: the rule chooses.
+            mm_features: the prompt's images (placeholders expanded in its token ids).
 
         Raises:
             ValueError: for a ``data_parallel_rank`` outside ``[0, num_replicas)``.
             RuntimeError: when no replica is live, or the pinned one is not.
         """
+        hashes = self.prefix_hashes(prompt_token_ids, cache_key, mm_features)
         if data_parallel_rank is not None:
-            return self._pinned(prompt_token_ids, live, cache_key, data_parallel_rank)
+            return self._pinned(hashes, live, data_parallel_rank)
         candidates = [r for r in range(self.num_replicas) if live[r]]
         if not candidates:
             raise RuntimeError("no data-parallel replica is running")
         kv = kv_usage if kv_usage is not None else [0.0] * self.num_replicas
         least = min(candidates, key=lambda r: (self.depth[r], kv[r], r))
-        hashes = self.prefix_hashes(prompt_token_ids, cache_key)
         chosen, pref = least, self.preferred(hashes)
         if pref is not None and live[pref]:
             allowance = max(self.slack, self.slack_ratio * self.depth[least])
@@ -123,8 +153,7 @@ class DPLoadBalancer:
         self._record(hashes, chosen)
         return chosen
 
-    def _pinned(self, prompt_token_ids: Sequence[int], live: Sequence[bool],
-                cache_key: Hashable, rank: int) -> int:
+    def _pinned(self, hashes: Sequence[int], live: Sequence[bool], rank: int) -> int:
         """``rank``, checked (see ``choose``); its prefixes are recorded there (they will be
         cached there)."""
         if isinstance(rank, bool) or not isinstance(rank, int) \
@@ -134,7 +163,7 @@ class DPLoadBalancer:
         if not live[rank]:
             raise RuntimeError(f"data-parallel replica {rank} (data_parallel_rank) is not "
                                "running")
-        self._record(self.prefix_hashes(prompt_token_ids, cache_key), rank)
+        self._record(hashes, rank)
         return rank
 
     def _record(self, hashes: Sequence[int], replica: int) -> None:
@@ -172,11 +201,17 @@ class DPLoadBalancer:
             del self._prefix_owner[h]
 
 
-def cache_key(lora_request: Hashable, cache_salt: str | None) -> Hashable:
-    """The part of a request's prefix-cache key beside its tokens that the balancer's
-    affinity follows: its LoRA adapter (a frozen ``LoRARequest``; id, name and folder, as
-    the block hashes hold them) and its ``cache_salt``; None for the base model unsalted (the
-    chain then starts as it always did)."""
+def cache_key(lora_request: Hashable, cache_salt: str | None,
+              prompt_embeds: PromptEmbeds | None = None) -> Hashable:
+    """The part of a request's prefix-cache key beside its tokens and images that the
+    balancer's affinity follows: its LoRA adapter (a frozen ``LoRARequest``; id, name and
+    folder, as the block hashes hold them), its ``cache_salt`` and its prompt embeddings'
+    ``identifier`` (their token ids are placeholders, the same for any embeddings of a
+    length: without it every such prompt was drawn to the replica of the first, where it
+    cannot hit); None for the base model unsalted without embeddings (the chain then starts
+    as it always did)."""
+    if prompt_embeds is not None:
+        return lora_request, cache_salt, prompt_embeds.identifier
     if lora_request is None and cache_salt is None:
         return None
     return lora_request, cache_salt

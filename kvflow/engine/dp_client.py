@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from kvflow.config import EngineConfig
 from kvflow.engine.core_client import CoreProcess, ReplicaState
-from kvflow.engine.dp_balancer import DPLoadBalancer, cache_key
+from kvflow.engine.dp_balancer import DPLoadBalancer
 from kvflow.engine.messages import (
     AbortRequests,
     AddLoRA,
@@ -96,10 +96,8 @@ class DPCoreClient:
         Raises:
             RuntimeError: if no replica is running.
         """
-        replica = self.balancer.choose(requests[0].prompt_token_ids,
-                                       [c.is_live for c in self.cores],
-                                       [s.kv_cache_usage for s in self.stats],
-                                       cache_key(requests[0].lora_request, requests[0].cache_salt))
+        replica = self.balancer.choose_for(requests[0], [c.is_live for c in self.cores],
+                                           [s.kv_cache_usage for s in self.stats])
         for r in requests:  # depth counts samples; each finishes on its own
             self.balancer.assign(r.request_id, replica, 1)
         self.cores[replica].send(self.replicas.encoder.encode(

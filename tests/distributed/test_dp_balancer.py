@@ -5,10 +5,14 @@ worked out by hand from the rule in kvflow/engine/dp_balancer.py (block size 4 h
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from kvflow.engine.dp_balancer import DPLoadBalancer, cache_key
 from kvflow.lora.request import LoRARequest
+from kvflow.multimodal_inputs import MultiModalFeature
+from kvflow.prompt_embeds import PromptEmbeds
 
 BS = 4
 LIVE2 = [True, True]
@@ -141,6 +145,42 @@ def test_a_dead_replica_gets_nothing_and_is_forgotten():
     assert lb.preferred(lb.prefix_hashes(prompt(3, 3))) is None  # it pointed to 1
     with pytest.raises(RuntimeError, match="no data-parallel replica"):
         lb.choose([1, 2], [False, False])
+
+
+def _request(ids, embeds=None, images=None):
+    """The fields of a ``Request`` that ``choose_for`` reads."""
+    return SimpleNamespace(prompt_token_ids=ids, lora_request=None, cache_salt=None,
+                           prompt_embeds=None if embeds is None else
+                           PromptEmbeds("float32", (len(ids), 2), b"", embeds),
+                           mm_features=None if images is None else
+                           [MultiModalFeature("image", ident, off, n, b"", (1, 1), (1, 1, 1))
+                            for ident, off, n in images])
+
+
+def test_affinity_follows_the_embeddings_and_images_behind_placeholder_ids():
+    """Prompt embeddings' token ids are placeholders (the same for any embeddings of a
+    length) and an image's placeholders are the same ids for any image; the prefix cache
+    keys such blocks by the embeddings' and images' identifiers, so must the affinity. Other
+    embeddings or another image go to the least-loaded replica (was: to the replica of the
+    first such prompt, where they cannot hit); the same ones follow their replica. A block
+    before the image is shared."""
+    lb = DPLoadBalancer(2, BS)
+    placeholders = [0] * (2 * BS)
+    picks = []
+    for i, ident in enumerate(["e1", "e2", "e2"]):
+        picks.append(lb.choose_for(_request(placeholders, embeds=ident), LIVE2))
+        lb.assign(f"e{i}", picks[-1], 1)
+    assert picks == [0, 1, 1]  # depths [1, 0] -> 1; then [1, 1]: e2 follows replica 1
+    lb = DPLoadBalancer(2, BS)
+    picks = []
+    for i, ident in enumerate(["cat", "dog", "dog"]):  # an image's 8 placeholders first
+        picks.append(lb.choose_for(_request(prompt(9, 9), images=[(ident, 0, 2 * BS)]), LIVE2))
+        lb.assign(f"i{i}", picks[-1], 1)
+    assert picks == [0, 1, 1]
+    ids = prompt(7, 9, 9)  # a text block, then the image: the text block's hash is shared
+    cat, dog = (lb.prefix_hashes(ids, None, _request(ids, images=[(x, BS, 2 * BS)]).mm_features)
+                for x in ("cat", "dog"))
+    assert cat[0] == dog[0] == lb.prefix_hashes(ids)[0] and cat[1] != dog[1]
 
 
 def test_a_pinned_rank_wins_over_the_rule_and_is_checked():
