@@ -57,6 +57,40 @@ def core_process_env(config: EngineConfig) -> dict[str, str]:
     return {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
 
 
+def start_ray_for_replicas(config: EngineConfig) -> bool:
+    """Start a local Ray cluster in this process for data-parallel replicas under
+    ``--distributed-executor-backend ray`` when none is named (``RAY_ADDRESS`` unset) nor
+    connected (``ray.init`` not run here), so that :func:`core_process_env` hands its address
+    to every replica and they share it. (Was: each replica's executor started a local cluster
+    of its own; each cluster counts every GPU of the machine as its own and Ray gives each
+    replica's first rank GPU 0, so on GPUs the replicas shared device 0.) Returns whether it
+    started one (the caller stops it: :func:`stop_ray`).
+
+    Raises:
+        ValueError: if Ray is not installed.
+    """
+    pc = config.parallel_config
+    if pc.executor_backend != "ray" or pc.data_parallel_size == 1 \
+            or os.environ.get("RAY_ADDRESS"):
+        return False
+    from kvflow.executor.ray import _import_ray
+
+    ray = _import_ray()
+    if ray.is_initialized():
+        return False
+    ray.init(log_to_driver=True)
+    logger.info("started a local Ray cluster for the %d data-parallel replicas (%s)",
+                pc.data_parallel_size, ray.get_runtime_context().gcs_address)
+    return True
+
+
+def stop_ray() -> None:
+    """Stop the Ray cluster :func:`start_ray_for_replicas` started (its replicas stopped)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
 class CoreProcess:
     """A data-parallel replica: an engine-core process fed through a PUSH socket.
 

@@ -26,6 +26,8 @@ from kvflow.engine.core_client import (
     ReplicaState,
     replica_config,
     replica_name,
+    start_ray_for_replicas,
+    stop_ray,
     wait_ready,
 )
 from kvflow.engine.messages import EngineReady, Shutdown, output_decoder
@@ -77,11 +79,19 @@ class ReplicaSet:
         self.hurry = False
         self.stopping = False
         self._go = None  # the start gate of start(gated=True)
+        self._started_ray = False  # start() started the replicas' Ray cluster
 
     def start(self, gated: bool = False) -> None:
         """Start one core process per replica (they load the model on their own; ``gated``:
         only once :meth:`release` is called, so that the caller can check the model's
-        config.json while the processes import the engine)."""
+        config.json while the processes import the engine). Replicas under the ``ray``
+        backend share one Ray cluster, started here when none is named or connected
+        (``core_client.start_ray_for_replicas``; :meth:`close` stops it).
+
+        Raises:
+            ValueError: for the ``ray`` backend without Ray installed.
+        """
+        self._started_ray = start_ray_for_replicas(self.config)
         go = os.path.join(self.ipc_dir, "go") if gated else None  # a file: no semaphores
         self._go = go
         for index in range(self.num_replicas):
@@ -147,6 +157,9 @@ class ReplicaSet:
         if not self.ctx.closed:
             self.ctx.term()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        if self._started_ray:
+            self._started_ray = False
+            stop_ray()
 
 
 def _log_level() -> int:

@@ -237,3 +237,81 @@ def test_each_rank_binds_the_device_it_can_see(backend, tp, dp_rank, local_rank,
     worker.platform = type("Recorder", (), {"set_device": lambda self, i: bound.append(i)})()
     worker._init_device(local_rank)
     assert bound == [device]
+
+
+class _FakeRay:
+    """What kvflow calls on the ``ray`` module to start, name and stop a local cluster."""
+
+    def __init__(self) -> None:
+        import importlib.machinery
+
+        self.__spec__ = importlib.machinery.ModuleSpec("ray", None)  # "installed"
+        self.up, self.inits, self.shutdowns = False, 0, 0
+
+    def is_initialized(self) -> bool:
+        return self.up
+
+    def init(self, **kwargs) -> None:
+        self.up, self.inits = True, self.inits + 1
+
+    def shutdown(self) -> None:
+        self.up, self.shutdowns = False, self.shutdowns + 1
+
+    def get_runtime_context(self):
+        import types
+
+        return types.SimpleNamespace(gcs_address="127.0.0.1:6379")
+
+
+def _ray_dp_config(dp: int = 2, backend: str = "ray") -> EngineConfig:
+    config = EngineConfig.from_kwargs(model="x", data_parallel_size=dp,
+                                      distributed_executor_backend="mp")
+    config.parallel_config.distributed_executor_backend = backend  # ray need not be installed
+    return config
+
+
+def test_ray_replicas_share_one_cluster_started_by_the_front_end(monkeypatch):
+    """Data-parallel replicas under the ray backend with no cluster named (RAY_ADDRESS) nor
+    connected: the front end's ReplicaSet starts one local cluster, every replica's core
+    process gets its address, and close() stops it (was: no address, so each replica's
+    executor started a cluster of its own, and on GPUs Ray gave each replica GPU 0)."""
+    import sys
+
+    from kvflow.engine import replica_set
+    from kvflow.engine.core_client import core_process_env
+
+    fake = _FakeRay()
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    envs = []
+    monkeypatch.setattr(replica_set.CoreProcess, "start", lambda core, *a, **k: envs.append(
+        core_process_env(core.config)))
+    replicas = replica_set.ReplicaSet(_ray_dp_config(), start_method="spawn")
+    try:
+        replicas.start()
+        assert envs == [{"RAY_ADDRESS": "127.0.0.1:6379"}] * 2 and fake.inits == 1
+    finally:
+        replicas.close()
+    assert fake.shutdowns == 1 and not fake.up
+
+
+@pytest.mark.parametrize(("dp", "backend", "address", "connected"), [
+    (1, "ray", None, False),  # one replica: its executor starts (and stops) its own
+    (2, "mp", None, False),  # no Ray at all
+    (2, "ray", "10.0.0.7:6379", False),  # the replicas join RAY_ADDRESS themselves
+    (2, "ray", None, True),  # this process's cluster: core_process_env names it
+])
+def test_no_cluster_is_started_where_one_is_named_or_not_shared(monkeypatch, dp, backend,
+                                                                address, connected):
+    import sys
+
+    from kvflow.engine.core_client import start_ray_for_replicas
+
+    fake = _FakeRay()
+    fake.up = connected
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    if address is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", address)
+    assert start_ray_for_replicas(_ray_dp_config(dp, backend)) is False and fake.inits == 0
