@@ -24,6 +24,7 @@ from kvflow.llm_inputs import (
     check_priorities,
     check_users,
     processed_prompts,
+    refuse_data_parallel_rank,
     refuse_server_options,
 )
 from kvflow.llm_ops import LLMOps
@@ -59,12 +60,14 @@ class LLM(LLMChat, LLMQueue, LLMScore, LLMPooling, LLMOps):
     Raises:
         ValueError: for an unknown option, model or impossible configuration, or
             ``admission_control`` or ``idle_batch_window_ms`` (server options: offline
-            requests are never refused, nor waited for).
+            requests are never refused, nor waited for), or ``data_parallel_rank`` (kvflow
+            sets each replica's; vLLM's one-LLM-per-rank mode is not available).
     """
 
     def __init__(self, model: str = "SmolLM2-135M-Instruct", **kwargs: Any) -> None:
         refuse_server_options(bool(kwargs.get("admission_control")),
                               kwargs.get("idle_batch_window_ms") or 0.0)
+        refuse_data_parallel_rank(kwargs)
         log_stats = kwargs.pop("disable_log_stats", None) is False  # vLLM's offline default
         self._attach(LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs)), log_stats)
 

@@ -226,6 +226,18 @@ def refuse_server_options(admission_control: bool, idle_batch_window_ms: float =
                          "prompt before its first step, so there is no arrival to wait for")
 
 
+def refuse_data_parallel_rank(kwargs: dict[str, Any]) -> None:
+    """Raises ValueError when ``LLM(...)`` is given ``data_parallel_rank``: kvflow sets it for
+    each replica that ``data_parallel_size`` starts, and vLLM's meaning of it (this process
+    is that one replica of a deployment balanced outside, one ``LLM`` per rank) is not built,
+    so it was silently ignored: every such process ran all the replicas."""
+    if "data_parallel_rank" in kwargs:
+        raise ValueError(f"data_parallel_rank={kwargs['data_parallel_rank']!r}: kvflow sets "
+                         "each replica's rank itself; LLM(..., data_parallel_size=N) runs all "
+                         "N replicas in this LLM (one LLM per rank, balanced outside, as in "
+                         "vLLM's external load balancing, is not available): drop it")
+
+
 def beam_search_prompts(processor: InputProcessor, prompts: list[PromptType],
                         max_tokens: int) -> list[ProcessedPrompt]:
     """``LLM.beam_search``'s prompts, processed and checked before any step runs: token ids

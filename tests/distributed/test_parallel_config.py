@@ -315,3 +315,11 @@ def test_no_cluster_is_started_where_one_is_named_or_not_shared(monkeypatch, dp,
     else:
         monkeypatch.setenv("RAY_ADDRESS", address)
     assert start_ray_for_replicas(_ray_dp_config(dp, backend)) is False and fake.inits == 0
+
+
+def test_llm_refuses_data_parallel_rank_before_starting_anything(tiny_llama):
+    """vLLM's ``data_parallel_rank`` engine argument (this process is one rank of a
+    deployment balanced outside) is not built; kvflow sets the field for its own replicas.
+    Given to LLM it is refused in one line (was: ignored, so the LLM ran every replica)."""
+    with pytest.raises(ValueError, match=r"data_parallel_rank=1: kvflow sets each replica's"):
+        LLM(model=tiny_llama.path, data_parallel_size=2, data_parallel_rank=1)
