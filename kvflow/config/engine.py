@@ -263,8 +263,10 @@ class EngineConfig:
                 if alias[key] in kwargs:
                     raise ValueError(f"{key} and {alias[key]} name the same option: give one")
                 key = alias[key]
-            if key not in owner:
-                raise ValueError(_unknown_option(key, [*owner, *alias, *_JSON_SECTIONS,
+            if key not in owner:  # kvflow's own fields (cli=False) are never suggested
+                user = [f.name for c in _SECTIONS.values() for f in fields(c)
+                        if f.metadata.get("cli", True)]
+                raise ValueError(_unknown_option(key, [*user, *alias, *_JSON_SECTIONS,
                                                        *_SPEC_KEYWORDS]))
             parts[owner[key]][key] = value
         return cls(**{sec: _SECTIONS[sec](**vals) for sec, vals in parts.items()},

@@ -323,3 +323,11 @@ def test_llm_refuses_data_parallel_rank_before_starting_anything(tiny_llama):
     Given to LLM it is refused in one line (was: ignored, so the LLM ran every replica)."""
     with pytest.raises(ValueError, match=r"data_parallel_rank=1: kvflow sets each replica's"):
         LLM(model=tiny_llama.path, data_parallel_size=2, data_parallel_rank=1)
+
+
+def test_an_unknown_option_never_suggests_a_field_kvflow_sets():
+    """vLLM's data_parallel_backend (not built) was answered "did you mean
+    'data_parallel_rank'?", a field kvflow sets itself and LLM refuses."""
+    with pytest.raises(ValueError, match="unknown engine option 'data_parallel_backend'") as e:
+        EngineConfig.from_kwargs(model="x", data_parallel_backend="ray")
+    assert "data_parallel_rank" not in str(e.value)
