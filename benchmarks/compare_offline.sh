@@ -5,7 +5,8 @@
 # (benchmarks/offline_engine.py), one engine process at a time, alternating for ROUNDS rounds;
 # then each run and the ratios of the medians.
 #
-# Environment (all optional): KVFLOW_PY (default .venv/bin/python), VLLM_VENV, MODEL_DIR
+# Environment (all optional): KVFLOW_PY (default .venv/bin/python), VLLM_VENV (set to a folder
+# without bin/python: the script stops at once, exit status 2), MODEL_DIR
 # (default out/smollm2-hf, exported from the packaged GGUF if missing), OUT (default
 # out/compare_offline), ROUNDS (default 2), DTYPE (default: every dtype of DTYPES in
 # cpu_setup.sh - bf16 and fp32 where the CPU has bf16 units -, each engine compared at its
@@ -17,6 +18,7 @@ KVFLOW_PY=${KVFLOW_PY:-.venv/bin/python}
 MODEL_DIR=${MODEL_DIR:-out/smollm2-hf}
 OUT=${OUT:-out/compare_offline}
 ROUNDS=${ROUNDS:-2}
+PEER_VENVS="VLLM_VENV:python"
 source benchmarks/cpu_setup.sh
 
 for ROUND in $(seq "$ROUNDS"); do

@@ -28,6 +28,7 @@ OUT=${OUT:-out/cpu_contention}
 ROUNDS=${ROUNDS:-2}
 DTYPE=${DTYPE:-float32}
 VARIANTS=${VARIANTS:-kvflow fixed}
+PEER_VENVS="VLLM_VENV:python"
 source benchmarks/cpu_setup.sh
 echo "== $(grep -m1 'model name' /proc/cpuinfo); $(nproc) CPUs; load: $(uptime | sed 's/.*load/load/')"
 

@@ -1,6 +1,21 @@
-# Shared setup of the CPU side-by-side scripts (sourced by compare_cpu.sh and
-# compare_offline.sh, which set KVFLOW_PY, MODEL_DIR and OUT first): the default dtype, offline
-# hub settings, an empty results folder, and the HF folder of the packaged model.
+# Shared setup of the CPU side-by-side scripts (sourced by compare_cpu.sh, compare_offline.sh
+# and cpu_contention.sh, which set KVFLOW_PY, MODEL_DIR, OUT and PEER_VENVS first): the peers'
+# virtualenvs checked, the default dtype, offline hub settings, an empty results folder, and
+# the HF folder of the packaged model.
+# PEER_VENVS: the script's peers as VARIABLE:EXECUTABLE words (VLLM_VENV:python). A peer whose
+# variable is unset or empty is skipped; one set to a folder without bin/EXECUTABLE (a typo,
+# a venv not made yet) stops the script here, exit status 2, before any engine runs or any
+# earlier result is removed: skipping it would end minutes later in a table without it.
+for PEER in ${PEER_VENVS:-}; do
+    PEER_VAR=${PEER%%:*} PEER_EXE=${PEER#*:}
+    PEER_DIR=${!PEER_VAR:-}
+    if [ -n "$PEER_DIR" ] && [ ! -x "$PEER_DIR/bin/$PEER_EXE" ]; then
+        echo "$(basename "$0"): error: $PEER_VAR=$PEER_DIR has no executable $PEER_DIR/bin/$PEER_EXE;" \
+             "point it at the peer's virtualenv, or unset it to skip that peer" \
+             "(docs/benchmarks.md, \"Installing the peers\")" >&2
+        exit 2
+    fi
+done
 # DTYPES: the dtypes every engine runs in; each engine is then compared at its best one. Where
 # the CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16) both bf16 and fp32, since which is
 # faster depends on the engine and the CPU (measured, not assumed); else fp32 only (bf16
