@@ -73,6 +73,17 @@ def test_kv_cache_memory_is_the_setting_named(tiny_llama):
         _llm(tiny_llama.path, kv_cache_memory=4 * page, max_model_len=64)
 
 
+def test_max_model_len_past_the_positions_names_their_source(tiny_llama):
+    """One token past the model's positions (config.json's max_position_embeddings, no RoPE
+    scaling) is refused naming that field, not a "yarn / dynamic rope_scaling" the model
+    does not have."""
+    positions = _hf_config(tiny_llama.path)["max_position_embeddings"]
+    with pytest.raises(ValueError) as e:
+        _llm(tiny_llama.path, max_model_len=positions + 1)
+    assert str(e.value) == (f"max_model_len={positions + 1} exceeds the positions the model "
+                            f"covers ({positions}: the model's max_position_embeddings)")
+
+
 @pytest.mark.parametrize("max_model_len", [None, -1], ids=["unset", "auto"])
 def test_unset_or_auto_is_capped_at_the_pool(tiny_llama, caplog, max_model_len):
     """Unset or -1: the model's positions (config.json's max_position_embeddings, 256)

@@ -18,7 +18,7 @@ from kvflow.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
 )
-from kvflow.layers.rope_parameters import rope_max_positions
+from kvflow.layers.rope_parameters import rope_max_positions, rope_positions_source
 from kvflow.models.registry import position_offset
 from kvflow.platforms.cpu import host_memory_bytes
 
@@ -37,12 +37,12 @@ def model_positions(hf_config: Any, config: EngineConfig, is_encoder: bool) -> i
         positions = min(positions or requested or 512,
                         config.scheduler_config.max_num_batched_tokens)
     if requested is not None and positions is not None and requested > positions:
-        # The rotary tables hold this many positions (max_position_embeddings, scaled for
-        # YaRN / dynamic NTK): a longer sequence would index past them mid-step.
+        # The rotary tables hold this many positions (max_position_embeddings, as YaRN,
+        # dynamic NTK or linear RoPE scaling stretch it): a longer sequence would index past
+        # them mid-step.
         why = ("whole prompts per step: max_position_embeddings (less RoBERTa's "
                "padding_idx + 1), at most "
-               "max_num_batched_tokens" if is_encoder else
-               "max_position_embeddings, scaled for yarn / dynamic rope_scaling")
+               "max_num_batched_tokens" if is_encoder else rope_positions_source(hf_config))
         raise ValueError(f"max_model_len={requested} exceeds the positions the model "
                          f"covers ({positions}: {why})")
     return positions

@@ -1,8 +1,8 @@
 """What a model's HF config says about its RoPE, read as transformers 5 reads it: theta and
 the scaling dict (:func:`get_rope_parameters`), the positions the table covers
-(:func:`rope_max_positions`, or more once :func:`extend_rope_positions` extended it), the
-rotated dimensions and LongRoPE's attention factor. The tables themselves are built in
-:mod:`kvflow.layers.rotary`."""
+(:func:`rope_max_positions`, or more once :func:`extend_rope_positions` extended it; in words,
+:func:`rope_positions_source`), the rotated dimensions and LongRoPE's attention factor. The
+tables themselves are built in :mod:`kvflow.layers.rotary`."""
 
 from __future__ import annotations
 
@@ -76,6 +76,25 @@ def rope_max_positions(config: Any) -> int:
     :func:`extend_rope_positions` extended the table.
     """
     return max(_scaled_positions(config), getattr(config, EXTENDED_ROPE_POSITIONS, None) or 0)
+
+
+def rope_positions_source(config: Any) -> str:
+    """Where :func:`rope_max_positions` comes from, in words for an error message: the
+    config's ``max_position_embeddings``, or the product its RoPE scaling stretches it to
+    (YaRN: ``original_max_position_embeddings x factor``; dynamic NTK and linear:
+    ``max_position_embeddings x factor``), or a table extended past both."""
+    base = int(config.max_position_embeddings)
+    positions = rope_max_positions(config)
+    if positions == base:
+        return "the model's max_position_embeddings"
+    _, scaling = get_rope_parameters(config)
+    rope_type = (scaling or {}).get("rope_type")
+    if positions != _scaled_positions(config) or rope_type is None:
+        return f"the rotary table extended past max_position_embeddings {base}"
+    stretched = scaling["original_max_position_embeddings"] if rope_type == "yarn" else base
+    field = "original_max_position_embeddings" if rope_type == "yarn" else \
+        "max_position_embeddings"
+    return f"{field} {stretched} x factor {scaling.get('factor')} of its {rope_type} RoPE scaling"
 
 
 def _scaled_positions(config: Any) -> int:

@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from kvflow.layers.rope_parameters import rope_max_positions
+from kvflow.layers.rope_parameters import rope_max_positions, rope_positions_source
 from kvflow.layers.rotary import yarn_attention_factor
 from kvflow.models.llama import make_rotary_embedding
 
@@ -104,6 +104,28 @@ def test_yarn_dynamic_and_linear_cover_the_scaled_context():
     gemma3.model_type = "gemma3_text"
     assert rope_max_positions(gemma3) == 100
     assert make_rotary_embedding(dynamic).cos_sin_cache.shape == (300, 64)
+
+
+@pytest.mark.parametrize("max_positions, scaling, limit, source", [
+    (1024, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}, 2048,
+     "original_max_position_embeddings 512 x factor 4.0 of its yarn RoPE scaling"),
+    (4096, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}, 4096,
+     "the model's max_position_embeddings"),
+    (100, {"rope_type": "dynamic", "factor": 3.0}, 300,
+     "max_position_embeddings 100 x factor 3.0 of its dynamic RoPE scaling"),
+    (100, {"rope_type": "linear", "factor": 3.0}, 300,
+     "max_position_embeddings 100 x factor 3.0 of its linear RoPE scaling"),
+    (100, {}, 100, "the model's max_position_embeddings"),
+], ids=["yarn", "yarn_below_max_positions", "dynamic", "linear", "none"])
+def test_positions_source_names_what_gives_the_limit(max_positions, scaling, limit, source):
+    """The words a too-long max_model_len's refusal gives for the limit name the product
+    that makes it (hand-computed: 512 x 4 = 2048, 100 x 3 = 300), or the config's own field
+    where no scaling stretches it (it said "scaled for yarn / dynamic rope_scaling" for
+    every model, a Llama without RoPE scaling included)."""
+    config = _config(max_positions, scaling) if scaling else LlamaConfig(
+        hidden_size=128, num_attention_heads=2, max_position_embeddings=max_positions)
+    assert rope_max_positions(config) == limit
+    assert rope_positions_source(config) == source
 
 
 DYNAMIC = _config(64, {"rope_type": "dynamic", "factor": 4.0}, head_dim=32)
