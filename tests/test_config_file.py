@@ -70,7 +70,7 @@ def test_bench_commands_take_a_config_file(config):
 
 @pytest.mark.parametrize("text, needles", [
     ("max-num-seqs: 3\nno_such_flag: 1\n", ["unknown key 'no_such_flag'", "--no-such-flag",
-                                            "max-num-seqs"]),
+                                            "see kvflow generate --help"]),
     ("max_token: 5\n", ["unknown key 'max_token' (did you mean max-tokens?)"]),
     ("temperature: 0.5\n", None),  # valid for generate: no error (see below for serve)
     ("- a\n- b\n", ["must be a mapping", "list"]),
@@ -128,6 +128,20 @@ def test_a_key_of_another_command_is_unknown(config, capsys):
     assert main(["serve", "--config", config("temperature: 0.5\n")]) == 2
     err = capsys.readouterr().err
     assert "unknown key 'temperature'" in err and "kvflow serve has no flag" in err
+
+
+@pytest.mark.parametrize("key, guess", [("max_tokns", ""),
+                                        ("max_num_seq", " (did you mean max-num-seqs?)")])
+def test_an_unknown_key_points_at_help_not_at_every_key(config, capsys, key, guess):
+    """An unknown key (a generate flag in a serve file, a typo) is named with the closest flag
+    if one is close and a pointer to the command's --help, as a typed unknown flag is: the
+    line listed all ~150 valid keys after it (over 2,000 characters)."""
+    path = config(f"{key}: 5\n")
+    assert main(["serve", "--config", path]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"kvflow: error: {path}: unknown key {key!r}{guess}: kvflow serve has no "
+                   f"flag --{key.replace('_', '-')} (its flags, less the dashes, are the keys: "
+                   "see kvflow serve --help)\n")
 
 
 def test_file_values_are_converted_as_typed_ones(config):

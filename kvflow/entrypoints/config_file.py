@@ -231,8 +231,11 @@ def _action_for(parser: argparse.ArgumentParser, key: Any, path: str) -> argpars
                        if a.option_strings and a.dest not in ("help", "config"))
         close = closest_name(flag[2:], valid)
         guess = f" (did you mean {close}?)" if close else ""
+        # the ~150 valid keys are the command's flags: --help lists them (a typed unknown flag
+        # points there too), where a list in the message ran to 2,000 characters
         raise ValueError(f"{path}: unknown key {key!r}{guess}: {parser.prog} has no flag "
-                         f"{flag}; valid keys: {', '.join(valid)}")
+                         f"{flag} (its flags, less the dashes, are the keys: see "
+                         f"{parser.prog} --help)")
     return action
 
 
