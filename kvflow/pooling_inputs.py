@@ -4,6 +4,7 @@ tokenize the text), the task check, and the one pooling Request per prompt."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 
 from kvflow.models.pooling_config import PoolerConfig, task_mismatch
@@ -69,7 +70,8 @@ class PoolingInputs:
                              params: PoolingParams | None = None,
                              arrival_time: float | None = None,
                              client_id: str = "", priority: int = 0) -> Request:
-        """An embedding request (prompt computed and pooled, nothing generated);
+        """An embedding request (prompt computed and pooled, nothing generated; an embed or
+        token_embed request without ``dimensions`` takes ``--pooler-config``'s);
         ``client_id`` names the sender for the fair policy ("" when unknown) and
         ``priority`` its place under the priority policy (lower first), as for
         ``make_requests``.
@@ -90,6 +92,10 @@ class PoolingInputs:
                                  f"({self.mm_processor.placeholder!r}): embedding prompts "
                                  "are text only; images are not embedded")
             self.mm_processor.check_no_video(token_ids)
+        if params.dimensions is None and self.pooler.dimensions is not None and \
+                params.task in ("embed", "token_embed"):  # --pooler-config's default
+            params = copy.copy(params)
+            params.dimensions = self.pooler.dimensions
         self.pooler.check_dimensions(params.dimensions, self.hidden_size)
         return Request(request_id, token_ids, SamplingParams(max_tokens=1), None, arrival_time,
                        priority, pooling_params=params, client_id=client_id)

@@ -219,7 +219,8 @@ def _single_flags() -> list[tuple[str, str]]:
 # the single-valued flags that take a JSON object (config_file._JSON_FLAGS)
 JSON_FLAGS = {"--hf-overrides", "--override-generation-config", "--limit-mm-per-prompt",
               "--media-io-kwargs", "--speculative-config", "--kv-events-config",
-              "--kv-transfer-config", "--default-chat-template-kwargs", "--extra-body"}
+              "--kv-transfer-config", "--default-chat-template-kwargs", "--extra-body",
+              "--pooler-config"}
 
 
 def test_a_single_value_flag_refuses_a_mapping_unless_it_takes_json(config):

@@ -9,6 +9,7 @@ from typing import Any
 
 from kvflow.config.options import check_choices, human_readable_int_or_auto, json_object, opt
 from kvflow.logits_process import load_logits_processors
+from kvflow.models.pooler_overrides import parse_pooler_config
 
 HF_OVERRIDES_FLAG = "--hf-overrides (hf_overrides)"
 
@@ -174,6 +175,15 @@ class ModelConfig:
         "it, any other value replaces the key), e.g. '{\"architectures\": "
         "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"], "
         "\"is_original_qwen3_reranker\": true}' (default: none)", metavar="JSON")
+    pooler_config: dict | str | None = opt(  # noqa: RUF009 (a dict once parsed)
+        None, "override the model's pooling (vLLM 0.32's flag): a JSON object of vLLM's "
+        "PoolerConfig fields, e.g. '{\"pooling_type\": \"MEAN\"}': pooling_type / "
+        "seq_pooling_type (CLS, MEAN, LAST), use_activation (embeddings: L2 normalization; "
+        "score / classify: the head's activation), dimensions (the default Matryoshka "
+        "size), logit_mean / logit_sigma (calibrate a classifier's logits before its "
+        "activation); unknown keys and those kvflow does not run (task, step pooling, "
+        "chunked processing, max_embed_len, normalize) are refused (default: the model "
+        "folder's pooling)", metavar="JSON")
 
     trust_remote_code: bool = opt(False, "let transformers run the model repo's own Python "
                                   "code (auto_map) to read its config and tokenizer, as "
@@ -211,14 +221,14 @@ class ModelConfig:
         "for yet)", cli=False)
 
     def __post_init__(self) -> None:
-        """Checks each field (``hf_overrides`` and ``override_generation_config`` given as
-        JSON text become dicts, or None; vLLM's spellings of ``dtype`` and
+        """Checks each field (``hf_overrides``, ``pooler_config`` and
+        ``override_generation_config`` given as JSON text become dicts, or None; vLLM's spellings of ``dtype`` and
         ``generation_config`` become kvflow's: ``VLLM_VALUE_ALIASES``).
 
         Raises:
             ValueError: naming the field, for a value of the wrong type or out of range,
-                ``hf_overrides`` / ``override_generation_config`` that is not a JSON object
-                (or sets a key kvflow does not read), ``logits_processors`` naming what does
+                ``hf_overrides`` / ``pooler_config`` / ``override_generation_config`` that is
+                not a JSON object (or sets a key kvflow does not read), ``logits_processors`` naming what does
                 not import or is not a ``LogitsProcessor`` subclass, a ``tokenizer_mode``
                 other than auto /
                 hf, ``load_format="pt"`` (no PyTorch checkpoint reader), or two fields that
@@ -233,6 +243,7 @@ class ModelConfig:
         check_choices(self)
         self._apply_vllm_spellings()
         self.hf_overrides = parse_hf_overrides(self.hf_overrides)
+        self.pooler_config = parse_pooler_config(self.pooler_config)
         if self.tokenizer_mode not in ("auto", "hf"):
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} is not available: kvflow "
                              "loads tokenizers through transformers, whose version 5 always "

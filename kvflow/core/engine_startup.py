@@ -152,7 +152,7 @@ class EngineCoreStartup:
         """
         folder, mc = source.path if source.kind == "hf" else None, self.config.model_config
         self.task, self.pooler_config = model_task(mc.requested_task, self.hf_config, folder,
-                                                   mc.task_flags)
+                                                   mc.task_flags, mc.pooler_config)
         self.is_encoder = model_traits(self.hf_config)[1]
         self.config.find_logits_processor_plugins(self.task)  # before the workers get it
         pooling, does = self.task != "generate", TASK_VERB[self.task]

@@ -34,7 +34,8 @@ _JSON_ITEM_FLAGS = frozenset({"--lora-modules", "--allowed-origins", "--allowed-
 _JSON_FLAGS = frozenset({"--hf-overrides", "--override-generation-config",
                          "--limit-mm-per-prompt", "--media-io-kwargs", "--speculative-config",
                          "--kv-events-config", "--kv-transfer-config",
-                         "--default-chat-template-kwargs", "--extra-body"})
+                         "--default-chat-template-kwargs", "--extra-body",
+                         "--pooler-config"})
 
 
 @dataclass(frozen=True)

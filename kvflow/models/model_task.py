@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvflow.models.pooler_overrides import FLAG, apply_pooler_overrides
 from kvflow.models.pooling_config import (
     PoolerConfig,
     has_sentence_transformers_config,
@@ -94,8 +95,27 @@ _TOKEN_CLASSIFIERS = ("BertForTokenClassification", "RobertaForTokenClassificati
                       "Qwen3ForTokenClassification")
 
 
-def model_task(requested: str, hf_config: Any, folder: str | None, flags: str = "--task"
-               ) -> tuple[str, PoolerConfig | None]:
+def model_task(requested: str, hf_config: Any, folder: str | None, flags: str = "--task",
+               overrides: dict[str, Any] | None = None) -> tuple[str, PoolerConfig | None]:
+    """:func:`model_pooling` with ``overrides`` (``ModelConfig.pooler_config``, vLLM's
+    ``--pooler-config``) applied to the pooling
+    (:func:`kvflow.models.pooler_overrides.apply_pooler_overrides`).
+
+    Raises:
+        ValueError: see :func:`model_pooling`; for overrides on a generating engine (no
+            pooling to override) or that the model's pooling cannot take.
+    """
+    task, pooler = model_pooling(requested, hf_config, folder, flags)
+    if overrides and pooler is None:
+        raise ValueError(f"{FLAG} overrides a pooling model's pooling; this engine generates "
+                         "text (task='generate')")
+    if pooler is not None:
+        pooler = apply_pooler_overrides(pooler, overrides, int(hf_config.hidden_size))
+    return task, pooler
+
+
+def model_pooling(requested: str, hf_config: Any, folder: str | None, flags: str = "--task"
+                  ) -> tuple[str, PoolerConfig | None]:
     """The task an engine runs and, for ``embed``, ``score``, ``classify`` and
     ``token_classify`` (a ``*ForTokenClassification`` model, every token pooled), the model's
     pooling (one place for the engine core, the runners and the API process to decide it

@@ -68,6 +68,14 @@ class PoolerConfig:
             ``num_labels``); 0 for embeddings.
         labels: a classify model's class names by index (``config.id2label``, "LABEL_i"
             where it names none); () otherwise.
+        use_activation: whether a head task's logits go through ``activation`` when the
+            request does not say (``--pooler-config``'s ``use_activation``; an embedding's
+            default is ``normalize``).
+        dimensions: the Matryoshka ``dimensions`` of an embedding request that gives none
+            (``--pooler-config``), None: the whole vector.
+        logit_mean / logit_sigma: a head's logits become ``(logit - logit_mean) /
+            logit_sigma`` before the activation (``--pooler-config``'s affine calibration;
+            None: not subtracted / not divided).
     """
 
     pooling_type: str
@@ -82,6 +90,10 @@ class PoolerConfig:
     num_labels: int = 0
     labels: tuple[str, ...] = ()
     other_tasks: tuple[tuple[str, str | None], ...] = ()
+    use_activation: bool = True
+    dimensions: int | None = None
+    logit_mean: float | None = None
+    logit_sigma: float | None = None
 
     @property
     def tasks(self) -> tuple[str, ...]:

@@ -123,7 +123,9 @@ class ModelRunner(RunnerKVCache):
         self.model, self.attn_ctx, self.quant_config = load_runner_model(
             self.config, self.platform, source, hf_config, self.dtype, self.parallel)
         self.long_prompt_rope = long_prompt_rope(hf_config)  # LongRoPE's long-prompt rows
-        _, pooler = model_task(mc.requested_task, hf_config, source.path if source.kind == "hf" else None)
+        _, pooler = model_task(mc.requested_task, hf_config,
+                               source.path if source.kind == "hf" else None,
+                               overrides=mc.pooler_config)
         self.pooling = None if pooler is None else \
             PoolingState(pooler, getattr(self.model, "score_head", None))  # embed, score, classify
         lc = self.config.lora_config

@@ -142,7 +142,7 @@ class PoolingState:
                                f"{num_prompt_tokens} tokens")
         task = params.task if params is not None else self.config.task
         if task == "token_classify":
-            logits = self.score_head(rows).float()
+            logits = self._calibrate(self.score_head(rows).float())
             return _activate(logits, self._activation(task, params)).flatten().tolist()
         values = rows.float()
         normalize = self.config.normalize
@@ -159,14 +159,26 @@ class PoolingState:
         (float32), then the activation of the request's task (score: sentence-transformers'
         ``CrossEncoder.predict`` default; classify: softmax, the class probabilities, or the
         sigmoid of a single logit), none when the request asks for raw logits."""
-        logits = self.score_head(pooled.unsqueeze(0))[0].float()
+        logits = self._calibrate(self.score_head(pooled.unsqueeze(0))[0].float())
         task = self.config.task if params is None else params.task
         return _activate(logits, self._activation(task, params)).tolist()
 
+    def _calibrate(self, logits: torch.Tensor) -> torch.Tensor:
+        """float32 logits after the pooler config's affine calibration (``logit_mean``
+        subtracted, then divided by ``logit_sigma``, each where set), as vLLM's
+        ``ClassifierPoolerHead`` does before the activation."""
+        if self.config.logit_mean is not None:
+            logits = logits - self.config.logit_mean
+        if self.config.logit_sigma is not None:
+            logits = logits / self.config.logit_sigma
+        return logits
+
     def _activation(self, task: str, params: PoolingParams | None) -> str | None:
         """The activation of a ``task`` request's logits: the task's (``activation_for``),
-        or None (the raw logits) when its ``use_activation`` / ``activation`` is False."""
-        if params is not None and params.raw_logits:
+        or None (the raw logits) when its ``use_activation`` / ``activation`` is False, or
+        unset and the pooler config's ``use_activation`` is False."""
+        use = None if params is None else params.use_activation
+        if not (self.config.use_activation if use is None else use):
             return None
         return self.config.activation_for(task)
 
