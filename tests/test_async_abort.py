@@ -11,6 +11,11 @@ A request id used again at once after its abort: the new request gets its own to
 it read the abort were taken as the new request's (its output began with them, and ran past
 ``max_tokens``).
 
+``AsyncLLM.abort`` also returns an already-done awaitable and takes several ids, so vLLM 0.32's
+``await engine.abort(id)`` / ``await engine.abort([ids])`` work as the plain call does (was:
+``TypeError: object NoneType can't be used in 'await' expression``; a list was taken as one
+unknown id).
+
 A request admission control refuses ends its stream's iteration with the refusal too, not only
 its ``admitted`` wait (was: a reader that did not await ``admitted`` waited forever)."""
 
@@ -108,6 +113,44 @@ def test_abort_from_another_task_ends_the_stream(tiny_llama):
     success = engine.metrics.request_success
     assert success.labels(engine.metrics.model_name, "abort")._value.get() == 1
     assert success.labels(engine.metrics.model_name, "length")._value.get() == 1
+
+
+async def _awaited_aborts(engine) -> list[list[RequestOutput]]:
+    """vLLM 0.32's ``await engine.abort(id)`` and ``await engine.abort([ids])``: three long
+    requests, each read by a task; "a" aborted by one awaited id, "b" and "c" (with an
+    unknown id) by one awaited list; returns each one's outputs."""
+    await engine.start()
+    try:
+        streams = {rid: engine.add_request(rid, None, PROMPT, SamplingParams(
+            temperature=0, ignore_eos=True, max_tokens=100)) for rid in "abc"}
+        for stream in streams.values():
+            await stream.__anext__()
+        readers = {rid: asyncio.ensure_future(_read(s)) for rid, s in streams.items()}
+        assert await engine.abort("a") is None  # was: TypeError, None is not awaitable
+        assert await engine.abort(iter(["b", "c", "no-such-request"])) is None
+        outputs = [await asyncio.wait_for(readers[rid], 30) for rid in "abc"]
+        await _idle(engine)
+        return outputs
+    finally:
+        await engine.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_abort_can_be_awaited_as_in_vllm(tiny_llama):
+    outputs, stats, _ = _run(tiny_llama, _awaited_aborts)
+    for rest in outputs:
+        assert rest and rest[-1].finished
+        assert [c.finish_reason for c in rest[-1].outputs] == ["abort"]
+        assert sum(len(c.token_ids) for out in rest for c in out.outputs) < 99
+    assert (stats.num_running, stats.num_waiting, stats.num_free_blocks) == \
+        (0, 0, stats.num_usable_blocks)
+
+
+def test_a_non_string_id_is_refused():
+    from kvflow.engine.async_llm import AsyncLLM
+
+    with pytest.raises(TypeError, match="request ids are strings, got 7"):
+        AsyncLLM.abort(object.__new__(AsyncLLM), ["a", 7])
 
 
 async def _reuse_after_abort(engine) -> list[RequestOutput]:

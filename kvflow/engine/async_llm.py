@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -31,6 +31,7 @@ from kvflow.core.sleep_mode import EngineSleep
 from kvflow.engine.async_llm_calls import AsyncLLMCalls
 from kvflow.engine.async_llm_generate import AsyncLLMGenerate
 from kvflow.engine.async_llm_shutdown import AsyncLLMShutdown
+from kvflow.engine.completed import COMPLETED, Completed
 from kvflow.engine.core_client import CoreProcess, ReplicaState
 from kvflow.engine.dp_balancer import DPLoadBalancer
 from kvflow.engine.front_end import load_front_end, make_input_processor
@@ -332,14 +333,28 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
                                                       arrival, client_id, priority)
         return self._queue(request_id, prompt, [request], arrival, data_parallel_rank)
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request now (no-op if it already finished or is unknown, as a second
-        abort); its core frees its KV blocks before its next step. Its stream ends: a task
-        reading it gets a last output whose unfinished samples have ``finish_reason``
-        ``"abort"`` (vLLM's), and one awaiting ``admitted`` returns."""
-        sample_ids, replica = self.requests.cancel(request_id)
-        if sample_ids and replica is not None:
-            self.replicas.send(replica, AbortRequests(sample_ids))
+    def abort(self, request_id: str | Iterable[str]) -> Completed:
+        """Stop a request now, or each of several ids (vLLM's ``str | Iterable[str]``):
+        no-op for one that already finished or is unknown, as a second abort; its core frees
+        its KV blocks before its next step. Its stream ends: a task reading it gets a last
+        output whose unfinished samples have ``finish_reason`` ``"abort"`` (vLLM's), and one
+        awaiting ``admitted`` returns.
+
+        The abort is done when this returns; the result is an already-done awaitable, so
+        ``engine.abort(id)`` and vLLM 0.32's ``await engine.abort(id)`` both work.
+
+        Raises:
+            TypeError: for an id that is not a string (an iterable of them aside).
+        """
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        bad = [i for i in ids if not isinstance(i, str)]
+        if bad:
+            raise TypeError(f"abort: request ids are strings, got {bad[0]!r}")
+        for rid in ids:
+            sample_ids, replica = self.requests.cancel(rid)
+            if sample_ids and replica is not None:
+                self.replicas.send(replica, AbortRequests(sample_ids))
+        return COMPLETED
 
     # ---- outputs (the loop: output_loop.py) --------------------------------------------------
     def _replica_lost(self, error: EngineDeadError, was_live: bool) -> None:
