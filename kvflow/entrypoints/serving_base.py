@@ -198,6 +198,24 @@ class OpenAIServing(OpenAIServingChecks):
                               "send token ids", code="no_tokenizer")
         return self.engine.tokenizer
 
+    def pad_ids(self, ids: list[list[int]], padding: str | None) -> list[list[int]]:
+        """Each prompt's ``ids`` with vLLM 0.32's ``padding``: ``"max_length"`` appends the
+        tokenizer's pad token up to ``max_model_len`` (its ``TokenizeParams`` pad after the
+        cut, before the length check); None or ``"do_not_pad"``: as they are.
+
+        Raises:
+            OpenAIError: 400 naming ``padding`` when the tokenizer has no pad token.
+        """
+        if padding != "max_length":
+            return ids
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        if pad is None:
+            raise OpenAIError("padding='max_length' pads with the tokenizer's pad token, and "
+                              "this model's tokenizer has none", param="padding",
+                              code="invalid_value")
+        length = self.engine.max_model_len
+        return [one + [pad] * (length - len(one)) for one in ids]
+
     def token_ids_default(self, req: Any) -> None:
         """Set a completions or chat request's unset ``return_tokens_as_token_ids`` to the
         server's ``--return-tokens-as-token-ids``, as vLLM does (a request's own true or

@@ -120,23 +120,15 @@ class OpenAIServingEmbedding(OpenAIServing):
             req.truncation_side), req.padding)
 
     def _padded(self, prompts: list[Prompt], padding: str | None) -> list[Prompt]:
-        """``prompts`` with vLLM 0.32's ``padding``: ``"max_length"`` appends the
-        tokenizer's pad token to each prompt's ids up to ``max_model_len`` (its
-        ``TokenizeParams`` pad after the cut, before the length check); None or
-        ``"do_not_pad"``: as they are.
+        """``prompts`` with vLLM 0.32's ``padding`` (``OpenAIServing.pad_ids``).
 
         Raises:
             OpenAIError: 400 naming ``padding`` when the tokenizer has no pad token.
         """
         if padding != "max_length":
             return prompts
-        pad = getattr(self.tokenizer, "pad_token_id", None)
-        if pad is None:
-            raise OpenAIError("padding='max_length' pads with the tokenizer's pad token, and "
-                              "this model's tokenizer has none", param="padding",
-                              code="invalid_value")
-        length = self.engine.max_model_len
-        return [(text, ids + [pad] * (length - len(ids))) for text, ids in prompts]
+        ids = self.pad_ids([ids for _, ids in prompts], padding)
+        return [(text, one) for (text, _), one in zip(prompts, ids)]
 
     async def _conversation(self, req: EmbeddingRequest | ClassificationRequest,
                             raw: Request, messages: list[ChatMessage],

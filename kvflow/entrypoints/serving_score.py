@@ -120,6 +120,13 @@ class OpenAIServingScore(OpenAIServing):
         if self.engine.task != "embed":
             self.check_task("score")
         self.check_priority(req.priority)
+        for name in ("chat_template_kwargs", "instruction"):
+            if getattr(req, name):  # vLLM 0.32 reads them only in a score chat template
+                raise OpenAIError(f"{name} is not supported by kvflow: it is read by a score "
+                                  "chat template, and this server renders none (each pair "
+                                  "is tokenized as the tokenizer pairs the two texts; "
+                                  "LLM.score(chat_template=...) renders pairs offline)",
+                                  param=name, code="unsupported_parameter")
 
     async def _cut_pairs(self, req: ScoreRequest | RerankRequest,
                          pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -158,8 +165,10 @@ class OpenAIServingScore(OpenAIServing):
                      pairs: list[tuple[str, str]], names: list[str], fields: tuple[str, str]
                      ) -> tuple[str, list[RequestStream], Finish]:
         """Queue the work for ``pairs``: (reply id, the streams, ``finish()`` -> (each pair's
-        score, the tokens counted)). A cross-encoder computes one request per pair; an
-        embedding model one per distinct text, the score of a pair being the cosine
+        score, the tokens counted)). A cross-encoder computes one request per pair (its ids
+        padded to ``max_model_len`` under ``padding`` "max_length", vLLM 0.32's: the pads
+        take the pair's last token type, as vLLM pads token types); an embedding model one
+        per distinct text (padded likewise), the score of a pair being the cosine
         similarity of its two embeddings (vLLM's scoring with embedding models; each pair
         counts both texts' tokens).
 
@@ -181,6 +190,8 @@ class OpenAIServingScore(OpenAIServing):
             prompts = [(ids, replace(params, use_activation=use_activation)) for ids, params
                        in await self._prompts(pairs, req.truncate_prompt_tokens, names,
                                               fields[1], req.truncation_side)]
+        padded = self.pad_ids([ids for ids, _ in prompts], req.padding)
+        prompts = [(ids, params) for ids, (_, params) in zip(padded, prompts)]
         streams = await self._add(req, raw, request_id, prompts, fields[1])
 
         async def finish() -> tuple[list[float | list[float]], int]:

@@ -63,10 +63,9 @@ UNSUPPORTED = {
     "priority": "only /v1/completions, /v1/chat/completions, /v1/embeddings, /pooling, "
                 "/classify, /v1/score and /v1/rerank take a priority (other requests are "
                 "queued at priority 0, by client under --policy fair)",
-    # vLLM 0.32 pads score pairs too; kvflow pads /v1/embeddings', /pooling's and
-    # /classify's prompts only
-    "padding": "only /v1/embeddings, /pooling and /classify take it (send do_not_pad or "
-               "leave it out)",
+    # vLLM 0.32's pooling requests declare it (and kvflow's honour it)
+    "padding": "only /v1/embeddings, /pooling, /classify, /v1/score and /v1/rerank take it "
+               "(send do_not_pad or leave it out)",
     "target_ttft_ms": "only generation requests take one (embedding requests take the "
                       "server's --target-ttft-ms)",
     "target_tpot_ms": "only generation requests generate tokens",

@@ -172,8 +172,8 @@ def test_padding_max_length(which, bert, decoder):
     pad token to --max-model-len and embedded whole, as vLLM does (no attention mask: mean
     pooling averages the pads, last-token pooling takes the last pad), usage counting the
     pads; oracle: sentence-transformers over the padded ids with every position attended.
-    ``"do_not_pad"`` is no padding; /v1/score, which kvflow does not pad, refuses
-    ``max_length`` naming it."""
+    ``"do_not_pad"`` is no padding; /v1/score pads each text so too (the cosine similarity
+    of the padded embeddings; was: a 400)."""
     server, st = bert if which == "bert" else decoder
     length = httpx.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"]
     tok = st.tokenizer
@@ -199,10 +199,12 @@ def test_padding_max_length(which, bert, decoder):
     assert (padded_st(INPUTS[0]) - torch.tensor(plain.json()["data"][0]["embedding"])) \
         .abs().max() > 1e-3
     resp = httpx.post(f"{server.url}/v1/score", timeout=60, json={
-        "text_1": "a", "text_2": "b", "padding": "max_length"})
-    error = resp.json()["error"]
-    assert (resp.status_code, error["param"], error["code"]) == \
-        (400, "padding", "unsupported_parameter"), resp.text
+        "text_1": INPUTS[0], "text_2": INPUTS[1], "padding": "max_length"})
+    assert resp.status_code == 200, resp.text
+    want = torch.nn.functional.cosine_similarity(padded_st(INPUTS[0]), padded_st(INPUTS[1]),
+                                                 dim=0)
+    assert resp.json()["data"][0]["score"] == pytest.approx(want.item(), abs=1e-5)
+    assert resp.json()["usage"]["prompt_tokens"] == 2 * length
 
 
 def test_add_special_tokens_embed_dtype_and_endianness_refusals(bert, decoder):

@@ -253,6 +253,59 @@ def test_truncation_side_cuts_the_whole_pair(servers):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncation_side"
 
 
+def test_padding_max_length_pads_each_pair(servers):
+    """vLLM 0.32's ``padding: "max_length"`` on /v1/score and /v1/rerank: each pair's ids are
+    padded with [PAD] to --max-model-len 16, the pads taking the pair's last token type (1,
+    its second segment), every pad attended (vLLM's encoder has no attention mask); oracle:
+    transformers over those ids and types. Usage counts the pads; ``do_not_pad`` pads
+    nothing. Was: a 400 (``unsupported_parameter``)."""
+    server, folder = servers["bert"]
+    tok = AutoTokenizer.from_pretrained(folder)
+    docs = DOCUMENTS[2:4]
+    want = []
+    for doc in docs:
+        enc = tok(QUERY, doc)
+        ids, types = enc["input_ids"], enc["token_type_ids"]
+        assert len(ids) < 16 and types[-1] == 1
+        want.append(_hf_score_of(folder, ids + [tok.pad_token_id] * (16 - len(ids)),
+                                 types + [1] * (16 - len(ids))))
+    body = _post(server, "/v1/score", {"text_1": QUERY, "text_2": docs,
+                                       "padding": "max_length"})
+    assert body.status_code == 200, body.text
+    got = [d["score"] for d in body.json()["data"]]
+    assert got == pytest.approx(want, abs=TOL)
+    assert body.json()["usage"]["prompt_tokens"] == 32
+    unpadded = hf_scores(folder, [(QUERY, d) for d in docs]).tolist()
+    assert max(abs(a - b) for a, b in zip(got, unpadded)) > 10 * TOL  # the pads count
+    body = _post(server, "/v1/rerank", {"query": QUERY, "documents": docs,
+                                        "padding": "max_length"}).json()
+    assert {r["index"]: r["relevance_score"] for r in body["results"]} == \
+        pytest.approx(dict(enumerate(want)), abs=TOL)
+    body = _post(server, "/v1/score", {"text_1": QUERY, "text_2": docs,
+                                       "padding": "do_not_pad"}).json()
+    assert [d["score"] for d in body["data"]] == pytest.approx(unpadded, abs=TOL)
+    resp = _post(server, "/v1/score", {"text_1": "a", "text_2": "b", "padding": "longest"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "padding"
+
+
+@pytest.mark.parametrize("path, body", [("/v1/score", {"text_1": "a", "text_2": "b"}),
+                                        ("/v1/rerank", {"query": "a", "documents": ["b"]})])
+def test_score_template_fields_are_refused(servers, path, body):
+    """vLLM 0.32's ``chat_template_kwargs`` / ``instruction`` feed a score chat template,
+    which this server does not render: a 400 naming each (was: ``unknown_parameter``, or
+    ignored under --ignore-unknown-fields); null and ``{}`` ask for nothing and pass."""
+    server, _ = servers["bert"]
+    for field, value in (("chat_template_kwargs", {"instruction": "rank"}),
+                         ("instruction", "rank by relevance")):
+        resp = _post(server, path, {**body, field: value})
+        error = resp.json()["error"]
+        assert (resp.status_code, error["param"], error["code"]) == \
+            (400, field, "unsupported_parameter"), resp.text
+        assert "score chat template" in error["message"]
+    resp = _post(server, path, {**body, "chat_template_kwargs": {}, "instruction": None})
+    assert resp.status_code == 200, resp.text
+
+
 def test_max_tokens_per_query_and_doc(servers):
     """vLLM 0.32's ``max_tokens_per_query`` / ``max_tokens_per_doc`` on /v1/score and
     /v1/rerank: each query / document is cut to its first N tokens (special tokens not

@@ -3,7 +3,7 @@ responses of a cross-encoder server (``--task score``)."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -29,7 +29,11 @@ class ScoreRequest(RequestBody):
     ``max_tokens_per_query`` / ``max_tokens_per_doc`` (0: no cut) first cut each first /
     second text to that many tokens (``kvflow.score_inputs.cut_text``); vLLM's
     ``request_id`` names the reply (``id``: ``score-{request_id}``) and ``priority``
-    orders the waiting queue (needs ``--policy priority`` or ``fair``)."""
+    orders the waiting queue (needs ``--policy priority`` or ``fair``); vLLM 0.32's
+    ``padding`` ``"max_length"`` pads each pair's ids (an embedding model's: each text's)
+    with the pad token to ``max_model_len``; its ``chat_template_kwargs`` / ``instruction``
+    (read by a score chat template) are refused when set, as no template renders a pair
+    here."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
@@ -48,6 +52,10 @@ class ScoreRequest(RequestBody):
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
     activation: bool | None = None  # vLLM 0.10's name of use_activation
     use_activation: bool | None = None  # False: raw head logits, no softmax / sigmoid
+    padding: Literal["max_length", "do_not_pad"] | None = None  # vLLM 0.32's
+    # vLLM 0.32's score-template fields: refused (the server renders no score template)
+    chat_template_kwargs: dict[str, Any] | None = None
+    instruction: str | None = None
 
 
 class ScoreData(OpenAIBaseModel):
@@ -73,8 +81,9 @@ class RerankRequest(RequestBody):
     takes it) scored against ``query``, best first; ``top_n`` keeps the best N (0 or None:
     all); ``return_documents`` echoes each document's text (default true, as vLLM and Jina
     do; false: no ``document``, else the document as sent); ``truncate_prompt_tokens``,
-    ``truncation_side``, ``max_tokens_per_query`` (the query), ``max_tokens_per_doc`` and
-    ``priority`` as /v1/score reads them."""
+    ``truncation_side``, ``max_tokens_per_query`` (the query), ``max_tokens_per_doc``,
+    ``priority``, ``padding``, ``chat_template_kwargs`` and ``instruction`` as /v1/score
+    reads them."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
@@ -90,6 +99,10 @@ class RerankRequest(RequestBody):
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
     activation: bool | None = None  # vLLM 0.10's name of use_activation
     use_activation: bool | None = None  # False: raw head logits, no softmax / sigmoid
+    padding: Literal["max_length", "do_not_pad"] | None = None  # vLLM 0.32's
+    # vLLM 0.32's score-template fields: refused (the server renders no score template)
+    chat_template_kwargs: dict[str, Any] | None = None
+    instruction: str | None = None
 
 
 class RerankDocument(OpenAIBaseModel):
