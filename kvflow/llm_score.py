@@ -18,8 +18,10 @@ from kvflow.pooling_params import PoolingParams
 from kvflow.prompt_truncation import truncation_length
 from kvflow.score_inputs import (
     cosine_similarity,
+    cut_pairs,
     pair_prompt,
     score_cut,
+    score_extra_kwargs,
     score_pairs,
     score_use_activation,
     score_value,
@@ -59,9 +61,14 @@ class LLMScore:
                 tokens: :func:`~kvflow.score_inputs.pair_prompt`); None: a pair longer than
                 ``max_model_len`` is refused.
             user: one client name per pair (needs ``policy="fair"``), as for ``generate``.
-            pooling_params: vLLM's: only its ``use_activation`` / ``activation`` is read
-                (False: each pair's raw head logits instead of the score activation); None:
-                the defaults.
+            pooling_params: vLLM's: its ``use_activation`` / ``activation`` (False: each
+                pair's raw head logits instead of the score activation) and vLLM 0.32's
+                ``extra_kwargs``: ``max_tokens_per_query`` / ``max_tokens_per_doc`` (each
+                first / second text cut to its first N tokens, special tokens not counted, at
+                a character boundary, before the pair is tokenized or, on an embedding model,
+                each text embedded: :func:`~kvflow.score_inputs.cut_text`, as /v1/score
+                cuts; 0: no cut) and ``chat_template_kwargs`` (``chat_template``'s further
+                variables, e.g. ``instruction``); None: the defaults.
             lora_request: vLLM's keyword: None (or None per pair); pooling engines run no
                 adapters (see :func:`refuse_pooling_loras`).
             tokenization_kwargs: vLLM 0.32's keyword: the cut of each pair
@@ -92,11 +99,14 @@ class LLMScore:
                 ``truncate_prompt_tokens`` or ``user``, pooling_params of another task or
                 with fields other than ``activation``, ``activation`` or ``chat_template``
                 on an embedding model (cosine similarity has neither), a LoRA adapter,
-                ``tokenization_kwargs`` :func:`~kvflow.score_inputs.score_cut` refuses, or a
+                ``tokenization_kwargs`` :func:`~kvflow.score_inputs.score_cut` refuses,
+                ``extra_kwargs`` :func:`~kvflow.score_inputs.score_extra_kwargs` refuses, or a
                 ``chat_template`` that cannot render a pair (nothing is queued then).
         """
         processor = self.engine.processor
         use_activation = score_use_activation(pooling_params)
+        limits, template_kwargs = score_extra_kwargs(pooling_params, processor.max_model_len,
+                                                     chat_template)
         if processor.pooler is not None and processor.pooler.task == "embed":
             for name, value, what in (("activation", use_activation, "activation to turn off"),
                                       ("chat_template", chat_template, "pair to render")):
@@ -105,6 +115,7 @@ class LLMScore:
                                      f"similarity, which has no {what}")
             pairs = score_pairs(text_1, text_2)
             refuse_pooling_loras(lora_request, len(pairs))
+            pairs = cut_pairs(pairs, self.get_tokenizer(), limits)
             return self._score_embeddings(pairs, truncate_prompt_tokens, use_tqdm, user,
                                           tokenization_kwargs)
         processor.require_task("score")
@@ -112,7 +123,9 @@ class LLMScore:
         refuse_pooling_loras(lora_request, len(pairs))
         users = check_users(user, len(pairs), self.engine.config.scheduler_config.policy)
         cut = score_cut(tokenization_kwargs, processor.max_model_len, truncate_prompt_tokens)
-        prompts = self._pair_requests(pairs, cut, use_activation, chat_template)
+        pairs = cut_pairs(pairs, processor.tokenizer, limits)
+        prompts = self._pair_requests(pairs, cut, use_activation, chat_template,
+                                      template_kwargs)
         request_ids = self._queue_all(prompts, users)
         return [ScoringRequestOutput(o.request_id, o.prompt_token_ids,
                                      ScoringOutput(score_value(o.outputs.embedding)),
@@ -120,11 +133,13 @@ class LLMScore:
                 for o in self._run(request_ids, use_tqdm)]
 
     def _pair_requests(self, pairs: list[tuple[str, str]], cut: tuple[int | None, str | None],
-                       use_activation: bool | None, chat_template: str | None = None
+                       use_activation: bool | None, chat_template: str | None = None,
+                       template_kwargs: dict[str, Any] | None = None
                        ) -> list[tuple[list[int], PoolingParams]]:
         """Each pair's cross-encoder prompt (token ids, cut as ``cut`` says: tokens kept, None:
-        not cut, and the ``truncation_side``; rendered by ``chat_template`` when given) and
-        score params, all checked by the engine before any is queued.
+        not cut, and the ``truncation_side``; rendered by ``chat_template`` when given, with
+        ``template_kwargs`` as its further variables) and score params, all checked by the
+        engine before any is queued.
 
         Raises:
             ValueError: naming the first pair (index and texts) the engine refuses.
@@ -137,7 +152,7 @@ class LLMScore:
                     ids, params = pair_prompt(processor.tokenizer, a, b, *cut)
                 else:
                     ids, params = template_pair_prompt(processor.tokenizer, chat_template, a, b,
-                                                       *cut)
+                                                       *cut, template_kwargs)
                 params = dataclasses.replace(params, use_activation=use_activation)
                 processor.make_pooling_request("check", ids, params)
             except ValueError as e:

@@ -79,10 +79,14 @@ class PoolingInputs:
         Raises:
             ValueError: on a generation model, for a bad prompt (see ``validate``; image
                 and video placeholders included), a ``dimensions`` the model cannot give
-                (Matryoshka support, sizes), or ``softmax`` on another task than
-                token_classify.
+                (Matryoshka support, sizes), ``softmax`` on another task than
+                token_classify, or ``extra_kwargs`` (``LLM.score`` reads and drops them).
         """
         params = params or PoolingParams()
+        if params.extra_kwargs:
+            raise ValueError(f"PoolingParams.extra_kwargs={params.extra_kwargs!r}: only "
+                             "LLM.score reads it (max_tokens_per_query, max_tokens_per_doc, "
+                             "chat_template_kwargs)")
         self.require_task(params.task)
         check_activation(params)
         self.validate(token_ids, pooling=True)

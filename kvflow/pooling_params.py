@@ -4,6 +4,7 @@ prompt token) asks for beyond its prompt (pure data, crosses to the runner)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvflow.close_names import guess_unknown_keywords
 
@@ -46,6 +47,11 @@ class PoolingParams:
             both are set, and they must agree.
         activation: vLLM 0.10 / 0.11.0's name of ``use_activation`` (either may be given;
             after construction both hold the resolved value).
+        extra_kwargs: vLLM 0.32's field, read by ``LLM.score`` only (then dropped): its
+            ``max_tokens_per_query`` / ``max_tokens_per_doc`` (each first / second text cut
+            to its first N tokens before the pair is tokenized, 0: no cut) and, with
+            ``LLM.score(chat_template=...)``, ``chat_template_kwargs`` (the template's
+            variables); the engine refuses a request that still carries it.
         softmax: vLLM 0.10's reward-model field, its name of ``use_activation`` on the
             per-token ``encode`` task (here "token_classify": the head's softmax / sigmoid
             per token, False the raw logits); after construction ``use_activation`` and
@@ -57,7 +63,8 @@ class PoolingParams:
             ``task``, a ``second_segment_start`` < 0 or not an integer, or a ``normalize``
             that is not a bool (or is set for a task other than "embed"), an ``activation``
             / ``use_activation`` / ``softmax`` that is not a bool, or two of them set to
-            different values (``normalize`` and ``use_activation`` included).
+            different values (``normalize`` and ``use_activation`` included), or an
+            ``extra_kwargs`` that is not a dict.
     """
 
     dimensions: int | None = None
@@ -67,9 +74,13 @@ class PoolingParams:
     use_activation: bool | None = None
     activation: bool | None = None
     softmax: bool | None = None
+    extra_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self._resolve_activation()
+        if self.extra_kwargs is not None and not isinstance(self.extra_kwargs, dict):
+            raise ValueError(f"PoolingParams.extra_kwargs={self.extra_kwargs!r} must be a dict "
+                             "or None")
         d = self.dimensions
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
             raise ValueError(f"PoolingParams.dimensions={d!r} must be an integer >= 1")

@@ -135,7 +135,8 @@ def pair_prompt(tokenizer: Any, text_1: str, text_2: str,
 
 def template_pair_prompt(tokenizer: Any, chat_template: str, text_1: str, text_2: str,
                          truncate_prompt_tokens: int | None = None,
-                         truncation_side: str | None = None
+                         truncation_side: str | None = None,
+                         template_kwargs: dict[str, Any] | None = None
                          ) -> tuple[list[int], PoolingParams]:
     """One pair as vLLM 0.32's cross-encoder reads it under ``LLM.score(chat_template=...)``
     (``scoring/io_processor.py``, ``get_score_prompt``): the template renders the messages
@@ -148,6 +149,9 @@ def template_pair_prompt(tokenizer: Any, chat_template: str, text_1: str, text_2
         chat_template: the Jinja template (its text).
         truncate_prompt_tokens / truncation_side: as :func:`pair_prompt` cuts (None: the
             tokenizer's cut on the right, its special tokens kept).
+        template_kwargs: further variables of the template (vLLM 0.32's
+            ``chat_template_kwargs``, e.g. ``instruction``), checked by
+            :func:`score_extra_kwargs`.
 
     Raises:
         ValueError: for a template that cannot render the pair (naming ``chat_template``),
@@ -160,7 +164,7 @@ def template_pair_prompt(tokenizer: Any, chat_template: str, text_1: str, text_2
     messages = [{"role": "query", "content": text_1}, {"role": "document", "content": text_2}]
     try:
         text = tokenizer.apply_chat_template(messages, chat_template=chat_template,
-                                             tokenize=False)
+                                             tokenize=False, **(template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - jinja and transformers errors: a bad template
         raise ValueError(f"chat_template cannot render the pair (messages with roles "
                          f"'query' and 'document'): {type(e).__name__}: {e}") from None
@@ -175,6 +179,69 @@ def template_pair_prompt(tokenizer: Any, chat_template: str, text_1: str, text_2
     if t is not None and len(ids) > t:
         ids = ids[len(ids) - t:] if truncation_side == "left" else ids[:t]
     return ids, PoolingParams(task="score")
+
+
+_EXTRA_KEYS = ("max_tokens_per_query", "max_tokens_per_doc", "chat_template_kwargs")
+# apply_chat_template's own arguments, which a template variable may not replace (vLLM's
+# reserved keys, and the ones kvflow passes)
+_RESERVED = ("chat_template", "tools", "tokenize", "conversation", "add_generation_prompt")
+
+
+def score_extra_kwargs(params: PoolingParams | None, max_model_len: int,
+                       chat_template: str | None
+                       ) -> tuple[tuple[int, int], dict[str, Any] | None]:
+    """What ``LLM.score`` reads from vLLM 0.32's ``PoolingParams.extra_kwargs``:
+    ((``max_tokens_per_query``, ``max_tokens_per_doc``), 0: no cut;
+    ``chat_template_kwargs`` or None).
+
+    Raises:
+        ValueError: naming the key, for an unknown key, a limit that is not an integer in
+            ``[0, max_model_len)`` (vLLM's rule), ``chat_template_kwargs`` that is not a
+            dict, sets one of the template call's own arguments, or comes without
+            ``chat_template`` (nothing would render it).
+    """
+    extra = (params.extra_kwargs if params is not None else None) or {}
+    unknown = sorted(set(extra) - set(_EXTRA_KEYS))
+    if unknown:
+        raise ValueError(f"PoolingParams.extra_kwargs: LLM.score reads {list(_EXTRA_KEYS)}, "
+                         f"not {unknown}")
+    limits = []
+    for name in _EXTRA_KEYS[:2]:
+        n = extra.get(name) or 0
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < max_model_len:
+            raise ValueError(f"extra_kwargs {name}={n!r} must be an integer in [0, "
+                             f"max_model_len={max_model_len}) (0: no cut)")
+        limits.append(n)
+    kwargs = extra.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"extra_kwargs chat_template_kwargs={kwargs!r} must be a dict")
+        reserved = sorted(set(kwargs) & set(_RESERVED))
+        if reserved:
+            raise ValueError(f"extra_kwargs chat_template_kwargs sets {reserved}, the "
+                             "template call's own arguments")
+        if kwargs and chat_template is None:
+            raise ValueError("extra_kwargs chat_template_kwargs is read by a score chat "
+                             "template: give LLM.score(chat_template=...)")
+    return (limits[0], limits[1]), kwargs or None
+
+
+def cut_pairs(pairs: list[tuple[str, str]], tokenizer: Any, limits: tuple[int, int]
+              ) -> list[tuple[str, str]]:
+    """``pairs`` with each first text cut to ``limits[0]`` tokens and each second text to
+    ``limits[1]`` (:func:`cut_text`; 0: not cut), each distinct (text, limit) cut once."""
+    if not any(limits):
+        return pairs
+    done: dict[tuple[str, int], str] = {}
+
+    def one(text: str, limit: int) -> str:
+        if not limit:
+            return text
+        if (text, limit) not in done:
+            done[text, limit] = cut_text(text, tokenizer, limit)
+        return done[text, limit]
+
+    return [(one(a, limits[0]), one(b, limits[1])) for a, b in pairs]
 
 
 def score_cut(tokenization_kwargs: dict[str, Any] | None, max_model_len: int,
@@ -251,7 +318,7 @@ def score_use_activation(params: PoolingParams | None) -> bool | None:
             with ``dimensions`` / ``normalize`` / ``softmax`` set (naming the field).
     """
     if params is None:
-        return None
+        return None  # (its extra_kwargs: score_extra_kwargs)
     if params.task not in ("embed", "score"):
         raise ValueError(f"PoolingParams.task={params.task!r} but LLM.score runs task "
                          "'score'")

@@ -32,7 +32,7 @@ from kvflow.pooling_params import PoolingParams
 from kvflow.prompt_truncation import truncation_length
 from kvflow.score_inputs import (
     cosine_similarity,
-    cut_text,
+    cut_pairs,
     pair_prompt,
     score_pairs,
     score_value,
@@ -147,19 +147,9 @@ class OpenAIServingScore(OpenAIServing):
                                   code="invalid_value")
         if not any(limits):
             return pairs
-        tokenizer, cut = self.tokenizer, {}
-
-        def cut_all() -> list[tuple[str, str]]:
-            def one(text: str, limit: int) -> str:
-                if not limit:
-                    return text
-                if (text, limit) not in cut:  # a 1-to-N query is cut once
-                    cut[text, limit] = cut_text(text, tokenizer, limit)
-                return cut[text, limit]
-
-            return [(one(a, limits[0]), one(b, limits[1])) for a, b in pairs]
-
-        return await off_loop(sum(len(a) + len(b) for a, b in pairs), cut_all)
+        tokenizer = self.tokenizer
+        return await off_loop(sum(len(a) + len(b) for a, b in pairs),
+                              lambda: cut_pairs(pairs, tokenizer, limits))
 
     async def _queue(self, req: ScoreRequest | RerankRequest, raw: Request,
                      pairs: list[tuple[str, str]], names: list[str], fields: tuple[str, str]

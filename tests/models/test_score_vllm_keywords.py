@@ -8,6 +8,10 @@ the HF tokenizer gives:
   tokens with ``truncation_side="left"``;
 - ``chat_template`` renders ``query`` / ``document`` messages (the text written out here by
   hand), tokenized as one sequence;
+- vLLM 0.32's ``PoolingParams(extra_kwargs=...)``: ``max_tokens_per_query`` /
+  ``max_tokens_per_doc`` cut each text to its first N tokens (where the tokenizer's offsets
+  put the N-th token's end, as /v1/score cuts) before the pair is tokenized, and
+  ``chat_template_kwargs`` are the template's variables;
 - keys a pair cannot take, a cut given twice and a template that fails are refused."""
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow import LLM
+from kvflow import LLM, PoolingParams
 from tests.models.cross_encoder_models import DOCUMENTS, QUERY, build_cross_encoder, hf_scores
 
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -106,3 +110,78 @@ def test_refusals_name_the_key(llm, kwargs, match):
     with pytest.raises(ValueError, match=match):
         llm.score(QUERY, DOCUMENTS, use_tqdm=False, **kwargs)
     assert not llm.engine.has_unfinished_requests()
+
+
+def _cut(tokenizer, text: str, n: int) -> str:
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return text[:offsets["offset_mapping"][n - 1][1]]
+
+
+def test_extra_kwargs_max_tokens_per_query_and_doc(llm, folder):
+    """Was: ``PoolingParams`` took no ``extra_kwargs`` (a TypeError)."""
+    tokenizer = llm.get_tokenizer()
+    params = PoolingParams(extra_kwargs={"max_tokens_per_query": 3, "max_tokens_per_doc": 4})
+    outs = llm.score(QUERY, DOCUMENTS[:3], use_tqdm=False, pooling_params=params)
+    query = _cut(tokenizer, QUERY, 3)
+    docs = [_cut(tokenizer, d, 4) for d in DOCUMENTS[:3]]
+    assert query == "what is the" and docs[1] == "the quick brown fox"
+    for out, doc in zip(outs, docs):
+        assert out.prompt_token_ids == tokenizer(query, doc)["input_ids"]
+    torch.testing.assert_close(scores(outs), hf_scores(folder, [(query, d) for d in docs]),
+                               atol=2e-5, rtol=1e-4)
+    only_doc = PoolingParams(extra_kwargs={"max_tokens_per_query": 0, "max_tokens_per_doc": 4})
+    (out,) = llm.score(QUERY, DOCUMENTS[1], use_tqdm=False, pooling_params=only_doc)
+    assert out.prompt_token_ids == tokenizer(QUERY, docs[1])["input_ids"]
+    assert params.extra_kwargs == {"max_tokens_per_query": 3, "max_tokens_per_doc": 4}
+
+
+def test_extra_kwargs_chat_template_kwargs(llm, folder):
+    tokenizer = llm.get_tokenizer()
+    template = "{{ instruction }}\n" + TEMPLATE
+    params = PoolingParams(extra_kwargs={"chat_template_kwargs": {"instruction": "rank it"}})
+    (out,) = llm.score(QUERY, DOCUMENTS[0], use_tqdm=False, chat_template=template,
+                       pooling_params=params)
+    enc = tokenizer(f"rank it\nquery: {QUERY}\ndocument: {DOCUMENTS[0]}\n")
+    assert out.prompt_token_ids == enc["input_ids"]
+    assert out.outputs.score == pytest.approx(hf_score_of(folder, enc), abs=2e-5)
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"max_tokens_per_query": 3, "instruction": "x"}, r"not \['instruction'\]"),
+    ({"max_tokens_per_doc": 64}, r"max_tokens_per_doc=64 must be an integer in \[0, "),
+    ({"max_tokens_per_query": -1}, "max_tokens_per_query=-1"),
+    ({"chat_template_kwargs": {"instruction": "x"}}, "give LLM.score\\(chat_template"),
+    ({"chat_template_kwargs": {"tokenize": True}}, r"sets \['tokenize'\]"),
+])
+def test_extra_kwargs_refusals(llm, extra, match):
+    with pytest.raises(ValueError, match=match):
+        llm.score(QUERY, DOCUMENTS, use_tqdm=False, pooling_params=PoolingParams(
+            extra_kwargs=extra), chat_template=TEMPLATE if "tokenize" in str(extra) else None)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_extra_kwargs_elsewhere_are_refused(llm):
+    with pytest.raises(ValueError, match="only LLM.score reads it"):
+        llm.classify("a cat", use_tqdm=False, pooling_params=PoolingParams(
+            task="classify", extra_kwargs={"max_tokens_per_doc": 2}))
+
+
+def test_extra_kwargs_cut_an_embedding_models_texts(tiny_tokenizer, tmp_path):
+    """On an embedding model each text is cut, then embedded: the score is the cosine
+    similarity of sentence-transformers' embeddings of the cut texts."""
+    from tests.models.embedding_models import build_bert
+
+    st = build_bert(tiny_tokenizer, str(tmp_path / "st"), "mean")
+    llm = LLM(model=str(tmp_path / "st"), dtype="float32", device="cpu",
+              max_num_batched_tokens=64)
+    tokenizer = llm.get_tokenizer()
+    query, doc = "the quick brown fox jumps", "a lazy dog sleeps in the sun all day"
+    params = PoolingParams(extra_kwargs={"max_tokens_per_query": 2, "max_tokens_per_doc": 3})
+    (out,) = llm.score(query, doc, use_tqdm=False, pooling_params=params)
+    q, d = _cut(tokenizer, query, 2), _cut(tokenizer, doc, 3)
+    assert len(q) < len(query) and len(d) < len(doc)
+    want = torch.nn.functional.cosine_similarity(
+        torch.from_numpy(st.encode([q])[0]), torch.from_numpy(st.encode([d])[0]), dim=0)
+    assert out.outputs.score == pytest.approx(want.item(), abs=1e-5)
+    (plain,) = llm.score(query, doc, use_tqdm=False)
+    assert abs(plain.outputs.score - out.outputs.score) > 1e-4
