@@ -108,3 +108,20 @@ def test_the_serve_flag_and_its_default():
     assert config.pooler_config == {"pooling_type": "MEAN"}  # a null is the model's own
     assert ModelConfig().pooler_config is None
     assert ModelConfig(pooler_config="{}").pooler_config is None
+
+
+def test_dimensions_is_the_default_of_embed_requests(tiny_tokenizer, tmp_path):
+    """A Matryoshka decoder (``is_matryoshka``) served with ``dimensions`` 16: a request
+    without ``dimensions`` gets sentence-transformers' vector cut to 16 and normalized again;
+    one with its own ``dimensions`` keeps it."""
+    from tests.models.embedding_models import build_decoder
+
+    st = build_decoder(tiny_tokenizer, str(tmp_path / "st"), "lasttoken")
+    llm = LLM(model=str(tmp_path / "st"), dtype="float32", device="cpu", num_kv_blocks=64,
+              pooler_config={"dimensions": 16})
+    full = torch.from_numpy(st.encode(["the quick brown fox"])[0])
+    (out,) = llm.embed("the quick brown fox", use_tqdm=False)
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding),
+                               full[:16] / full[:16].norm(), atol=2e-5, rtol=1e-4)
+    (own,) = llm.embed("the quick brown fox", PoolingParams(dimensions=32), use_tqdm=False)
+    assert len(own.outputs.embedding) == 32
