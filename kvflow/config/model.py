@@ -8,8 +8,8 @@ from types import MappingProxyType
 from typing import Any
 
 from kvflow.config.options import check_choices, human_readable_int_or_auto, json_object, opt
+from kvflow.config.pooler_config import parse_pooler_config
 from kvflow.logits_process import load_logits_processors
-from kvflow.models.pooler_overrides import parse_pooler_config
 
 HF_OVERRIDES_FLAG = "--hf-overrides (hf_overrides)"
 
