@@ -293,3 +293,25 @@ def test_a_body_validated_again_keeps_its_unknown_fields():
     body = protocol.CompletionRequest.model_validate({"prompt": "x", "max_token": 1})
     assert protocol.CompletionRequest.model_validate(body).unknown_fields == ("max_token",)
     assert body.unknown_values == {"max_token": 1}
+
+
+def test_the_names_remembered_are_bounded(caplog):
+    """Under --ignore-unknown-fields each new name is remembered so it is logged once; the
+    names are the clients' own, so the memory is bounded: 5000 bodies of fresh names keep
+    at most ``MAX_REMEMBERED_NAMES`` (was: a set of every name ever sent, growing with each
+    body). A name still remembered is not logged again; one forgotten is, once more."""
+    from kvflow.entrypoints.unknown_fields import MAX_REMEMBERED_NAMES
+
+    fields = UnknownFields(ignore=True)
+    with caplog.at_level(logging.WARNING, logger="kvflow.entrypoints.unknown_fields"):
+        fields.check(_parsed("/v1/completions", {"kept": 1}), "/v1/completions")
+        for i in range(5000):
+            fields.check(_parsed("/v1/completions", {f"name{i}": 1, "kept": 1}),
+                         "/v1/completions")
+            assert len(fields.log._logged) <= MAX_REMEMBERED_NAMES
+        fields.check(_parsed("/v1/completions", {"kept": 1, "name4999": 1}), "/v1/completions")
+        fields.check(_parsed("/v1/completions", {"name0": 1}), "/v1/completions")
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 5002
+    assert sum("kept" in m for m in logged) == 1  # sent with every body: never forgotten
+    assert "name0" in logged[-1]  # forgotten long ago; name4999, sent again, was not logged

@@ -5,12 +5,13 @@ that would change the reply (``UNSUPPORTED``) get a 400 of their own saying what
 (code ``unsupported_parameter``; null and the ``HARMLESS`` values pass). With
 ``--ignore-unknown-fields`` the other unknown fields are ignored, as vLLM ignores them, and
 logged once per field name for the whole server, whichever endpoint they come to
-(``UnknownFieldLog``). A field kvflow declares is honoured or rejected with a 400 naming it
+(``UnknownFieldLog``, which remembers the last ``MAX_REMEMBERED_NAMES`` names: bounded). A field kvflow declares is honoured or rejected with a 400 naming it
 (see ``protocol``); ``UnknownFields`` is the one object every endpoint asks."""
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -127,11 +128,27 @@ def refuse_unknown(names: Iterable[str]) -> None:
                           "does)", param=unknown[0], code="unknown_parameter")
 
 
-class UnknownFieldLog:
-    """The unknown field names logged so far; one per server, shared by every endpoint."""
+# Unknown field names remembered (as logged already) per server: the names are the clients'
+# own, so a set of every name ever sent would grow with each new one (a client sending fresh
+# names in every body grows the server's memory without end). Past this many the longest
+# unseen is forgotten, and logged again if it comes back.
+MAX_REMEMBERED_NAMES = 1024
 
-    def __init__(self) -> None:
-        self._logged: set[str] = set()
+
+class UnknownFieldLog:
+    """The unknown field names logged so far; one per server, shared by every endpoint.
+    At most ``capacity`` names are remembered (least recently sent forgotten first): a name
+    forgotten is logged again when it is sent again.
+
+    Raises:
+        ValueError: from the constructor for a ``capacity`` below 1.
+    """
+
+    def __init__(self, capacity: int = MAX_REMEMBERED_NAMES) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._logged: OrderedDict[str, None] = OrderedDict()
 
     def note(self, req: RequestBody, endpoint: str) -> list[str]:
         """Log the names among ``req.unknown_fields`` that no request has sent before (with
@@ -140,11 +157,16 @@ class UnknownFieldLog:
 
     def note_names(self, names: Iterable[str], endpoint: str,
                    what: str = "request fields kvflow does not know") -> list[str]:
-        """Log the ``names`` (``what`` says what they are) that no request has sent before;
-        returns those names, sorted."""
-        new = sorted(set(names) - self._logged)
+        """Log the ``names`` (``what`` says what they are) that no request has sent before
+        (or not among the last ``capacity`` names remembered); returns those names, sorted."""
+        names = set(names)
+        new = sorted(names - self._logged.keys())
+        for name in names:
+            self._logged[name] = None
+            self._logged.move_to_end(name)
+        while len(self._logged) > self.capacity:
+            self._logged.popitem(last=False)
         if new:
-            self._logged.update(new)
             logger.warning("ignoring %s: %s (first sent to %s; each name is logged once)",
                            what, ", ".join(new), endpoint)
         return new
