@@ -363,3 +363,44 @@ def test_server_mix_leaves_nothing(tiny_chat_model):
         server.should_exit = True
         thread.join(60)
         engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_request_aborted_while_its_grammar_compiles_is_forgotten_at_once(tiny_llama,
+                                                                           monkeypatch):
+    """n=2 samples whose grammar compile blocks, aborted before it ends, on an engine that
+    then idles: nothing holds them but the finished-ids notice of the next step, the
+    structured-output manager included (was: its
+    compile and first-step check maps kept them until the compile ended and another step
+    ran). The compile still ends and is cached: a later request of the grammar reuses it."""
+    import threading
+
+    from kvflow.structured.xgrammar_backend import XgrammarBackend
+
+    release, compile_ = threading.Event(), XgrammarBackend.compile
+    slow = 'root ::= "slow" [a-z]*'
+
+    def compile_blocking(self, params):
+        if params.grammar == slow:
+            release.wait(20)
+        return compile_(self, params)
+
+    monkeypatch.setattr(XgrammarBackend, "compile", compile_blocking)
+    llm = LLM(model=tiny_llama.path, dtype="float32", num_kv_blocks=32, block_size=4)
+    ids = _named_ids(llm)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=4, n=2, structured_outputs=StructuredOutputsParams(
+        grammar=slow))
+    try:
+        rid = engine.add_request({"prompt_token_ids": PROMPT}, params)
+        engine.step()  # nothing to run: the samples wait for their grammar
+        engine.abort_request(rid)
+        assert not engine.has_unfinished_requests()
+        # only the notice for the runner that the next step sends (see the module's doc)
+        assert [path for path, _ in holders(llm, ids)] == ["root.engine.core.scheduler._finished_ids"]
+    finally:
+        release.set()
+    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
+    assert all(c.text.startswith("slow") or "slow".startswith(c.text) for c in out.outputs)
+    _flush(llm)
+    _assert_forgotten(llm, ids)

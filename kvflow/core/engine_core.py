@@ -204,6 +204,7 @@ class EngineCore(EngineCoreStartup):
         self.scheduler.finish_requests(
             request_ids, RequestStatus.FINISHED_STOPPED if stopped
             else RequestStatus.FINISHED_ABORTED)
+        self.structured_output.forget(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         """Whether a request is unfinished or outputs wait for the next ``step``."""

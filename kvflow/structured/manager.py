@@ -210,6 +210,15 @@ class StructuredOutputManager:
         self._first_checks[request_id] = (params.kind, state, allowed_token_ids or None)
         return state
 
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop what ``request_state`` keeps of requests that ended before ``take_failed``
+        named them (aborted while their grammar compiled; unknown ids are ignored). The
+        compile itself runs on, its result cached for a later request of the grammar. Was:
+        kept until the compile ended and a later step ran, so an idle engine held them."""
+        for rid in request_ids:
+            self._compiling.pop(rid, None)
+            self._first_checks.pop(rid, None)
+
     def busy_message(self, params: StructuredOutputsParams) -> str | None:
         """Why ``params`` cannot be compiled now, or None when it can (or needs no compile:
         its grammar is cached, compiled or compiling): the compile pool is saturated
