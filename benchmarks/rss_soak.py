@@ -9,7 +9,8 @@ generator closed) and one refused up front as too long. After ``--warmup`` reque
 (``/proc/PID/status`` VmRSS, after ``gc.collect()``) is sampled every ``--every`` requests: of
 this process and, with ``--api async``, of its engine-core process too. The report is the
 least-squares slope of RSS over requests, in MiB per 1000 requests, and the first and last
-sample, as one JSON line.
+sample, as one JSON line (``samples``: every sample, [requests after the warm-up, this
+process's MiB, the core's MiB or null]).
 
 Usage (docs/benchmarks.md):
     .venv/bin/python benchmarks/rss_soak.py                       # offline LLMEngine, 2000
@@ -179,6 +180,8 @@ def report(args: argparse.Namespace, samples: list, seconds: float) -> None:
     if samples[0][2] is not None:
         out["core_rss_mib_first_last"] = [round(samples[0][2], 1), round(samples[-1][2], 1)]
         out["core_mib_per_1000"] = round(slope_per_1000(xs, [s[2] for s in samples]), 2)
+    out["samples"] = [[n, round(front, 1), None if core is None else round(core, 1)]
+                      for n, front, core in samples]  # requests after warm-up, MiB, MiB
     print(json.dumps(out))
 
 
