@@ -78,6 +78,8 @@ CONFIGS = {
     "slo": {"target_ttft_ms": 50, "target_tpot_ms": 20},
     "ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
                                      "prompt_lookup_min": 1, "prompt_lookup_max": 3}},
+    "draft_model": {"speculative_config": "draft_model"},  # the tiny Llama drafting itself
+    "eagle": {"speculative_config": "eagle"},  # a random EAGLE-1 head
     "logits_processor": {"logits_processors": [BanToken]},
     "async": {"async_scheduling": True, "max_num_batched_tokens": 8},
 }
@@ -85,12 +87,21 @@ CONFIGS = {
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_aborts_at_every_step_leave_nothing(tiny_llama, name):
+def test_aborts_at_every_step_leave_nothing(tiny_llama, tmp_path, name):
     """Four requests (greedy, n=3 sampled with logprobs, a regex, prompt logprobs) from two
     clients, aborted after 0, 1, ... 7 steps (one left to finish every other round), with
-    preemption (by recompute or swap), the fair policy, TTFT/TPOT targets, n-gram drafts,
-    a custom logits processor or async scheduling."""
+    preemption (by recompute or swap), the fair policy, TTFT/TPOT targets,
+    n-gram, draft-model or EAGLE drafts, a custom logits processor or async scheduling."""
     kw = {"num_kv_blocks": 64, "max_model_len": 64, **CONFIGS[name]}
+    if kw.get("speculative_config") == "draft_model":
+        kw["speculative_config"] = {"method": "draft_model", "model": tiny_llama.path,
+                                    "num_speculative_tokens": 2, "quantization": "none"}
+    elif kw.get("speculative_config") == "eagle":
+        from tests.spec_decode.test_eagle_engine import _save_head
+
+        _save_head(str(tmp_path), tiny_llama.path, seed=7)
+        kw["speculative_config"] = {"method": "eagle", "model": str(tmp_path),
+                                    "num_speculative_tokens": 2}
     llm = LLM(model=tiny_llama.path, dtype="float32", block_size=4,
               enable_prefix_caching=True, disable_log_stats=False, **kw)
     ids = _named_ids(llm)
