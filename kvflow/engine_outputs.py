@@ -34,6 +34,13 @@ class EngineCoreOutput:
         retry_after_s: with ``error``, when the server was too busy rather than the request
             bad (grammar compiles saturated): seconds after which a retry may succeed; the
             API answers 429 with ``Retry-After``. None otherwise.
+        error_field: with ``error``, the part of the request at fault, as
+            ``kvflow.core.request_errors.RequestError.field`` names it (``"lora_request"``,
+            ``"structured_outputs"``, ...; the server names the matching request field);
+            None when unknown.
+        internal_error: with ``error``, the core failed on the request through no fault
+            of it (an unexpected exception while queueing it): the server answers 500,
+            ``AsyncLLM`` raises ``RequestFailed``; the engine serves on. False otherwise.
     """
 
     request_id: str
@@ -48,6 +55,8 @@ class EngineCoreOutput:
     pooling_output: list[float] | None = None
     error: str | None = None
     retry_after_s: float | None = None
+    error_field: str | None = None
+    internal_error: bool = False
 
 
 class FinishedRequestStats(msgspec.Struct, array_like=True):

@@ -22,8 +22,16 @@ from kvflow.core.engine_steps import (
     step_with_batch_queue,
 )
 from kvflow.core.kv_events import KVEventBatch
+from kvflow.core.request_errors import (
+    LORA_REQUEST,
+    MULTI_MODAL_DATA,
+    PROMPT_EMBEDS,
+    STRUCTURED_OUTPUTS,
+    RequestError,
+)
 from kvflow.core.sleep_mode import EngineSleep
 from kvflow.engine_outputs import EngineCoreOutput
+from kvflow.executor.base import ExecutorError
 from kvflow.lora.request import LoRARequest, already_loaded
 from kvflow.models.model_resolver import ModelSource, resolve_model
 from kvflow.models.pooling_config import task_mismatch
@@ -159,12 +167,17 @@ class EngineCore(EngineCoreStartup):
         loaded first if it is not yet.
 
         Raises:
-            ValueError: for a duplicate id, a prompt at max_model_len, structured outputs
-                on an engine without a tokenizer, images for a text-only model, a LoRA
-                adapter that cannot be loaded, an engine asleep (or whose weights a
-                level-2 sleep dropped), a generation request to an embedding
-                engine (and the reverse), or prompt embeddings to an engine without
-                ``enable_prompt_embeds`` (the front end refuses them first).
+            ValueError: for a duplicate id, a prompt at max_model_len, an engine asleep
+                (or whose weights a level-2 sleep dropped), a generation request to an
+                embedding engine (and the reverse); a ``RequestError`` (a ValueError
+                naming the part of the request at fault in its ``field``) for structured
+                outputs on an engine without a tokenizer, images for a text-only model,
+                a LoRA adapter that cannot be loaded (a corrupt or truncated
+                ``adapter_model.safetensors``, a rank above ``max_lora_rank``, ...), or
+                prompt embeddings to an engine without ``enable_prompt_embeds`` (the
+                front end refuses them first).
+            ExecutorError: if a worker failed while loading the request's LoRA adapter
+                (the engine's failure, not the request's).
         """
         refusal = self.sleep_mode.refusal()
         if refusal is not None:
@@ -176,21 +189,38 @@ class EngineCore(EngineCoreStartup):
                                            self.pooler_config.num_labels or 0))
         if request.prompt_embeds is not None and \
                 not self.config.model_config.enable_prompt_embeds:
-            raise ValueError(f"request {request.request_id!r} has prompt_embeds but the engine "
-                             "was started without enable_prompt_embeds")
+            raise RequestError(f"request {request.request_id!r} has prompt_embeds but the "
+                               "engine was started without enable_prompt_embeds", PROMPT_EMBEDS)
         if request.mm_features is not None and self.scheduler.encoder is None:
-            raise ValueError(f"request {request.request_id!r} has images but this model "
-                             "takes text only")
+            raise RequestError(f"request {request.request_id!r} has images but this model "
+                               "takes text only", MULTI_MODAL_DATA)
         if request.lora_request is not None:
-            self.add_lora(request.lora_request)
+            self._add_request_lora(request)
         structured = request.sampling_params.structured_outputs
         if structured is not None:
             if self.config.model_config.skip_tokenizer_init:
-                raise ValueError("structured outputs need a tokenizer (skip_tokenizer_init is "
-                                 "set)")
+                raise RequestError("structured outputs need a tokenizer (skip_tokenizer_init "
+                                   "is set)", STRUCTURED_OUTPUTS)
             request.structured_output = self.structured_output.request_state(
                 structured, request.request_id, request.sampling_params.allowed_token_ids)
         self.scheduler.add_request(request)
+
+    def _add_request_lora(self, request: Request) -> None:
+        """Load the adapter ``request`` runs with unless it is loaded.
+
+        Raises:
+            RequestError: (field ``lora_request``) naming the adapter (its name, or its
+                file) and why it cannot be loaded.
+        """
+        lora = request.lora_request
+        try:
+            self.add_lora(lora)
+        except ExecutorError:  # WorkerConfigError is a ValueError too: not the request's
+            raise
+        except ValueError as e:
+            named = repr(lora.lora_name) in str(e) or lora.lora_path in str(e)
+            raise RequestError(str(e) if named else f"LoRA adapter {lora.lora_name!r}: {e}",
+                               LORA_REQUEST) from None
 
     def admission_verdict(self, requests: list[Request]) -> float | None:
         """Admission control for the samples of one prompt: None to accept them, else the
@@ -249,7 +279,7 @@ class EngineCore(EngineCoreStartup):
             logger.warning("request %s: %s", request_id, message)
             self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
             outputs.append(EngineCoreOutput(request_id, [], finish_reason="abort",
-                                            error=message))
+                                            error=message, error_field=STRUCTURED_OUTPUTS))
         return outputs
 
     def _time_last_step(self, now: float) -> None:

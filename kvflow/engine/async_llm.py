@@ -50,6 +50,7 @@ from kvflow.engine.streams import (
     EngineDeadError,
     EngineShutdownError,
     EngineSleepingError,
+    RequestFailed,
     RequestRefused,
     RequestStream,
     collect,
@@ -69,7 +70,8 @@ from kvflow.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 __all__ = ["AdmissionRejected", "AsyncLLM", "EngineDeadError", "EngineShutdownError",
-           "EngineSleepingError", "RequestRefused", "RequestStream", "collect"]
+           "EngineSleepingError", "RequestFailed", "RequestRefused", "RequestStream",
+           "collect"]
 
 
 class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):

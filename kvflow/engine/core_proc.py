@@ -35,6 +35,7 @@ import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
+from kvflow.core.request_errors import STRUCTURED_OUTPUTS
 from kvflow.engine.forkserver_start import ParentState
 from kvflow.engine.messages import (
     AbortRequests,
@@ -56,6 +57,7 @@ from kvflow.engine.messages import (
     input_decoder,
 )
 from kvflow.engine_outputs import EngineCoreOutput, EngineStats
+from kvflow.executor.base import ExecutorError
 from kvflow.gc_heap import freeze_startup_heap
 from kvflow.models.loader import resolve_eos_token_id
 from kvflow.request import Request, RequestStatus
@@ -314,11 +316,38 @@ class EngineCoreProc:
             if busy is not None:
                 self._errors.append(busy)
                 continue
-            try:
-                self.core.add_request(request)
-            except ValueError as e:  # the API process validates first; this is a safety net
-                logger.error("refused request %s: %s", request.request_id, e)
-                self._errors.append(EngineCoreOutput(request.request_id, [], None, "abort"))
+            error = self._add(request)
+            if error is not None:
+                self._errors.append(error)
+
+    def _add(self, request: Request) -> EngineCoreOutput | None:
+        """Queue ``request``; None once queued, else the output that ends it with why (the
+        caller's error: a 400 over HTTP, or a 500 for an unexpected exception), leaving
+        nothing of it in the scheduler. A worker's failure (``ExecutorError``) is the
+        engine's, not the request's: raised, it ends the loop (``EngineFailed``)."""
+        rid = request.request_id
+        try:
+            self.core.add_request(request)
+        except ExecutorError:
+            raise
+        except ValueError as e:  # the API process validates what it can; the rest is here
+            logger.warning("refused request %s: %s", rid, e)
+            return EngineCoreOutput(rid, [], None, "abort", error=str(e),
+                                    error_field=getattr(e, "field", None))
+        except Exception as e:  # noqa: BLE001 - one request's failure, not the engine's
+            logger.error("request %s failed in the engine core: %s", rid,
+                         traceback.format_exc())
+            self._forget(request)
+            return EngineCoreOutput(rid, [], None, "abort", internal_error=True,
+                                    error=f"the engine failed on request {rid!r}: "
+                                          f"{type(e).__name__}: {e}")
+        return None
+
+    def _forget(self, request: Request) -> None:
+        """Finish ``request`` (freeing its KV blocks) if the scheduler holds it: an
+        exception raised after it was queued. Another request of the same id is left alone."""
+        if self.core.scheduler.requests.get(request.request_id) is request:
+            self.core.abort_requests([request.request_id])
 
     def _compiles_busy(self, request) -> EngineCoreOutput | None:
         """The refusal of a constrained request whose grammar needs a compile while
@@ -331,7 +360,8 @@ class EngineCoreProc:
             return None
         logger.warning("refused request %s: %s", request.request_id, message)
         return EngineCoreOutput(request.request_id, [], None, "abort", error=message,
-                                retry_after_s=_BUSY_RETRY_AFTER_S)
+                                retry_after_s=_BUSY_RETRY_AFTER_S,
+                                error_field=STRUCTURED_OUTPUTS)
 
     def _admit(self, requests: list) -> bool:
         """Admission control for one user request's samples: record the verdict; False when

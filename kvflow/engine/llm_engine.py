@@ -15,7 +15,7 @@ from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
 from kvflow.engine.dp_client import DPCoreClient
 from kvflow.engine.start_method import core_start_method
-from kvflow.engine.streams import RequestRefused
+from kvflow.engine.streams import request_error
 from kvflow.input_processor import InputProcessor
 from kvflow.logits_process import load_logits_processors
 from kvflow.lora.request import LoRARequest
@@ -206,7 +206,7 @@ class LLMEngine:
                 may step on).
         """
         core_outputs = self.core.step()
-        refused = [(parent, eco.error) for eco in core_outputs if eco.error is not None
+        refused = [(parent, eco) for eco in core_outputs if eco.error is not None
                    and (parent := self.output_processor.parent_of(eco.request_id))]
         for parent, _ in refused:  # process() then skips the refused samples' outputs
             self.abort_request(parent)
@@ -214,8 +214,10 @@ class LLMEngine:
         if stopped:
             self.core.abort_requests(stopped, stopped=True)
         if refused:
-            parent, message = refused[0]
-            error = RequestRefused(message, parent)
+            parent, eco = refused[0]
+            refused = [(p, e.error) for p, e in refused]
+            error = request_error(eco.error, parent, field=eco.error_field,
+                                  internal=eco.internal_error)
             error.outputs = outputs  # what the step gave the other requests
             error.refused = dict(refused)  # every request refused in the step: why
             raise error

@@ -14,7 +14,7 @@ import time
 from kvflow.engine.dp_balancer import DPLoadBalancer
 from kvflow.engine.messages import AdmissionVerdicts, EngineOutputs
 from kvflow.engine.stream_interval import StreamInterval
-from kvflow.engine.streams import AdmissionRejected, RequestRefused, RequestStream
+from kvflow.engine.streams import AdmissionRejected, RequestStream, request_error
 from kvflow.metrics import ServerMetrics
 from kvflow.output_processor import OutputProcessor
 from kvflow.outputs import RequestOutput
@@ -101,11 +101,12 @@ class OpenRequests:
         """Detokenize a core's outputs and put them on their streams; returns, to stop on
         that core (freeing their KV blocks), the sample ids that stop strings finished and
         those of the requests the core refused (an output with ``error``: its stream ends
-        with ``RequestRefused``)."""
+        with ``RequestRefused``, or ``RequestFailed`` for the core's own failure)."""
         refused = [eco for eco in msg.outputs if eco.error is not None]
         others = []
         for eco in refused:
-            others += self._refuse(eco.request_id, eco.error, eco.retry_after_s)
+            others += self._refuse(eco.request_id, request_error(
+                eco.error, None, eco.retry_after_s, eco.error_field, eco.internal_error))
         outputs, stopped = self.output_processor.process(msg.outputs)
         now = time.monotonic()
         for out in outputs:
@@ -131,12 +132,11 @@ class OpenRequests:
                 stream.put(out)
         return stopped, others
 
-    def _refuse(self, sample_id: str, message: str,
-                retry_after_s: float | None = None) -> list[str]:
-        """End the user request of ``sample_id`` with ``RequestRefused(message)`` (busy:
-        ``retry_after_s`` set); returns
-        its sample ids (to abort on the core: the others may still be waiting there). The
-        client gets an error (400, or 429 when busy), so the metrics forget the request, as
+    def _refuse(self, sample_id: str, error: BaseException) -> list[str]:
+        """End the user request of ``sample_id`` with ``error`` (``RequestRefused``, or
+        ``RequestFailed``: ``streams.request_error``); returns its sample ids (to abort on
+        the core: the others may still be waiting there). The client gets an error (400,
+        429 when busy, 500 for the core's failure), so the metrics forget the request, as
         they do one admission control refuses: it is not a finished (aborted) request."""
         parent = self.output_processor.parent_of(sample_id)
         if parent is None:
@@ -145,7 +145,7 @@ class OpenRequests:
         self.tracker.forget(parent)
         sample_ids, _ = self.abort(parent)
         if stream is not None:
-            error = RequestRefused(message, retry_after_s=retry_after_s)
+            error.request_id = parent
             stream.settle(error)
             stream.put(error)
         return [sid for sid in sample_ids if sid != sample_id]

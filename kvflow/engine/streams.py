@@ -42,22 +42,51 @@ class AdmissionRejected(RuntimeError):
 
 class RequestRefused(ValueError):
     """The engine core could not run the request, for a reason in the request itself (its
-    structured-output grammar did not compile within the time limit, or failed to); the
-    server answers 400 with the message, the offline ``LLM`` raises it. No sample of it is
-    left running.
+    structured-output grammar did not compile within the time limit, or failed to; its
+    LoRA adapter could not be loaded; ...); the server answers 400 with the message, the
+    offline ``LLM`` raises it. No sample of it is left running.
 
     Args:
         message: why (the core's ``EngineCoreOutput.error``).
         request_id: the refused request's id, where the raiser knows it.
         retry_after_s: set when the server was busy rather than the request bad (the
             core's ``EngineCoreOutput.retry_after_s``): the server answers 429 then.
+        field: the part of the request at fault (the core's
+            ``EngineCoreOutput.error_field``: ``"lora_request"``, ``"structured_outputs"``,
+            ...; see ``kvflow.core.request_errors``), None when unknown.
     """
 
     def __init__(self, message: str, request_id: str | None = None,
-                 retry_after_s: float | None = None) -> None:
+                 retry_after_s: float | None = None, field: str | None = None) -> None:
         super().__init__(message)
         self.request_id = request_id
         self.retry_after_s = retry_after_s
+        self.field = field
+
+
+class RequestFailed(RuntimeError):
+    """The engine core failed on the request through no fault of the request (an unexpected
+    exception while it queued it: the core's ``EngineCoreOutput.internal_error``); the
+    engine serves on, the server answers 500. No sample of it is left running.
+
+    Args:
+        message: what failed (the core's ``EngineCoreOutput.error``).
+        request_id: the failed request's id, where the raiser knows it.
+    """
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+def request_error(message: str, request_id: str | None = None,
+                  retry_after_s: float | None = None, field: str | None = None,
+                  internal: bool = False) -> RequestRefused | RequestFailed:
+    """The exception that ends a request the core answered with an error: ``RequestFailed``
+    when ``internal`` (the core's fault), else ``RequestRefused``."""
+    if internal:
+        return RequestFailed(message, request_id)
+    return RequestRefused(message, request_id, retry_after_s, field)
 
 
 class RequestStream:
@@ -70,6 +99,7 @@ class RequestStream:
     Raises:
         EngineDeadError: from iteration if the engine dies meanwhile.
         RequestRefused: from iteration if the engine core could not run the request.
+        RequestFailed: from iteration if the engine core failed on the request.
     """
 
     def __init__(self, request_id: str, admission: bool = False) -> None:

@@ -13,10 +13,12 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from kvflow.core.request_errors import LORA_REQUEST, MULTI_MODAL_DATA, PROMPT_EMBEDS
 from kvflow.engine.async_llm import (
     AdmissionRejected,
     AsyncLLM,
     EngineDeadError,
+    RequestFailed,
     RequestRefused,
     RequestStream,
 )
@@ -57,12 +59,25 @@ async def admit_all(engine: AsyncLLM, add: Callable[[int], RequestStream], count
     return streams
 
 
-def refused(error: RequestRefused, param: str | None) -> OpenAIError:
-    """The 400 for a request the engine core refused, naming ``param`` (the request field
-    it is about, e.g. the one that held a grammar that did not compile in time) unless the
-    message names a field itself; a 429 (type ``rate_limit_exceeded``, code
-    ``grammar_compiles_busy``, with ``Retry-After``) when the core was busy rather than the
-    request bad (``error.retry_after_s`` set: grammar compiles saturated)."""
+# The request field (OpenAI's name) holding each part of a request the core may refuse
+# (``RequestRefused.field``); a refused grammar is named by the handler (``refused_param``).
+_FIELD_PARAMS = {LORA_REQUEST: "model", MULTI_MODAL_DATA: "messages",
+                 PROMPT_EMBEDS: "prompt_embeds"}
+
+
+def refused(error: RequestRefused | RequestFailed, param: str | None) -> OpenAIError:
+    """The 400 for a request the engine core refused, naming the request field at fault:
+    the one that holds the part the core names (``error.field``: ``model`` for a LoRA
+    adapter that could not be loaded, ``messages`` for images, ...), else ``param`` (the
+    field that held a grammar that did not compile in time), unless the message names a
+    field itself; a 429 (type ``rate_limit_exceeded``, code ``grammar_compiles_busy``, with
+    ``Retry-After``) when the core was busy rather than the request bad
+    (``error.retry_after_s`` set: grammar compiles saturated); a 500 (type
+    ``InternalServerError``, code ``internal_error``, as vLLM answers a request that failed
+    in its engine) for a ``RequestFailed``: the core's fault, not the request's."""
+    if isinstance(error, RequestFailed):
+        return OpenAIError(str(error), 500, "InternalServerError", code="internal_error")
+    param = _FIELD_PARAMS.get(error.field, param)
     if error.retry_after_s is not None:
         return OpenAIError(str(error), 429, "rate_limit_exceeded", param=param,
                            code="grammar_compiles_busy",
@@ -82,13 +97,14 @@ async def respond(raw: Request, streams: Sequence[RequestStream],
     Raises:
         OpenAIError: 503 if the engine dies meanwhile; 400 if the engine core refused a
             request (``RequestRefused``: e.g. its grammar did not compile in time), its
-            ``param`` ``refused_param``; 429 if it refused it as busy (``refused``).
+            ``param`` ``refused_param`` unless the core named the field; 429 if it refused
+            it as busy; 500 if the core failed on it (``RequestFailed``): ``refused``.
     """
     try:
         result = await run_unless_disconnected(raw, work, lambda: abort(streams))
     except EngineDeadError as e:
         raise engine_dead(e) from None
-    except RequestRefused as e:
+    except (RequestRefused, RequestFailed) as e:
         raise refused(e, refused_param) from None
     finally:
         abort(streams)
@@ -102,13 +118,13 @@ async def respond(raw: Request, streams: Sequence[RequestStream],
 async def stream(streams: Sequence[RequestStream], chunks: AsyncIterator[BaseModel],
                  abort: Abort, refused_param: str | None = None) -> AsyncIterator[str]:
     """SSE body: each chunk as ``data: {json}``, then ``data: [DONE]``; an engine failure
-    or a refused request (``RequestRefused``) becomes an error event (the 503's / 400's
-    body, the latter's ``param`` ``refused_param``). Always aborts the requests when it ends
-    (client gone too)."""
+    or a refused request (``RequestRefused``, ``RequestFailed``) becomes an error event (the
+    503's / 400's / 500's body, a 400's ``param`` as ``refused`` names it), then ``[DONE]``, as
+    vLLM 0.32 streams an error. Always aborts the requests when it ends (client gone too)."""
     try:
         async for chunk in chunks:
             yield sse(chunk.model_dump_json())
-    except (EngineDeadError, RequestRefused) as e:
+    except (EngineDeadError, RequestRefused, RequestFailed) as e:
         error = engine_dead(e) if isinstance(e, EngineDeadError) else refused(e, refused_param)
         yield sse(ErrorResponse.model_validate(error.body()).model_dump_json())
     finally:

@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from kvflow.engine.async_llm import EngineDeadError, RequestRefused
+from kvflow.engine.async_llm import EngineDeadError, RequestFailed, RequestRefused
 from kvflow.entrypoints.chat_logprobs import chat_logprobs
 from kvflow.entrypoints.engine_requests import refused
 from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead
@@ -274,7 +274,7 @@ class OpenAIServingResponses:
         try:
             async for event in self._run(req, run, skeleton, conv, events, []):
                 yield event
-        except (EngineDeadError, RequestRefused) as e:
+        except (EngineDeadError, RequestRefused, RequestFailed) as e:
             error = engine_dead(e) if isinstance(e, EngineDeadError) else \
                 refused(e, renamed(run.grammar_param, conv))
             yield events.event("error", code=error.code, message=str(error), param=error.param)
