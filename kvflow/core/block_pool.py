@@ -229,6 +229,13 @@ class BlockPool:
         self.kv_events = []
         return events
 
+    def record_all_blocks_cleared(self) -> None:
+        """Put ``AllBlocksCleared`` before every event not yet taken (events on; else a
+        no-op): the blocks a previous publisher announced are gone (a restarted engine
+        core's first batch), this pool's own events follow."""
+        if self.kv_events is not None:
+            self.kv_events.insert(0, AllBlocksCleared())
+
     def uncache(self, blocks: list[KVCacheBlock]) -> None:
         """Forget the cached prefix of each of ``blocks`` (free or held; other copies of the
         same hash stay; ``BlockRemoved`` once a published hash has no copy left)."""

@@ -75,6 +75,19 @@ class EngineCore(EngineCoreStartup):
                 ts=time.time(), events=events,
                 data_parallel_rank=self.config.parallel_config.data_parallel_rank))
 
+    def mark_restarted(self) -> None:
+        """This core replaces one that died (``--engine-failure restart``): with KV cache
+        events on, its first batch begins with ``AllBlocksCleared``, so that a KV-aware
+        router drops the blocks the dead core published (they died with it). The new
+        publisher numbers its batches from 0 again: the dead core's last sequence number
+        is not known (its batches go from its own process straight to the subscribers);
+        the ``AllBlocksCleared`` marks the restart, and the dead core's replay buffer is
+        gone. The event leads the batch of the core's first step, not a batch of its own at
+        start-up: a subscriber reconnects to the new publisher's socket only some time
+        after it binds, and PUB drops what is sent before then."""
+        if self.kv_event_publisher is not None:
+            self.kv_cache_manager.record_all_blocks_cleared()
+
     # ---- LoRA adapters -----------------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load a LoRA adapter on every rank (read and checked against the model) unless it

@@ -348,6 +348,11 @@ class KVCacheManager:
                              "keeps no KV cache or pools more than its last token)")
         self.pool.enable_kv_events(medium)
 
+    def record_all_blocks_cleared(self) -> None:
+        """Lead the next events with ``AllBlocksCleared`` (``BlockPool.
+        record_all_blocks_cleared``; nothing with events off)."""
+        self.pool.record_all_blocks_cleared()
+
     def take_kv_events(self) -> list[KVCacheEvent]:
         """The KV cache events recorded since the last call, oldest first (none when off)."""
         return self.pool.take_kv_events()

@@ -136,7 +136,8 @@ class CoreProcess:
         self.method = method
         self.proc = ctx.Process(target=engine_core_process, name=name, daemon=True,
                                 args=(self.config, self.input_addr, self.output_addr,
-                                      log_level, core_process_env(self.config), go, parent))
+                                      log_level, core_process_env(self.config), go, parent,
+                                      self.generation))
         self.proc.start()
         self.state = ReplicaState.STARTING
         self.death = None

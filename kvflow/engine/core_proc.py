@@ -73,7 +73,8 @@ _WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)  # a request in the 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
                     log_level: int = logging.WARNING, env: dict[str, str] | None = None,
-                    go: str | None = None, parent: ParentState | None = None) -> None:
+                    go: str | None = None, parent: ParentState | None = None,
+                    generation: int = 0) -> None:
     """Process entry point: build the EngineCore, report ready (or failed), serve until told
     to shut down or until the parent process dies.
 
@@ -92,6 +93,9 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         parent: for a core forked from the forkserver, the API process's environment and
             standard output and error, applied before anything else
             (``kvflow/engine/forkserver_start.py``); None otherwise.
+        generation: how many cores this replica had before (``CoreProcess.generation``):
+            a restarted core (above 0) tells KV cache event subscribers that the dead
+            core's blocks are gone (``EngineCore.mark_restarted``).
     """
     tag = _set_up_process(config, log_level, env, parent)
     ctx = zmq.Context()
@@ -110,6 +114,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
             logger.debug("engine core: %s", e)  # the API process prints it
             out.send(encoder.encode(EngineFailed(str(e), index, bad_input=True)))
             return
+        if generation > 0:
+            core.mark_restarted()
         freeze_startup_heap(f"engine {tag}")  # kvflow/gc_heap.py: no 0.2 s pauses in steps
         out.send(encoder.encode(_ready(core, index)))
         EngineCoreProc(core, inp, out, index).run()
