@@ -407,6 +407,7 @@ def test_replicas_in_long_steps_share_one_grace(tmp_path):
 
     replicas = ReplicaSet.__new__(ReplicaSet)
     replicas.ctx, replicas.hurry, replicas.ipc_dir = zmq.Context(), False, str(tmp_path)
+    replicas._started_ray = False
     replicas.encoder = msgspec.msgpack.Encoder()
     replicas.output = replicas.ctx.socket(zmq.PULL)
     pulls, fakes, replicas.cores = [], [], []
