@@ -50,3 +50,33 @@ def make_batch(
         "max_seq_len": max(seq_lens),
         "scale": head_dim**-0.5,
     }
+
+
+def attention_f64(batch: dict, sliding_window: int | None = None,
+                  softcap: float = 0.0) -> torch.Tensor:
+    """float64 oracle of paged attention over ``batch`` (:func:`make_batch`'s keys): per
+    query token, softmax(q . K^T * scale) V over its causal (and sliding-window: keys in
+    (pos - window, pos]) context, soft-capped (``softcap * tanh(s / softcap)``) when
+    ``softcap`` > 0, every operand widened exactly to float64.
+
+    Returns:
+        float64 [num_tokens, num_heads, head_dim]; rows past ``query_start_loc[-1]`` zero.
+    """
+    q, cache = batch["q"].double(), batch["kv_cache"].double()
+    block_size, group = cache.shape[2], q.shape[1] // cache.shape[3]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    starts = batch["query_start_loc"].tolist()
+    for r, seq_len in enumerate(batch["seq_lens"].tolist()):
+        pos = torch.arange(seq_len)
+        blocks = batch["block_table"][r, pos // block_size].long()
+        k = cache[0, blocks, pos % block_size].repeat_interleave(group, 1)  # [S, H, D]
+        v = cache[1, blocks, pos % block_size].repeat_interleave(group, 1)
+        q_len = starts[r + 1] - starts[r]
+        for j in range(q_len):
+            p = seq_len - q_len + j
+            lo = max(0, p - sliding_window + 1) if sliding_window else 0
+            s = torch.einsum("hd,thd->ht", q[starts[r] + j], k[lo:p + 1]) * batch["scale"]
+            if softcap > 0:
+                s = softcap * torch.tanh(s / softcap)
+            out[starts[r] + j] = torch.einsum("ht,thd->hd", torch.softmax(s, -1), v[lo:p + 1])
+    return out

@@ -22,7 +22,7 @@ import torch
 
 from kvflow.kernels.attention_ref import paged_attention_ref
 from kvflow.kernels.cpu_native import native_cpu_kernels
-from tests.kernels.paged_batch import make_batch
+from tests.kernels.paged_batch import attention_f64, make_batch
 
 KERNELS = native_cpu_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="native CPU kernels could not be built")
@@ -124,6 +124,27 @@ def test_bf16_dot_path_runs_where_the_build_has_it():
     args = (fp32["q"], fp32["kv_cache"], *args[2:])
     assert torch.equal(KERNELS.paged_attention(*args, bf16_dot=True),
                        KERNELS.paged_attention(*args, bf16_dot=False))
+
+
+def test_bf16_dot_padding_keys_stay_hidden_under_a_window(kernels):
+    """The bf16 dot-product tiles score keys 8 at a time, padding a super-block whose key count
+    is not a multiple of 8 (here one 100-key block) with copies of its last key. Those copies
+    were masked by their own positions, past the block: a query whose sliding window hides the
+    block's last key (position 99 from the query at 109, window 10) still saw them, and that
+    key's score (~40 |q|^2 / 8, hundreds above the query's visible scores) became its running
+    max, so every weight underflowed and the output was 0 instead of its window's mean. Now
+    padding keys are hidden from every row. At every ISA level (the dot tiles run in the
+    avx512_bf16 build; other builds take the widening tiles), against the float64 oracle
+    within :func:`bf16_dot_bound`."""
+    batch = make_batch([(100, 16)], 2, 1, 64, block_size=100, dtype=torch.bfloat16, seed=11)
+    phys = int(batch["block_table"][0, 0])  # the block of positions 0-99
+    batch["kv_cache"][0, phys, 99, 0] = 40 * batch["q"][9, 0]  # the query at position 109
+    ref = attention_f64(batch, sliding_window=10)
+    out = kernels.paged_attention(batch["q"], batch["kv_cache"], batch["query_start_loc"],
+                                  batch["seq_lens"], batch["block_table"], batch["scale"], 10,
+                                  tiled=True, bf16_dot=True)
+    err = (out.double() - ref).abs()
+    assert bool((err <= bf16_dot_bound(batch, ref)).all()), float(err.max())
 
 
 def test_padding_rows_and_strided_q():

@@ -69,13 +69,13 @@ static inline __m512 exp16_shifted(__m512 s, __m512 k, __m512 km) {
     return _mm512_maskz_scalef_ps(keep, p, t);
 }
 
-/* What the score tile's epilogue needs: the super-block's first key position, the tile's
- * first / last query positions, the GQA group, and the call's scale / softcap / window;
- * scaled: S is stored times scale (and
+/* What the score tile's epilogue needs: the super-block's first key position and its number
+ * of keys n (keys from n on are padding), the tile's first / last query positions, the GQA
+ * group, and the call's scale / softcap / window; scaled: S is stored times scale (and
  * soft-capped), else as the raw products q . k (scale > 0, no softcap: the max commutes with
  * the scale, which the softmax then folds into its exponent). */
 typedef struct {
-    int64_t base, first_pos, last_pos, group, window;
+    int64_t base, n, first_pos, last_pos, group, window;
     float scale, softcap;
     int scaled;
 } ScoreEpilogue;
@@ -86,7 +86,9 @@ static inline int32_t row_index(int64_t x) {
 }
 
 /* Scores of keys t0 .. t0 + MR_DP - 1 (key rows keys[0..MR_DP); padding keys past the
- * super-block repeat its last key, so their scores never raise the max) against the NV x 16
+ * super-block's n keys repeat its last key and are masked in every row, so their scores never
+ * raise the max (left unmasked they raised it where the window hid that last key, and a max
+ * 87 or more above a row's visible scores zeroed its weights) against the NV x 16
  * rows c .. of Q^T pairs qp (row stride ld, 32-bit pairs): st[t][c + j] = S^T (mode 2: scaled
  * and soft-capped), masked (mode 1; mode 2 where mask), mx[j] the running max. */
 static inline __attribute__((always_inline)) void score_tile(
@@ -117,8 +119,10 @@ static inline __attribute__((always_inline)) void score_tile(
     for (int v = 0; v < NV; ++v) m[v] = _mm512_loadu_ps(mx + 16 * v);
     for (int r = 0; r < MR_DP; ++r) {
         /* mask_rows' rule for key position kp = base + t0 + r: rows before (kp - first_pos)
-         * group, and (a window) from (kp + window - first_pos) group on, see -inf */
-        const __m512i before = _mm512_set1_epi32(row_index((rel + r) * group));
+         * group, and (a window) from (kp + window - first_pos) group on, see -inf; every row
+         * for a padding key (t0 + r >= n) */
+        const __m512i before = _mm512_set1_epi32(
+            t0 + r >= e->n ? 1 << 30 : row_index((rel + r) * group));
         const __m512i after = _mm512_set1_epi32(
             window > 0 ? row_index((rel + r + window) * group) : 1 << 30);
         for (int v = 0; v < NV; ++v) {
@@ -170,16 +174,17 @@ static inline __attribute__((always_inline)) void value_tile(
     }
 }
 
-/* S^T of the n keys for all ld rows into st (rows up to n rounded up to MR_DP written; those
- * past n, of padding keys, unused), mx the rows' max. A key tile is masked only where one of
- * its keys lies past the first query (causal) or, with a window, at or before the last query
- * minus the window. */
-static void scores_dp(int64_t n, int64_t pairs, const char *const *keys, const int32_t *qp,
-                      int64_t ld, const ScoreEpilogue *e, float *st, float *mx) {
+/* S^T of the e->n keys for all ld rows into st (rows up to n rounded up to MR_DP written;
+ * those past n, of padding keys, -inf and unused), mx the rows' max. A key tile is masked
+ * only where one of its keys lies past the first query (causal) or, with a window, at or
+ * before the last query minus the window, or it holds padding keys. */
+static void scores_dp(int64_t pairs, const char *const *keys, const int32_t *qp, int64_t ld,
+                      const ScoreEpilogue *e, float *st, float *mx) {
+    const int64_t n = e->n;
     for (int64_t r = 0; r < ld; ++r) mx[r] = -INFINITY;
     for (int64_t t0 = 0; t0 < n; t0 += MR_DP) {
         const int64_t k0 = e->base + t0; /* positions k0 .. k0 + MR_DP - 1 (padding too) */
-        const int mask = k0 + MR_DP - 1 > e->first_pos
+        const int mask = k0 + MR_DP - 1 > e->first_pos || t0 + MR_DP > n
             || (e->window > 0 && k0 <= e->last_pos - e->window);
         const int mode = e->scaled ? 2 : mask ? 1 : 0;
         for (int64_t c = 0; c < ld; c += 16 * NV_DP) {
@@ -372,11 +377,13 @@ static void attend_tile_dp(const Args *a, Scratch *w, int64_t r, int64_t j0, int
     }
     memset(w->acc, 0, sizeof(float) * Hkv * ld * D);
     const int scaled = a->softcap > 0.f || !(a->scale > 0.f);
-    ScoreEpilogue e = {0, first_pos, last_pos, group, a->window, a->scale, a->softcap, scaled};
+    ScoreEpilogue e = {0, 0, first_pos, last_pos, group, a->window, a->scale, a->softcap,
+                       scaled};
     for (int64_t b0 = lo / bs; b0 * bs <= last_pos; b0 += nblk) {
         const int64_t base = b0 * bs, end = base + nblk * bs <= last_pos + 1
             ? base + nblk * bs : last_pos + 1, n = end - base;
         e.base = base;
+        e.n = n;
         for (int64_t h = 0; h < Hkv; ++h) {
             int64_t t = 0; /* key / value rows of the super-block, block by block */
             for (int64_t b = b0; t < n; ++b) {
@@ -387,7 +394,7 @@ static void attend_tile_dp(const Args *a, Scratch *w, int64_t r, int64_t j0, int
                 }
             }
             for (; t % MR_DP; ++t) keys[t] = keys[n - 1]; /* padding keys, scores unused */
-            scores_dp(n, D / 2, keys, qp + h * (D / 2) * ld, ld, &e, w->st, w->mx);
+            scores_dp(D / 2, keys, qp + h * (D / 2) * ld, ld, &e, w->st, w->mx);
             softmax_pack_dp(w->st, n, ld, scaled ? 1.f : a->scale, w->mx, w->m + h * ld,
                             w->l + h * ld, w->corr, w->pp);
             pack_values_dp(vals, n, D, w->vpk);
