@@ -18,7 +18,12 @@ from pathlib import Path
 @dataclass(frozen=True)
 class IsaLevel:
     """One build of the kernels: its name, the compiler flags that enable its instruction
-    sets, and the CPU features (``/proc/cpuinfo`` flag names) a CPU needs to run it."""
+    sets, and the CPU features (``/proc/cpuinfo`` flag names) a CPU needs to run it.
+
+    Every x86 level names its ``-march``, the baseline too (``-march=x86-64``: SSE2), so the
+    compiler's default target never adds to it: a GCC configured for x86-64-v2 or -v3 (as some
+    distributions ship it) built the baseline with SSE4.2 or AVX2, a library that dies with
+    SIGILL on the CPUs the baseline is there for."""
 
     name: str
     flags: tuple[str, ...]
@@ -33,7 +38,7 @@ X86_LEVELS = (
     IsaLevel("avx512_bf16", ("-march=x86-64-v4", "-mavx512bf16"), _AVX512 | {"avx512_bf16"}),
     IsaLevel("avx512", ("-march=x86-64-v4",), _AVX512),
     IsaLevel("avx2", ("-march=x86-64-v3",), frozenset({"avx2", "fma", "f16c", "bmi2"})),
-    IsaLevel("x86-64", (), frozenset()),
+    IsaLevel("x86-64", ("-march=x86-64",), frozenset()),
 )
 GENERIC_LEVELS = (IsaLevel("generic", (), frozenset()),)
 

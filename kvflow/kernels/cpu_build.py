@@ -5,7 +5,8 @@ The C sources under ``kernels/csrc/`` are compiled with the system C compiler in
 library per ISA level of :data:`ISA_LEVELS` (x86-64: AVX512 with AMX bf16 tiles, AVX512 with
 bf16 dot products, AVX512, AVX2 + FMA, and the x86-64 baseline; other machines: the
 compiler's baseline). Each level's flags name the instruction sets it may use
-(``-march=x86-64-v4 -mavx512bf16``, ...), never ``-march=native``: a library depends only on
+(``-march=x86-64-v4 -mavx512bf16``, ..., ``-march=x86-64`` for the baseline, whatever target
+the compiler defaults to), never ``-march=native``: a library depends only on
 the sources, the flags and the compiler, so one cache directory serves every CPU that shares
 it, and :func:`isa_levels_for_cpu` picks, at run time, the best level the CPU's features
 (CPUID, as Linux reports them in ``/proc/cpuinfo``) allow. Only the levels a process loads are built (each

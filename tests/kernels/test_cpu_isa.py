@@ -7,6 +7,7 @@ quantized-cache attention."""
 
 from __future__ import annotations
 
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -64,6 +65,29 @@ def test_library_names_depend_on_level_not_on_the_cpu(monkeypatch, tmp_path):
     assert paths == [cpu_build.library_path("cc", src, str(tmp_path), lv) for lv in levels]
     assert len(set(paths)) == len(levels)
     assert all("-march=native" not in lv.flags for lv in levels)
+
+
+def test_levels_pin_their_instruction_sets_whatever_the_compiler_defaults_to(tmp_path):
+    """Each x86 level's flags decide its instruction sets, not the compiler's default target: a
+    compiler configured for x86-64-v3 (here a wrapper adding -march=x86-64-v3 first, as some
+    distributions' GCC defaults) built the "x86-64" baseline with AVX2, a library that dies
+    with SIGILL on the CPUs the baseline serves (the level needs no CPU feature). Checked by
+    the macros the compiler predefines with each level's flags, as the build passes them."""
+    cc = cpu_native._compiler()
+    if cc is None or cpu_build.platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("needs a C compiler on x86-64")
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(f'#!/bin/sh\nexec "{cc}" -march=x86-64-v3 "$@"\n')
+    wrapper.chmod(0o755)
+    for level in cpu_build.X86_LEVELS:
+        run = subprocess.run([str(wrapper), *cpu_build.FLAGS, *level.flags, "-dM", "-E", "-x",
+                              "c", "-"], input="", capture_output=True, text=True, check=False)
+        if run.returncode != 0:  # an older compiler without this level's flags
+            continue
+        macros = {line.split()[1] for line in run.stdout.splitlines()}
+        assert ("__AVX2__" in macros) == (level.name != "x86-64"), level.name
+        assert ("__AVX512F__" in macros) == level.name.startswith(("avx512", "amx")), level.name
+        assert ("__SSE4_1__" in macros) == (level.name != "x86-64"), level.name
 
 
 def test_env_forces_a_lower_level(monkeypatch):
