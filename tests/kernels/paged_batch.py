@@ -67,16 +67,18 @@ def attention_f64(batch: dict, sliding_window: int | None = None,
     out = torch.zeros(q.shape, dtype=torch.float64)
     starts = batch["query_start_loc"].tolist()
     for r, seq_len in enumerate(batch["seq_lens"].tolist()):
-        pos = torch.arange(seq_len)
-        blocks = batch["block_table"][r, pos // block_size].long()
-        k = cache[0, blocks, pos % block_size].repeat_interleave(group, 1)  # [S, H, D]
-        v = cache[1, blocks, pos % block_size].repeat_interleave(group, 1)
         q_len = starts[r + 1] - starts[r]
-        for j in range(q_len):
-            p = seq_len - q_len + j
-            lo = max(0, p - sliding_window + 1) if sliding_window else 0
-            s = torch.einsum("hd,thd->ht", q[starts[r] + j], k[lo:p + 1]) * batch["scale"]
-            if softcap > 0:
-                s = softcap * torch.tanh(s / softcap)
-            out[starts[r] + j] = torch.einsum("ht,thd->hd", torch.softmax(s, -1), v[lo:p + 1])
+        keys = torch.arange(seq_len)
+        blocks = batch["block_table"][r, keys // block_size].long()
+        k = cache[0, blocks, keys % block_size].repeat_interleave(group, 1)  # [S, H, D]
+        v = cache[1, blocks, keys % block_size].repeat_interleave(group, 1)
+        s = torch.einsum("qhd,khd->hqk", q[starts[r]:starts[r + 1]], k) * batch["scale"]
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        visible = keys[None, :] <= pos
+        if sliding_window:
+            visible &= keys[None, :] > pos - sliding_window
+        p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1)
+        out[starts[r]:starts[r + 1]] = torch.einsum("hqk,khd->qhd", p, v)
     return out

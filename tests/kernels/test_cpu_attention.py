@@ -422,10 +422,10 @@ def test_out_of_range_indices_raise_instead_of_reading_outside():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_store_kv_writes_what_index_copy_writes(dtype):
+def test_store_kv_writes_what_index_copy_writes(kernels, dtype):
     """The C K/V store equals torch's index_copy_ through the slots, bitwise: k/v as views of a
     fused qkv row (token stride > Hkv * D), padding slots (-1) skipped, rows past num_tokens
-    untouched; a slot past the cache raises and writes nothing."""
+    untouched; a slot past the cache raises and writes nothing. At every ISA level."""
     gen = torch.Generator().manual_seed(5)
     num_blocks, block_size, hkv, d, tokens = 6, 4, 3, 16, 9
     qkv = torch.randn(tokens + 2, (5 + 2 * hkv) * d, generator=gen).to(dtype)
@@ -438,16 +438,16 @@ def test_store_kv_writes_what_index_copy_writes(dtype):
     keep = slots[:tokens] >= 0
     for i, x in enumerate((k, v)):
         ref[i].view(-1, hkv, d).index_copy_(0, slots[:tokens][keep], x[:tokens][keep])
-    KERNELS.store_kv(k, v, cache, slots, tokens)
+    kernels.store_kv(k, v, cache, slots, tokens)
     assert torch.equal(cache, ref)
     bad = slots.clone()
     bad[5] = num_blocks * block_size
     before = cache.clone()
     with pytest.raises(ValueError, match="slots must lie below"):
-        KERNELS.store_kv(k, v, cache, bad, tokens)
+        kernels.store_kv(k, v, cache, bad, tokens)
     assert torch.equal(cache, before)
     with pytest.raises(ValueError):
-        KERNELS.store_kv(k.float() if dtype != torch.float32 else k.half(), v, cache, slots,
+        kernels.store_kv(k.float() if dtype != torch.float32 else k.half(), v, cache, slots,
                          tokens)
 
 

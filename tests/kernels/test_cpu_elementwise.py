@@ -1,4 +1,6 @@
-"""Native CPU fused ops (kernels/csrc/cpu_elementwise.c) vs plain torch.
+"""Native CPU fused ops (kernels/csrc/cpu_elementwise.c) vs plain torch, RMSNorm, SiLU-and-mul
+and rotary at every ISA level this CPU runs (the ``kernels`` fixture: the AVX512 builds take
+the 16-lane rows of cpu_elementwise_avx512.h, AVX2 and the baseline the portable loops).
 
 Oracles: float64 math for fp32 inputs (atol=rtol=1e-5); for bf16/fp16 the torch code the kernel
 replaces, computed in fp32 and rounded where torch rounds, within one unit in the last place of
@@ -38,23 +40,23 @@ def rms_norm_ref(x, weight, eps):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden", [8, 576, 1001])
-def test_rms_norm(dtype, hidden):
+@pytest.mark.parametrize("hidden", [8, 33, 576, 1001])  # 33: two 16-lane steps and a tail of 1
+def test_rms_norm(kernels, dtype, hidden):
     gen = torch.Generator().manual_seed(hidden)
     x = (torch.randn(37, hidden, generator=gen) * 3).to(dtype)
     weight = torch.randn(hidden, generator=gen).to(dtype)
-    assert_close(KERNELS.rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5), dtype)
+    assert_close(kernels.rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_add_rms_norm_leaves_inputs_untouched(dtype):
+def test_fused_add_rms_norm_leaves_inputs_untouched(kernels, dtype):
     gen = torch.Generator().manual_seed(1)
     wide = torch.randn(19, 200, generator=gen).to(dtype)
     x = wide[:, :96]  # strided rows
     residual = torch.randn(19, 96, generator=gen).to(dtype)
     weight = torch.rand(96, generator=gen).to(dtype)
     x_before, r_before = x.clone(), residual.clone()
-    out, new_residual = KERNELS.rms_norm(x, weight, 1e-6, residual)
+    out, new_residual = kernels.rms_norm(x, weight, 1e-6, residual)
     expect_residual = x + residual  # torch adds in fp32 and rounds once, as the kernel does
     assert torch.equal(new_residual, expect_residual)
     assert_close(out, rms_norm_ref(expect_residual, weight, 1e-6), dtype)
@@ -62,7 +64,7 @@ def test_fused_add_rms_norm_leaves_inputs_untouched(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_add_rounds_ties_to_even_and_keeps_nan_inf(dtype):
+def test_fused_add_rounds_ties_to_even_and_keeps_nan_inf(kernels, dtype):
     """x + residual lands exactly halfway between two 16-bit values (both directions of the
     tie-to-even rule), overflows, or is NaN: the stored residual has torch's bits."""
     ulp = ULP[dtype]  # spacing of the dtype in [1, 2)
@@ -74,7 +76,7 @@ def test_fused_add_rounds_ties_to_even_and_keeps_nan_inf(dtype):
     x[2, 12] = torch.finfo(dtype).max
     residual[2, 12] = torch.finfo(dtype).max  # overflows to inf
     x, residual = x.to(dtype), residual.to(dtype)
-    _, new_residual = KERNELS.rms_norm(x, torch.ones(40, dtype=dtype), 1e-6, residual)
+    _, new_residual = kernels.rms_norm(x, torch.ones(40, dtype=dtype), 1e-6, residual)
     expect = x + residual
     same = (new_residual == expect) | (new_residual.isnan() & expect.isnan())
     assert bool(same.all()), (new_residual[~same], expect[~same])
@@ -82,12 +84,12 @@ def test_fused_add_rounds_ties_to_even_and_keeps_nan_inf(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("inter", [1, 24, 1536])
-def test_silu_and_mul(dtype, inter):
+@pytest.mark.parametrize("inter", [1, 17, 24, 1536])
+def test_silu_and_mul(kernels, dtype, inter):
     gen = torch.Generator().manual_seed(inter)
     x = (torch.randn(29, 2 * inter, generator=gen) * 6).to(dtype)  # exp of both signs, large |v|
     gate, up = x.chunk(2, dim=-1)
-    out = KERNELS.silu_and_mul(x)
+    out = kernels.silu_and_mul(x)
     if dtype == torch.float32:
         assert_close(out, F.silu(gate.double()) * up.double(), dtype)
         return
@@ -108,22 +110,25 @@ def test_silu_and_mul(dtype, inter):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("is_neox,rotary_dim", [(True, 32), (False, 32), (True, 16)])
-def test_rotary_in_place(dtype, is_neox, rotary_dim):
-    rope = RotaryEmbedding(32, 512, 10000.0, rotary_dim=rotary_dim, is_neox_style=is_neox)
+@pytest.mark.parametrize("head_dim,is_neox,rotary_dim", [
+    (32, True, 32), (32, False, 32), (32, True, 16), (32, False, 16),  # partial: 16 of 32
+    (80, True, 80), (80, False, 40), (128, True, 64)])  # 80: 16-lane halves of 40 = 32 + 8
+def test_rotary_in_place(kernels, dtype, head_dim, is_neox, rotary_dim):
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, rotary_dim=rotary_dim, is_neox_style=is_neox)
     gen = torch.Generator().manual_seed(rotary_dim)
-    qkv = torch.randn(11, (6 + 2 * 2) * 32, generator=gen).to(dtype)
-    q, k = qkv[:, :192].view(11, 6, 32), qkv[:, 192:256].view(11, 2, 32)
+    qkv = torch.randn(11, (6 + 2 * 2) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, :6 * head_dim].view(11, 6, head_dim)
+    k = qkv[:, 6 * head_dim:8 * head_dim].view(11, 2, head_dim)
     positions = torch.randint(0, 512, (11,), generator=gen)
-    v_before = qkv[:, 256:].clone()
+    v_before = qkv[:, 8 * head_dim:].clone()
     cos, sin = rope.cos_sin_cache.double()[positions].unsqueeze(1).chunk(2, dim=-1)
     ref_q = rope._rotate(q.double(), cos, sin)
     ref_k = rope._rotate(k.double(), cos, sin)
-    out_q, out_k = KERNELS.rotary(positions, q, k, rope.cos_sin_cache, is_neox)
+    out_q, out_k = kernels.rotary(positions, q, k, rope.cos_sin_cache, is_neox)
     assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()  # in place
     assert_close(q, ref_q.to(dtype), dtype)
     assert_close(k, ref_k.to(dtype), dtype)
-    assert torch.equal(qkv[:, 256:], v_before)  # the rest of the qkv row is untouched
+    assert torch.equal(qkv[:, 8 * head_dim:], v_before)  # the rest of the qkv row is untouched
 
 
 def test_bad_arguments_raise_value_error():
