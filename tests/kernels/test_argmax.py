@@ -1,26 +1,34 @@
 """The native argmax of greedy sampling (``kernels/argmax.py``, ``csrc/cpu_argmax.c``) against
 ``torch.argmax``: random rows, ties (the first index wins), NaN (the first NaN wins), rows of
--inf, +inf, a strided batch, and the sampler's greedy tokens."""
+-inf, +inf, a strided batch, and the sampler's greedy tokens; the first two at every ISA level
+this CPU runs (the max reduction vectorizes 16, 8 or 4 lanes wide)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvflow.kernels import argmax
 from kvflow.kernels.argmax import argmax_rows
 from kvflow.kernels.cpu_native import native_cpu_kernels
 
 pytestmark = pytest.mark.skipif(native_cpu_kernels() is None, reason="no C compiler")
 
 
-def test_random_rows_match_torch():
+@pytest.fixture
+def at_level(kernels, monkeypatch):
+    """argmax_rows on the kernels of each ISA level (the ``kernels`` fixture)."""
+    monkeypatch.setattr(argmax, "native_cpu_kernels", lambda: kernels)
+
+
+def test_random_rows_match_torch(at_level):
     gen = torch.Generator().manual_seed(0)
     for rows, vocab in ((1, 1), (3, 17), (64, 49152), (5, 100_003)):
         x = torch.randn(rows, vocab, generator=gen)
         assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
 
 
-def test_ties_nan_and_infinities_as_torch():
+def test_ties_nan_and_infinities_as_torch(at_level):
     x = torch.zeros(6, 40)
     x[0, [5, 9, 30]] = 2.0                                     # tie: the first
     x[1, [3, 20]] = float("nan")                               # NaN above all: the first NaN
