@@ -15,11 +15,11 @@ from kvflow.entrypoints.protocol.sampling import SamplingRequest
 # Content parts one request may hold, all messages together, a string (or null) content
 # counting as one: the schema validates them on the event loop, where 200,000 text parts held
 # the server 1.3 s (parsing and validating the body in-process); at this limit about 0.06 s.
-# Documented in README (the chat fields).
+# Documented in docs/openai-server.md (the chat fields).
 MAX_CONTENT_PARTS = 10_000
 # Tools and earlier turns' tool calls one request may hold (OpenAI's API takes 128 tools; vLLM
 # sets no limit): validated on the event loop too, 100,000 tools (each with a JSON schema
-# then checked, ~0.5 ms a tool) or tool calls held it for seconds. Documented in README.
+# then checked, ~0.5 ms a tool) or tool calls held it for seconds. Documented in docs/openai-server.md.
 MAX_TOOLS = 2048
 MAX_TOOL_CALLS = 2048
 

@@ -18,7 +18,7 @@ from kvflow.entrypoints.protocol.base import (
 
 # logit_bias entries one request may hold: more than any model's vocabulary has token ids (the
 # largest in use, Gemma 3's, has about 262,000), so no valid request holds more; validated on
-# the event loop, a 32 MiB body's ~2.5 million entries held it for seconds. In README.
+# the event loop, a 32 MiB body's ~2.5 million entries held it for seconds. In docs/openai-server.md.
 MAX_LOGIT_BIAS = 300_000
 
 # a vllm_xargs value (vLLM: str | int | float, or a list of them; JSON's true / false kept)
