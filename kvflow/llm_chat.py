@@ -112,8 +112,7 @@ class LLMChat:
         Raises:
             ValueError: see :meth:`chat`.
         """
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("chat() needs a non-empty list of messages (or of conversations)")
+        messages = chat_conversations(messages)
         if chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format={chat_template_content_format!r} "
                              f"must be one of {', '.join(CONTENT_FORMATS)}")
@@ -121,7 +120,7 @@ class LLMChat:
                                       and all(isinstance(t, dict) for t in tools)):
             raise ValueError("tools must be a list of tool dicts ({'type': 'function', "
                              f"'function': {{...}}}}), got {tools!r:.60}")
-        conversations = [messages] if isinstance(messages[0], dict) else messages
+        conversations = messages
         options = {"continue_final_message": continue_final_message,
                    "chat_template": chat_template, "tools": tools, "documents": documents,
                    "template_kwargs": chat_template_kwargs,
@@ -165,6 +164,40 @@ class LLMChat:
                 ids = tokenization.encode(tokenizer, text)
             prompts.append(with_images(ids, images, videos))
         return texts, prompts
+
+
+def chat_conversations(messages: Any) -> list[Any]:
+    """``chat``'s ``messages`` as a list of conversations: one conversation (a non-empty
+    list or tuple of message dicts) or a list or tuple of them, tuples as lists (a
+    conversation's messages are checked as the template renders them).
+
+    Raises:
+        ValueError: naming what ``messages`` is for anything else: a string (a prompt
+            text: ``generate`` takes it, or wrap it as ``[{"role": "user", "content":
+            ...}]``), a single message dict, an empty list, another type, or a list of
+            conversations with an item that is not one (naming its index).
+    """
+    accepted = ("a conversation (a list of message dicts such as [{'role': 'user', "
+                "'content': 'Hi'}]) or a list of conversations")
+    if isinstance(messages, str):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"chat() messages must be {accepted}; got a string ({messages!r:.40}): pass "
+            "[{'role': 'user', 'content': <the text>}], or the text to generate()")
+    if isinstance(messages, dict):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"chat() messages must be {accepted}; got one message dict: wrap it in a list")
+    if not isinstance(messages, (list, tuple)) or not messages:
+        what = "an empty list" if isinstance(messages, (list, tuple)) else \
+            type(messages).__name__
+        raise ValueError(f"chat() messages must be {accepted}; got {what}")
+    if isinstance(messages[0], dict):
+        return [list(messages)]
+    conversations = [list(c) if isinstance(c, tuple) else c for c in messages]
+    bad = next((i for i, c in enumerate(conversations) if not isinstance(c, list)), None)
+    if bad is not None:
+        raise ValueError(f"chat() messages[{bad}] must be a conversation (a list of message "
+                         f"dicts) or a message dict, got {type(conversations[bad]).__name__}")
+    return conversations
 
 
 def _render_conversation(processor: Any, tokenizer: Any, conversation: Any,

@@ -36,20 +36,25 @@ def with_images(token_ids: list[int], images: list[Any], videos: Sequence[Any] =
 
 
 def as_prompt_list(prompts: Any) -> list[PromptType]:
-    """``prompts`` (one prompt: a string, a dict or a list of token ids; or a list of
-    prompts) as a list of prompts.
+    """``prompts`` (one prompt: a string, a dict prompt or a list of token ids; or a list or
+    tuple of prompts) as a list of prompts.
 
     Raises:
-        ValueError: for anything else.
+        ValueError: for anything else, naming what it got and the accepted forms (a numpy
+            array or torch tensor of token ids is pointed to ``.tolist()``).
     """
     if isinstance(prompts, (str, Mapping)):
         return [prompts]
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]
     if not isinstance(prompts, (list, tuple)):  # ValueError, like every bad input here
+        hint = " (token ids in an array or tensor: pass prompts.tolist())" \
+            if hasattr(prompts, "tolist") else ""
         raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
-            f"prompts must be a string, a list of token ids, or a list of either; got "
-            f"{type(prompts).__name__}")
+            f"prompts must be a string, a list of token ids, a dict prompt (TextPrompt "
+            f"{{'prompt': ...}}, TokensPrompt {{'prompt_token_ids': [...]}} or EmbedsPrompt "
+            f"{{'prompt_embeds': tensor}}, with 'multi_modal_data' for images), or a list "
+            f"of these; got {type(prompts).__name__}{hint}")
     return list(prompts)
 
 
@@ -63,10 +68,11 @@ def broadcast_params(params: Any, n: int) -> list[SamplingParams]:
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
-    if not isinstance(params, (list, tuple)) or not all(
-            isinstance(p, SamplingParams) for p in params):
-        raise ValueError("sampling_params must be a SamplingParams or a list of them, got "
-                         f"{type(params).__name__}")
+    if not isinstance(params, (list, tuple)):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            "sampling_params must be a SamplingParams, a list of them (one per prompt) or "
+            f"None, got {type(params).__name__}")
+    _check_items("sampling_params", params, SamplingParams)
     params = list(params)
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
@@ -82,13 +88,23 @@ def broadcast_pooling_params(params: Any, n: int) -> list[PoolingParams | None]:
     """
     if params is None or isinstance(params, PoolingParams):
         return [params] * n
-    if not isinstance(params, (list, tuple)) or not all(
-            isinstance(p, PoolingParams) for p in params):
-        raise ValueError("pooling_params must be a PoolingParams or a list of them, "
-                         f"got {type(params).__name__}")
+    if not isinstance(params, (list, tuple)):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            "pooling_params must be a PoolingParams, a list of them (one per prompt) or "
+            f"None, got {type(params).__name__}")
+    _check_items("pooling_params", params, PoolingParams)
     if len(params) != n:
         raise ValueError(f"got {len(params)} PoolingParams for {n} prompts")
     return list(params)
+
+
+def _check_items(name: str, items: Sequence[Any], cls: type) -> None:
+    """Raises ValueError naming ``name[i]`` and its type for the first item of ``items``
+    that is not a ``cls``."""
+    bad = next((i for i, p in enumerate(items) if not isinstance(p, cls)), None)
+    if bad is not None:
+        raise ValueError(f"{name}[{bad}] must be a {cls.__name__}, got "
+                         f"{type(items[bad]).__name__}")
 
 
 # vLLM's pooling tasks that LLM.encode does not run, and what to use instead
@@ -198,13 +214,14 @@ def check_users(user: Sequence[str] | None, n: int, policy: str) -> list[str]:
     """One client name per prompt ("" when None).
 
     Raises:
-        ValueError: for a wrong count, a name that is not a string, or a name while the
+        ValueError: for a value that is not a list or tuple, a wrong count, a name that is
+            not a string, or a name while the
             scheduling policy is not ``fair`` (the only one that reads it: it would be
             ignored).
     """
     if user is None:
         return [""] * n
-    users = list(user) if not isinstance(user, str) else []
+    users = list(user) if isinstance(user, (list, tuple)) else []
     if len(users) != n or not all(isinstance(u, str) for u in users):
         raise ValueError(f"user must be a list of {n} strings (one per prompt), got {user!r}")
     if policy != "fair" and any(users):

@@ -137,12 +137,15 @@ class LLMQueue:
                 factory, as for ``generate``).
 
         Raises:
-            ValueError: an output that is not an ``output_type`` (naming both);
+            ValueError: an ``output_type`` that is not a class or a tuple of classes
+                (before anything runs: the queue stays as it was); an output that is not an
+                ``output_type`` (naming both);
                 ``RequestRefused`` (a ValueError) ``"request <id>: <why>"`` when the engine
                 core could not run one, now or while another call stepped (as ``generate``
                 raises ``"prompt <i>: <why>"``): every enqueued request is aborted then, its
                 output dropped, and the queue emptied.
         """
+        _check_output_type(output_type)
         queue, self._enqueued = self._enqueued, EnqueuedRequests()
         waiting = [rid for rid in queue.ids if rid not in queue.finished]
         bar = _progress_bar(use_tqdm if len(waiting) > 1 else False, len(waiting),
@@ -231,6 +234,15 @@ class LLMQueue:
         self.engine.abort_request(request_id)
         if self._stats is not None:
             self._stats.aborted(request_id)
+
+
+def _check_output_type(output_type: Any) -> None:
+    """Raises ValueError naming ``output_type`` unless it is None, a class or a tuple of
+    classes (what ``isinstance`` takes)."""
+    types = output_type if isinstance(output_type, tuple) else (output_type,)
+    if output_type is not None and (not types or not all(isinstance(t, type) for t in types)):
+        raise ValueError(f"wait_for_completion(output_type={output_type!r}) must be a class "
+                         "(e.g. RequestOutput), a tuple of classes, or None")
 
 
 def _checked(queue: EnqueuedRequests, output_type: type | tuple[type, ...]) -> list[Any]:

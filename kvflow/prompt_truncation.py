@@ -16,12 +16,17 @@ def truncation_length(truncate_prompt_tokens: int | None, max_model_len: int,
 
     Raises:
         ValueError: naming ``field`` (``SamplingParams.truncate_prompt_tokens`` for a
-            SamplingParams' value) for 0, a value below -1, or one above ``max_model_len``
+            SamplingParams' value) for a value that is not an integer (a bool included), 0,
+            a value below -1, or one above ``max_model_len``
             (tokens).
     """
     k = truncate_prompt_tokens
     if k is None:
         return None
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"{field}={k!r} is invalid: it must be an integer >= 1, -1 (max_model_len) or "
+            "None")
     if k == -1:
         return max_model_len
     if k < 1:

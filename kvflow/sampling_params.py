@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import numbers
 import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import numpy as np
 
 from kvflow.beam_search_params import BeamSearchParams  # noqa: F401 (vLLM's path of it)
 from kvflow.close_names import guess_unknown_keywords
@@ -198,12 +200,12 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
         self.bad_words = list(self.bad_words) if self.bad_words else None
         self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         self._check_extra_args()
@@ -242,16 +244,18 @@ class SamplingParams:
             value = getattr(self, name)
             if not (_is_int(value) or (value is None and name in optional)):
                 raise bad(name, value, "an integer" + (" or None" if name in optional else ""))
+            if value is not None:  # a numpy integer as a plain int (it crosses to the engine)
+                setattr(self, name, int(value))
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if not _is_real(value):
                 raise bad(name, value, "a number")
             setattr(self, name, float(value))
         for name in ("target_ttft_ms", "target_tpot_ms"):
             value = getattr(self, name)
             if value is not None:
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                if not _is_real(value):
                     raise bad(name, value, "a number of milliseconds or None")
                 setattr(self, name, float(value))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
@@ -340,7 +344,13 @@ class SamplingParams:
 
 
 def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (numpy's included, as vLLM takes them), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value) -> bool:
+    """A real number (numpy's included), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def _normalize_logit_bias(bias: dict | None) -> dict[int, float] | None:

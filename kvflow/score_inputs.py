@@ -314,11 +314,14 @@ def score_use_activation(params: PoolingParams | None) -> bool | None:
     score request takes from them (vLLM's ``activation``; False: raw head logits).
 
     Raises:
-        ValueError: for params of a task other than ``score`` (or the default ``embed``), or
-            with ``dimensions`` / ``normalize`` / ``softmax`` set (naming the field).
+        ValueError: for params that are not a PoolingParams, of a task other than ``score``
+            (or the default ``embed``), or with ``dimensions`` / ``normalize`` / ``softmax`` set (naming the field).
     """
     if params is None:
         return None  # (its extra_kwargs: score_extra_kwargs)
+    if not isinstance(params, PoolingParams):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"pooling_params must be a PoolingParams or None, got {type(params).__name__}")
     if params.task not in ("embed", "score"):
         raise ValueError(f"PoolingParams.task={params.task!r} but LLM.score runs task "
                          "'score'")

@@ -56,6 +56,10 @@ class StructuredOutputsParams:
             raise ValueError("SamplingParams.structured_outputs must set exactly one of json, "
                              "json_object, regex, choice, grammar, structural_tag (got "
                              f"{set_fields or 'none'})")
+        if isinstance(self.choice, str):  # a string is no list: its letters would be the choices
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+                "SamplingParams.structured_outputs.choice must be a non-empty list of "
+                f"non-empty strings, got the string {self.choice!r:.40}: wrap it in a list")
         if self.choice is not None and (not self.choice or not all(
                 isinstance(c, str) and c for c in self.choice)):
             raise ValueError("SamplingParams.structured_outputs.choice must be a non-empty list "
