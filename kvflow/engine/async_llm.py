@@ -45,6 +45,7 @@ from kvflow.engine.open_requests import OpenRequests
 from kvflow.engine.output_loop import OutputLoop
 from kvflow.engine.replica_restarts import ReplicaRestarts
 from kvflow.engine.replica_set import ReplicaSet
+from kvflow.engine.request_args import check_request_args
 from kvflow.engine.streams import (
     AdmissionRejected,
     EngineDeadError,
@@ -238,11 +239,17 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
         it must run on (vLLM's; None: the balancer chooses).
 
         Raises:
-            ValueError: for a bad prompt, parameters or ``cache_salt``, a request id in use,
-                a nonzero ``priority`` under a policy that does not read it, or a
-                ``data_parallel_rank`` outside the replicas (nothing queued).
+            ValueError: for a bad prompt, parameters or ``cache_salt``, a request id in use
+                or not a string, a ``priority`` that is not an integer or is nonzero under a
+                policy that does not read it, a ``lora_request`` that is not a LoRARequest,
+                or a ``data_parallel_rank`` that is not an integer or is outside the replicas
+                (nothing queued).
             EngineDeadError: if no replica is running, or the pinned one is not.
         """
+        check_request_args(request_id, priority, lora_request, data_parallel_rank)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+                f"params must be a SamplingParams, got {type(params).__name__}")
         self.config.scheduler_config.check_priority(priority)
         self._check_serving()
         arrival = time.monotonic()
@@ -323,11 +330,16 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
         ``data_parallel_rank`` the replica it must run on (None: the balancer chooses).
 
         Raises:
-            ValueError: on a generation model, for a bad prompt or ``dimensions``, a
-                nonzero ``priority`` under a policy that does not read it, or a
-                ``data_parallel_rank`` outside the replicas.
+            ValueError: on a generation model, for a bad prompt, ``params`` or
+                ``dimensions``, a request id that is not a string, a ``priority`` that is not
+                an integer or is nonzero under a policy that does not read it, or a
+                ``data_parallel_rank`` that is not an integer or is outside the replicas.
             EngineDeadError: if no replica is running, or the pinned one is not.
         """
+        check_request_args(request_id, priority, None, data_parallel_rank)
+        if params is not None and not isinstance(params, PoolingParams):
+            raise ValueError(
+                f"params must be a PoolingParams or None, got {type(params).__name__}")
         self.config.scheduler_config.check_priority(priority)
         self._check_serving()
         arrival = time.monotonic()

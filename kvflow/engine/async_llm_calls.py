@@ -17,10 +17,16 @@ from kvflow.engine.messages import (
     UtilityCall,
     WakeUp,
 )
+from kvflow.engine.request_args import check_call
 from kvflow.engine.streams import EngineDeadError
 from kvflow.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
+
+# the AsyncLLM method each call message comes from, as its argument errors name it
+_CALL_NAMES = {AddLoRA: "add_lora", RemoveLoRA: "remove_lora", Sleep: "sleep",
+               WakeUp: "wake_up", CollectiveRPC: "collective_rpc",
+               ResetPrefixCache: "reset_prefix_cache"}
 
 
 class AsyncLLMCalls:
@@ -34,9 +40,11 @@ class AsyncLLMCalls:
         checked against the model there); a load any replica refuses is undone on the others.
 
         Raises:
-            ValueError: when the engine refuses it (the message says why).
+            ValueError: when the engine refuses it (the message says why), or for a
+                ``lora_request`` that is not a LoRARequest.
             EngineDeadError: if the engine is gone.
         """
+        check_call("add_lora", AddLoRA(0, lora_request))  # before the undo below reads it
         try:
             await self._call(AddLoRA(0, lora_request))  # each replica's call gets its own id
         except ValueError:
@@ -49,13 +57,16 @@ class AsyncLLMCalls:
         with it).
 
         Raises:
+            ValueError: for a ``lora_int_id`` that is not an integer.
             EngineDeadError: if the engine is gone.
         """
         await self._call(RemoveLoRA(0, lora_int_id))
 
     async def _call(self, msg: UtilityCall) -> list:
         """Send the call to every live replica and wait for all answers (their results, by
-        replica); the first refusal is raised as a ValueError."""
+        replica); the first refusal is raised as a ValueError, as is an argument of a type
+        the engine core could not decode (it would drop the call, never answering)."""
+        check_call(_CALL_NAMES[type(msg)], msg)
         if not self.is_healthy:
             raise EngineDeadError("the engine core is not running")
         return await self._calls.call(self.replicas, msg)
@@ -68,7 +79,8 @@ class AsyncLLMCalls:
         ``abort`` answered 200).
 
         Raises:
-            ValueError: without enable_sleep_mode, for a bad level, or while requests are
+            ValueError: without enable_sleep_mode, for a bad level (an integer other than 1
+                and 2, or another type), or while requests are
                 open (their streams, or a replica's own check).
             EngineDeadError: if the engine is gone.
         """
@@ -93,7 +105,7 @@ class AsyncLLMCalls:
             while one still sleeps.
 
         Raises:
-            ValueError: for an unknown tag.
+            ValueError: for an unknown tag, or ``tags`` that are not a list of strings.
             EngineDeadError: if the engine is gone.
         """
         await self._call(WakeUp(0, tags))
@@ -114,10 +126,16 @@ class AsyncLLMCalls:
         refusals; one whose load failed starts them, as the replicas do).
 
         Raises:
-            ValueError: for a name that is not a Worker method, bad ``args`` / ``kwargs``,
+            ValueError: for a name that is not a Worker method (or not a string), ``args``
+                that are not a list or tuple, ``kwargs`` that are not a dict, other bad
+                ``args`` / ``kwargs``,
                 what the method raised, or results that are not plain data.
             EngineDeadError: if the engine is gone.
         """
+        if args is not None and not isinstance(args, (list, tuple)):
+            raise ValueError(
+                f"collective_rpc: args={args!r:.60} must be a list or tuple, got "
+                f"{type(args).__name__}")
         try:
             results = await self._call(CollectiveRPC(0, method, list(args or []), kwargs))
         except ValueError:

@@ -9,6 +9,7 @@ import copy
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
+from kvflow.engine.request_args import check_request_args
 from kvflow.inputs import PromptType
 from kvflow.llm_inputs import processed_prompts
 from kvflow.lora.request import LoRARequest
@@ -49,9 +50,10 @@ class AsyncLLMGenerate:
                 the load balancer chooses).
 
         Raises:
-            ValueError: for a bad prompt or parameters, a request id in use, or a
-                ``data_parallel_rank`` outside the replicas (before anything is yielded;
-                nothing is queued).
+            ValueError: for a bad prompt, parameters or ``tokenization_kwargs``, a request
+                id in use or not a string, a ``priority``, ``lora_request`` or
+                ``data_parallel_rank`` of another type, or a ``data_parallel_rank`` outside
+                the replicas (before anything is yielded; nothing is queued).
             EngineDeadError: if no replica runs (or not the pinned one), or the engine dies
                 meanwhile.
             AdmissionRejected: if admission control refuses the request.
@@ -61,6 +63,11 @@ class AsyncLLMGenerate:
             raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
                 f"sampling_params must be a SamplingParams, got "
                 f"{type(sampling_params).__name__}")
+        if tokenization_kwargs is not None and not isinstance(tokenization_kwargs, Mapping):
+            raise ValueError(
+                f"tokenization_kwargs must be a dict or None, got "
+                f"{type(tokenization_kwargs).__name__}")
+        check_request_args(request_id, priority, lora_request, data_parallel_rank)
         if sampling_params.output_kind is None:  # a copy: the caller's stays as given
             sampling_params = copy.copy(sampling_params)
             sampling_params.output_kind = RequestOutputKind.CUMULATIVE
