@@ -139,5 +139,6 @@ def tokenize_prompt(tokenizer: Any, prompt: PromptType,
         if options is not None and options.reshapes:
             return None, options.reshape(tokenizer, list(prompt))
         return None, list(prompt)
-    raise ValueError(f"a prompt must be a string or a list of token ids, got "
-                     f"{type(prompt).__name__}")
+    raise ValueError(f"a prompt must be a string, a list of token ids or a dict prompt "
+                     f"({{'prompt': ...}}, {{'prompt_token_ids': [...]}} or "
+                     f"{{'prompt_embeds': tensor}}), got {type(prompt).__name__}")

@@ -75,7 +75,7 @@ def test_empty_prompt(llm, prompt):
     ([[3, "x"]], "only integers, got 'x'"),
     ([[3, 1.5]], "only integers, got 1.5"),
     ([[True]], "only integers, got True"),
-    ([3.5], "string or a list of token ids"),
+    ([3.5], "a string, a list of token ids or a dict prompt .*got float"),
     ({"prompt_token_ids": "abc"}, "'prompt_token_ids' must be a list"),
     ({"prompt": [3, 4]}, "'prompt' must be a string"),
 ])
