@@ -288,7 +288,10 @@ def _part(part: Any, i: int, j: int, placeholders: dict[str, str]) -> tuple[str,
     """(type, text) of one content part; an image's (video's) text is its placeholder
     (``placeholders``: part type -> text, for the media parts the model takes). A part holds
     ``type`` and its type's payload only (another non-null key would go unread: a
-    ChatTemplateError naming it, as the HTTP schema refuses it)."""
+    ChatTemplateError naming it, as the HTTP schema refuses it). A plain string is a text
+    part (vLLM's chat parser takes it so)."""
+    if isinstance(part, str):
+        return "text", part
     kind = part.get("type") if isinstance(part, dict) else None
     key = _TEXT_PARTS.get(kind, kind) if isinstance(kind, str) else None
     other = next((k for k, v in part.items() if k not in ("type", key) and v is not None),

@@ -77,6 +77,22 @@ def test_chat_takes_tuples_as_lists(llm):
         assert out.outputs[0].token_ids == want.outputs[0].token_ids
 
 
+def test_chat_takes_plain_string_content_parts(llm):
+    """A content part given as a plain string was 'content part 0 of type None is not
+    supported'; vLLM's chat parser takes it as a text part, and so does kvflow."""
+    def chat(content):
+        (out,) = llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False)
+        return out.prompt, out.outputs[0].token_ids
+
+    assert chat(["hi"]) == chat("hi") == chat([{"type": "text", "text": "hi"}])
+    parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
+    assert chat(["h", "i"]) == chat([parts[0], "i"]) == chat(parts)
+    assert chat(parts)[0] == "<user>h\ni\n<assistant>"  # parts joined by a newline
+    with pytest.raises(ValueError, match="message 0: content part 0 of type None is not "
+                                         "supported"):
+        llm.chat([{"role": "user", "content": [5]}], GREEDY, use_tqdm=False)
+
+
 def test_wait_for_completion_bad_output_type_keeps_the_queue(llm):
     """``output_type=5`` raised isinstance's TypeError after the queue was emptied: the
     enqueued requests' outputs were lost. Now a ValueError before anything runs, and the
