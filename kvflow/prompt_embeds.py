@@ -63,14 +63,17 @@ def check_prompt_embeds(embeds: object, hidden_size: int, max_model_len: int,
     before the length check (vLLM's rule); None keeps every row.
 
     Raises:
-        ValueError: naming what is wrong: not a tensor, not floating point, a rank other than
-            2 (after the squeeze), a last dimension other than ``hidden_size``, zero rows,
-            a NaN or infinite value, or ``max_model_len`` rows or more (no room to
-            generate).
+        ValueError: naming what is wrong: not a tensor, a meta tensor, not floating point, a
+            rank other than 2 (after the squeeze), a last dimension other than
+            ``hidden_size``, zero rows, a NaN or infinite value, or ``max_model_len`` rows
+            or more (no room to generate).
     """
     if not isinstance(embeds, torch.Tensor):
         raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
             f"prompt_embeds must be a torch.Tensor, got {type(embeds).__name__}")
+    if embeds.is_meta:  # no values to read: copying it out raised NotImplementedError
+        raise ValueError("prompt_embeds is a meta tensor (a shape without values): pass the "
+                         "embeddings themselves")
     if not embeds.is_floating_point():
         raise ValueError(f"prompt_embeds must be a floating-point tensor, got dtype "
                          f"{str(embeds.dtype).removeprefix('torch.')}")

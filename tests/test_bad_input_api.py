@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from kvflow import LLM, PoolingParams, RequestOutput, SamplingParams
 from kvflow.llm_inputs import broadcast_params, broadcast_pooling_params, check_users
+from kvflow.prompt_embeds import check_prompt_embeds
 from kvflow.prompt_truncation import truncation_length
 from kvflow.score_inputs import score_use_activation
 
@@ -180,3 +182,13 @@ def test_numpy_numbers_are_taken_as_python_numbers(llm):
     for bad in (np.bool_(True), True):
         with pytest.raises(ValueError, match=r"SamplingParams.n=.*True.* it must be an integer"):
             SamplingParams(n=bad)
+
+
+def test_meta_tensor_prompt_embeds_are_refused():
+    """A meta tensor (shape, no values) raised torch's NotImplementedError 'Cannot copy out
+    of meta tensor' from inside the check."""
+    with pytest.raises(ValueError, match=r"prompt_embeds is a meta tensor \(a shape without "
+                                         r"values\): pass the embeddings themselves"):
+        check_prompt_embeds(torch.empty(3, 64, device="meta"), 64, 24)
+    packed = check_prompt_embeds(torch.ones(3, 64), 64, 24)
+    assert torch.equal(packed.tensor(), torch.ones(3, 64))
