@@ -51,8 +51,9 @@ class LLMChat:
         ``use_tqdm``, ``lora_request``); the rest are keyword-only (vLLM's order after those
         differs between its versions, so a positional one would bind to another argument).
 
-        Message ``content`` may be a string, a list of text (and, for a vision-language
-        model, ``image_url`` and ``video_url``) parts or None (see ``kvflow.chat_messages``;
+        Message ``content`` may be a string, a list of text parts (a plain string in the
+        list is one, as vLLM takes it) and, for a vision-language model, ``image_url`` and
+        ``video_url`` parts, or None (see ``kvflow.chat_messages``;
         image URLs are ``data:`` URLs, http(s) from ``allowed_media_domains`` or ``file://``
         inside ``allowed_local_media_path``; video URLs
         likewise, see ``kvflow.multimodal.video``);
