@@ -57,7 +57,8 @@ def test_dynamic_context_limit_is_scaled(tiny_model_factory):
     """max_model_len defaults to 48 x 4 positions; more is refused (the table ends there)."""
     tiny = tiny_model_factory("llama_rope_dynamic")
     assert _llm(tiny).engine.core.max_model_len == 192
-    with pytest.raises(ValueError, match="the model covers \\(192: max_position_embeddings, scaled"):
+    with pytest.raises(ValueError, match="the model covers \\(192: max_position_embeddings 48 "
+                       "x factor 4.0 of its dynamic RoPE scaling\\)"):
         _llm(tiny, max_model_len=193)
 
 
