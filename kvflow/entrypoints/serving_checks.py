@@ -253,6 +253,8 @@ class OpenAIServingChecks:
             OpenAIError: 400 (param ``priority``, code ``unsupported_value``) for a nonzero
                 priority while the scheduler is not run by priority (it would be ignored).
         """
+        if not priority:  # the default: every policy takes it
+            return
         try:  # the scheduler's rule (SchedulerConfig.check_priority), answered as a 400
             self.engine.config.scheduler_config.check_priority(priority)
         except ValueError as e:
