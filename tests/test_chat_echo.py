@@ -13,6 +13,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from tests.serving_client import served_client
+
 CH = "/v1/chat/completions"
 USER = {"role": "user", "content": "the quick"}
 PARTIAL = {"role": "assistant", "content": "brown fox"}
@@ -22,19 +24,8 @@ SAMPLED = {"max_tokens": 6, "temperature": 1.0, "seed": 3, "ignore_eos": True,
 
 @pytest.fixture(scope="module")
 def client(tiny_chat_model):
-    from kvflow.config import EngineConfig, ServerConfig
-    from kvflow.engine.async_llm import AsyncLLM
-    from kvflow.entrypoints.api_server import build_app, start_app
-
-    engine = AsyncLLM(EngineConfig.from_kwargs(model=tiny_chat_model, dtype="float32",
-                                               num_kv_blocks=64, block_size=4))
-    try:
-        app = build_app(engine, ServerConfig(), "m")
-        with TestClient(app) as client:
-            client.portal.call(start_app, app)
-            yield client
-    finally:
-        engine.close()
+    with served_client(tiny_chat_model) as client:
+        yield client
 
 
 def _reply(client: TestClient, **body) -> dict:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from tests.serving_client import served_client
 from tests.test_text_offsets import stable_offsets
 
 CO = "/v1/completions"
@@ -45,19 +46,8 @@ def tokenizer(bos_model):
 
 @pytest.fixture(scope="module")
 def client(bos_model):
-    from kvflow.config import EngineConfig, ServerConfig
-    from kvflow.engine.async_llm import AsyncLLM
-    from kvflow.entrypoints.api_server import build_app, start_app
-
-    engine = AsyncLLM(EngineConfig.from_kwargs(model=bos_model, dtype="float32",
-                                               num_kv_blocks=64, block_size=4))
-    try:
-        app = build_app(engine, ServerConfig(), "m")
-        with TestClient(app) as client:
-            client.portal.call(start_app, app)
-            yield client
-    finally:
-        engine.close()
+    with served_client(bos_model) as client:
+        yield client
 
 
 def _reply(client: TestClient, **body) -> dict:
