@@ -384,21 +384,3 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
         self.fail_all(EngineDeadError(f"output loop failed: {error}"))
         if self.on_dead is not None:
             self.on_dead(self._dead)
-
-    def fail_all(self, error: EngineDeadError) -> None:
-        """End every open request with ``error`` and refuse new ones (the server is
-        stopping)."""
-        self._dead = error
-        self.requests.fail_all(error)
-        self._calls.fail(error)
-
-    async def shutdown(self) -> None:
-        """Stop the output loop and the core processes; release the sockets."""
-        if self._outputs is not None:
-            await self._outputs.stop()
-        self.close()
-
-    def close(self) -> None:
-        """Synchronous teardown (idempotent): ask the cores to stop, then make sure they do;
-        release the sockets and the IPC directory."""
-        self.replicas.close(self._outputs.socket if self._outputs is not None else None)

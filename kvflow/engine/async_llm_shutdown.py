@@ -1,16 +1,17 @@
 """How :class:`kvflow.engine.async_llm.AsyncLLM` stops serving: aborting or draining the open
 requests (``--shutdown-timeout``), refusing new ones, and the flags a signal handler sets
-(``begin_shutdown``, ``hurry_shutdown``). AsyncLLM's base class."""
+(``begin_shutdown``, ``hurry_shutdown``), failing every request and the teardown
+(``fail_all``, ``shutdown``, ``close``). AsyncLLM's base class."""
 
 from __future__ import annotations
 
 from kvflow.engine.messages import AbortRequests
-from kvflow.engine.streams import EngineShutdownError
+from kvflow.engine.streams import EngineDeadError, EngineShutdownError
 
 
 class AsyncLLMShutdown:
     """The shutdown side of :class:`~kvflow.engine.async_llm.AsyncLLM`, which sets
-    ``replicas``, ``requests``, ``_calls`` and ``_dead`` that these use."""
+    ``replicas``, ``requests``, ``_calls``, ``_dead`` and ``_outputs`` that these use."""
 
     def abort_all(self, error: EngineShutdownError) -> int:
         """Abort every open request in its engine core (their KV blocks are freed), end its
@@ -60,3 +61,21 @@ class AsyncLLMShutdown:
         when the user wants no more waiting; it only sets a flag, so it may run in a signal
         handler, before or while the cores are being stopped, and more than once."""
         self.replicas.hurry = True
+
+    def fail_all(self, error: EngineDeadError) -> None:
+        """End every open request with ``error`` and refuse new ones (the server is
+        stopping)."""
+        self._dead = error
+        self.requests.fail_all(error)
+        self._calls.fail(error)
+
+    async def shutdown(self) -> None:
+        """Stop the output loop and the core processes; release the sockets."""
+        if self._outputs is not None:
+            await self._outputs.stop()
+        self.close()
+
+    def close(self) -> None:
+        """Synchronous teardown (idempotent): ask the cores to stop, then make sure they do;
+        release the sockets and the IPC directory."""
+        self.replicas.close(self._outputs.socket if self._outputs is not None else None)
