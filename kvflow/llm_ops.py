@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvflow.config.profiler import required_profiler_options
-from kvflow.engine.core_proc import collect_stats
+from kvflow.engine.core_stats import collect_stats
 from kvflow.engine.dp_client import DPCoreClient
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.llm_stats import OfflineStats

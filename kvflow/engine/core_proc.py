@@ -27,7 +27,6 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import msgspec
@@ -36,6 +35,7 @@ import zmq
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
 from kvflow.core.request_errors import STRUCTURED_OUTPUTS
+from kvflow.engine.core_stats import collect_stats
 from kvflow.engine.forkserver_start import ParentState
 from kvflow.engine.messages import (
     AbortRequests,
@@ -56,11 +56,11 @@ from kvflow.engine.messages import (
     WakeUp,
     input_decoder,
 )
-from kvflow.engine_outputs import EngineCoreOutput, EngineStats
+from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor.base import ExecutorError
 from kvflow.gc_heap import freeze_startup_heap
 from kvflow.models.loader import resolve_eos_token_id
-from kvflow.request import Request, RequestStatus
+from kvflow.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,6 @@ _IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is alive
 _PARENT_CHECK_S = 1.0  # how often a busy core checks it (between steps)
 _PR_SET_NAME = 15  # prctl option (linux/prctl.h)
 _BUSY_RETRY_AFTER_S = 1.0  # Retry-After of a refusal for saturated grammar compiles
-_WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)  # a request in the waiting queue
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
@@ -205,42 +204,6 @@ def _ready(core: EngineCore, engine_index: int = 0) -> EngineReady:
                        core.config.cache_config.block_size, collect_stats(core), engine_index,
                        core.task, core.pooler_config, core.hf_config.hidden_size,
                        core.max_model_len_note, core.kv_cache_manager.enable_prefix_caching)
-
-
-def collect_stats(core: EngineCore) -> EngineStats:
-    """Snapshot of the scheduler and KV-cache counters; takes the token counts of the steps
-    and the phases of the requests finished since the previous snapshot
-    (``Scheduler.take_iteration_tokens`` / ``take_finished_stats``): send what it returns."""
-    kv, sched, enc = core.kv_cache_manager, core.scheduler, core.scheduler.encoder
-    stats = EngineStats(sched.num_running, sched.num_waiting, kv.usage, kv.num_free_blocks,
-                        kv.pool.num_usable_blocks, sched.num_preemptions, kv.num_queries,
-                        kv.num_hits, core.weight_bytes, core.kv_bytes_per_token,
-                        *((enc.num_queries, enc.num_hits, enc.num_encoded) if enc else ()))
-    spec = getattr(core, "speculator", None)
-    if spec is not None:
-        stats.spec_decode_num_drafts = spec.num_drafts
-        stats.spec_decode_num_draft_tokens = spec.num_draft_tokens
-        stats.spec_decode_num_accepted_tokens = spec.num_accepted_tokens
-        stats.spec_decode_num_accepted_tokens_per_pos = list(spec.num_accepted_per_pos)
-    model = sched.planner.model
-    stats.step_time_predictions = model.num_predicted
-    stats.step_time_abs_error_s = model.mean_abs_error
-    stats.step_time_rel_error = model.mean_rel_error
-    stats.iteration_tokens = sched.take_iteration_tokens()
-    stats.finished_requests = sched.take_finished_stats()
-    # a copy: the offline LLM reads the stats in-process, and /metrics counts what they grew
-    stats.prompt_tokens = msgspec.structs.replace(sched.prompt_token_stats)
-    stats.num_waiting_deferred = len(sched.deferred)
-    if sched.max_loras is not None:  # LoRA enabled
-        stats.running_lora_adapters = _adapter_names(sched.running)
-        stats.waiting_lora_adapters = _adapter_names(  # the queue's, without sorting it
-            r for r in sched.requests.values() if r.status in _WAITING)
-    return stats
-
-
-def _adapter_names(requests: Iterable[Request]) -> list[str]:
-    """The names of the LoRA adapters ``requests`` run with, sorted, each once."""
-    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
 
 
 class EngineCoreProc:

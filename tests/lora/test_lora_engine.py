@@ -536,7 +536,7 @@ def test_engine_stats_name_the_running_and_waiting_adapters(llm, adapters, asser
     """What vLLM's ``lora_requests_info`` gauge shows: requests of both adapters and one of
     the base model, queued: both adapters waiting (sorted, each once), none running; after
     one step all three run; once they finish, neither list names one."""
-    from kvflow.engine.core_proc import collect_stats
+    from kvflow.engine.core_stats import collect_stats
 
     lora_all, lora_qv = _requests(adapters)
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
