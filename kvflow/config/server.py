@@ -14,6 +14,7 @@ from kvflow.config.server_values import (
     LIST_FIELDS,
     check_disable_log_stats,
     lora_module,
+    one_or_many,
     word_list,
 )
 
@@ -249,18 +250,12 @@ class ServerConfig:
             "default_chat_template_kwargs", self.default_chat_template_kwargs,
             '{"enable_thinking": false}')
         check_choices(self)
-        if isinstance(self.lora_modules, str):  # a config file's one adapter
-            self.lora_modules = (self.lora_modules,)
+        # a config file's (or a caller's) one adapter / key / name is a tuple of one
+        self.lora_modules = one_or_many(self.lora_modules)
         if self.lora_modules is not None:
             self.lora_modules = tuple(lora_module(m) for m in self.lora_modules)
-        if isinstance(self.api_key, str):  # a config file's (or a caller's) one key
-            self.api_key = (self.api_key,)
-        elif self.api_key is not None:
-            self.api_key = tuple(self.api_key)
-        if isinstance(self.served_model_name, str):  # a config file's one name
-            self.served_model_name = (self.served_model_name,)
-        elif self.served_model_name is not None:
-            self.served_model_name = tuple(self.served_model_name)
+        self.api_key = one_or_many(self.api_key)
+        self.served_model_name = one_or_many(self.served_model_name)
         self._check_vllm_flags()
         check_disable_log_stats(self.disable_log_stats)
         checks = [(0 <= self.port <= 65535, "port", "must be in [0, 65535]"),

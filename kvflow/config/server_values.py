@@ -48,6 +48,15 @@ def lora_module(module: Any) -> Any:
     return f"{name}={path}"
 
 
+def one_or_many(value: Any) -> tuple | None:
+    """A flag that takes several values, as a tuple: a lone string (a config file's or a
+    caller's one value) becomes a tuple of one, another iterable a tuple of its items; None
+    stays None."""
+    if value is None:
+        return None
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
 def word_list(name: str, value: Any) -> tuple[str, ...] | None:
     """A CORS list flag's value as a tuple of strings: each word is one entry, or a JSON list
     of entries (vLLM's form, ``'["https://a.example"]'``); None stays None.
