@@ -12,6 +12,7 @@ found by the walk, not listed by hand, so one added later is covered too.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import types
 from collections.abc import Iterable
@@ -65,3 +66,19 @@ def holders(root: Any, ids: Iterable[str], max_depth: int = 12) -> list[tuple[st
 
     visit(root, "root", 0)
     return found
+
+
+async def wait_until_idle(engine) -> None:
+    """Wait (up to 10 s) until an ``AsyncLLM``'s core reports no request and every KV block
+    free (the stats of the step after the last abort reach this process).
+
+    Raises:
+        AssertionError: if the core is not idle by then.
+    """
+    for _ in range(200):
+        stats = engine.stats[0]
+        if (stats.num_running, stats.num_waiting, stats.num_free_blocks) == \
+                (0, 0, stats.num_usable_blocks):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the core did not go idle: {engine.stats[0]}")

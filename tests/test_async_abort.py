@@ -29,6 +29,7 @@ import torch
 
 from kvflow import SamplingParams
 from kvflow.outputs import RequestOutput
+from tests.request_state import wait_until_idle
 from tests.test_request_metrics import open_requests_of
 
 PROMPT = [1, 5, 9, 13, 17, 21]
@@ -45,15 +46,6 @@ async def _read(stream) -> list[RequestOutput]:
     return [out async for out in stream]
 
 
-async def _idle(engine) -> None:
-    """Wait (up to 10 s) until the core's stats say no request is left and every KV block is
-    free (the stats of the step after the last abort reach this process)."""
-    for _ in range(200):
-        stats = engine.stats[0]
-        if (stats.num_running, stats.num_waiting, stats.num_free_blocks) == \
-                (0, 0, stats.num_usable_blocks):
-            return
-        await asyncio.sleep(0.05)
 
 
 async def _abort_from_another_task(engine) -> tuple[list[RequestOutput], RequestOutput]:
@@ -74,7 +66,7 @@ async def _abort_from_another_task(engine) -> tuple[list[RequestOutput], Request
         engine.abort("no-such-request")
         rest = await asyncio.wait_for(reader, 30)  # was: never returned
         kept = await asyncio.wait_for(collect(survivor), 60)
-        await _idle(engine)
+        await wait_until_idle(engine)
         return [first, *rest], kept
     finally:
         await engine.shutdown()
@@ -129,7 +121,7 @@ async def _awaited_aborts(engine) -> list[list[RequestOutput]]:
         assert await engine.abort("a") is None  # was: TypeError, None is not awaitable
         assert await engine.abort(iter(["b", "c", "no-such-request"])) is None
         outputs = [await asyncio.wait_for(readers[rid], 30) for rid in "abc"]
-        await _idle(engine)
+        await wait_until_idle(engine)
         return outputs
     finally:
         await engine.shutdown()
@@ -171,7 +163,7 @@ async def _reuse_after_abort(engine) -> list[RequestOutput]:
             new = engine.add_request("x", None, OTHER, SamplingParams(
                 temperature=0, ignore_eos=True, max_tokens=10, n=n))
             outputs.append(await asyncio.wait_for(collect(new), 60))
-        await _idle(engine)
+        await wait_until_idle(engine)
         return outputs
     finally:
         await engine.shutdown()

@@ -27,7 +27,7 @@ from kvflow import LLM, SamplingParams
 from kvflow.beam_search import BeamSearchParams
 from kvflow.sampling_params import RequestOutputKind
 from kvflow.structured import StructuredOutputsParams
-from tests.request_state import holders
+from tests.request_state import holders, wait_until_idle
 from tests.test_logits_processors import BanToken
 
 PROMPT = [1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 1, 5, 9]
@@ -170,15 +170,6 @@ def test_offline_api_mix_leaves_nothing(tiny_llama, tmp_path):
     _assert_forgotten(llm, ids)
 
 
-async def _idle(engine) -> None:
-    """Wait (up to 10 s) until the core reports no request and every KV block free."""
-    for _ in range(200):
-        stats = engine.stats[0]
-        if (stats.num_running, stats.num_waiting, stats.num_free_blocks) == \
-                (0, 0, stats.num_usable_blocks):
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"the core did not go idle: {engine.stats[0]}")
 
 
 async def _async_mix(engine) -> list[str]:
@@ -246,7 +237,7 @@ def test_async_llm_mix_leaves_nothing(tiny_llama, stream_interval):
         await engine.start()
         try:
             ids = await _async_mix(engine)
-            await _idle(engine)
+            await wait_until_idle(engine)
             return ids
         finally:
             await engine.shutdown()
