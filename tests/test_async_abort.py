@@ -46,8 +46,6 @@ async def _read(stream) -> list[RequestOutput]:
     return [out async for out in stream]
 
 
-
-
 async def _abort_from_another_task(engine) -> tuple[list[RequestOutput], RequestOutput]:
     """A long request read by one task and aborted by this one after its first output, next
     to a short one read to its end; returns the aborted one's outputs and the other's."""
