@@ -81,13 +81,23 @@ def check_beam_request(req: SamplingRequest) -> bool:
         if name in _CHAT_HONOURS and isinstance(req, ChatCompletionRequest):
             continue
         if value not in harmless:
-            raise OpenAIError(f"{name}={value!r} cannot be used with use_beam_search: {why}",
-                              param=name, code="unsupported_value")
+            raise OpenAIError(f"{_shown(name, value)} cannot be used with use_beam_search: "
+                              f"{why}", param=name, code="unsupported_value")
     if req.response_format is not None and req.response_format.type != "text":
         raise OpenAIError("response_format cannot be used with use_beam_search: structured "
                           "output is not supported with beam search",
                           param="response_format", code="unsupported_value")
     return True
+
+
+def _shown(name: str, value: object) -> str:
+    """A refused field as its error names it: ``name=value`` for a number, a bool or a
+    string of up to 40 characters, the name alone for a longer string (a grammar), a list, an
+    object or a model (a schema, ``structured_outputs``, thousands of ``allowed_token_ids``:
+    its repr would be long, and a model's repr names Python fields, not the request's)."""
+    if isinstance(value, (bool, int, float)) or isinstance(value, str) and len(value) <= 40:
+        return f"{name}={value!r}"
+    return name
 
 
 def beam_params(req: SamplingRequest, params: SamplingParams) -> BeamSearchParams:
