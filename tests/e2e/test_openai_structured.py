@@ -6,6 +6,7 @@ arguments, ``length`` for a cut call, and 400s for bad schemas, regexes and tool
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import httpx
@@ -202,6 +203,121 @@ def _is_json(text: str) -> bool:
     except json.JSONDecodeError:
         return False
     return True
+
+
+def _raw_stream(server, body):
+    """The chunks of a streamed chat reply to ``body``, as JSON."""
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60,
+                      json={"model": MODEL, "messages": MESSAGES, **body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_tool_choice_streams_each_call_once(server, client, parallel):
+    """tool_choice required, streamed: each call's first delta carries its index, id, type
+    and name (once; arguments ""), later ones only argument pieces; they join to the whole
+    reply's calls (the same seed), finish_reason "tool_calls" (or "length"), and with
+    parallel_tool_calls false exactly one call, which its grammar ends (vLLM's shape)."""
+    for seed in range(3):
+        body = {"tools": TOOLS, "tool_choice": "required", "seed": seed, "temperature": 0.9,
+                "max_tokens": 96, "parallel_tool_calls": parallel}
+        whole = chat(client, **body).choices[0]
+        calls, finish = {}, None
+        for chunk in _raw_stream(server, body):
+            (choice,) = chunk["choices"]
+            finish = choice["finish_reason"] or finish
+            for delta in choice["delta"].get("tool_calls") or []:
+                function = delta["function"]
+                if delta["index"] not in calls:
+                    assert delta["id"].startswith("call_") and delta["type"] == "function"
+                    assert function["name"] and function["arguments"] == ""
+                    calls[delta["index"]] = [function["name"], ""]
+                else:
+                    assert set(delta) == {"index", "function"} and set(function) == \
+                        {"arguments"}
+                    calls[delta["index"]][1] += function["arguments"]
+        assert sorted(calls) == list(range(len(calls)))
+        assert [tuple(calls[i]) for i in sorted(calls)] == \
+            [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        assert finish == whole.finish_reason in ("tool_calls", "length")
+        if not parallel:
+            assert len(calls) == 1 and finish == "tool_calls"
+        if finish == "tool_calls":
+            for name, arguments in calls.values():
+                jsonschema.validate(json.loads(arguments), next(
+                    t["function"]["parameters"] for t in TOOLS
+                    if t["function"]["name"] == name))
+
+
+def test_n_choices_under_a_json_schema_each_valid_and_streamed_alike(server, client):
+    """n=3 under response_format json_schema: every choice that stops matches the schema,
+    and each streamed choice joins to the whole reply's choice of its index."""
+    body = {"n": 3, "seed": 5, "temperature": 0.9, "max_tokens": 48, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}}
+    whole = chat(client, **body)
+    assert len(whole.choices) == 3
+    for c in whole.choices:
+        assert c.finish_reason in ("stop", "length")
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.message.content), SCHEMA)
+    assert sum(c.finish_reason == "stop" for c in whole.choices) >= 2
+    texts, finishes = {}, {}
+    for chunk in _raw_stream(server, body):
+        for c in chunk["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + (c["delta"].get("content") or "")
+            finishes[c["index"]] = c["finish_reason"] or finishes.get(c["index"])
+    assert [(texts[i], finishes[i]) for i in range(3)] == \
+        [(c.message.content, c.finish_reason) for c in whole.choices]
+
+
+def test_top_logprobs_under_a_grammar_are_the_masked_distribution(client):
+    """Logprobs are taken after the grammar's mask, as vLLM's (its bitmask is applied to the
+    logits its sampler reads): under a single choice the tokens allowed at each step are the
+    prefixes of the text still to write, their probabilities sum to 1, and every other token
+    is -inf, sent as vLLM's -9999.0; the EOS that ends the grammar is the only token allowed
+    last (logprob log 1 = 0), and the stream carries the same entries."""
+    word = "kvflow"
+    body = {"logprobs": True, "top_logprobs": 20, "extra_body": {
+        "structured_outputs": {"choice": [word]}}}
+    choice = chat(client, **body).choices[0]
+    assert (choice.message.content, choice.finish_reason) == (word, "stop")
+    entries, done = choice.logprobs.content, 0
+    assert "".join(e.token for e in entries[:-1]) == word and entries[-1].token == "<eos>"
+    for e in entries:
+        rest = word[done:]
+        allowed = [t for t in e.top_logprobs if t.logprob > -9999.0]
+        assert all(t.logprob == -9999.0 for t in e.top_logprobs if t not in allowed)
+        assert len(allowed) < len(e.top_logprobs)  # 20 alternatives: some are masked
+        assert all(rest.startswith(t.token) and t.token for t in allowed) if rest else \
+            [(t.token, t.logprob) for t in allowed] == [("<eos>", 0.0)]
+        assert math.isclose(sum(math.exp(t.logprob) for t in allowed), 1.0, rel_tol=1e-5)
+        assert (e.token, e.logprob) in [(t.token, t.logprob) for t in allowed]
+        done += len(e.token) if rest else 0
+    streamed = [e for c in chat(client, stream=True, **body) if c.choices
+                and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+
+
+def test_stop_string_cuts_a_forced_call(client):
+    """A stop string inside a named function's forced arguments ends the reply there
+    (finish_reason "stop", stop_reason the string; the call's arguments are the text before
+    it, or through it with include_stop_str_in_output), whole and streamed alike."""
+    request = {"tools": TOOLS, "seed": 3, "temperature": 0.7, "max_tokens": 64,
+               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    full = chat(client, **request).choices[0].message.tool_calls[0].function.arguments
+    cut = full[:full.index(",")]
+    for include, expected in ((False, cut), (True, cut + ",")):
+        body = {**request, "stop": [","],
+                "extra_body": {"include_stop_str_in_output": include}}
+        choice = chat(client, **body).choices[0]
+        assert (choice.finish_reason, choice.model_extra["stop_reason"]) == ("stop", ",")
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] \
+            == [("get_weather", expected)]
+        streamed, finish = _streamed_calls(chat(client, stream=True, **body))
+        assert finish == "stop"
+        assert [(c["name"], c["arguments"]) for c in streamed] == [("get_weather", expected)]
 
 
 def test_unbounded_grammar_ends_with_length(client):
