@@ -187,6 +187,34 @@ def test_preemption_keeps_matcher_in_step(tiny_llama, assert_no_leaks):
     assert_no_leaks(llm)
 
 
+def test_preempted_samples_of_n_equal_the_unpreempted_run(tiny_llama, assert_no_leaks):
+    """n=2 seeded samples per constrained request (JSON schema and regex) in a pool too
+    small for them: preempted and recomputed mid-output, each sample's tokens and logprobs
+    are those of the same requests in a pool that never preempts (every child's matcher
+    stays in step with its own output)."""
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "pattern": "^[a-z ]{1,12}$"}, "age": {"type": "integer"}},
+        "required": ["name", "age"]}
+
+    def run(llm):
+        params = [SamplingParams(temperature=0.8, seed=100 + i, n=2, max_tokens=40, logprobs=1,
+                                 structured_outputs=StructuredOutputsParams(json=schema)
+                                 if i % 2 else StructuredOutputsParams(
+                                     regex=r"[a-z]{3,6}( [a-z]{2,5}){2,6}\.")) for i in range(4)]
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        return [(c.text, c.finish_reason, c.token_ids,
+                 [round(step[t].logprob, 4) for t, step in zip(c.token_ids, c.logprobs)])
+                for o in outs for c in o.outputs]
+
+    common = {"model": tiny_llama.path, "block_size": 4, "max_model_len": 88}
+    expected = run(LLM(num_kv_blocks=400, **common))
+    small = LLM(num_kv_blocks=24, max_num_seqs=8, **common)
+    assert run(small) == expected
+    assert small.engine.core.scheduler.num_preemptions > 0
+    assert sum(finish == "stop" for _, finish, _, _ in expected) >= 4
+    assert_no_leaks(small)
+
+
 def test_unbounded_grammar_stops_at_max_tokens(llm):
     outs = _run(llm, [_constrained(0, 10, grammar='root ::= "a" root | "a"')], PROMPTS[:1])
     assert outs[0].finish_reason in ("length", "stop") and len(outs[0].token_ids) <= 10
