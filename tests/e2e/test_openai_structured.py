@@ -220,6 +220,7 @@ def test_required_tool_choice_streams_each_call_once(server, client, parallel):
     and name (once; arguments ""), later ones only argument pieces; they join to the whole
     reply's calls (the same seed), finish_reason "tool_calls" (or "length"), and with
     parallel_tool_calls false exactly one call, which its grammar ends (vLLM's shape)."""
+    finishes = []
     for seed in range(3):
         body = {"tools": TOOLS, "tool_choice": "required", "seed": seed, "temperature": 0.9,
                 "max_tokens": 96, "parallel_tool_calls": parallel}
@@ -243,12 +244,14 @@ def test_required_tool_choice_streams_each_call_once(server, client, parallel):
             [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
         assert finish == whole.finish_reason in ("tool_calls", "length")
         if not parallel:
-            assert len(calls) == 1 and finish == "tool_calls"
+            assert len(calls) == 1
+        finishes.append(finish)
         if finish == "tool_calls":
             for name, arguments in calls.values():
                 jsonschema.validate(json.loads(arguments), next(
                     t["function"]["parameters"] for t in TOOLS
                     if t["function"]["name"] == name))
+    assert "tool_calls" in finishes  # the random model may write digits to max_tokens
 
 
 def test_n_choices_under_a_json_schema_each_valid_and_streamed_alike(server, client):
