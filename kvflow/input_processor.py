@@ -311,7 +311,7 @@ class InputProcessor(PoolingInputs):
                 with images.
         """
         limit = truncation_length(params.truncate_prompt_tokens, self.max_model_len,
-                                  SAMPLING_FIELD)
+                                  SAMPLING_FIELD, generation=True)
         if limit is None or len(token_ids) <= limit:
             return token_ids, prompt_embeds
         if mm_features:

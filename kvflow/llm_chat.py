@@ -128,7 +128,7 @@ class LLMChat:
                    "content_format": chat_template_content_format}
         tokenization = parse_tokenization_kwargs(tokenization_kwargs,
                                                  self.engine.processor.max_model_len,
-                                                 add_special_tokens=False)
+                                                 add_special_tokens=False, generation=True)
         return self._chat_prompts(conversations, add_generation_prompt, options, tokenization)
 
     def _chat_prompts(self, conversations: list, add_generation_prompt: bool,

@@ -302,9 +302,10 @@ def processed_prompts(processor: InputProcessor, prompts: list[PromptType],
             (``SamplingParams.truncate_prompt_tokens`` above ``max_model_len``), or kept
             tokens that do not fit.
     """
-    options = parse_tokenization_kwargs(tokenization_kwargs, processor.max_model_len)
+    options = parse_tokenization_kwargs(tokenization_kwargs, processor.max_model_len,
+                                        generation=True)
     limits = [truncation_length(p.truncate_prompt_tokens, processor.max_model_len,
-                                SAMPLING_FIELD) for p in params]
+                                SAMPLING_FIELD, generation=True) for p in params]
     processed = [processor.process(p, keep_last=limit, options=options,
                                    mm_kwargs=mm_processor_kwargs)
                  for p, limit in zip(prompts, limits)]

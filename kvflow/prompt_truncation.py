@@ -10,9 +10,13 @@ SAMPLING_FIELD = "SamplingParams.truncate_prompt_tokens"  # as errors name a Sam
 
 
 def truncation_length(truncate_prompt_tokens: int | None, max_model_len: int,
-                      field: str = "truncate_prompt_tokens") -> int | None:
-    """How many prompt tokens to keep: None for None (never cut), ``max_model_len`` for -1,
-    else ``truncate_prompt_tokens`` itself (vLLM's reading of the field).
+                      field: str = "truncate_prompt_tokens",
+                      generation: bool = False) -> int | None:
+    """How many prompt tokens to keep: None for None (never cut), ``max_model_len`` for -1
+    (``max_model_len - 1`` for a ``generation`` prompt, which must leave a position for its
+    first generated token: vLLM 0.32's ``TokenizeParams.max_truncation_tokens``; keeping
+    ``max_model_len`` would only have the prompt refused as too long), else
+    ``truncate_prompt_tokens`` itself (vLLM's reading of the field).
 
     Raises:
         ValueError: naming ``field`` (``SamplingParams.truncate_prompt_tokens`` for a
@@ -28,7 +32,7 @@ def truncation_length(truncate_prompt_tokens: int | None, max_model_len: int,
             f"{field}={k!r} is invalid: it must be an integer >= 1, -1 (max_model_len) or "
             "None")
     if k == -1:
-        return max_model_len
+        return max_model_len - 1 if generation else max_model_len
     if k < 1:
         raise ValueError(f"{field}={k} is invalid: it must be an integer >= 1, "
                          "or -1 (max_model_len)")

@@ -115,7 +115,8 @@ class SamplingParams:
             so far end with the word's other tokens (the prompt is not searched). Tokenized
             when the request is queued (:attr:`bad_words_token_ids`).
         truncate_prompt_tokens: keep only the prompt's last ``k`` tokens (``k >= 1``; -1:
-            ``max_model_len``); None: never cut (a prompt the context cannot take is
+            ``max_model_len - 1``, leaving a position for the first generated token, as
+            vLLM 0.32's generation requests keep); None: never cut (a prompt the context cannot take is
             refused). A ``k`` above ``max_model_len`` is refused when the request is queued.
         bad_words_token_ids: the token ids of ``bad_words``' variants, filled in by the
             engine's ``InputProcessor`` when the request is queued (a value given here is

@@ -11,7 +11,9 @@ Keys read (vLLM's meanings):
   ``padding="max_length"`` use.
 * ``truncation``: True / ``"longest_first"`` keeps ``max_length`` tokens; False /
   ``"do_not_truncate"`` none.
-* ``truncate_prompt_tokens`` (int >= 1, or -1 for ``max_model_len``): keep that many tokens.
+* ``truncate_prompt_tokens`` (int >= 1, or -1 for ``max_model_len``; ``max_model_len - 1``
+  for a generation prompt, which must leave a position for its first generated token):
+  keep that many tokens.
 * ``truncation_side`` (``"left"``: keep the last tokens, ``"right"``: keep the first): when
   given, the whole text is tokenized and cut on that side (special tokens cut too); when
   not, the side is vLLM's default for the call's runner (vLLM loads the tokenizer with
@@ -156,12 +158,15 @@ def pooling_cut(keep: int | None, side: str | None = None,
 
 def parse_tokenization_kwargs(kwargs: Mapping[str, Any] | None, max_model_len: int,
                               add_special_tokens: bool = True,
-                              default_side: str = GENERATION_SIDE) -> TokenizationOptions | None:
+                              default_side: str = GENERATION_SIDE,
+                              generation: bool = False) -> TokenizationOptions | None:
     """``tokenization_kwargs`` checked and resolved against ``max_model_len`` (tokens); None
     for None or an empty dict (tokenize as usual). ``add_special_tokens``: the default when
     the kwargs do not say (False for a rendered chat, whose template writes them).
     ``default_side``: the side cut when ``truncation_side`` is not given, vLLM's for the
     runner: ``GENERATION_SIDE`` (keep the last tokens) or ``POOLING_SIDE`` (the first).
+    ``generation``: the prompts are generation prompts (``truncate_prompt_tokens`` -1 keeps
+    ``max_model_len - 1`` tokens: :func:`~kvflow.prompt_truncation.truncation_length`).
 
     Raises:
         ValueError: naming ``tokenization_kwargs`` and the key, for a key kvflow does not read
@@ -184,7 +189,7 @@ def parse_tokenization_kwargs(kwargs: Mapping[str, Any] | None, max_model_len: i
             raise ValueError(f"{_FIELD}['{name}'] must be a bool, got {kwargs[name]!r}")
     max_length = _length(kwargs, "max_length", max_model_len, allow_minus_one=False)
     max_length = max_model_len if max_length is None else max_length
-    keep = _length(kwargs, "truncate_prompt_tokens", max_model_len)
+    keep = _length(kwargs, "truncate_prompt_tokens", max_model_len, generation=generation)
     truncation = kwargs.get("truncation")
     if truncation in (True, "longest_first"):
         keep = max_length
@@ -215,9 +220,9 @@ def parse_tokenization_kwargs(kwargs: Mapping[str, Any] | None, max_model_len: i
 
 
 def _length(kwargs: Mapping[str, Any], name: str, max_model_len: int,
-            allow_minus_one: bool = True) -> int | None:
-    """``kwargs[name]`` as a token count (-1: ``max_model_len`` where allowed); None when
-    absent or None.
+            allow_minus_one: bool = True, generation: bool = False) -> int | None:
+    """``kwargs[name]`` as a token count (-1: ``max_model_len`` where allowed, less one for
+    ``generation``); None when absent or None.
 
     Raises:
         ValueError: naming the key, for a non-integer or a count out of range.
@@ -230,4 +235,4 @@ def _length(kwargs: Mapping[str, Any], name: str, max_model_len: int,
         raise ValueError(f"{_FIELD}['{name}'] must be an integer >= 1"
                          f"{' or -1 (max_model_len)' if allow_minus_one else ''}, got "
                          f"{value!r}")
-    return truncation_length(value, max_model_len, f"{_FIELD}['{name}']")
+    return truncation_length(value, max_model_len, f"{_FIELD}['{name}']", generation)

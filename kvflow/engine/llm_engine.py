@@ -115,7 +115,8 @@ class LLMEngine:
         params = params.with_defaults(self.sampling_defaults)
         if not isinstance(prompt, ProcessedPrompt):  # prompt_embeds rows cut before their check
             prompt = self.processor.process(prompt, keep_last=truncation_length(
-                params.truncate_prompt_tokens, self.processor.max_model_len, SAMPLING_FIELD))
+                params.truncate_prompt_tokens, self.processor.max_model_len, SAMPLING_FIELD,
+                generation=True))
         if lora_request is not None:
             self.core.add_lora(lora_request)
         requests = self.processor.make_requests(request_id, prompt.token_ids, params,

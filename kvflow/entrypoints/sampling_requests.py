@@ -46,14 +46,15 @@ def default_max_tokens(engine: AsyncLLM, num_prompt_tokens: int,
 
 def prompt_truncation(engine: AsyncLLM, req: SamplingRequest) -> int | None:
     """How many prompt tokens ``req`` keeps (its last ones): ``truncate_prompt_tokens`` as
-    vLLM reads it (-1: ``max_model_len``), None when it is unset (never cut).
+    vLLM reads it for generation (-1: ``max_model_len - 1``), None when it is unset (never cut).
 
     Raises:
         OpenAIError: 400 naming ``truncate_prompt_tokens`` (code ``invalid_value``) for 0, a
             value below -1 or one above ``max_model_len``.
     """
     try:
-        return truncation_length(req.truncate_prompt_tokens, engine.max_model_len)
+        return truncation_length(req.truncate_prompt_tokens, engine.max_model_len,
+                                 generation=True)
     except ValueError as e:
         raise OpenAIError(str(e), param="truncate_prompt_tokens", code="invalid_value") from None
 
