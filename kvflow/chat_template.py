@@ -46,6 +46,12 @@ _RESERVED_KWARGS = frozenset({
     "sanitize_control_tokens"})
 
 
+# Offline and command-line callers' error (the server words its own: chat_conversation.py)
+_NO_TEMPLATE = ("this model has no chat template: give one, as chat_template (the Jinja text) "
+                "or --chat-template FILE on the command line (kvflow generate --chat, serve, "
+                "run-batch)")
+
+
 class NoChatTemplateError(ChatTemplateError):
     """The model has no chat template and the caller gave none."""
 
@@ -163,7 +169,7 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
             content_format, isinstance(template, str) and loops_over_content(template)),
         video_placeholder=video_placeholder)
     if not template:
-        raise NoChatTemplateError("this model has no chat template", "messages")
+        raise NoChatTemplateError(_NO_TEMPLATE, "messages")
     kwargs = _template_kwargs(conversation, template, add_generation_prompt,
                               continue_final_message, tools, documents, template_kwargs,
                               on_unread_kwargs)

@@ -173,8 +173,13 @@ def test_no_chat_template_http_message(tiny_tokenizer):
     stub = SimpleNamespace(engine=SimpleNamespace(processor=engine.processor, tokenizer=plain))
     stub._chat_prompts = lambda *args: LLM._chat_prompts(stub, *args)
     stub._render_chat = lambda *args, **kwargs: LLM._render_chat(stub, *args, **kwargs)
-    with pytest.raises(NoChatTemplateError):
+    with pytest.raises(NoChatTemplateError) as offline:
         LLM.chat(stub, [{"role": "user", "content": "hi"}])
+    # offline, the error says how to give one (was "this model has no chat template" alone)
+    assert str(offline.value) == ("this model has no chat template: give one, as "
+                                  "chat_template (the Jinja text) or --chat-template FILE on "
+                                  "the command line (kvflow generate --chat, serve, "
+                                  "run-batch)")
     # an embedding server (/tokenize renders messages there) refuses /v1/completions: the
     # message named it; now the routes that server takes text on
     engine.task = "embed"

@@ -436,7 +436,8 @@ def test_generate_chats_with_the_flags_template(tiny_llama, tmp_path, capsys):
             "64", "--prompt", "the lazy fox", "--max-tokens", "5", "--temperature", "0",
             "--chat", "--verbose"]
     assert main(argv) == 2
-    assert "this model has no chat template" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "this model has no chat template" in err and "--chat-template FILE" in err
     assert main([*argv, "--chat-template", _file(tmp_path, FLAG_TEMPLATE)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == expected.text and f"tokens={len(expected.token_ids)}" in out[1]
