@@ -39,7 +39,7 @@ from typing import Any
 
 from kvflow.prompt_truncation import truncation_length
 
-__all__ = ["GENERATION_SIDE", "POOLING_SIDE", "TokenizationOptions",
+__all__ = ["GENERATION_SIDE", "POOLING_SIDE", "TokenizationOptions", "cut_generation_prompt",
            "parse_tokenization_kwargs", "pooling_cut"]
 
 # vLLM 0.32 loads the tokenizer with these truncation sides, whatever its config says
@@ -89,6 +89,15 @@ class TokenizationOptions:
         if self.do_lower_case:
             text = text.lower()
         ids = list(tokenizer.encode(text, add_special_tokens=self.add_special_tokens))
+        return self.cut_encoded(tokenizer, text, ids)
+
+    def cut_encoded(self, tokenizer: Any, text: str, ids: list[int]) -> list[int]:
+        """``ids`` (``text`` already encoded under these options) cut and padded as
+        :meth:`encode` cuts and pads them.
+
+        Raises:
+            ValueError: for padding without a pad token in the tokenizer.
+        """
         if self.keep is not None and not self.side_given and self.add_special_tokens:
             ids = self._cut_around_special_tokens(tokenizer, text, ids)
         return self.reshape(tokenizer, ids)
@@ -136,6 +145,29 @@ def _cut(token_ids: list[int], keep: int, side: str) -> list[int]:
     if len(token_ids) <= keep:
         return token_ids
     return token_ids[len(token_ids) - keep:] if side == "left" else token_ids[:keep]
+
+
+def cut_generation_prompt(tokenizer: Any, text: str | None, token_ids: list[int], keep: int,
+                          add_special_tokens: bool) -> list[int]:
+    """A generation prompt's ``token_ids`` cut to ``keep`` (>= 0) tokens as vLLM 0.32's
+    /v1/completions and /v1/chat/completions cut one for ``truncate_prompt_tokens`` without
+    ``truncation_side``: a text encoded with its special tokens (``add_special_tokens``) is
+    cut as the tokenizer cuts it with the generation runner's ``truncation_side="left"``
+    (``tokenizer(text, truncation=True, max_length=keep)``): the text's own tokens keep their
+    last ones and the special tokens the tokenizer adds around them (a BOS) stay. Token ids
+    given as such (``text`` None) and a text encoded without special tokens keep their last
+    ``keep``.
+
+    Args:
+        tokenizer: the transformers tokenizer ``text`` was encoded with (None for token ids).
+        text: the prompt's text, or None for a token-id prompt.
+        token_ids: ``text`` encoded (``add_special_tokens`` as given), or the prompt's ids.
+        keep: tokens kept.
+        add_special_tokens: whether ``token_ids`` hold the tokenizer's special tokens.
+    """
+    if text is None or not add_special_tokens:
+        return _cut(token_ids, keep, GENERATION_SIDE)
+    return TokenizationOptions(keep=keep).cut_encoded(tokenizer, text, token_ids)
 
 
 def pooling_cut(keep: int | None, side: str | None = None,

@@ -21,6 +21,7 @@ from kvflow.entrypoints.chat_output import ChatOutputParser, make_reasoning_pars
 from kvflow.entrypoints.chat_render import ChatRendering
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.platform_fields import refuse_platform_options, served_tier
+from kvflow.entrypoints.preprocess import off_loop
 from kvflow.entrypoints.prompt_logprobs import vllm_prompt_logprobs
 from kvflow.entrypoints.protocol import (
     ChatChoice,
@@ -53,9 +54,9 @@ from kvflow.entrypoints.structured_requests import (
 )
 from kvflow.entrypoints.unknown_fields import UnknownFields
 from kvflow.outputs import CompletionOutput
-from kvflow.prompt_truncation import keep_last_tokens
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import StructuredOutputsParams
+from kvflow.tokenization_options import cut_generation_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,9 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             tool_instructions=mode is not None)
         rendered = text
         prompt = await self.attach_images(req.messages, text, ids, req.mm_processor_kwargs)
-        text, ids = _truncated(text, prompt.token_ids, limit, prompt.mm_features)
+        special = req.add_special_tokens and "truncation_side" not in req.unknown_values
+        text, ids = await off_loop(len(text), _truncated, self.tokenizer, text,
+                                   prompt.token_ids, limit, prompt.mm_features, special)
         params = self._params(req, ids, tool_grammar)
         # a template that opens the think block itself; under a grammar (applied from the
         # first token on) the reply is what the grammar forces, with no reasoning before it
@@ -326,10 +329,13 @@ def _prompt_logprobs(req: ChatCompletionRequest) -> int | None:
     return None
 
 
-def _truncated(text: str, ids: list[int], limit: int | None, images: list | None
-               ) -> tuple[str | None, list[int]]:
+def _truncated(tokenizer: Any, text: str, ids: list[int], limit: int | None,
+               images: list | None, special: bool) -> tuple[str | None, list[int]]:
     """The rendered prompt cut to its last ``limit`` tokens (``truncate_prompt_tokens``; its
     text is then None: no longer the prompt); as it is when it fits or ``limit`` is None.
+    ``special``: ``ids`` hold the special tokens the tokenizer adds (``add_special_tokens``,
+    no ``truncation_side``): they stay, as vLLM 0.32 cuts the text
+    (``tokenization_options.cut_generation_prompt``).
 
     Raises:
         OpenAIError: 400 naming ``truncate_prompt_tokens`` for a cut through a prompt with
@@ -341,7 +347,7 @@ def _truncated(text: str, ids: list[int], limit: int | None, images: list | None
         raise OpenAIError(f"truncate_prompt_tokens={limit} would cut the rendered prompt of "
                           f"{len(ids)} tokens, which holds images: send a larger value or "
                           "leave it out", param="truncate_prompt_tokens", code="invalid_value")
-    return None, keep_last_tokens(ids, limit)
+    return None, cut_generation_prompt(tokenizer, text, ids, limit, special)
 
 
 def _refuse_for_beam_search(tool_grammar: StructuredOutputsParams | None,

@@ -45,8 +45,8 @@ from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.entrypoints.text_offsets import StreamedTokenOffsets, TokenTextOffsets
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import CompletionOutput
-from kvflow.prompt_truncation import keep_last_tokens
 from kvflow.sampling_params import SamplingParams
+from kvflow.tokenization_options import cut_generation_prompt
 
 Prompt = tuple[str | None, list[int]]  # (text if given as text, token ids)
 
@@ -123,7 +123,9 @@ class OpenAIServingCompletion(OpenAIServing):
         """The request's prompts as (text or None, token ids), in order; text is tokenized
         off the event loop when it is long (``preprocess.off_loop``). With
         ``truncate_prompt_tokens``, each keeps its last tokens (vLLM's rule; its text is then
-        None: the echo and the output's prompt are the kept tokens' decoding).
+        None: the echo and the output's prompt are the kept tokens' decoding); a text keeps
+        the special tokens the tokenizer adds (a BOS) as well, as vLLM 0.32 cuts it without
+        ``truncation_side`` (``tokenization_options.cut_generation_prompt``).
 
         Raises:
             OpenAIError: 400 for an empty prompt, a bad ``truncate_prompt_tokens``, or (code
@@ -155,7 +157,10 @@ class OpenAIServingCompletion(OpenAIServing):
         out: list[Prompt] = [(item, next(encoded)) if isinstance(item, str)
                              else (None, list(item)) for item in items]
         if limit is not None:  # the last ``limit`` tokens; a cut text is no longer the prompt
-            out = [(text, ids) if len(ids) <= limit else (None, keep_last_tokens(ids, limit))
+            special = req.add_special_tokens and "truncation_side" not in req.unknown_values
+            out = [(text, ids) if len(ids) <= limit else
+                   (None, await off_loop(len(text or ""), cut_generation_prompt, tokenizer,
+                                         text, ids, limit, special))
                    for text, ids in out]
         if self.engine.processor.mm_processor is not None:
             for text, ids in out:

@@ -423,15 +423,22 @@ def sampling_cases(path: str) -> dict[str, Callable]:
                                   "bad_words": ["aa"]})) == grown
 
     def truncate_prompt_tokens(server, tokenizer):
-        """The reply to the prompt's last k tokens sent as the prompt; usage counts k."""
+        """The reply to the prompt's last k tokens sent as the prompt; usage counts k. A
+        completion's text keeps its <bos>, as vLLM 0.32 cuts it (transformers' left-side
+        truncation); the rendered chat, encoded without special tokens, its last k."""
         full = tokenizer.encode(PROMPT) if path == C else prompt_ids(server, {})
+        kept = full[-5:]
+        if path == C:
+            side, tokenizer.truncation_side = tokenizer.truncation_side, "left"  # vLLM's
+            kept = tokenizer(PROMPT, truncation=True, max_length=5)["input_ids"]
+            tokenizer.truncation_side = side
+            assert kept[0] == full[0] == tokenizer.bos_token_id != full[-5]
         resp = ok(server, path, {"truncate_prompt_tokens": 5})
         assert resp["usage"]["prompt_tokens"] == 5 < len(full)
-        assert ids(resp) == ids(ok(server, C, {"prompt": full[-5:]})) != ids(ok(server, path,
-                                                                               {}))
+        assert ids(resp) == ids(ok(server, C, {"prompt": kept})) != ids(ok(server, path, {}))
         if path == CH:
-            assert resp["prompt_token_ids"] == full[-5:]
-        whole = ok(server, path, {"truncate_prompt_tokens": -1})  # max_model_len: no cut
+            assert resp["prompt_token_ids"] == kept
+        whole = ok(server, path, {"truncate_prompt_tokens": -1})  # max_model_len - 1: no cut
         assert ids(whole) == ids(ok(server, path, {}))
         assert whole["usage"]["prompt_tokens"] == len(full)
 
