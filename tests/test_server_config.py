@@ -100,7 +100,8 @@ def test_lora_modules_refused_before_the_model_loads(monkeypatch, capsys, flags,
         raise AssertionError("the engine was started")
 
     monkeypatch.setattr(async_llm.AsyncLLM, "__init__", no_engine)
-    rc = main(["serve", "SmolLM2-135M-Instruct", *flags])
+    # port 0: the check must not depend on 8000 being free on the test machine
+    rc = main(["serve", "SmolLM2-135M-Instruct", "--port", "0", *flags])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert rc == 2 and len(err) == 1 and needle in err[0], err
 
