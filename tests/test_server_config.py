@@ -155,7 +155,7 @@ def test_engine_start_up_error_is_the_only_line(tiny_llama, caplog, capfd, flags
     level = logging.getLogger("kvflow").level
     try:
         with caplog.at_level(logging.INFO):
-            rc = main(["serve", tiny_llama.path, "--device", "cpu", *flags])
+            rc = main(["serve", tiny_llama.path, "--device", "cpu", "--port", "0", *flags])
     finally:
         logging.getLogger("kvflow").setLevel(level)
     err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
