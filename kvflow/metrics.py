@@ -178,7 +178,28 @@ class ServerMetrics:
         self.max_loras = max_loras
 
     def _init_engine_metrics(self) -> None:
-        g, c, e = Gauge, Counter, ("engine",)
+        """The per-replica series the engine core's reports set (``engine`` label), then the
+        API's refusal counters; registered in this order, which ``/metrics`` keeps."""
+        self._init_queue_gauges()
+        self._init_kv_cache_gauges()
+        self.iteration_tokens = self._labelled(
+            Histogram, "kvflow:iteration_tokens_total",
+            "Tokens per engine step: generated tokens plus the computed prompt tokens of the "
+            "requests whose prefill completed in it (vLLM's)", ("engine",),
+            buckets=ITERATION_TOKENS_BUCKETS)
+        self._init_phase_histograms()
+        self._init_cache_counters()
+        self._init_step_time_metrics()
+        self.sleep_state = self._labelled(
+            Gauge, "kvflow:engine_sleep_state", "Engine sleep state (vLLM's): awake = 1 while "
+            "awake; weights_offloaded = 1 asleep at level 1; discard_all = 1 asleep at level 2",
+            ("engine", "sleep_state"))
+        self._init_admission_metrics()
+        self._init_spec_decode_metrics()
+
+    def _init_queue_gauges(self) -> None:
+        """The running and waiting samples of each replica (waiting also by reason)."""
+        g, e = Gauge, ("engine",)
         self.num_running = self._labelled(g, "kvflow:num_requests_running",
                                           "Samples in the engine's running batch", e)
         self.num_waiting = self._labelled(g, "kvflow:num_requests_waiting",
@@ -188,6 +209,10 @@ class ServerMetrics:
             "(waiting for room in the batch or the KV cache) or deferred (passed over for a "
             "transient constraint: no free LoRA slot, grammar compiling, a token still out); "
             "the two sum to num_requests_waiting", (*e, "reason"))
+
+    def _init_kv_cache_gauges(self) -> None:
+        """Each replica's KV-cache use (fraction, blocks) and sizes (bytes)."""
+        g, e = Gauge, ("engine",)
         self.kv_usage = self._labelled(g, "kvflow:kv_cache_usage_perc",
                                        "Fraction of usable KV blocks in use (0-1)", e)
         self.kv_free_blocks = self._labelled(g, "kvflow:kv_cache_free_blocks",
@@ -201,12 +226,10 @@ class ServerMetrics:
         self.kv_bytes_per_token = self._labelled(g, "kvflow:kv_cache_bytes_per_token",
                                                  "KV-cache bytes per token across all layers",
                                                  e)
-        self.iteration_tokens = self._labelled(
-            Histogram, "kvflow:iteration_tokens_total",
-            "Tokens per engine step: generated tokens plus the computed prompt tokens of the "
-            "requests whose prefill completed in it (vLLM's)", e,
-            buckets=ITERATION_TOKENS_BUCKETS)
-        self._init_phase_histograms()
+
+    def _init_cache_counters(self) -> None:
+        """Each replica's preemptions and its prefix-cache and encoder-cache counters."""
+        c, e = Counter, ("engine",)
         self.preemptions = self._labelled(c, "kvflow:num_preemptions",
                                           "Requests preempted (recomputed or swapped out, "
                                           "resumed later)", e)
@@ -222,6 +245,10 @@ class ServerMetrics:
                                            "again)", e)
         self.encoder_inputs = self._labelled(c, "kvflow:encoder_inputs",
                                              "Images run through the vision encoder", e)
+
+    def _init_step_time_metrics(self) -> None:
+        """The scheduler's step-time model: its predictions (counter) and mean errors."""
+        c, g, e = Counter, Gauge, ("engine",)
         self.step_time_predictions = self._labelled(
             c, "kvflow:step_time_model_predictions",
             "Steps whose duration the scheduler's step-time model predicted", e)
@@ -231,10 +258,10 @@ class ServerMetrics:
         self.step_time_rel_error = self._labelled(
             g, "kvflow:step_time_model_rel_error",
             "Mean |predicted - measured| / measured step time over the recent window", e)
-        self.sleep_state = self._labelled(
-            g, "kvflow:engine_sleep_state", "Engine sleep state (vLLM's): awake = 1 while "
-            "awake; weights_offloaded = 1 asleep at level 1; discard_all = 1 asleep at level 2",
-            (*e, "sleep_state"))
+
+    def _init_admission_metrics(self) -> None:
+        """Requests the API refused: admission control's (TTFT) and the queue limits'."""
+        c = Counter
         self.rejected = self._labelled(c, "kvflow:requests_rejected",
                                        "Requests refused by admission control (503) because "
                                        "their predicted TTFT exceeded the target")
@@ -248,7 +275,6 @@ class ServerMetrics:
             "max_num_queued_tokens: kvflow has no such limit, always 0)", ("reason",))
         for reason in ADMISSION_REASONS:  # both series exist (at 0) from start-up, as vLLM's
             self.admission_rejections.labels(self.model_name, reason)
-        self._init_spec_decode_metrics()
 
     def _init_spec_decode_metrics(self) -> None:
         c, g, e = Counter, Gauge, ("engine",)
