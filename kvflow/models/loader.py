@@ -199,6 +199,29 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
     if load_format == "safetensors":
         _check_safetensors_source(source)
     model_cls = get_model_class(getattr(hf_config, "architectures", None))
+    _check_config_fits(source, hf_config, model_cls, load_format, dtype, device,
+                       quant_config, parallel)
+    model = _build_model(model_cls, hf_config, ctx, dtype, device, quant_config, parallel)
+    if load_format == "dummy":
+        _init_dummy_weights(model, seed)
+    else:
+        _load_checkpoint_weights(model, source, dtype, quant_config)
+    with torch.device(device):
+        process_weights_after_loading(model)
+    return model.eval()
+
+
+def _check_config_fits(source: ModelSource, hf_config: Any, model_cls: type[nn.Module],
+                       load_format: str, dtype: torch.dtype, device: torch.device,
+                       quant_config: QuantConfig | None, parallel: ParallelState | None) -> None:
+    """Before the model is built: ``dummy`` weights' size (from the config) against the memory
+    available, else ``hf_config`` against the checkpoint's safetensors headers, after the
+    architecture's ``adapt_config_to_checkpoint`` (if any) fitted it to them (``hf_config``
+    may be changed in place). Nothing to check for a GGUF file.
+
+    Raises:
+        ValueError: as :func:`load_model` says for these checks.
+    """
     if load_format == "dummy":  # no headers to check the sizes against: the memory they take
         check_dummy_weights_fit(hf_config, model_cls, dtype, device, quant_config is not None,
                                 parallel)
@@ -208,35 +231,50 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
         if adapt is not None:
             adapt(hf_config, list(headers))
         check_config_against_checkpoint(hf_config, headers, source.path)
+
+
+def _build_model(model_cls: type[nn.Module], hf_config: Any, ctx: AttentionContext,
+                 dtype: torch.dtype, device: torch.device, quant_config: QuantConfig | None,
+                 parallel: ParallelState | None) -> nn.Module:
+    """The architecture instantiated on ``device`` in ``dtype`` (its uninitialized
+    parameters), its layers given their quantization methods and its MoE float expert stacks
+    materialized (unless kept as GGUF blocks)."""
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, ctx, parallel=parallel or ParallelState.single(device))
         apply_quant_config(model, quant_config)
         for module in model.modules():  # MoE float expert stacks, unless kept as GGUF blocks
             if hasattr(module, "materialize_float_weights"):
                 module.materialize_float_weights()
-    if load_format == "dummy":
-        _init_dummy_weights(model, seed)
-    else:
-        keep = quant_config is not None and quant_config.name == "gguf"
-        keep_fp32 = getattr(model, "keep_in_fp32", ())
-        weights = _checked_weights(source, dtype, keep, quant_config)
-        if quant_config is not None:  # a block-FP8 checkpoint's weights dequantized here
-            weights = quant_config.checkpoint_weights(weights, dtype)
-        loaded = model.load_weights((n, _to_model_dtype(t, dtype, n, keep_fp32))
-                                    for n, t in weights
-                                    if quant_config is None
-                                    or not quant_config.skips_tensor(n, t))
-        missing = {n for n, p in model.named_parameters()
-                   if not getattr(p, "optional_in_checkpoint", False)} - loaded
-        if missing:
-            raise ValueError(f"checkpoint {source.path!r} lacks weights for {sorted(missing)[:5]}")
-        parts = missing_shard_tensors(model, getattr(model, "packed_modules_mapping", {})) + \
-            missing_expert_tensors(model)
-        if parts:  # one part of a fused parameter (k_proj of qkv_proj, an expert) never loaded
-            raise ValueError(f"checkpoint {source.path!r} lacks weights for {parts[:5]}")
-    with torch.device(device):
-        process_weights_after_loading(model)
-    return model.eval()
+    return model
+
+
+def _load_checkpoint_weights(model: nn.Module, source: ModelSource, dtype: torch.dtype,
+                             quant_config: QuantConfig | None) -> None:
+    """The checkpoint's tensors loaded into ``model`` (in ``dtype`` but for its
+    ``keep_in_fp32`` names and GGUF blocks kept quantized; tensors ``quant_config`` skips left
+    out), then checked complete.
+
+    Raises:
+        ValueError: naming up to 5 parameters the checkpoint left unset, whole or a part of a
+            fused parameter (``k_proj`` of ``qkv_proj``, an expert).
+    """
+    keep = quant_config is not None and quant_config.name == "gguf"
+    keep_fp32 = getattr(model, "keep_in_fp32", ())
+    weights = _checked_weights(source, dtype, keep, quant_config)
+    if quant_config is not None:  # a block-FP8 checkpoint's weights dequantized here
+        weights = quant_config.checkpoint_weights(weights, dtype)
+    loaded = model.load_weights((n, _to_model_dtype(t, dtype, n, keep_fp32))
+                                for n, t in weights
+                                if quant_config is None
+                                or not quant_config.skips_tensor(n, t))
+    missing = {n for n, p in model.named_parameters()
+               if not getattr(p, "optional_in_checkpoint", False)} - loaded
+    if missing:
+        raise ValueError(f"checkpoint {source.path!r} lacks weights for {sorted(missing)[:5]}")
+    parts = missing_shard_tensors(model, getattr(model, "packed_modules_mapping", {})) + \
+        missing_expert_tensors(model)
+    if parts:  # one part of a fused parameter (k_proj of qkv_proj, an expert) never loaded
+        raise ValueError(f"checkpoint {source.path!r} lacks weights for {parts[:5]}")
 
 
 def _check_safetensors_source(source: ModelSource) -> None:
