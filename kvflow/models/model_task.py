@@ -43,36 +43,13 @@ def resolve_task(requested: str, is_pooling_architecture: bool, folder: str | No
             classifier, or ``pooling_native`` on a generating architecture.
     """
     if requested in ("pooling", "pooling_native"):
-        task = resolve_task("auto", is_pooling_architecture, folder, is_cross_encoder,
-                            is_token_classifier)
-        if task != "generate":
-            return task
-        if requested == "pooling_native":
-            raise ValueError("--runner pooling --convert none needs an architecture that "
-                             "pools (an encoder, *ForSequenceClassification, ...); this one "
-                             "generates text (--convert embed pools its last token)")
-        return "embed"
+        return _pooling_runner_task(requested, is_pooling_architecture, folder,
+                                    is_cross_encoder, is_token_classifier)
     asked = f"task={requested!r}" + ("" if flags == "--task" else f" ({flags})")
-    if is_token_classifier:
-        if requested not in ("auto", "token_classify"):
-            raise ValueError(f"{asked}: this architecture is a token classifier "
-                             "(a *ForTokenClassification head); it classifies every prompt "
-                             "token (task='token_classify')")
-        return "token_classify"
-    if requested == "token_classify":
-        raise ValueError("task='token_classify' needs a token classifier ("
-                         f"{', '.join(_TOKEN_CLASSIFIERS)}); this architecture has no "
-                         "token-classification head")
-    if is_cross_encoder:
-        if requested not in ("auto", "score", "classify"):
-            raise ValueError(f"{asked}: this architecture is a sequence classifier "
-                             "(a *ForSequenceClassification head); it scores text pairs "
-                             "(task='score') or classifies texts (task='classify')")
-        return "score" if requested == "auto" else requested
-    if requested in ("score", "classify"):
-        raise ValueError(f"{asked} needs a sequence classifier ("
-                         f"{', '.join(_CLASSIFIERS)}); this architecture has no "
-                         "classification head")
+    if is_token_classifier or requested == "token_classify":
+        return _token_classifier_task(requested, asked, is_token_classifier)
+    if is_cross_encoder or requested in ("score", "classify"):
+        return _sequence_classifier_task(requested, asked, is_cross_encoder)
     if requested == "auto":
         embed = is_pooling_architecture or has_sentence_transformers_config(folder)
         return "embed" if embed else "generate"
@@ -80,6 +57,61 @@ def resolve_task(requested: str, is_pooling_architecture: bool, folder: str | No
         raise ValueError(f"{asked} needs a model with an LM head; this architecture only "
                          "embeds (use task='embed')")
     return requested
+
+
+def _pooling_runner_task(requested: str, is_pooling_architecture: bool, folder: str | None,
+                         is_cross_encoder: bool, is_token_classifier: bool) -> str:
+    """vLLM's ``--runner pooling`` (``requested``: ``pooling`` or ``pooling_native``): the
+    task ``auto`` picks when it pools, else ``embed`` for ``pooling`` (vLLM's conversion).
+
+    Raises:
+        ValueError: for ``pooling_native`` on a generating architecture.
+    """
+    task = resolve_task("auto", is_pooling_architecture, folder, is_cross_encoder,
+                        is_token_classifier)
+    if task != "generate":
+        return task
+    if requested == "pooling_native":
+        raise ValueError("--runner pooling --convert none needs an architecture that "
+                         "pools (an encoder, *ForSequenceClassification, ...); this one "
+                         "generates text (--convert embed pools its last token)")
+    return "embed"
+
+
+def _token_classifier_task(requested: str, asked: str, is_token_classifier: bool) -> str:
+    """``token_classify``, for a token classifier asked ``auto`` or ``token_classify``.
+
+    Raises:
+        ValueError: (``asked`` naming the request) for another task on a token classifier, or
+            ``token_classify`` on an architecture without a token-classification head.
+    """
+    if not is_token_classifier:
+        raise ValueError("task='token_classify' needs a token classifier ("
+                         f"{', '.join(_TOKEN_CLASSIFIERS)}); this architecture has no "
+                         "token-classification head")
+    if requested not in ("auto", "token_classify"):
+        raise ValueError(f"{asked}: this architecture is a token classifier "
+                         "(a *ForTokenClassification head); it classifies every prompt "
+                         "token (task='token_classify')")
+    return "token_classify"
+
+
+def _sequence_classifier_task(requested: str, asked: str, is_cross_encoder: bool) -> str:
+    """``score`` or ``classify`` (``score`` for ``auto``) on a sequence classifier.
+
+    Raises:
+        ValueError: (``asked`` naming the request) for another task on a sequence classifier,
+            or ``score`` / ``classify`` on an architecture without a classification head.
+    """
+    if not is_cross_encoder:
+        raise ValueError(f"{asked} needs a sequence classifier ("
+                         f"{', '.join(_CLASSIFIERS)}); this architecture has no "
+                         "classification head")
+    if requested not in ("auto", "score", "classify"):
+        raise ValueError(f"{asked}: this architecture is a sequence classifier "
+                         "(a *ForSequenceClassification head); it scores text pairs "
+                         "(task='score') or classifies texts (task='classify')")
+    return "score" if requested == "auto" else requested
 
 
 _CLASSIFIERS = ("BertForSequenceClassification", "RobertaForSequenceClassification",
