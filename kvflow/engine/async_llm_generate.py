@@ -59,18 +59,8 @@ class AsyncLLMGenerate:
             AdmissionRejected: if admission control refuses the request.
             RequestRefused: if the engine core cannot run it.
         """
-        if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
-                f"sampling_params must be a SamplingParams, got "
-                f"{type(sampling_params).__name__}")
-        if tokenization_kwargs is not None and not isinstance(tokenization_kwargs, Mapping):
-            raise ValueError(
-                f"tokenization_kwargs must be a dict or None, got "
-                f"{type(tokenization_kwargs).__name__}")
+        sampling_params = _generate_params(sampling_params, tokenization_kwargs)
         check_request_args(request_id, priority, lora_request, data_parallel_rank)
-        if sampling_params.output_kind is None:  # a copy: the caller's stays as given
-            sampling_params = copy.copy(sampling_params)
-            sampling_params.output_kind = RequestOutputKind.CUMULATIVE
         (p,) = processed_prompts(self.processor, [prompt], [sampling_params],
                                  None if tokenization_kwargs is None else dict(tokenization_kwargs))
         stream = self.add_request(request_id, p.text, p.token_ids, sampling_params, priority,
@@ -82,3 +72,27 @@ class AsyncLLMGenerate:
         finally:  # left early (break, cancellation, an error): free its KV blocks
             if not stream.finished:
                 self.abort(request_id)
+
+
+def _generate_params(sampling_params: SamplingParams,
+                     tokenization_kwargs: Mapping[str, Any] | None) -> SamplingParams:
+    """``generate``'s sampling params, with vLLM's default output kind (``CUMULATIVE``) where
+    ``output_kind`` is None (on a copy: the caller's stays as given), after the type checks of
+    both arguments.
+
+    Raises:
+        ValueError: if ``sampling_params`` is not a SamplingParams or ``tokenization_kwargs``
+            neither a mapping nor None.
+    """
+    if not isinstance(sampling_params, SamplingParams):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"sampling_params must be a SamplingParams, got "
+            f"{type(sampling_params).__name__}")
+    if tokenization_kwargs is not None and not isinstance(tokenization_kwargs, Mapping):
+        raise ValueError(
+            f"tokenization_kwargs must be a dict or None, got "
+            f"{type(tokenization_kwargs).__name__}")
+    if sampling_params.output_kind is None:
+        sampling_params = copy.copy(sampling_params)
+        sampling_params.output_kind = RequestOutputKind.CUMULATIVE
+    return sampling_params
