@@ -108,29 +108,18 @@ class LLMScore:
         limits, template_kwargs = score_extra_kwargs(pooling_params, processor.max_model_len,
                                                      chat_template)
         if processor.pooler is not None and processor.pooler.task == "embed":
-            for name, value, what in (("activation", use_activation, "activation to turn off"),
-                                      ("chat_template", chat_template, "pair to render")):
-                if value is not None:
-                    raise ValueError(f"{name}: an embedding model scores by cosine "
-                                     f"similarity, which has no {what}")
-            pairs = score_pairs(text_1, text_2)
-            refuse_pooling_loras(lora_request, len(pairs))
-            pairs = cut_pairs(pairs, self.get_tokenizer(), limits)
-            return self._score_embeddings(pairs, truncate_prompt_tokens, use_tqdm, user,
+            _refuse_cosine_options(use_activation, chat_template)
+            pairs = _adapterless_pairs(text_1, text_2, lora_request)
+            return self._score_embeddings(cut_pairs(pairs, self.get_tokenizer(), limits),
+                                          truncate_prompt_tokens, use_tqdm, user,
                                           tokenization_kwargs)
         processor.require_task("score")
-        pairs = score_pairs(text_1, text_2)
-        refuse_pooling_loras(lora_request, len(pairs))
+        pairs = _adapterless_pairs(text_1, text_2, lora_request)
         users = check_users(user, len(pairs), self.engine.config.scheduler_config.policy)
         cut = score_cut(tokenization_kwargs, processor.max_model_len, truncate_prompt_tokens)
-        pairs = cut_pairs(pairs, processor.tokenizer, limits)
-        prompts = self._pair_requests(pairs, cut, use_activation, chat_template,
-                                      template_kwargs)
-        request_ids = self._queue_all(prompts, users)
-        return [ScoringRequestOutput(o.request_id, o.prompt_token_ids,
-                                     ScoringOutput(score_value(o.outputs.embedding)),
-                                     o.finished, o.metrics)
-                for o in self._run(request_ids, use_tqdm)]
+        prompts = self._pair_requests(cut_pairs(pairs, processor.tokenizer, limits), cut,
+                                      use_activation, chat_template, template_kwargs)
+        return [_scoring_output(o) for o in self._run(self._queue_all(prompts, users), use_tqdm)]
 
     def _pair_requests(self, pairs: list[tuple[str, str]], cut: tuple[int | None, str | None],
                        use_activation: bool | None, chat_template: str | None = None,
@@ -206,3 +195,39 @@ class LLMScore:
             outs[b].request_id, outs[a].prompt_token_ids + outs[b].prompt_token_ids,
             ScoringOutput(cosine_similarity(outs[a].outputs.embedding, outs[b].outputs.embedding)),
             outs[a].finished and outs[b].finished, outs[b].metrics) for a, b in pairs]
+
+
+def _refuse_cosine_options(use_activation: bool | None, chat_template: str | None) -> None:
+    """An embedding model scores by cosine similarity: no activation, no pair template.
+
+    Raises:
+        ValueError: naming ``activation`` or ``chat_template`` when given.
+    """
+    for name, value, what in (("activation", use_activation, "activation to turn off"),
+                              ("chat_template", chat_template, "pair to render")):
+        if value is not None:
+            raise ValueError(f"{name}: an embedding model scores by cosine "
+                             f"similarity, which has no {what}")
+
+
+def _adapterless_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str],
+                       lora_request: LoRARequest | Sequence[LoRARequest | None] | None
+                       ) -> list[tuple[str, str]]:
+    """The (text_1, text_2) pairs ``score`` scores (1-to-N or N-to-N:
+    :func:`~kvflow.score_inputs.score_pairs`), with no adapter for any of them.
+
+    Raises:
+        ValueError: for bad ``text_1`` / ``text_2`` (named) or a LoRA adapter
+            (:func:`~kvflow.llm_pooling.refuse_pooling_loras`).
+    """
+    pairs = score_pairs(text_1, text_2)
+    refuse_pooling_loras(lora_request, len(pairs))
+    return pairs
+
+
+def _scoring_output(out: Any) -> ScoringRequestOutput:
+    """A cross-encoder pair's engine output (``outputs.embedding``: the head's output) as
+    its score (:func:`~kvflow.score_inputs.score_value`)."""
+    return ScoringRequestOutput(out.request_id, out.prompt_token_ids,
+                                ScoringOutput(score_value(out.outputs.embedding)),
+                                out.finished, out.metrics)
