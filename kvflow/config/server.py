@@ -244,52 +244,48 @@ class ServerConfig:
         cli=False)
 
     def __post_init__(self) -> None:
-        for name in LIST_FIELDS:  # before the type check: a list becomes a tuple
+        self._normalize_lists()
+        check_choices(self)
+        self._normalize_one_or_many()
+        self._check_vllm_flags()
+        check_disable_log_stats(self.disable_log_stats)
+        self._check_values()
+
+    def _normalize_lists(self) -> None:
+        """The list fields as tuples (a string's words split) and
+        ``default_chat_template_kwargs`` as a dict (a JSON object's text parsed), before the
+        type checks.
+
+        Raises:
+            ValueError: for a value of neither form (named).
+        """
+        for name in LIST_FIELDS:
             setattr(self, name, word_list(name, getattr(self, name)))
         self.default_chat_template_kwargs = json_object(
             "default_chat_template_kwargs", self.default_chat_template_kwargs,
             '{"enable_thinking": false}')
-        check_choices(self)
-        # a config file's (or a caller's) one adapter / key / name is a tuple of one
+
+    def _normalize_one_or_many(self) -> None:
+        """A config file's (or a caller's) one adapter / key / name as a tuple of one;
+        ``lora_modules`` entries as ``NAME=PATH`` strings.
+
+        Raises:
+            ValueError: for a ``lora_modules`` entry :func:`lora_module` refuses.
+        """
         self.lora_modules = one_or_many(self.lora_modules)
         if self.lora_modules is not None:
             self.lora_modules = tuple(lora_module(m) for m in self.lora_modules)
         self.api_key = one_or_many(self.api_key)
         self.served_model_name = one_or_many(self.served_model_name)
-        self._check_vllm_flags()
-        check_disable_log_stats(self.disable_log_stats)
-        checks = [(0 <= self.port <= 65535, "port", "must be in [0, 65535]"),
-                  (self.max_n >= 1, "max_n", "must be >= 1"),
-                  (self.max_logprobs >= 0, "max_logprobs", "must be >= 0"),
-                  (self.responses_store_size >= 0, "responses_store_size", "must be >= 0"),
-                  (0 <= self.sse_keep_alive_interval < float("inf"), "sse_keep_alive_interval",
-                   "must be >= 0 seconds (0: no keep-alive comments)"),
-                  (self.max_waiting_requests is None or self.max_waiting_requests >= 1,
-                   "max_waiting_requests", "must be >= 1 (0 would refuse every request)"),
-                  (self.max_num_queued_reqs is None or self.max_num_queued_reqs >= 1,
-                   "max_num_queued_reqs", "must be >= 1 (0 would refuse every request)"),
-                  (self.api_key is None or (len(self.api_key) > 0 and all(
-                      isinstance(k, str) and k.strip() for k in self.api_key)), "api_key",
-                   "must not be empty (an empty key would leave the server open)"),
-                  (self.served_model_name is None or (
-                      len(self.served_model_name) > 0
-                      and all(isinstance(n, str) and n.strip()
-                              for n in self.served_model_name)),
-                   "served_model_name", "must not be empty (nor hold an empty name)"),
-                  (len(set(self.served_model_name or ())) == len(self.served_model_name or ()),
-                   "served_model_name", "names a model twice"),
-                  (self.chat_template is None or self.chat_template.strip() != "",
-                   "chat_template", "must not be empty (leave it unset for the model's)"),
-                  (self.engine_start_timeout > 0, "engine_start_timeout", "must be > 0"),
-                  (self.timeout_keep_alive > 0, "timeout_keep_alive", "must be > 0"),
-                  (0 <= self.shutdown_timeout < float("inf"), "shutdown_timeout",
-                   "must be >= 0 seconds (0: open requests are aborted at once)"),
-                  (all(m.partition("=")[0] and m.partition("=")[2]
-                       for m in self.lora_modules or []), "lora_modules",
-                   "must be NAME=PATH pairs"),
-                  (len({m.partition("=")[0] for m in self.lora_modules or []})
-                   == len(self.lora_modules or []), "lora_modules", "names an adapter twice")]
-        for ok, name, why in checks:
+
+    def _check_values(self) -> None:
+        """Each field's value against its range or form, in :meth:`_value_checks`' order,
+        then ``max_request_body_size`` parsed.
+
+        Raises:
+            ValueError: ``"<field>=<value> is invalid: ..."`` for the first one that fails.
+        """
+        for ok, name, why in self._value_checks():
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: it {why}")
         try:
@@ -298,6 +294,39 @@ class ServerConfig:
             raise ValueError(f"max_request_body_size={self.max_request_body_size!r} is "
                              f"invalid: {e}") from None
 
+    def _value_checks(self) -> list[tuple[bool, str, str]]:
+        """(passes, field name, what it must be) for each checked field value."""
+        return [(0 <= self.port <= 65535, "port", "must be in [0, 65535]"),
+                 (self.max_n >= 1, "max_n", "must be >= 1"),
+                 (self.max_logprobs >= 0, "max_logprobs", "must be >= 0"),
+                 (self.responses_store_size >= 0, "responses_store_size", "must be >= 0"),
+                 (0 <= self.sse_keep_alive_interval < float("inf"), "sse_keep_alive_interval",
+                  "must be >= 0 seconds (0: no keep-alive comments)"),
+                 (self.max_waiting_requests is None or self.max_waiting_requests >= 1,
+                  "max_waiting_requests", "must be >= 1 (0 would refuse every request)"),
+                 (self.max_num_queued_reqs is None or self.max_num_queued_reqs >= 1,
+                  "max_num_queued_reqs", "must be >= 1 (0 would refuse every request)"),
+                 (self.api_key is None or (len(self.api_key) > 0 and all(
+                     isinstance(k, str) and k.strip() for k in self.api_key)), "api_key",
+                  "must not be empty (an empty key would leave the server open)"),
+                 (self.served_model_name is None or (
+                     len(self.served_model_name) > 0
+                     and all(isinstance(n, str) and n.strip()
+                             for n in self.served_model_name)),
+                  "served_model_name", "must not be empty (nor hold an empty name)"),
+                 (len(set(self.served_model_name or ())) == len(self.served_model_name or ()),
+                  "served_model_name", "names a model twice"),
+                 (self.chat_template is None or self.chat_template.strip() != "",
+                  "chat_template", "must not be empty (leave it unset for the model's)"),
+                 (self.engine_start_timeout > 0, "engine_start_timeout", "must be > 0"),
+                 (self.timeout_keep_alive > 0, "timeout_keep_alive", "must be > 0"),
+                 (0 <= self.shutdown_timeout < float("inf"), "shutdown_timeout",
+                  "must be >= 0 seconds (0: open requests are aborted at once)"),
+                 (all(m.partition("=")[0] and m.partition("=")[2]
+                      for m in self.lora_modules or []), "lora_modules",
+                  "must be NAME=PATH pairs"),
+                 (len({m.partition("=")[0] for m in self.lora_modules or []})
+                  == len(self.lora_modules or []), "lora_modules", "names an adapter twice")]
     def model_names(self, model: str) -> tuple[str, ...]:
         """The names the server answers to as its base model: ``--served-model-name``'s
         (first the main one), or ``model`` (the ``--model`` argument) when unset."""
