@@ -228,19 +228,61 @@ def _token_kwargs(meta: GGUFMetadata) -> dict[str, Any]:
 
 
 def _config_kwargs(meta: GGUFMetadata) -> tuple[ArchSpec, dict[str, Any]]:
+    """The architecture's spec and the transformers config's keyword arguments from the
+    metadata, checked against the file's tensors as they are read.
+
+    Raises:
+        ValueError: for an unsupported architecture, a metadata key of the wrong type or value,
+            or one the tensors contradict (each naming the key).
+    """
     arch, spec = gguf_architecture(meta)
     keys = ArchKeys(meta, arch)
     tensors = {t.name: t for t in meta.tensors}
     moe = spec.hf_architecture in MOE_ARCHITECTURES
+    _check_experts(keys, tensors, arch, moe)
+    kwargs = _common_kwargs(meta, keys, tensors, spec)
+    head_dim = kwargs["head_dim"]
+    check_block_count(keys, tensors, kwargs["num_hidden_layers"])  # before any per-layer walk
+    if moe:
+        kwargs.update(moe_kwargs(keys, tensors, spec.hf_architecture, kwargs))
+    check_against_tensors(keys, tensors, kwargs)
+    kwargs.update(_architecture_kwargs(keys, arch, kwargs, head_dim))
+    scale = kwargs.get("attention_multiplier",
+                       kwargs.get("query_pre_attn_scalar", head_dim) ** -0.5)
+    check_unapplied_keys(keys, scale, _APPLIED_KEYS.get(arch, frozenset()))
+    rope_scaling = gguf_rope_scaling(keys, tensors, kwargs)
+    if rope_scaling is not None:
+        kwargs["rope_scaling"] = rope_scaling
+    return spec, kwargs
+
+
+def _check_experts(keys: ArchKeys, tensors: dict[str, Any], arch: str, moe: bool) -> None:
+    """A dense architecture's file has no ``expert_count`` and no expert tensors.
+
+    Raises:
+        ValueError: naming ``expert_count`` or the first expert tensor of a dense
+            architecture.
+    """
     if keys.get("expert_count", 0) and not moe:
         raise keys.error("expert_count", f"is {keys.get('expert_count')}: mixture-of-experts "
                          f"GGUF files of architecture {arch!r} are not supported")
     if not moe:
         check_no_expert_tensors(keys, tensors)
+
+
+def _common_kwargs(meta: GGUFMetadata, keys: ArchKeys, tensors: dict[str, Any],
+                   spec: ArchSpec) -> dict[str, Any]:
+    """The config keys every architecture has: sizes (tokens, dimensions, heads, layers),
+    norm epsilon, context length, RoPE base, tied embeddings, attention bias and the special
+    tokens.
+
+    Raises:
+        ValueError: for a missing or bad size key (named).
+    """
     hidden = keys.int("embedding_length")
     n_heads, n_kv_heads = _head_counts(keys)
     head_dim = _head_dim(keys, tensors, hidden, n_heads)
-    kwargs: dict[str, Any] = {
+    return {
         "architectures": [spec.hf_architecture],
         "vocab_size": _vocab_size(keys, tensors),
         "hidden_size": hidden,
@@ -257,28 +299,29 @@ def _config_kwargs(meta: GGUFMetadata) -> tuple[ArchSpec, dict[str, Any]]:
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         **_token_kwargs(meta),
     }
-    check_block_count(keys, tensors, kwargs["num_hidden_layers"])  # before any per-layer walk
-    if moe:
-        kwargs.update(moe_kwargs(keys, tensors, spec.hf_architecture, kwargs))
-    check_against_tensors(keys, tensors, kwargs)
+
+
+def _architecture_kwargs(keys: ArchKeys, arch: str, kwargs: dict[str, Any],
+                         head_dim: int) -> dict[str, Any]:
+    """The config keys of one architecture family: Gemma's (norms, soft-capping, ...) or
+    the others' SiLU activation; Granite's multipliers; GLM-4's rotated fraction of a head.
+
+    Raises:
+        ValueError: for ``final_logit_softcapping`` on an architecture other than Gemma's, or
+            a bad family key (named).
+    """
     if arch in ("gemma2", "gemma3"):
-        kwargs.update(_gemma3_kwargs(keys, kwargs))
+        extra = _gemma3_kwargs(keys, kwargs)
     else:
-        kwargs["hidden_act"] = "silu"
+        extra = {"hidden_act": "silu"}
         if keys.get("final_logit_softcapping", 0.0) != 0.0:
             raise keys.error("final_logit_softcapping", f"is {keys.get('final_logit_softcapping')}"
                              f": logit soft-capping is not supported for architecture {arch!r}")
     if arch in ("granite", "granitemoe"):
-        kwargs.update(_granite_kwargs(keys, head_dim))
+        extra.update(_granite_kwargs(keys, head_dim))
     if arch == "glm4":  # the rotated part of each head
-        kwargs["partial_rotary_factor"] = keys.int("rope.dimension_count", head_dim) / head_dim
-    scale = kwargs.get("attention_multiplier",
-                       kwargs.get("query_pre_attn_scalar", head_dim) ** -0.5)
-    check_unapplied_keys(keys, scale, _APPLIED_KEYS.get(arch, frozenset()))
-    rope_scaling = gguf_rope_scaling(keys, tensors, kwargs)
-    if rope_scaling is not None:
-        kwargs["rope_scaling"] = rope_scaling
-    return spec, kwargs
+        extra["partial_rotary_factor"] = keys.int("rope.dimension_count", head_dim) / head_dim
+    return extra
 
 
 def check_gguf_metadata(meta: GGUFMetadata) -> None:
