@@ -39,7 +39,14 @@ LORA_ROUTES_SWITCH = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
 
 def add_openai_routes(app: FastAPI) -> None:
     """The OpenAI routes and /v1/responses' on ``app`` (the LoRA routes:
-    :func:`add_lora_routes`)."""
+    :func:`add_lora_routes`), in this order."""
+    _add_generation_routes(app)
+    _add_pooling_routes(app)
+    _add_model_routes(app)
+
+
+def _add_generation_routes(app: FastAPI) -> None:
+    """/v1/completions, /v1/chat/completions and the /v1/responses routes."""
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -50,6 +57,10 @@ def add_openai_routes(app: FastAPI) -> None:
         return await raw.app.state.chat.create_chat_completion(req, raw)
 
     add_responses_routes(app)
+
+
+def _add_pooling_routes(app: FastAPI) -> None:
+    """The pooling models' routes: embeddings, pooling, score, rerank, classify."""
 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest, raw: Request) -> Response:
@@ -74,6 +85,10 @@ def add_openai_routes(app: FastAPI) -> None:
     @app.post("/v1/classify")
     async def classify(req: ClassificationRequest, raw: Request) -> Response:
         return await raw.app.state.classify.create_classify(req, raw)
+
+
+def _add_model_routes(app: FastAPI) -> None:
+    """/v1/models and OpenAI's retrieve-model, /v1/models/{model}."""
 
     @app.get("/v1/models")
     async def models(raw: Request) -> ModelList:
