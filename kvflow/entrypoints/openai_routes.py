@@ -125,48 +125,51 @@ def add_lora_routes(app: FastAPI, enabled: bool) -> None:
                    "make it read adapter files from any path it can read. This should ONLY "
                    "be used for local development!")
 
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(req: LoadLoRAAdapterRequest, raw: Request) -> Response:
-        """Serve a PEFT folder as model ``lora_name`` (vLLM's endpoint); ``load_inplace``
-        replaces an adapter served under that name.
+    app.add_api_route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"])
+    app.add_api_route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"])
 
-        Raises:
-            OpenAIError: 400 for a name in use (without ``load_inplace``), one of the
-                served model's names, empty, whitespace only or holding a control
-                character (``param`` ``lora_name``), or an adapter the
-                engine refuses (rank above --max-lora-rank, target modules kvflow cannot
-                adapt, no --enable-lora) or a field kvflow does not declare.
-        """
-        raw.app.state.unknown_fields.check(req, "/v1/load_lora_adapter")
-        try:
-            await raw.app.state.models.load(req.lora_name, req.lora_path, req.load_inplace)
-        except EngineDeadError as e:
-            raise engine_dead(e) from None
-        except ValueError as e:
-            param = "lora_name" if isinstance(e, LoRANameError) or \
-                "already been loaded" in str(e) else "lora_path"
-            raise OpenAIError(str(e), param=param, code="invalid_value") from None
-        return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.",
-                        media_type="text/plain")
 
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest, raw: Request) -> Response:
-        """Stop serving adapter ``lora_name`` (vLLM's endpoint).
+async def load_lora_adapter(req: LoadLoRAAdapterRequest, raw: Request) -> Response:
+    """Serve a PEFT folder as model ``lora_name`` (vLLM's endpoint); ``load_inplace``
+    replaces an adapter served under that name.
 
-        Raises:
-            OpenAIError: 404 when no adapter of that name is loaded; 400 for a field kvflow
-                does not declare.
-        """
-        raw.app.state.unknown_fields.check(req, "/v1/unload_lora_adapter")
-        try:
-            await raw.app.state.models.unload(req.lora_name)
-        except EngineDeadError as e:
-            raise engine_dead(e) from None
-        except ModelNotFound as e:
-            raise OpenAIError(str(e), 404, "not_found_error", "lora_name",
-                              "model_not_found") from None
-        return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.",
-                        media_type="text/plain")
+    Raises:
+        OpenAIError: 400 for a name in use (without ``load_inplace``), one of the
+            served model's names, empty, whitespace only or holding a control
+            character (``param`` ``lora_name``), or an adapter the
+            engine refuses (rank above --max-lora-rank, target modules kvflow cannot
+            adapt, no --enable-lora) or a field kvflow does not declare.
+    """
+    raw.app.state.unknown_fields.check(req, "/v1/load_lora_adapter")
+    try:
+        await raw.app.state.models.load(req.lora_name, req.lora_path, req.load_inplace)
+    except EngineDeadError as e:
+        raise engine_dead(e) from None
+    except ValueError as e:
+        param = "lora_name" if isinstance(e, LoRANameError) or \
+            "already been loaded" in str(e) else "lora_path"
+        raise OpenAIError(str(e), param=param, code="invalid_value") from None
+    return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.",
+                    media_type="text/plain")
+
+
+async def unload_lora_adapter(req: UnloadLoRAAdapterRequest, raw: Request) -> Response:
+    """Stop serving adapter ``lora_name`` (vLLM's endpoint).
+
+    Raises:
+        OpenAIError: 404 when no adapter of that name is loaded; 400 for a field kvflow
+            does not declare.
+    """
+    raw.app.state.unknown_fields.check(req, "/v1/unload_lora_adapter")
+    try:
+        await raw.app.state.models.unload(req.lora_name)
+    except EngineDeadError as e:
+        raise engine_dead(e) from None
+    except ModelNotFound as e:
+        raise OpenAIError(str(e), 404, "not_found_error", "lora_name",
+                          "model_not_found") from None
+    return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.",
+                    media_type="text/plain")
 
 
 async def health(raw: Request) -> Response:
