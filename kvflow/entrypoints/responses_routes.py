@@ -19,61 +19,68 @@ from kvflow.entrypoints.protocol.responses_api import (
 def add_responses_routes(app: FastAPI) -> None:
     """POST /v1/responses, GET and DELETE /v1/responses/{id}, GET .../input_items and
     POST .../cancel."""
-    @app.post("/v1/responses")
-    async def responses(req: ResponsesRequest, raw: Request) -> Response:
-        return await raw.app.state.responses.create_response(req, raw)
+    app.add_api_route("/v1/responses", responses, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", retrieve_response, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", delete_response, methods=["DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/input_items", response_input_items,
+                      methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"])
 
-    @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str, raw: Request) -> Response:
-        """A reply stored by POST /v1/responses (``store`` true); with ``stream=true`` (and
-        ``starting_after=N``) a background streamed response's events after N, then live.
 
-        Raises:
-            OpenAIError: 404 for an id not stored; 400 naming a bad query parameter
-                (OpenAI's ``include`` is not honoured).
-        """
-        after = _stream_query(raw)
-        if after is not None:
-            return raw.app.state.responses.follow(response_id, after)
-        stored = raw.app.state.responses.retrieve(response_id)
-        return Response(stored.model_dump_json(), media_type="application/json")
+async def responses(req: ResponsesRequest, raw: Request) -> Response:
+    return await raw.app.state.responses.create_response(req, raw)
 
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str, raw: Request) -> ResponseDeleted:
-        """Forget a stored reply (a running background one is cancelled first):
-        ``{"id", "object": "response.deleted", "deleted": true}``.
 
-        Raises:
-            OpenAIError: 404 for an id not stored; 400 for a query parameter.
-        """
-        _refuse_query(raw)
-        return await raw.app.state.responses.delete(response_id)
+async def retrieve_response(response_id: str, raw: Request) -> Response:
+    """A reply stored by POST /v1/responses (``store`` true); with ``stream=true`` (and
+    ``starting_after=N``) a background streamed response's events after N, then live.
 
-    @app.get("/v1/responses/{response_id}/input_items")
-    async def response_input_items(response_id: str, raw: Request) -> ResponseItemList:
-        """A page of a stored reply's input items (``order``, ``limit``, ``after``).
+    Raises:
+        OpenAIError: 404 for an id not stored; 400 naming a bad query parameter
+            (OpenAI's ``include`` is not honoured).
+    """
+    after = _stream_query(raw)
+    if after is not None:
+        return raw.app.state.responses.follow(response_id, after)
+    stored = raw.app.state.responses.retrieve(response_id)
+    return Response(stored.model_dump_json(), media_type="application/json")
 
-        Raises:
-            OpenAIError: 404 for an id not stored; 400 naming a bad query parameter.
-        """
-        query = {name: raw.query_params.getlist(name) for name in raw.query_params}
-        return raw.app.state.responses.input_items(response_id, query)
 
-    @app.post("/v1/responses/{response_id}/cancel")
-    async def cancel_response(response_id: str, raw: Request) -> Response:
-        """OpenAI's cancel of a background response: a running one is stopped and returned
-        ``cancelled``, one that has ended is returned as it is.
+async def delete_response(response_id: str, raw: Request) -> ResponseDeleted:
+    """Forget a stored reply (a running background one is cancelled first):
+    ``{"id", "object": "response.deleted", "deleted": true}``.
 
-        Raises:
-            OpenAIError: 404 for an id not stored; 400 for one not created with
-                ``background`` true, a query parameter, or a body (the route takes none).
-        """
-        _refuse_query(raw)
-        if (await raw.body()).strip() not in (b"", b"{}"):
-            raise OpenAIError("POST /v1/responses/{response_id}/cancel takes no body",
-                              code="unsupported_parameter")
-        response = await raw.app.state.responses.cancel(response_id)
-        return Response(response.model_dump_json(), media_type="application/json")
+    Raises:
+        OpenAIError: 404 for an id not stored; 400 for a query parameter.
+    """
+    _refuse_query(raw)
+    return await raw.app.state.responses.delete(response_id)
+
+
+async def response_input_items(response_id: str, raw: Request) -> ResponseItemList:
+    """A page of a stored reply's input items (``order``, ``limit``, ``after``).
+
+    Raises:
+        OpenAIError: 404 for an id not stored; 400 naming a bad query parameter.
+    """
+    query = {name: raw.query_params.getlist(name) for name in raw.query_params}
+    return raw.app.state.responses.input_items(response_id, query)
+
+
+async def cancel_response(response_id: str, raw: Request) -> Response:
+    """OpenAI's cancel of a background response: a running one is stopped and returned
+    ``cancelled``, one that has ended is returned as it is.
+
+    Raises:
+        OpenAIError: 404 for an id not stored; 400 for one not created with
+            ``background`` true, a query parameter, or a body (the route takes none).
+    """
+    _refuse_query(raw)
+    if (await raw.body()).strip() not in (b"", b"{}"):
+        raise OpenAIError("POST /v1/responses/{response_id}/cancel takes no body",
+                          code="unsupported_parameter")
+    response = await raw.app.state.responses.cancel(response_id)
+    return Response(response.model_dump_json(), media_type="application/json")
 
 
 def _refuse_query(raw: Request) -> None:
