@@ -308,13 +308,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
     """
     names = server_config.model_names(engine_config.model_config.model)
     model_name = names[0]
-    if server_config.uds is None:
-        check_listen_address(server_config.host, server_config.port)
-    else:
-        check_socket_path(server_config.uds)
-    check_ssl_files(server_config)
-    check_default_template_kwargs(server_config.default_chat_template_kwargs)
-    check_lora_modules(server_config.lora_modules or (), engine_config, names)
+    _check_before_loading(engine_config, server_config, names)
     start_method = core_start_method(fresh_process)
     template = None if server_config.chat_template is None else \
         load_chat_template(server_config.chat_template)  # the one read: served as checked
@@ -327,18 +321,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
                           start_method=start_method)
     try:
         app = build_app(engine, server_config, model_name, template)
-        http_options = uvicorn_options(server_config)
-        where = (f"unix:{server_config.uds}" if server_config.uds is not None
-                 else f"{server_config.host}:{server_config.port}")
-        logger.info("serving %s on %s://%s%s", model_name,
-                    "https" if "ssl_certfile" in http_options else "http", where,
-                    server_config.root_path or "")
-        # open requests are aborted first on SIGINT / SIGTERM (server_shutdown.py); the 5 s
-        # are for other work in flight (a long /tokenize, say)
-        server = _StartingServer(uvicorn.Config(
-            app, host=server_config.host, port=server_config.port,
-            log_level=server_config.uvicorn_log_level, timeout_graceful_shutdown=5,
-            timeout_keep_alive=server_config.timeout_keep_alive, **http_options), app)
+        server = _uvicorn_server(app, server_config, model_name)
         app.state.uvicorn_server = server
         freeze_startup_heap("API server")  # kvflow/gc_heap.py: no 0.2 s stalls of the streams
         server.run()
@@ -349,3 +332,39 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
     if app.state.engine_died:
         raise RuntimeError("the engine core process died; the server stopped "
                            "(--engine-failure restart starts a new engine instead)")
+
+
+def _check_before_loading(engine_config: EngineConfig, server_config: ServerConfig,
+                          names: tuple[str, ...]) -> None:
+    """What :func:`run_server` checks before the model loads: the address (or ``--uds``
+    path) to listen on, the SSL files, ``--default-chat-template-kwargs`` and the
+    ``--lora-modules`` adapters (against ``names``, the served model's).
+
+    Raises:
+        ValueError: naming the flag whose value cannot be used.
+    """
+    if server_config.uds is None:
+        check_listen_address(server_config.host, server_config.port)
+    else:
+        check_socket_path(server_config.uds)
+    check_ssl_files(server_config)
+    check_default_template_kwargs(server_config.default_chat_template_kwargs)
+    check_lora_modules(server_config.lora_modules or (), engine_config, names)
+
+
+def _uvicorn_server(app: FastAPI, server_config: ServerConfig,
+                    model_name: str) -> _StartingServer:
+    """The uvicorn server of ``app`` with the HTTP flags (address or socket, SSL, log level,
+    keep-alive), its address logged."""
+    http_options = uvicorn_options(server_config)
+    where = (f"unix:{server_config.uds}" if server_config.uds is not None
+             else f"{server_config.host}:{server_config.port}")
+    logger.info("serving %s on %s://%s%s", model_name,
+                "https" if "ssl_certfile" in http_options else "http", where,
+                server_config.root_path or "")
+    # open requests are aborted first on SIGINT / SIGTERM (server_shutdown.py); the 5 s
+    # are for other work in flight (a long /tokenize, say)
+    return _StartingServer(uvicorn.Config(
+        app, host=server_config.host, port=server_config.port,
+        log_level=server_config.uvicorn_log_level, timeout_graceful_shutdown=5,
+        timeout_keep_alive=server_config.timeout_keep_alive, **http_options), app)
