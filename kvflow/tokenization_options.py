@@ -207,39 +207,13 @@ def parse_tokenization_kwargs(kwargs: Mapping[str, Any] | None, max_model_len: i
     """
     if kwargs is None:
         return None
-    if not isinstance(kwargs, Mapping):
-        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
-            f"{_FIELD} must be a dict, got {type(kwargs).__name__}")
-    unknown = sorted(set(kwargs) - set(_KEYS))
-    if unknown:
-        raise ValueError(f"{_FIELD} {unknown} are not read by kvflow (vLLM ignores them with a "
-                         f"warning); it reads {list(_KEYS)}")
+    _check_keys(kwargs)
     if not kwargs:
         return None
-    for name in ("add_special_tokens", "do_lower_case", "needs_detokenization"):
-        if name in kwargs and not isinstance(kwargs[name], bool):
-            raise ValueError(f"{_FIELD}['{name}'] must be a bool, got {kwargs[name]!r}")
     max_length = _length(kwargs, "max_length", max_model_len, allow_minus_one=False)
     max_length = max_model_len if max_length is None else max_length
-    keep = _length(kwargs, "truncate_prompt_tokens", max_model_len, generation=generation)
-    truncation = kwargs.get("truncation")
-    if truncation in (True, "longest_first"):
-        keep = max_length
-    elif truncation not in (None, False, "do_not_truncate"):
-        raise ValueError(f"{_FIELD}['truncation']={truncation!r}: kvflow reads True, "
-                         "'longest_first', False or 'do_not_truncate' (a single prompt has "
-                         "no second sequence to cut)")
-    elif truncation is not None:
-        keep = None
-    pad_to = _length(kwargs, "pad_prompt_tokens", max_model_len)
-    padding = kwargs.get("padding")
-    if padding == "max_length":
-        pad_to = max_length
-    elif padding not in (None, False, "do_not_pad"):
-        raise ValueError(f"{_FIELD}['padding']={padding!r}: kvflow reads 'max_length', False "
-                         "or 'do_not_pad' (one prompt has no longest one to pad to)")
-    elif padding is not None:
-        pad_to = None
+    keep = _kept_tokens(kwargs, max_model_len, max_length, generation)
+    pad_to = _padded_length(kwargs, max_model_len, max_length)
     side = kwargs.get("truncation_side")
     if side not in (None, "left", "right"):
         raise ValueError(f"{_FIELD}['truncation_side'] must be 'left' or 'right', got "
@@ -249,6 +223,67 @@ def parse_tokenization_kwargs(kwargs: Mapping[str, Any] | None, max_model_len: i
                                do_lower_case=kwargs.get("do_lower_case", False),
                                keep=keep, side=side or default_side,
                                side_given=side is not None, pad_to=pad_to)
+
+
+def _check_keys(kwargs: Any) -> None:
+    """``tokenization_kwargs`` is a mapping of keys kvflow reads, its flags bools.
+
+    Raises:
+        ValueError: for another type, a key kvflow does not read (named, with the keys it
+            reads) or a flag that is not a bool (named).
+    """
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"{_FIELD} must be a dict, got {type(kwargs).__name__}")
+    unknown = sorted(set(kwargs) - set(_KEYS))
+    if unknown:
+        raise ValueError(f"{_FIELD} {unknown} are not read by kvflow (vLLM ignores them with a "
+                         f"warning); it reads {list(_KEYS)}")
+    for name in ("add_special_tokens", "do_lower_case", "needs_detokenization"):
+        if name in kwargs and not isinstance(kwargs[name], bool):
+            raise ValueError(f"{_FIELD}['{name}'] must be a bool, got {kwargs[name]!r}")
+
+
+def _kept_tokens(kwargs: Mapping[str, Any], max_model_len: int, max_length: int,
+                 generation: bool) -> int | None:
+    """The prompt tokens kept (None: no cut): ``truncate_prompt_tokens`` (-1 keeps one less
+    than ``max_model_len`` for ``generation``), or ``max_length``
+    under ``truncation`` True / ``longest_first``; ``truncation`` False /
+    ``do_not_truncate`` turns the cut off.
+
+    Raises:
+        ValueError: for a ``truncate_prompt_tokens`` out of range or another ``truncation``
+            value (named).
+    """
+    keep = _length(kwargs, "truncate_prompt_tokens", max_model_len, generation=generation)
+    truncation = kwargs.get("truncation")
+    if truncation in (True, "longest_first"):
+        return max_length
+    if truncation not in (None, False, "do_not_truncate"):
+        raise ValueError(f"{_FIELD}['truncation']={truncation!r}: kvflow reads True, "
+                         "'longest_first', False or 'do_not_truncate' (a single prompt has "
+                         "no second sequence to cut)")
+    return keep if truncation is None else None
+
+
+def _padded_length(kwargs: Mapping[str, Any], max_model_len: int,
+                   max_length: int) -> int | None:
+    """The length a prompt is padded to (None: not padded): ``pad_prompt_tokens``, or
+    ``max_length`` under ``padding="max_length"``; ``padding`` False / ``do_not_pad`` turns
+    padding off.
+
+    Raises:
+        ValueError: for a ``pad_prompt_tokens`` out of range or another ``padding`` value
+            (named).
+    """
+    pad_to = _length(kwargs, "pad_prompt_tokens", max_model_len)
+    padding = kwargs.get("padding")
+    if padding == "max_length":
+        return max_length
+    if padding not in (None, False, "do_not_pad"):
+        raise ValueError(f"{_FIELD}['padding']={padding!r}: kvflow reads 'max_length', False "
+                         "or 'do_not_pad' (one prompt has no longest one to pad to)")
+    return pad_to if padding is None else None
 
 
 def _length(kwargs: Mapping[str, Any], name: str, max_model_len: int,
