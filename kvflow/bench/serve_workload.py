@@ -32,20 +32,7 @@ def build_requests(args: argparse.Namespace, tokenizer_factory) -> list[BenchReq
             qualifying conversation, or a bad length distribution.
     """
     if args.dataset == "random":
-        vocab = args.random_vocab_size
-        if vocab is None:
-            tok = tokenizer_factory()
-            vocab = len(tok) if tok is not None else 32000
-        reqs = random_requests(args.num_prompts, args.input_len, args.output_len,
-                               vocab_size=vocab, seed=args.seed)
-        if args.endpoint == "chat":
-            tok = tokenizer_factory()
-            if tok is None:
-                raise ValueError("--dataset random with --endpoint chat needs a tokenizer "
-                                 "(--tokenizer)")
-            reqs = [BenchRequest(tok.decode(r.prompt), r.prompt_len, r.output_len)
-                    for r in reqs]
-        return reqs
+        return _random_requests(args, tokenizer_factory)
     if args.dataset == "random-image":
         if args.endpoint != "chat":
             raise ValueError("--dataset random-image sends images in chat messages: use "
@@ -60,12 +47,56 @@ def build_requests(args: argparse.Namespace, tokenizer_factory) -> list[BenchReq
             parse_length_dist(args.user_len), parse_length_dist(args.output_len_dist),
             seed=args.seed)
     if is_json_array_file(args.dataset):
-        reqs = load_sharegpt(args.dataset, args.num_prompts, tokenizer_factory(), args.seed,
-                             args.sharegpt_output_len, shuffle=not args.disable_shuffle)
-        if not reqs:
-            raise ValueError(f"--dataset {args.dataset}: no conversation qualifies (two turns, "
-                             "a prompt of 4-1024 tokens, an output of >= 4, 2048 in all)")
-        return reqs
+        return _sharegpt_requests(args, tokenizer_factory)
+    return _jsonl_requests(args)
+
+
+def _random_requests(args: argparse.Namespace, tokenizer_factory) -> list[BenchRequest]:
+    """``--dataset random``: random token ids (from ``--random-vocab-size``, else the
+    tokenizer's vocabulary, else 32,000 ids), decoded to text for the chat endpoint.
+
+    Raises:
+        ValueError: on the chat endpoint without a tokenizer.
+    """
+    vocab = args.random_vocab_size
+    if vocab is None:
+        tok = tokenizer_factory()
+        vocab = len(tok) if tok is not None else 32000
+    reqs = random_requests(args.num_prompts, args.input_len, args.output_len,
+                           vocab_size=vocab, seed=args.seed)
+    if args.endpoint == "chat":
+        tok = tokenizer_factory()
+        if tok is None:
+            raise ValueError("--dataset random with --endpoint chat needs a tokenizer "
+                             "(--tokenizer)")
+        reqs = [BenchRequest(tok.decode(r.prompt), r.prompt_len, r.output_len)
+                for r in reqs]
+    return reqs
+
+
+def _sharegpt_requests(args: argparse.Namespace, tokenizer_factory) -> list[BenchRequest]:
+    """A ShareGPT JSON file's qualifying conversations (:func:`load_sharegpt`).
+
+    Raises:
+        ValueError: for a file that cannot be read, no tokenizer, or no qualifying
+            conversation.
+    """
+    reqs = load_sharegpt(args.dataset, args.num_prompts, tokenizer_factory(), args.seed,
+                         args.sharegpt_output_len, shuffle=not args.disable_shuffle)
+    if not reqs:
+        raise ValueError(f"--dataset {args.dataset}: no conversation qualifies (two turns, "
+                         "a prompt of 4-1024 tokens, an output of >= 4, 2048 in all)")
+    return reqs
+
+
+def _jsonl_requests(args: argparse.Namespace) -> list[BenchRequest]:
+    """A JSONL file's requests, shuffled with ``random.Random(args.seed)`` (unless
+    ``--disable-shuffle``), then the first ``--num-prompts`` (vLLM's custom dataset).
+
+    Raises:
+        ValueError: for a file that cannot be read, a bad line, no request, or chat messages
+            on the completions endpoint.
+    """
     reqs = load_jsonl(args.dataset, args.output_len)
     if not reqs:
         raise ValueError(f"--dataset {args.dataset}: the file holds no requests (only blank "
