@@ -27,46 +27,70 @@ def make_attention_backend(name: str, batch_invariant: bool = False,
     unknown name or ``cpu_attention``, for flashinfer off CUDA or not installed, or for triton
     not installed or off CUDA without its interpreter (``TRITON_INTERPRET=1``)."""
     if name == "cpu":
-        from kvflow.attention.cpu_paged import CpuPagedAttentionBackend
-        from kvflow.attention.prefill_select import PrefillAttentionChoice
-        from kvflow.config import cpu_attention_choice
-        from kvflow.config.kernel_choices import native_cpu_choice
-        from kvflow.kernels.cpu_native import native_cpu_kernels
-
-        kernels = native_cpu_kernels()
-        if kernels is not None:
-            prefill = PrefillAttentionChoice(cpu_attention_choice(cpu_attention), kernels)
-            return CpuPagedAttentionBackend(kernels, batch_invariant, prefill)
-        if native_cpu_choice():  # the kernels failed to build (their warning says why)
-            logger.warning("attention backend 'cpu' unavailable; using 'torch'")
-        else:  # asked for: not worth a warning
-            logger.info("attention backend 'torch' (KVFLOW_NATIVE_CPU=0 turns kvflow's native "
-                        "CPU kernels off)")
+        backend = _native_cpu_backend(batch_invariant, cpu_attention)
+        if backend is not None:
+            return backend
         name = "torch"
     if name == "torch":
         from kvflow.attention.torch_paged import TorchPagedAttentionBackend
 
         return TorchPagedAttentionBackend()
     if name == "triton":
-        from kvflow.platforms.cuda import triton_available
-
-        if not triton_available():
-            raise ValueError("attention_backend='triton' needs the triton package (pip install "
-                             "triton); choose attention_backend='torch' without it")
-        if device is not None and device.type != "cuda" \
-                and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"attention_backend='triton' runs on CUDA; on {device.type} only in "
-                             "Triton's interpreter (TRITON_INTERPRET=1, slow: for tests); "
-                             "choose attention_backend='cpu' or 'torch' there")
-        from kvflow.attention.triton_paged import TritonPagedAttentionBackend
-
-        return TritonPagedAttentionBackend(batch_invariant=batch_invariant)
+        return _triton_backend(batch_invariant, device)
     if name == "flashinfer":
         from kvflow.attention.flashinfer_paged import FlashInferPagedAttentionBackend
 
         return FlashInferPagedAttentionBackend(device or torch.device("cpu"))
     raise ValueError(f"unknown attention backend {name!r}; choose torch, cpu, triton or "
                      "flashinfer")
+
+
+def _native_cpu_backend(batch_invariant: bool, cpu_attention: str | None):
+    """The "cpu" backend on kvflow's native CPU kernels; None (the reason logged: a warning
+    when they failed to build, info when ``KVFLOW_NATIVE_CPU=0`` turned them off) without
+    them.
+
+    Raises:
+        ValueError: for an unknown ``cpu_attention``.
+    """
+    from kvflow.attention.cpu_paged import CpuPagedAttentionBackend
+    from kvflow.attention.prefill_select import PrefillAttentionChoice
+    from kvflow.config import cpu_attention_choice
+    from kvflow.config.kernel_choices import native_cpu_choice
+    from kvflow.kernels.cpu_native import native_cpu_kernels
+
+    kernels = native_cpu_kernels()
+    if kernels is not None:
+        prefill = PrefillAttentionChoice(cpu_attention_choice(cpu_attention), kernels)
+        return CpuPagedAttentionBackend(kernels, batch_invariant, prefill)
+    if native_cpu_choice():  # the kernels failed to build (their warning says why)
+        logger.warning("attention backend 'cpu' unavailable; using 'torch'")
+    else:  # asked for: not worth a warning
+        logger.info("attention backend 'torch' (KVFLOW_NATIVE_CPU=0 turns kvflow's native "
+                    "CPU kernels off)")
+    return None
+
+
+def _triton_backend(batch_invariant: bool, device: torch.device | None):
+    """The "triton" backend.
+
+    Raises:
+        ValueError: without the triton package, or off CUDA without Triton's interpreter
+            (``TRITON_INTERPRET=1``).
+    """
+    from kvflow.platforms.cuda import triton_available
+
+    if not triton_available():
+        raise ValueError("attention_backend='triton' needs the triton package (pip install "
+                         "triton); choose attention_backend='torch' without it")
+    if device is not None and device.type != "cuda" \
+            and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"attention_backend='triton' runs on CUDA; on {device.type} only in "
+                         "Triton's interpreter (TRITON_INTERPRET=1, slow: for tests); "
+                         "choose attention_backend='cpu' or 'torch' there")
+    from kvflow.attention.triton_paged import TritonPagedAttentionBackend
+
+    return TritonPagedAttentionBackend(batch_invariant=batch_invariant)
 
 
 def make_context_parallel_backend(cp_group, hf_config: Any, block_size: int,
