@@ -14,6 +14,7 @@ from kvflow.entrypoints.protocol import (
     NamedToolChoice,
     ResponseFormat,
     SamplingRequest,
+    StructuredOutputsField,
     TokenizeRequest,
 )
 from kvflow.entrypoints.tool_parsers import (
@@ -74,19 +75,48 @@ def request_constraint(req: SamplingRequest,
     guided = [(name, getattr(req, name)) for name in _GUIDED_FIELDS
               if getattr(req, name) is not None]
     if guided:
-        name, value = guided[0]
-        try:
-            return StructuredOutputsParams(**{_GUIDED_FIELDS[name]: value})
-        except ValueError as e:  # guided_choice, not structured_outputs.choice
-            raise RequestFieldError(_INTERNAL_NAME.sub(name, str(e)), name) from None
+        return _guided_constraint(*guided[0])
     if extra is not None:
-        fields = extra.model_dump(by_alias=True, exclude_none=True)
-        try:
-            return StructuredOutputsParams(**fields)
-        except ValueError as e:  # the request's own names, not SamplingParams'
-            inner = _INTERNAL_NAME.search(str(e))
-            param = "structured_outputs" + (inner.group(1) or "" if inner else "")
-            raise RequestFieldError(_INTERNAL_NAME.sub(param, str(e)), param) from None
+        return _structured_outputs_constraint(extra)
+    return _format_constraint(fmt)
+
+
+def _guided_constraint(name: str, value: Any) -> StructuredOutputsParams:
+    """vLLM's older ``guided_*`` field ``name`` (``guided_json``, ...) as its constraint.
+
+    Raises:
+        RequestFieldError: for a bad value, naming ``name`` (not ``structured_outputs.*``).
+    """
+    try:
+        return StructuredOutputsParams(**{_GUIDED_FIELDS[name]: value})
+    except ValueError as e:  # guided_choice, not structured_outputs.choice
+        raise RequestFieldError(_INTERNAL_NAME.sub(name, str(e)), name) from None
+
+
+def _structured_outputs_constraint(extra: StructuredOutputsField) -> StructuredOutputsParams:
+    """The request's ``structured_outputs`` object as its constraint.
+
+    Raises:
+        RequestFieldError: for a bad field, named as the request names it
+            (``structured_outputs.regex``, not SamplingParams').
+    """
+    fields = extra.model_dump(by_alias=True, exclude_none=True)
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as e:  # the request's own names, not SamplingParams'
+        inner = _INTERNAL_NAME.search(str(e))
+        param = "structured_outputs" + (inner.group(1) or "" if inner else "")
+        raise RequestFieldError(_INTERNAL_NAME.sub(param, str(e)), param) from None
+
+
+def _format_constraint(fmt: ResponseFormat | None) -> StructuredOutputsParams | None:
+    """``response_format``'s constraint: None for none or ``text``; a JSON object; a
+    structural tag; a JSON schema (``true``: any JSON).
+
+    Raises:
+        RequestFieldError: for a json_schema format without a schema or with schema
+            ``false``, or a malformed structural tag (naming its field).
+    """
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
