@@ -38,20 +38,51 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     meta = read_gguf_metadata(path)  # validates the file first (fast)
     check_tokenizer_metadata(meta)
     _warn_missing_pre(meta)
+    cached = _tokenizer_cache_dir(meta.path)
+    tokenizer = _load_cached_tokenizer(cached)
+    if tokenizer is not None:
+        return tokenizer
+    tokenizer = _convert_gguf_tokenizer(meta)
+    _apply_gguf_metadata(tokenizer, meta)
+    if cached is not None:
+        _save_tokenizer_cache(tokenizer, cached)
+    return tokenizer
+
+
+def _load_cached_tokenizer(cached: str | None) -> PreTrainedTokenizerBase | None:
+    """The tokenizer saved in cache folder ``cached``; None for no folder, an empty one or an
+    unreadable entry (rebuilt then)."""
     from transformers import AutoTokenizer
 
-    cached = _tokenizer_cache_dir(meta.path)
     if cached is not None and os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
         try:
             return AutoTokenizer.from_pretrained(cached)
         except (OSError, ValueError):
-            pass  # unreadable cache entry: rebuild it below
+            pass  # unreadable cache entry: rebuilt by the caller
+    return None
+
+
+def _convert_gguf_tokenizer(meta: GGUFMetadata) -> PreTrainedTokenizerBase:
+    """transformers' conversion of the file's tokenizer metadata
+    (``AutoTokenizer.from_pretrained(dirname, gguf_file=basename)``).
+
+    Raises:
+        ValueError: naming the file, for any error of the conversion.
+    """
+    from transformers import AutoTokenizer
+
     directory, filename = os.path.split(os.path.abspath(meta.path))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+        return AutoTokenizer.from_pretrained(directory, gguf_file=filename)
     except Exception as e:  # transformers' GGUF conversion raises many types
         raise ValueError(f"{meta.path!r}: cannot build a tokenizer from the GGUF tokenizer "
                          f"metadata ({type(e).__name__}: {e}); {_USE_TOKENIZER}") from e
+
+
+def _apply_gguf_metadata(tokenizer: PreTrainedTokenizerBase, meta: GGUFMetadata) -> None:
+    """What transformers' conversion leaves out, set on ``tokenizer`` in place: SentencePiece
+    spacing, llama.cpp's pre-tokenizer, the chat template(s), the bos/eos/pad tokens of
+    ``tokenizer.ggml.{bos,eos,padding}_token_id`` and llama.cpp's BOS default."""
     _spm_spacing(tokenizer, meta)
     _llama_cpp_pre(tokenizer, meta)
     template = gguf_chat_templates(meta)  # transformers reads the default one only
@@ -68,9 +99,6 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
             if token is not None:
                 setattr(tokenizer, attr, token)
     _llama_cpp_add_bos(tokenizer, meta)
-    if cached is not None:
-        _save_tokenizer_cache(tokenizer, cached)
-    return tokenizer
 
 
 def gguf_chat_templates(meta: GGUFMetadata) -> str | dict[str, str] | None:
