@@ -62,6 +62,18 @@ def check_adapter_config(config: dict[str, Any], max_rank: int,
             ``target_modules`` / ``exclude_modules`` / ``layers_to_transform`` /
             ``layers_pattern`` of a type peft does not read.
     """
+    _refuse_unsupported_features(config, where)
+    check_target_fields(config, where)
+    _check_ranks_and_alphas(config, max_rank, where, adapter)
+
+
+def _refuse_unsupported_features(config: dict[str, Any], where: str) -> None:
+    """Refuse a PEFT type other than LoRA and the LoRA variants kvflow cannot apply.
+
+    Raises:
+        ValueError: naming ``where`` and the first such field (see
+            :func:`check_adapter_config`).
+    """
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise ValueError(f"adapter peft_type={peft_type!r}: kvflow serves LORA adapters only")
@@ -87,7 +99,17 @@ def check_adapter_config(config: dict[str, Any], max_rank: int,
     for name, bad, why in refused:
         if bad:
             raise ValueError(f"{where} {name}={config.get(name)!r}: {why}")
-    check_target_fields(config, where)
+
+
+def _check_ranks_and_alphas(config: dict[str, Any], max_rank: int, where: str,
+                            adapter: str) -> None:
+    """``r`` / ``rank_pattern`` positive integers at most ``max_rank``, ``lora_alpha`` /
+    ``alpha_pattern`` numbers.
+
+    Raises:
+        ValueError: naming ``where`` and the field, or :func:`rank_error` for a rank above
+            ``max_rank``.
+    """
     ranks = _checked_values(config, "r", "rank_pattern", 8, where, _is_rank,
                             "a LoRA rank must be a positive integer")
     _checked_values(config, "lora_alpha", "alpha_pattern", 8, where, _is_number,
