@@ -176,12 +176,25 @@ def model_pooling(requested: str, hf_config: Any, folder: str | None, flags: str
     if task == "generate":
         return task, None
     if task == "token_classify":  # every prompt token's row through the head
-        num_labels = int(hf_config.num_labels)
-        return task, PoolerConfig("all", False, task=task,
-                                  activation=classify_activation(hf_config),
-                                  num_labels=num_labels, labels=class_labels(hf_config))
+        return task, _token_classifier_pooling(hf_config)
     if task not in ("score", "classify"):
         return task, load_pooler_config(folder, hf_config, encoder)
+    return task, _sequence_classifier_pooling(task, hf_config, encoder)
+
+
+def _token_classifier_pooling(hf_config: Any) -> PoolerConfig:
+    """A ``*ForTokenClassification`` model's pooling: every prompt token's row through the
+    head, with its activation and class labels."""
+    num_labels = int(hf_config.num_labels)
+    return PoolerConfig("all", False, task="token_classify",
+                        activation=classify_activation(hf_config),
+                        num_labels=num_labels, labels=class_labels(hf_config))
+
+
+def _sequence_classifier_pooling(task: str, hf_config: Any, encoder: bool) -> PoolerConfig:
+    """A sequence classifier's pooling for ``task`` (``score`` or ``classify``): its first
+    token (``encoder``) or its last, with the other tasks its head serves and their
+    activations (:func:`model_pooling`)."""
     # One head serves both (vLLM): classify always; score on a classify engine only with
     # one label (a relevance logit), on a score engine with any (CrossEncoder.predict's values).
     num_labels = int(hf_config.num_labels)
@@ -194,11 +207,10 @@ def model_pooling(requested: str, hf_config: Any, folder: str | None, flags: str
         served += ("token_classify",)
     activations = {t: score_activation(hf_config) if t == "score" else
                    classify_activation(hf_config) for t in served}
-    return task, PoolerConfig("cls" if encoder else "last", False, task=task,
-                              activation=activations[task], num_labels=num_labels,
-                              labels=class_labels(hf_config),
-                              other_tasks=tuple(kv for kv in activations.items()
-                                                if kv[0] != task))
+    return PoolerConfig("cls" if encoder else "last", False, task=task,
+                        activation=activations[task], num_labels=num_labels,
+                        labels=class_labels(hf_config),
+                        other_tasks=tuple(kv for kv in activations.items() if kv[0] != task))
 
 
 def classify_activation(hf_config: Any) -> str:
