@@ -68,16 +68,40 @@ def resolve_threads(cpu_threads: int | None, bind: str | None, allowed: list[int
     share_quota = None if quota is None else quota / ranks
     if bind in (None, "auto", "none"):
         threads = cpu_threads or default_num_threads(current, len(share), share_quota)
-        if bind == "none" or (bind is None and not pin_by_default):
-            return threads, None
-        if bind is None:
-            return threads, (share if 1 < threads == len(share) else None)
-        if threads > len(share):
-            raise ValueError(f"cpu_threads={threads} cannot be pinned to the {len(share)} "
-                             f"CPUs {share} of rank {rank} (affinity mask {allowed}): "
-                             f"cpu_threads_bind='auto' pins one thread per CPU; give at most "
-                             f"{len(share)} threads, or cpu_threads_bind='none'")
-        return threads, share[:threads]
+        return threads, _share_pinning(threads, bind, share, pin_by_default, rank, allowed)
+    cpus = _bound_cpus(bind, rank, ranks, allowed)
+    return len(cpus), cpus
+
+
+def _share_pinning(threads: int, bind: str | None, share: list[int], pin_by_default: bool,
+                   rank: int, allowed: list[int]) -> list[int] | None:
+    """The CPUs of ``share`` (the rank's slice of ``allowed``) its ``threads`` are pinned
+    to, or None: nothing for ``none`` (or unset without ``pin_by_default``), the whole
+    share when unset and the threads fill it, one CPU per thread for ``auto``.
+
+    Raises:
+        ValueError: for ``auto`` with more threads than the share's CPUs.
+    """
+    if bind == "none" or (bind is None and not pin_by_default):
+        return None
+    if bind is None:
+        return share if 1 < threads == len(share) else None
+    if threads > len(share):
+        raise ValueError(f"cpu_threads={threads} cannot be pinned to the {len(share)} "
+                         f"CPUs {share} of rank {rank} (affinity mask {allowed}): "
+                         f"cpu_threads_bind='auto' pins one thread per CPU; give at most "
+                         f"{len(share)} threads, or cpu_threads_bind='none'")
+    return share[:threads]
+
+
+def _bound_cpus(bind: str, rank: int, ranks: int, allowed: list[int]) -> list[int]:
+    """Rank ``rank``'s part of an explicit ``cpu_threads_bind`` list (``0-3|4-7``: one
+    ``|``-separated part per rank).
+
+    Raises:
+        ValueError: for a part count other than ``ranks``, a CPU given to two ranks, or a CPU
+            outside ``allowed``.
+    """
     parts = bind.split("|")
     if len(parts) != ranks:
         raise ValueError(f"cpu_threads_bind={bind!r} has {len(parts)} '|'-separated parts "
@@ -90,7 +114,7 @@ def resolve_threads(cpu_threads: int | None, bind: str | None, allowed: list[int
                          "than one worker process; give each rank CPUs of its own")
     cpus = lists[rank]
     check_bind_cpus(bind, cpus, allowed)
-    return len(cpus), cpus
+    return cpus
 
 
 def check_cpu_threads(cpu_threads: int | None, bind: str | None, ranks: int,
