@@ -33,6 +33,7 @@ import torch
 
 from kvflow.kv_cache_interface import KVCacheConfig
 from kvflow.sampling_params import SamplingParams
+from kvflow.spec_decode.draft_threads import DraftThreads
 from kvflow.worker.input_batch import InputBatch, RequestState
 from kvflow.worker.model_inputs import InputStager
 
@@ -98,11 +99,7 @@ def time_draft_passes(drafter: Any, kv_cache_config: KVCacheConfig, block_size: 
     max_rows = min(max_rows, kv_cache_config.num_blocks - 1)
     if max_rows < 1:
         return []
-    groups = kv_cache_config.kv_cache_groups
-    batch = InputBatch(max_rows, [g.kv_cache_spec for g in groups])
-    for i in range(max_rows):
-        state = RequestState(f"draft-timing-{i}", [0] * block_size, SamplingParams(), None)
-        batch.add_request(state, [], tuple([i + 1] for _ in groups), block_size - 1)
+    batch = _dummy_batch(kv_cache_config, block_size, max_rows)
     computed = np.full(max_rows, block_size - 1, np.int64)
 
     @torch.inference_mode()
@@ -115,6 +112,26 @@ def time_draft_passes(drafter: Any, kv_cache_config: KVCacheConfig, block_size: 
         return time.perf_counter() - started
 
     started, threads = time.perf_counter(), drafter.threads
+    best = _fastest_thread_count(threads, run)
+    with threads.running(best):
+        return doubling_rows(run, max_rows, budget_s - (time.perf_counter() - started))
+
+
+def _dummy_batch(kv_cache_config: KVCacheConfig, block_size: int, max_rows: int) -> InputBatch:
+    """``max_rows`` dummy requests of one block of context each (request i on block i + 1 of
+    every group), ``block_size - 1`` tokens computed."""
+    groups = kv_cache_config.kv_cache_groups
+    batch = InputBatch(max_rows, [g.kv_cache_spec for g in groups])
+    for i in range(max_rows):
+        state = RequestState(f"draft-timing-{i}", [0] * block_size, SamplingParams(), None)
+        batch.add_request(state, [], tuple([i + 1] for _ in groups), block_size - 1)
+    return batch
+
+
+def _fastest_thread_count(threads: DraftThreads, run: Callable[[int], float]) -> int:
+    """The candidate thread count of ``threads`` (the drafter's) whose
+    one-request pass is fastest (best of ``REPEATS`` after one warm-up), each count's time
+    seeding ``threads``; the only candidate, untimed, when there is one."""
     best = threads.candidates[0]
     if len(threads.candidates) > 1:
         one_row = {}
@@ -125,5 +142,4 @@ def time_draft_passes(drafter: Any, kv_cache_config: KVCacheConfig, block_size: 
                 one_row[count] = min(run(1) for _ in range(REPEATS))
             threads.seed(count, one_row[count])
         best = min(one_row, key=one_row.get)
-    with threads.running(best):
-        return doubling_rows(run, max_rows, budget_s - (time.perf_counter() - started))
+    return best
