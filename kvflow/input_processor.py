@@ -277,13 +277,7 @@ class InputProcessor(PoolingInputs):
             params = dataclasses.replace(params, max_tokens=max(room, params.min_tokens))
         requests = []
         for i in range(params.n):
-            seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
-            child = dataclasses.replace(params, n=1,
-                                        stop_token_ids=self._stop_token_ids(params),
-                                        bad_words_token_ids=bad_words_ids,
-                                        **self._whole_vocab_logprobs(params))
-            child.seed = seed  # set after the copy: its checks would read a seed + i of -1
-            # as "unseeded" (SamplingParams.seed)
+            child = self._sample_params(params, i, bad_words_ids)
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
             requests.append(Request(rid, token_ids, child, self.eos_token_id, arrival_time,
                                     priority, parent_id=request_id, sample_index=i,
@@ -291,6 +285,20 @@ class InputProcessor(PoolingInputs):
                                     lora_request=lora_request, cache_salt=cache_salt,
                                     prompt_embeds=prompt_embeds))
         return requests
+
+    def _sample_params(self, params: SamplingParams, i: int,
+                       bad_words_ids: list[list[int]] | None) -> SamplingParams:
+        """Sample ``i``'s copy of ``params``: ``n=1``, the engine's stop ids added, the
+        tokenized ``bad_words_ids``, -1 logprobs as the vocabulary size, and seed + i
+        (wrapped into the signed 64-bit range) when seeded."""
+        seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
+        child = dataclasses.replace(params, n=1,
+                                    stop_token_ids=self._stop_token_ids(params),
+                                    bad_words_token_ids=bad_words_ids,
+                                    **self._whole_vocab_logprobs(params))
+        child.seed = seed  # set after the copy: its checks would read a seed + i of -1
+        # as "unseeded" (SamplingParams.seed)
+        return child
 
     def _whole_vocab_logprobs(self, params: SamplingParams) -> dict[str, int]:
         """``logprobs`` / ``prompt_logprobs`` of -1 (vLLM's "every token") as the vocabulary
