@@ -221,28 +221,39 @@ def check_rope_parameters(config: Any, path: str, raw: dict[str, Any] | None = N
     per_type = params if "rope_theta" not in params and all(
         isinstance(v, dict) for v in params.values()) else {None: params}
     for layer_type, entry in per_type.items():
-        where = "rope_parameters" + ("" if layer_type is None else f"[{layer_type!r}]")
-        theta = entry.get("rope_theta")
-        if theta is not None and not (_is_number(theta) and theta > 0):
-            raise ValueError(f"model config {path!r}: {where}.rope_theta={theta!r} is "
-                             "invalid; it must be a number > 0 (the RoPE base)")
-        rope_type = entry.get("rope_type", entry.get("type", "default"))
-        if rope_type not in ROPE_TYPES:
-            raise ValueError(f"model config {path!r}: "
-                             f"{_rope_type_field(entry, layer_type, raw)}={rope_type!r} is not "
-                             f"supported; kvflow's RoPE implements {', '.join(ROPE_TYPES)}")
-        if layer_type is not None and rope_type in ("longrope", "su"):
-            raise ValueError(f"model config {path!r}: {where}.rope_type={rope_type!r} is not "
-                             "supported per layer type: transformers rotates a prompt longer "
-                             "than original_max_position_embeddings with the long factors at "
-                             "every position, which kvflow does only for one model-wide "
-                             "LongRoPE (long prompts would run with the short factors)")
-        factor = entry.get("factor")
-        if rope_type in _FACTOR_ROPE_TYPES and factor is not None and \
-                not (_is_number(factor) and factor >= 1):
-            raise ValueError(f"model config {path!r}: {where}.factor={factor!r} is invalid "
-                             f"for rope_type {rope_type!r}; it must be a number >= 1 (how "
-                             "many times the original context the scaled RoPE covers)")
+        _check_rope_entry(entry, layer_type, path, raw)
+
+
+def _check_rope_entry(entry: dict[str, Any], layer_type: str | None, path: str,
+                      raw: dict[str, Any] | None) -> None:
+    """One ``rope_parameters`` entry (``layer_type``'s, or the model's for None): see
+    :func:`check_rope_parameters`.
+
+    Raises:
+        ValueError: naming ``path``, the field and its value.
+    """
+    where = "rope_parameters" + ("" if layer_type is None else f"[{layer_type!r}]")
+    theta = entry.get("rope_theta")
+    if theta is not None and not (_is_number(theta) and theta > 0):
+        raise ValueError(f"model config {path!r}: {where}.rope_theta={theta!r} is "
+                         "invalid; it must be a number > 0 (the RoPE base)")
+    rope_type = entry.get("rope_type", entry.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"model config {path!r}: "
+                         f"{_rope_type_field(entry, layer_type, raw)}={rope_type!r} is not "
+                         f"supported; kvflow's RoPE implements {', '.join(ROPE_TYPES)}")
+    if layer_type is not None and rope_type in ("longrope", "su"):
+        raise ValueError(f"model config {path!r}: {where}.rope_type={rope_type!r} is not "
+                         "supported per layer type: transformers rotates a prompt longer "
+                         "than original_max_position_embeddings with the long factors at "
+                         "every position, which kvflow does only for one model-wide "
+                         "LongRoPE (long prompts would run with the short factors)")
+    factor = entry.get("factor")
+    if rope_type in _FACTOR_ROPE_TYPES and factor is not None and \
+            not (_is_number(factor) and factor >= 1):
+        raise ValueError(f"model config {path!r}: {where}.factor={factor!r} is invalid "
+                         f"for rope_type {rope_type!r}; it must be a number >= 1 (how "
+                         "many times the original context the scaled RoPE covers)")
 
 
 def _rope_type_field(entry: dict[str, Any], layer_type: str | None,
