@@ -280,19 +280,8 @@ async def beam_search_async(engine: Any, request_id: str, prompt_token_ids: list
     search = BeamSearch(prompt_token_ids, params, eos)
     first: RequestMetrics | None = None
     while not search.done:
-        streams = []
-        try:
-            for i, tokens in enumerate(search.live_prompts()):
-                streams.append(engine.add_request(
-                    f"{request_id}-s{search.num_steps}-b{i}", None, tokens,
-                    search.step_params(num_logprobs), priority, None, client_id, lora_request,
-                    cache_salt))
-            for stream in streams:
-                await engine.admitted(stream)
-            outs = await asyncio.gather(*(_last(stream) for stream in streams))
-        finally:  # a no-op for finished requests; frees the others' KV blocks
-            for stream in streams:
-                engine.abort(stream.request_id)
+        outs = await _run_step(engine, request_id, search, num_logprobs, priority, client_id,
+                               lora_request, cache_salt)
         search.advance([_step_logprobs(out) for out in outs])
         first = first or outs[0].metrics
     start = len(prompt_token_ids)
@@ -305,6 +294,32 @@ async def beam_search_async(engine: Any, request_id: str, prompt_token_ids: list
                              outs[0].metrics.finished_time,
                              num_cached_tokens=first.num_cached_tokens)  # first step's
     return RequestOutput(request_id, None, list(prompt_token_ids), outputs, True, metrics)
+
+
+async def _run_step(engine: Any, request_id: str, search: BeamSearch, num_logprobs: int,
+                    priority: int, client_id: str, lora_request: Any,
+                    cache_salt: str | None) -> list[RequestOutput]:
+    """One step of ``search`` on the engine: a request per live beam
+    (``{request_id}-s{step}-b{beam}``), each one's finished output, in beam order. Every
+    step request still open is aborted when this returns or raises (cancelled included).
+
+    Raises:
+        ValueError: if the engine refuses a step request.
+        EngineDeadError: if the engine dies meanwhile.
+    """
+    streams = []
+    try:
+        for i, tokens in enumerate(search.live_prompts()):
+            streams.append(engine.add_request(
+                f"{request_id}-s{search.num_steps}-b{i}", None, tokens,
+                search.step_params(num_logprobs), priority, None, client_id, lora_request,
+                cache_salt))
+        for stream in streams:
+            await engine.admitted(stream)
+        return await asyncio.gather(*(_last(stream) for stream in streams))
+    finally:  # a no-op for finished requests; frees the others' KV blocks
+        for stream in streams:
+            engine.abort(stream.request_id)
 
 
 async def _last(stream: Any) -> RequestOutput:
