@@ -29,34 +29,47 @@ def paged_attention_ref(
     mask (Gemma 2's ``attn_logit_softcapping``; Gemma 2 report, sec. 2); 0 = off.
     """
     num_tokens, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    qpkv = num_heads // num_kv_heads
     result = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
     qsl = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         start, end = qsl[i], qsl[i + 1]
-        q_len = end - start
-        if q_len == 0:
+        if end - start == 0:
             continue
-        pos = torch.arange(seq_len, device=q.device)
-        blocks = block_table[i, pos // block_size].long()
-        k = kv_cache[0, blocks, pos % block_size].float()  # [seq_len, Hkv, D]
-        v = kv_cache[1, blocks, pos % block_size].float()
-        k = k.repeat_interleave(qpkv, dim=1)  # [seq_len, Hq, D]
-        v = v.repeat_interleave(qpkv, dim=1)
-        qi = q[start:end].float()  # [q_len, Hq, D]
-        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
-        if softcap > 0:
-            scores = torch.tanh(scores / softcap) * softcap
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        visible = pos[None, :] <= q_pos[:, None]
-        if sliding_window is not None and sliding_window > 0:
-            visible &= q_pos[:, None] - pos[None, :] < sliding_window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        result[start:end] = torch.einsum("hqk,khd->qhd", probs, v)
+        result[start:end] = _request_attention(q[start:end], kv_cache, block_table[i], seq_len,
+                                                scale, sliding_window, softcap)
     result = result.to(q.dtype)
     if out is not None:
         out.copy_(result)
         return out
     return result
+
+
+def _request_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_row: torch.Tensor,
+                       seq_len: int, scale: float, sliding_window: int | None,
+                       softcap: float) -> torch.Tensor:
+    """One request's attention in fp32: its ``q_len`` queries ``q`` [q_len, Hq, D] (the
+    last ``q_len`` of its ``seq_len`` positions) over the keys/values its ``block_row``
+    (its block table row) maps, KV heads repeated for GQA, causal (and sliding-window) mask.
+
+    Returns:
+        [q_len, Hq, D] float32.
+    """
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    qpkv = q.shape[1] // num_kv_heads
+    q_len = q.shape[0]
+    pos = torch.arange(seq_len, device=q.device)
+    blocks = block_row[pos // block_size].long()
+    k = kv_cache[0, blocks, pos % block_size].float()  # [seq_len, Hkv, D]
+    v = kv_cache[1, blocks, pos % block_size].float()
+    k = k.repeat_interleave(qpkv, dim=1)  # [seq_len, Hq, D]
+    v = v.repeat_interleave(qpkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+    visible = pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None and sliding_window > 0:
+        visible &= q_pos[:, None] - pos[None, :] < sliding_window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
