@@ -85,17 +85,9 @@ class ChatRendering:
         if options.chat_template is not None:
             size = None  # a client's template may run long: never on the event loop
         check_messages(messages)
-        conversation = [m.model_dump(exclude_none=True) | {"content": m.model_dump()["content"]}
-                        for m in messages]
         tokenizer = self.tokenizer
-        template = template_text(tokenizer, options.chat_template, self.chat_template, tools)
-        try:
-            options = options.with_effort(template, drop=self.unknown_fields.ignore)
-        except ChatTemplateError as e:
-            raise OpenAIError(str(e), param=e.param, code=e.code) from None
-        prepared = tools_as_text(conversation, template, tools,
-                                 make_tool_parser(self.config.tool_call_parser),
-                                 tool_instructions)
+        options, prepared = self._prepare(tokenizer, messages, options, tools,
+                                          tool_instructions)
         limit = self.engine.max_model_len - 1 if check_length else None
         try:
             return await off_loop(INLINE_CHARS + 1 if size is None else size,
@@ -108,6 +100,30 @@ class ChatRendering:
         except PromptTooLong as e:
             raise OpenAIError(str(e), param="messages", code="context_length_exceeded") \
                 from None
+
+    def _prepare(self, tokenizer: Any, messages: list[ChatMessage], options: ChatOptions,
+                 tools: list[dict[str, Any]] | None, tool_instructions: bool
+                 ) -> tuple[ChatOptions, ToolsAsText]:
+        """The checked messages as the template's conversation, with the tools and earlier
+        tool calls as text where the template that renders reads neither
+        (``chat_tools_text.tools_as_text``), and ``options`` with ``reasoning_effort`` as
+        template variables (``ChatOptions.with_effort``).
+
+        Raises:
+            OpenAIError: 400 naming the field, for a ``reasoning_effort`` the template cannot
+                honour.
+        """
+        conversation = [m.model_dump(exclude_none=True) | {"content": m.model_dump()["content"]}
+                        for m in messages]
+        template = template_text(tokenizer, options.chat_template, self.chat_template, tools)
+        try:
+            options = options.with_effort(template, drop=self.unknown_fields.ignore)
+        except ChatTemplateError as e:
+            raise OpenAIError(str(e), param=e.param, code=e.code) from None
+        prepared = tools_as_text(conversation, template, tools,
+                                 make_tool_parser(self.config.tool_call_parser),
+                                 tool_instructions)
+        return options, prepared
 
     def _check_chat_template(self, template: str | None) -> None:
         """Raises OpenAIError 400 (``chat_template``) for a request's own template unless the
