@@ -99,7 +99,16 @@ class LogitsProcessor(ABC):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Edit ``logits`` (float32 [batch_size, vocab], row = batch row; rows of requests
         that do not sample this step are ignored afterwards) in place or return a new tensor
-        of the same shape."""
+        of the same shape. An exception raised here fails the whole step (every request in
+        it): a processor that can tell which row failed reports it with
+        ``take_row_failures`` instead."""
+
+    def take_row_failures(self) -> dict[int, Exception]:
+        """The rows whose request the last ``apply`` could not process (row -> what it
+        raised), forgotten once taken: the engine ends those requests alone with that
+        error (a ValueError: the request's bad arguments, a 400; else a 500) and leaves the
+        row's logits as ``apply`` left them (its token is dropped). Default: none."""
+        return {}
 
 
 class AdapterLogitsProcessor(LogitsProcessor):
@@ -114,6 +123,7 @@ class AdapterLogitsProcessor(LogitsProcessor):
                  is_pin_memory: bool) -> None:
         self.config, self.device = config, device
         self.row_fns: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._row_failures: dict[int, Exception] = {}
 
     @abstractmethod
     def new_req_logits_processor(self, params: SamplingParams
@@ -125,7 +135,11 @@ class AdapterLogitsProcessor(LogitsProcessor):
 
     def _bind(self, added: AddedRequest) -> Callable[[torch.Tensor], torch.Tensor] | None:
         _, params, prompt_ids, output_ids = added
-        fn = self.new_req_logits_processor(params)
+        try:
+            fn = self.new_req_logits_processor(params)
+        except Exception as e:  # noqa: BLE001 - this request's alone: its row fails in apply
+            _raise_if_engine_fault(e)
+            return partial(_raise, e)
         if fn is None:
             return None
         if _num_positional(fn) == 3:
@@ -133,9 +147,31 @@ class AdapterLogitsProcessor(LogitsProcessor):
         return partial(fn, output_ids)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's callable on its row; a callable that raises (or whose request's
+        ``new_req_logits_processor`` raised) leaves its row as it was and is reported by
+        ``take_row_failures``: only its request fails."""
         for row, fn in self.row_fns.items():
-            logits[row] = fn(logits[row])
+            try:
+                logits[row] = fn(logits[row])
+            except Exception as e:  # noqa: BLE001 - one request's callable: its failure alone
+                _raise_if_engine_fault(e)
+                self._row_failures[row] = e
         return logits
+
+    def take_row_failures(self) -> dict[int, Exception]:
+        failures, self._row_failures = self._row_failures, {}
+        return failures
+
+
+def _raise(error: Exception, *args: Any) -> Any:
+    raise error
+
+
+def _raise_if_engine_fault(error: Exception) -> None:
+    """Re-raise ``error`` when it is not one request's to bear (out of memory)."""
+    from kvflow.worker.request_failures import is_request_fault  # torch: not at import
+    if not is_request_fault(error):
+        raise error
 
 
 def _num_positional(fn: Callable[..., Any]) -> int:

@@ -23,6 +23,26 @@ class PromptLogprobsChunk:
 
 
 @dataclass
+class RequestFailure:
+    """Why the runner could not run one request of a step, through a fault of that request
+    alone (its image, its LoRA adapter, its logits processor): the scheduler ends that
+    request with this error and the step's other requests go on.
+
+    Attributes:
+        message: what failed, naming the part of the request (e.g. the image's index).
+        field: the part of the request at fault, as ``kvflow.core.request_errors`` names it
+            (``"multi_modal_data"``, ...); None when unknown.
+        internal: the failure was an unexpected exception (not a ValueError): the server
+            answers 500, ``AsyncLLM`` raises ``RequestFailed``; False: the request's own
+            error (400, ``RequestRefused``).
+    """
+
+    message: str
+    field: str | None = None
+    internal: bool = False
+
+
+@dataclass
 class ModelRunnerOutput:
     """One step's results: the tokens it sampled, one entry per request that sampled (in
     batch order), and the prompt logprobs it computed.
@@ -46,6 +66,10 @@ class ModelRunnerOutput:
         kv_load_failures: request id -> the storage key of the first of its blocks the KV
             connector could not load this step (``kv_load_failure_policy="recompute"``; on
             any rank): the scheduler recomputes it from there and drops its sampled tokens.
+        failed: request id -> why the step failed for that request alone
+            (``worker/request_failures.py``): the scheduler ends it with that error, drops
+            its sampled tokens and keeps the K/V the step wrote for it out of the prefix
+            cache.
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -56,8 +80,9 @@ class ModelRunnerOutput:
     draft_pass_s: float = 0.0
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
     kv_load_failures: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, RequestFailure] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
         return not self.req_ids and not self.prompt_logprobs and not self.pooler_output \
-            and not self.kv_load_failures
+            and not self.kv_load_failures and not self.failed

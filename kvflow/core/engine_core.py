@@ -277,6 +277,9 @@ class EngineCore(EngineCoreStartup):
             self._last_step = (self._last_step[0], time.perf_counter())
         if self.kv_event_publisher is not None:
             self.publish_kv_events()
+        ended = [o.request_id for o in outputs if o.error is not None]
+        if ended:  # requests that failed alone in the step (core/sched_failures.py)
+            self.structured_output.forget(ended)
         return failed + outputs
 
     def _finish_failed_compiles(self) -> list[EngineCoreOutput]:

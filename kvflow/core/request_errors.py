@@ -14,6 +14,7 @@ LORA_REQUEST = "lora_request"  # its LoRA adapter (the server's ``model`` field)
 STRUCTURED_OUTPUTS = "structured_outputs"  # its grammar (response_format, tools, ...)
 MULTI_MODAL_DATA = "multi_modal_data"  # its images or videos
 PROMPT_EMBEDS = "prompt_embeds"  # its prompt embeddings
+EXTRA_ARGS = "extra_args"  # its custom logits processors' arguments (the server's vllm_xargs)
 
 
 class RequestError(ValueError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvflow.core.sched_failures import end_failed_requests
 from kvflow.engine_outputs import EngineCoreOutput, FinishedRequestStats, PromptTokenStats
 from kvflow.request import Request, RequestStatus
 from kvflow.runner_output import ModelRunnerOutput
@@ -30,6 +31,10 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
     sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
     if runner_output.kv_load_failures:  # their tokens came from K/V that never arrived
         for rid in recompute_failed_loads(sched, runner_output.kv_load_failures):
+            sampled.pop(rid, None)
+    if runner_output.failed:  # requests that failed alone: ended, their tokens dropped
+        outputs += end_failed_requests(sched, sched_out, runner_output.failed, stale)
+        for rid in runner_output.failed:
             sampled.pop(rid, None)
     spec_tokens = sched_out.scheduled_spec_decode_tokens
     slos, now = planner.slos, sched.clock()

@@ -13,7 +13,12 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from kvflow.core.request_errors import LORA_REQUEST, MULTI_MODAL_DATA, PROMPT_EMBEDS
+from kvflow.core.request_errors import (
+    EXTRA_ARGS,
+    LORA_REQUEST,
+    MULTI_MODAL_DATA,
+    PROMPT_EMBEDS,
+)
 from kvflow.engine.async_llm import (
     AdmissionRejected,
     AsyncLLM,
@@ -62,7 +67,7 @@ async def admit_all(engine: AsyncLLM, add: Callable[[int], RequestStream], count
 # The request field (OpenAI's name) holding each part of a request the core may refuse
 # (``RequestRefused.field``); a refused grammar is named by the handler (``refused_param``).
 _FIELD_PARAMS = {LORA_REQUEST: "model", MULTI_MODAL_DATA: "messages",
-                 PROMPT_EMBEDS: "prompt_embeds"}
+                 PROMPT_EMBEDS: "prompt_embeds", EXTRA_ARGS: "vllm_xargs"}
 
 
 def refused(error: RequestRefused | RequestFailed, param: str | None) -> OpenAIError:

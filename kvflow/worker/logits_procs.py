@@ -127,11 +127,13 @@ class StepLogitsProcessors:
     def __init__(self, procs: RunnerLogitsProcessors, index: np.ndarray | slice,
                  batch_size: int) -> None:
         self.procs, self.index, self.batch_size = procs, index, batch_size
+        self.failed: dict[str, Exception] = {}  # request id -> what its row raised
 
     def apply(self, logits: torch.Tensor, argmax_invariant: bool) -> torch.Tensor:
         """``logits`` (float32 [R, vocab], the sampling rows) after the argmax-invariant
         processors (``argmax_invariant``) or the others, in their configured order; the same
-        tensor when there are none."""
+        tensor when there are none. The requests whose rows a processor could not process
+        (``LogitsProcessor.take_row_failures``) are added to ``failed``."""
         processors = self.procs.argmax_invariant if argmax_invariant else \
             self.procs.non_argmax_invariant
         if not processors:
@@ -143,8 +145,11 @@ class StepLogitsProcessors:
             rows = torch.from_numpy(self.index).to(logits.device)
             full = logits.new_zeros((self.batch_size, logits.shape[1]))
             full[rows] = logits
+        by_row = {row: rid for rid, row in self.procs._rows.items()}
         for processor in processors:
             full = processor.apply(full)
+            for row, error in processor.take_row_failures().items():
+                self.failed.setdefault(by_row[row], error)
         return full if every_row else full[rows]
 
 

@@ -18,9 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvflow.core.request_errors import MULTI_MODAL_DATA
+from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.sched_output import SchedulerOutput
 from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.model_inputs import ModelInputs
+from kvflow.worker.request_failures import Failures, is_request_fault, request_failure
 from kvflow.worker.request_state import RequestState
 
 
@@ -46,8 +49,18 @@ class MultiModalRunner:
             state.mrope_positions, state.mrope_delta = self.model.get_mrope_input_positions(
                 state.prompt_token_ids, state.mm_features)
 
-    def run_encoders(self, sched: SchedulerOutput, states: dict[str, RequestState]) -> None:
-        """Apply the step's cache drops, then encode the images it scheduled."""
+    def run_encoders(self, sched: SchedulerOutput, states: dict[str, RequestState],
+                     failures: Failures | None = None) -> None:
+        """Apply the step's cache drops, then encode the images it scheduled (all in one
+        call). When that call raises, each image is encoded alone: an image that fails
+        alone, or whose rows do not match its placeholder count, fails every request that
+        holds it (recorded in ``failures``; without it, raised), the others are cached.
+
+        Raises:
+            Exception: what the encoder raised when no single image can be blamed (every
+                image fails alone too), or running out of memory; ValueError for an image
+                whose rows do not match its placeholders when ``failures`` is None.
+        """
         for identifier in sched.free_encoder_mm_hashes:
             self.encoder_cache.pop(identifier, None)
         if not self.runs_encoder or not sched.scheduled_encoder_inputs:
@@ -58,15 +71,54 @@ class MultiModalRunner:
                 f = states[rid].mm_features[i]
                 todo.setdefault(f.identifier, f)
         features = list(todo.values())
+        try:
+            encoded = self._encode(features)
+        except Exception as error:
+            if failures is None or not is_request_fault(error):
+                raise
+            encoded = self._encode_each(features, error)
+        bad: dict[str, Exception] = {}
+        for f, rows in zip(features, encoded):
+            if isinstance(rows, Exception):
+                bad[f.identifier] = rows
+            elif rows.shape[0] != f.length:
+                bad[f.identifier] = ValueError(
+                    f"the vision encoder gave {rows.shape[0]} rows for an image of "
+                    f"{f.length} placeholder tokens (grid_thw {tuple(f.grid_thw)})")
+            else:
+                self.encoder_cache[f.identifier] = rows
+        self.num_encoded += len(features)
+        if bad:
+            if failures is None:
+                raise next(iter(bad.values()))
+            _fail_holders(bad, states, failures)
+
+    def _encode(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
+        """The encoder's rows of ``features``, in one call."""
         sizes = {}  # the original image sizes, for a model that needs them (LLaVA-NeXT)
         if any(f.image_size is not None for f in features):
             sizes["image_sizes"] = [None if f.image_size is None else tuple(f.image_size)
                                     for f in features]
-        outputs = self.model.embed_multimodal([f.pixel_values() for f in features],
-                                              [tuple(f.grid_thw) for f in features], **sizes)
-        for f, rows in zip(features, outputs):
-            self.encoder_cache[f.identifier] = rows
-        self.num_encoded += len(features)
+        return self.model.embed_multimodal([f.pixel_values() for f in features],
+                                           [tuple(f.grid_thw) for f in features], **sizes)
+
+    def _encode_each(self, features: list[MultiModalFeature], error: Exception
+                     ) -> list[torch.Tensor | Exception]:
+        """Each image encoded alone after the batched call raised ``error``: its rows, or
+        what it raised. Raises ``error`` when every image fails alone (nothing singles one
+        out: the encoder's fault, or all of them are bad and the step has nothing else),
+        unless there is only one image, which is then to blame."""
+        out: list[torch.Tensor | Exception] = []
+        for f in features:
+            try:
+                out.append(self._encode([f])[0])
+            except Exception as alone:
+                if not is_request_fault(alone):
+                    raise
+                out.append(alone)
+        if len(features) > 1 and all(isinstance(o, Exception) for o in out):
+            raise error
+        return out
 
     def inputs_embeds(self, inputs: ModelInputs, batch: InputBatch,
                       states: dict[str, RequestState]) -> torch.Tensor | None:
@@ -85,7 +137,8 @@ class MultiModalRunner:
                     - inputs.query_start[k])
             for f in state.mm_features:
                 lo, hi = max(f.offset, start), min(f.end, end)
-                if lo < hi:
+                if lo < hi and f.identifier in self.encoder_cache:  # else: failed
+                    # (``run_encoders``): the request is dropped after the step
                     first = int(inputs.query_start[k]) + lo - start
                     dst.append(torch.arange(first, first + hi - lo))
                     src.append(self.encoder_cache[f.identifier][lo - f.offset:hi - f.offset])
@@ -114,3 +167,14 @@ class MultiModalRunner:
             out[:, q0:q0 + in_prompt] = prompt[:, start:start + in_prompt]
             out[:, q0 + in_prompt:q1] = pos[in_prompt:] + state.mrope_delta
         return torch.from_numpy(out).to(inputs.input_ids.device)
+
+
+def _fail_holders(bad: dict[str, Exception], states: dict[str, RequestState],
+                  failures: Failures) -> None:
+    """Record the failure of every request holding an image of ``bad`` (identifier -> what
+    encoding it alone raised), naming the image by its index in the request."""
+    for rid, state in states.items():
+        for i, f in enumerate(state.mm_features or ()):
+            if f.identifier in bad and rid not in failures:
+                failures[rid] = request_failure(rid, f"{f.modality} {i}", bad[f.identifier],
+                                                MULTI_MODAL_DATA)

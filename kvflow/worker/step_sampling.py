@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvflow.core.request_errors import EXTRA_ARGS
 from kvflow.layers.sampler import Sampler, SamplerOutput
 from kvflow.runner_output import ModelRunnerOutput, PromptLogprobsChunk
 from kvflow.sched_output import GrammarBitmask
 from kvflow.spec_decode.verification import SpecStep, verify
 from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.logits_procs import RunnerLogitsProcessors
+from kvflow.worker.request_failures import Failures, request_failure
 from kvflow.worker.request_state import RequestState
 from kvflow.worker.sampling_inputs import SamplingInputs
 
@@ -46,12 +48,15 @@ class PendingOutput:
 def sample_step(step: LaunchedStep, batch: InputBatch, sampling_inputs: SamplingInputs,
                 sampler: Sampler, grammar_bitmask: GrammarBitmask | None,
                 custom: RunnerLogitsProcessors | None = None,
-                requests: dict[str, RequestState] | None = None) -> PendingOutput | None:
+                requests: dict[str, RequestState] | None = None,
+                failures: Failures | None = None) -> PendingOutput | None:
     """Sample ``step``'s rows of ``batch`` (queued on CUDA); their tokens count as the rows'
     next tokens at once. A verification step runs synchronously (token counts vary per row).
     ``custom``: the runner's custom logits processors (told the batch's changes first;
-    ``requests``: the runner's request states), None without any. None: nothing to
-    collect (a prefill chunk without prompt logprobs or embeddings)."""
+    ``requests``: the runner's request states), None without any; ``failures``: where the
+    requests whose row a processor could not process are recorded (field ``extra_args``;
+    None: raised). None: nothing to collect (a prefill chunk without prompt logprobs or
+    embeddings)."""
     if not len(step.sample_rows):  # a prefill chunk: maybe prompt logprobs, no tokens
         if step.prompt_logprobs or step.pooled:
             return PendingOutput([], None, step.prompt_logprobs, pooled=step.pooled)
@@ -67,11 +72,24 @@ def sample_step(step: LaunchedStep, batch: InputBatch, sampling_inputs: Sampling
         custom.begin_step(batch, requests or {})
         bound = custom.for_rows(batch, step.sample_rows)
     out = sampler(step.logits, meta, bound)
+    if bound is not None and bound.failed:
+        _record_processor_failures(bound.failed, failures)
     batch.add_pending_tokens(step.sample_rows)
     index = batch.index(step.sample_rows)
     req_ids = batch.req_ids[index] if isinstance(index, slice) else \
         [batch.req_ids[r] for r in step.sample_rows.tolist()]
     return PendingOutput(req_ids, out, step.prompt_logprobs)
+
+
+def _record_processor_failures(failed: dict[str, Exception], failures: Failures | None
+                               ) -> None:
+    """The requests a logits processor failed on (``StepLogitsProcessors.failed``) as the
+    step's failures; raised when there is nowhere to record them."""
+    if failures is None:
+        raise next(iter(failed.values()))
+    for rid, error in failed.items():
+        failures.setdefault(rid, request_failure(rid, "its logits processor", error,
+                                                 EXTRA_ARGS))
 
 
 def collect_pending(pending: PendingOutput | None, batch: InputBatch) -> ModelRunnerOutput:

@@ -1,0 +1,46 @@
+"""Per-request faults inside a batched step: what the runner records when the work of ONE
+request raises (its image in the vision encoder, its LoRA adapter read again at its first
+schedule, its per-request logits processor), so that only that request ends with the error
+and the step's other requests go on.
+
+The rule, stated once: an exception is the request's when the runner raised it while working
+on that request's own data alone (one image encoded by itself, one request's adapter, one
+row's processor). A ValueError is the request's bad input (a 400); another exception is
+reported as the engine's failure on that request (a 500) but still ends only that request.
+Running out of memory is never the request's: it is raised (the step fails), as is anything
+raised where no single request can be named (a batched encoder call that fails for every
+image alone, a batched logits processor).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvflow.runner_output import RequestFailure
+
+logger = logging.getLogger(__name__)
+
+# request id -> why the step failed for it (ModelRunnerOutput.failed)
+Failures = dict[str, RequestFailure]
+
+
+def is_request_fault(error: BaseException) -> bool:
+    """Whether ``error``, raised while the runner worked on one request's data alone, may be
+    charged to that request: an ``Exception`` other than running out of (host or device)
+    memory, which is the engine's state, not the request's."""
+    return isinstance(error, Exception) and \
+        not isinstance(error, (MemoryError, torch.OutOfMemoryError))
+
+
+def request_failure(request_id: str, what: str, error: Exception,
+                    field: str | None) -> RequestFailure:
+    """The failure of ``request_id`` whose ``what`` (e.g. ``"image 1"``) raised ``error``,
+    logged (with the traceback for an unexpected exception)."""
+    internal = not isinstance(error, ValueError)
+    message = f"{what}: {error}" if not internal else \
+        f"{what} failed: {type(error).__name__}: {error}"
+    logger.warning("request %s fails alone in its step: %s", request_id, message,
+                   exc_info=error if internal else None)
+    return RequestFailure(message, field, internal)

@@ -1,0 +1,65 @@
+"""The vision encoder raising on one request's image ends that request alone.
+
+Was: the exception failed the whole step (every request in it aborted, ``LLM`` raised it, the
+server's engine core died). Now the batched encoder call that raises is retried image by
+image; the requests holding an image that fails alone end with its error (``RequestRefused``,
+field ``multi_modal_data``, for a ValueError), the others run on. Oracle: transformers'
+greedy tokens (``hf_generate``); every KV block free and no container holding the ids.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvflow import LLM
+from kvflow.core.request_errors import MULTI_MODAL_DATA
+from kvflow.engine.streams import RequestRefused
+from tests.multimodal.conftest import PLACEHOLDER, hf_generate, random_image
+from tests.request_state import holders
+from tests.test_step_fault_isolation import greedy, step_until_done
+
+
+def test_an_image_the_encoder_fails_on_ends_only_its_request(tiny_qwen2_vl):
+    """The vision encoder raises on one request's image (a stand-in for an image it cannot
+    take): the batched call fails, each image is encoded alone, and only the request holding
+    the failing image ends (field ``multi_modal_data``); the text-only request and the
+    request with a good image beside it get transformers' tokens. The failed image is not
+    left in the encoder-cache mirror, nor its K/V in the prefix cache: the same prompt with
+    an encoder that works again gets transformers' tokens."""
+    llm = LLM(tiny_qwen2_vl.path, dtype="float32", num_kv_blocks=256, block_size=8)
+    model = llm.engine.core.executor.runner.mm_runner.model
+    good_image, bad_image = random_image(84, 56, 1), random_image(120, 200, 2)
+    bad_rows = []
+
+    def flaky(pixel_values, grid_thw, **kwargs):
+        if any(p.shape == bad_rows[0].shape and torch.equal(p, bad_rows[0])
+               for p in pixel_values):
+            raise ValueError("the encoder cannot take this image")
+        return type(model).embed_multimodal(model, pixel_values, grid_thw, **kwargs)
+
+    prompts = {"fi-text": ("the quick brown fox jumps over", []),
+               "fi-good": (f"a {PLACEHOLDER} what is this?", [good_image]),
+               "fi-bad": (f"look {PLACEHOLDER} here", [bad_image])}
+    engine = llm.engine
+    for rid, (text, images) in prompts.items():
+        engine.add_request({"prompt": text, "multi_modal_data": {"image": images}},
+                           greedy(6), rid)
+    bad_rows.append(engine.core.scheduler.requests["fi-bad"].mm_features[0].pixel_values())
+    model.embed_multimodal = flaky
+    try:
+        tokens, errors = step_until_done(engine)  # was: the step raised, all were aborted
+    finally:
+        del model.embed_multimodal
+    for rid in ("fi-text", "fi-good"):
+        assert tokens[rid] == hf_generate(tiny_qwen2_vl, *prompts[rid], 6)
+    assert "fi-bad" not in tokens
+    error = errors["fi-bad"]
+    assert isinstance(error, RequestRefused) and error.field == MULTI_MODAL_DATA
+    assert "image 0: the encoder cannot take this image" in str(error)
+    again = llm.generate({"prompt": prompts["fi-bad"][0],
+                          "multi_modal_data": {"image": [bad_image]}}, greedy(6))
+    assert again[0].outputs[0].token_ids == hf_generate(tiny_qwen2_vl, *prompts["fi-bad"], 6)
+    pool = engine.core.kv_cache_manager.pool
+    pool.check_invariants()
+    assert pool.num_free_blocks == pool.num_usable_blocks
+    assert holders(llm, list(prompts)) == []

@@ -1,0 +1,204 @@
+"""A failure that belongs to ONE request inside a batched engine step ends that request alone.
+
+Was: a request's per-request logits processor that raised (in ``apply`` or when the request
+was bound), a LoRA adapter that could not be read again at the request's first schedule (the
+adapter removed while the request waited, its folder changed meanwhile) or the vision encoder
+raising on one request's image (``tests/multimodal/test_encoder_fault_isolation.py``) failed
+the whole step: every request in it was aborted and
+``LLM`` raised the bare exception (the server's engine core died). Now the runner records the
+failure for that request (``kvflow/worker/request_failures.py``), the scheduler ends it with
+the error (its K/V kept out of the prefix cache, its blocks freed) and the step's other
+requests run on: the request beside it gets the tokens of its solo run.
+
+Oracles: each good request's greedy tokens alone on the same engine; the error's type (``RequestRefused``, a ValueError, for a ValueError in the
+request's work; ``RequestFailed`` for another exception) and field; every KV block free and
+no container holding the requests' ids (``tests/request_state.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.core.request_errors import EXTRA_ARGS, LORA_REQUEST
+from kvflow.engine.streams import RequestFailed, RequestRefused
+from kvflow.logits_process import AdapterLogitsProcessor
+from kvflow.lora.request import LoRARequest
+from tests.lora.adapters import make_adapter
+from tests.request_state import holders, wait_until_idle
+
+GOOD = [40, 41, 42, 43, 44, 45, 46, 47]
+BAD = [1, 5, 9, 13, 17, 21]
+HERE = "tests.test_step_fault_isolation"
+
+
+class FailAt(AdapterLogitsProcessor):
+    """Per request: raises once the request has ``extra_args["fail_at"]`` generated tokens
+    (a ValueError, or a RuntimeError with ``"kind": "runtime"``); ``"kind": "bind"`` makes
+    ``new_req_logits_processor`` itself raise."""
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_req_logits_processor(self, params: SamplingParams):
+        args = params.extra_args or {}
+        if "fail_at" not in args:
+            return None
+        if args.get("kind") == "bind":
+            raise ValueError("fail_at: cannot bind")
+        error = RuntimeError if args.get("kind") == "runtime" else ValueError
+
+        def fail(output_ids: list[int], row: torch.Tensor) -> torch.Tensor:
+            if len(output_ids) >= args["fail_at"]:
+                raise error(f"fail_at={args['fail_at']} reached")
+            return row
+        return fail
+
+
+def greedy(n: int = 10, **extra) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                          extra_args=extra or None)
+
+
+def step_until_done(engine) -> tuple[dict[str, list[int]], dict[str, Exception]]:
+    """Step an ``LLMEngine`` until idle; (request id -> its final tokens, request id -> the
+    error its step raised)."""
+    tokens, errors = {}, {}
+    while engine.has_unfinished_requests():
+        try:
+            outputs = engine.step()
+        except (RequestRefused, RequestFailed) as e:
+            outputs = e.outputs
+            errors[e.request_id] = e
+        for out in outputs:
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+    return tokens, errors
+
+
+def assert_idle_and_forgotten(llm: LLM, ids: list[str]) -> None:
+    llm.generate({"prompt_token_ids": [2, 3]}, greedy(2))  # the runner hears of the ends
+    pool = llm.engine.core.kv_cache_manager.pool
+    pool.check_invariants()
+    assert pool.num_free_blocks == pool.num_usable_blocks
+    assert holders(llm, ids) == []
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama.path, dtype="float32", num_kv_blocks=64, block_size=4,
+               logits_processors=[FailAt])
+
+
+@pytest.mark.parametrize(("kind", "error_type", "match"), [
+    ("value", RequestRefused, "its logits processor: fail_at=3 reached"),
+    ("runtime", RequestFailed, "its logits processor failed: RuntimeError: fail_at=3"),
+    ("bind", RequestRefused, "its logits processor: fail_at: cannot bind"),
+])
+def test_a_failing_request_logits_processor_ends_only_its_request(llm, kind, error_type,
+                                                                  match):
+    solo = llm.generate({"prompt_token_ids": GOOD}, greedy())[0].outputs[0].token_ids
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": GOOD}, greedy(), f"fi-good-{kind}")
+    engine.add_request({"prompt_token_ids": BAD}, greedy(fail_at=3, kind=kind), f"fi-bad-{kind}")
+    tokens, errors = step_until_done(engine)  # was: the step raised, both were aborted
+    assert tokens == {f"fi-good-{kind}": solo}
+    error = errors[f"fi-bad-{kind}"]
+    assert type(error) is error_type and match in str(error)
+    assert error_type is RequestFailed or error.field == EXTRA_ARGS
+    assert_idle_and_forgotten(llm, [f"fi-good-{kind}", f"fi-bad-{kind}"])
+
+
+def test_llm_generate_raises_value_error_naming_the_prompt(llm):
+    """``LLM.generate`` raises the refused prompt's error (a ValueError naming it), and the
+    engine serves on."""
+    solo = llm.generate({"prompt_token_ids": GOOD}, greedy())[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"prompt 1: .*fail_at=2 reached"):
+        llm.generate([{"prompt_token_ids": GOOD}, {"prompt_token_ids": BAD}],
+                     [greedy(), greedy(fail_at=2)])
+    assert llm.generate({"prompt_token_ids": GOOD}, greedy())[0].outputs[0].token_ids == solo
+    pool = llm.engine.core.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_usable_blocks
+
+
+def test_a_batched_processor_that_raises_still_fails_the_step(tiny_llama):
+    """A processor that cannot say which row failed (a batched ``LogitsProcessor.apply``):
+    the engine's fault, raised as before (nothing hides it)."""
+    llm = LLM(tiny_llama.path, dtype="float32", num_kv_blocks=32, block_size=4,
+              logits_processors=[f"{HERE}:Broken"])
+    with pytest.raises(ZeroDivisionError):
+        llm.generate([{"prompt_token_ids": GOOD}, {"prompt_token_ids": BAD}], greedy(3))
+    pool = llm.engine.core.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_usable_blocks
+
+
+class Broken(FailAt):
+    """A batched processor whose ``apply`` raises for the whole batch."""
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        raise ZeroDivisionError("broken processor")
+
+
+@pytest.mark.timeout(300)
+def test_async_llm_ends_only_the_failing_request(tiny_llama):
+    """Over the engine-core process: the bad request's stream raises ``RequestRefused``
+    naming ``extra_args``, the request beside it gets its solo tokens, the core serves on
+    and forgets both."""
+    from kvflow.config import EngineConfig
+    from kvflow.engine.async_llm import AsyncLLM, collect
+
+    engine = AsyncLLM(EngineConfig.from_kwargs(
+        model=tiny_llama.path, dtype="float32", num_kv_blocks=48, block_size=4,
+        logits_processors=[f"{HERE}:FailAt"]))
+
+    async def scenario():
+        await engine.start()
+        try:
+            solo = await collect(engine.add_request("fi-solo", None, GOOD, greedy()))
+            good = engine.add_request("fi-good", None, GOOD, greedy())
+            bad = engine.add_request("fi-bad", None, BAD, greedy(fail_at=2))
+            with pytest.raises(RequestRefused) as refused:
+                await asyncio.wait_for(collect(bad), 60)
+            kept = await asyncio.wait_for(collect(good), 60)
+            await wait_until_idle(engine)
+            return solo, kept, refused.value
+        finally:
+            await engine.shutdown()
+
+    try:
+        solo, kept, error = asyncio.run(scenario())
+    finally:
+        engine.close()
+    assert kept.outputs[0].token_ids == solo.outputs[0].token_ids
+    assert kept.outputs[0].finish_reason == "length"
+    assert error.field == EXTRA_ARGS and "fail_at=2 reached" in str(error)
+    assert holders(engine, ["fi-good", "fi-bad", "fi-good-0", "fi-bad-0"]) == []
+
+
+def test_an_adapter_that_cannot_be_read_at_first_schedule_ends_only_its_request(
+        tiny_llama, tmp_path):
+    """The adapter was loaded when the request was queued, removed while it waited and its
+    folder then corrupted: the runner reads it again at the request's first schedule, and
+    fails; only that request ends (field ``lora_request``)."""
+    folder = make_adapter(tiny_llama.path, str(tmp_path / "a"), 1, r=4, lora_alpha=8,
+                          target_modules=["q_proj"])
+    llm = LLM(tiny_llama.path, dtype="float32", num_kv_blocks=64, block_size=4,
+              enable_lora=True, max_loras=1, max_lora_rank=8)
+    solo = llm.generate({"prompt_token_ids": GOOD}, greedy())[0].outputs[0].token_ids
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": GOOD}, greedy(), "fi-good")
+    engine.add_request({"prompt_token_ids": BAD}, greedy(), "fi-bad",
+                       lora_request=LoRARequest("a", 1, folder))
+    assert engine.core.remove_lora(1)
+    with open(os.path.join(folder, "adapter_model.safetensors"), "wb") as f:
+        f.write(b"\x00not safetensors")
+    tokens, errors = step_until_done(engine)  # was: the step raised, both were aborted
+    assert tokens == {"fi-good": solo}
+    error = errors["fi-bad"]
+    assert isinstance(error, RequestRefused) and error.field == LORA_REQUEST
+    assert "LoRA adapter 'a'" in str(error) and "truncated or corrupt" in str(error)
+    assert_idle_and_forgotten(llm, ["fi-good", "fi-bad"])
