@@ -12,7 +12,12 @@ from kvflow.lora.request import LoRARequest
 from kvflow.models.pooling_config import PoolerConfig
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.pooling_inputs import PoolingInputs
-from kvflow.prompt_embeds import PromptEmbeds, check_prompt_embeds, pack_prompt_embeds
+from kvflow.prompt_embeds import (
+    PromptEmbeds,
+    check_packed_prompt_embeds,
+    check_prompt_embeds,
+    pack_prompt_embeds,
+)
 from kvflow.prompt_inputs import (
     ProcessedPrompt,
     PromptType,
@@ -260,10 +265,15 @@ class InputProcessor(PoolingInputs):
                 that ``bad_words`` or ``min_tokens`` leave empty) or ``cache_salt``, a
                 truncation that would cut a prompt with images (a prompt given as
                 embeddings keeps its last rows, as vLLM does); for ``prompt_embeds`` on an
-                engine without ``enable_prompt_embeds``, or with ``prompt_logprobs`` (a prompt
-                given as embeddings has no token ids to score).
+                engine without ``enable_prompt_embeds``, rows the model cannot take
+                (``check_packed_prompt_embeds``: another hidden size, data that does not
+                match the shape), or with ``prompt_logprobs`` (a prompt given as
+                embeddings has no token ids to score).
         """
         check_cache_salt(cache_salt)
+        if prompt_embeds is not None:  # rows given packed: the model must take them
+            self.require_prompt_embeds()
+            check_packed_prompt_embeds(prompt_embeds, self.hidden_size)
         token_ids, prompt_embeds = self._truncated(token_ids, params, mm_features,
                                                    prompt_embeds)
         self.validate(token_ids)

@@ -103,6 +103,36 @@ def check_prompt_embeds(embeds: object, hidden_size: int, max_model_len: int,
     return pack_prompt_embeds(embeds)
 
 
+def check_packed_prompt_embeds(embeds: object, hidden_size: int) -> None:
+    """Check a :class:`PromptEmbeds` handed over as such (``AsyncLLM.add_request``, a
+    ``ProcessedPrompt``, the core's own queue), not made here by :func:`check_prompt_embeds`:
+    rows that the model cannot take would otherwise fail the engine step they run in.
+
+    Raises:
+        ValueError: naming what is wrong: not a ``PromptEmbeds``, a dtype other than
+            float32, float16 or bfloat16, a shape that is not two positive sizes, a last
+            size other than ``hidden_size`` (0: not checked), or ``data`` whose length is
+            not the shape's rows of the dtype.
+    """
+    if not isinstance(embeds, PromptEmbeds):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"prompt_embeds must be a PromptEmbeds, got {type(embeds).__name__}")
+    kept = [str(d).removeprefix("torch.") for d in _KEPT_DTYPES]
+    if embeds.dtype not in kept:
+        raise ValueError(f"prompt_embeds has dtype {embeds.dtype!r}; expected one of {kept}")
+    shape = tuple(embeds.shape)
+    if len(shape) != 2 or not all(isinstance(n, int) and n >= 1 for n in shape):
+        raise ValueError(f"prompt_embeds must have shape [num_tokens, hidden_size] of "
+                         f"positive sizes, got {list(shape)}")
+    if hidden_size and shape[1] != hidden_size:
+        raise ValueError(f"prompt_embeds has hidden size {shape[1]} but the model's is "
+                         f"{hidden_size}")
+    size = shape[0] * shape[1] * getattr(torch, embeds.dtype).itemsize
+    if not isinstance(embeds.data, bytes) or len(embeds.data) != size:
+        raise ValueError(f"prompt_embeds data holds {len(embeds.data)} bytes, but "
+                         f"{list(shape)} rows of {embeds.dtype} take {size}")
+
+
 def pack_prompt_embeds(embeds: torch.Tensor) -> PromptEmbeds:
     """A checked CPU tensor [num_tokens, hidden_size] as a :class:`PromptEmbeds`."""
     embeds = embeds.contiguous()

@@ -17,7 +17,7 @@ import torch
 from kvflow import LLM, SamplingParams
 from kvflow.beam_search import BeamSearchParams
 from kvflow.config import EngineConfig
-from kvflow.prompt_embeds import check_prompt_embeds
+from kvflow.prompt_embeds import PromptEmbeds, check_prompt_embeds
 from kvflow.request import Request
 
 MAX_TOKENS = 8
@@ -243,3 +243,35 @@ def test_refused_without_the_flag(tiny_llama):
     with pytest.raises(ValueError, match="started without enable_prompt_embeds"):
         plain.engine.core.add_request(request)
     assert not plain.engine.core.has_unfinished_requests()
+
+
+def _packed(dtype: str, shape: tuple[int, int], nbytes: int) -> PromptEmbeds:
+    return PromptEmbeds(dtype, shape, b"\0" * nbytes, "not-checked")
+
+
+@pytest.mark.parametrize(("packed", "match"), [
+    (_packed("float32", (4, 32), 4 * 32 * 4), "hidden size 32 but the model's is 64"),
+    (_packed("float32", (4, 64), 10), r"data holds 10 bytes, but \[4, 64\] rows .* 1024"),
+    (_packed("int8", (4, 64), 4 * 64), "dtype 'int8'"),
+    (_packed("float16", (4, 0), 0), "positive sizes"),
+])
+def test_packed_rows_the_model_cannot_take_are_refused_before_they_run(tiny_llama, llm, packed,
+                                                                       match):
+    """A ``PromptEmbeds`` handed over packed (``AsyncLLM.add_request``, a ``ProcessedPrompt``,
+    the core's queue) is checked like a tensor: was accepted, and its step raised in the
+    model (``index_copy_``), aborting every request in it."""
+    from kvflow.core.request_errors import PROMPT_EMBEDS, RequestError
+    from kvflow.prompt_inputs import ProcessedPrompt
+
+    engine = llm.engine
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(ProcessedPrompt(None, [0] * 4, prompt_embeds=packed), GREEDY,
+                           "pe-packed")
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(RequestError, match=match) as refused:  # one past a front end
+        engine.core.add_request(Request("pe-core", [0] * 4, GREEDY, prompt_embeds=packed))
+    assert refused.value.field == PROMPT_EMBEDS
+    assert not engine.core.has_unfinished_requests()
+    good = _embeds(60, 5)  # the engine serves on
+    _assert_matches_hf(tiny_llama, good,
+                       llm.generate({"prompt_embeds": good}, GREEDY)[0].outputs[0].token_ids)

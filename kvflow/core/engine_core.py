@@ -35,6 +35,7 @@ from kvflow.executor.base import ExecutorError
 from kvflow.lora.request import LoRARequest, already_loaded
 from kvflow.models.model_resolver import ModelSource, resolve_model
 from kvflow.models.pooling_config import task_mismatch
+from kvflow.prompt_embeds import check_packed_prompt_embeds
 from kvflow.request import Request, RequestStatus
 from kvflow.worker.worker import RpcRefusal
 
@@ -187,8 +188,8 @@ class EngineCore(EngineCoreStartup):
                 outputs on an engine without a tokenizer, images for a text-only model,
                 a LoRA adapter that cannot be loaded (a corrupt or truncated
                 ``adapter_model.safetensors``, a rank above ``max_lora_rank``, ...), or
-                prompt embeddings to an engine without ``enable_prompt_embeds`` (the
-                front end refuses them first).
+                prompt embeddings to an engine without ``enable_prompt_embeds``, or rows
+                the model cannot take (the front end refuses them first).
             ExecutorError: if a worker failed while loading the request's LoRA adapter
                 (the engine's failure, not the request's).
         """
@@ -200,10 +201,8 @@ class EngineCore(EngineCoreStartup):
         if asked not in served:
             raise ValueError(task_mismatch(self.task, asked, self.pooler_config and
                                            self.pooler_config.num_labels or 0))
-        if request.prompt_embeds is not None and \
-                not self.config.model_config.enable_prompt_embeds:
-            raise RequestError(f"request {request.request_id!r} has prompt_embeds but the "
-                               "engine was started without enable_prompt_embeds", PROMPT_EMBEDS)
+        if request.prompt_embeds is not None:
+            self._check_prompt_embeds(request)
         if request.mm_features is not None and self.scheduler.encoder is None:
             raise RequestError(f"request {request.request_id!r} has images but this model "
                                "takes text only", MULTI_MODAL_DATA)
@@ -217,6 +216,23 @@ class EngineCore(EngineCoreStartup):
             request.structured_output = self.structured_output.request_state(
                 structured, request.request_id, request.sampling_params.allowed_token_ids)
         self.scheduler.add_request(request)
+
+    def _check_prompt_embeds(self, request: Request) -> None:
+        """Raises RequestError (field ``prompt_embeds``) when the engine takes no prompt
+        embeddings, or ``request``'s rows are not ones the model can take (one per prompt
+        token, of its hidden size: ``check_packed_prompt_embeds``); the front end checks
+        them first, this keeps rows that would fail a step out of the scheduler."""
+        rid, embeds = request.request_id, request.prompt_embeds
+        if not self.config.model_config.enable_prompt_embeds:
+            raise RequestError(f"request {rid!r} has prompt_embeds but the engine was "
+                               "started without enable_prompt_embeds", PROMPT_EMBEDS)
+        try:
+            check_packed_prompt_embeds(embeds, self.hf_config.hidden_size)
+            if len(request.prompt_token_ids) != embeds.num_tokens:
+                raise ValueError(f"{len(request.prompt_token_ids)} placeholder ids for "
+                                 f"{embeds.num_tokens} prompt_embeds rows")
+        except ValueError as e:
+            raise RequestError(f"request {rid!r}: {e}", PROMPT_EMBEDS) from None
 
     def _add_request_lora(self, request: Request) -> None:
         """Load the adapter ``request`` runs with unless it is loaded.
