@@ -202,3 +202,15 @@ def test_an_adapter_that_cannot_be_read_at_first_schedule_ends_only_its_request(
     assert isinstance(error, RequestRefused) and error.field == LORA_REQUEST
     assert "LoRA adapter 'a'" in str(error) and "truncated or corrupt" in str(error)
     assert_idle_and_forgotten(llm, ["fi-good", "fi-bad"])
+
+
+def test_server_names_the_fields_of_step_failures():
+    """The server's 400 names the request field holding the part at fault: ``vllm_xargs``
+    for a logits processor's arguments (was: no ``param``), ``messages`` for an image."""
+    from kvflow.core.request_errors import MULTI_MODAL_DATA
+    from kvflow.entrypoints.engine_requests import refused
+
+    xargs = refused(RequestRefused("its logits processor: bad", "x", field=EXTRA_ARGS), None)
+    assert (xargs.status, xargs.param) == (400, "vllm_xargs")
+    image = refused(RequestRefused("image 0: bad", "x", field=MULTI_MODAL_DATA), None)
+    assert (image.status, image.param) == (400, "messages")
