@@ -148,7 +148,7 @@ class Request:
         self.num_preemptions = 0
         self.times = RequestTimes()  # vLLM's phases, for /metrics
         self.block_hashes: list[int] = []  # hash chain over this request's full blocks
-        # kvflow.structured.manager.RequestStructuredOutput when the output is constrained
+        # kvflow.structured.request_state.RequestStructuredOutput when the output is constrained
         self.structured_output = None
         # Stop rules as token counts, read on every step (the scheduler caps
         # max_num_tokens at max_model_len when the request arrives).

@@ -204,6 +204,58 @@ def test_an_adapter_that_cannot_be_read_at_first_schedule_ends_only_its_request(
     assert_idle_and_forgotten(llm, ["fi-good", "fi-bad"])
 
 
+class FailingMatcher:
+    """A grammar matcher that raises ``error`` from ``method`` once it was called ``after``
+    times (a stand-in for a matcher that cannot advance); the rest is the real matcher's."""
+
+    def __init__(self, inner, method: str, after: int, error: Exception) -> None:
+        self.inner, self.method, self.after, self.error, self.calls = \
+            inner, method, after, error, 0
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.inner, name)
+        if name != self.method:
+            return attr
+
+        def call(*args):
+            self.calls += 1
+            if self.calls > self.after:
+                raise self.error
+            return attr(*args)
+        return call
+
+
+@pytest.mark.parametrize(("method", "after", "error", "error_type", "match"), [
+    ("accept_tokens", 2, ValueError("token not in the grammar's state"), RequestRefused,
+     "advancing its grammar: token not in the grammar's state"),
+    ("fill_bitmask", 3, RuntimeError("matcher state lost"), RequestFailed,
+     "filling its grammar's token mask failed: RuntimeError: matcher state lost"),
+])
+def test_a_grammar_matcher_that_raises_ends_only_its_request(llm, method, after, error,
+                                                             error_type, match):
+    """The engine core advances each constrained request's matcher after the step and fills
+    its bitmask row before it: a matcher that raises there ends its request alone (field
+    ``structured_outputs``); was: the exception ended the step (the server's core)."""
+    from kvflow.core.request_errors import STRUCTURED_OUTPUTS
+    from kvflow.structured import StructuredOutputsParams
+
+    solo = llm.generate({"prompt_token_ids": GOOD}, greedy())[0].outputs[0].token_ids
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": GOOD}, greedy(), f"fi-good-{method}")
+    params = SamplingParams(temperature=0.0, max_tokens=10, structured_outputs=
+                            StructuredOutputsParams(regex="[a-z]{1,40}"))
+    engine.add_request({"prompt_token_ids": BAD}, params, f"fi-bad-{method}")
+    state = engine.core.scheduler.requests[f"fi-bad-{method}"].structured_output
+    make = state._new_matcher  # the matcher is made at its first use (the first step)
+    state._new_matcher = lambda compiled: FailingMatcher(make(compiled), method, after, error)
+    tokens, errors = step_until_done(engine)
+    assert tokens == {f"fi-good-{method}": solo}
+    error = errors[f"fi-bad-{method}"]
+    assert type(error) is error_type and match in str(error)
+    assert error_type is RequestFailed or error.field == STRUCTURED_OUTPUTS
+    assert_idle_and_forgotten(llm, [f"fi-good-{method}", f"fi-bad-{method}"])
+
+
 def test_server_names_the_fields_of_step_failures():
     """The server's 400 names the request field holding the part at fault: ``vllm_xargs``
     for a logits processor's arguments (was: no ``param``), ``messages`` for an image."""
@@ -214,3 +266,16 @@ def test_server_names_the_fields_of_step_failures():
     assert (xargs.status, xargs.param) == (400, "vllm_xargs")
     image = refused(RequestRefused("image 0: bad", "x", field=MULTI_MODAL_DATA), None)
     assert (image.status, image.param) == (400, "messages")
+
+
+def test_failures_cross_the_worker_process_boundary():
+    """A worker process sends its step's failures to the engine core (the mp executor's
+    ``StepCodec``): the decoded output carries them unchanged."""
+    from kvflow.executor.step_codec import StepCodec
+    from kvflow.runner_output import ModelRunnerOutput, RequestFailure
+
+    codec = StepCodec()
+    out = ModelRunnerOutput(["a", "b"], [[1], [2]], failed={
+        "b": RequestFailure("image 0: bad", "multi_modal_data", False),
+        "c": RequestFailure("its logits processor failed: KeyError: 'x'", "extra_args", True)})
+    assert codec.decode_result(codec.encode(out)) == out

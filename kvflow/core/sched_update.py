@@ -69,6 +69,10 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
             new_token_ids = token_ids
         else:
             new_token_ids = append_tokens(request, token_ids)
+            so = request.structured_output
+            if so is not None and so.error is not None:  # its matcher raised: it alone ends
+                outputs += end_failed_requests(sched, sched_out, {rid: so.error}, stale)
+                continue
         if slos:
             planner.on_tokens(rid, len(new_token_ids), now)
         if new_token_ids:
@@ -275,15 +279,19 @@ def _returned(sched: Scheduler, request_id: str) -> None:
 
 def append_tokens(request: Request, token_ids: list[int]) -> list[int]:
     """Append tokens until one finishes the request (a stop, the length limit, a token the
-    grammar rejects or one that terminates it); returns those appended."""
+    grammar rejects or one that terminates it) or its grammar matcher fails (the request is
+    then left running, its ``structured_output.error`` set); returns those appended."""
     appended = []
     for token_id in token_ids:
         if request.structured_output is not None and (
                 banned_by_min_tokens(request, token_id) or
                 not request.structured_output.accept_token(token_id)):
             # the grammar admits no further token: the output is cut here (the matcher
-            # advances before the token is appended, so both always agree)
-            request.status = RequestStatus.FINISHED_LENGTH
+            # advances before the token is appended, so both always agree); a matcher that
+            # raised (``structured_output.error``) is left to the caller, which ends the
+            # request with that error
+            if request.structured_output.error is None:
+                request.status = RequestStatus.FINISHED_LENGTH
             break
         request.all_token_ids.append(token_id)
         appended.append(token_id)

@@ -46,6 +46,9 @@ from kvflow.sched_output import GrammarBitmask
 from kvflow.structured.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvflow.structured.compile_pool import CompilePool, CompileTimeoutError
 from kvflow.structured.params import StructuredOutputsParams
+from kvflow.structured.request_state import RequestStructuredOutput
+
+__all__ = ["RequestStructuredOutput", "StructuredOutputManager"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,69 +90,6 @@ def _retried(future: Future) -> bool:
         return True
     error = future.exception()
     return error is not None and not isinstance(error, CompileTimeoutError)
-
-
-class RequestStructuredOutput:
-    """A request's constraint: its compile future, then its matcher (made on first use)."""
-
-    def __init__(self, future: Future, new_matcher: Callable[[Any], StructuredOutputGrammar],
-                 check_first_step: bool = False) -> None:
-        self._future = future
-        self._new_matcher = new_matcher
-        self._matcher: StructuredOutputGrammar | None = None
-        # not ready until the manager has checked that the grammar's first step allows a
-        # token (one of the request's allowed_token_ids) (``_take_disjoint_first_steps``)
-        self.first_step_unchecked = check_first_step
-
-    @property
-    def is_compiled(self) -> bool:
-        """True once the grammar compiled (False while it compiles, or if it failed)."""
-        future = self._future
-        return future.done() and not future.cancelled() and future.exception() is None
-
-    @property
-    def is_ready(self) -> bool:
-        """True once the grammar compiled and its first step was checked (it allows a token,
-        one of the request's ``allowed_token_ids`` if it has them): the request may be
-        scheduled. A compile that failed or timed out, or a first step that allows no
-        token, leaves it False: the
-        engine core ends such a request (``StructuredOutputManager.take_failed``) before it
-        is ever scheduled."""
-        return self.is_compiled and not self.first_step_unchecked
-
-    @property
-    def matcher(self) -> StructuredOutputGrammar | None:
-        """The matcher, or None if compilation failed. Call only when ``is_ready``."""
-        if self._matcher is None and not self._future.cancelled() and \
-                self._future.exception() is None:
-            self._matcher = self._new_matcher(self._future.result())
-        return self._matcher
-
-    def accept_token(self, token_id: int) -> bool:
-        """Advance the matcher; False if the grammar rejects the token (or failed to compile)."""
-        matcher = self.matcher
-        return matcher is not None and matcher.accept_tokens([token_id])
-
-    def is_terminated(self) -> bool:
-        """True once the grammar is complete and its stop token (the EOS) was accepted: the
-        grammar admits no further token."""
-        matcher = self.matcher
-        return matcher is not None and matcher.is_terminated()
-
-    def num_valid_drafts(self, token_ids: list[int]) -> int:
-        """How many leading ``token_ids`` (speculative decoding's draft tokens) the grammar
-        accepts from its current state; the matcher is rolled back to that state."""
-        matcher = self.matcher
-        if matcher is None:
-            return 0
-        num = 0
-        for token_id in token_ids:
-            if matcher.is_terminated() or not matcher.accept_tokens([token_id]):
-                break
-            num += 1
-        if num:
-            matcher.rollback(num)
-        return num
 
 
 class StructuredOutputManager:
@@ -330,7 +270,11 @@ class StructuredOutputManager:
                                          (self.vocab_size + 31) // 32), dtype=torch.int32)
         row, row_ids = 0, []
         for (rid, state), tokens in zip(rows, drafts):
-            self._fill_rows(state.matcher, tokens, row)
+            try:
+                self._fill_rows(None if state.error else state.matcher, tokens, row)
+            except Exception as e:  # noqa: BLE001 - this request's matcher: its failure alone
+                state.fail("filling its grammar's token mask", e)  # ended after the step
+                self._bitmask[row:row + len(tokens) + 1].zero_()
             row_ids.extend([rid] * (len(tokens) + 1))
             row += len(tokens) + 1
         return GrammarBitmask(row_ids, self._bitmask[:num_rows])

@@ -1,7 +1,7 @@
 """Per-request faults inside a batched step: what the runner records when the work of ONE
 request raises (its image in the vision encoder, its LoRA adapter read again at its first
-schedule, its per-request logits processor), so that only that request ends with the error
-and the step's other requests go on.
+schedule, its per-request logits processor; in the engine core, its grammar matcher), so
+that only that request ends with the error and the step's other requests go on.
 
 The rule, stated once: an exception is the request's when the runner raised it while working
 on that request's own data alone (one image encoded by itself, one request's adapter, one
@@ -34,13 +34,20 @@ def is_request_fault(error: BaseException) -> bool:
         not isinstance(error, (MemoryError, torch.OutOfMemoryError))
 
 
-def request_failure(request_id: str, what: str, error: Exception,
-                    field: str | None) -> RequestFailure:
-    """The failure of ``request_id`` whose ``what`` (e.g. ``"image 1"``) raised ``error``,
-    logged (with the traceback for an unexpected exception)."""
+def failure_of(what: str, error: Exception, field: str | None) -> RequestFailure:
+    """The failure of a request whose ``what`` (e.g. ``"image 1"``) raised ``error``: the
+    request's (not internal) for a ValueError, else internal."""
     internal = not isinstance(error, ValueError)
     message = f"{what}: {error}" if not internal else \
         f"{what} failed: {type(error).__name__}: {error}"
-    logger.warning("request %s fails alone in its step: %s", request_id, message,
-                   exc_info=error if internal else None)
     return RequestFailure(message, field, internal)
+
+
+def request_failure(request_id: str, what: str, error: Exception,
+                    field: str | None) -> RequestFailure:
+    """:func:`failure_of`, logged for ``request_id`` (with the traceback for an unexpected
+    exception)."""
+    failure = failure_of(what, error, field)
+    logger.warning("request %s fails alone in its step: %s", request_id, failure.message,
+                   exc_info=error if failure.internal else None)
+    return failure
