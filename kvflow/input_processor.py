@@ -10,7 +10,7 @@ from kvflow.chat_template import render_chat
 from kvflow.logits_process import LogitsProcessor
 from kvflow.lora.request import LoRARequest
 from kvflow.models.pooling_config import PoolerConfig
-from kvflow.multimodal_inputs import MultiModalFeature
+from kvflow.multimodal_inputs import MultiModalFeature, check_mm_features
 from kvflow.pooling_inputs import PoolingInputs
 from kvflow.prompt_embeds import (
     PromptEmbeds,
@@ -268,12 +268,15 @@ class InputProcessor(PoolingInputs):
                 engine without ``enable_prompt_embeds``, rows the model cannot take
                 (``check_packed_prompt_embeds``: another hidden size, data that does not
                 match the shape), or with ``prompt_logprobs`` (a prompt given as
-                embeddings has no token ids to score).
+                embeddings has no token ids to score); for ``mm_features`` that do not hold
+                what they say (``check_mm_features``).
         """
         check_cache_salt(cache_salt)
         if prompt_embeds is not None:  # rows given packed: the model must take them
             self.require_prompt_embeds()
             check_packed_prompt_embeds(prompt_embeds, self.hidden_size)
+        if mm_features:  # images given preprocessed: they must hold what they say
+            check_mm_features(mm_features, len(token_ids))
         token_ids, prompt_embeds = self._truncated(token_ids, params, mm_features,
                                                    prompt_embeds)
         self.validate(token_ids)

@@ -68,3 +68,47 @@ def overlapping_features(features: list[MultiModalFeature] | None, start: int, e
                          ) -> list[MultiModalFeature]:
     """The features whose placeholder ranges overlap token positions ``[start, end)``."""
     return [f for f in features or () if f.offset < end and f.end > start]
+
+
+def check_mm_features(features: object, num_prompt_tokens: int) -> None:
+    """Check images handed over preprocessed (``AsyncLLM.add_request``'s ``mm_features``, a
+    ``ProcessedPrompt``, the engine core's queue), not made by the API side's processor:
+    features that do not hold what they say would otherwise fail the engine step they are
+    encoded in.
+
+    Raises:
+        ValueError: naming the feature (``image 1``) and what is wrong: not a list of
+            ``MultiModalFeature``, a modality other than image or video, a ``shape`` that is
+            not two positive sizes, ``data`` that is not ``shape``'s float32 rows, a
+            ``grid_thw`` that is not three positive sizes whose product is the row count,
+            placeholders (``offset``, ``length``) outside the prompt's
+            ``num_prompt_tokens`` tokens, or placeholders that overlap an earlier feature's.
+    """
+    if not isinstance(features, (list, tuple)) or \
+            not all(isinstance(f, MultiModalFeature) for f in features):
+        raise ValueError("mm_features must be a list of MultiModalFeature")
+    end = 0
+    for i, f in enumerate(features):
+        name = f"{f.modality} {i}"
+        if f.modality not in ("image", "video"):
+            raise ValueError(f"mm_features {i}: modality {f.modality!r} is not image or video")
+        shape, grid = tuple(f.shape), tuple(f.grid_thw)
+        if not _sizes(shape, 2):
+            raise ValueError(f"{name}: shape must be two positive sizes, got {list(shape)}")
+        if not isinstance(f.data, bytes) or len(f.data) != shape[0] * shape[1] * 4:
+            raise ValueError(f"{name}: data must be {list(shape)} float32 values "
+                             f"({shape[0] * shape[1] * 4} bytes), got {len(f.data)} bytes")
+        if not _sizes(grid, 3) or int(np.prod(grid)) != shape[0]:
+            raise ValueError(f"{name}: grid_thw {list(grid)} must be three positive sizes "
+                             f"whose product is its {shape[0]} patch rows")
+        if not (isinstance(f.offset, int) and isinstance(f.length, int)
+                and f.offset >= end and f.length >= 1 and f.end <= num_prompt_tokens):
+            raise ValueError(f"{name}: placeholders [{f.offset}, {f.end}) must lie in the "
+                             f"prompt's {num_prompt_tokens} tokens, after the previous "
+                             f"feature's (which end at {end})")
+        end = f.end
+
+
+def _sizes(values: tuple, count: int) -> bool:
+    """Whether ``values`` are ``count`` positive integers."""
+    return len(values) == count and all(isinstance(v, int) and v >= 1 for v in values)

@@ -35,6 +35,7 @@ from kvflow.executor.base import ExecutorError
 from kvflow.lora.request import LoRARequest, already_loaded
 from kvflow.models.model_resolver import ModelSource, resolve_model
 from kvflow.models.pooling_config import task_mismatch
+from kvflow.multimodal_inputs import check_mm_features
 from kvflow.prompt_embeds import check_packed_prompt_embeds
 from kvflow.request import Request, RequestStatus
 from kvflow.worker.worker import RpcRefusal
@@ -185,7 +186,8 @@ class EngineCore(EngineCoreStartup):
                 (or whose weights a level-2 sleep dropped), a generation request to an
                 embedding engine (and the reverse); a ``RequestError`` (a ValueError
                 naming the part of the request at fault in its ``field``) for structured
-                outputs on an engine without a tokenizer, images for a text-only model,
+                outputs on an engine without a tokenizer, images for a text-only model or
+                images that do not hold what they say,
                 a LoRA adapter that cannot be loaded (a corrupt or truncated
                 ``adapter_model.safetensors``, a rank above ``max_lora_rank``, ...), or
                 prompt embeddings to an engine without ``enable_prompt_embeds``, or rows
@@ -203,9 +205,8 @@ class EngineCore(EngineCoreStartup):
                                            self.pooler_config.num_labels or 0))
         if request.prompt_embeds is not None:
             self._check_prompt_embeds(request)
-        if request.mm_features is not None and self.scheduler.encoder is None:
-            raise RequestError(f"request {request.request_id!r} has images but this model "
-                               "takes text only", MULTI_MODAL_DATA)
+        if request.mm_features is not None:
+            self._check_mm_features(request)
         if request.lora_request is not None:
             self._add_request_lora(request)
         structured = request.sampling_params.structured_outputs
@@ -216,6 +217,19 @@ class EngineCore(EngineCoreStartup):
             request.structured_output = self.structured_output.request_state(
                 structured, request.request_id, request.sampling_params.allowed_token_ids)
         self.scheduler.add_request(request)
+
+    def _check_mm_features(self, request: Request) -> None:
+        """Raises RequestError (field ``multi_modal_data``) for images to a text-only model,
+        or images that do not hold what they say (``check_mm_features``); the front end
+        checks them first, this keeps images that would fail a step out of the scheduler."""
+        if self.scheduler.encoder is None:
+            raise RequestError(f"request {request.request_id!r} has images but this model "
+                               "takes text only", MULTI_MODAL_DATA)
+        try:
+            check_mm_features(request.mm_features, len(request.prompt_token_ids))
+        except ValueError as e:
+            raise RequestError(f"request {request.request_id!r}: {e}", MULTI_MODAL_DATA) \
+                from None
 
     def _check_prompt_embeds(self, request: Request) -> None:
         """Raises RequestError (field ``prompt_embeds``) when the engine takes no prompt

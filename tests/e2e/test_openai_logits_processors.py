@@ -4,7 +4,9 @@
 ``vllm_xargs`` with beam search are 400s naming the field; the per-request
 ``logits_processors`` field is a 400 pointing at the flag. Oracles: a plain torch loop over
 transformers' logits with the same ban / forced tokens (tests/test_logits_processors.py), and
-the request without ``vllm_xargs``.
+the request without ``vllm_xargs``. A per-request processor that raises for one request
+(``FailAt``, tests/test_step_fault_isolation.py) is that request's 400 naming ``vllm_xargs``
+(a 500 for an exception other than ValueError); the request beside it gets its tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from tests.test_logits_processors import _reference
 PROCS = "tests.test_logits_processors"
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64", "--block-size", "4",
         "--max-num-seqs", "4", "--logits-processors", f"{PROCS}:BanToken",
-        f"{PROCS}:ForceEvery"]
+        f"{PROCS}:ForceEvery", "tests.test_step_fault_isolation:FailAt"]
 C, CH = "/v1/completions", "/v1/chat/completions"
 STEPS = 6
 
@@ -106,3 +108,23 @@ def test_responses_take_vllm_xargs_as_chat_does(server):
     assert "ban_token='x' must be a token id" in refused["message"], refused
     nested = error(respond({"vllm_xargs": {"ban_token": {"id": 3}}}))
     assert nested["param"] == "vllm_xargs.ban_token", nested
+
+
+def test_a_processor_failing_on_one_request_is_that_requests_error_alone(server, tiny_llama):
+    """Was: the exception ended the engine core's step, so the core (every open request
+    failed, then 503s)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    plain = _reference(tiny_llama.hf_model, [5, 6, 7, 8], STEPS)
+    with ThreadPoolExecutor(2) as pool:
+        bad = pool.submit(post, server, C, {"vllm_xargs": {"fail_at": 2}})
+        good = pool.submit(post, server, C, {})
+        bad, good = bad.result(), good.result()
+    refused = error(bad)
+    assert refused["param"] == "vllm_xargs", refused
+    assert "its logits processor: fail_at=2 reached" in refused["message"], refused
+    assert tokens(good) == plain
+    failed = post(server, CH, {"vllm_xargs": {"fail_at": 1, "kind": "runtime"}})
+    assert failed.status_code == 500, failed.text
+    assert failed.json()["error"]["code"] == "internal_error"
+    assert tokens(post(server, C, {})) == plain  # the engine serves on

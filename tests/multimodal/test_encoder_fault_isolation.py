@@ -9,24 +9,31 @@ greedy tokens (``hf_generate``); every KV block free and no container holding th
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
 from kvflow import LLM
-from kvflow.core.request_errors import MULTI_MODAL_DATA
+from kvflow.core.request_errors import MULTI_MODAL_DATA, RequestError
 from kvflow.engine.streams import RequestRefused
 from tests.multimodal.conftest import PLACEHOLDER, hf_generate, random_image
 from tests.request_state import holders
 from tests.test_step_fault_isolation import greedy, step_until_done
 
 
-def test_an_image_the_encoder_fails_on_ends_only_its_request(tiny_qwen2_vl):
+@pytest.fixture(scope="module")
+def llm(tiny_qwen2_vl) -> LLM:
+    return LLM(tiny_qwen2_vl.path, dtype="float32", num_kv_blocks=256, block_size=8)
+
+
+def test_an_image_the_encoder_fails_on_ends_only_its_request(llm, tiny_qwen2_vl):
     """The vision encoder raises on one request's image (a stand-in for an image it cannot
     take): the batched call fails, each image is encoded alone, and only the request holding
     the failing image ends (field ``multi_modal_data``); the text-only request and the
     request with a good image beside it get transformers' tokens. The failed image is not
     left in the encoder-cache mirror, nor its K/V in the prefix cache: the same prompt with
     an encoder that works again gets transformers' tokens."""
-    llm = LLM(tiny_qwen2_vl.path, dtype="float32", num_kv_blocks=256, block_size=8)
     model = llm.engine.core.executor.runner.mm_runner.model
     good_image, bad_image = random_image(84, 56, 1), random_image(120, 200, 2)
     bad_rows = []
@@ -63,3 +70,30 @@ def test_an_image_the_encoder_fails_on_ends_only_its_request(tiny_qwen2_vl):
     pool.check_invariants()
     assert pool.num_free_blocks == pool.num_usable_blocks
     assert holders(llm, list(prompts)) == []
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"grid_thw": (1, 2, 2)}, r"grid_thw \[1, 2, 2\] .* product is its \d+ patch rows"),
+    ({"data": b"\0" * 8}, r"image 0: data must be \[\d+, \d+\] float32 values"),
+    ({"offset": 10_000}, r"image 0: placeholders \[10000, \d+\) must lie in the prompt"),
+    ({"modality": "audio"}, "modality 'audio' is not image or video"),
+])
+def test_preprocessed_images_that_do_not_hold_what_they_say_are_refused(llm, change, match):
+    """Images handed over preprocessed (``AsyncLLM.add_request``'s ``mm_features``, a
+    ``ProcessedPrompt``, the core's queue) are checked before they are queued: was accepted,
+    and the step they were encoded in raised (every request of it failed)."""
+    from kvflow.prompt_inputs import ProcessedPrompt
+    from kvflow.request import Request
+
+    engine = llm.engine
+    processed = engine.processor.process({"prompt": f"a {PLACEHOLDER} b",
+                                          "multi_modal_data": {"image": random_image(84, 56, 5)}})
+    bad = [dataclasses.replace(processed.mm_features[0], **change)]
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(ProcessedPrompt(None, processed.token_ids, bad), greedy(4), "fi-mm")
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(RequestError, match=match) as refused:  # one past a front end
+        engine.core.add_request(Request("fi-mm-core", processed.token_ids, greedy(4),
+                                        mm_features=bad))
+    assert refused.value.field == MULTI_MODAL_DATA
+    assert not engine.core.has_unfinished_requests()
