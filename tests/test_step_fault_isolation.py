@@ -113,6 +113,23 @@ def test_a_failing_request_logits_processor_ends_only_its_request(llm, kind, err
     assert_idle_and_forgotten(llm, [f"fi-good-{kind}", f"fi-bad-{kind}"])
 
 
+@pytest.mark.parametrize("kind", ["value", "bind"])
+def test_async_scheduling_ends_only_the_failing_request(tiny_llama, kind):
+    """Async scheduling launches step N+1 before N's tokens are collected: N's failures
+    travel with N (not N+1), and the failed request's row in N+1 is dropped as stale."""
+    llm = LLM(tiny_llama.path, dtype="float32", num_kv_blocks=64, block_size=4,
+              logits_processors=[FailAt], async_scheduling=True, max_num_batched_tokens=8)
+    solo = llm.generate({"prompt_token_ids": GOOD}, greedy())[0].outputs[0].token_ids
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": GOOD}, greedy(), "fi-good")
+    engine.add_request({"prompt_token_ids": BAD}, greedy(fail_at=3, kind=kind), "fi-bad")
+    tokens, errors = step_until_done(engine)
+    assert tokens == {"fi-good": solo}
+    assert isinstance(errors["fi-bad"], RequestRefused)
+    assert errors["fi-bad"].field == EXTRA_ARGS
+    assert_idle_and_forgotten(llm, ["fi-good", "fi-bad"])
+
+
 def test_llm_generate_raises_value_error_naming_the_prompt(llm):
     """``LLM.generate`` raises the refused prompt's error (a ValueError naming it), and the
     engine serves on."""

@@ -27,13 +27,17 @@ def llm(tiny_qwen2_vl) -> LLM:
     return LLM(tiny_qwen2_vl.path, dtype="float32", num_kv_blocks=256, block_size=8)
 
 
-def test_an_image_the_encoder_fails_on_ends_only_its_request(llm, tiny_qwen2_vl):
+@pytest.mark.parametrize("config", ["plain", "async_chunked"])
+def test_an_image_the_encoder_fails_on_ends_only_its_request(llm, tiny_qwen2_vl, config):
     """The vision encoder raises on one request's image (a stand-in for an image it cannot
     take): the batched call fails, each image is encoded alone, and only the request holding
     the failing image ends (field ``multi_modal_data``); the text-only request and the
     request with a good image beside it get transformers' tokens. The failed image is not
     left in the encoder-cache mirror, nor its K/V in the prefix cache: the same prompt with
     an encoder that works again gets transformers' tokens."""
+    if config == "async_chunked":  # images cut across steps, step N+1 launched before N ends
+        llm = LLM(tiny_qwen2_vl.path, dtype="float32", num_kv_blocks=256, block_size=8,
+                  async_scheduling=True, max_num_batched_tokens=24)
     model = llm.engine.core.executor.runner.mm_runner.model
     good_image, bad_image = random_image(84, 56, 1), random_image(120, 200, 2)
     bad_rows = []
