@@ -149,6 +149,8 @@ class StepLogitsProcessors:
         for processor in processors:
             full = processor.apply(full)
             for row, error in processor.take_row_failures().items():
+                if row not in by_row:  # no request there to blame: the step's failure
+                    raise error
                 self.failed.setdefault(by_row[row], error)
         return full if every_row else full[rows]
 
