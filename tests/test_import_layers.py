@@ -81,6 +81,8 @@ LAYERS: dict[str, int] = {
     "kvflow.kv_connector_meta": 0,  # a KV connector's per-step loads and saves
     # custom logits processors' interface (the config loads the classes) and the batch
     # changes they are told (runner -> processor)
+    "kvflow.core.request_errors": 0,  # the request fields an error names (no imports)
+    "kvflow.worker.request_failures": 0,  # a per-request fault's rule (torch, runner_output)
     "kvflow.logits_process": 0, "kvflow.batch_update": 0,
 }
 FACADES = {"kvflow"}  # the package root imports lazily from anywhere (kvflow.LLM etc.)
