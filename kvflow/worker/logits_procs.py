@@ -133,7 +133,12 @@ class StepLogitsProcessors:
         """``logits`` (float32 [R, vocab], the sampling rows) after the argmax-invariant
         processors (``argmax_invariant``) or the others, in their configured order; the same
         tensor when there are none. The requests whose rows a processor could not process
-        (``LogitsProcessor.take_row_failures``) are added to ``failed``."""
+        (``LogitsProcessor.take_row_failures``) are added to ``failed``.
+
+        Raises:
+            Exception: what a processor raised for a row no request holds (no request to
+                blame: the step fails), or what its batched ``apply`` raised.
+        """
         processors = self.procs.argmax_invariant if argmax_invariant else \
             self.procs.non_argmax_invariant
         if not processors:
