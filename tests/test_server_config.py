@@ -287,6 +287,29 @@ def test_empty_api_key_variable_is_one_line_before_loading(monkeypatch, capsys):
     assert lines[0].startswith("kvflow: error: KVFLOW_API_KEY='' is empty"), lines[0]
 
 
+def test_a_refused_api_key_list_does_not_print_its_good_key(capsys):
+    """``--api-key s3cret ""`` is refused for its empty key; the error line used to quote the
+    whole tuple, ``--api-key=('s3cret', '') is invalid``, writing the good key to the
+    terminal (and any log of the start-up). It shows the keys as a list, good ones masked."""
+    from kvflow.entrypoints.cli import main
+
+    with pytest.raises(ValueError) as e:
+        ServerConfig(api_key=["s3cret", " "])
+    assert str(e.value).startswith("api_key=['***', ' '] is invalid: it must not be empty")
+    rc = main(["serve", "/nonexistent/model", "--api-key", "s3cret", ""])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("kvflow: error: --api-key=['***', ''] is invalid"), lines[0]
+    assert "s3cret" not in lines[0]
+
+
+def test_a_refused_list_flag_is_quoted_as_a_list():
+    """A flag of several values is quoted as the list typed, not as Python's tuple."""
+    with pytest.raises(ValueError, match=r"^served_model_name=\['a', 'a'\] is invalid: it "
+                                         r"names a model twice$"):
+        ServerConfig(served_model_name=["a", "a"])
+
+
 def test_lora_modules_take_vllms_json_form():
     """vLLM's ``--lora-modules '{"name": ..., "path": ...}'`` (its LoRAParserAction) was
     refused as not NAME=PATH; it is the same adapter as ``NAME=PATH`` (hand-written pairs),

@@ -15,6 +15,7 @@ from kvflow.config.server_values import (
     check_disable_log_stats,
     lora_module,
     one_or_many,
+    shown_value,
     word_list,
 )
 
@@ -287,7 +288,8 @@ class ServerConfig:
         """
         for ok, name, why in self._value_checks():
             if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: it {why}")
+                raise ValueError(f"{name}={shown_value(name, getattr(self, name))} is invalid: "
+                                 f"it {why}")
         try:
             parse_bytes(self.max_request_body_size)
         except ValueError as e:

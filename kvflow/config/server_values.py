@@ -1,6 +1,6 @@
 """The values of ``kvflow serve``'s options that take parsing (``--lora-modules`` entries, the
 CORS word lists) and vLLM's ``--disable-log-stats``, checked for
-:class:`~kvflow.config.server.ServerConfig`."""
+:class:`~kvflow.config.server.ServerConfig`, and how its errors quote a refused value."""
 
 from __future__ import annotations
 
@@ -55,6 +55,16 @@ def one_or_many(value: Any) -> tuple | None:
     if value is None:
         return None
     return (value,) if isinstance(value, str) else tuple(value)
+
+
+def shown_value(name: str, value: Any) -> str:
+    """The value of option ``name`` as its error message quotes it: several values (a tuple)
+    as the list they were typed as, and each non-blank ``api_key`` as ``'***'``, so that a
+    refused ``--api-key KEY ""`` does not write its good key to the terminal or a log (the
+    blank one at fault still shows)."""
+    if name == "api_key" and isinstance(value, (list, tuple)):
+        value = ["***" if isinstance(k, str) and k.strip() else k for k in value]
+    return repr(list(value) if isinstance(value, tuple) else value)
 
 
 def word_list(name: str, value: Any) -> tuple[str, ...] | None:
