@@ -300,7 +300,9 @@ def processed_prompts(processor: InputProcessor, prompts: list[PromptType],
     Raises:
         ValueError: for a bad prompt, ``tokenization_kwargs`` or truncation
             (``SamplingParams.truncate_prompt_tokens`` above ``max_model_len``), or kept
-            tokens that do not fit.
+            tokens that do not fit. Of several prompts, an empty one, one with an id
+            outside the vocabulary or one that does not fit is named by its index,
+            ``prompt i: ...``, as ``beam_search`` and ``classify`` name it.
     """
     options = parse_tokenization_kwargs(tokenization_kwargs, processor.max_model_len,
                                         generation=True)
@@ -309,8 +311,13 @@ def processed_prompts(processor: InputProcessor, prompts: list[PromptType],
     processed = [processor.process(p, keep_last=limit, options=options,
                                    mm_kwargs=mm_processor_kwargs)
                  for p, limit in zip(prompts, limits)]
-    for p, limit in zip(processed, limits):
-        processor.validate(keep_last_tokens(p.token_ids, limit))
+    for i, (p, limit) in enumerate(zip(processed, limits)):
+        try:
+            processor.validate(keep_last_tokens(p.token_ids, limit))
+        except ValueError as e:
+            if len(processed) == 1:
+                raise
+            raise ValueError(f"prompt {i}: {e}") from None
     return processed
 
 

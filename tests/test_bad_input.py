@@ -63,6 +63,28 @@ def test_long_prompt_in_a_batch_queues_nothing(llm, assert_no_leaks):
     assert_no_leaks(llm)
 
 
+@pytest.mark.parametrize("prompts,bad,why", [
+    ([[3, 4], []], 1, "the prompt is empty: it must contain at least one token"),
+    ([[3, 4], [5], [3, 10**6]], 2, "prompt token id 1000000 is outside the vocabulary [0, {V})"),
+    ([[3] * 30, [3, 4]], 0, ("the prompt has 30 tokens but max_model_len is 24: it must be "
+                             "shorter to leave room for at least one generated token")),
+], ids=["empty", "out_of_vocabulary", "too_long"])
+def test_a_bad_prompt_of_several_is_named_by_its_index(llm, prompts, bad, why,
+                                                       assert_no_leaks):
+    """Of several prompts, the one refused is named by its index, as ``beam_search``,
+    ``classify`` and the server name it (``kvflow generate --prompt a --prompt ""`` said only
+    "the prompt is empty"); one prompt alone keeps the plain message."""
+    why = why.replace("{V}", str(llm.engine.processor.vocab_size))
+    with pytest.raises(ValueError) as e:
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert str(e.value) == f"prompt {bad}: {why}"
+    with pytest.raises(ValueError) as e:
+        llm.generate([prompts[bad]], GREEDY, use_tqdm=False)
+    assert str(e.value) == why
+    assert not llm.engine.has_unfinished_requests()
+    assert_no_leaks(llm)
+
+
 @pytest.mark.parametrize("prompt", [[[]], ""], ids=["no_token_ids", "empty_text"])
 def test_empty_prompt(llm, prompt):
     with pytest.raises(ValueError, match="empty"):
