@@ -15,6 +15,18 @@ def _run(argv, capsys):
     return rc, out.out, out.err
 
 
+@pytest.mark.parametrize("flag", ["--version", "-v"])
+def test_version_flag_prints_the_version(capsys, flag):
+    """``kvflow --version`` (vLLM's ``vllm --version``) prints the version, status 0; it was
+    an error, ``the following arguments are required: command``."""
+    from kvflow import __version__
+
+    with pytest.raises(SystemExit) as e:
+        main([flag])
+    out = capsys.readouterr()
+    assert e.value.code == 0 and out.out == f"{__version__}\n" and out.err == ""
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--model", "no-such-model"], "no-such-model"),
     # the flag the user typed, not the field behind it (was SamplingParams.max_tokens=0)

@@ -15,6 +15,7 @@ import re
 import sys
 from typing import NoReturn
 
+from kvflow import __version__
 from kvflow.close_names import closest_name
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.entrypoints.cli_generate import add_generate_parser
@@ -148,6 +149,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     ``_SELF_CONTAINED_COMMANDS``, only the ``generate`` and ``serve`` parsers (a line of that
     command parses the same; ``main`` passes the first word it got)."""
     parser = _Parser(prog="kvflow", description="kvflow LLM engine")
+    parser.add_argument("-v", "--version", action="version", version=__version__,
+                        help="print kvflow's version and exit (vLLM's vllm --version)")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
     _add_serve_parser(sub)
