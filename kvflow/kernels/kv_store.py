@@ -77,15 +77,19 @@ def _round_to_e4m3(y):
     exponent = ((bits >> 23) & 0xFF) - 127
     exponent = tl.maximum(exponent, -6)
     ulp = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    return _rint(y / ulp) * ulp
+    return _rint(tl.math.div_rn(y, ulp)) * ulp
 
 
 @triton.jit
 def _quantize_rows(x, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
     """x [BLOCK_H, BLOCK_D] fp32 (padding 0) -> (values rounded to the cache grid, fp32;
-    scale [BLOCK_H] = absmax / QMAX) per row, the rule of ``kvflow.kernels.kv_quant``."""
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / QMAX, 1.1754943508222875e-38)
-    y = x / scale[:, None]
+    scale [BLOCK_H] = absmax / QMAX) per row, the rule of ``kvflow.kernels.kv_quant``.
+
+    Divisions are ``div_rn`` (IEEE round to nearest, as torch divides): Triton's ``/`` on
+    fp32 compiles to the approximate ``div.full.f32`` on NVIDIA GPUs (up to 2 ulp off), which
+    would move scales by an ulp and values across rounding ties, away from the torch store."""
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), QMAX), 1.1754943508222875e-38)
+    y = tl.math.div_rn(x, scale[:, None])
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     if IS_FP8:
         y = _round_to_e4m3(y)

@@ -40,8 +40,9 @@ from kvflow.kernels.rotary import (
 @triton.jit
 def _to_grid(x, scale, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
     """x [BLOCK_H, N] fp32 divided by its row's ``scale`` [BLOCK_H], clamped to +-QMAX and
-    rounded to the cache grid (the rule of ``kv_store._quantize_rows``, with the scale given)."""
-    y = tl.minimum(tl.maximum(x / scale[:, None], -QMAX), QMAX)
+    rounded to the cache grid (the rule of ``kv_store._quantize_rows``, with the scale given;
+    IEEE division, ``div_rn``, as there)."""
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -QMAX), QMAX)
     if IS_FP8:
         return _round_to_e4m3(y)
     return _rint(y)
@@ -90,7 +91,7 @@ def _quantize_k_v(new_a, new_b, rest, v, QMAX: tl.constexpr, IS_FP8: tl.constexp
     af, bf, restf = new_a.to(tl.float32), new_b.to(tl.float32), rest.to(tl.float32)
     absmax = tl.maximum(tl.max(tl.abs(af), axis=1), tl.max(tl.abs(bf), axis=1))
     absmax = tl.maximum(absmax, tl.max(tl.abs(restf), axis=1))
-    k_scale = tl.maximum(absmax / QMAX, 1.1754943508222875e-38)
+    k_scale = tl.maximum(tl.math.div_rn(absmax, QMAX), 1.1754943508222875e-38)
     st_a, st_b = _to_grid(af, k_scale, QMAX, IS_FP8), _to_grid(bf, k_scale, QMAX, IS_FP8)
     st_rest = _to_grid(restf, k_scale, QMAX, IS_FP8)
     st_v, v_scale = _quantize_rows(v.to(tl.float32), QMAX, IS_FP8)
