@@ -155,7 +155,7 @@ def paged_attention(
         return out
     plan = plan_paged_attention(num_tokens, num_heads, kv_cache.shape[3], head_dim, num_reqs,
                                 max_query_len, max_seq_len, num_sms_of(q.device), num_splits,
-                                batch_invariant)
+                                batch_invariant, q.element_size())
     _launch(plan, q, kv_cache, query_start_loc, seq_lens, block_table, scale, sliding_window,
             out, kv_scales, softcap)
     return out

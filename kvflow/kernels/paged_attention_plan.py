@@ -43,13 +43,27 @@ def choose_num_splits(
     return max(splits, 1)
 
 
-def launch_config(max_query_len: int, qpkv: int, block_d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, TILE_N, num_warps, num_stages) for the single/split-pass kernel."""
+def launch_config(max_query_len: int, qpkv: int, block_d: int,
+                  elem_bytes: int = 2) -> tuple[int, int, int, int]:
+    """(BLOCK_M, TILE_N, num_warps, num_stages) for the single/split-pass kernel.
+
+    ``elem_bytes``: bytes per element of the compute dtype (``q``'s). With 4-byte (fp32)
+    operands the key tiles hold half as many keys, and prefill row tiles over head dims above
+    128 have 32 rows, so that a program's shared memory (Q tile, two pipeline stages of K and
+    V tiles) fits the 99 KiB a block may use on sm_86 / sm_89 GPUs (A10, L4, L40S, RTX 30xx
+    and 40xx). Triton 3.6's build for sm_89 of the 16-bit tiles in fp32 needs 112 KiB at head
+    dim 128 and 136 KiB at 256, which such GPUs refuse at launch (``OutOfResources``); the
+    fp32 tiles need 72 KiB and 66 KiB (tests/kernels/test_paged_attention_gpu_build.py).
+    """
     if max_query_len * qpkv <= 16:  # decode-only or tiny chunks
         block_m = max(16, triton.next_power_of_2(qpkv))
+    elif elem_bytes > 2 and block_d > 128:
+        block_m = max(32, triton.next_power_of_2(qpkv))
     else:
         block_m = max(64, triton.next_power_of_2(qpkv))
     tile_n = 64 if block_d <= 128 else 32
+    if elem_bytes > 2:
+        tile_n //= 2
     num_warps = 4 if block_m <= 64 else 8
     return block_m, tile_n, num_warps, 2
 
@@ -71,12 +85,12 @@ class PagedAttentionPlan(NamedTuple):
 def plan_paged_attention(
     num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, num_reqs: int,
     max_query_len: int, max_seq_len: int, num_sms: int, num_splits: int | None = None,
-    batch_invariant: bool = False,
+    batch_invariant: bool = False, elem_bytes: int = 2,
 ) -> PagedAttentionPlan:
     """Choose tile sizes, the split-KV path and the grid; pure arithmetic on the shapes.
 
     Tiles follow :func:`launch_config` (``max_query_len`` picks decode-sized or prefill-sized
-    row tiles). ``num_splits`` None applies :func:`choose_num_splits` with ``num_sms``;
+    row tiles, ``elem_bytes`` the compute dtype's element size, 4 for fp32, smaller tiles). ``num_splits`` None applies :func:`choose_num_splits` with ``num_sms``;
     otherwise it is used as given. The grid has one program per q-block, KV head and split:
     ``num_tokens // BLOCK_Q + num_reqs`` q-blocks cover every request's blocks, partial last
     ones included, and surplus programs exit at once. So the grid depends only on token and
@@ -91,7 +105,7 @@ def plan_paged_attention(
     qpkv = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_m, tile_n, num_warps, num_stages = launch_config(
-        1 if batch_invariant else max_query_len, qpkv, block_d)
+        1 if batch_invariant else max_query_len, qpkv, block_d, elem_bytes)
     block_q = block_m // qpkv
     if batch_invariant:
         num_splits = 1
