@@ -25,7 +25,7 @@ BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 NUM_WARPS, NUM_STAGES = 4, 3
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the step's token count (only masks read it)
 def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):

@@ -60,7 +60,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
     return sorted_ids, tile_expert
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # T * top_k changes every step (only masks read it)
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ids_ptr, tile_expert_ptr,
                          M, N, K, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
                          A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr,

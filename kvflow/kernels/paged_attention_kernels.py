@@ -172,7 +172,11 @@ def _masked_scores(q, k, k_pos, k_valid, q_pos, qk_scale, sliding_window, softca
     return tl.where(visible, s, float("-inf"))
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "sliding_window", "softcap_log2"])
+# Arguments that change from step to step are not specialized (a value of 1 or a multiple of
+# 16 would compile a variant of its own, mid-run): the counts, the window, the cap and the
+# block table's width (``stride_bt``: the longest context's blocks in an eager step).
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "sliding_window", "softcap_log2",
+                               "stride_bt"])
 def paged_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D] each

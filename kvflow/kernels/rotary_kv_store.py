@@ -112,7 +112,7 @@ def _store_k_v(k_cache_ptr, v_cache_ptr, head, a_off, b_off, offs_rest, offs_d, 
     tl.store(v_cache_ptr + head + offs_d[None, :], st_v.to(out_ty), mask=v_mask & keep)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])  # the step's slot count (a mask bound)
 def _rotary_kv_store_kernel(
     pos_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
     v_scale_ptr, slot_ptr,
