@@ -153,3 +153,34 @@ def test_torch_backend_stores_and_reads_quantized_cache(name):
         deq[i].view(-1, 2, 64)[slot_mapping] = fake_quantize_kv(x, DTYPES[name])
     ref = paged_attention_ref(**{**batch, "kv_cache": deq})
     torch.testing.assert_close(out, ref[:n], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", DTYPES)
+def test_gpu_triton_store_matches_torch_bit_for_bit(name):
+    """On a GPU the Triton store divides as torch does (``div_rn``; Triton's plain ``/`` is
+    the approximate ``div.full.f32`` there: tests/kernels/test_kv_store_gpu_build.py), so
+    4096 bf16 tokens x 8 KV heads quantize to the same values and scales as the torch rule."""
+    from kvflow.kernels.rotary_kv_store import rotary_store_kvcache
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k = (torch.randn(4096, 8, 128, generator=gen, device="cuda") * 3).bfloat16()
+    v = torch.randn(4096, 8, 128, generator=gen, device="cuda").bfloat16()
+    slots = torch.randperm(300 * 16, generator=gen, device="cuda")[:4096]
+    want_k, want_sk = quantize_kv(k, DTYPES[name])
+    want_v, want_sv = quantize_kv(v, DTYPES[name])
+    for fused in (False, True):
+        cache = torch.zeros(2, 300, 16, 8, 128, dtype=DTYPES[name], device="cuda")
+        scales = torch.zeros(2, 300, 16, 8, device="cuda")
+        if fused:  # rotation by angle 0 (cos 1, sin 0): the fused kernel's store alone
+            cos_sin = torch.cat([torch.ones(1, 64), torch.zeros(1, 64)], 1).cuda()
+            q = torch.zeros(4096, 8, 128, dtype=torch.bfloat16, device="cuda")
+            rotary_store_kvcache(torch.zeros(4096, dtype=torch.int64, device="cuda"), q,
+                                 k.clone(), v, cos_sin, True, cache, slots, scales)
+        else:
+            store_kvcache(k, v, cache, slots, scales)
+        for i, (want, want_s) in enumerate(((want_k, want_sk), (want_v, want_sv))):
+            assert torch.equal(scales[i].view(-1, 8)[slots], want_s), (fused, i)
+            assert torch.equal(cache[i].view(-1, 8, 128)[slots].view(torch.uint8),
+                               want.view(torch.uint8)), (fused, i)
