@@ -29,7 +29,9 @@ Two sources feed them:
 * requests refused by admission control (``ServerMetrics.rejected``, counted by the API) and
   for overload (``ServerMetrics.overloaded``: ``--max-waiting-requests`` or
   ``--max-num-queued-reqs``, counted by the handler that refuses them; the latter also as
-  vLLM's ``admission_rejections{reason="max_num_queued_reqs"}``).
+  vLLM's ``admission_rejections{reason="max_num_queued_reqs"}``);
+* replicas lost while serving (``engine_cores_lost``, by replica and reason: failed, exited,
+  unresponsive; counted by the output loop, ``kvflow/engine/output_loop.py``).
 
 Names follow vLLM's with a ``kvflow:`` prefix; every series carries a ``model_name`` label,
 and the engine-state series also an ``engine`` label: the data-parallel replica they describe
@@ -195,6 +197,7 @@ class ServerMetrics:
             "awake; weights_offloaded = 1 asleep at level 1; discard_all = 1 asleep at level 2",
             ("engine", "sleep_state"))
         self._init_admission_metrics()
+        self._init_engine_loss_metrics()
         self._init_spec_decode_metrics()
 
     def _init_queue_gauges(self) -> None:
@@ -275,6 +278,16 @@ class ServerMetrics:
             "max_num_queued_tokens: kvflow has no such limit, always 0)", ("reason",))
         for reason in ADMISSION_REASONS:  # both series exist (at 0) from start-up, as vLLM's
             self.admission_rejections.labels(self.model_name, reason)
+
+    def _init_engine_loss_metrics(self) -> None:
+        """Engine-core replicas lost while serving, by reason."""
+        c, e = Counter, ("engine",)
+        self.engine_cores_lost = self._labelled(
+            c, "kvflow:engine_cores_lost", "Engine-core replicas lost while serving, by "
+            "reason: failed (reported a fatal error), exited (the process ended: killed, OOM), "
+            "unresponsive (alive but sent no heartbeat for --engine-heartbeat-timeout seconds: "
+            "stopped or frozen; it is killed); their open requests ended with an error",
+            (*e, "reason"))
 
     def _init_spec_decode_metrics(self) -> None:
         c, g, e = Counter, Gauge, ("engine",)
@@ -372,6 +385,11 @@ class ServerMetrics:
         for state, value in (("awake", level is None), ("weights_offloaded", level == 1),
                              ("discard_all", level == 2)):
             self.sleep_state.labels(self.model_name, engine, state).set(int(value))
+
+    def record_engine_lost(self, engine_index: int, reason: str) -> None:
+        """Replica ``engine_index`` was lost while serving; ``reason``: "failed", "exited"
+        or "unresponsive"."""
+        self.engine_cores_lost.labels(self.model_name, str(engine_index), reason).inc()
 
     def reset_engine(self, engine_index: int) -> None:
         """Replica ``engine_index`` was replaced by a new core, whose totals start at zero:

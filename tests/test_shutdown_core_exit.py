@@ -85,12 +85,14 @@ def _lost_log_level(stopping: bool, caplog) -> list[str]:
         requests=SimpleNamespace(balancer=SimpleNamespace(requests_on=lambda i: ["r1"],
                                                           forget_replica=lambda i: None),
                                  fail=lambda rid, error: failed.append(rid)),
-        metrics=SimpleNamespace(reset_engine=lambda i: None), is_healthy=lambda: False,
+        metrics=SimpleNamespace(reset_engine=lambda i: None,
+                                record_engine_lost=lambda i, reason: None),
+        is_healthy=lambda: False,
         calls=SimpleNamespace(fail=lambda error, i: None),
         restarts=SimpleNamespace(died=lambda i: None), on_lost=lambda error, live: None)
     with caplog.at_level(logging.INFO, logger="kvflow"):
         caplog.clear()
-        OutputLoop._replica_died(loop, 0, RuntimeError("exited with code 143"))
+        OutputLoop._replica_died(loop, 0, RuntimeError("exited with code 143"), "exited")
     assert failed == ["r1"] and core.state is ReplicaState.DEAD
     return [r.levelname for r in caplog.records]
 

@@ -9,6 +9,7 @@ from typing import Any
 from kvflow.config.options import check_choices, opt
 
 DEFAULT_HEARTBEAT_TIMEOUT = 30.0  # seconds
+DEFAULT_ENGINE_HEARTBEAT_TIMEOUT = 30.0  # seconds
 
 
 @dataclass
@@ -25,7 +26,8 @@ class ParallelConfig:
     Raises:
         ValueError: from the constructor for a size < 1, context parallelism with pipeline
             or expert parallelism, ``context_parallel_prefill`` other than ``ring`` without
-            context parallelism, a ``worker_heartbeat_timeout`` <= 0 (or other than the
+            context parallelism, an ``engine_heartbeat_timeout`` <= 0, a
+            ``worker_heartbeat_timeout`` <= 0 (or other than the
             default without ``mp`` worker processes), an unknown executor
             backend, ``ray`` without Ray installed,
             ``uni`` with more than one rank, or a data-parallel rank outside the replicas.
@@ -62,6 +64,14 @@ class ParallelConfig:
         "long step) before the engine fails naming its rank: a stopped (SIGSTOP) or frozen "
         "worker is reported within this time instead of hanging the other ranks' "
         "collectives until torch.distributed's 600 s timeout")
+    engine_heartbeat_timeout: float = opt(
+        DEFAULT_ENGINE_HEARTBEAT_TIMEOUT, "seconds an engine-core process (kvflow serve, "
+        "AsyncLLM, or each replica of LLM(data_parallel_size > 1)) may go without a heartbeat "
+        "(each core sends one every second from a thread of its own, also during a long "
+        "step) before the API process takes it for dead: its open requests end with an error, "
+        "it is killed and taken out of routing (the other data-parallel replicas serve on; "
+        "with none left /health answers 503): a stopped (SIGSTOP) or frozen core is reported "
+        "within this time instead of hanging its callers for ever")
     data_parallel_rank: int = opt(0, "this engine's replica index (set by the server for "
                                    "each replica)", cli=False)
 
@@ -73,6 +83,9 @@ class ParallelConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if not self.worker_heartbeat_timeout > 0:  # also refuses NaN
             raise ValueError(f"worker_heartbeat_timeout={self.worker_heartbeat_timeout} "
+                             "must be > 0 (seconds)")
+        if not self.engine_heartbeat_timeout > 0:  # also refuses NaN
+            raise ValueError(f"engine_heartbeat_timeout={self.engine_heartbeat_timeout} "
                              "must be > 0 (seconds)")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(f"data_parallel_rank={self.data_parallel_rank} is outside the "

@@ -168,6 +168,12 @@ class CoreProcess:
         except zmq.Again:
             logger.debug("engine core %d is gone: a message to it was dropped", self.index)
 
+    def kill(self) -> None:
+        """SIGKILL the process now, without waiting (a stopped one dies too; it is reaped by
+        the next ``is_alive`` or ``stop``): a core taken for dead while it is frozen."""
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.kill()
+
     def ask_to_stop(self, shutdown_payload: bytes) -> None:
         """Send ``Shutdown`` without waiting (``stop`` then waits)."""
         if self.is_alive and not self.input.closed:

@@ -11,7 +11,8 @@ to nobody), and then only once its output socket's queue (1000 steps) had room. 
 scheduler's window is open (``Scheduler.batch_wait_s``). Aborts are
 therefore applied (and their KV blocks freed) before the next step. Before it reports ready,
 the process freezes its start-up heap (model, tokenizer) out of the garbage collector's reach
-(``kvflow.gc_heap``).
+(``kvflow.gc_heap``); once ready, a thread of its own sends the API process a heartbeat every
+second (``kvflow/engine/core_heartbeat.py``), so that a stopped or frozen core is found.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import zmq
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
 from kvflow.core.request_errors import STRUCTURED_OUTPUTS
+from kvflow.engine.core_heartbeat import start_core_heartbeat
 from kvflow.engine.core_stats import collect_stats
 from kvflow.engine.forkserver_start import ParentState
 from kvflow.engine.messages import (
@@ -103,7 +105,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     out.connect(output_addr)
     encoder = msgspec.msgpack.Encoder()
     index = config.parallel_config.data_parallel_rank
-    core = None
+    core = heartbeat = None
     try:
         if go is not None and not wait_for_go(go, inp):
             return
@@ -117,12 +119,16 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
             core.mark_restarted()
         freeze_startup_heap(f"engine {tag}")  # kvflow/gc_heap.py: no 0.2 s pauses in steps
         out.send(encoder.encode(_ready(core, index)))
+        heartbeat = start_core_heartbeat(index, output_addr,
+                                         config.parallel_config.engine_heartbeat_timeout)
         EngineCoreProc(core, inp, out, index).run()
     except Exception as e:  # noqa: BLE001 - report anything fatal to the API process
         logger.error("engine core failed: %s", traceback.format_exc())
         out.send(encoder.encode(EngineFailed(f"{type(e).__name__}: {e}", index)))
     finally:  # from here SIGTERM (CoreProcess.stop after its grace) waits for the clean-up
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if heartbeat is not None:
+            heartbeat.stop()
         if core is not None:
             core.shutdown()  # the executor's worker processes, if any
         inp.close(linger=0)

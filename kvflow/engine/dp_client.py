@@ -6,7 +6,9 @@ client that ``LLMEngine`` drives the way it drives an in-process ``EngineCore``.
 cache), sends each prompt to one of them (:class:`~kvflow.engine.dp_balancer.DPLoadBalancer`:
 prefix-cache affinity bounded by queue depth, KV use breaking ties) and gathers their
 outputs. Every core steps on its own, so the replicas decode at the same time; ``step()``
-returns whatever outputs arrived, from any replica.
+returns whatever outputs arrived, from any replica. A replica whose process exits, or that
+sends no heartbeat for ``engine_heartbeat_timeout`` seconds (stopped or frozen: it is killed;
+``kvflow/engine/core_heartbeat.py``), makes ``step`` raise naming it; the others serve on.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable
 
 from kvflow.config import EngineConfig
 from kvflow.engine.core_client import CoreProcess, ReplicaState
+from kvflow.engine.core_heartbeat import CoreLiveness
 from kvflow.engine.dp_balancer import DPLoadBalancer
 from kvflow.engine.messages import (
     AbortRequests,
@@ -27,6 +30,7 @@ from kvflow.engine.messages import (
     AddRequests,
     EngineCoreRequest,
     EngineFailed,
+    EngineHeartbeat,
     EngineOutputs,
     EngineReady,
     RemoveLoRA,
@@ -42,6 +46,7 @@ from kvflow.request import Request
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 1000  # how often step() checks that the core processes are alive while waiting
+# (more often with an engine_heartbeat_timeout under 4 s: CoreLiveness.check_interval_s)
 
 
 class DPCoreClient:
@@ -58,7 +63,8 @@ class DPCoreClient:
 
     Raises:
         RuntimeError: from the constructor if a replica fails to start (naming it); from
-            ``step`` if a replica dies or fails while requests are open.
+            ``step`` if a replica dies, fails or stops sending heartbeats while requests are
+            open.
     """
 
     def __init__(self, config: EngineConfig, start_timeout: float = 600.0) -> None:
@@ -80,6 +86,11 @@ class DPCoreClient:
         self.balancer = DPLoadBalancer(self.num_replicas, self.ready.block_size)
         self._pending: collections.deque[EngineCoreOutput] = collections.deque()
         self._next_check = 0.0
+        self.liveness = CoreLiveness(self.num_replicas,
+                                     config.parallel_config.engine_heartbeat_timeout,
+                                     time.monotonic())
+        self._check_s = min(_POLL_MS / 1000, self.liveness.check_interval_s)
+        self._poll_ms = max(1, round(self._check_s * 1000))
         self._call_ids = itertools.count()
         self.enable_lora = config.lora_config.enable_lora
         self.loras: dict[int, LoRARequest] = {}  # loaded on every replica, by lora_int_id
@@ -131,11 +142,11 @@ class DPCoreClient:
         while True:
             if time.monotonic() >= self._next_check:  # even while other replicas talk
                 self.check_health()
-                self._next_check = time.monotonic() + _POLL_MS / 1000
+                self._next_check = time.monotonic() + self._check_s
             if self._pending or not any(self.balancer.depth):
                 break
             output = self.replicas.output
-            if output.poll(_POLL_MS):
+            if output.poll(self._poll_ms):
                 while output.poll(0):
                     self._handle(self.replicas.decoder.decode(output.recv()))
         outputs = list(self._pending)
@@ -204,7 +215,7 @@ class DPCoreClient:
         while waiting:
             self.check_health()
             output = self.replicas.output
-            if not output.poll(_POLL_MS):
+            if not output.poll(self._poll_ms):
                 continue
             msg = self.replicas.decoder.decode(output.recv())
             if isinstance(msg, UtilityResult):
@@ -215,7 +226,9 @@ class DPCoreClient:
                 self._handle(msg)
         return [results[i] for i in sorted(results)]
 
-    def _handle(self, msg: EngineOutputs | EngineFailed | EngineReady) -> None:
+    def _handle(self, msg: EngineOutputs | EngineFailed | EngineReady | EngineHeartbeat) -> None:
+        if isinstance(msg, EngineHeartbeat):
+            self.liveness.beat(msg)
         if isinstance(msg, EngineFailed):
             self._fail(msg)
         if isinstance(msg, EngineOutputs):
@@ -237,17 +250,26 @@ class DPCoreClient:
                            f"{msg.message}")
 
     def check_health(self) -> None:
-        """Raise if a replica's process has exited.
+        """Raise if a replica's process has exited, or if one sent no heartbeat for
+        ``engine_heartbeat_timeout`` seconds (it is killed).
 
         Raises:
-            RuntimeError: naming the replica and its exit code.
+            RuntimeError: naming the replica and its exit code, or its silence.
         """
         for core in self.cores:
             if core.state is ReplicaState.LIVE and not core.is_alive:
-                core.state = ReplicaState.DEAD
-                self.balancer.forget_replica(core.index)
+                self._lose(core)
                 raise RuntimeError(f"{self.replicas.name(core.index)} process "
                                    f"exited with code {core.proc.exitcode}")
+        for core, silent_s in self.liveness.silent(self.cores, time.monotonic()):
+            why = self.liveness.declare_dead(core, silent_s, self.replicas.name(core.index))
+            self._lose(core)
+            raise RuntimeError(f"{why}; killed it")
+
+    def _lose(self, core: CoreProcess) -> None:
+        """Stop routing to ``core`` (dead): its requests and KV cache are gone."""
+        core.state = ReplicaState.DEAD
+        self.balancer.forget_replica(core.index)
 
     def shutdown(self) -> None:
         """Stop every core process and release the sockets (idempotent; also run when this

@@ -7,7 +7,8 @@ Core -> API (another PUSH/PULL socket): ``EngineReady`` or ``EngineFailed`` once
 then ``EngineOutputs`` (the step's new tokens plus the core's stats) after every step that
 produced tokens and after every batch of inputs it handled, and, with admission control, an
 ``AdmissionVerdicts`` as soon as a batch of new requests was judged (before the next step).
-A ``UtilityResult`` answers each call (matched by ``call_id``). With data
+A ``UtilityResult`` answers each call (matched by ``call_id``). A ready core's thread sends an
+``EngineHeartbeat`` every second or so (its own PUSH socket to the same output socket). With data
 parallelism every replica has an input socket of its own and all of them push to the
 one output socket; their messages carry the replica's ``engine_index``.
 """
@@ -189,7 +190,18 @@ class UtilityResult(msgspec.Struct, tag="utility"):
     result: Any = None
 
 
-EngineOutput = EngineReady | EngineFailed | EngineOutputs | AdmissionVerdicts | UtilityResult
+class EngineHeartbeat(msgspec.Struct, tag="heartbeat"):
+    """Sent every second or so by a ready core's heartbeat thread (``core_heartbeat``), also
+    during a long step: the API process takes a core silent for longer than
+    ``engine_heartbeat_timeout`` for dead (stopped or frozen). ``stamp``: the core's
+    ``time.monotonic()`` (seconds; one system-wide clock on Linux and macOS)."""
+
+    engine_index: int
+    stamp: float
+
+
+EngineOutput = EngineReady | EngineFailed | EngineOutputs | AdmissionVerdicts | UtilityResult \
+    | EngineHeartbeat
 
 
 def input_decoder() -> msgspec.msgpack.Decoder:

@@ -1,8 +1,10 @@
 """The server's output loop: one asyncio task in the API process that receives every message the
 engine-core replicas push to their shared output socket and hands it on (outputs and stats to
 the open requests and the metrics, admission verdicts, LoRA call answers, a restarted replica's
-``EngineReady``), and that ends a replica's open work when it fails (``EngineFailed``) or its
-process exits (checked every ``_POLL_MS``, even while other replicas keep talking).
+``EngineReady``), and that ends a replica's open work when it fails (``EngineFailed``), its
+process exits, or it sends no heartbeat for ``engine_heartbeat_timeout`` seconds (stopped or
+frozen: it is killed; ``kvflow/engine/core_heartbeat.py``), checked every ``_POLL_MS`` (or a
+quarter of that timeout, if shorter), even while other replicas keep talking.
 
 What a lost replica means for the whole engine (new requests refused once none is left, the
 server told through ``AsyncLLM.on_dead``) is ``AsyncLLM``'s: the loop calls back. Used on the
@@ -20,10 +22,12 @@ from collections.abc import Callable
 import zmq.asyncio
 
 from kvflow.engine.core_client import ReplicaState
+from kvflow.engine.core_heartbeat import CoreLiveness
 from kvflow.engine.messages import (
     AbortRequests,
     AdmissionVerdicts,
     EngineFailed,
+    EngineHeartbeat,
     EngineOutputs,
     EngineReady,
     UtilityResult,
@@ -71,6 +75,11 @@ class OutputLoop:
         self.on_ready, self.is_healthy = on_ready, is_healthy
         self.on_lost, self.on_broken = on_lost, on_broken
         self.socket = zmq.asyncio.Socket.from_socket(replicas.output)
+        self.liveness = CoreLiveness(replicas.num_replicas,
+                                     replicas.config.parallel_config.engine_heartbeat_timeout,
+                                     time.monotonic())
+        self._check_s = min(_POLL_MS / 1000, self.liveness.check_interval_s)
+        self._poll_ms = max(1, round(self._check_s * 1000))
         self._task: asyncio.Task | None = asyncio.create_task(self._run(),
                                                               name="kvflow-outputs")
 
@@ -89,17 +98,21 @@ class OutputLoop:
             try:
                 if time.monotonic() >= next_check:  # even while other replicas keep talking
                     self._check_processes()
-                    next_check = time.monotonic() + _POLL_MS / 1000
-                if not await self.socket.poll(_POLL_MS):
+                    next_check = time.monotonic() + self._check_s
+                if not await self.socket.poll(self._poll_ms):
                     continue
                 msg = self.replicas.decoder.decode(await self.socket.recv())
-                if isinstance(msg, EngineFailed):
-                    self._replica_died(msg.engine_index, EngineDeadError(
-                        f"{self.replicas.name(msg.engine_index)} failed: {msg.message}"))
-                elif isinstance(msg, EngineReady):
-                    self.on_ready(msg)
-                elif isinstance(msg, EngineOutputs):
+                if isinstance(msg, EngineOutputs):
                     self._handle_outputs(msg)
+                elif isinstance(msg, EngineHeartbeat):
+                    self.liveness.beat(msg)
+                elif isinstance(msg, EngineFailed):
+                    self._replica_died(msg.engine_index, EngineDeadError(
+                        f"{self.replicas.name(msg.engine_index)} failed: {msg.message}"),
+                        "failed")
+                elif isinstance(msg, EngineReady):
+                    self.liveness.heard(msg.engine_index, time.monotonic())
+                    self.on_ready(msg)
                 elif isinstance(msg, AdmissionVerdicts):
                     self.requests.settle(msg)
                 elif isinstance(msg, UtilityResult):
@@ -112,13 +125,19 @@ class OutputLoop:
                 return
 
     def _check_processes(self) -> None:
+        """End the replicas whose process exited, then those alive but silent (killed)."""
         for core in self.replicas.exited():
             self._replica_died(core.index, EngineDeadError(
                 f"{self.replicas.name(core.index)} process exited with code "
-                f"{core.proc.exitcode}"))
+                f"{core.proc.exitcode}"), "exited")
+        for core, silent_s in self.liveness.silent(self.replicas.cores, time.monotonic()):
+            why = self.liveness.declare_dead(core, silent_s, self.replicas.name(core.index))
+            self._replica_died(core.index, EngineDeadError(f"{why}; killed it"),
+                               "unresponsive")
 
-    def _replica_died(self, index: int, error: EngineDeadError) -> None:
-        """Fail the replica's open requests, stop routing to it, tell ``on_lost``."""
+    def _replica_died(self, index: int, error: EngineDeadError, reason: str) -> None:
+        """Fail the replica's open requests, stop routing to it, count it in the metrics
+        (``reason``: "failed", "exited" or "unresponsive"), tell ``on_lost``."""
         core = self.replicas.cores[index]
         if core.state is ReplicaState.DEAD:
             return
@@ -128,6 +147,8 @@ class OutputLoop:
         failed = balancer.requests_on(index)
         balancer.forget_replica(index)
         self.metrics.reset_engine(index)
+        if not self.replicas.stopping:
+            self.metrics.record_engine_lost(index, reason)
         logger.log(logging.INFO if self.replicas.stopping else logging.ERROR,  # a shutdown's
                    "%s lost (%s): ending its %d open requests with an error%s",
                    self.replicas.name(index), error, len(failed),

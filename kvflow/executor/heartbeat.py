@@ -16,6 +16,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -36,18 +37,24 @@ def decode_beat(message: bytes) -> tuple[int, float]:
 
 
 class HeartbeatSender:
-    """A worker's heartbeat thread: PUSHes :func:`encode_beat` messages to ``address``.
+    """A heartbeat thread: PUSHes ``encode(rank, time.monotonic())`` to ``address`` every
+    ``interval_s`` (a worker's to its executor; an engine core's to the API process's output
+    socket: ``kvflow/engine/core_heartbeat.py``).
 
     The thread owns its zmq context and socket (zmq sockets are not thread-safe).
 
     Args:
-        rank: the worker's rank.
-        address: the executor's heartbeat socket (``ipc://...``).
+        rank: the worker's rank (an engine core: its data-parallel replica index).
+        address: the socket to send to (``ipc://...``).
         interval_s: seconds between heartbeats.
+        encode: makes one message from (rank, monotonic stamp in seconds); default
+            :func:`encode_beat`.
     """
 
-    def __init__(self, rank: int, address: str, interval_s: float) -> None:
+    def __init__(self, rank: int, address: str, interval_s: float,
+                 encode: Callable[[int, float], bytes] = encode_beat) -> None:
         self.rank, self.address, self.interval_s = rank, address, interval_s
+        self.encode = encode
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name="kvflow-heartbeat")
@@ -70,7 +77,7 @@ class HeartbeatSender:
         try:
             while True:
                 try:
-                    push.send(encode_beat(self.rank, time.monotonic()), flags=zmq.NOBLOCK)
+                    push.send(self.encode(self.rank, time.monotonic()), flags=zmq.NOBLOCK)
                 except zmq.Again:
                     pass
                 if self._stop.wait(self.interval_s):
