@@ -136,8 +136,9 @@ class OutputLoop:
                                "unresponsive")
 
     def _replica_died(self, index: int, error: EngineDeadError, reason: str) -> None:
-        """Fail the replica's open requests, stop routing to it, count it in the metrics
-        (``reason``: "failed", "exited" or "unresponsive"), tell ``on_lost``."""
+        """Fail the replica's open requests, stop routing to it, count a live one lost while
+        serving in the metrics (``reason``: "failed", "exited" or "unresponsive"), tell
+        ``on_lost``."""
         core = self.replicas.cores[index]
         if core.state is ReplicaState.DEAD:
             return
@@ -147,7 +148,7 @@ class OutputLoop:
         failed = balancer.requests_on(index)
         balancer.forget_replica(index)
         self.metrics.reset_engine(index)
-        if not self.replicas.stopping:
+        if was_live and not self.replicas.stopping:  # not a failed restart, nor a shutdown
             self.metrics.record_engine_lost(index, reason)
         logger.log(logging.INFO if self.replicas.stopping else logging.ERROR,  # a shutdown's
                    "%s lost (%s): ending its %d open requests with an error%s",
