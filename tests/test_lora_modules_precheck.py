@@ -22,7 +22,7 @@ def _serve(monkeypatch, capsys, flags: list[str]) -> tuple[int, list[str]]:
         raise AssertionError("the engine was started")
 
     monkeypatch.setattr(async_llm.AsyncLLM, "__init__", no_engine)
-    rc = main(["serve", "SmolLM2-135M-Instruct", "--enable-lora", *flags])
+    rc = main(["serve", "SmolLM2-135M-Instruct", "--port", "0", "--enable-lora", *flags])
     return rc, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
 
 

@@ -145,7 +145,7 @@ def test_serve_exits_with_one_line(tiny_llama, capfd):
     """``kvflow serve`` (its engine core in a process of its own) exits 2 with the refusal as
     its only line at --uvicorn-log-level warning (at info, the core's start-up lines come
     first: the pool is sized once the weights are loaded)."""
-    rc = main(["serve", tiny_llama.path, "--device", "cpu", "--dtype", "float32",
+    rc = main(["serve", tiny_llama.path, "--port", "0", "--device", "cpu", "--dtype", "float32",
                "--block-size", "4", "--num-kv-blocks", "4", "--max-model-len", "64",
                "--port", "9", "--uvicorn-log-level", "warning"])
     lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]

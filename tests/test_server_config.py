@@ -281,7 +281,7 @@ def test_empty_api_key_variable_is_one_line_before_loading(monkeypatch, capsys):
     from kvflow.entrypoints.cli import main
 
     monkeypatch.setenv("KVFLOW_API_KEY", "")
-    rc = main(["serve", "/nonexistent/model"])
+    rc = main(["serve", "/nonexistent/model", "--port", "0"])
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert rc == 2 and len(lines) == 1, lines
     assert lines[0].startswith("kvflow: error: KVFLOW_API_KEY='' is empty"), lines[0]
@@ -296,7 +296,7 @@ def test_a_refused_api_key_list_does_not_print_its_good_key(capsys):
     with pytest.raises(ValueError) as e:
         ServerConfig(api_key=["s3cret", " "])
     assert str(e.value).startswith("api_key=['***', ' '] is invalid: it must not be empty")
-    rc = main(["serve", "/nonexistent/model", "--api-key", "s3cret", ""])
+    rc = main(["serve", "/nonexistent/model", "--port", "0", "--api-key", "s3cret", ""])
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert rc == 2 and len(lines) == 1, lines
     assert lines[0].startswith("kvflow: error: --api-key=['***', ''] is invalid"), lines[0]

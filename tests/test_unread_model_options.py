@@ -87,7 +87,7 @@ def test_serve_says_it_in_one_line(tiny_llama, capfd):
     naming the flag, before the server listens."""
     from kvflow.entrypoints.cli import main
 
-    rc = main(["serve", tiny_llama.path, "--device", "cpu", "--num-kv-blocks", "32",
+    rc = main(["serve", tiny_llama.path, "--port", "0", "--device", "cpu", "--num-kv-blocks", "32",
                "--allowed-media-domains", "images.example.com,127.0.0.1"])
     err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
     assert rc == 2 and err == [

@@ -82,7 +82,7 @@ def test_refused_before_the_model_loads(monkeypatch, capsys, argv, needle):
     monkeypatch.setattr(async_llm.AsyncLLM, "__init__", no_engine)
     monkeypatch.setattr("kvflow.entrypoints.api_server.check_listen_address",
                         lambda host, port: None)
-    rc = main(["serve", "SmolLM2-135M-Instruct", *argv])
+    rc = main(["serve", "SmolLM2-135M-Instruct", "--port", "0", *argv])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert rc == 2 and len(err) == 1 and needle in err[0], err
 

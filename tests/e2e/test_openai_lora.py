@@ -158,7 +158,7 @@ def test_bad_lora_module_stops_start_up(tiny_llama, adapters, monkeypatch, capsy
         raise AssertionError("the engine was started")
 
     monkeypatch.setattr(async_llm.AsyncLLM, "__init__", no_engine)
-    rc = main(["serve", tiny_llama.path, *_server_args(adapters)["bad"]])
+    rc = main(["serve", tiny_llama.path, "--port", "0", *_server_args(adapters)["bad"]])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert rc == 2 and len(err) == 1, err
     assert re.fullmatch(r"kvflow: error: --lora-modules big=.*rank 16 exceeds "
