@@ -75,7 +75,7 @@ from itertools import pairwise
 from typing import Any
 
 from kvflow.detokenizer_stops import earliest_stop, longest_suffix_prefix, normalize_stops
-from kvflow.detokenizer_tokens import added_token_ids, prompt_context
+from kvflow.detokenizer_tokens import added_token_ids, id_decoder, prompt_context
 
 __all__ = ["DetokenizerDelta", "IncrementalDetokenizer", "prompt_context"]
 
@@ -143,8 +143,7 @@ class IncrementalDetokenizer:
     ) -> None:
         if min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        self._decode_ids = id_decoder(tokenizer, skip_special_tokens)
         # Ids of the added tokens glued to an added token before them (empty: none glued).
         self._glued = frozenset() if skip_special_tokens or spaces_between_special_tokens \
             else added_token_ids(tokenizer)
@@ -239,9 +238,6 @@ class IncrementalDetokenizer:
                 bounds = [start, *cuts, len(ids)]
                 return "".join(self._decode_ids(ids[a:b]) for a, b in pairwise(bounds))
         return self._decode_ids(ids[start:])
-
-    def _decode_ids(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def _decode_step(self, new_token_ids: Sequence[int], flush: bool) -> str:
         """Append ids, return the newly stable text (all remaining text when ``flush``)."""
