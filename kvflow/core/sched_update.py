@@ -23,80 +23,119 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
                        runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
     """``Scheduler.update_from_output``: each scheduled request's outputs, in the step's
     scheduling (policy) order. This loop runs for every scheduled request on every step, so
-    it keeps what it reads in locals."""
-    outputs, requests, all_logprobs = [], sched.requests, runner_output.logprobs
-    track, planner = sched.track_in_flight, sched.planner
+    it keeps what it reads in locals and calls one helper per request (the common case:
+    :func:`_sampled_output`)."""
+    outputs, requests, pooled = [], sched.requests, runner_output.pooler_output
     stale = _take_freed(sched, sched_out)
     _keep_prompt_logprobs(requests, runner_output, stale)
-    sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
-    if runner_output.kv_load_failures:  # their tokens came from K/V that never arrived
-        for rid in recompute_failed_loads(sched, runner_output.kv_load_failures):
-            sampled.pop(rid, None)
+    sampled = _sampled_tokens(sched, runner_output)
     if runner_output.failed:  # requests that failed alone: ended, their tokens dropped
         outputs += end_failed_requests(sched, sched_out, runner_output.failed, stale)
         for rid in runner_output.failed:
             sampled.pop(rid, None)
-    spec_tokens = sched_out.scheduled_spec_decode_tokens
-    slos, now = planner.slos, sched.clock()
-    pooled = runner_output.pooler_output
+    track, now = sched.track_in_flight, sched.clock()
     num_iteration_tokens = 0  # vLLM's count: see Scheduler.iteration_tokens
     for rid in sched_out.num_scheduled_tokens:  # report in scheduling (policy) order
         if rid in stale:  # its request was freed meanwhile (the id may be another's now)
             continue
         if track:
             _returned(sched, rid)
-        token_ids = sampled.get(rid)
         request = requests.get(rid)
-        if token_ids is not None and request is not None and \
-                request.num_output_placeholders:
+        if request is None:
+            continue
+        token_ids = sampled.get(rid)
+        if token_ids is not None and request.num_output_placeholders:
             request.num_output_placeholders -= 1  # async scheduling: it has arrived
-        if pooled and rid in pooled and request is not None and \
-                not request.status.is_finished:
-            request.times.first_token = request.times.last_token = now
-            outputs.append(_finish_pooled(sched, request, pooled[rid]))
-            sched.finished_stats.append(finished_request_stats(request, now))
+        if request.status.is_finished:
+            continue
+        if pooled and rid in pooled:
+            outputs.append(_pooled_output(sched, request, pooled[rid], now))
             num_iteration_tokens += _num_prompt_computed(request)
-            count_prompt_sources(sched.prompt_token_stats, request)
-            continue
-        if token_ids is None or request is None or request.status.is_finished:
-            continue
-        num_drafts = len(spec_tokens[rid]) if spec_tokens and rid in spec_tokens else 0
-        if num_drafts:
-            _roll_back_rejected(sched, request, num_drafts, len(token_ids) - 1)
-        if len(token_ids) == 1 and request.structured_output is None:  # the common case
-            request.all_token_ids.append(token_ids[0])
-            check_stop(request, token_ids[0])
-            new_token_ids = token_ids
-        else:
-            new_token_ids = append_tokens(request, token_ids)
-            so = request.structured_output
-            if so is not None and so.error is not None:  # its matcher raised: it alone ends
-                outputs += end_failed_requests(sched, sched_out, {rid: so.error}, stale)
-                continue
-        if slos:
-            planner.on_tokens(rid, len(new_token_ids), now)
-        if new_token_ids:
-            num_iteration_tokens += len(new_token_ids)
-            if request.times.first_token is None:  # its first tokens: prefill completed
-                num_iteration_tokens += _num_prompt_computed(request)
-                count_prompt_sources(sched.prompt_token_stats, request)
-                request.times.first_token = now
-            request.times.last_token = now
-        logprobs = all_logprobs.get(rid) if all_logprobs and new_token_ids else None
-        status = request.status
-        outputs.append(EngineCoreOutput(
-            rid, new_token_ids, logprobs[:len(new_token_ids)] if logprobs else None,
-            status.finish_reason, request.stop_reason, request.num_cached_tokens,
-            None if request.prompt_logprobs is None else request.take_prompt_logprobs(),
-            num_drafts, len(token_ids) - 1 if num_drafts else 0))
-        if status.is_finished:
-            _dequeue(sched, request)
-            sched._free(request)
-            sched.finished_stats.append(finished_request_stats(request, now))
-        elif num_drafts:
-            _free_rejected_blocks(sched, request)
+        elif token_ids is not None:
+            num_iteration_tokens += _sampled_output(sched, sched_out, runner_output, request,
+                                                    token_ids, now, outputs, stale)
     sched.iteration_tokens.append(num_iteration_tokens)
     return outputs
+
+
+def _sampled_tokens(sched: Scheduler, runner_output: ModelRunnerOutput) -> dict[str, list[int]]:
+    """Request id -> the tokens the step sampled for it (accepted drafts, then the bonus or
+    next token), without those of the requests whose K/V failed to load (sent back to be
+    recomputed: :func:`recompute_failed_loads`)."""
+    sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
+    if runner_output.kv_load_failures:  # their tokens came from K/V that never arrived
+        for rid in recompute_failed_loads(sched, runner_output.kv_load_failures):
+            sampled.pop(rid, None)
+    return sampled
+
+
+def _sampled_output(sched: Scheduler, sched_out: SchedulerOutput,
+                    runner_output: ModelRunnerOutput, request: Request, token_ids: list[int],
+                    now: float, outputs: list[EngineCoreOutput], stale: set[str]) -> int:
+    """Fold one running request's sampled ``token_ids`` in (drafts rolled back, tokens
+    appended up to a stop), append its output to ``outputs`` and free it if it finished (or
+    end it alone when its grammar matcher raised: :func:`end_failed_requests`, ``stale``
+    being the step's freed ids). Returns its iteration tokens (those appended, plus its
+    computed prompt tokens when they are its first)."""
+    rid, spec_tokens = request.request_id, sched_out.scheduled_spec_decode_tokens
+    num_drafts = len(spec_tokens[rid]) if spec_tokens and rid in spec_tokens else 0
+    if num_drafts:
+        _roll_back_rejected(sched, request, num_drafts, len(token_ids) - 1)
+    if len(token_ids) == 1 and request.structured_output is None:  # the common case
+        request.all_token_ids.append(token_ids[0])
+        check_stop(request, token_ids[0])
+        new_token_ids = token_ids
+    else:
+        new_token_ids = append_tokens(request, token_ids)
+        so = request.structured_output
+        if so is not None and so.error is not None:  # its matcher raised: it alone ends
+            outputs += end_failed_requests(sched, sched_out, {rid: so.error}, stale)
+            return 0
+    num_tokens = _note_tokens(sched, request, len(new_token_ids), now)
+    logprobs = runner_output.logprobs.get(rid) if runner_output.logprobs and new_token_ids \
+        else None
+    status = request.status
+    outputs.append(EngineCoreOutput(
+        rid, new_token_ids, logprobs[:len(new_token_ids)] if logprobs else None,
+        status.finish_reason, request.stop_reason, request.num_cached_tokens,
+        None if request.prompt_logprobs is None else request.take_prompt_logprobs(),
+        num_drafts, len(token_ids) - 1 if num_drafts else 0))
+    if status.is_finished:
+        _dequeue(sched, request)
+        sched._free(request)
+        sched.finished_stats.append(finished_request_stats(request, now))
+    elif num_drafts:
+        _free_rejected_blocks(sched, request)
+    return num_tokens
+
+
+def _note_tokens(sched: Scheduler, request: Request, num_new: int, now: float) -> int:
+    """Record ``num_new`` tokens appended to ``request`` at ``now``: the SLO planner's
+    count, its first / latest token times, its prompt tokens by source when they are its
+    first. Returns its iteration tokens (``num_new``, plus its computed prompt tokens when
+    these are its first)."""
+    if sched.planner.slos:
+        sched.planner.on_tokens(request.request_id, num_new, now)
+    if not num_new:
+        return 0
+    times = request.times
+    if times.first_token is None:  # its first tokens: prefill completed
+        times.first_token = now
+        count_prompt_sources(sched.prompt_token_stats, request)
+        num_new += _num_prompt_computed(request)
+    times.last_token = now
+    return num_new
+
+
+def _pooled_output(sched: Scheduler, request: Request, vector: list[float],
+                   now: float) -> EngineCoreOutput:
+    """An embedding request whose prompt is computed: done at ``now``, its blocks freed at
+    once, its phases and prompt tokens by source recorded."""
+    request.times.first_token = request.times.last_token = now
+    output = _finish_pooled(sched, request, vector)
+    sched.finished_stats.append(finished_request_stats(request, now))
+    count_prompt_sources(sched.prompt_token_stats, request)
+    return output
 
 
 def finished_request_stats(request: Request, now: float) -> FinishedRequestStats:
