@@ -24,7 +24,8 @@ Two sources feed them:
   with LoRA enabled, the adapters running and waiting (vLLM's ``lora_requests_info``);
   each replica's sleep state (vLLM's ``engine_sleep_state``, set by ``AsyncLLM``);
   speculative decoding's drafts, draft tokens and accepted tokens (in total and by position) as
-  counters, and the acceptance rate and mean acceptance length since start-up as gauges;
+  counters, and the acceptance rate and mean acceptance length since start-up as gauges
+  (``kvflow/metrics_spec_decode.py``);
   the step-time model's mean absolute and relative error (gauges) and its predictions (counter);
 * requests refused by admission control (``ServerMetrics.rejected``, counted by the API) and
   for overload (``ServerMetrics.overloaded``: ``--max-waiting-requests`` or
@@ -56,6 +57,7 @@ from kvflow.metrics_buckets import (
 )
 from kvflow.metrics_cache_config import CacheConfigInfo
 from kvflow.metrics_prompt_sources import PromptSourceMetrics
+from kvflow.metrics_spec_decode import SpecDecodeMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS = ("stop", "length", "abort")
@@ -198,7 +200,7 @@ class ServerMetrics:
             ("engine", "sleep_state"))
         self._init_admission_metrics()
         self._init_engine_loss_metrics()
-        self._init_spec_decode_metrics()
+        self.spec_decode = SpecDecodeMetrics(self.registry, self.model_name)  # registered last
 
     def _init_queue_gauges(self) -> None:
         """The running and waiting samples of each replica (waiting also by reason)."""
@@ -289,25 +291,6 @@ class ServerMetrics:
             "stopped or frozen; it is killed); their open requests ended with an error",
             (*e, "reason"))
 
-    def _init_spec_decode_metrics(self) -> None:
-        c, g, e = Counter, Gauge, ("engine",)
-        self.spec_drafts = self._labelled(c, "kvflow:spec_decode_num_drafts",
-                                          "Verification steps of a request with draft tokens",
-                                          e)
-        self.spec_draft_tokens = self._labelled(c, "kvflow:spec_decode_num_draft_tokens",
-                                                "Draft tokens verified", e)
-        self.spec_accepted_tokens = self._labelled(c, "kvflow:spec_decode_num_accepted_tokens",
-                                                   "Draft tokens accepted", e)
-        self.spec_accepted_per_pos = self._labelled(
-            c, "kvflow:spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted, by position in their step (0 = first)", (*e, "position"))
-        self.spec_acceptance_rate = self._labelled(
-            g, "kvflow:spec_decode_draft_acceptance_rate",
-            "Accepted / verified draft tokens since start-up", e)
-        self.spec_mean_acceptance_length = self._labelled(
-            g, "kvflow:spec_decode_mean_acceptance_length",
-            "Tokens per verification step (1 + accepted / drafts) since start-up", e)
-
     def record_engine_stats(self, stats: EngineStats, engine_index: int = 0) -> None:
         """Set replica ``engine_index``'s gauges and advance its counters by what the core's
         totals grew."""
@@ -345,7 +328,7 @@ class ServerMetrics:
         self.prompt_sources.record(stats, last, engine)
         if stats.spec_decode_num_drafts or stats.spec_decode_num_accepted_tokens_per_pos:
             # speculative decoding is on (a speculator reports every position from the start)
-            self._record_spec_decode(stats, last, engine)
+            self.spec_decode.record(stats, last, engine)
         if self.lora_info is not None:
             self.lora_info.labels(self.model_name, str(self.max_loras),
                                   ",".join(stats.waiting_lora_adapters),
@@ -399,34 +382,6 @@ class ServerMetrics:
         self.num_running.labels(self.model_name, engine).set(0)
         self.num_waiting.labels(self.model_name, engine).set(0)
         self._record_waiting_by_reason(engine, 0, 0)
-
-    def _record_spec_decode(self, stats: EngineStats, last: EngineStats, engine: str) -> None:
-        """Speculative decoding's counters and gauges of one replica. Every counter's series
-        exists (at 0) from the replica's first report on (its start-up), each position's too,
-        as vLLM's do, so that a rate of them is 0 rather than absent before the first draft;
-        the two ratios (gauges) appear with the first draft."""
-        name = self.model_name
-        for counter, now, before in (
-                (self.spec_drafts, stats.spec_decode_num_drafts, last.spec_decode_num_drafts),
-                (self.spec_draft_tokens, stats.spec_decode_num_draft_tokens,
-                 last.spec_decode_num_draft_tokens),
-                (self.spec_accepted_tokens, stats.spec_decode_num_accepted_tokens,
-                 last.spec_decode_num_accepted_tokens)):
-            series = counter.labels(name, engine)
-            if now > before:
-                series.inc(now - before)
-        before_pos = last.spec_decode_num_accepted_tokens_per_pos
-        for pos, now in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
-            before = before_pos[pos] if pos < len(before_pos) else 0
-            series = self.spec_accepted_per_pos.labels(name, engine, str(pos))
-            if now > before:
-                series.inc(now - before)
-        if stats.spec_decode_num_draft_tokens:
-            self.spec_acceptance_rate.labels(name, engine).set(
-                stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens)
-        if stats.spec_decode_num_drafts:
-            self.spec_mean_acceptance_length.labels(name, engine).set(
-                1 + stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_drafts)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
