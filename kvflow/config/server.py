@@ -10,12 +10,12 @@ from kvflow.config.api_key_env import api_key_from_env
 from kvflow.config.options import add_field_arg, check_choices, json_object, opt, parse_bytes
 from kvflow.config.profiler import profiler_options
 from kvflow.config.runtime_lora import runtime_lora_updating
+from kvflow.config.server_checks import check_values, check_vllm_flags
 from kvflow.config.server_values import (
     LIST_FIELDS,
     check_disable_log_stats,
     lora_module,
     one_or_many,
-    shown_value,
     word_list,
 )
 
@@ -248,9 +248,9 @@ class ServerConfig:
         self._normalize_lists()
         check_choices(self)
         self._normalize_one_or_many()
-        self._check_vllm_flags()
+        check_vllm_flags(self)
         check_disable_log_stats(self.disable_log_stats)
-        self._check_values()
+        check_values(self)
 
     def _normalize_lists(self) -> None:
         """The list fields as tuples (a string's words split) and
@@ -279,95 +279,10 @@ class ServerConfig:
         self.api_key = one_or_many(self.api_key)
         self.served_model_name = one_or_many(self.served_model_name)
 
-    def _check_values(self) -> None:
-        """Each field's value against its range or form, in :meth:`_value_checks`' order,
-        then ``max_request_body_size`` parsed.
-
-        Raises:
-            ValueError: ``"<field>=<value> is invalid: ..."`` for the first one that fails.
-        """
-        for ok, name, why in self._value_checks():
-            if not ok:
-                raise ValueError(f"{name}={shown_value(name, getattr(self, name))} is invalid: "
-                                 f"it {why}")
-        try:
-            parse_bytes(self.max_request_body_size)
-        except ValueError as e:
-            raise ValueError(f"max_request_body_size={self.max_request_body_size!r} is "
-                             f"invalid: {e}") from None
-
-    def _value_checks(self) -> list[tuple[bool, str, str]]:
-        """(passes, field name, what it must be) for each checked field value."""
-        return [(0 <= self.port <= 65535, "port", "must be in [0, 65535]"),
-                 (self.max_n >= 1, "max_n", "must be >= 1"),
-                 (self.max_logprobs >= 0, "max_logprobs", "must be >= 0"),
-                 (self.responses_store_size >= 0, "responses_store_size", "must be >= 0"),
-                 (0 <= self.sse_keep_alive_interval < float("inf"), "sse_keep_alive_interval",
-                  "must be >= 0 seconds (0: no keep-alive comments)"),
-                 (self.max_waiting_requests is None or self.max_waiting_requests >= 1,
-                  "max_waiting_requests", "must be >= 1 (0 would refuse every request)"),
-                 (self.max_num_queued_reqs is None or self.max_num_queued_reqs >= 1,
-                  "max_num_queued_reqs", "must be >= 1 (0 would refuse every request)"),
-                 (self.api_key is None or (len(self.api_key) > 0 and all(
-                     isinstance(k, str) and k.strip() for k in self.api_key)), "api_key",
-                  "must not be empty (an empty key would leave the server open)"),
-                 (self.served_model_name is None or (
-                     len(self.served_model_name) > 0
-                     and all(isinstance(n, str) and n.strip()
-                             for n in self.served_model_name)),
-                  "served_model_name", "must not be empty (nor hold an empty name)"),
-                 (len(set(self.served_model_name or ())) == len(self.served_model_name or ()),
-                  "served_model_name", "names a model twice"),
-                 (self.chat_template is None or self.chat_template.strip() != "",
-                  "chat_template", "must not be empty (leave it unset for the model's)"),
-                 (self.engine_start_timeout > 0, "engine_start_timeout", "must be > 0"),
-                 (self.timeout_keep_alive > 0, "timeout_keep_alive", "must be > 0"),
-                 (0 <= self.shutdown_timeout < float("inf"), "shutdown_timeout",
-                  "must be >= 0 seconds (0: open requests are aborted at once)"),
-                 (all(m.partition("=")[0] and m.partition("=")[2]
-                      for m in self.lora_modules or []), "lora_modules",
-                  "must be NAME=PATH pairs"),
-                 (len({m.partition("=")[0] for m in self.lora_modules or []})
-                  == len(self.lora_modules or []), "lora_modules", "names an adapter twice")]
     def model_names(self, model: str) -> tuple[str, ...]:
         """The names the server answers to as its base model: ``--served-model-name``'s
         (first the main one), or ``model`` (the ``--model`` argument) when unset."""
         return self.served_model_name or (model,)
-
-    def _check_vllm_flags(self) -> None:
-        """Refuse the vLLM flags' values kvflow cannot honour, and pairs that contradict
-        each other.
-
-        Raises:
-            ValueError: naming the flag and why.
-        """
-        refusals = [
-            (self.enable_auto_tool_choice is False,
-             ("--no-enable-auto-tool-choice is refused: kvflow always reads tool calls under "
-              "tool_choice=auto (with --tool-call-parser) and cannot turn that off")),
-            (self.disable_log_requests is not None and self.enable_log_requests is not None
-             and self.disable_log_requests == self.enable_log_requests,
-             ("--disable-log-requests and --enable-log-requests (or their --no- forms) "
-              "contradict each other")),
-            (self.max_log_len is not None and self.max_log_len < 0,
-             f"max_log_len={self.max_log_len} must be >= 0"),
-            (self.max_log_len is not None and not self.log_requests,
-             ("--max-log-len cuts the prompts --enable-log-requests logs: without it no "
-              "request is logged (give --enable-log-requests too, or leave --max-log-len out)")),
-            (self.enable_log_outputs and not self.log_requests,
-             "--enable-log-outputs needs --enable-log-requests (as in vLLM)"),
-            (self.ssl_keyfile is not None and self.ssl_certfile is None,
-             "--ssl-keyfile needs --ssl-certfile (the certificate that goes with the key)"),
-            (self.ssl_ca_certs is not None and self.ssl_certfile is None,
-             "--ssl-ca-certs needs --ssl-certfile (it configures HTTPS)"),
-            (self.root_path is not None and not (self.root_path == ""
-                                                 or self.root_path.startswith("/")),
-             f"root_path={self.root_path!r} must start with '/' (e.g. /llm)"),
-            (not self.response_role.strip(), "response_role must not be empty"),
-            (self.uds is not None and not self.uds.strip(), "--uds must name a socket path")]
-        for refused, why in refusals:
-            if refused:
-                raise ValueError(why)
 
     @property
     def cors_enabled(self) -> bool:
