@@ -26,6 +26,7 @@ from kvflow.prompt_inputs import (
     tokenize_prompt,
     unpack_prompt,
 )
+from kvflow.prompt_media import attach_media, chat_media, checked_mm_kwargs
 from kvflow.prompt_truncation import SAMPLING_FIELD, keep_last_tokens, truncation_length
 from kvflow.request import Request
 from kvflow.sampling_checks import check_extra_args, check_sampling_params
@@ -158,42 +159,22 @@ class InputProcessor(PoolingInputs):
     def attach_images(self, text: str | None, token_ids: list[int],
                       images: list[Any], videos: Sequence[Any] = (),
                       mm_kwargs: Mapping[str, Any] | None = None) -> ProcessedPrompt:
-        """``token_ids`` with one placeholder per image (video) expanded and ``images``
-        (PIL) and ``videos`` (frames) preprocessed, the image processor called with
-        ``mm_kwargs`` (a request's ``mm_processor_kwargs``) too; any prompt of a
-        vision-language model passes here, so a stray placeholder without its image or
-        video is refused.
+        """``token_ids`` with their images and videos expanded and preprocessed by this
+        model's processor (:func:`kvflow.prompt_media.attach_media`).
 
         Raises:
-            ValueError: images, videos or ``mm_kwargs`` for a text-only model, ``mm_kwargs``
-                the image processor does not take (naming ``mm_processor_kwargs``), a
-                placeholder/item count mismatch, more items than a limit allows, or a bad
-                image or video (``MediaError``).
+            ValueError: for media or ``mm_kwargs`` the model does not take (see there).
         """
-        mm_kwargs = self.check_mm_kwargs(mm_kwargs)
-        if self.mm_processor is None:
-            if images or videos:
-                raise ValueError("this model does not take images or videos "
-                                 "(multi_modal_data)")
-            return ProcessedPrompt(text, token_ids)
-        token_ids, features = self.mm_processor.process(token_ids, images, list(videos),
-                                                        mm_kwargs)
-        return ProcessedPrompt(text, token_ids, features or None)
+        return attach_media(self.mm_processor, text, token_ids, images, videos, mm_kwargs)
 
     def check_mm_kwargs(self, mm_kwargs: Mapping[str, Any] | None) -> dict[str, Any] | None:
         """A request's ``mm_processor_kwargs`` checked against the model's image processor
-        (:mod:`kvflow.multimodal.processor_kwargs`); None for none.
+        (:func:`kvflow.prompt_media.checked_mm_kwargs`); None for none.
 
         Raises:
-            ValueError: naming ``mm_processor_kwargs``: for a text-only model, or keys the
-                image processor does not take or kvflow refuses.
+            ValueError: naming ``mm_processor_kwargs`` (see there).
         """
-        if self.mm_processor is None:
-            if mm_kwargs:
-                raise ValueError("mm_processor_kwargs is for a vision-language model's image "
-                                 "processor; this model takes no images or videos")
-            return None
-        return self.mm_processor.check_kwargs(mm_kwargs)
+        return checked_mm_kwargs(self.mm_processor, mm_kwargs)
 
     def tokenize(self, prompt: PromptType, options: TokenizationOptions | None = None
                  ) -> tuple[str | None, list[int]]:
@@ -386,17 +367,12 @@ class InputProcessor(PoolingInputs):
 
     def load_chat_media(self, messages: list[dict]) -> tuple[list[Any], list[Any]]:
         """(images, videos) of a conversation's ``image_url`` and ``video_url`` parts
-        (``kvflow.multimodal.load_chat_media``; none for a text-only model, whose rendering
-        refused such parts already).
+        (:func:`kvflow.prompt_media.chat_media`).
 
         Raises:
             MediaError: naming the part, or ``messages`` for a count over its limit.
         """
-        if self.mm_processor is None:
-            return [], []
-        from kvflow.multimodal import load_chat_media
-
-        return load_chat_media(messages, self.mm_processor.config)
+        return chat_media(self.mm_processor, messages)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **options: Any) -> str:
