@@ -65,6 +65,7 @@ LAYERS: dict[str, int] = {
     "kvflow.spec_decode.draft_vocab": 3,  # the draft's LM head cut to frequent tokens (a layer)
     "kvflow.models": 4, "kvflow.lora": 4,
     "kvflow.models.gguf_rope_scaling": 4,  # a GGUF file's rope_scaling (gguf_config)
+    "kvflow.models.load_checks": 4,  # load_model's refusals (checkpoint vs config, weights)
     "kvflow.layers": 3, "kvflow.attention": 3, "kvflow.quant": 3,
     "kvflow.kernels": 2, "kvflow.distributed": 2,
     "kvflow.distributed.kv_transfer.storage_keys": 2,  # SharedStorageConnector's keys

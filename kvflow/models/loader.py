@@ -14,9 +14,6 @@ from torch import nn
 
 from kvflow.attention.layer import AttentionContext
 from kvflow.distributed.parallel_state import ParallelState
-from kvflow.models.checkpoint_config_checks import check_config_against_checkpoint
-from kvflow.models.dummy_weight_bytes import check_dummy_weights_fit
-from kvflow.models.fused_shards import missing_expert_tensors, missing_shard_tensors
 from kvflow.models.hf_config_checks import (
     check_rope_parameters,
     check_rope_positions,
@@ -24,11 +21,15 @@ from kvflow.models.hf_config_checks import (
     unread_field_warnings,
 )
 from kvflow.models.hf_overrides import config_from_dict
+from kvflow.models.load_checks import (
+    check_all_loaded,
+    check_config_fits,
+    check_safetensors_source,
+    checked_float_weights,
+)
 from kvflow.models.model_resolver import ModelSource, resolve_tokenizer
 from kvflow.models.registry import get_model_class
 from kvflow.models.safetensors_files import (
-    checkpoint_files,
-    checkpoint_tensor_headers,
     checkpoint_tensor_names,  # noqa: F401 (spec_decode.head_loading reads it from here)
     iter_safetensors,
 )
@@ -131,25 +132,6 @@ def _to_model_dtype(tensor: torch.Tensor, dtype: torch.dtype, name: str = "",
     return tensor
 
 
-def _checked_weights(source: ModelSource, dtype: torch.dtype, keep_quantized: bool,
-                     quant_config: QuantConfig | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """:func:`iter_weights`, refusing an integer ``*.weight`` / ``*.bias`` in a checkpoint
-    without quantization: loading copies it into the float parameter (an int32 q_proj generated
-    text from integer-rounded weights).
-
-    Raises:
-        ValueError: naming the tensor, its dtype and the folder.
-    """
-    for name, tensor in iter_weights(source, dtype, keep_quantized):
-        if quant_config is None and not tensor.is_floating_point() and \
-                name.endswith((".weight", ".bias")):
-            raise ValueError(f"checkpoint tensor {name!r} in {source.path!r} has dtype "
-                             f"{tensor.dtype}; the model has no quantization (config.json "
-                             "has no quantization_config), so its weights must be floating "
-                             "point")
-        yield name, tensor
-
-
 @contextmanager
 def _default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
@@ -197,10 +179,10 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
             or ``load_format="safetensors"`` on a GGUF file or a folder without safetensors.
     """
     if load_format == "safetensors":
-        _check_safetensors_source(source)
+        check_safetensors_source(source)
     model_cls = get_model_class(getattr(hf_config, "architectures", None))
-    _check_config_fits(source, hf_config, model_cls, load_format, dtype, device,
-                       quant_config, parallel)
+    check_config_fits(source, hf_config, model_cls, load_format, dtype, device,
+                      quant_config, parallel)
     model = _build_model(model_cls, hf_config, ctx, dtype, device, quant_config, parallel)
     if load_format == "dummy":
         _init_dummy_weights(model, seed)
@@ -209,28 +191,6 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
     with torch.device(device):
         process_weights_after_loading(model)
     return model.eval()
-
-
-def _check_config_fits(source: ModelSource, hf_config: Any, model_cls: type[nn.Module],
-                       load_format: str, dtype: torch.dtype, device: torch.device,
-                       quant_config: QuantConfig | None, parallel: ParallelState | None) -> None:
-    """Before the model is built: ``dummy`` weights' size (from the config) against the memory
-    available, else ``hf_config`` against the checkpoint's safetensors headers, after the
-    architecture's ``adapt_config_to_checkpoint`` (if any) fitted it to them (``hf_config``
-    may be changed in place). Nothing to check for a GGUF file.
-
-    Raises:
-        ValueError: as :func:`load_model` says for these checks.
-    """
-    if load_format == "dummy":  # no headers to check the sizes against: the memory they take
-        check_dummy_weights_fit(hf_config, model_cls, dtype, device, quant_config is not None,
-                                parallel)
-    elif source.kind != "gguf":
-        headers = checkpoint_tensor_headers(source.path)
-        adapt = getattr(model_cls, "adapt_config_to_checkpoint", None)
-        if adapt is not None:
-            adapt(hf_config, list(headers))
-        check_config_against_checkpoint(hf_config, headers, source.path)
 
 
 def _build_model(model_cls: type[nn.Module], hf_config: Any, ctx: AttentionContext,
@@ -260,39 +220,15 @@ def _load_checkpoint_weights(model: nn.Module, source: ModelSource, dtype: torch
     """
     keep = quant_config is not None and quant_config.name == "gguf"
     keep_fp32 = getattr(model, "keep_in_fp32", ())
-    weights = _checked_weights(source, dtype, keep, quant_config)
+    weights = checked_float_weights(iter_weights(source, dtype, keep), source.path,
+                                    quant_config)
     if quant_config is not None:  # a block-FP8 checkpoint's weights dequantized here
         weights = quant_config.checkpoint_weights(weights, dtype)
     loaded = model.load_weights((n, _to_model_dtype(t, dtype, n, keep_fp32))
                                 for n, t in weights
                                 if quant_config is None
                                 or not quant_config.skips_tensor(n, t))
-    missing = {n for n, p in model.named_parameters()
-               if not getattr(p, "optional_in_checkpoint", False)} - loaded
-    if missing:
-        raise ValueError(f"checkpoint {source.path!r} lacks weights for {sorted(missing)[:5]}")
-    parts = missing_shard_tensors(model, getattr(model, "packed_modules_mapping", {})) + \
-        missing_expert_tensors(model)
-    if parts:  # one part of a fused parameter (k_proj of qkv_proj, an expert) never loaded
-        raise ValueError(f"checkpoint {source.path!r} lacks weights for {parts[:5]}")
-
-
-def _check_safetensors_source(source: ModelSource) -> None:
-    """``load_format="safetensors"`` (vLLM's ``--load-format safetensors``): the weights must
-    be a model folder's safetensors files, checked before the model is built.
-
-    Raises:
-        ValueError: naming the flag, for a GGUF file or a folder that holds no safetensors
-            weight files (or an index naming missing ones).
-    """
-    flag = "load_format='safetensors'"  # the CLI writes it as the flag typed
-    if source.kind == "gguf":
-        raise ValueError(f"{flag}: {source.path!r} is a GGUF file, not safetensors; give "
-                         "--load-format auto to read it")
-    try:
-        checkpoint_files(source.path)
-    except ValueError as e:
-        raise ValueError(f"{flag}: {e}") from None
+    check_all_loaded(model, loaded, source.path)
 
 
 def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None,
