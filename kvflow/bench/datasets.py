@@ -122,7 +122,10 @@ def arrival_intervals(num_requests: int, rate: float, burstiness: float = 1.0,
     gaps are then scaled so that they sum to exactly ``num_requests / rate``: the last request
     is sent at that time, so every seed offers the load ``rate`` (unscaled, 64 Poisson gaps
     sum to within +-12.5% (one standard deviation) of it). ``rate=inf`` sends everything at
-    once.
+    once. The draws come from numpy's legacy generator seeded with ``seed``
+    (``np.random.RandomState``; vLLM seeds the global one with ``np.random.seed(seed)`` and
+    draws each gap from it), so one ``seed`` gives the send times of ``vllm bench serve
+    --seed`` (before 2026-12-07 they came from ``np.random.default_rng(seed)``: other times).
 
     Raises:
         ValueError: for a non-positive rate or burstiness.
@@ -133,8 +136,8 @@ def arrival_intervals(num_requests: int, rate: float, burstiness: float = 1.0,
         return np.zeros(num_requests)
     if np.isinf(burstiness):
         return np.full(num_requests, 1.0 / rate)
-    rng = np.random.default_rng(seed)
-    gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), num_requests)
+    gaps = np.random.RandomState(seed).gamma(burstiness, 1.0 / (rate * burstiness),
+                                             num_requests)
     total = gaps.sum()
     return gaps * (num_requests / rate / total) if total > 0 else gaps
 

@@ -13,6 +13,10 @@ from kvflow.bench.datasets import parse_image_size, parse_length_dist
 from kvflow.bench.result_file import check_result_flags
 from kvflow.bench.sharegpt import is_json_array_file
 
+# The largest seed of numpy's legacy generator (np.random.RandomState), which draws the
+# arrival gaps as vLLM's benchmark does
+MAX_SEED = 2**32 - 1
+
 
 def parse_rates(spec: str) -> list[float]:
     """``"1,2,inf"`` -> [1.0, 2.0, inf]. Raises ValueError for anything but positive numbers
@@ -57,6 +61,13 @@ def check_args(args: argparse.Namespace) -> None:
                      request_timeout=args.request_timeout)
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    # the arrival gaps are drawn from np.random.RandomState(seed) (vLLM's generator), which
+    # takes seeds below 2**32; a sweep's i-th rate uses seed + i
+    num_rates = len(parse_rates(args.sweep_rates)) if args.sweep_rates else 1
+    if args.seed + num_rates - 1 > MAX_SEED:
+        raise ValueError(f"--seed must be <= {MAX_SEED - num_rates + 1} (numpy's legacy "
+                         f"generator takes seeds below 2**32; the i-th rate of --sweep-rates "
+                         f"uses --seed + i), got {args.seed}")
     if args.sharegpt_output_len is not None and (
             args.dataset in ("random", "random-image", "synthetic-chat")
             or not is_json_array_file(args.dataset)):

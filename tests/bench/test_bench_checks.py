@@ -41,6 +41,10 @@ NO_MODEL = "/nonexistent/model"
     (["latency", "--data-parallel-size", "2"], "--data-parallel-size 2"),
     (["perplexity", "--data-parallel-size", "2"], "--data-parallel-size 2"),
     (["serve", "--seed", "-1"], "--seed must be >= 0"),
+    # numpy's legacy generator (vLLM's, for the arrival gaps) takes seeds below 2**32
+    (["serve", "--seed", str(2**32)], "--seed must be <= 4294967295"),
+    (["serve", "--seed", str(2**32 - 2), "--sweep-rates", "1,2,4"],
+     "--seed must be <= 4294967293"),
     (["serve", "--request-rate", "4", "--sweep-rates", "1,2"],
      "give --request-rate (one run) or --sweep-rates (one run per rate), not both"),
     # an empty list (e.g. an unset shell variable) is no sweep: refused, not one default run

@@ -39,9 +39,22 @@ def test_arrivals_offer_exactly_the_rate(n, rate, burstiness):
     for seed in range(5):
         gaps = arrival_intervals(n, rate, burstiness, seed=seed)
         assert gaps.sum() == pytest.approx(n / rate, rel=1e-12) and (gaps > 0).all()
-    raw = np.random.default_rng(0).gamma(burstiness, 1 / (rate * burstiness), n)
+    raw = np.random.RandomState(0).gamma(burstiness, 1 / (rate * burstiness), n)
     assert arrival_intervals(n, rate, burstiness, seed=0) == pytest.approx(
         raw * (n / rate) / raw.sum())  # the same draws, scaled: the shape is kept
+
+
+@pytest.mark.parametrize("n, rate, burstiness, seed, vllm_send_times", [
+    (5, 2.0, 1.0, 0, [0.46129330003090274, 1.1892377690602984, 1.7243430491324006,
+                      2.1806092237818007, 2.5]),
+    (4, 0.5, 0.25, 7, [0.0025777180520236698, 2.811031638658477, 7.605242071294953, 8.0])])
+def test_arrivals_are_vllms_for_the_same_seed(n, rate, burstiness, seed, vllm_send_times):
+    # the send times (s after the start) of vLLM 0.32's get_request (vllm/benchmarks/serve.py)
+    # after np.random.seed(seed), as `vllm bench serve --seed` draws them: recorded by running
+    # it with asyncio.sleep replaced (was: np.random.default_rng draws, e.g. 0.748, 1.870,
+    # 1.892, 1.894, 2.5 for the first case)
+    sends = np.cumsum(arrival_intervals(n, rate, burstiness, seed=seed))
+    assert sends == pytest.approx(vllm_send_times, rel=1e-12)
 
 
 def test_arrivals_seeded_inf_and_bad():
