@@ -9,6 +9,9 @@ Definitions (the ones vLLM's and SGLang's serving benchmarks use):
   usage chunk and ``[DONE]`` carry no token; vLLM's ``latency``).
 - Goodput: completed requests per second that meet every given SLO (Zhong et al., DistServe,
   OSDI 2024).
+- Peak output throughput and peak concurrency: vLLM's ``max_output_tokens_per_s`` and
+  ``max_concurrent_requests``, from one-second buckets since the first send (see
+  :func:`peak_per_second`).
 Percentiles interpolate linearly between closest ranks (numpy's default "linear" method).
 """
 
@@ -138,3 +141,33 @@ def goodput(timings: Sequence[RequestTiming], slos: dict[str, float],
     """(number of requests meeting every SLO, those requests per second of ``duration_s``)."""
     good = sum(1 for t in timings if meets_slos(t, slos))
     return good, good / duration_s if duration_s > 0 else math.nan
+
+
+def peak_per_second(starts: Sequence[float],
+                    token_times: Sequence[Sequence[float]]) -> tuple[float, int]:
+    """vLLM's ``(max_output_tokens_per_s, max_concurrent_requests)`` of completed requests
+    (``calculate_metrics`` in vllm/benchmarks/serve.py), from client timestamps in seconds.
+
+    Time is cut into one-second buckets from the earliest send: ``int(t - first_start)``, for
+    ``ceil(last_token - first_start) + 1`` buckets. The first is the most token-carrying chunks
+    in one bucket (each chunk counts one, as in vLLM, even one carrying several tokens), the
+    second the most requests active in one bucket (a request is active in every bucket from
+    its send's to its last token chunk's, both included: active at some time in that second,
+    not necessarily at once, so it can exceed ``--max-concurrency``). ``(0.0, 0)`` without
+    requests.
+
+    Args:
+        starts: when each request was sent.
+        token_times: each request's token-chunk arrival times (non-empty), in order.
+    """
+    if not starts:
+        return 0.0, 0
+    first = min(starts)
+    num_buckets = math.ceil(max(times[-1] for times in token_times) - first) + 1
+    tokens, active = [0] * num_buckets, [0] * num_buckets
+    for start, times in zip(starts, token_times):
+        for t in times:
+            tokens[int(t - first)] += 1
+        for bucket in range(int(start - first), int(times[-1] - first) + 1):
+            active[bucket] += 1
+    return float(max(tokens)), max(active)

@@ -8,39 +8,45 @@ import argparse
 import math
 import os
 from datetime import datetime
+from types import MappingProxyType
 
 from kvflow.bench.checks import ensure_parent_dir
 
-# vLLM's default label: the name of its backend; kvflow's client is the OpenAI-compatible one
-VLLM_DEFAULT_LABEL = "openai"
+# vLLM's name (``--backend``) of the client that sends what kvflow's client sends on each
+# ``--endpoint``: its default label (file names) and its result's ``backend``/``endpoint_type``
+VLLM_BACKENDS = MappingProxyType({"completions": "openai", "chat": "openai-chat"})
 
 
 def vllm_result_filename(label: str | None, request_rate: float, max_concurrency: int | None,
-                         model: str, current_dt: str) -> str:
+                         model: str, current_dt: str, backend: str = "openai") -> str:
     """vLLM's default result file name,
     ``{label}-{request_rate}qps[-concurrency{N}]-{last part of model}-{current_dt}.json``.
 
     Args:
-        label: ``--label`` (None: ``openai``, vLLM's default backend).
+        label: ``--label`` (None: ``backend``, as vLLM's default label is its ``--backend``).
         request_rate: requests per second as a float (``inf`` for all at once), written as
             Python prints it (``4.0``, ``inf``) as vLLM does.
         max_concurrency: ``--max-concurrency`` or None.
         model: the model name; only the part after its last ``/`` is used.
         current_dt: the local time as ``%Y%m%d-%H%M%S``.
+        backend: vLLM's backend name of the endpoint (``VLLM_BACKENDS``).
     """
     concurrency = f"-concurrency{max_concurrency}" if max_concurrency is not None else ""
-    return (f"{label or VLLM_DEFAULT_LABEL}-{float(request_rate)}qps{concurrency}-"
+    return (f"{label or backend}-{float(request_rate)}qps{concurrency}-"
             f"{model.split('/')[-1]}-{current_dt}.json")
 
 
 def vllm_result_path(args: argparse.Namespace, now: datetime) -> str | None:
     """The file ``--save-result`` writes (None without it): ``--result-filename`` or vLLM's
-    default name (``now`` gives its time), inside ``--result-dir`` when given."""
+    default name (``now`` gives its time; the label defaults to ``openai`` on the completions
+    endpoint and ``openai-chat`` on the chat one, vLLM's backends of them), inside
+    ``--result-dir`` when given."""
     if not args.save_result:
         return None
     rate = math.inf if args.request_rate is None else args.request_rate
     name = args.result_filename or vllm_result_filename(
-        args.label, rate, args.max_concurrency, args.model, now.strftime("%Y%m%d-%H%M%S"))
+        args.label, rate, args.max_concurrency, args.model, now.strftime("%Y%m%d-%H%M%S"),
+        VLLM_BACKENDS[args.endpoint])
     return os.path.join(args.result_dir, name) if args.result_dir else name
 
 

@@ -25,7 +25,7 @@ import aiohttp
 from kvflow.bench import metrics
 from kvflow.bench.client import ENDPOINT_PATHS, RequestResult, build_payload, send_request
 from kvflow.bench.datasets import BenchRequest, arrival_intervals
-from kvflow.bench.result_file import vllm_result_path
+from kvflow.bench.result_file import VLLM_BACKENDS, vllm_result_path
 from kvflow.bench.serve_checks import check_args, load_compare, parse_rates
 from kvflow.bench.serve_summary import aggregate, finite, print_summary
 from kvflow.bench.serve_workload import build_requests, make_tokenizer_factory
@@ -123,8 +123,11 @@ def run_one(requests: list[BenchRequest], args: argparse.Namespace, rate: float,
     settings = {"label": args.label or args.base_url, "date": datetime.now(timezone.utc)
                 .strftime("%Y-%m-%dT%H:%M:%SZ"), "base_url": args.base_url,
                 "model": args.model, "endpoint": args.endpoint, "dataset": args.dataset,
-                # vLLM's names of the model and tokenizer in its result files
+                # vLLM's names of the model and tokenizer in its result files, and its
+                # backend of the endpoint (the client that sends the same requests)
                 "model_id": args.model, "tokenizer_id": args.tokenizer or args.model,
+                "backend": VLLM_BACKENDS[args.endpoint],
+                "endpoint_type": VLLM_BACKENDS[args.endpoint],
                 "num_prompts": len(requests),
                 "request_rate": "inf" if math.isinf(rate) else rate,
                 "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
@@ -296,7 +299,8 @@ def _add_output_args(o: argparse._ArgumentGroup) -> None:
     o.add_argument("--save-result", action="store_true",
                    help="vLLM's way: write the summary to --result-filename, or by default "
                    "to LABEL-RATEqps[-concurrencyN]-MODEL-YYYYmmdd-HHMMSS.json (LABEL: "
-                   "--label or openai), in --result-dir (default: here)")
+                   "--label, else openai, or openai-chat with --endpoint chat, vLLM's backends), in "
+                   "--result-dir (default: here)")
     o.add_argument("--result-dir", default=None, help="folder of --save-result's file")
     o.add_argument("--result-filename", default=None, help="name of --save-result's file")
     o.add_argument("--sweep-rates", default=None, help="e.g. 1,2,4,8,inf: one run per rate")

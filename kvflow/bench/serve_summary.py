@@ -62,11 +62,16 @@ def aggregate(requests: list[BenchRequest], results: list[RequestResult], durati
             out[f"{stat}_{name}_ms"] = value
             if name in VLLM_KEY_NAMES:  # vLLM's key too, for scripts that parse its results
                 out[f"{stat}_{VLLM_KEY_NAMES[name]}_ms"] = value
+    out["request_goodput"] = None  # vLLM's value without --goodput
     if slos:
         out["goodput_slos_ms"] = {k: v * 1e3 for k, v in slos.items()}
         out["good_requests"], out["request_goodput"] = metrics.goodput(timings, slos, duration)
+    done = [res for res in results if res.success]
+    out["max_output_tokens_per_s"], out["max_concurrent_requests"] = metrics.peak_per_second(
+        [res.start for res in done], [res.token_times for res in done])
     out.update(input_lens=in_lens, output_lens=out_lens, ttfts=series["ttft"],
                latencies=series["e2e"],  # vLLM's per-request E2E list (seconds)
+               start_times=[res.start for res in done],  # vLLM's (time.perf_counter, s)
                itls=[list(t.itls) for t in timings], errors=errors[:MAX_ERRORS_KEPT])
     return out
 
@@ -91,8 +96,10 @@ def print_summary(r: dict[str, Any]) -> None:
             ("Request throughput (req/s)", r["request_throughput"]),
             ("Output token throughput (tok/s)", r["output_throughput"]),
             ("Total token throughput (tok/s)", r["total_token_throughput"])]
-    if "request_goodput" in r:
+    if r.get("request_goodput") is not None:
         rows.append(("Request goodput (req/s)", r["request_goodput"]))
+    rows += [("Peak output token throughput (tok/s)", r["max_output_tokens_per_s"]),
+             ("Peak concurrent requests", r["max_concurrent_requests"])]
     for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E")):
         rows += [(f"{stat.capitalize()} {title} (ms)", r[f"{stat}_{name}_ms"])
                  for stat in ("mean", "median", "p90", "p99")]

@@ -322,9 +322,14 @@ def test_vllm_result_file_name():
     assert vllm_result_filename("kv", 4, 8, "m", "20261203-133000") == \
         "kv-4.0qps-concurrency8-m-20261203-133000.json"
     args = argparse.Namespace(save_result=True, result_dir="out", result_filename=None,
-                              request_rate=None, label=None, max_concurrency=None, model="a/b")
+                              request_rate=None, label=None, max_concurrency=None, model="a/b",
+                              endpoint="completions")
     now = datetime(2026, 12, 3, 13, 30, 5)
     assert vllm_result_path(args, now) == "out/openai-infqps-b-20261203-133005.json"
+    # vLLM's default label is its --backend: openai-chat for the chat endpoint (was: openai)
+    args.endpoint = "chat"
+    assert vllm_result_path(args, now) == "out/openai-chat-infqps-b-20261203-133005.json"
+    args.endpoint = "completions"
     args.result_filename = "x.json"
     assert vllm_result_path(args, now) == "out/x.json"
     args.result_dir = None

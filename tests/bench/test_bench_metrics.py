@@ -199,6 +199,36 @@ def test_result_has_vllm_e2el_keys():
     assert r["latencies"] == [pytest.approx(0.3), pytest.approx(0.5)]  # vLLM's list, seconds
 
 
+def test_peak_output_throughput_and_concurrency_are_vllms():
+    # sent at 10.0, 10.5 and 11.9; token chunks as listed; one-second buckets from 10.0, 4 of
+    # them (ceil(12.6 - 10.0) + 1). Chunks per bucket: [10.2, 10.9 | 11.1, 11.5, 11.3 |
+    # 12.05, 12.6 | -] = [2, 3, 2, 0]; active requests per bucket: A in 0-1, B in 0-2, C in
+    # 1-2 = [2, 3, 2, 0]. vLLM 0.32's calculate_metrics on the same requests: (3.0, 3)
+    starts = [10.0, 10.5, 11.9]
+    times = [[10.2, 10.9, 11.1, 11.5], [11.3, 12.05], [12.6]]
+    assert metrics.peak_per_second(starts, times) == (3.0, 3)
+    assert metrics.peak_per_second([], []) == (0.0, 0)
+
+
+def test_result_has_vllms_peak_goodput_and_start_time_keys():
+    a = _streamed([(10.1, _chunk("a")), (10.3, _chunk("b", "length")), (10.4, _usage(4, 2))])
+    b = _streamed([(11.2, _chunk("a")), (11.5, _chunk("b", "length")), (11.6, _usage(4, 2))])
+    b.start = 10.9
+    failed = _failed()
+    r = _summary([a, b, failed])
+    # chunks per second from 10.0: [10.1, 10.3 | 11.2, 11.5] -> 2; a in 0, b in 0-1 -> 2
+    assert (r["max_output_tokens_per_s"], r["max_concurrent_requests"]) == (2.0, 2)
+    assert r["start_times"] == [10.0, 10.9]    # completed requests, as kvflow's other lists
+    assert r["request_goodput"] is None         # vLLM writes null without --goodput
+
+
+def _failed():
+    """A request that failed (sent at 9.0, before the others): it is in no statistic."""
+    from kvflow.bench.client import RequestResult
+
+    return RequestResult(success=False, start=9.0, error="HTTP 503: busy")
+
+
 def test_parse_goodput():
     assert metrics.parse_goodput(["ttft:500", "tpot:50", "e2e:2000"]) == {
         "ttft": 0.5, "tpot": 0.05, "e2e": 2.0}

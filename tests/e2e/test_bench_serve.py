@@ -57,6 +57,9 @@ def test_random_completions_json_and_usage(server, tmp_path, tiny_chat_model, ca
     r = json.loads(path.read_text())
     assert (r["completed"], r["failed"], r["usage_from_server"]) == (12, 0, 12)
     assert r["request_rate"] == 30 and r["max_concurrency"] == 6
+    assert r["backend"] == r["endpoint_type"] == "openai"  # vLLM's backend of /v1/completions
+    # vLLM's "concurrent": active at some time in one second, not at once (so it can pass 6)
+    assert 1 <= r["max_concurrent_requests"] <= 12 and r["max_output_tokens_per_s"] >= 1
     assert r["input_lens"] == [16] * 12 and r["output_lens"] == [8] * 12
     assert r["total_input_tokens"] == 192 and r["total_output_tokens"] == 96
     # the server counted the same tokens (its counter includes the probe's 2)
@@ -84,6 +87,7 @@ def test_synthetic_chat_counts_match_usage(server, tmp_path):
     assert all(1 <= n <= 6 for n in r["output_lens"])  # EOS may end a reply early
     assert generated_tokens(server) - before == r["total_output_tokens"] + 2  # + probe
     assert r["request_rate"] == "inf"
+    assert r["backend"] == r["endpoint_type"] == "openai-chat"
 
 
 def test_failures_are_reported_with_error_bodies(server, tmp_path, capsys):
