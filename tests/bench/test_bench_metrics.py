@@ -229,6 +229,41 @@ def _failed():
     return RequestResult(success=False, start=9.0, error="HTTP 503: busy")
 
 
+def test_summary_follows_vllms_definitions():
+    # vLLM 0.32's calculate_metrics rules, hand-computed over 2.0 s: A sent at 10.0 streams
+    # "a" at 10.1, then one chunk of 3 tokens at 10.3, then the finishing token at 10.4 (5
+    # tokens per usage); B's only token comes at 10.25; C fails (HTTP 503). vLLM's own
+    # calculate_metrics, given the same requests, gives every figure asserted here
+    from kvflow.bench.client import RequestResult
+    from kvflow.bench.datasets import BenchRequest
+    from kvflow.bench.serve_summary import aggregate
+
+    a = _streamed([(10.1, _chunk("a")), (10.3, _chunk("bcd")), (10.4, _chunk("e", "length")),
+                   (10.5, _usage(4, 5))])
+    b = _streamed([(10.25, _chunk("x", "stop")), (10.3, _usage(4, 1))])
+    c = RequestResult(success=False, start=10.0, error="HTTP 503: busy")
+    reqs = [BenchRequest([5, 6, 7, 8], 4, 8)] * 3
+    r = aggregate(reqs, [a, b, c], 2.0, metrics.parse_goodput(["ttft:250", "tpot:80"]),
+                  lambda: None)
+    assert (r["completed"], r["failed"]) == (2, 1)         # the failure counts nowhere else
+    assert (r["total_input_tokens"], r["total_output_tokens"]) == (8, 6)
+    assert r["request_throughput"] == pytest.approx(1.0)    # 2 completed / 2.0 s
+    assert r["output_throughput"] == pytest.approx(3.0)     # 6 / 2.0
+    assert r["total_token_throughput"] == pytest.approx(7.0)  # (8 + 6) / 2.0
+    # one ITL per chunk, not per token: A's gaps are 200 and 100 ms (not 5 - 1 = 4 gaps)
+    assert r["itls"] == [pytest.approx([0.2, 0.1]), []]
+    assert r["mean_itl_ms"] == pytest.approx(150.0) and r["p99_itl_ms"] == pytest.approx(199.0)
+    # TPOT over requests of >= 2 tokens only: A's (400 - 100) / (5 - 1) = 75 ms; B has none
+    assert r["mean_tpot_ms"] == pytest.approx(75.0) and r["median_tpot_ms"] == pytest.approx(75.0)
+    assert r["mean_ttft_ms"] == pytest.approx(175.0) and r["std_ttft_ms"] == pytest.approx(75.0)
+    # goodput: B's TTFT of exactly 250 ms meets ttft:250 (value <= SLO), its missing TPOT
+    # meets tpot:80; A meets both -> 2 good / 2.0 s
+    assert (r["good_requests"], r["request_goodput"]) == (2, pytest.approx(1.0))
+    tighter = aggregate(reqs, [a, b, c], 2.0, metrics.parse_goodput(["ttft:249.9"]),
+                        lambda: None)
+    assert (tighter["good_requests"], tighter["request_goodput"]) == (1, pytest.approx(0.5))
+
+
 def test_parse_goodput():
     assert metrics.parse_goodput(["ttft:500", "tpot:50", "e2e:2000"]) == {
         "ttft": 0.5, "tpot": 0.05, "e2e": 2.0}
