@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,13 +143,52 @@ def arrival_intervals(num_requests: int, rate: float, burstiness: float = 1.0,
     return gaps * (num_requests / rate / total) if total > 0 else gaps
 
 
+def random_lengths(num: int, length: int, range_ratio: float, rng: np.random.Generator,
+                   least: int = 0) -> np.ndarray:
+    """``num`` lengths drawn uniformly from the integers of [floor(length * (1 - range_ratio)),
+    ceil(length * (1 + range_ratio))], both raised to ``least`` (vLLM's
+    ``get_sampling_params``; ``range_ratio`` 0 draws nothing from ``rng``)."""
+    if range_ratio == 0:
+        return np.full(num, max(length, least))
+    low = max(math.floor(length * (1 - range_ratio)), least)
+    high = max(math.ceil(length * (1 + range_ratio)), least)
+    return rng.integers(low, high + 1, num)
+
+
 def random_requests(num: int, input_len: int, output_len: int, vocab_size: int = 32000,
-                    seed: int = 0) -> list[BenchRequest]:
-    """``num`` prompts of ``input_len`` token ids drawn uniformly from [3, min(vocab, 32000))
-    (workload CPU-W1's draw for the same seed; see docs/benchmarks.md)."""
+                    seed: int = 0, range_ratio: float = 0.0,
+                    prefix_len: int = 0) -> list[BenchRequest]:
+    """``num`` prompts of token ids drawn uniformly from [3, min(vocab, 32000)).
+
+    With the defaults every prompt is ``input_len`` ids and every output ``output_len`` tokens
+    (workload CPU-W1's draw for the same seed; see docs/benchmarks.md). As vLLM's random
+    dataset (``--random-range-ratio``, ``--random-prefix-len``): ``range_ratio`` > 0 draws
+    each prompt's own length from [floor(input_len * (1 - r)), ceil(input_len * (1 + r))] and
+    each output length likewise around ``output_len`` (at least 1), before the ids;
+    ``prefix_len`` ids, drawn last and the same for every request, come first in every prompt
+    (``prompt_len`` counts them).
+
+    Raises:
+        ValueError: for a ``range_ratio`` outside [0, 1), a negative ``prefix_len``, or
+            prompts that could be empty.
+    """
+    if not 0 <= range_ratio < 1 or prefix_len < 0:
+        raise ValueError(f"range_ratio ({range_ratio}) must be in [0, 1) and prefix_len "
+                         f"({prefix_len}) >= 0")
+    if prefix_len + math.floor(input_len * (1 - range_ratio)) < 1:
+        raise ValueError(f"input_len {input_len} with range_ratio {range_ratio} and prefix_len "
+                         f"{prefix_len} can draw an empty prompt")
     rng = np.random.default_rng(seed)
-    ids = rng.integers(3, min(vocab_size, 32000), (num, input_len)).tolist()
-    return [BenchRequest(p, input_len, output_len) for p in ids]
+    in_lens = random_lengths(num, input_len, range_ratio, rng)
+    out_lens = random_lengths(num, output_len, range_ratio, rng, least=1)
+    high = min(vocab_size, 32000)
+    if range_ratio == 0:
+        ids = rng.integers(3, high, (num, input_len)).tolist()
+    else:
+        ids = [rng.integers(3, high, int(n)).tolist() for n in in_lens]
+    prefix = rng.integers(3, high, prefix_len).tolist() if prefix_len else []
+    return [BenchRequest(prefix + p, prefix_len + len(p), int(o))
+            for p, o in zip(ids, out_lens)]
 
 
 def _words(rng: np.random.Generator, n: int) -> str:

@@ -133,6 +133,9 @@ def run_one(requests: list[BenchRequest], args: argparse.Namespace, rate: float,
                 "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
                 "ignore_eos": args.ignore_eos, "seed": args.seed,
                 "num_images": sum(r.num_images for r in requests)}
+    if args.dataset == "random":
+        settings.update(random_range_ratio=args.random_range_ratio,
+                        random_prefix_len=args.random_prefix_len)
     if args.dataset == "random-image":
         settings.update(image_size=args.image_size, image_fraction=args.image_fraction,
                         num_unique_images=args.num_unique_images)
@@ -246,6 +249,13 @@ def _add_synthetic_dataset_args(d: argparse._ArgumentGroup) -> None:
                    help="max_tokens (random, random-image, jsonl lines without their own; "
                    "default: 64; refused with synthetic-chat and ShareGPT files, which would "
                    "ignore it; vLLM's name --random-output-len also works)")
+    d.add_argument("--random-range-ratio", type=float, default=None,
+                   help="random: draw each prompt length from [floor(L*(1-R)), ceil(L*(1+R))] "
+                   "for --input-len L, and each output length likewise (vLLM's; 0 <= R < 1; "
+                   "default 0: fixed lengths)")
+    d.add_argument("--random-prefix-len", type=int, default=None,
+                   help="random: this many random ids, the same for every request, before "
+                   "each prompt (vLLM's; default 0)")
     d.add_argument("--random-vocab-size", type=int, default=None,
                    help="random: ids drawn from [3, min(this, 32000)) (default: tokenizer size)")
 

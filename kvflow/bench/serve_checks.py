@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -77,6 +78,8 @@ def check_args(args: argparse.Namespace) -> None:
             and args.random_vocab_size < 4:
         raise ValueError(f"--random-vocab-size must be >= 4 (ids are drawn from [3, size)), got "
                          f"{args.random_vocab_size}")
+    if args.dataset == "random":
+        _check_random_args(args)
     if args.dataset == "random-image":
         _check_image_args(args)
     if args.dataset == "synthetic-chat":
@@ -130,6 +133,7 @@ DATASET_FLAGS = {
     "system_len": ("synthetic-chat", "uniform:200:400"),
     "user_len": ("synthetic-chat", "uniform:16:256"),
     "output_len_dist": ("synthetic-chat", "uniform:32:128"),
+    "random_range_ratio": ("random", 0.0), "random_prefix_len": ("random", 0),
 }
 
 
@@ -157,6 +161,20 @@ def _check_synthetic_chat_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag}: {e}") from None
         if dist.low < least:
             raise ValueError(f"{flag} {spec!r}: LOW must be >= {least}")
+
+
+def _check_random_args(args: argparse.Namespace) -> None:
+    """Raises ValueError naming the flag for a bad ``--random-range-ratio`` (vLLM's: [0, 1)) or
+    ``--random-prefix-len``, or for a pair with ``--input-len`` that can draw an empty
+    prompt."""
+    if not 0.0 <= args.random_range_ratio < 1.0:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    if args.random_prefix_len < 0:
+        raise ValueError(f"--random-prefix-len must be >= 0, got {args.random_prefix_len}")
+    if args.random_prefix_len + math.floor(args.input_len * (1 - args.random_range_ratio)) < 1:
+        raise ValueError(f"--input-len {args.input_len} with --random-range-ratio "
+                         f"{args.random_range_ratio} can draw an empty prompt: raise "
+                         "--input-len or --random-prefix-len, or lower the ratio")
 
 
 def _check_image_args(args: argparse.Namespace) -> None:

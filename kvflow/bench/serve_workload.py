@@ -63,7 +63,9 @@ def _random_requests(args: argparse.Namespace, tokenizer_factory) -> list[BenchR
         tok = tokenizer_factory()
         vocab = len(tok) if tok is not None else 32000
     reqs = random_requests(args.num_prompts, args.input_len, args.output_len,
-                           vocab_size=vocab, seed=args.seed)
+                           vocab_size=vocab, seed=args.seed,
+                           range_ratio=args.random_range_ratio,
+                           prefix_len=args.random_prefix_len)
     if args.endpoint == "chat":
         tok = tokenizer_factory()
         if tok is None:

@@ -53,6 +53,12 @@ NO_MODEL = "/nonexistent/model"
     (["throughput", "--seed", "-1"], "--seed must be >= 0"),
     (["latency", "--seed", "-1"], "--seed must be >= 0"),
     (["serve", "--random-vocab-size", "3"], "--random-vocab-size must be >= 4"),
+    (["serve", "--random-range-ratio", "1"], "--random-range-ratio must be in [0, 1), got 1.0"),
+    (["serve", "--random-prefix-len", "-2"], "--random-prefix-len must be >= 0"),
+    (["serve", "--input-len", "1", "--random-range-ratio", "0.5"],
+     "--input-len 1 with --random-range-ratio 0.5 can draw an empty prompt"),
+    (["serve", "--dataset", "synthetic-chat", "--random-prefix-len", "4"],
+     "--random-prefix-len applies to --dataset random only"),
     (["serve", "--dataset", "synthetic-chat", "--num-system-prompts", "0"],
      "--num-system-prompts must be >= 1"),
     (["serve", "--dataset", "synthetic-chat", "--user-len", "uniform:50:10"],
@@ -176,6 +182,33 @@ def test_latency_output_json_folder_fails_before_loading(tmp_path, capsys):
     assert "is a folder" in capsys.readouterr().err
 
 
+def test_random_range_ratio_and_prefix_reach_the_requests(monkeypatch, tmp_path):
+    """vLLM's --random-range-ratio and --random-prefix-len shape the sent requests and are
+    recorded in the result."""
+    sent: list[list[BenchRequest]] = []
+
+    async def fake_run_load(requests, args, rate):
+        sent.append(list(requests))
+        return [RequestResult(success=True, token_times=[0.1, 0.2], prompt_tokens=8,
+                              completion_tokens=2) for _ in requests], 1.0
+
+    monkeypatch.setattr(serve, "run_load", fake_run_load)
+    out = tmp_path / "r.json"
+    assert main(["bench", "serve", "--model", NO_MODEL, "--random-vocab-size", "1000",
+                 "--num-prompts", "64", "--input-len", "8", "--output-len", "10",
+                 "--random-range-ratio", "0.5", "--random-prefix-len", "2",
+                 "--result-json", str(out), "--disable-tqdm"]) == 0
+    reqs = sent[1]  # after the probe
+    # prompts: 2 + [4, 12] ids, the first 2 shared; outputs: [5, 15] tokens
+    assert {r.prompt_len for r in reqs} <= set(range(6, 15)) and len(
+        {r.prompt_len for r in reqs}) > 3
+    assert all(len(r.prompt) == r.prompt_len for r in reqs)
+    assert len({tuple(r.prompt[:2]) for r in reqs}) == 1
+    assert {r.output_len for r in reqs} <= set(range(5, 16))
+    r = json.loads(out.read_text())
+    assert (r["random_range_ratio"], r["random_prefix_len"]) == (0.5, 2)
+
+
 def test_sweep_draws_new_prompts_per_rate(monkeypatch, tmp_path, capsys):
     """Each rate of a sweep after the first draws its random prompts with --seed + i: the
     same prompts again were served from the prefix cache (on a tiny-model kvflow server the
@@ -199,7 +232,8 @@ def test_sweep_draws_new_prompts_per_rate(monkeypatch, tmp_path, capsys):
     assert firsts.isdisjoint(tuple(r.prompt[:4]) for r in second)
     assert [r.prompt for r in first] == [r.prompt for r in serve.build_requests(
         argparse.Namespace(dataset="random", random_vocab_size=1000, num_prompts=4, input_len=8,
-                           output_len=64, seed=5, endpoint="completions"), lambda: None)]
+                           output_len=64, seed=5, endpoint="completions",
+                           random_range_ratio=0.0, random_prefix_len=0), lambda: None)]
     assert [run["seed"] for run in json.loads(out.read_text())["sweep"]] == [5, 6]
     # a ShareGPT file is resampled per rate too (conversations reshuffled with seed + i)
     sent.clear()

@@ -71,8 +71,31 @@ def test_random_requests_exact_lengths():
     assert all(len(r.prompt) == r.prompt_len == 128 and r.output_len == 64 for r in reqs)
     ids = np.array([r.prompt for r in reqs])
     assert ids.min() >= 3 and ids.max() < 32000
-    # PEERS.md's CPU-W1 draw
+    # PEERS.md's CPU-W1 draw (unchanged by the range-ratio and prefix options)
     assert (ids == np.random.default_rng(0).integers(3, 32000, (4, 128))).all()
+
+
+def test_random_range_ratio_and_prefix_are_vllms():
+    # vLLM's get_sampling_params: input 10, ratio 0.25 -> [floor(7.5), ceil(12.5)] = [7, 13];
+    # output 20 -> [15, 25]; a 3-id prefix shared by every request comes first
+    reqs = random_requests(400, 10, 20, vocab_size=100, seed=1, range_ratio=0.25, prefix_len=3)
+    body_lens = {r.prompt_len - 3 for r in reqs}
+    assert body_lens == set(range(7, 14))
+    assert {r.output_len for r in reqs} == set(range(15, 26))
+    assert all(len(r.prompt) == r.prompt_len for r in reqs)
+    assert len({tuple(r.prompt[:3]) for r in reqs}) == 1
+    assert all(3 <= t < 100 for r in reqs for t in r.prompt)
+    # the prefix is drawn last: the rest of each prompt is the prefix-less draw's
+    plain = random_requests(400, 10, 20, vocab_size=100, seed=1, range_ratio=0.25)
+    assert [r.prompt[3:] for r in reqs] == [r.prompt for r in plain]
+    # an output length never drops below 1 (vLLM: max(floor(2 * 0.1), 1) = 1 .. ceil(3.8) = 4)
+    assert {r.output_len for r in random_requests(300, 20, 2, seed=0, range_ratio=0.9)} == {
+        1, 2, 3, 4}
+    for bad in ({"range_ratio": 1.0}, {"range_ratio": -0.1}, {"prefix_len": -1}):
+        with pytest.raises(ValueError):
+            random_requests(2, 10, 5, **bad)
+    with pytest.raises(ValueError, match="empty prompt"):  # floor(1 * 0.5) = 0 ids
+        random_requests(2, 1, 5, range_ratio=0.5)
 
 
 def test_synthetic_chat_shares_system_prompts_and_respects_lengths():
