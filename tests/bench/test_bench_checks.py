@@ -432,3 +432,30 @@ def test_latency_batch_above_max_num_seqs_is_refused(capsys, sizes, max_num_seqs
         f"kvflow: error: --batch-sizes {largest} exceeds --max-num-seqs {expected}: the engine "
         f"runs at most {expected} requests at once, so it would not time a batch of "
         f"{largest}; raise --max-num-seqs or lower the batch size\n")
+
+
+def test_max_concurrency_clock_starts_after_the_wait(monkeypatch):
+    """vLLM's --max-concurrency: requests arrive on schedule, wait for a slot, and each one's
+    clock (its start, from which TTFT and E2E count) starts when it is sent, after the wait;
+    the duration runs from the first arrival to the last response."""
+    import time
+
+    async def fake_send(session, url, payload, endpoint, headers=None):
+        start = time.perf_counter()
+        await asyncio.sleep(0.2)  # every request takes 200 ms
+        return RequestResult(success=True, start=start, token_times=[start + 0.2],
+                             end=start + 0.2)
+
+    monkeypatch.setattr(serve, "send_request", fake_send)
+    args = argparse.Namespace(base_url="http://127.0.0.1:1", endpoint="completions",
+                              api_key=None, extra_body=None, burstiness=1.0, seed=0,
+                              max_concurrency=1, request_timeout=10.0, disable_tqdm=True,
+                              model="m", ignore_eos=False)
+    reqs = [BenchRequest([5, 6], 2, 4)] * 3
+    results, duration = asyncio.run(serve.run_load(reqs, args, float("inf")))
+    starts = sorted(r.start - results[0].start for r in results)
+    # all three arrive at once; one slot: sent at 0, >= 0.2 and >= 0.4 s (later on a busy
+    # machine), each E2E still 200 ms; without the cap all three would start at 0
+    assert starts[0] == 0.0 and starts[1] >= 0.19 and starts[2] - starts[1] >= 0.19
+    assert all(r.token_times[-1] - r.start == pytest.approx(0.2) for r in results)
+    assert duration >= 0.59
