@@ -4,6 +4,8 @@
   its anchor, in a Markdown page, is one GitHub gives a heading of that page.
 - A repository path in the prose (``kvflow/...``, ``benchmarks/...``, ``scripts/...``,
   ``tests/...``, ``docs/...``) exists; ``path.py::name`` and ``module.attr`` forms name the file.
+- A section named in quotes after its page (``README "Coming from vLLM"``,
+  ``docs/benchmarks.md, "CPU side by side"``) is part of a heading of that page.
 
 Oracle: the file system and GitHub's anchor rule (``tests/test_readme_contents.py``), with a
 repeated heading's anchor suffixed ``-1``, ``-2``...; fenced code blocks are not scanned (a
@@ -22,6 +24,7 @@ from tests.test_readme_contents import _github_anchor
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+SECTION = re.compile(r"(README|[\w-]+\.md)\)?(?:'s)?,? (?:section )?\"([^\"]{3,80})\"")
 REPO_PATH = re.compile(r"(?<![\w./-])((?:kvflow|benchmarks|scripts|tests|docs)/[\w./-]*\w)")
 
 
@@ -78,6 +81,27 @@ def _missing_paths(page: Path, root: Path = ROOT) -> list[str]:
     return missing
 
 
+def _headings(page: Path) -> list[str]:
+    return [re.sub(r"`", "", line.lstrip("#").strip()) for _, line in _prose_lines(page.read_text())
+            if re.match(r"#{1,6} ", line)]
+
+
+def _unknown_sections(page: Path, root: Path = ROOT) -> list[str]:
+    """Quoted section names after a page name that no heading of that page holds (a quote may
+    shorten a heading: ``"Responses API"`` for ``Responses API (`/v1/responses`)``)."""
+    pages = {p.name: p for p in (root / "docs").rglob("*.md")} | {"README": root / "README.md",
+                                                                   "README.md": root / "README.md"}
+    unknown = []
+    flat = re.sub(r"\s+", " ", "\n".join(line for _, line in _prose_lines(page.read_text())))
+    for name, section in SECTION.findall(flat):
+        if name not in pages:
+            continue
+        section = section.replace("`", "")
+        if not any(section in heading for heading in _headings(pages[name])):
+            unknown.append(f"{page.name}: {name} \"{section}\"")
+    return unknown
+
+
 def test_the_checkers_on_a_hand_made_page(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "kvflow").mkdir()
@@ -92,7 +116,8 @@ def test_the_checkers_on_a_hand_made_page(tmp_path):
         "[gone](docs/missing.md) [bad](#nowhere) [bad](docs/other.md#twice-2)\n"
         "`kvflow/real.py` `kvflow/real.py::f` `kvflow/real.thing` `kvflow/gone.py`\n"
         "```bash\n# Fenced\nkvflow/inside_code.py [x](nowhere.md)\n```\n"
-        "[fenced](#fenced)\n")
+        "[fenced](#fenced)\n"
+        'See README "A" and docs/other.md, "Some code" and other.md\'s "Thrice".\n')
     assert _anchors(tmp_path / "docs" / "other.md") == {"other", "some-code-here", "twice",
                                                         "twice-1"}
     assert _broken_links(page) == [
@@ -101,6 +126,7 @@ def test_the_checkers_on_a_hand_made_page(tmp_path):
         "README.md:7: docs/other.md#twice-2 (no such heading)",
         "README.md:13: #fenced (no such heading)",
     ]
+    assert _unknown_sections(page, tmp_path) == ['README.md: other.md "Thrice"']
     assert _missing_paths(page, tmp_path) == ["README.md:7: docs/missing.md",
                                              "README.md:8: kvflow/gone.py"]
 
@@ -113,3 +139,8 @@ def test_every_relative_link_resolves(page):
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_repository_path_exists(page):
     assert _missing_paths(page) == []
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_quoted_section_is_a_heading_of_its_page(page):
+    assert _unknown_sections(page) == []
