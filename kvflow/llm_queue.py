@@ -14,7 +14,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from kvflow.engine.llm_engine import LLMEngine
-from kvflow.engine.streams import RequestRefused
+from kvflow.engine.streams import RequestFailed, RequestRefused
 from kvflow.gc_heap import caller_heap_frozen
 from kvflow.llm_stats import OfflineStats
 from kvflow.lora.request import LoRARequest
@@ -33,12 +33,15 @@ class EnqueuedRequests:
         prompts: the rendered chat text of an ``enqueue_chat`` request, set as its output's
             ``prompt`` (``chat``'s rule).
         refused: why the engine core refused a request (during any call's steps), by id.
+        failed: the error of a failed engine step that took a request with it (during
+            another call's steps: that call raised it), by id.
     """
 
     ids: list[str] = field(default_factory=list)
     finished: dict[str, Any] = field(default_factory=dict)
     prompts: dict[str, str] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class LLMQueue:
@@ -144,6 +147,11 @@ class LLMQueue:
                 core could not run one, now or while another call stepped (as ``generate``
                 raises ``"prompt <i>: <why>"``): every enqueued request is aborted then, its
                 output dropped, and the queue emptied.
+            RequestFailed: (a RuntimeError) ``"request <id>: ..."`` naming the error, when
+                an engine step that failed during another call (which raised that error)
+                took an enqueued request with it; the queue is emptied as above.
+            Exception: whatever a step of this call raised (every enqueued request is
+                aborted and the queue emptied).
         """
         _check_output_type(output_type)
         queue, self._enqueued = self._enqueued, EnqueuedRequests()
@@ -152,7 +160,8 @@ class LLMQueue:
                             "Processed prompts")
         try:
             with caller_heap_frozen(), contextlib.closing(bar):
-                while not queue.refused and self.engine.has_unfinished_requests():
+                while not (queue.refused or queue.failed) and \
+                        self.engine.has_unfinished_requests():
                     for out in self._step(queue):
                         if out.finished and out.request_id in waiting:
                             bar.update(1)
@@ -160,11 +169,15 @@ class LLMQueue:
             for rid in queue.ids:
                 self._abort(rid)
             raise
-        if queue.refused:  # refused now or during another call: as generate, drop the rest
+        if queue.refused or queue.failed:  # during another call: as generate, drop the rest
             for rid in queue.ids:
                 self._abort(rid)
-            rid, why = next(iter(queue.refused.items()))
-            raise RequestRefused(f"request {rid}: {why}", rid)
+            if queue.refused:
+                rid, why = next(iter(queue.refused.items()))
+                raise RequestRefused(f"request {rid}: {why}", rid)
+            rid, why = next(iter(queue.failed.items()))
+            raise RequestFailed(f"request {rid}: an engine step failed while it ran (during "
+                                f"another call): {why}", rid)
         return _checked(queue, output_type or RequestOutput)
 
     def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any],
@@ -216,6 +229,11 @@ class LLMQueue:
         except RequestRefused as e:  # the step's other outputs are kept on the error
             outputs, refused = getattr(e, "outputs", []), getattr(e, "refused", {})
             refused = refused or {e.request_id: str(e)}
+        except BaseException:  # the engine forgot what the failed step took with it
+            for rid, why in self.engine.lost.items():
+                if rid in queue.ids:  # raised by wait_for_completion
+                    queue.failed.setdefault(rid, why)
+            raise
         for out in outputs:
             if self._stats is not None:
                 self._stats.observe(out)

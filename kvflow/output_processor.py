@@ -132,6 +132,11 @@ class OutputProcessor:
         """The user request id of a sample in flight; None for an unknown one."""
         return self._parent_of.get(sample_id)
 
+    def open_samples(self) -> dict[str, str]:
+        """The samples in flight that have not finished: sample id -> its request's id."""
+        return {sid: parent for parent, state in self._states.items()
+                for sid, sample in state.samples.items() if not sample.output.finished}
+
     def abort(self, parent_id: str) -> list[str]:
         """Forget a request; returns its sample ids (to abort in the core)."""
         state = self._states.pop(parent_id, None)

@@ -86,6 +86,45 @@ def test_a_failed_step_leaves_no_unwritten_kv_in_the_prefix_cache(llm, monkeypat
     assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async_sched"])
+def test_a_failed_step_does_not_leave_enqueued_requests_hanging(tiny_model_factory,
+                                                                 monkeypatch, async_scheduling,
+                                                                 assert_no_leaks):
+    """Was: an enqueued request scheduled in a step that raised was aborted in the core but
+    not in the front end, so the next ``generate`` stepped an empty engine for ever waiting
+    for it. Now the failed call raises the runner's error, the next ``generate`` gets its
+    tokens at once (oracle: the same prompts before the failure), ``wait_for_completion``
+    raises ``RequestFailed`` naming the cause, and no KV block or request state is left."""
+    from kvflow.engine.streams import RequestFailed
+    from tests.request_state import holders
+
+    llm = LLM(model=tiny_model_factory("llama").path, dtype="float32", num_kv_blocks=64,
+              async_scheduling=async_scheduling)
+    prompts = ["the lazy fox", "a second prompt"]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    runner = llm.engine.core.executor.runner
+    real, calls = runner.launch_forward, []
+
+    def broken_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("simulated kernel failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "launch_forward", broken_once)
+    llm.enqueue("an enqueued prompt", GREEDY)
+    with pytest.raises(RuntimeError, match="simulated kernel failure"):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == want
+    with pytest.raises(RequestFailed, match="RuntimeError: simulated kernel failure") as failed:
+        llm.wait_for_completion(use_tqdm=False)
+    assert llm.wait_for_completion(use_tqdm=False) == []
+    assert_no_leaks(llm)
+    assert holders(llm, [failed.value.request_id]) == []
+
+
 def test_kv_cache_larger_than_memory_is_a_value_error(tiny_model_factory):
     with pytest.raises(ValueError, match="KV cache needs"):
         LLM(model=tiny_model_factory("llama").path, dtype="float32", kv_cache_memory="100TiB")

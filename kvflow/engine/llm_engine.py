@@ -95,6 +95,7 @@ class LLMEngine:
                                         load_logits_processors(mc.custom_logits_processors()))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self.lost: dict[str, str] = {}  # the requests the last step took with it (it failed)
 
     def add_request(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
                     request_id: str | None = None, priority: int = 0,
@@ -161,6 +162,16 @@ class LLMEngine:
             raise
         return request_id
 
+    def _forget_lost_requests(self, error: BaseException) -> dict[str, str]:
+        """After the core's step raised: forget (and abort the other samples of) each request
+        the core no longer holds; returns their ids -> ``"<ErrorType>: <error>"``."""
+        open_samples = self.output_processor.open_samples()
+        lost = {open_samples[sid] for sid in _lost_samples(self.core, open_samples)}
+        why = f"{type(error).__name__}: {error}".rstrip(": ")
+        for parent in lost:
+            self.abort_request(parent)
+        return dict.fromkeys(sorted(lost), why)
+
     def local_core(self, what: str) -> EngineCore:
         """The in-process EngineCore, for calls a data-parallel client does not relay.
 
@@ -205,8 +216,18 @@ class LLMEngine:
                 step to why), the refused requests forgotten and their other samples
                 aborted (the other requests keep running; a caller that does not re-raise
                 may step on).
+            Exception: whatever the core's step raised (an internal error in the model
+                runner, a KeyboardInterrupt, ...), re-raised after every request the failed
+                step took with it (the core aborted what it scheduled) is forgotten here
+                too, so that ``has_unfinished_requests`` does not wait for it for ever;
+                ``lost`` maps those request ids to the error's text.
         """
-        core_outputs = self.core.step()
+        self.lost = {}
+        try:
+            core_outputs = self.core.step()
+        except BaseException as e:  # KeyboardInterrupt too: the caller may step on
+            self.lost = self._forget_lost_requests(e)
+            raise
         refused = [(parent, eco) for eco in core_outputs if eco.error is not None
                    and (parent := self.output_processor.parent_of(eco.request_id))]
         for parent, _ in refused:  # process() then skips the refused samples' outputs
@@ -223,6 +244,15 @@ class LLMEngine:
             error.refused = dict(refused)  # every request refused in the step: why
             raise error
         return outputs
+
+
+def _lost_samples(core: EngineCore | DPCoreClient, open_samples: dict[str, str]) -> set[str]:
+    """The samples of ``open_samples`` (sample id -> request id) that ``core`` no longer
+    holds after a failed step: the in-process core's scheduler tells; a data-parallel
+    client's replicas report their own failures (none is lost here)."""
+    if not isinstance(core, EngineCore):
+        return set()
+    return {sid for sid in open_samples if sid not in core.scheduler.requests}
 
 
 def _mm_processor(source: ModelSource, hf_config: Any, tokenizer: Any,
