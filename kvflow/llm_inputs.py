@@ -18,6 +18,7 @@ from kvflow.prompt_truncation import SAMPLING_FIELD, keep_last_tokens, truncatio
 from kvflow.sampling_params import SamplingParams
 from kvflow.tokenization_options import (
     TokenizationOptions,
+    cut_generation_prompt,
     parse_tokenization_kwargs,
     pooling_cut,
 )
@@ -311,6 +312,8 @@ def processed_prompts(processor: InputProcessor, prompts: list[PromptType],
     processed = [processor.process(p, keep_last=limit, options=options,
                                    mm_kwargs=mm_processor_kwargs)
                  for p, limit in zip(prompts, limits)]
+    processed = [_cut_text_prompt(processor.tokenizer, raw, p, limit, options)
+                 for raw, p, limit in zip(prompts, processed, limits)]
     for i, (p, limit) in enumerate(zip(processed, limits)):
         try:
             processor.validate(keep_last_tokens(p.token_ids, limit))
@@ -320,6 +323,26 @@ def processed_prompts(processor: InputProcessor, prompts: list[PromptType],
             raise ValueError(f"prompt {i}: {e}") from None
     return processed
 
+
+
+def _cut_text_prompt(tokenizer: Any, raw: PromptType, prompt: ProcessedPrompt,
+                     limit: int | None, options: TokenizationOptions | None
+                     ) -> ProcessedPrompt:
+    """A text prompt (``raw``: a str or ``{"prompt": str}``, no images) cut to ``limit``
+    tokens (``SamplingParams.truncate_prompt_tokens``) as vLLM 0.32 cuts it: the tokenizer's
+    left truncation, so the special tokens it adds (a BOS) stay
+    (``tokenization_options.cut_generation_prompt``, the server's cut). Others, and a text
+    tokenized without special tokens, with a ``truncation_side``, lower-cased or padded by
+    ``options``, are unchanged here (``make_requests`` keeps their last ``limit``)."""
+    text = raw if isinstance(raw, str) else raw.get("prompt") if isinstance(raw, Mapping) \
+        and set(raw) <= {"prompt", "cache_salt", "mm_processor_kwargs"} else None
+    plain = options is None or (options.add_special_tokens and not options.side_given
+                                and not options.do_lower_case and options.pad_to is None)
+    if limit is None or not isinstance(text, str) or not plain or prompt.mm_features \
+            or len(prompt.token_ids) <= limit:
+        return prompt
+    return dataclasses.replace(prompt, token_ids=cut_generation_prompt(
+        tokenizer, text, prompt.token_ids, limit, True))
 
 
 def tokenized_pooling_prompt(processor: InputProcessor, tokenizer: Any, prompt: PromptType,

@@ -85,3 +85,23 @@ def test_truncation_keeps_the_bos(bos_chat_model, tokenizer):
         plain_chat = post(CH, messages=messages, truncate_prompt_tokens=KEEP)  # no BOS added
         assert plain_chat["prompt_token_ids"] == tokenizer.encode(
             rendered, add_special_tokens=False)[-KEEP:]
+
+
+def test_offline_truncate_prompt_tokens_keeps_the_bos(bos_chat_model, tokenizer):
+    """Offline ``SamplingParams(truncate_prompt_tokens=k)`` on a text prompt cuts as the
+    server and vLLM 0.32 do (was: the whole encoding's last k, the BOS dropped); token ids and
+    ``tokenization_kwargs={"truncation_side": "left"}`` keep their last k."""
+    from kvflow import LLM, SamplingParams
+
+    whole, expected = tokenizer.encode(TEXT), _hf_cut(tokenizer, TEXT)
+    llm = LLM(bos_chat_model, dtype="float32", num_kv_blocks=32)
+    cut = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                         truncate_prompt_tokens=KEEP)
+    for prompt in (TEXT, {"prompt": TEXT}):
+        out = llm.generate(prompt, cut, use_tqdm=False)[0]
+        assert out.prompt_token_ids == expected
+    ids = llm.generate({"prompt_token_ids": whole}, cut, use_tqdm=False)[0]
+    assert ids.prompt_token_ids == whole[-KEEP:]
+    left = llm.generate(TEXT, cut, use_tqdm=False,
+                        tokenization_kwargs={"truncation_side": "left"})[0]
+    assert left.prompt_token_ids == whole[-KEEP:]
