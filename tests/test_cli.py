@@ -139,6 +139,25 @@ def test_generate_prints_prompt_and_completion(tiny_llama, capsys):
     assert f"tokens={len(expected.outputs[0].token_ids)}" in out
 
 
+def test_generate_stop_token_ids_ends_the_sample_at_the_token(tiny_llama, capsys):
+    """``--stop-token-ids`` (was an unknown flag, "did you mean --spec-tokens?") is
+    SamplingParams.stop_token_ids: the sample stops at the first listed id. Oracle: the
+    greedy tokens without it, cut by hand after the first occurrence of the chosen id."""
+    from kvflow import LLM, SamplingParams
+
+    free = LLM(model=tiny_llama.path, dtype="float32", num_kv_blocks=64).generate(
+        "the lazy fox", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].token_ids
+    stops = [free[2], free[5]]
+    want = min(free.index(t) for t in stops) + 1
+    rc, out, err = _run(["generate", "--model", tiny_llama.path, "--dtype", "float32",
+                         "--num-kv-blocks", "64", "--prompt", "the lazy fox", "--max-tokens",
+                         "8", "--temperature", "0", "--ignore-eos", "--stop-token-ids",
+                         *map(str, stops), "--verbose"], capsys)
+    assert rc == 0, err
+    assert f"[finish_reason=stop tokens={want} " in out
+
+
 class _Writes:
     """A stdout that records each write (and says it is not a terminal, as a pipe)."""
 

@@ -19,13 +19,14 @@ from kvflow.models.generation_config import SAMPLING_DEFAULT_FIELDS
 from kvflow.sampling_params import SamplingParams
 
 _SAMPLING_FLAGS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens",
-                   "stop", "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty",
+                   "stop", "stop_token_ids", "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty",
                    "repetition_penalty")
 _BOOL_FLAG_HELP = {"ignore_eos": "go on past the EOS token, up to --max-tokens"}
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per SamplingParams field in ``_SAMPLING_FLAGS`` (``--stop`` repeats). Unset
+    """One flag per SamplingParams field in ``_SAMPLING_FLAGS`` (``--stop`` repeats,
+    ``--stop-token-ids`` takes one or more ids and repeats). Unset
     flags are not passed on, so the model's generation_config.json defaults can fill them."""
     group = parser.add_argument_group("sampling")
     for f in dataclasses.fields(SamplingParams):
@@ -34,6 +35,10 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         if f.name == "stop":
             group.add_argument(flag, action="append", default=None, help="stop string (repeat)")
+        elif f.name == "stop_token_ids":
+            group.add_argument(flag, action="extend", nargs="+", type=int, default=None,
+                               metavar="ID", help="token ids that end a sample (one or more; "
+                               "repeatable), as SamplingParams.stop_token_ids")
         elif f.type in ("bool", bool):
             group.add_argument(flag, action="store_true", default=None,
                                help=_BOOL_FLAG_HELP[f.name])
