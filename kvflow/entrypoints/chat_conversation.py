@@ -30,10 +30,12 @@ def check_messages(messages: list[ChatMessage]) -> None:
         raise OpenAIError(str(e), param=e.param, code=e.code) from None
 
 
-def no_template_error(task: str, request_templates: bool) -> OpenAIError:
+def no_template_error(task: str, request_templates: bool,
+                      command: str = "kvflow serve") -> OpenAIError:
     """The 400 (param ``messages``, code ``no_chat_template``) for a conversation on a model
     without a chat template, saying what this server takes instead: a request's
-    ``chat_template`` when it trusts them (``request_templates``), else ``--chat-template``,
+    ``chat_template`` when it trusts them (``request_templates``), else ``--chat-template``
+    of ``command`` (the one that runs it: ``kvflow serve`` or ``kvflow run-batch``),
     or the plain-text routes of the server's ``task`` (a pooling server's inputs, else
     /v1/completions)."""
     plain = {"generate": "use /v1/completions with a plain prompt",
@@ -41,6 +43,6 @@ def no_template_error(task: str, request_templates: bool) -> OpenAIError:
                       "input"}.get(task, "send the text as /tokenize's prompt or /pooling's "
                                          "input")
     how = "send one in the request's chat_template field" if request_templates else \
-        "the server needs one (kvflow serve --chat-template FILE)"
+        f"the server needs one ({command} --chat-template FILE)"
     return OpenAIError(f"this model has no chat template: {how}, or {plain}",
                        param="messages", code="no_chat_template")

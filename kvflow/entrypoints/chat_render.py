@@ -35,8 +35,11 @@ class ChatRendering:
     ``self.config`` (ServerConfig), ``self.engine`` (its ``processor``, ``max_model_len``,
     ``task``), ``self.tokenizer``, ``self.unknown_fields`` and ``self.chat_template`` (the
     server's template text, or None for the model's: ``_init_chat_template``), as
-    ``OpenAIServing`` provides them.
+    ``OpenAIServing`` provides them. ``cli_command``: the command whose ``--chat-template``
+    the no-template error names (``kvflow run-batch`` sets its own on its instance).
     """
+
+    cli_command = "kvflow serve"
 
     def _init_chat_template(self, text: str | None) -> str | None:
         """The server's template, ``text`` if read already (None: the model's)."""
@@ -94,7 +97,8 @@ class ChatRendering:
                                   self._render_now, tokenizer, prepared, options, limit)
         except NoChatTemplateError:
             raise no_template_error(getattr(self.engine, "task", "generate"),
-                                    self.config.trust_request_chat_template) from None
+                                    self.config.trust_request_chat_template,
+                                    self.cli_command) from None
         except ChatTemplateError as e:
             raise OpenAIError(str(e), param=e.param, code=e.code) from None
         except PromptTooLong as e:

@@ -339,6 +339,7 @@ def _run(engine_config: EngineConfig, server_config: ServerConfig, source: Batch
                       start_method=core_start_method(getattr(args, "fresh_process", False)))
     try:
         app = build_app(engine, server_config, model_name, template)
+        app.state.chat.cli_command = "kvflow run-batch"  # as its errors name the flag
         with tqdm(total=total, desc="run-batch", unit="line", disable=args.no_progress,
                   file=sys.stderr) as bar:
             def write(line: dict[str, Any]) -> None:

@@ -274,6 +274,21 @@ def test_vllm_chat_flags_reach_the_lines(tiny_chat_model, tmp_path, run_batch_he
                                     for x in logged), logged  # cut to --max-log-len 3
 
 
+def test_no_chat_template_names_run_batchs_flag(tiny_llama, tmp_path, run_batch_here):
+    """A chat line on a model without a chat template: the line's 400 names
+    ``kvflow run-batch --chat-template FILE`` (was ``kvflow serve``'s, a command the user
+    did not run)."""
+    out = tmp_path / "out.jsonl"
+    line = _envelope("c", CHAT, {"model": MODEL, "max_tokens": 2,
+                                 "messages": [{"role": "user", "content": "hi"}]})
+    proc = run_batch_here(_args(tiny_llama.path, out), line + "\n", tmp_path)
+    [got] = map(json.loads, out.read_text(encoding="utf-8").splitlines())
+    body = got["response"]["body"]
+    assert got["response"]["status_code"] == 400, (body, proc.stderr[-2000:])
+    assert body["error"]["code"] == "no_chat_template"
+    assert "(kvflow run-batch --chat-template FILE)" in body["error"]["message"]
+
+
 def test_sigterm_mid_batch_leaves_the_output_path_as_it_was(tiny_chat_model, tmp_path):
     """SIGTERM (Ctrl-C takes the same clean-up) while a line is answered and stdin is still
     open (the reader thread blocked in a read): exit status 143 within seconds, the output path
