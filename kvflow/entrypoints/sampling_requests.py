@@ -59,18 +59,26 @@ def prompt_truncation(engine: AsyncLLM, req: SamplingRequest) -> int | None:
         raise OpenAIError(str(e), param="truncate_prompt_tokens", code="invalid_value") from None
 
 
-def check_max_tokens(max_tokens: int, param: str) -> None:
-    """Refuse a request for fewer than one generated token; ``param`` names the field the
-    request set (``max_tokens`` or chat's ``max_completion_tokens``).
+def check_max_tokens(max_tokens: int, param: str, engine: AsyncLLM | None = None) -> None:
+    """Refuse a request for fewer than one generated token, or (given the ``engine``) for
+    more than its ``max_model_len``, as vLLM 0.32 refuses it whatever the prompt (a
+    smaller one is clamped to what the prompt leaves: ``check_prompt``); ``param`` names
+    the field the request set (``max_tokens`` or chat's ``max_completion_tokens``).
 
     Raises:
         OpenAIError: 400 naming ``param``, code ``integer_below_min_value`` (the OpenAI
-            API's), if ``max_tokens`` is below 1.
+            API's), if ``max_tokens`` is below 1; code ``integer_above_max_value`` if it
+            is above ``engine.max_model_len``.
     """
     if max_tokens < 1:
         raise OpenAIError(f"{param}={max_tokens} is invalid: it must be >= 1 (the most "
                           "tokens to generate)", param=param,
                           code="integer_below_min_value")
+    if engine is not None and max_tokens > engine.max_model_len:
+        raise OpenAIError(
+            f"{param}={max_tokens} cannot be greater than this model's maximum context "
+            f"length of {engine.max_model_len} tokens{engine.processor.max_model_len_note}: "
+            "request fewer output tokens", param=param, code="integer_above_max_value")
 
 
 def sampling_params(engine: AsyncLLM, req: SamplingRequest, max_tokens: int,

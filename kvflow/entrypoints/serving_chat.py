@@ -205,11 +205,12 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         if max_tokens is None:  # the model's default, else as much as the context leaves
             max_tokens = default_max_tokens(self.engine, len(ids))
         else:
-            check_max_tokens(max_tokens, field)
+            check_max_tokens(max_tokens, field, self.engine)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(self.engine, req, max_tokens, logprobs, tool_grammar)
         params.prompt_logprobs = _prompt_logprobs(req)
-        self.check_prompt(ids, max_tokens, "messages", length_param=field)
+        # vLLM's clamp: at most what the context leaves
+        params.max_tokens = self.check_prompt(ids, max_tokens, "messages")
         return params
 
     def response_role(self, req: ChatCompletionRequest) -> str:

@@ -154,26 +154,23 @@ class OpenAIServingChecks:
                               "server_overloaded", code="server_overloaded",
                               headers={"Retry-After": "1"})
 
-    def check_prompt(self, token_ids: list[int], max_tokens: int, param: str,
-                     length_param: str = "max_tokens") -> None:
-        """Raises OpenAIError 400 naming ``param`` for an empty prompt (code ``empty_array``),
-        an out-of-vocabulary token id (``invalid_value``), or naming ``length_param`` (the
-        field the client set the limit with: ``max_tokens`` or chat's
-        ``max_completion_tokens``) for one that leaves no room for ``max_tokens`` in the
-        context (``context_length_exceeded``)."""
+    def check_prompt(self, token_ids: list[int], max_tokens: int, param: str) -> int:
+        """The request's ``max_tokens`` as the context leaves it: at most ``max_model_len``
+        minus the prompt's tokens (vLLM 0.32's ``get_max_tokens`` clamp: the sample then ends
+        with finish_reason ``length`` when the context is full).
+
+        Raises:
+            OpenAIError: 400 naming ``param`` for an empty prompt (code ``empty_array``), an
+                out-of-vocabulary token id (``invalid_value``) or a prompt that leaves no
+                room for a generated token (``context_length_exceeded``). A ``max_tokens``
+                above ``max_model_len`` is refused before, by ``check_max_tokens``.
+        """
         try:
             self.engine.processor.validate(token_ids)
         except ValueError as e:
             raise OpenAIError(str(e), param=param, code=prompt_error_code(str(e))) from None
         limit = self.engine.max_model_len
-        if len(token_ids) + max_tokens > limit:
-            raise OpenAIError(
-                f"this model's maximum context length is {limit} tokens"
-                f"{self.engine.processor.max_model_len_note}; the request has "
-                f"{len(token_ids)} prompt token{'s' * (len(token_ids) != 1)} and asks for "
-                f"{max_tokens} more "
-                f"({len(token_ids) + max_tokens} in total)", param=length_param,
-                code="context_length_exceeded")
+        return min(max_tokens, limit - len(token_ids))
 
     def check_n(self, n: int) -> None:
         """Refuse more samples per request than the server allows.

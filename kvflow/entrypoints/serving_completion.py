@@ -200,14 +200,14 @@ class OpenAIServingCompletion(OpenAIServing):
             max_tokens = 1
         else:
             max_tokens = req.max_tokens
-            check_max_tokens(max_tokens, "max_tokens")
+            check_max_tokens(max_tokens, "max_tokens", self.engine)
         params = sampling_params(self.engine, req, max_tokens, req.logprobs)
         if req.echo and req.logprobs is not None:  # the echoed prompt carries logprobs too
             params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
         elif req.prompt_logprobs is not None:
             params.prompt_logprobs = req.prompt_logprobs
-        try:
-            self.check_prompt(ids, max_tokens, param)
+        try:  # vLLM's clamp: at most what the context leaves
+            params.max_tokens = self.check_prompt(ids, max_tokens, param)
         except OpenAIError as e:
             if index is None or e.param == param:
                 raise

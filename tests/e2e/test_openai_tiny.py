@@ -722,53 +722,62 @@ def test_body_encoding_and_depth_errors_say_what_is_wrong(server, tokenizer):
         assert says in error["message"], error
 
 
-def test_unset_max_tokens_is_capped_by_the_context(server):
-    """A 90-token prompt in the 96-token context without max_tokens: OpenAI's default of 16
+def test_max_tokens_is_capped_by_the_context(server):
+    """A 90-token prompt in the 96-token context: without max_tokens, OpenAI's default of 16
     becomes the 6 tokens that fit (vLLM's rule, and kvflow's for a generation config's
-    default), not a 400 for a length the request never asked for; an explicit 16 is still
-    refused."""
+    default); an explicit 16 is clamped the same way, as vLLM 0.32's ``get_max_tokens``
+    clamps it (was a 400 context_length_exceeded), finish_reason ``length``. Only a
+    max_tokens above max_model_len is refused, whatever the prompt (vLLM's
+    ``max_tokens=... cannot be greater than max_model_len``)."""
     body = {"model": MODEL, "prompt": [3 + i % 50 for i in range(90)], "temperature": 0,
             "ignore_eos": True}
+    for extra in ({}, {"max_tokens": 16}):
+        out = httpx.post(f"{server.url}{C}", json={**body, **extra}, timeout=60).json()
+        assert (out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"]) == \
+            (6, "length"), out
+    error = httpx.post(f"{server.url}{C}", json={**body, "max_tokens": 97}).json()["error"]
+    assert (error["param"], error["code"]) == ("max_tokens", "integer_above_max_value")
+    assert error["message"].startswith("max_tokens=97 cannot be greater than this model's "
+                                       "maximum context length of 96 tokens"), error
+
+
+def test_listed_prompts_are_each_capped_by_the_context(server):
+    """In a list of prompts, each sample's max_tokens is what its own prompt leaves (was: a
+    400 naming the prompt too long for max_tokens 16)."""
+    body = {"model": MODEL, "prompt": [[3], [3 + i % 50 for i in range(90)]], "max_tokens": 16,
+            "temperature": 0, "ignore_eos": True}
     out = httpx.post(f"{server.url}{C}", json=body, timeout=60).json()
-    assert (out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"]) == \
-        (6, "length"), out
-    error = httpx.post(f"{server.url}{C}", json={**body, "max_tokens": 16}).json()["error"]
-    assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
-    one = httpx.post(f"{server.url}{C}", json={**body, "prompt": [3], "max_tokens": 96}).json()
-    assert one["error"]["message"].endswith("the request has 1 prompt token and asks for 96 "
-                                            "more (97 in total)"), one
+    got = sorted((c["index"], c["finish_reason"]) for c in out["choices"])
+    assert got == [(0, "length"), (1, "length")], out
+    assert out["usage"]["completion_tokens"] == 16 + 6, out
 
 
-def test_listed_prompt_context_error_names_the_prompt(server):
-    """In a list of prompts, the one too long for max_tokens is named in the message (the
-    param stays the length field, as for one prompt)."""
-    body = {"model": MODEL, "prompt": [[3], [3 + i % 50 for i in range(90)]], "max_tokens": 16}
-    error = httpx.post(f"{server.url}{C}", json=body, timeout=60).json()["error"]
-    assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
-    assert error["message"].startswith("prompt 1 of the list: this model's maximum context "
-                                       "length is 96 tokens"), error
-
-
-def test_chat_context_error_names_the_length_field_sent(server):
-    """Chat's limit set with max_completion_tokens alone, past the 96-token context: the 400
+def test_chat_length_error_names_the_length_field_sent(server):
+    """Chat's limit set with max_completion_tokens alone, above the 96-token context: the 400
     names max_completion_tokens (was max_tokens, a field the client never sent); set with
-    max_tokens, it names max_tokens."""
+    max_tokens, it names max_tokens. At or below max_model_len it is clamped: a reply of
+    what the context leaves, finish_reason length."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     for field in ("max_completion_tokens", "max_tokens"):
         resp = httpx.post(f"{server.url}/v1/chat/completions", json={**body, field: 100},
                           timeout=60)
         error = resp.json()["error"]
         assert (resp.status_code, error["param"], error["code"]) == \
-            (400, field, "context_length_exceeded"), resp.text
-        assert "asks for 100 more" in error["message"], error
+            (400, field, "integer_above_max_value"), resp.text
+        assert f"{field}=100 cannot be greater than" in error["message"], error
+    out = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                     json={**body, "max_tokens": 96, "temperature": 0, "ignore_eos": True})
+    usage = out.json()["usage"]
+    assert out.status_code == 200 and out.json()["choices"][0]["finish_reason"] == "length"
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 96, usage
 
 
 def test_context_errors_name_the_limit_and_the_length(server, tokenizer):
     num = len(tokenizer.encode(LONG_TEXT))
     error = httpx.post(f"{server.url}{C}", json={"prompt": LONG_TEXT}).json()["error"]
     assert f"{num} tokens" in error["message"] and str(MAX_MODEL_LEN) in error["message"]
-    error = httpx.post(f"{server.url}{C}", json={"prompt": [3] * 10, "max_tokens": 90}).json()
-    assert "96" in error["error"]["message"] and "10 prompt tokens" in error["error"]["message"]
+    error = httpx.post(f"{server.url}{C}", json={"prompt": [3] * 10, "max_tokens": 97}).json()
+    assert "96" in error["error"]["message"] and "max_tokens=97" in error["error"]["message"]
 
 
 def test_server_serves_after_bad_input(server, client):
