@@ -128,6 +128,13 @@ class DPCoreClient:
             if self.cores[replica].is_live:
                 self.cores[replica].send(self.replicas.encoder.encode(AbortRequests(ids, stopped)))
 
+    def holds(self, request_id: str) -> bool:
+        """Whether request ``request_id`` (a sample's id) is still this client's: unfinished
+        on a live replica, or its last output waits for ``step``. False for one a replica
+        that died took with it (``forget_replica``)."""
+        return self.balancer.replica_of(request_id) is not None or \
+            any(out.request_id == request_id for out in self._pending)
+
     def has_unfinished_requests(self) -> bool:
         """Whether any sample sent to a replica has not finished."""
         return any(self.balancer.depth) or bool(self._pending)

@@ -248,10 +248,10 @@ class LLMEngine:
 
 def _lost_samples(core: EngineCore | DPCoreClient, open_samples: dict[str, str]) -> set[str]:
     """The samples of ``open_samples`` (sample id -> request id) that ``core`` no longer
-    holds after a failed step: the in-process core's scheduler tells; a data-parallel
-    client's replicas report their own failures (none is lost here)."""
-    if not isinstance(core, EngineCore):
-        return set()
+    holds after a failed step: those the in-process core's scheduler forgot (the failed step
+    aborted them), or, with data parallelism, those of a replica that died."""
+    if isinstance(core, DPCoreClient):
+        return {sid for sid in open_samples if not core.holds(sid)}
     return {sid for sid in open_samples if sid not in core.scheduler.requests}
 
 
