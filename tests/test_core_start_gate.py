@@ -44,3 +44,34 @@ def test_shutdown_before_go_ends_the_wait_without_loading(tmp_path):
         assert not go.exists()
     finally:
         push.close(0), pull.close(0), ctx.term()
+
+
+
+_WAITS = """
+import sys, threading, zmq
+from pathlib import Path
+from kvflow.engine.core_proc import wait_for_go
+AUTO = "transformers.models.auto.configuration_auto"
+go = Path(sys.argv[1])
+ctx = zmq.Context(); pull = ctx.socket(zmq.PULL); pull.bind("inproc://gate")
+before = AUTO in sys.modules
+threading.Timer(0.1, go.touch).start()  # the API process's config check took 0.1 s
+print(before, wait_for_go(str(go), pull), AUTO in sys.modules)
+pull.close(0); ctx.term()
+"""
+
+
+def test_the_waiting_core_imports_autoconfig_before_the_go(tmp_path):
+    """While the API process checks config.json, the waiting core imports AutoConfig's module
+    (and with it transformers.models' lazy index: 1.9-3.4 s on 2 busy cores, which it spent
+    after the go before, on the way to /health); in a fresh interpreter, as a core's is."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), HF_HUB_OFFLINE="1")
+    out = subprocess.run([sys.executable, "-c", _WAITS, str(tmp_path / "go")], env=env,
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.split() == ["False", "True", "True"]  # before: False True False

@@ -173,6 +173,9 @@ def wait_for_go(go: str, inp: zmq.Socket, poll_ms: int = 20) -> bool:
     if not os.path.exists(go):  # meanwhile, the imports its config load will need
         with contextlib.suppress(ImportError):
             importlib.import_module("transformers.activations")  # 5.x: most of AutoConfig's
+            # AutoConfig and transformers.models' lazy index (1.9-3.4 s on 2 busy cores,
+            # which the core spent after the go, on the way to /health)
+            importlib.import_module("transformers.models.auto.configuration_auto")
     while not os.path.exists(go):
         if inp.poll(poll_ms) or (parent is not None and not parent.is_alive()):
             return False  # only Shutdown is ever sent to a core before it is ready
