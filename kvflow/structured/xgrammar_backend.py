@@ -115,8 +115,22 @@ def _schema_text(spec: str) -> str:
 # xgrammar (0.2.9) writes a string with minLength / maxLength as repetitions of this character
 # class, which lets the raw control characters U+0000-U+001F (but CR and LF) through: a tab or
 # \x0b inside a JSON string, which JSON parsers refuse. Its other strings use the second class.
+# Both classes also match the UTF-16 surrogates U+D800-U+DFFF, whose UTF-8 spellings (ED A0-BF
+# xx) are not UTF-8: the text decodes to three U+FFFD per surrogate (so a maxLength string came
+# out longer than its bound). Both are rewritten to ``_JSON_STRING_CHARS``.
 _LENGTH_STRING_CHARS = r'[^\"\\\r\n]'
-_JSON_STRING_CHARS = r'[^\0-\x1f\"\\\r\n]'
+_XGRAMMAR_STRING_CHARS = r'[^\0-\x1f\"\\\r\n]'
+_JSON_STRING_CHARS = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
+
+
+def json_only_strings(grammar: xgr.Grammar) -> xgr.Grammar:
+    """``grammar`` (xgrammar's conversion of a JSON schema) with its string characters kept to
+    what a JSON string may hold as UTF-8 text: no raw control characters, no surrogates."""
+    ebnf = str(grammar)
+    if _LENGTH_STRING_CHARS not in ebnf and _XGRAMMAR_STRING_CHARS not in ebnf:
+        return grammar
+    return xgr.Grammar.from_ebnf(ebnf.replace(_LENGTH_STRING_CHARS, _JSON_STRING_CHARS)
+                                 .replace(_XGRAMMAR_STRING_CHARS, _JSON_STRING_CHARS))
 
 
 def json_schema_grammar(spec: str) -> xgr.Grammar:
@@ -147,10 +161,7 @@ def json_schema_grammar(spec: str) -> xgr.Grammar:
         if problem is not None:
             raise ValueError(problem) from None
         raise
-    ebnf = str(grammar)
-    if _LENGTH_STRING_CHARS not in ebnf:
-        return grammar
-    return xgr.Grammar.from_ebnf(ebnf.replace(_LENGTH_STRING_CHARS, _JSON_STRING_CHARS))
+    return json_only_strings(grammar)
 
 
 def structural_tag_text(spec: str) -> str:
@@ -359,8 +370,8 @@ class XgrammarBackend(StructuredOutputBackend):
             return self._compiler.compile_grammar(json_schema_grammar(spec))
         if kind == "json_object":
             # Any object: additional properties allowed (strict mode would forbid them all).
-            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                                      strict_mode=False)
+            return self._compiler.compile_grammar(json_only_strings(xgr.Grammar.from_json_schema(
+                '{"type": "object"}', any_whitespace=False, strict_mode=False)))
         if kind == "regex":
             return self._compiler.compile_regex(spec)
         if kind == "structural_tag":  # what validate could not check: token names and ids
