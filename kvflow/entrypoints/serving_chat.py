@@ -210,7 +210,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         params = sampling_params(self.engine, req, max_tokens, logprobs, tool_grammar)
         params.prompt_logprobs = _prompt_logprobs(req)
         # vLLM's clamp: at most what the context leaves
-        params.max_tokens = self.check_prompt(ids, max_tokens, "messages")
+        params.max_tokens = self.check_prompt(ids, max_tokens, "messages", params.min_tokens)
         return params
 
     def response_role(self, req: ChatCompletionRequest) -> str:

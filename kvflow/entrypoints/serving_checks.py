@@ -154,23 +154,33 @@ class OpenAIServingChecks:
                               "server_overloaded", code="server_overloaded",
                               headers={"Retry-After": "1"})
 
-    def check_prompt(self, token_ids: list[int], max_tokens: int, param: str) -> int:
+    def check_prompt(self, token_ids: list[int], max_tokens: int, param: str,
+                     min_tokens: int = 0) -> int:
         """The request's ``max_tokens`` as the context leaves it: at most ``max_model_len``
         minus the prompt's tokens (vLLM 0.32's ``get_max_tokens`` clamp: the sample then ends
-        with finish_reason ``length`` when the context is full).
+        with finish_reason ``length`` when the context is full). ``min_tokens`` must fit in
+        what is left, as vLLM's SamplingParams checks it against the clamped ``max_tokens``.
 
         Raises:
             OpenAIError: 400 naming ``param`` for an empty prompt (code ``empty_array``), an
                 out-of-vocabulary token id (``invalid_value``) or a prompt that leaves no
-                room for a generated token (``context_length_exceeded``). A ``max_tokens``
-                above ``max_model_len`` is refused before, by ``check_max_tokens``.
+                room for a generated token (``context_length_exceeded``); naming
+                ``min_tokens`` (``invalid_value``) when it is above the tokens the context
+                leaves. A ``max_tokens`` above ``max_model_len`` is refused before, by
+                ``check_max_tokens``.
         """
         try:
             self.engine.processor.validate(token_ids)
         except ValueError as e:
             raise OpenAIError(str(e), param=param, code=prompt_error_code(str(e))) from None
         limit = self.engine.max_model_len
-        return min(max_tokens, limit - len(token_ids))
+        left = limit - len(token_ids)
+        if min_tokens > left:
+            raise OpenAIError(f"min_tokens={min_tokens} is more than the {left} tokens this "
+                              f"model's context of {limit} leaves after the prompt's "
+                              f"{len(token_ids)}: ask for fewer", param="min_tokens",
+                              code="invalid_value")
+        return min(max_tokens, left)
 
     def check_n(self, n: int) -> None:
         """Refuse more samples per request than the server allows.

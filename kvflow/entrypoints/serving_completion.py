@@ -207,7 +207,7 @@ class OpenAIServingCompletion(OpenAIServing):
         elif req.prompt_logprobs is not None:
             params.prompt_logprobs = req.prompt_logprobs
         try:  # vLLM's clamp: at most what the context leaves
-            params.max_tokens = self.check_prompt(ids, max_tokens, param)
+            params.max_tokens = self.check_prompt(ids, max_tokens, param, params.min_tokens)
         except OpenAIError as e:
             if index is None or e.param == param:
                 raise

@@ -741,6 +741,21 @@ def test_max_tokens_is_capped_by_the_context(server):
                                        "maximum context length of 96 tokens"), error
 
 
+def test_min_tokens_above_what_the_context_leaves_is_refused(server):
+    """A 90-token prompt in the 96-token context leaves 6 tokens: min_tokens 7 cannot be
+    honoured (vLLM's SamplingParams refuses min_tokens above the clamped max_tokens), so it
+    is a 400 naming min_tokens (chat's path calls the same check; was: 6 tokens, min_tokens
+    silently cut); min_tokens 6 is served with the 6 tokens."""
+    prompt = [3 + i % 50 for i in range(90)]
+    body = {"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 16}
+    error = httpx.post(f"{server.url}{C}", json={**body, "min_tokens": 7}).json()["error"]
+    assert (error["param"], error["code"]) == ("min_tokens", "invalid_value"), error
+    assert "min_tokens=7 is more than the 6 tokens" in error["message"], error
+    out = httpx.post(f"{server.url}{C}", json={**body, "min_tokens": 6}, timeout=60).json()
+    assert (out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"]) == \
+        (6, "length"), out
+
+
 def test_listed_prompts_are_each_capped_by_the_context(server):
     """In a list of prompts, each sample's max_tokens is what its own prompt leaves (was: a
     400 naming the prompt too long for max_tokens 16)."""
