@@ -9,12 +9,12 @@ Oracles: transformers' log-softmax over the prompt, and the offsets of
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from tests.folder_edits import copy_with_bos
 from tests.serving_client import served_client
 from tests.test_text_offsets import stable_offsets
 
@@ -25,16 +25,7 @@ PROMPTS = ["the quick brown", "a lazy dog"]
 @pytest.fixture(scope="module")
 def bos_model(tiny_llama, tmp_path_factory) -> str:
     """The tiny Llama in a folder of its own whose tokenizer puts ``<bos>`` (id 1) first."""
-    from tokenizers import processors
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("bos_llama") / "model"
-    shutil.copytree(tiny_llama.path, folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", special_tokens=[("<bos>", 1)])
-    tokenizer.save_pretrained(folder)
-    return str(folder)
+    return copy_with_bos(tiny_llama.path, tmp_path_factory.mktemp("bos_llama") / "model")
 
 
 @pytest.fixture(scope="module")

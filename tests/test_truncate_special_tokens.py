@@ -10,10 +10,9 @@ ids sent as the prompt.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
+from tests.folder_edits import copy_with_bos
 from tests.serving_client import served_client
 
 CO, CH = "/v1/completions", "/v1/chat/completions"
@@ -25,16 +24,7 @@ KEEP = 6
 def bos_chat_model(tiny_chat_model, tmp_path_factory) -> str:
     """The tiny chat model in a folder of its own whose tokenizer puts ``<bos>`` (id 1)
     first."""
-    from tokenizers import processors
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("bos_chat") / "model"
-    shutil.copytree(tiny_chat_model, folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", special_tokens=[("<bos>", 1)])
-    tokenizer.save_pretrained(folder)
-    return str(folder)
+    return copy_with_bos(tiny_chat_model, tmp_path_factory.mktemp("bos_chat") / "model")
 
 
 @pytest.fixture(scope="module")

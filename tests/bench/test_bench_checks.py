@@ -185,14 +185,7 @@ def test_latency_output_json_folder_fails_before_loading(tmp_path, capsys):
 def test_random_range_ratio_and_prefix_reach_the_requests(monkeypatch, tmp_path):
     """vLLM's --random-range-ratio and --random-prefix-len shape the sent requests and are
     recorded in the result."""
-    sent: list[list[BenchRequest]] = []
-
-    async def fake_run_load(requests, args, rate):
-        sent.append(list(requests))
-        return [RequestResult(success=True, token_times=[0.1, 0.2], prompt_tokens=8,
-                              completion_tokens=2) for _ in requests], 1.0
-
-    monkeypatch.setattr(serve, "run_load", fake_run_load)
+    sent = _record_loads(monkeypatch)
     out = tmp_path / "r.json"
     assert main(["bench", "serve", "--model", NO_MODEL, "--random-vocab-size", "1000",
                  "--num-prompts", "64", "--input-len", "8", "--output-len", "10",
@@ -213,14 +206,7 @@ def test_sweep_draws_new_prompts_per_rate(monkeypatch, tmp_path, capsys):
     """Each rate of a sweep after the first draws its random prompts with --seed + i: the
     same prompts again were served from the prefix cache (on a tiny-model kvflow server the
     second of two equal rates had 72 of its 96 prompt tokens cached and half the TTFT)."""
-    sent: list[list[BenchRequest]] = []
-
-    async def fake_run_load(requests, args, rate):
-        sent.append(list(requests))
-        return [RequestResult(success=True, token_times=[0.1, 0.2], prompt_tokens=8,
-                              completion_tokens=2) for _ in requests], 1.0
-
-    monkeypatch.setattr(serve, "run_load", fake_run_load)
+    sent = _record_loads(monkeypatch)
     monkeypatch.setattr("kvflow.bench.plot.plot_sweeps", lambda runs, path: None)
     out = tmp_path / "s.json"
     argv = ["bench", "serve", "--model", NO_MODEL, "--random-vocab-size", "1000",
@@ -459,3 +445,17 @@ def test_max_concurrency_clock_starts_after_the_wait(monkeypatch):
     assert starts[0] == 0.0 and starts[1] >= 0.19 and starts[2] - starts[1] >= 0.19
     assert all(r.token_times[-1] - r.start == pytest.approx(0.2) for r in results)
     assert duration >= 0.59
+
+
+def _record_loads(monkeypatch) -> list[list[BenchRequest]]:
+    """Replace ``serve.run_load`` by a fake that records each load's requests (one list per
+    call: the probe's, then each rate's) and answers each with two tokens, 0.1 s apart."""
+    sent: list[list[BenchRequest]] = []
+
+    async def fake_run_load(requests, args, rate):
+        sent.append(list(requests))
+        return [RequestResult(success=True, token_times=[0.1, 0.2], prompt_tokens=8,
+                              completion_tokens=2) for _ in requests], 1.0
+
+    monkeypatch.setattr(serve, "run_load", fake_run_load)
+    return sent
