@@ -23,15 +23,9 @@ import sys
 import time
 import urllib.request
 
+from serve_harness import is_healthy
+
 PROMPT = "The capital of France is"
-
-
-def _health_ok(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def _first_generate(port: int) -> tuple[float, str]:
@@ -71,7 +65,7 @@ def time_serve(tree: str, model: str, port: int, limit_s: float = 300.0) -> dict
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
-        while not _health_ok(port):
+        while not is_healthy(f"http://127.0.0.1:{port}"):
             if proc.poll() is not None or time.monotonic() - start > limit_s:
                 raise RuntimeError(f"kvflow serve {model} from {tree} did not become healthy")
             time.sleep(0.05)
