@@ -227,5 +227,5 @@ class RingShift:
 
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int64: 3,
-                torch.int32: 4}
+                torch.int32: 4, torch.uint8: 5}
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}

@@ -56,7 +56,7 @@ from kvflow.worker.model_setup import load_runner_model, make_draft_model
 from kvflow.worker.pipeline_stages import recv_from_previous_stage, send_to_next_stage
 from kvflow.worker.pooling import PoolingState
 from kvflow.worker.prompt_embeds_runner import prompt_embed_spans
-from kvflow.worker.request_failures import Failures
+from kvflow.worker.rank_failures import StepFailures, agree_failures, may_fail_before_forward
 from kvflow.worker.request_state import RequestState
 from kvflow.worker.runner_kv_cache import RunnerKVCache
 from kvflow.worker.sampling_inputs import SamplingInputs
@@ -103,10 +103,11 @@ class ModelRunner(RunnerKVCache):
         self.host_kv: HostKVCache | None = None  # swap preemption's host pool
         self.kv_connector: KVConnectorWorker | None = None  # --kv-transfer-config
         self._kv_load_failures: dict[str, str] = {}  # the launched step's, for its output
-        # requests that failed alone (worker/request_failures.py): the launched step's, then
-        # the sampled step's (async scheduling launches step N+1 before collecting N)
-        self._launched_failures: Failures = {}
-        self._sampled_failures: Failures = {}
+        # requests that failed alone (worker/request_failures.py, on several ranks:
+        # worker/rank_failures.py): the launched step's, then the sampled step's (async
+        # scheduling launches step N+1 before collecting N)
+        self._launched_failures = StepFailures()
+        self._sampled_failures = StepFailures()
         self.kv_cache_config: KVCacheConfig | None = None
         self.graph_runner = None
         self.counters = ForwardCounters()  # tokens and seconds in the forward (statistics)
@@ -245,10 +246,10 @@ class ModelRunner(RunnerKVCache):
             self._kv_load_failures, bad = self._load_kv(connector_meta)
             if bad:
                 connector_meta = connector_meta.without_saves_reading(bad)
-        self._launched_failures = failures = {}
+        self._launched_failures = failures = StepFailures(
+            possible=may_fail_before_forward(sched))
         update_states(sched, self.requests, self.input_batch, self.device, self.pooling,
-                      self.lora_manager, self.mm_runner,
-                      failures if self.parallel.pp.is_last_rank else None)
+                      self.lora_manager, self.mm_runner, failures.failed)
         if isinstance(self.drafter, EagleDrafter):  # finished / preempted: features freed
             self.drafter.release(self.input_batch)
         self._step, self._proposed = None, {}
@@ -264,13 +265,14 @@ class ModelRunner(RunnerKVCache):
             if proposal is not None:
                 self._proposed = proposal.token_ids
             hidden, aux = split_aux_hidden(self._forward(
-                inputs, recv_from_previous_stage(self.parallel.pp),
+                inputs, recv_from_previous_stage(self.parallel.pp, failures.failed),
                 lora_mapping=self._lora_mapping(inputs),
                 rows=hidden_rows(inputs, self.input_batch, self.pooling, spec_tokens)))
             if connector_meta is not None:  # and the prompt blocks it completed out after it
                 self.kv_connector.wait_for_save(connector_meta)
-            if not send_to_next_stage(self.parallel.pp, hidden):
-                return  # a pipeline stage before the last: no logits here
+            if not send_to_next_stage(self.parallel.pp, hidden, failures.failed):
+                return  # a pipeline stage before the last: no logits here (its failures
+                # went with its hidden states)
             if isinstance(self.drafter, EagleDrafter):  # the head reads the target's features
                 self.drafter.observe_target(self.input_batch, inputs, hidden, self.block_size,
                                             self.stager, aux)
@@ -297,22 +299,27 @@ class ModelRunner(RunnerKVCache):
         if self._pending is not None:
             raise RuntimeError("collect_output() must run before the next launch_sampling()")
         step, self._step = self._step, None
-        self._sampled_failures, self._launched_failures = self._launched_failures, {}
+        self._sampled_failures, self._launched_failures = self._launched_failures, \
+            StepFailures()
         if step is not None:
+            self._sampled_failures.possible |= self.logits_procs is not None
             self._pending = sample_step(step, self.input_batch, self.sampling_inputs,
                                         self.sampler, grammar_bitmask, self.logits_procs,
-                                        self.requests, self._sampled_failures)
+                                        self.requests, self._sampled_failures.failed)
 
     def collect_output(self) -> ModelRunnerOutput:
         """Copy the last sampled tokens to the host (waits for the device) and return them
         (with the KV connector's failed loads of the step, and the requests that failed
-        alone in it: ``ModelRunnerOutput.failed``)."""
+        alone in it on any rank: ``ModelRunnerOutput.failed``; the last stage's tensor- and
+        context-parallel ranks exchange theirs here, ``worker/rank_failures.py``)."""
         pending, self._pending = self._pending, None
         out = collect_pending(pending, self.input_batch)
         if self._kv_load_failures:
             out.kv_load_failures, self._kv_load_failures = self._kv_load_failures, {}
-        if self._sampled_failures:
-            out.failed, self._sampled_failures = self._sampled_failures, {}
+        failures, self._sampled_failures = self._sampled_failures, StepFailures()
+        if self.parallel.pp.is_last_rank:  # an earlier stage sent its failures on
+            out.failed = agree_failures((self.parallel.tp, self.parallel.cp), failures,
+                                        self.device)
         return out
 
     def _load_kv(self, meta: KVConnectorMetadata) -> tuple[dict[str, str], set[int]]:
@@ -335,7 +342,8 @@ class ModelRunner(RunnerKVCache):
         """Drop a launched or sampled step that will not be collected (the engine aborted its
         requests, whose rows go with the next step's finished ids)."""
         self._step = self._pending = None
-        self._kv_load_failures, self._launched_failures, self._sampled_failures = {}, {}, {}
+        self._kv_load_failures = {}
+        self._launched_failures, self._sampled_failures = StepFailures(), StepFailures()
         if self.input_batch is not None:
             self.input_batch.pending_sample[:] = -1
 

@@ -5,6 +5,8 @@ server's engine core died). Now the batched encoder call that raises is retried 
 image; the requests holding an image that fails alone end with its error (``RequestRefused``,
 field ``multi_modal_data``, for a ValueError), the others run on. Oracle: transformers'
 greedy tokens (``hf_generate``); every KV block free and no container holding the ids.
+The same over 2 worker processes, the image failing on one rank only (rank 1 of TP=2, the
+first of two pipeline stages): ``test_an_image_failing_on_one_rank_ends_only_its_request``.
 """
 
 from __future__ import annotations
@@ -101,3 +103,45 @@ def test_preprocessed_images_that_do_not_hold_what_they_say_are_refused(llm, cha
                                         mm_features=bad))
     assert refused.value.field == MULTI_MODAL_DATA
     assert not engine.core.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(("parallel", "fault_rank"), [
+    ({"tensor_parallel_size": 2}, 1),  # rank 1's encoder alone fails
+    ({"pipeline_parallel_size": 2}, None),  # the first stage (rank 0) runs the encoder
+], ids=["tp2-rank1", "pp2-first-stage"])
+def test_an_image_failing_on_one_rank_ends_only_its_request(tiny_qwen2_vl, parallel,
+                                                            fault_rank):
+    """Over 2 worker processes (tests/distributed/test_parallel_fault_isolation.py's
+    ``RankFaults``): a solid image fails in the vision encoder of one rank, its request ends
+    with a 400 (``RequestRefused``, field ``multi_modal_data``) and the text request and the
+    request with a good image beside it get transformers' tokens. Was: PP=2 raised
+    ``ExecutorError`` (the first stage's worker died), TP=2 ran the request on with wrong
+    tokens (rank 1 without the image, rank 0 with it) and never ended it."""
+    from PIL import Image
+
+    from tests.distributed.conftest import shutdown_and_check
+    from tests.distributed.test_parallel_fault_isolation import (
+        assert_serves_on_and_forgets,
+        start,
+    )
+
+    llm = start(tiny_qwen2_vl.path, fault_rank, **parallel)
+    try:
+        prompts = {"pf-text": ("the quick brown fox jumps over", []),
+                   "pf-good": (f"a {PLACEHOLDER} what is this?", [random_image(84, 56, 1)]),
+                   "pf-bad": (f"look {PLACEHOLDER} here",
+                              [Image.new("RGB", (120, 200), (200, 30, 90))])}
+        engine = llm.engine
+        for rid, (text, images) in prompts.items():
+            engine.add_request({"prompt": text, "multi_modal_data": {"image": images}},
+                               greedy(6), rid)
+        tokens, errors = step_until_done(engine)
+        assert set(tokens) == {"pf-text", "pf-good"} and set(errors) == {"pf-bad"}
+        for rid in tokens:
+            assert tokens[rid] == hf_generate(tiny_qwen2_vl, *prompts[rid], 6)
+        error = errors["pf-bad"]
+        assert isinstance(error, RequestRefused) and error.field == MULTI_MODAL_DATA
+        assert "image 0: the encoder cannot take a solid image" in str(error)
+        assert_serves_on_and_forgets(llm, list(prompts))
+    finally:
+        shutdown_and_check(llm)
