@@ -9,7 +9,8 @@ row's processor). A ValueError is the request's bad input (a 400); another excep
 reported as the engine's failure on that request (a 500) but still ends only that request.
 Running out of memory is never the request's: it is raised (the step fails), as is anything
 raised where no single request can be named (a batched encoder call that fails for every
-image alone, a batched logits processor).
+image alone, a batched logits processor). Over several ranks a request fails when it failed
+on any of them: ``worker/rank_failures.py``.
 """
 
 from __future__ import annotations
