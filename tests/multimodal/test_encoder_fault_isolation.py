@@ -107,8 +107,9 @@ def test_preprocessed_images_that_do_not_hold_what_they_say_are_refused(llm, cha
 
 @pytest.mark.parametrize(("parallel", "fault_rank"), [
     ({"tensor_parallel_size": 2}, 1),  # rank 1's encoder alone fails
-    ({"pipeline_parallel_size": 2}, None),  # the first stage (rank 0) runs the encoder
-], ids=["tp2-rank1", "pp2-first-stage"])
+    # the first stage (rank 0) runs the encoder; images cut across micro-batches in flight
+    ({"pipeline_parallel_size": 2, "max_num_batched_tokens": 24}, None),
+], ids=["tp2-rank1", "pp2-first-stage-chunked"])
 def test_an_image_failing_on_one_rank_ends_only_its_request(tiny_qwen2_vl, parallel,
                                                             fault_rank):
     """Over 2 worker processes (tests/distributed/test_parallel_fault_isolation.py's
