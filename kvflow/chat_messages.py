@@ -349,9 +349,13 @@ def arguments_object(arguments: Any) -> Any:
 
 def _parsed_arguments(call: Any) -> Any:
     """A tool call whose ``function.arguments`` text is the template's object
-    (:func:`arguments_object`; left alone otherwise)."""
+    (:func:`arguments_object`; left alone otherwise), without the ``openai`` client's
+    ``parsed_arguments`` (its own reading of the same text: ``chat_tool_calls
+    .CalledFunction``)."""
     function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+    if not isinstance(function, dict):
         return call
-    arguments = arguments_object(function["arguments"])
-    return {**call, "function": {**function, "arguments": arguments}}
+    function = {k: v for k, v in function.items() if k != "parsed_arguments"}
+    if isinstance(function.get("arguments"), str):
+        function["arguments"] = arguments_object(function["arguments"])
+    return {**call, "function": function}

@@ -32,10 +32,14 @@ class CalledFunction(_StrictModel):
     it, and any text is taken, as vLLM 0.32 takes it: a reply's call may be cut or malformed
     (OpenAI warns its arguments are not always valid JSON), and the client sends that turn
     back. The chat template gets the object the text reads as, ``{}`` for text that is no
-    JSON object (``chat_messages.arguments_object``)."""
+    JSON object (``chat_messages.arguments_object``). ``parsed_arguments`` is the official
+    ``openai`` client's own reading of ``arguments`` (``chat.completions.parse`` and
+    ``.stream`` set it, and the client sends it back with the message): any value is taken,
+    and dropped before the template (``arguments`` is the call)."""
 
     name: str
     arguments: str
+    parsed_arguments: Any = None
 
 
 def is_object_text(text: str) -> bool:

@@ -18,10 +18,15 @@ def check_messages(messages: list[ChatMessage]) -> None:
     fields the client sent) and each call's ``index`` its position (checked here too, before
     calls a template cannot read become text), and each tool turn's ``tool_call_id`` the id
     of an earlier assistant turn's call (``chat_tool_calls.check_tool_call_ids``, as
-    ``LLM.chat``). Raises OpenAIError 400 naming the field otherwise."""
+    ``LLM.chat``), and ``parsed`` only on assistant turns. Raises OpenAIError 400 naming the
+    field otherwise."""
     try:
         for i, message in enumerate(messages):
             check_message_fields({k: getattr(message, k) for k in message.model_fields_set}, i)
+            if message.parsed is not None and message.role != "assistant":
+                raise ChatTemplateError(f"messages.{i}.parsed is for assistant messages only "
+                                        f"(the openai client's reading of a reply; this is a "
+                                        f"{message.role} message)", f"messages.{i}.parsed")
             for j, call in enumerate(message.tool_calls or []):
                 check_call_index(call.index, i, j)
         check_tool_call_ids((m.role, [c.id for c in m.tool_calls or ()], m.tool_call_id)

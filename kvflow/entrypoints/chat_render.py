@@ -29,6 +29,10 @@ from kvflow.prompt_inputs import ProcessedPrompt
 
 logger = logging.getLogger(__name__)
 
+# A message's keys the official openai client sends back but no template gets: ``parsed``
+# (ChatMessage's docstring)
+CLIENT_ONLY_KEYS = frozenset({"parsed"})
+
 
 class ChatRendering:
     """The conversation-rendering half of ``OpenAIServingChat`` (mixed into it): reads
@@ -117,8 +121,8 @@ class ChatRendering:
             OpenAIError: 400 naming the field, for a ``reasoning_effort`` the template cannot
                 honour.
         """
-        conversation = [m.model_dump(exclude_none=True) | {"content": m.model_dump()["content"]}
-                        for m in messages]
+        conversation = [m.model_dump(exclude_none=True, exclude=CLIENT_ONLY_KEYS) |
+                        {"content": m.model_dump()["content"]} for m in messages]
         template = template_text(tokenizer, options.chat_template, self.chat_template, tools)
         try:
             options = options.with_effort(template, drop=self.unknown_fields.ignore)
@@ -202,7 +206,7 @@ class ChatRendering:
                               code="invalid_value") from None
         if processor.mm_processor is None:  # rendering refused image parts already
             return ProcessedPrompt(text, ids)
-        conversation = [m.model_dump() for m in messages]
+        conversation = [m.model_dump(exclude=CLIENT_ONLY_KEYS) for m in messages]
         try:
             return await asyncio.to_thread(_with_images, processor, conversation, text, ids,
                                            mm_kwargs)

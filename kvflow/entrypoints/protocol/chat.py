@@ -142,7 +142,10 @@ class ChatMessage(RequestModel):
     ``chat_messages.check_message_fields``). ``tool_calls`` (assistant turns only) and a tool
     turn's ``tool_call_id`` (required on tool turns, as OpenAI requires it) reach the
     template; OpenAI's and vLLM's other keys (``name``, ...) reach it unchecked, any other key
-    only when the template reads it (kvflow/chat_template.py)."""
+    only when the template reads it (kvflow/chat_template.py). ``parsed`` (assistant turns
+    only) is the official ``openai`` client's reading of a reply's ``content``
+    (``chat.completions.parse``), which it sends back with the message: any value is taken,
+    and left out of the template's conversation (``content`` is the turn)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -150,6 +153,7 @@ class ChatMessage(RequestModel):
     content: str | list[ContentPart] | None = None
     tool_calls: ToolCalls | None = None
     tool_call_id: str | None = None
+    parsed: Any = None  # the openai client's own; never rendered (chat_render)
 
     @field_validator("content")
     @classmethod

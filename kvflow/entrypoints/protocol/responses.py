@@ -94,11 +94,16 @@ class ToolCall(OpenAIBaseModel):
 
 
 class ChatResponseMessage(OmitNoneModel):
-    OMIT_IF_NONE = ("reasoning_content",)
+    """The reply's message. ``tool_calls`` is left out when the reply made no call, as
+    OpenAI leaves it out (vLLM writes ``[]``): the official client sends the message back
+    as it parsed it (``messages.append(reply.choices[0].message)``), and an empty
+    ``tool_calls`` is a 400 there, as OpenAI refuses one."""
+
+    OMIT_IF_NONE = ("tool_calls", "reasoning_content")
 
     role: str = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_calls: list[ToolCall] | None = None
     reasoning_content: str | None = None
 
 
