@@ -207,14 +207,22 @@ class OpenAIServingChecks:
 
     @staticmethod
     def check_stream_options(req: SamplingRequest) -> None:
-        """``stream_options`` only makes sense on a streamed request.
+        """``stream_options`` only makes sense on a streamed request, and kvflow adds no
+        obfuscation to its chunks (``include_obfuscation`` false, as /v1/responses takes it).
 
         Raises:
-            OpenAIError: 400 (param ``stream_options``) if it is set while ``stream`` is false.
+            OpenAIError: 400 (param ``stream_options``) if it is set while ``stream`` is
+                false; 400 (param ``stream_options.include_obfuscation``, code
+                ``unsupported_parameter``) if that is true.
         """
         if req.stream_options is not None and not req.stream:
             raise OpenAIError("stream_options is only allowed when stream is true",
                               param="stream_options", code="invalid_value")
+        if req.stream_options is not None and req.stream_options.include_obfuscation:
+            param = "stream_options.include_obfuscation"
+            raise OpenAIError(f"{param} is not supported (kvflow adds no obfuscation to "
+                              "stream chunks; send include_obfuscation false)", param=param,
+                              code="unsupported_parameter")
 
     def stream_usage(self, req: SamplingRequest) -> tuple[bool, bool]:
         """What a stream reports of its usage: (a last chunk with the request's usage,

@@ -29,10 +29,14 @@ class StreamOptions(RequestModel):
     """``stream_options`` of a streamed request. ``include_usage``: a last chunk (no choices)
     carries the request's usage; ``continuous_usage_stats`` (vLLM's extension): every chunk
     carries the usage so far (prompt tokens, tokens generated up to and including that chunk,
-    their sum). A key it does not declare is a 400 naming ``stream_options.<key>``."""
+    their sum). ``include_obfuscation`` (OpenAI's; the official ``openai`` client types it):
+    kvflow adds no obfuscation padding to chunks, so ``false`` (and null) is what it does and
+    ``true`` is a 400 (``serving_checks.check_stream_options``), as on /v1/responses. A key
+    it does not declare is a 400 naming ``stream_options.<key>``."""
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    include_obfuscation: bool | None = None
 
 
 class JsonSchemaFormat(RequestModel):

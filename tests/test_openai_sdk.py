@@ -1,13 +1,16 @@
-"""The official ``openai`` client sending a reply's message back, as its users do
-(``messages.append(reply.choices[0].message)``), through ``build_app`` on a real AsyncLLM over
-the tiny Llama with a template of its own (the client over starlette's TestClient: no port,
-no subprocess).
+"""The official ``openai`` client against the server as its users drive it, through
+``build_app`` on a real AsyncLLM over the tiny Llama with a template of its own (the client
+over starlette's TestClient: no port, no subprocess).
 
-The client sends back what it parsed: every key the server wrote (``exclude_unset``), and
-for ``chat.completions.parse`` / ``.stream`` its own ``parsed`` and ``parsed_arguments``.
-An empty ``tool_calls`` (which the reply held) was refused as OpenAI refuses one, so the
-plain round trip was a 400. Oracle: the reply's JSON read by hand, and the same conversation
-written as plain dicts (the rendered prompt, through ``prompt_token_ids``, is the same)."""
+A reply's message sent back (``messages.append(reply.choices[0].message)``): the client sends
+back what it parsed, every key the server wrote (``exclude_unset``), and for
+``chat.completions.parse`` / ``.stream`` its own ``parsed`` and ``parsed_arguments``. An empty
+``tool_calls`` (which the reply held) was refused as OpenAI refuses one, so the plain round
+trip was a 400. Oracle: the reply's JSON read by hand, and the same conversation written as
+plain dicts (the rendered prompt, through ``prompt_token_ids``, is the same).
+
+``stream_options`` as the client types it: ``include_obfuscation`` false was a 400 (an
+unknown key) on chat and completions, though /v1/responses took it."""
 
 from __future__ import annotations
 
@@ -128,3 +131,25 @@ def test_parsed_on_another_role_is_refused(client):
         client.chat.completions.create(model="m", messages=[{**USER, "parsed": {"a": 1}}],
                                        **GREEDY)
     assert e.value.param == "messages.0.parsed"
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_stream_options_include_obfuscation(client, route):
+    """``include_obfuscation: false`` (no padding, what kvflow does anyway) is taken: the
+    stream is the one sent without it, usage chunk included; ``true`` is a 400 naming it."""
+    def stream(**options) -> list[dict]:
+        body = {"model": "m", "stream": True, **GREEDY,
+                "stream_options": {"include_usage": True, **options}}
+        if route == "chat":
+            chunks = client.chat.completions.create(messages=[USER], **body)
+        else:
+            chunks = client.completions.create(prompt="the quick", **body)
+        return [c.model_dump(exclude={"id", "created"}) for c in chunks]
+
+    plain = stream()
+    assert plain[-1]["usage"]["completion_tokens"] == GREEDY["max_tokens"]
+    assert stream(include_obfuscation=False) == plain
+    with pytest.raises(openai.BadRequestError) as e:
+        stream(include_obfuscation=True)
+    assert (e.value.param, e.value.code) == ("stream_options.include_obfuscation",
+                                             "unsupported_parameter")
