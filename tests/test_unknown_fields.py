@@ -91,6 +91,28 @@ def test_unsupported_fields_keep_their_own_message_in_both_modes():
     assert (error.param, error.code) == ("verbosity", "unsupported_parameter")
 
 
+# the openai client's chat fields kvflow cannot honour, as it sends them
+CLIENT_CHAT_FIELDS = {"moderation": {"model": "omni-moderation-latest"},
+                      "prompt_cache_retention": "24h",
+                      "prompt_cache_options": {"mode": "explicit", "ttl": "30m"}}
+
+
+@pytest.mark.parametrize("name", CLIENT_CHAT_FIELDS)
+def test_openai_client_chat_fields_are_refused_as_on_responses(name):
+    """``moderation`` and the prompt-cache options the openai client types for chat are a 400
+    naming the field (``unsupported_parameter``, with /v1/responses' reason, which declares
+    them), also under ``--ignore-unknown-fields``: they were unknown fields, which that flag
+    drops unread (moderation asked for and not run); null passes."""
+    from kvflow.entrypoints.protocol.responses_api import unhonoured_fields
+
+    for ignore in (False, True):
+        error = _refusal("/v1/chat/completions", {name: CLIENT_CHAT_FIELDS[name]}, ignore)
+        assert (error.param, error.code) == (name, "unsupported_parameter")
+        assert str(error) == f"{name} is not supported by kvflow: " \
+                             f"{unhonoured_fields()[name].instead}"
+    UnknownFields().check(_parsed("/v1/chat/completions", {name: None}), "/v1/chat/completions")
+
+
 def test_null_and_harmless_values_of_unsupported_fields_pass():
     harmless = {"modalities": ["text"], "audio": None, "guided_decoding_backend": "auto",
                 "spaces_between_special_tokens": True, "verbosity": None}

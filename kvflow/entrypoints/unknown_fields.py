@@ -87,6 +87,11 @@ UNSUPPORTED = {
                        "out)",
     # OpenAI fields of its own models
     "verbosity": "the reply's length follows the model and max_tokens",
+    # OpenAI chat fields the openai client sends (/v1/responses declares them, refusing
+    # every value but null the same way: protocol/responses_api.py)
+    "moderation": "kvflow runs no moderation",
+    "prompt_cache_retention": "the prefix cache keeps blocks while memory allows",
+    "prompt_cache_options": "every request shares the prefix cache",
     # OpenAI's chat platform fields (kvflow/entrypoints/platform_fields.py decides them on
     # chat, where they are declared): elsewhere too a value that asks for what kvflow cannot
     # do is refused, not ignored under --ignore-unknown-fields
