@@ -91,6 +91,8 @@ def _same_prompt(client, history: list, message, after: tuple = (), **request) -
     assert typed.model_extra["prompt_token_ids"] == plain.model_extra["prompt_token_ids"]
 
 
+# the client's own warning, dumping its ParsedChatCompletionMessage (``parsed`` typed None)
+@pytest.mark.filterwarnings("ignore:Pydantic serializer warnings:UserWarning")
 def test_parsed_reply_sent_back(client):
     """``chat.completions.parse``'s message carries ``parsed`` (the client's reading of the
     JSON content), sent back with it: taken and not rendered (it was a 400 naming
