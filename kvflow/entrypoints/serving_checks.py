@@ -244,8 +244,11 @@ class OpenAIServingChecks:
         """Raises OpenAIError 400 naming a field set to something kvflow does not do:
         ``best_of`` other than ``n``, a field ``use_beam_search`` would not honour (or
         ``length_penalty`` without it: ``beam_requests.check_beam_request``), beam search on
-        an engine whose ``--logprobs-mode`` reports logits, or a ``priority``
-        while the scheduler is not run by priority (it would be ignored). The code is
+        an engine whose ``--logprobs-mode`` reports logits, a ``priority``
+        while the scheduler is not run by priority (it would be ignored), or vLLM's
+        ``kv_transfer_params`` on a server without ``--kv-transfer-config`` (no connector
+        would load or store the prompt's KV: a proxy's prefill and decode would each compute
+        it). The code is
         ``unsupported_parameter`` for a field this endpoint never takes, else
         ``unsupported_value`` (OpenAI's codes for the two). Undeclared fields were checked
         first (``check_fields``)."""
@@ -259,6 +262,12 @@ class OpenAIServingChecks:
             except ValueError as e:
                 raise OpenAIError(str(e), param="use_beam_search",
                                   code="unsupported_value") from None
+        if req.kv_transfer_params is not None and self.engine.config.kv_transfer_config is None:
+            raise OpenAIError("kv_transfer_params is for disaggregated prefill, and this "
+                              "server runs no KV connector (start it with "
+                              "--kv-transfer-config), so the prompt's KV would be neither "
+                              "stored nor loaded: leave it out", param="kv_transfer_params",
+                              code="unsupported_parameter")
         self.check_priority(req.priority)
 
     def check_priority(self, priority: int) -> None:

@@ -495,6 +495,9 @@ def sampling_cases(path: str) -> dict[str, Callable]:
     return {
         "model": rejected(path, {"model": "gpt-4"}, "model", 404), "request_id": request_id,
         "cache_salt": cache_salt, "vllm_xargs": vllm_xargs,
+        # no --kv-transfer-config here (the P/D pair takes it: test_openai_kv_transfer.py)
+        "kv_transfer_params": rejected(path, {"kv_transfer_params": {
+            "do_remote_decode": True, "do_remote_prefill": False}}, "kv_transfer_params"),
         "allowed_token_ids": allowed_token_ids, "bad_words": bad_words,
         "truncate_prompt_tokens": truncate_prompt_tokens,
         "return_tokens_as_token_ids": return_tokens_as_token_ids,

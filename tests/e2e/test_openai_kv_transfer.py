@@ -65,3 +65,44 @@ def test_unseen_prompt_loads_nothing(servers):
     _, consumer = servers
     got = _complete(consumer, list(range(100, 113)), 2)
     assert got.usage.prompt_tokens_details.cached_tokens == 0
+
+
+# what vLLM's disaggregated-prefill proxies send: the prefill instance is told to keep the
+# KV for a remote decode, the decode instance gets what the prefill's reply handed back (or,
+# when it handed nothing back, as here and from vLLM's SharedStorageConnector, a remote prefill)
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+DECODE_PARAMS = {**PREFILL_PARAMS, "do_remote_decode": False, "do_remote_prefill": True}
+
+
+def _cached(usage) -> int:
+    return usage.prompt_tokens_details.cached_tokens
+
+
+def test_proxy_kv_transfer_params_are_taken_on_both_endpoints(servers):
+    """A proxy's ``kv_transfer_params`` are accepted by the producer and the consumer
+    (a 200, not a 400 naming an unknown field), on completions and chat: the consumer
+    loads the prompt's whole blocks but the last token's, and decodes what the producer's
+    own full run of the prompt decodes."""
+    producer, consumer = servers
+    prompt = list(range(200, 223))  # 23 tokens: 5 whole blocks before the last token
+    first = producer.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                        temperature=0,
+                                        extra_body={"kv_transfer_params": PREFILL_PARAMS})
+    handed = (first.model_extra or {}).get("kv_transfer_params") or DECODE_PARAMS
+    got = consumer.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
+                                      extra_body={"kv_transfer_params": handed})
+    assert _cached(got.usage) == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE  # 20
+    want = producer.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
+    assert got.choices[0].text == want.choices[0].text
+    messages = [{"role": "user", "content": "tell me about the quick brown fox " * 3}]
+    producer.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                     temperature=0,
+                                     extra_body={"kv_transfer_params": PREFILL_PARAMS})
+    got = consumer.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                           temperature=0,
+                                           extra_body={"kv_transfer_params": DECODE_PARAMS})
+    assert _cached(got.usage) == (got.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE > 0
+    want = producer.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                            temperature=0)
+    assert got.choices[0].message.content == want.choices[0].message.content

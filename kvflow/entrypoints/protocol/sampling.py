@@ -103,7 +103,10 @@ class SamplingRequest(RequestBody):
     as ``token_id:{id}`` (unset: the server's ``--return-tokens-as-token-ids``); vLLM's ``vllm_xargs`` (string keys; each value a string, number or
     bool, or a flat list of them, as vLLM's type allows; anything nested is a 400 naming it)
     becomes ``SamplingParams.extra_args``, the arguments of the server's custom logits
-    processors (``--logits-processors``)."""
+    processors (``--logits-processors``). vLLM's ``kv_transfer_params`` (a JSON object, what
+    a disaggregated-prefill proxy sends each instance) is taken by a server with
+    ``--kv-transfer-config`` and read by no connector of kvflow's (SharedStorageConnector
+    finds a prompt's blocks by their content, as vLLM's does)."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
@@ -148,6 +151,8 @@ class SamplingRequest(RequestBody):
     return_tokens_as_token_ids: bool | None = None  # None: --return-tokens-as-token-ids
     # vLLM's custom arguments: SamplingParams.extra_args, read by custom logits processors
     vllm_xargs: dict[str, XargValue | list[XargValue]] | None = None
+    # vLLM's disaggregated-prefill parameters (--kv-transfer-config servers only)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="wrap")
     @classmethod
