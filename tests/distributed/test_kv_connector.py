@@ -62,7 +62,8 @@ def _kv(folder: str, role: str) -> dict:
 
 def _llm(path: str, folder: str | None, role: str = "kv_both", **kwargs) -> LLM:
     kwargs.setdefault("num_kv_blocks", 64)
-    return LLM(model=path, dtype="float32", block_size=BLOCK_SIZE,
+    kwargs.setdefault("block_size", BLOCK_SIZE)
+    return LLM(model=path, dtype="float32",
                kv_transfer_config=None if folder is None else _kv(folder, role), **kwargs)
 
 
@@ -361,6 +362,36 @@ def test_another_model_loads_nothing(tiny_llama, tiny_tokenizer, tiny_model_fact
         consumer.shutdown()
     assert out.metrics.num_cached_tokens == 0
     assert out.outputs[0].token_ids == _hf_greedy(model, prompt)
+
+
+@pytest.mark.parametrize("producer_kwargs, layout", [
+    ({"kv_cache_dtype": "int8"}, "kv_cache_dtype=int8"),
+    ({"block_size": 8}, "block_size=8,"),
+])
+def test_a_consumer_of_another_layout_is_refused_or_warned(tiny_llama, tmp_path, caplog,
+                                                         producer_kwargs, layout):
+    """A producer of another KV-cache dtype or block size stores blocks a consumer can never
+    load (other keys): a consumer started on its folder is refused naming both layouts; one
+    started before that producer computes the prompt (HF's tokens) and warns once; a
+    consumer of the producer's own layout, or a folder that also has its own layout, starts."""
+    prompt, other = _prompts(tiny_llama.vocab_size)[:2]
+    early = _llm(tiny_llama.path, str(tmp_path), "kv_consumer")  # before any producer
+    try:
+        _produce(tiny_llama.path, str(tmp_path), [prompt], **producer_kwargs)
+        with pytest.raises(ValueError, match=rf"store KV blocks of .*{layout}.*this engine's "
+                                             r"KV cache is block_size=4,kv_cache_dtype=auto,"):
+            _llm(tiny_llama.path, str(tmp_path), "kv_consumer")
+        with caplog.at_level("WARNING", "kvflow.distributed.kv_transfer.shared_storage"):
+            outs = _generate(early, [prompt, other])
+        assert [o.metrics.num_cached_tokens for o in outs] == [0, 0]
+        assert outs[0].outputs[0].token_ids == _hf_greedy(tiny_llama, prompt)
+        warnings = [r.getMessage() for r in caplog.records if "store KV blocks of" in r.message]
+        assert len(warnings) == 1 and layout in warnings[0], warnings
+    finally:
+        early.shutdown()
+    _llm(tiny_llama.path, str(tmp_path), "kv_consumer", **producer_kwargs).shutdown()
+    _produce(tiny_llama.path, str(tmp_path), [prompt])  # this layout's producer too
+    _llm(tiny_llama.path, str(tmp_path), "kv_consumer").shutdown()
 
 
 def test_salted_requests_load_only_their_salts_blocks(tiny_llama, tmp_path, plain):

@@ -14,7 +14,10 @@ way by the first producer that recomputes its block after the failure, so the ne
 loads it again (a consumer only reads, and leaves it).
 
 Keys: a SHA-256 chain over each block's tokens and everything its K/V depends on
-(``storage_keys.py``: ``block_keys`` from ``model_identity``).
+(``storage_keys.py``: ``block_keys`` from ``model_identity``). Layouts: each producer records
+its block size, KV-cache dtype and tensor-parallel size in the folder; a ``kv_consumer``
+whose layout no producer of its model records is refused at start-up, or warned at its
+first miss once such a producer has started (``storage_layouts.py``).
 
 Which requests take part: every generation request (prompt embeddings too: their digest is an
 extra key of every block) but those asking for prompt logprobs (they need every prompt token
@@ -44,6 +47,12 @@ from kvflow.distributed.kv_transfer.base import (
 from kvflow.distributed.kv_transfer.storage_keys import (  # noqa: F401 (re-exported: here before)
     block_keys,
     model_identity,
+)
+from kvflow.distributed.kv_transfer.storage_layouts import (
+    foreign_layouts,
+    layout_name,
+    mismatch_message,
+    record_layout,
 )
 from kvflow.kv_connector_meta import BlockTransfer, KVConnectorMetadata
 from kvflow.request import Request
@@ -92,6 +101,7 @@ class _RequestState:
     num_saved: int = 0  # leading prompt blocks saved (or found stored)
     loads: list[BlockTransfer] = field(default_factory=list)
     rewrites: list[str] = field(default_factory=list)  # bad files its saves replace
+    layout_checked: bool = False  # its miss was checked against the producers' layouts
 
 
 class SharedStorageScheduler(KVConnectorScheduler):
@@ -105,6 +115,13 @@ class SharedStorageScheduler(KVConnectorScheduler):
         extra_keys: a request -> its blocks' extra keys (``core/block_hashing.py``
             ``connector_extra_keys``: adapter, images, salt, ...), or None (tokens only).
         tp_size: tensor-parallel ranks (a block is stored once each has written its file).
+
+    Raises:
+        ValueError: naming ``shared_storage_path``, if the folder cannot be created or (a
+            producer) its layout cannot be recorded there; for a ``kv_consumer``, naming
+            both layouts, if the folder's producers of this model store only blocks of
+            another block size, KV-cache dtype or tensor-parallel size
+            (``storage_layouts.py``: it could load none of them).
     """
 
     def __init__(self, config: KVTransferConfig, block_size: int, kv_cache_dtype: str,
@@ -121,6 +138,28 @@ class SharedStorageScheduler(KVConnectorScheduler):
         self._to_rewrite: set[str] = set()  # of those, the files no save has replaced yet
         self.num_loaded_blocks = 0  # statistics: blocks loaded / saved since start
         self.num_saved_blocks = 0
+        self._init_layout()
+
+    def _init_layout(self) -> None:
+        """A producer records its layout; a consumer refuses a folder whose producers of
+        this model store only other layouts (see ``storage_layouts.py``)."""
+        self.layout = layout_name(self.block_size, self.kv_cache_dtype, self.tp_size)
+        self._warned_layouts: list[str] = []  # the foreign layouts last warned about
+        if self.config.is_producer:
+            record_layout(self.root, self.model_key, self.layout)
+            return
+        recorded = foreign_layouts(self.root, self.model_key, self.layout)
+        if recorded:
+            raise ValueError(mismatch_message(self.root, self.layout, recorded))
+
+    def _check_layout(self, state: _RequestState) -> None:
+        """A consumer's request found none of its blocks: warn (once per set of layouts)
+        when producers of another layout started since (``storage_layouts.py``)."""
+        state.layout_checked = True
+        recorded = foreign_layouts(self.root, self.model_key, self.layout)
+        if recorded and recorded != self._warned_layouts:
+            self._warned_layouts = recorded
+            logger.warning("%s", mismatch_message(self.root, self.layout, recorded))
 
     def _state(self, request: Request) -> _RequestState:
         state = self._states.get(request.request_id)
@@ -134,7 +173,8 @@ class SharedStorageScheduler(KVConnectorScheduler):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         if not self.config.is_consumer or not takes_part(request):
             return 0
-        keys = self._state(request).keys
+        state = self._state(request)
+        keys = state.keys
         # never the last token: its logits are needed (a prompt of whole blocks loads one less)
         max_blocks = min(len(keys), (request.num_tokens - 1) // self.block_size)
         first = num_computed_tokens // self.block_size
@@ -142,6 +182,9 @@ class SharedStorageScheduler(KVConnectorScheduler):
         while found < max_blocks and keys[found] not in self._bad_keys and \
                 is_stored(self.root, keys[found], self.tp_size):
             found += 1
+        if found == 0 < max_blocks and not state.layout_checked and \
+                not self.config.is_producer:
+            self._check_layout(state)
         return (found - first) * self.block_size
 
     def update_state_after_alloc(self, request: Request, block_ids: Sequence[int],
