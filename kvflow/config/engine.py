@@ -135,8 +135,13 @@ class EngineConfig:
             if getattr(pc, name) > 1:
                 raise ValueError(f"kv_transfer_config with {name}={getattr(pc, name)} is not "
                                  "available (each rank would hold part of a block's K/V)")
-        refused = [("speculative_config", self.speculative_config is not None),
-                   ("async_scheduling", bool(sc.async_scheduling)),
+        spec = self.speculative_config
+        if spec is not None and spec.method != "ngram":  # ngram drafts from tokens alone
+            raise ValueError(f"kv_transfer_config with speculative_config method="
+                             f"{spec.method!r} is not available: the connector moves the "
+                             "target model's KV, not the draft's, so the loaded prompt "
+                             "blocks would have none (method 'ngram' is available)")
+        refused = [("async_scheduling", bool(sc.async_scheduling)),
                    ("preemption_mode='swap'", sc.preemption_mode == "swap")]
         for name, given in refused:
             if given:

@@ -320,6 +320,39 @@ def test_preempted_consumer_requests_leak_nothing(tiny_llama, tmp_path, assert_n
         consumer.shutdown()
 
 
+def test_ngram_speculative_decoding_on_both_sides(tiny_llama, tmp_path, assert_no_leaks):
+    """n-gram speculative decoding (drafts from the tokens alone, no draft KV) on the producer
+    and on the consumer, with and without prefix caching: the consumer loads each prompt's
+    whole blocks but the last token's, its drafts are verified (some accepted: the prompts
+    repeat), and its greedy tokens are a plain engine's (no connector, no drafts)."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+             "prompt_lookup_min": 1}
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randint(2, tiny_llama.vocab_size, (6,), generator=gen).tolist()
+    prompts = [base * 4, base * 3 + base[:3], *_prompts(tiny_llama.vocab_size)[:2]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = _llm(tiny_llama.path, None)
+    try:
+        want = [o.outputs[0].token_ids for o in plain.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    finally:
+        plain.shutdown()
+    _produce(tiny_llama.path, str(tmp_path), prompts, speculative_config=ngram)
+    for prefix_caching in (True, False):
+        consumer = _llm(tiny_llama.path, str(tmp_path), "kv_consumer",
+                        speculative_config=ngram, enable_prefix_caching=prefix_caching)
+        try:
+            outs = consumer.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                     use_tqdm=False)
+            assert [o.metrics.num_cached_tokens for o in outs] == \
+                [_loaded_tokens(p) for p in prompts]  # 20, 20, 12, 12
+            assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+            assert [o.outputs[0].token_ids for o in outs] == want
+            assert_no_leaks(consumer)
+        finally:
+            consumer.shutdown()
+
+
 def test_prompt_logprobs_requests_compute_their_prompt(tiny_llama, tmp_path):
     """A request asking for prompt logprobs needs every prompt token computed: it loads
     nothing, and its prompt logprobs are HF's log-softmax."""
@@ -658,8 +691,10 @@ def test_bad_config_is_refused(value, needle):
     ({"context_parallel_size": 2}, "context_parallel_size=2"),
     ({"async_scheduling": True}, "async_scheduling"),
     ({"preemption_mode": "swap"}, "preemption_mode='swap'"),
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-     "speculative_config"),
+    ({"speculative_config": {"method": "draft_model", "model": "d",
+                             "num_speculative_tokens": 2}},
+     "speculative_config method='draft_model' is not available: the connector moves the "
+     + "target model's KV, not the draft's"),
 ])
 def test_unsupported_settings_are_refused(kwargs, needle, tmp_path):
     with pytest.raises(ValueError, match=needle):
