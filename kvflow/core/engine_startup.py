@@ -42,6 +42,7 @@ from kvflow.core.unread_options import (
 )
 from kvflow.distributed.kv_transfer import make_kv_connector_scheduler
 from kvflow.distributed.kv_transfer.storage_keys import model_identity
+from kvflow.distributed.kv_transfer.storage_layouts import StorageLayout, layout_name
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor import make_executor
 from kvflow.kernels.cpu_threads import check_cpu_threads
@@ -325,7 +326,9 @@ class EngineCoreStartup:
 
         Raises:
             ValueError: for KV-cache groups other than one full-attention group (sliding
-                window layers, MLA's latent cache): their blocks are not stored yet.
+                window layers, MLA's latent cache): their blocks are not stored yet; for a
+                ``kv_consumer`` of a layout no producer of its model in the folder stores
+                (``storage_layouts.py``).
         """
         kt = self.config.kv_transfer_config
         if kt is None:
@@ -340,12 +343,14 @@ class EngineCoreStartup:
                              "MLA layers), which the connector does not store yet")
         cc = self.config.cache_config
         rope = long_prompt_rope(self.hf_config)
-        model_key = model_identity(self.source.path, self.hf_config, self.dtype,
-                                   self.config.model_config)
+        mc, tp = self.config.model_config, self.config.parallel_config.tensor_parallel_size
+        model_key = model_identity(self.source.path, self.hf_config, self.dtype, mc)
+        layout = StorageLayout(  # the producers' layouts of this model, whatever its dtype
+            model_identity(self.source.path, self.hf_config, None, mc),
+            layout_name(cc.block_size, cc.kv_cache_dtype, tp, str(self.dtype).split(".")[-1]))
         self.scheduler.connector = make_kv_connector_scheduler(
             kt, cc.block_size, cc.kv_cache_dtype, model_key,
-            connector_extra_keys(rope.original if rope is not None else None),
-            self.config.parallel_config.tensor_parallel_size)
+            connector_extra_keys(rope.original if rope is not None else None), tp, layout)
 
     def _init_structured_output(self) -> None:
         """Grammar compiles run on compile threads, each within a time limit

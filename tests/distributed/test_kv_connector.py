@@ -63,7 +63,8 @@ def _kv(folder: str, role: str) -> dict:
 def _llm(path: str, folder: str | None, role: str = "kv_both", **kwargs) -> LLM:
     kwargs.setdefault("num_kv_blocks", 64)
     kwargs.setdefault("block_size", BLOCK_SIZE)
-    return LLM(model=path, dtype="float32",
+    kwargs.setdefault("dtype", "float32")
+    return LLM(model=path,
                kv_transfer_config=None if folder is None else _kv(folder, role), **kwargs)
 
 
@@ -400,11 +401,12 @@ def test_another_model_loads_nothing(tiny_llama, tiny_tokenizer, tiny_model_fact
 @pytest.mark.parametrize("producer_kwargs, layout", [
     ({"kv_cache_dtype": "int8"}, "kv_cache_dtype=int8"),
     ({"block_size": 8}, "block_size=8,"),
+    ({"dtype": "bfloat16"}, "dtype=bfloat16,"),
 ])
 def test_a_consumer_of_another_layout_is_refused_or_warned(tiny_llama, tmp_path, caplog,
                                                          producer_kwargs, layout):
-    """A producer of another KV-cache dtype or block size stores blocks a consumer can never
-    load (other keys): a consumer started on its folder is refused naming both layouts; one
+    """A producer of another KV-cache dtype, block size or compute dtype stores blocks a
+    consumer can never load (other keys): a consumer started on its folder is refused naming both layouts; one
     started before that producer computes the prompt (HF's tokens) and warns once; a
     consumer of the producer's own layout, or a folder that also has its own layout, starts."""
     prompt, other = _prompts(tiny_llama.vocab_size)[:2]
@@ -412,7 +414,8 @@ def test_a_consumer_of_another_layout_is_refused_or_warned(tiny_llama, tmp_path,
     try:
         _produce(tiny_llama.path, str(tmp_path), [prompt], **producer_kwargs)
         with pytest.raises(ValueError, match=rf"store KV blocks of .*{layout}.*this engine's "
-                                             r"KV cache is block_size=4,kv_cache_dtype=auto,"):
+                                             r"KV cache is dtype=float32,block_size=4,"
+                                             r"kv_cache_dtype=auto,tensor_parallel_size=1,"):
             _llm(tiny_llama.path, str(tmp_path), "kv_consumer")
         with caplog.at_level("WARNING", "kvflow.distributed.kv_transfer.shared_storage"):
             outs = _generate(early, [prompt, other])

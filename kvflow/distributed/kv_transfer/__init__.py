@@ -15,6 +15,7 @@ from kvflow.distributed.kv_transfer.shared_storage import (
     SharedStorageScheduler,
     SharedStorageWorker,
 )
+from kvflow.distributed.kv_transfer.storage_layouts import StorageLayout
 
 __all__ = ["KVConnectorScheduler", "KVConnectorWorker", "KVTensors",
            "make_kv_connector_scheduler", "make_kv_connector_worker"]
@@ -23,12 +24,17 @@ __all__ = ["KVConnectorScheduler", "KVConnectorWorker", "KVTensors",
 def make_kv_connector_scheduler(config: KVTransferConfig, block_size: int,
                                 kv_cache_dtype: str, model_key: str = "",
                                 extra_keys: ExtraKeys | None = None,
-                                tp_size: int = 1) -> KVConnectorScheduler:
+                                tp_size: int = 1,
+                                layout: StorageLayout | None = None) -> KVConnectorScheduler:
     """The scheduler half of ``config.kv_connector`` (SharedStorageConnector: the config
-    refuses every other name); ``model_key``, ``extra_keys`` and ``tp_size`` as
-    ``SharedStorageScheduler`` takes them."""
+    refuses every other name); ``model_key``, ``extra_keys``, ``tp_size`` and ``layout`` as
+    ``SharedStorageScheduler`` takes them.
+
+    Raises:
+        ValueError: as ``SharedStorageScheduler`` raises (a folder that cannot be created, a
+            consumer of a layout no producer of its model stores)."""
     return SharedStorageScheduler(config, block_size, kv_cache_dtype, model_key,
-                                  extra_keys, tp_size)
+                                  extra_keys, tp_size, layout)
 
 
 def make_kv_connector_worker(config: KVTransferConfig, block_size: int, kv_cache_dtype: str,

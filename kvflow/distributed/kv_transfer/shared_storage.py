@@ -15,7 +15,7 @@ loads it again (a consumer only reads, and leaves it).
 
 Keys: a SHA-256 chain over each block's tokens and everything its K/V depends on
 (``storage_keys.py``: ``block_keys`` from ``model_identity``). Layouts: each producer records
-its block size, KV-cache dtype and tensor-parallel size in the folder; a ``kv_consumer``
+its compute dtype, block size, KV-cache dtype and tensor-parallel size in the folder; a ``kv_consumer``
 whose layout no producer of its model records is refused at start-up, or warned at its
 first miss once such a producer has started (``storage_layouts.py``).
 
@@ -49,6 +49,7 @@ from kvflow.distributed.kv_transfer.storage_keys import (  # noqa: F401 (re-expo
     model_identity,
 )
 from kvflow.distributed.kv_transfer.storage_layouts import (
+    StorageLayout,
     foreign_layouts,
     layout_name,
     mismatch_message,
@@ -115,6 +116,9 @@ class SharedStorageScheduler(KVConnectorScheduler):
         extra_keys: a request -> its blocks' extra keys (``core/block_hashing.py``
             ``connector_extra_keys``: adapter, images, salt, ...), or None (tokens only).
         tp_size: tensor-parallel ranks (a block is stored once each has written its file).
+        layout: its layout record (``storage_layouts.py``: the model's dtype-free identity
+            and the compute dtype, block size, KV-cache dtype and TP size), or None for one
+            of ``model_key`` and the three settings.
 
     Raises:
         ValueError: naming ``shared_storage_path``, if the folder cannot be created or (a
@@ -126,7 +130,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
 
     def __init__(self, config: KVTransferConfig, block_size: int, kv_cache_dtype: str,
                  model_key: str = "", extra_keys: ExtraKeys | None = None,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, layout: StorageLayout | None = None) -> None:
         self.config, self.block_size, self.kv_cache_dtype = config, block_size, kv_cache_dtype
         self.model_key, self.extra_keys = model_key, extra_keys
         self.tp_size = tp_size
@@ -138,28 +142,29 @@ class SharedStorageScheduler(KVConnectorScheduler):
         self._to_rewrite: set[str] = set()  # of those, the files no save has replaced yet
         self.num_loaded_blocks = 0  # statistics: blocks loaded / saved since start
         self.num_saved_blocks = 0
-        self._init_layout()
+        self._init_layout(layout)
 
-    def _init_layout(self) -> None:
+    def _init_layout(self, layout: StorageLayout | None) -> None:
         """A producer records its layout; a consumer refuses a folder whose producers of
         this model store only other layouts (see ``storage_layouts.py``)."""
-        self.layout = layout_name(self.block_size, self.kv_cache_dtype, self.tp_size)
+        self.layout = layout if layout is not None else StorageLayout(
+            self.model_key, layout_name(self.block_size, self.kv_cache_dtype, self.tp_size))
         self._warned_layouts: list[str] = []  # the foreign layouts last warned about
         if self.config.is_producer:
-            record_layout(self.root, self.model_key, self.layout)
+            record_layout(self.root, self.layout)
             return
-        recorded = foreign_layouts(self.root, self.model_key, self.layout)
+        recorded = foreign_layouts(self.root, self.layout)
         if recorded:
-            raise ValueError(mismatch_message(self.root, self.layout, recorded))
+            raise ValueError(mismatch_message(self.root, self.layout.name, recorded))
 
     def _check_layout(self, state: _RequestState) -> None:
         """A consumer's request found none of its blocks: warn (once per set of layouts)
         when producers of another layout started since (``storage_layouts.py``)."""
         state.layout_checked = True
-        recorded = foreign_layouts(self.root, self.model_key, self.layout)
+        recorded = foreign_layouts(self.root, self.layout)
         if recorded and recorded != self._warned_layouts:
             self._warned_layouts = recorded
-            logger.warning("%s", mismatch_message(self.root, self.layout, recorded))
+            logger.warning("%s", mismatch_message(self.root, self.layout.name, recorded))
 
     def _state(self, request: Request) -> _RequestState:
         state = self._states.get(request.request_id)

@@ -30,7 +30,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _SAMPLE_BYTES = 1 << 20
 
 
-def model_identity(path: str, hf_config: Any, dtype: torch.dtype, model_config: Any) -> str:
+def model_identity(path: str, hf_config: Any, dtype: torch.dtype | None,
+                   model_config: Any) -> str:
     """A hex SHA-256 naming the model whose K/V an engine computes: its effective config
     (``config.json`` after ``hf_overrides``, without the path or transformers version), the
     compute dtype, the quantization settings, and each weight file's name, size and first
@@ -40,7 +41,8 @@ def model_identity(path: str, hf_config: Any, dtype: torch.dtype, model_config: 
     Args:
         path: the model's folder, or its ``.gguf`` file.
         hf_config: the transformers config the engine runs.
-        dtype: the compute dtype.
+        dtype: the compute dtype; None for a digest of the model whatever its dtype (the
+            folder of its layout records, ``storage_layouts.py``).
         model_config: the engine's ``ModelConfig`` (quantization, load format, seed).
     """
     config = {k: v for k, v in hf_config.to_dict().items()

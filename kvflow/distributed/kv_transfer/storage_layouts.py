@@ -1,46 +1,61 @@
-"""SharedStorageConnector's layout records: which KV layouts (block size, KV-cache dtype,
-tensor-parallel size) of a model the producers of a folder store, so that a consumer of
-another layout, which can never load their blocks (its keys and files differ), says so
-instead of silently computing every prompt.
+"""SharedStorageConnector's layout records: which KV layouts (compute dtype, block size,
+KV-cache dtype, tensor-parallel size) of a model the producers of a folder store, so that a
+consumer of another layout, which can never load their blocks (its keys and files differ),
+says so instead of silently computing every prompt.
 
 Each producing engine (``kv_producer``, ``kv_both``) records its layout at start-up as an
-empty file ``{shared_storage_path}/.kvflow-layouts/{model_key}/{layout}``, ``layout`` being
-``block_size=16,kv_cache_dtype=auto,tensor_parallel_size=1`` (``layout_name``). Records
-are never deleted (a producer of an old layout leaves its record, as it leaves its
-blocks).
+empty file ``{shared_storage_path}/.kvflow-layouts/{family_key}/{layout}``: ``family_key``
+is ``model_identity`` of the model without its dtype, ``layout`` reads
+``dtype=bfloat16,block_size=16,kv_cache_dtype=auto,tensor_parallel_size=1``
+(``layout_name``). Records are never deleted (a producer of an old layout leaves its
+record, as it leaves its blocks).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
-__all__ = ["foreign_layouts", "layout_name", "mismatch_message", "record_layout"]
+__all__ = ["StorageLayout", "foreign_layouts", "layout_name", "mismatch_message",
+           "record_layout"]
 
 LAYOUTS_FOLDER = ".kvflow-layouts"
 
 
-def layout_name(block_size: int, kv_cache_dtype: str, tp_size: int) -> str:
-    """The record name of a layout: ``block_size=B,kv_cache_dtype=D,tensor_parallel_size=T``
-    (the settings as the command line names them)."""
-    return (f"block_size={block_size},kv_cache_dtype={kv_cache_dtype},"
+@dataclass(frozen=True)
+class StorageLayout:
+    """An engine's layout record: ``family_key`` (the folder of its model's records) and
+    ``name`` (``layout_name``)."""
+
+    family_key: str
+    name: str
+
+
+def layout_name(block_size: int, kv_cache_dtype: str, tp_size: int,
+                dtype: str | None = None) -> str:
+    """The record name of a layout: ``dtype=X,block_size=B,kv_cache_dtype=D,
+    tensor_parallel_size=T`` (the settings as the command line names them; ``dtype`` the
+    compute dtype, e.g. ``bfloat16``, left out when None)."""
+    head = "" if dtype is None else f"dtype={dtype},"
+    return (f"{head}block_size={block_size},kv_cache_dtype={kv_cache_dtype},"
             f"tensor_parallel_size={tp_size}")
 
 
-def _folder(root: str, model_key: str) -> str:
-    return os.path.join(root, LAYOUTS_FOLDER, model_key or "-")
+def _folder(root: str, family_key: str) -> str:
+    return os.path.join(root, LAYOUTS_FOLDER, family_key or "-")
 
 
-def record_layout(root: str, model_key: str, layout: str) -> None:
-    """Record that an engine of model ``model_key`` stores blocks of ``layout`` in ``root``.
+def record_layout(root: str, layout: StorageLayout) -> None:
+    """Record that an engine stores blocks of ``layout`` in ``root``.
 
     Raises:
         ValueError: naming ``shared_storage_path`` and the OS error, if the record cannot be
             written (no permission, a read-only folder).
     """
-    folder = _folder(root, model_key)
+    folder = _folder(root, layout.family_key)
     try:
         os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, layout), "a"):
+        with open(os.path.join(folder, layout.name), "a"):
             pass
     except OSError as e:
         raise ValueError(f"kv_transfer_config kv_connector_extra_config shared_storage_path="
@@ -48,15 +63,15 @@ def record_layout(root: str, model_key: str, layout: str) -> None:
                          f"{folder}: {e.strerror or e}") from None
 
 
-def foreign_layouts(root: str, model_key: str, layout: str) -> list[str]:
-    """The layouts the producers of model ``model_key`` recorded in ``root``, sorted, when
+def foreign_layouts(root: str, layout: StorageLayout) -> list[str]:
+    """The layouts the producers of ``layout``'s model recorded in ``root``, sorted, when
     none of them is ``layout`` (so none of their blocks is ever found by an engine of
     ``layout``); else (``layout`` among them, or none recorded) an empty list."""
     try:
-        recorded = sorted(os.listdir(_folder(root, model_key)))
+        recorded = sorted(os.listdir(_folder(root, layout.family_key)))
     except OSError:  # no producer of this model recorded one (or the folder is unreadable)
         return []
-    return [] if layout in recorded else recorded
+    return [] if layout.name in recorded else recorded
 
 
 def mismatch_message(root: str, layout: str, recorded: list[str]) -> str:
@@ -65,4 +80,5 @@ def mismatch_message(root: str, layout: str, recorded: list[str]) -> str:
     return (f"kv_transfer_config: the producers of this model in shared_storage_path="
             f"{root!r} store KV blocks of {' / '.join(recorded)}; this engine's KV cache is "
             f"{layout}, so it can load none of them (every prompt is computed): start it with "
-            "the producers' --block-size, --kv-cache-dtype and --tensor-parallel-size")
+            "the producers' --dtype, --block-size, --kv-cache-dtype and "
+            "--tensor-parallel-size")
