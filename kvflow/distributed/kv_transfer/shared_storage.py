@@ -155,7 +155,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
             return
         recorded = foreign_layouts(self.root, self.layout)
         if recorded:
-            raise ValueError(mismatch_message(self.root, self.layout.name, recorded))
+            raise ValueError(mismatch_message(self.root, self.layout, recorded))
 
     def _check_layout(self, state: _RequestState) -> None:
         """A consumer's request found none of its blocks: warn (once per set of layouts)
@@ -164,7 +164,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
         recorded = foreign_layouts(self.root, self.layout)
         if recorded and recorded != self._warned_layouts:
             self._warned_layouts = recorded
-            logger.warning("%s", mismatch_message(self.root, self.layout.name, recorded))
+            logger.warning("%s", mismatch_message(self.root, self.layout, recorded))
 
     def _state(self, request: Request) -> _RequestState:
         state = self._states.get(request.request_id)

@@ -74,11 +74,12 @@ def foreign_layouts(root: str, layout: StorageLayout) -> list[str]:
     return [] if layout.name in recorded else recorded
 
 
-def mismatch_message(root: str, layout: str, recorded: list[str]) -> str:
+def mismatch_message(root: str, layout: StorageLayout, recorded: list[str]) -> str:
     """What a consumer of ``layout`` says when the producers of its model in ``root`` store
     only ``recorded`` layouts."""
     return (f"kv_transfer_config: the producers of this model in shared_storage_path="
             f"{root!r} store KV blocks of {' / '.join(recorded)}; this engine's KV cache is "
-            f"{layout}, so it can load none of them (every prompt is computed): start it with "
-            "the producers' --dtype, --block-size, --kv-cache-dtype and "
-            "--tensor-parallel-size")
+            f"{layout.name}, so it can load none of them (every prompt is computed): start it "
+            "with the producers' --dtype, --block-size, --kv-cache-dtype and "
+            "--tensor-parallel-size (or, if no producer of those layouts runs any more, "
+            f"delete their records in {_folder(root, layout.family_key)})")
