@@ -430,6 +430,34 @@ def test_a_consumer_of_another_layout_is_refused_or_warned(tiny_llama, tmp_path,
     _llm(tiny_llama.path, str(tmp_path), "kv_consumer").shutdown()
 
 
+def test_a_checkpoint_differing_only_mid_file_has_another_identity(tmp_path):
+    """Two checkpoints of one config whose weight files differ only in a tensor between
+    their first and last MiB (a fine-tune that leaves the embeddings and the last tensor
+    alone): other model identities, so neither loads the other's blocks; a copy of one
+    matches it."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from kvflow.distributed.kv_transfer.storage_keys import model_identity
+
+    gen = torch.Generator().manual_seed(0)
+    head, tail = (torch.randn(3 << 18, generator=gen) for _ in range(2))  # 3 MiB each
+    middle = torch.randn(1 << 18, generator=gen)  # 1 MiB
+    config = SimpleNamespace(to_dict=lambda: {"model_type": "llama", "hidden_size": 8})
+    model_config = SimpleNamespace(load_format="auto", quantization=None,
+                                   quantization_group_size=None, seed=0)
+    identities = []
+    for name, mid in (("base", middle), ("copy", middle.clone()), ("tuned", middle + 0.01)):
+        os.makedirs(tmp_path / name)
+        save_file({"a.head": head, "b.middle": mid, "c.tail": tail},
+                  str(tmp_path / name / "model.safetensors"))
+        identities.append(model_identity(str(tmp_path / name), config, torch.float32,
+                                         model_config))
+    base, copy, tuned = identities
+    assert base == copy != tuned
+
+
 def test_salted_requests_load_only_their_salts_blocks(tiny_llama, tmp_path, plain):
     """``cache_salt`` keys every block: the salted prefill is found by the same salt only;
     the unsalted and other-salt requests compute their prompt."""

@@ -27,7 +27,12 @@ import torch
 __all__ = ["block_keys", "model_identity"]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_SAMPLE_BYTES = 1 << 20
+_SAMPLE_BYTES = 1 << 20  # each weight file's head and tail, read whole
+# and windows evenly spaced between them: a tensor of more than 1/_NUM_WINDOWS of its file
+# holds one (a fine-tune that leaves the first and last tensors alone, e.g. embeddings and
+# one layer's last projection, changes one of them)
+_NUM_WINDOWS = 1024
+_WINDOW_BYTES = 4096
 
 
 def model_identity(path: str, hf_config: Any, dtype: torch.dtype | None,
@@ -35,8 +40,10 @@ def model_identity(path: str, hf_config: Any, dtype: torch.dtype | None,
     """A hex SHA-256 naming the model whose K/V an engine computes: its effective config
     (``config.json`` after ``hf_overrides``, without the path or transformers version), the
     compute dtype, the quantization settings, and each weight file's name, size and first
-    and last MiB (two copies of a checkpoint match on any machine; a checkpoint of the same
-    shapes with other weights does not). ``load_format="dummy"`` names its seed instead.
+    and last MiB and 1,024 windows of 4 KiB evenly spaced between them (two copies of a
+    checkpoint match on any machine; a checkpoint of the same shapes with other weights in
+    any tensor of more than 1/1,024 of its file does not: ``_sample_file``).
+    ``load_format="dummy"`` names its seed instead.
 
     Args:
         path: the model's folder, or its ``.gguf`` file.
@@ -57,13 +64,25 @@ def model_identity(path: str, hf_config: Any, dtype: torch.dtype | None,
         files = [path] if os.path.isfile(path) else sorted(
             os.path.join(path, f) for f in os.listdir(path) if f.endswith(_WEIGHT_SUFFIXES))
         for file in files:
-            size = os.path.getsize(file)
-            digest.update(f"|{os.path.basename(file)}|{size}|".encode())
-            with open(file, "rb") as f:
-                digest.update(f.read(_SAMPLE_BYTES))
-                f.seek(max(0, size - _SAMPLE_BYTES))
-                digest.update(f.read(_SAMPLE_BYTES))
+            _sample_file(digest, file)
     return digest.hexdigest()
+
+
+def _sample_file(digest: Any, file: str) -> None:
+    """Add weight file ``file`` to ``digest``: its name and size, its first and last MiB,
+    and ``_NUM_WINDOWS`` windows of ``_WINDOW_BYTES`` evenly spaced between them (about
+    4 MiB read per file, from the page cache the weights were just loaded through)."""
+    size = os.path.getsize(file)
+    digest.update(f"|{os.path.basename(file)}|{size}|".encode())
+    with open(file, "rb") as f:
+        digest.update(f.read(_SAMPLE_BYTES))
+        middle = size - 2 * _SAMPLE_BYTES - _WINDOW_BYTES
+        if middle > 0:
+            for i in range(_NUM_WINDOWS):
+                f.seek(_SAMPLE_BYTES + middle * i // (_NUM_WINDOWS - 1))
+                digest.update(f.read(_WINDOW_BYTES))
+        f.seek(max(0, size - _SAMPLE_BYTES))
+        digest.update(f.read(_SAMPLE_BYTES))
 
 
 def block_keys(tokens: Sequence[int], block_size: int, kv_cache_dtype: str,
