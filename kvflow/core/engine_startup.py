@@ -343,14 +343,30 @@ class EngineCoreStartup:
                              "MLA layers), which the connector does not store yet")
         cc = self.config.cache_config
         rope = long_prompt_rope(self.hf_config)
-        mc, tp = self.config.model_config, self.config.parallel_config.tensor_parallel_size
-        model_key = model_identity(self.source.path, self.hf_config, self.dtype, mc)
+        model_key, layout = self._connector_identity()
+        self.scheduler.connector = make_kv_connector_scheduler(
+            kt, cc.block_size, cc.kv_cache_dtype, model_key,
+            connector_extra_keys(rope.original if rope is not None else None),
+            self.config.parallel_config.tensor_parallel_size, layout)
+
+    def _connector_identity(self) -> tuple[str, StorageLayout]:
+        """The KV connector's ``model_identity`` of the model as its files are now, and its
+        layout record (the identity without the dtype; ``storage_layouts.py``)."""
+        mc, cc = self.config.model_config, self.config.cache_config
+        tp = self.config.parallel_config.tensor_parallel_size
         layout = StorageLayout(  # the producers' layouts of this model, whatever its dtype
             model_identity(self.source.path, self.hf_config, None, mc),
             layout_name(cc.block_size, cc.kv_cache_dtype, tp, str(self.dtype).split(".")[-1]))
-        self.scheduler.connector = make_kv_connector_scheduler(
-            kt, cc.block_size, cc.kv_cache_dtype, model_key,
-            connector_extra_keys(rope.original if rope is not None else None), tp, layout)
+        return model_identity(self.source.path, self.hf_config, self.dtype, mc), layout
+
+    def kv_connector_weights_changed(self) -> None:
+        """``reload_weights`` built the model again from its files, which may have changed:
+        the KV connector keys blocks by their identity now, and stores nothing more of the
+        requests running now (their K/V are the old weights', or computed over them)."""
+        connector = self.scheduler.connector
+        if connector is not None:
+            connector.weights_changed(*self._connector_identity(),
+                                      {r.request_id for r in self.scheduler.running})
 
     def _init_structured_output(self) -> None:
         """Grammar compiles run on compile threads, each within a time limit

@@ -151,6 +151,7 @@ class EngineSleep:
             self.weights_dropped = False
             core.weight_bytes = core.executor.weight_bytes
             core.kv_cache_manager.reset_prefix_cache()  # K/V of the old weights
+            core.kv_connector_weights_changed()  # and the stored blocks are the old files'
             if core.kv_event_publisher is not None:
                 core.publish_kv_events()
         return results

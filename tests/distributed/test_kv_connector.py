@@ -18,7 +18,7 @@ import re
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import EngineConfig, KVTransferConfig
@@ -437,8 +437,6 @@ def test_a_checkpoint_differing_only_mid_file_has_another_identity(tmp_path):
     matches it."""
     from types import SimpleNamespace
 
-    from safetensors.torch import save_file
-
     from kvflow.distributed.kv_transfer.storage_keys import model_identity
 
     gen = torch.Generator().manual_seed(0)
@@ -456,6 +454,50 @@ def test_a_checkpoint_differing_only_mid_file_has_another_identity(tmp_path):
                                          model_config))
     base, copy, tuned = identities
     assert base == copy != tuned
+
+
+def test_reloaded_weights_neither_load_nor_overwrite_the_old_blocks(tiny_llama, tmp_path,
+                                                                    assert_no_leaks):
+    """``reload_weights`` after the checkpoint's keys and values changed (a kv_both engine
+    without prefix caching, so only the connector serves a repeat): the repeat loads none of
+    the blocks the old weights stored (they were loaded, and the tokens were the old
+    model's) and decodes what transformers decodes with the new files; it stores its own,
+    which the next repeat loads."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama.path, folder)
+    prompts = _prompts(tiny_llama.vocab_size)
+    llm = _llm(str(folder), str(tmp_path / "kv"), enable_prefix_caching=False)
+    try:
+        first = _generate(llm, prompts)
+        assert [o.metrics.num_cached_tokens for o in first] == [0] * len(prompts)
+        (path,) = folder.glob("*.safetensors")
+        weights = load_file(path)
+        gen = torch.Generator().manual_seed(0)
+        for name, w in weights.items():  # every layer's keys and values: new K/V everywhere
+            if "k_proj" in name or "v_proj" in name:
+                weights[name] = torch.randn(w.shape, generator=gen, dtype=w.dtype) * 0.5
+        save_file(weights, str(path), metadata={"format": "pt"})
+        hf = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+        with torch.no_grad():
+            want = [hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=MAX_TOKENS,
+                                min_new_tokens=MAX_TOKENS, eos_token_id=None,
+                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        assert [o.outputs[0].token_ids for o in first] != want
+        assert llm.collective_rpc("reload_weights") == [None]
+        again = _generate(llm, prompts)
+        assert [o.metrics.num_cached_tokens for o in again] == [0] * len(prompts)
+        assert [o.outputs[0].token_ids for o in again] == want
+        third = _generate(llm, prompts)
+        assert [o.metrics.num_cached_tokens for o in third] == \
+            [_loaded_tokens(p) for p in prompts]
+        assert [o.outputs[0].token_ids for o in third] == want
+        assert_no_leaks(llm)
+    finally:
+        llm.shutdown()
 
 
 def test_salted_requests_load_only_their_salts_blocks(tiny_llama, tmp_path, plain):

@@ -15,6 +15,7 @@ The step, as the engine runs it::
                          (without the saves that read a block that failed to load)
     Scheduler.update_from_output  load_failed / saves_dropped (recompute)
     Scheduler._free      request_finished(request)
+    reload_weights       weights_changed(model_key, layout, running)
 
 Loads are synchronous (done before the forward pass starts), so the layer-wise hooks of vLLM's
 interface (``wait_for_layer_load``, ``save_kv_layer``) have nothing to do and are not part of
@@ -28,6 +29,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvflow.distributed.kv_transfer.storage_layouts import StorageLayout
 from kvflow.kv_connector_meta import KVConnectorMetadata
 from kvflow.request import Request
 
@@ -75,6 +77,14 @@ class KVConnectorScheduler(ABC):
         """The worker did not save ``request``'s blocks of the last step (it read a block
         that could not be loaded) and it is recomputed: save them as the recompute writes
         them."""
+
+    @abstractmethod
+    def weights_changed(self, model_key: str, layout: StorageLayout,
+                        running: set[str]) -> None:
+        """``reload_weights`` built the model again (its files may have changed): blocks
+        are keyed by ``model_key`` (and the layout recorded as ``layout``) from now on, and
+        the ``running`` requests (K/V computed by the old weights, or to be computed over
+        them) store nothing more. Called between steps."""
 
     @abstractmethod
     def request_finished(self, request: Request) -> None:

@@ -140,6 +140,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
         self._loads: list[BlockTransfer] = []
         self._bad_keys: set[str] = set()  # blocks a worker failed to load: never offered again
         self._to_rewrite: set[str] = set()  # of those, the files no save has replaced yet
+        self._stale: set[str] = set()  # requests running at a reload of the weights
         self.num_loaded_blocks = 0  # statistics: blocks loaded / saved since start
         self.num_saved_blocks = 0
         self._init_layout(layout)
@@ -222,7 +223,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
                    planned: set[str]) -> BlockTransfer | None:
         """The prompt blocks of ``request`` complete after this step, neither stored nor in
         ``planned`` yet (they are added to it)."""
-        if not takes_part(request):
+        if not takes_part(request) or request.request_id in self._stale:
             return None
         state = self._state(request)
         done = min(request.num_computed_tokens, request.num_prompt_tokens) // self.block_size
@@ -263,8 +264,20 @@ class SharedStorageScheduler(KVConnectorScheduler):
         self._to_rewrite.update(state.rewrites)  # a dropped save replaced no file
         state.rewrites.clear()
 
+    def weights_changed(self, model_key: str, layout: StorageLayout,
+                        running: set[str]) -> None:
+        # every request's keys are taken again (of the new identity) at its next use
+        self.model_key = model_key
+        self._states.clear()
+        self._stale |= running
+        self.layout = layout
+        self._warned_layouts = []
+        if self.config.is_producer:
+            record_layout(self.root, layout)
+
     def request_finished(self, request: Request) -> None:
         self._states.pop(request.request_id, None)
+        self._stale.discard(request.request_id)
 
 
 class SharedStorageWorker(KVConnectorWorker):
