@@ -354,6 +354,27 @@ def test_ngram_speculative_decoding_on_both_sides(tiny_llama, tmp_path, assert_n
             consumer.shutdown()
 
 
+def test_prompt_logprobs_prefills_store_their_blocks(tiny_llama, tmp_path, plain):
+    """A producer's prefill asking for prompt logprobs (a proxy's ``max_tokens=1`` request)
+    computes every prompt block like any other: it stores them (it stored them only when it
+    decoded a step after its prefill), and a consumer's request without prompt logprobs
+    loads them and decodes the plain run's tokens and logprobs."""
+    prompt = _prompts(tiny_llama.vocab_size)[0]
+    producer = _llm(tiny_llama.path, str(tmp_path), "kv_producer")
+    try:
+        producer.generate({"prompt_token_ids": prompt}, SamplingParams(
+            temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    finally:
+        producer.shutdown()
+    consumer = _llm(tiny_llama.path, str(tmp_path), "kv_consumer")
+    try:
+        outs = _generate(consumer, [prompt])
+    finally:
+        consumer.shutdown()
+    assert outs[0].metrics.num_cached_tokens == _loaded_tokens(prompt)
+    _assert_same_logprobs(outs, plain[:1])
+
+
 def test_prompt_logprobs_requests_compute_their_prompt(tiny_llama, tmp_path):
     """A request asking for prompt logprobs needs every prompt token computed: it loads
     nothing, and its prompt logprobs are HF's log-softmax."""

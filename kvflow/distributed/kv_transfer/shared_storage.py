@@ -15,13 +15,13 @@ loads it again (a consumer only reads, and leaves it).
 
 Keys: a SHA-256 chain over each block's tokens and everything its K/V depends on
 (``storage_keys.py``: ``block_keys`` from ``model_identity``). Layouts: each producer records
-its compute dtype, block size, KV-cache dtype and tensor-parallel size in the folder; a ``kv_consumer``
-whose layout no producer of its model records is refused at start-up, or warned at its
+its compute dtype, block size, KV-cache dtype and tensor-parallel size in the folder; a
+``kv_consumer`` whose layout no producer of its model records is refused at start-up, or warned at its
 first miss once such a producer has started (``storage_layouts.py``).
 
 Which requests take part: every generation request (prompt embeddings too: their digest is an
-extra key of every block) but those asking for prompt logprobs (they need every prompt token
-computed); no pooling request.
+extra key of every block) stores its blocks; those asking for prompt logprobs load none (they
+need every prompt token computed); no pooling request.
 """
 
 from __future__ import annotations
@@ -92,8 +92,15 @@ def make_folder(root: str) -> None:
 
 
 def takes_part(request: Request) -> bool:
-    """Whether the connector loads or saves ``request``'s blocks (see the module)."""
+    """Whether the connector loads ``request``'s blocks (see the module)."""
     return request.pooling_params is None and not request.skips_prefix_cache
+
+
+def saves_blocks(request: Request) -> bool:
+    """Whether the connector saves ``request``'s blocks: every generation request, those
+    asking for prompt logprobs too (whose K/V are computed like any other's: only their
+    loads are skipped, while their prompt logprobs are not all computed)."""
+    return request.pooling_params is None
 
 
 @dataclass
@@ -223,7 +230,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
                    planned: set[str]) -> BlockTransfer | None:
         """The prompt blocks of ``request`` complete after this step, neither stored nor in
         ``planned`` yet (they are added to it)."""
-        if not takes_part(request) or request.request_id in self._stale:
+        if not saves_blocks(request) or request.request_id in self._stale:
             return None
         state = self._state(request)
         done = min(request.num_computed_tokens, request.num_prompt_tokens) // self.block_size
