@@ -14,10 +14,10 @@ way by the first producer that recomputes its block after the failure, so the ne
 loads it again (a consumer only reads, and leaves it).
 
 Keys: a SHA-256 chain over each block's tokens and everything its K/V depends on
-(``storage_keys.py``: ``block_keys`` from ``model_identity``). Layouts: each producer records
-its compute dtype, block size, KV-cache dtype and tensor-parallel size in the folder; a
-``kv_consumer`` whose layout no producer of its model records is refused at start-up, or warned at its
-first miss once such a producer has started (``storage_layouts.py``).
+(``storage_keys.py``: ``block_keys`` from ``model_identity``). Layouts: each producer
+records its compute dtype, block size, KV-cache dtype and tensor-parallel size in the folder;
+a ``kv_consumer`` whose layout no producer of its model records is refused at start-up, or
+warned at its first miss once such a producer has started (``storage_layouts.py``).
 
 Which requests take part: every generation request (prompt embeddings too: their digest is an
 extra key of every block) stores its blocks; those asking for prompt logprobs load none (they
@@ -131,7 +131,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
         ValueError: naming ``shared_storage_path``, if the folder cannot be created or (a
             producer) its layout cannot be recorded there; for a ``kv_consumer``, naming
             both layouts, if the folder's producers of this model store only blocks of
-            another block size, KV-cache dtype or tensor-parallel size
+            another compute dtype, block size, KV-cache dtype or tensor-parallel size
             (``storage_layouts.py``: it could load none of them).
     """
 
