@@ -31,7 +31,7 @@ _SAMPLE_BYTES = 1 << 20  # each weight file's head and tail, read whole
 # and windows evenly spaced between them: a tensor of more than 1/_NUM_WINDOWS of its file
 # holds one (a fine-tune that leaves the first and last tensors alone, e.g. embeddings and
 # one layer's last projection, changes one of them)
-_NUM_WINDOWS = 1024
+_NUM_WINDOWS = 256
 _WINDOW_BYTES = 4096
 
 
@@ -40,9 +40,9 @@ def model_identity(path: str, hf_config: Any, dtype: torch.dtype | None,
     """A hex SHA-256 naming the model whose K/V an engine computes: its effective config
     (``config.json`` after ``hf_overrides``, without the path or transformers version), the
     compute dtype, the quantization settings, and each weight file's name, size and first
-    and last MiB and 1,024 windows of 4 KiB evenly spaced between them (two copies of a
+    and last MiB and 256 windows of 4 KiB evenly spaced between them (two copies of a
     checkpoint match on any machine; a checkpoint of the same shapes with other weights in
-    any tensor of more than 1/1,024 of its file does not: ``_sample_file``).
+    any tensor of more than 1/256 of its file does not: ``_sample_file``).
     ``load_format="dummy"`` names its seed instead.
 
     Args:
@@ -71,7 +71,8 @@ def model_identity(path: str, hf_config: Any, dtype: torch.dtype | None,
 def _sample_file(digest: Any, file: str) -> None:
     """Add weight file ``file`` to ``digest``: its name and size, its first and last MiB,
     and ``_NUM_WINDOWS`` windows of ``_WINDOW_BYTES`` evenly spaced between them (about
-    4 MiB read per file, from the page cache the weights were just loaded through)."""
+    3 MiB read per file, mostly from the page cache the weights were just loaded through;
+    256 seeks, not more, for a file the engine does not load on slow network storage)."""
     size = os.path.getsize(file)
     digest.update(f"|{os.path.basename(file)}|{size}|".encode())
     with open(file, "rb") as f:
