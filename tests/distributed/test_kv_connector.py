@@ -327,7 +327,7 @@ def test_ngram_speculative_decoding_on_both_sides(tiny_llama, tmp_path, assert_n
     whole blocks but the last token's, its drafts are verified (some accepted: the prompts
     repeat), and its greedy tokens are a plain engine's (no connector, no drafts)."""
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-             "prompt_lookup_min": 1}
+             "prompt_lookup_min": 1, "adaptive": False}  # drafts on every step
     gen = torch.Generator().manual_seed(4)
     base = torch.randint(2, tiny_llama.vocab_size, (6,), generator=gen).tolist()
     prompts = [base * 4, base * 3 + base[:3], *_prompts(tiny_llama.vocab_size)[:2]]
