@@ -31,6 +31,7 @@ from kvflow.structured.structural_tag import (
     parse,
     regex_formats,
 )
+from kvflow.structured.utf8_grammar import printed_ebnf, utf8_grammar
 
 # xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:123: "; users need only the rest.
 _LOCATION_RE = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -118,15 +119,16 @@ def _schema_text(spec: str) -> str:
 # Both classes also match the UTF-16 surrogates U+D800-U+DFFF, whose UTF-8 spellings (ED A0-BF
 # xx) are not UTF-8: the text decodes to three U+FFFD per surrogate (so a maxLength string came
 # out longer than its bound). Both are rewritten to ``_JSON_STRING_CHARS``.
+# (as ``utf8_grammar.printed_ebnf`` writes them: \x1f is \u001f)
 _LENGTH_STRING_CHARS = r'[^\"\\\r\n]'
-_XGRAMMAR_STRING_CHARS = r'[^\0-\x1f\"\\\r\n]'
-_JSON_STRING_CHARS = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
+_XGRAMMAR_STRING_CHARS = r'[^\0-\u001f\"\\\r\n]'
+_JSON_STRING_CHARS = r'[^\0-\u001f\"\\\r\n\uD800-\uDFFF]'
 
 
 def json_only_strings(grammar: xgr.Grammar) -> xgr.Grammar:
     """``grammar`` (xgrammar's conversion of a JSON schema) with its string characters kept to
     what a JSON string may hold as UTF-8 text: no raw control characters, no surrogates."""
-    ebnf = str(grammar)
+    ebnf = printed_ebnf(grammar)
     if _LENGTH_STRING_CHARS not in ebnf and _XGRAMMAR_STRING_CHARS not in ebnf:
         return grammar
     return xgr.Grammar.from_ebnf(ebnf.replace(_LENGTH_STRING_CHARS, _JSON_STRING_CHARS)
@@ -135,7 +137,8 @@ def json_only_strings(grammar: xgr.Grammar) -> xgr.Grammar:
 
 def json_schema_grammar(spec: str) -> xgr.Grammar:
     """The grammar of a JSON schema (compact separators), with length-limited strings kept
-    to JSON's characters (``_LENGTH_STRING_CHARS``).
+    to JSON's characters (``_LENGTH_STRING_CHARS``) and every string, ``pattern`` included,
+    to UTF-8 text (``utf8_grammar``).
 
     Raises:
         ValueError: for text that is not a JSON schema object (or true/false), one using a
@@ -161,7 +164,7 @@ def json_schema_grammar(spec: str) -> xgr.Grammar:
         if problem is not None:
             raise ValueError(problem) from None
         raise
-    return json_only_strings(grammar)
+    return utf8_grammar(json_only_strings(grammar))
 
 
 def structural_tag_text(spec: str) -> str:
@@ -200,7 +203,7 @@ def structural_tag_text(spec: str) -> str:
         text = json.dumps(structure["schema"], ensure_ascii=False)
         if text not in grammars:
             try:
-                grammars[text] = str(json_schema_grammar(text))
+                grammars[text] = printed_ebnf(json_schema_grammar(text))
             except (RuntimeError, ValueError) as e:
                 raise StructuralTagError(f"structures.{i}.schema", _clean(e)) from None
         tags.append({"type": "tag", "begin": structure["begin"], "end": structure["end"],
@@ -353,7 +356,10 @@ class XgrammarBackend(StructuredOutputBackend):
         stop = [eos_token_id] if eos_token_id is not None else None
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=stop)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads)
+        # No xgrammar cache: it keys a grammar by its printing and compiles that text, which
+        # xgrammar (0.2.9) misreads (``utf8_grammar.printed_ebnf``: the enum "Ünïcödé" became
+        # "Ün" U+0EFC U+0F6D "é"); the manager caches compiled grammars by constraint.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """``params``' constraint compiled for the model's vocabulary.
@@ -370,17 +376,34 @@ class XgrammarBackend(StructuredOutputBackend):
             return self._compiler.compile_grammar(json_schema_grammar(spec))
         if kind == "json_object":
             # Any object: additional properties allowed (strict mode would forbid them all).
-            return self._compiler.compile_grammar(json_only_strings(xgr.Grammar.from_json_schema(
-                '{"type": "object"}', any_whitespace=False, strict_mode=False)))
+            return self._compiler.compile_grammar(utf8_grammar(json_only_strings(
+                xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False,
+                                             strict_mode=False))))
         if kind == "regex":
-            return self._compiler.compile_regex(spec)
+            return self._compiler.compile_grammar(utf8_grammar(xgr.Grammar.from_regex(spec)))
         if kind == "structural_tag":  # what validate could not check: token names and ids
             try:
-                return self._compiler.compile_structural_tag(structural_tag_text(spec))
+                return self._compile_structural_tag(structural_tag_text(spec))
             except RuntimeError as e:
                 raise ValueError(f"invalid structural tag in structured_outputs: {_clean(e)}"
                                  ) from None
-        return self._compiler.compile_grammar(spec)
+        return self._compiler.compile_grammar(utf8_grammar(xgr.Grammar.from_ebnf(spec)))
+
+    def _compile_structural_tag(self, text: str) -> xgr.CompiledGrammar:
+        """A structural tag (xgrammar's ``format`` JSON text) compiled as UTF-8 text
+        (``utf8_grammar``). A tag that names tokens converts only with the tokenizer: it is
+        compiled as written (its grammars may hold surrogates).
+
+        Raises:
+            RuntimeError: from xgrammar, for a tag it cannot compile.
+        """
+        try:
+            grammar = xgr.Grammar.from_structural_tag(text)
+        except RuntimeError as e:
+            if _NEEDS_TOKENIZER not in str(e):
+                raise
+            return self._compiler.compile_structural_tag(text)
+        return self._compiler.compile_grammar(utf8_grammar(grammar))
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> XgrammarGrammar:
         return XgrammarGrammar(xgr.GrammarMatcher(compiled))

@@ -1,0 +1,154 @@
+"""An xgrammar grammar narrowed to UTF-8 text: no UTF-16 surrogate in what it accepts.
+
+xgrammar (0.2.9) matches a character class against the bytes of a UTF-8-like spelling of a
+code point, the surrogates U+D800-U+DFFF included: their 3-byte spelling ``ED A0-BF xx`` is
+not UTF-8 (the output decodes to three U+FFFD, a JSON-schema ``pattern`` or ``maxLength`` no
+longer holds, strict decoders refuse it). Every negated class (``[^a]``, a JSON string's
+characters), every class range that spans the surrogates (``[\\0-\\U0010ffff]``, what a
+regex's ``[\\D]`` becomes) and every JSON-schema ``pattern`` (kept as a ``Regex("...")``
+node until compile time) let them through, whichever way the grammar was written: EBNF, Lark
+(``lark_grammar``), a regex, a JSON schema (its ``format`` and ``pattern`` strings), a
+structural tag. :func:`utf8_grammar` rewrites xgrammar's own printing of the grammar (one
+canonical EBNF, which it parses back) so that each of those leaves the surrogates out; a
+grammar without any is returned as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import xgrammar as xgr
+
+from kvflow.structured.regex_dialect import utf8_regex
+
+_SURROGATES = (0xD800, 0xDFFF)
+_NO_SURROGATES = r"\ud800-\udfff"
+_NAMED_ESCAPES = {"0": 0, "a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, "e": 27}
+_HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
+_REGEX_NODE = re.compile(r'(?<![\w])Regex\("')
+
+
+def utf8_grammar(grammar: xgr.Grammar) -> xgr.Grammar:
+    """``grammar`` accepting only UTF-8 text: its classes and JSON-schema patterns without
+    the surrogates (module docstring); ``grammar`` itself when nothing changes.
+
+    Raises:
+        RuntimeError: from xgrammar, should it refuse its own printing rewritten (a bug).
+    """
+    ebnf = printed_ebnf(grammar)
+    fixed = utf8_ebnf(ebnf)
+    return grammar if fixed == ebnf else xgr.Grammar.from_ebnf(fixed)
+
+
+def printed_ebnf(grammar: xgr.Grammar) -> str:
+    """xgrammar's printing of ``grammar`` as EBNF text it parses back to the same grammar.
+
+    xgrammar (0.2.9) prints a character below U+0100 as ``\\xHH`` but parses ``\\x`` with
+    every hex digit that follows: ``"na\\xefve"`` is read back right, ``"\\xdcn\\xefc"``
+    (``Ünïc``, from a JSON-schema ``enum``) as ``Ün`` U+0EFC, and ``[\\xe9a-z]`` is refused.
+    Here each ``\\xHH`` is written ``\\u00HH`` (``\\u`` takes exactly four digits)."""
+    text = str(grammar)
+    if "\\x" not in text:
+        return text
+    out, i = [], 0
+    while i < len(text):
+        if text[i] != "\\" or i + 1 >= len(text):
+            out.append(text[i])
+            i += 1
+        elif text[i + 1] == "x":
+            out.append("\\u00" + text[i + 2:i + 4])
+            i += 4
+        else:
+            out.append(text[i:i + 2])
+            i += 2
+    return "".join(out)
+
+
+def utf8_ebnf(ebnf: str) -> str:
+    """xgrammar's printing of a grammar (:func:`printed_ebnf`) with the surrogates left out of
+    its negated classes, of its class ranges that span them and of its ``Regex("...")``
+    patterns (``regex_dialect.utf8_regex``). String literals are copied as written."""
+    out, i = [], 0
+    while i < len(ebnf):
+        char = ebnf[i]
+        if char == '"':
+            end = _string_end(ebnf, i)
+            out.append(ebnf[i:end])
+        elif char == "R" and _REGEX_NODE.match(ebnf, i):
+            start = i + len("Regex(")
+            end = _string_end(ebnf, start)
+            pattern = _unescape(ebnf[start + 1:end - 1])
+            out.append("Regex(" + json.dumps(utf8_regex(pattern), ensure_ascii=False))
+        elif char == "[":
+            text, end = _character_class(ebnf, i)
+            out.append(text)
+        else:
+            out.append(char)
+            end = i + 1
+        i = end
+    return "".join(out)
+
+
+def _string_end(text: str, start: int) -> int:
+    """The position after the string literal that opens at ``text[start] == '"'``."""
+    i = start + 1
+    while i < len(text) and text[i] != '"':
+        i += 2 if text[i] == "\\" else 1
+    return i + 1
+
+
+def _character_class(ebnf: str, start: int) -> tuple[str, int]:
+    """The class at ``ebnf[start] == "["`` without the surrogates, and the position after it."""
+    negated = ebnf.startswith("^", start + 1)
+    i = start + 2 if negated else start + 1
+    items: list[tuple[int, int, str]] = []  # (low, high, text as printed)
+    while i < len(ebnf) and ebnf[i] != "]":
+        low, at = _code_point(ebnf, i)
+        high = low
+        if ebnf.startswith("-", at) and not ebnf.startswith("-]", at):
+            high, at = _code_point(ebnf, at + 1)
+        items.append((low, high, ebnf[i:at]))
+        i = at
+    end = i + 1
+    if negated:
+        if any(low <= _SURROGATES[0] and high >= _SURROGATES[1] for low, high, _ in items):
+            return ebnf[start:end], end
+        return ebnf[start:i] + _NO_SURROGATES + "]", end
+    if not any(low <= _SURROGATES[1] and high >= _SURROGATES[0] for low, high, _ in items):
+        return ebnf[start:end], end
+    return "[" + "".join(_outside_surrogates(*item) for item in items) + "]", end
+
+
+def _outside_surrogates(low: int, high: int, text: str) -> str:
+    """A class item (``low``-``high``, printed ``text``) without the surrogates."""
+    if high < _SURROGATES[0] or low > _SURROGATES[1]:
+        return text
+    parts = [(low, _SURROGATES[0] - 1), (_SURROGATES[1] + 1, high)]
+    return "".join(_escape(a) + ("" if a == b else "-" + _escape(b)) for a, b in parts if a <= b)
+
+
+def _escape(code: int) -> str:
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def _code_point(text: str, i: int) -> tuple[int, int]:
+    """The code point written at ``text[i]`` (a character or a C-style escape, as xgrammar
+    prints them: ``\\n``, ``\\0``, ``\\x85``, ``\\u2028``, ``\\U0001f600``, ``\\]``) and the
+    position after it."""
+    if text[i] != "\\" or i + 1 >= len(text):
+        return ord(text[i]), i + 1
+    letter = text[i + 1]
+    digits = _HEX_DIGITS.get(letter, 0)
+    if digits:
+        return int(text[i + 2:i + 2 + digits], 16), i + 2 + digits
+    return _NAMED_ESCAPES.get(letter, ord(letter)), i + 2
+
+
+def _unescape(body: str) -> str:
+    """The text of a printed EBNF string literal's body (its C-style escapes read)."""
+    out, i = [], 0
+    while i < len(body):
+        code, i = _code_point(body, i)
+        out.append(chr(code))
+    return "".join(out)
