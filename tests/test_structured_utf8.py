@@ -150,3 +150,23 @@ def test_non_ascii_literals_survive_the_grammar_rewrite(backend, schema, text):
         .replace("\u00ff0", "\u0ff0")
     assert misread != text and not _accepts(backend, params, misread.encode())
 
+
+@pytest.mark.parametrize("kind, prefix", [
+    ({"regex": "<[^>]{1,6}>"}, ""), ({"regex": "<[^>]{1,6}>"}, "<"),
+    ({"json": {"type": "string"}}, '"'), ({"grammar": "root ::= [^\\n]+"}, "")])
+def test_special_tokens_spell_no_text(backend, tiny_llama, kind, prefix):
+    """The tiny model's <bos> and <eos> were allowed as their text: the regex <[^>]{1,6}>
+    took <bos> then the stop token (the detokenizer skips both: an empty output, finish
+    reason stop), or the stop token first as the text "<eos>". Now no special token is
+    allowed where the grammar is not complete."""
+    from transformers import AutoTokenizer
+
+    special = AutoTokenizer.from_pretrained(tiny_llama.path).all_special_ids
+    assert special
+    matcher = xgr.GrammarMatcher(backend.compile(StructuredOutputsParams(**kind)))
+    assert matcher.accept_string(prefix)
+    bitmask = xgr.allocate_token_bitmask(1, tiny_llama.vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    rejected = set(xgr.testing._get_masked_tokens_from_bitmask(bitmask, tiny_llama.vocab_size))
+    assert len(rejected) < tiny_llama.vocab_size  # a text token is allowed
+    assert set(special) <= rejected, set(special) - rejected

@@ -31,6 +31,7 @@ from kvflow.structured.structural_tag import (
     parse,
     regex_formats,
 )
+from kvflow.structured.text_tokens import special_token_ids, text_tokenizer_info
 from kvflow.structured.utf8_grammar import printed_ebnf, utf8_grammar
 
 # xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:123: "; users need only the rest.
@@ -356,10 +357,16 @@ class XgrammarBackend(StructuredOutputBackend):
         stop = [eos_token_id] if eos_token_id is not None else None
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=stop)
-        # No xgrammar cache: it keys a grammar by its printing and compiles that text, which
-        # xgrammar (0.2.9) misreads (``utf8_grammar.printed_ebnf``: the enum "Ünïcödé" became
-        # "Ün" U+0EFC U+0F6D "é"); the manager caches compiled grammars by constraint.
-        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+        # text grammars: special tokens spell no text (``text_tokens``); structural tags
+        # keep xgrammar's reading (their token formats name special tokens). No xgrammar
+        # cache: it keys a grammar by its printing and compiles that text, which xgrammar
+        # (0.2.9) misreads (``utf8_grammar.printed_ebnf``: the enum "Ünïcödé" became "Ün"
+        # U+0EFC U+0F6D "é"); the manager caches compiled grammars by constraint.
+        text_info = text_tokenizer_info(info, special_token_ids(tokenizer))
+        self._compiler = xgr.GrammarCompiler(text_info, max_threads=max_threads,
+                                             cache_enabled=False)
+        self._tag_compiler = xgr.GrammarCompiler(info, max_threads=max_threads,
+                                                 cache_enabled=False)
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """``params``' constraint compiled for the model's vocabulary.
@@ -391,8 +398,9 @@ class XgrammarBackend(StructuredOutputBackend):
 
     def _compile_structural_tag(self, text: str) -> xgr.CompiledGrammar:
         """A structural tag (xgrammar's ``format`` JSON text) compiled as UTF-8 text
-        (``utf8_grammar``). A tag that names tokens converts only with the tokenizer: it is
-        compiled as written (its grammars may hold surrogates).
+        (``utf8_grammar``), over xgrammar's own reading of the vocabulary (special tokens
+        spell their text: a trigger may be one). A tag that names tokens converts only with
+        the tokenizer: it is compiled as written (its grammars may hold surrogates).
 
         Raises:
             RuntimeError: from xgrammar, for a tag it cannot compile.
@@ -402,8 +410,8 @@ class XgrammarBackend(StructuredOutputBackend):
         except RuntimeError as e:
             if _NEEDS_TOKENIZER not in str(e):
                 raise
-            return self._compiler.compile_structural_tag(text)
-        return self._compiler.compile_grammar(utf8_grammar(grammar))
+            return self._tag_compiler.compile_structural_tag(text)
+        return self._tag_compiler.compile_grammar(utf8_grammar(grammar))
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> XgrammarGrammar:
         return XgrammarGrammar(xgr.GrammarMatcher(compiled))
