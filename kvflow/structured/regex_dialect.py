@@ -27,7 +27,7 @@ _ANY_CHAR = f"[^{_NO_SURROGATES}]"
 _MAX_CODE_POINT = 0x10FFFF
 # \d \w \s as xgrammar (0.2.9) reads them: ASCII digits and word characters, Unicode spaces
 # (read from its conversion of [\D], [\W], [\S]; tests/test_structured_utf8.py checks them)
-_SHORTHANDS = {
+SHORTHANDS = {
     "d": ((0x30, 0x39),),
     "w": ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)),
     "s": ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
@@ -93,7 +93,7 @@ def _character_class(pattern: str, start: int, refuse_letters: bool) -> tuple[st
         if pattern.startswith("-", i) and i + 1 < len(pattern) and pattern[i + 1] != "]":
             high, high_text, i = _class_atom(pattern, i + 1, refuse_letters)
             if low is not None and high is not None and low <= high:
-                items.append(_ranges_text(_without_surrogates(((low, high),))))
+                items.append(_ranges_text(without_surrogates(((low, high),))))
                 continue
             text = f"{text}-{high_text}"
         items.append(text)
@@ -111,8 +111,8 @@ def _class_atom(pattern: str, i: int, refuse_letters: bool) -> tuple[int | None,
     if refuse_letters and letter in _READ_AS_LETTER:
         raise ValueError(_letter_escape_error(letter, i, True))
     if letter in "DWS":  # complement of \d \w \s, written as its ranges
-        ranges = _complement(_SHORTHANDS[letter.lower()])
-        return None, _ranges_text(_without_surrogates(ranges)), i + 2
+        ranges = complement(SHORTHANDS[letter.lower()])
+        return None, _ranges_text(without_surrogates(ranges)), i + 2
     digits = _HEX_ESCAPES.get(letter, 0)
     code = pattern[i + 2:i + 2 + digits]
     if digits and len(code) == digits and all(c in "0123456789abcdefABCDEF" for c in code):
@@ -120,7 +120,8 @@ def _class_atom(pattern: str, i: int, refuse_letters: bool) -> tuple[int | None,
     return None, pattern[i:i + 2], i + 2
 
 
-def _complement(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+def complement(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """The code points (up to U+10FFFF) outside sorted, disjoint ``ranges``."""
     out, start = [], 0
     for low, high in ranges:
         if low > start:
@@ -129,7 +130,8 @@ def _complement(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], .
     return (*out, (start, _MAX_CODE_POINT))
 
 
-def _without_surrogates(ranges: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+def without_surrogates(ranges: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+    """``ranges`` less U+D800-U+DFFF."""
     out = []
     for low, high in ranges:
         for a, b in ((low, min(high, _SURROGATES[0] - 1)), (max(low, _SURROGATES[1] + 1), high)):

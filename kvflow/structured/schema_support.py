@@ -33,6 +33,7 @@ Also here: the budget on a schema's counted repetitions in string patterns
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 # keyword -> why it is refused (what xgrammar does with it)
@@ -350,6 +351,26 @@ def costly_pattern(schema: Any) -> str | None:
                     "this schema's patterns together pass kvflow's budget (about one "
                     "[a-z]{1,3000}); for a length limit use minLength / maxLength")
     return None
+
+
+def map_patterns(schema: Any, rewrite: Callable[[str], str]) -> Any:
+    """A copy of ``schema`` (a parsed JSON schema) with every ``pattern`` string of it and
+    its subschemas replaced by ``rewrite(pattern)``; other values shared, not copied."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "pattern" and isinstance(value, str):
+            out[key] = rewrite(value)
+        elif key in _MAP and isinstance(value, dict):
+            out[key] = {name: map_patterns(sub, rewrite) for name, sub in value.items()}
+        elif key in _LIST and isinstance(value, list):
+            out[key] = [map_patterns(sub, rewrite) for sub in value]
+        elif key in _ONE and isinstance(value, dict):
+            out[key] = map_patterns(value, rewrite)
+        else:
+            out[key] = value
+    return out
 
 
 def string_patterns(schema: Any, path: str = "") -> list[tuple[str, str]]:

@@ -146,12 +146,13 @@ def check_format(tag: dict[str, Any]) -> None:
             check_triggers(triggers, begins, f"{path}.tags", f"{path}.triggers")
 
 
-def format_schemas(tag: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-    """``(path, schema)`` for each JSON schema inside a ``format`` structural tag (the
-    ``json_schema`` of its ``json_schema`` and ``qwen_xml_parameter`` formats)."""
+def format_schemas(tag: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(path, node)`` for each format inside a ``format`` structural tag that holds a JSON
+    schema (its ``json_schema``: the ``json_schema`` and ``qwen_xml_parameter`` formats);
+    ``path`` names the schema (``format.tags.0.content.json_schema``)."""
     for path, node in _nodes(tag.get("format"), "format"):
         if node.get("type") in _SCHEMA_FORMATS and "json_schema" in node:
-            yield f"{path}.json_schema", node["json_schema"]
+            yield f"{path}.json_schema", node
 
 
 def grammar_formats(tag: dict[str, Any]) -> list[dict[str, Any]]:

@@ -17,27 +17,41 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 
 import xgrammar as xgr
 
+from kvflow.structured.json_pattern import json_pattern
 from kvflow.structured.regex_dialect import utf8_regex
+from kvflow.structured.schema_support import pattern_repeat_cost
 
 _SURROGATES = (0xD800, 0xDFFF)
 _NO_SURROGATES = r"\ud800-\udfff"
 _NAMED_ESCAPES = {"0": 0, "a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, "e": 27}
 _HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
 _REGEX_NODE = re.compile(r'(?<![\w])Regex\("')
+_JSON_STRING_FLAG = re.compile(r'\s*,\s*json_string=true\s*\)')
+_NAME = re.compile(r"[A-Za-z_]\w*")
+# A pattern is converted to rules (below) when no count in it passes this: xgrammar compiles
+# "[^a]{1,n}" as rules in time growing with n (for a 49k vocabulary ~0.5 s at n = 30, 9 s at
+# 300, where its lazy regex took 0.7 s); past it the pattern stays xgrammar's lazy regex, its
+# classes without the surrogates (utf8_regex) but its literal quotes raw and overlong UTF-8
+# let through (json_pattern's docstring).
+_MAX_INLINE_COUNT = 32
 
 
-def utf8_grammar(grammar: xgr.Grammar) -> xgr.Grammar:
+def utf8_grammar(grammar: xgr.Grammar, patterns: Mapping[str, str] | None = None
+                 ) -> xgr.Grammar:
     """``grammar`` accepting only UTF-8 text: its classes and JSON-schema patterns without
-    the surrogates (module docstring); ``grammar`` itself when nothing changes.
+    the surrogates (module docstring); ``grammar`` itself when nothing changes. ``patterns``:
+    the JSON-schema patterns (``json_pattern.placeholder_patterns``) by the placeholder
+    ``grammar`` holds in their place.
 
     Raises:
         RuntimeError: from xgrammar, should it refuse its own printing rewritten (a bug).
     """
     ebnf = printed_ebnf(grammar)
-    fixed = utf8_ebnf(ebnf)
+    fixed = utf8_ebnf(ebnf, patterns or {})
     return grammar if fixed == ebnf else xgr.Grammar.from_ebnf(fixed)
 
 
@@ -65,11 +79,13 @@ def printed_ebnf(grammar: xgr.Grammar) -> str:
     return "".join(out)
 
 
-def utf8_ebnf(ebnf: str) -> str:
+def utf8_ebnf(ebnf: str, patterns: Mapping[str, str] | None = None) -> str:
     """xgrammar's printing of a grammar (:func:`printed_ebnf`) with the surrogates left out of
     its negated classes, of its class ranges that span them and of its ``Regex("...")``
-    patterns (``regex_dialect.utf8_regex``). String literals are copied as written."""
-    out, i = [], 0
+    patterns (``regex_dialect.utf8_regex``); a JSON-schema pattern (``Regex("...",
+    json_string=true)``, or the placeholder of one in ``patterns``) becomes rules of its own
+    (:func:`_pattern_rules`). String literals are copied as written."""
+    out, rules, i = [], [], 0
     while i < len(ebnf):
         char = ebnf[i]
         if char == '"':
@@ -79,13 +95,50 @@ def utf8_ebnf(ebnf: str) -> str:
             start = i + len("Regex(")
             end = _string_end(ebnf, start)
             pattern = _unescape(ebnf[start + 1:end - 1])
-            out.append("Regex(" + json.dumps(utf8_regex(pattern), ensure_ascii=False))
+            pattern = (patterns or {}).get(pattern, pattern)
+            flag = _JSON_STRING_FLAG.match(ebnf, end)
+            inline = None
+            if flag and pattern_repeat_cost(pattern)[1] <= _MAX_INLINE_COUNT:
+                inline = _pattern_rules(pattern, f"kvflow_pattern_{len(rules)}_")
+            if inline is None:
+                out.append("Regex(" + json.dumps(utf8_regex(pattern), ensure_ascii=False))
+            else:
+                out.append(f"(kvflow_pattern_{len(rules)}_root)")
+                rules.append(inline)
+                end = flag.end()
         elif char == "[":
             text, end = _character_class(ebnf, i)
             out.append(text)
         else:
             out.append(char)
             end = i + 1
+        i = end
+    return "".join(out) + "".join(f"\n{r}" for r in rules)
+
+
+def _pattern_rules(pattern: str, prefix: str) -> str | None:
+    """The rules of a JSON-schema ``pattern`` as JSON string contents (``json_pattern``) from
+    xgrammar's regex converter, their names prefixed, the first ``<prefix>root``; None for a
+    pattern that converter refuses (it stays xgrammar's lazy regex, ``utf8_regex``)."""
+    try:
+        grammar = utf8_grammar(xgr.Grammar.from_regex(json_pattern(pattern)))
+    except RuntimeError:
+        return None
+    text, out, i = printed_ebnf(grammar).strip(), [], 0
+    while i < len(text):
+        char, name = text[i], _NAME.match(text, i)
+        if char == '"':
+            end = _string_end(text, i)
+            out.append(text[i:end])
+        elif char == "[":
+            end = _character_class(text, i)[1]
+            out.append(text[i:end])
+        elif name is not None:
+            end = name.end()
+            out.append(prefix + name.group())
+        else:
+            end = i + 1
+            out.append(char)
         i = end
     return "".join(out)
 

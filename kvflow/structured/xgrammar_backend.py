@@ -17,6 +17,7 @@ import xgrammar as xgr
 
 from kvflow.structured.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvflow.structured.grammar_cycles import unit_cycle_problem
+from kvflow.structured.json_pattern import placeholder_patterns
 from kvflow.structured.lark_grammar import lark_to_gbnf, looks_like_lark
 from kvflow.structured.params import StructuredOutputsParams
 from kvflow.structured.regex_dialect import xgrammar_regex
@@ -155,17 +156,18 @@ def json_schema_grammar(spec: str) -> xgr.Grammar:
     if problem is not None:
         raise ValueError(f"{problem} (xgrammar, kvflow's grammar engine, accepts this keyword "
                          "but does not enforce it; leave it out)")
-    problem = costly_pattern(schema)  # before xgrammar spends minutes on it
-    if problem is not None:
+    problem = costly_pattern(schema) or bad_pattern(schema)  # costly: before xgrammar spends
+    if problem is not None:  # minutes on it; bad: xgrammar converts placeholders (below)
         raise ValueError(problem)
-    try:
-        grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False)
-    except RuntimeError:
-        problem = bad_pattern(schema)  # xgrammar's regex error does not say which pattern
-        if problem is not None:
-            raise ValueError(problem) from None
-        raise
-    return utf8_grammar(json_only_strings(grammar))
+    # patterns converted by utf8_grammar in place of placeholders (json_pattern: xgrammar's
+    # own conversion wrote their quotes raw and let overlong UTF-8 through)
+    converted, patterns = placeholder_patterns(schema)
+    grammar = xgr.Grammar.from_json_schema(json.dumps(converted), any_whitespace=False)
+    fixed = utf8_grammar(json_only_strings(grammar), patterns)
+    if any(name in str(fixed) for name in patterns):  # a placeholder converted as text
+        fixed = utf8_grammar(json_only_strings(xgr.Grammar.from_json_schema(
+            text, any_whitespace=False)))
+    return fixed
 
 
 def structural_tag_text(spec: str) -> str:
@@ -186,8 +188,8 @@ def structural_tag_text(spec: str) -> str:
     tag = parse(spec)
     if not is_legacy(tag):
         check_format(tag)
-        for path, schema in format_schemas(tag):
-            problem = _schema_problem(schema)
+        for path, node in format_schemas(tag):
+            problem = _schema_problem(node["json_schema"])
             if problem is not None:
                 raise StructuralTagError(path, problem)
         regexes = regex_formats(tag)
