@@ -128,6 +128,7 @@ CASES = [
     _json_case("formats", _object({"d": {"type": "string", "format": "date"},
                                    "e": {"type": "string", "format": "email"}}),
                open_ended=True),
+    _json_case("ipv4", {"type": "string", "format": "ipv4"}),
     FuzzCase("json_object", {"json_object": True},
              lambda text: isinstance(json.loads(text), dict) or _fail(text)),
     _regex_case("regex_anchors", r"^[a-z]{2,5}\d$"),

@@ -189,3 +189,17 @@ def test_patterns_yield_json_text(backend, pattern, good, bad):
     with pytest.raises(ValueError):  # not JSON, or not UTF-8
         json.loads(bad.decode())
     assert not _accepts(backend, params, bad)
+
+
+@pytest.mark.parametrize("address, valid", [
+    ("1.2.3.4", True), ("255.255.255.0", True), ("10.0.0.199", True), ("01.2.3.4", False),
+    ("1.2.3.004", False), ("256.1.1.1", False)])
+def test_ipv4_format_is_json_schemas(backend, address, valid):
+    """xgrammar 0.2.9's ipv4 format allowed leading zeros (01.2.3.4), which JSON Schema's
+    ipv4 (and jsonschema, the oracle) refuses; kvflow sends it as a strict pattern."""
+    schema = {"type": "object", "properties": {"ip": {"type": "string", "format": "ipv4"}},
+              "required": ["ip"]}
+    text = json.dumps({"ip": address})
+    checker = jsonschema.FormatChecker()
+    assert checker.conforms(address, "ipv4") == valid
+    assert _accepts(backend, StructuredOutputsParams(json=schema), text.encode()) == valid

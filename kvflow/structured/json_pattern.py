@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvflow.structured.regex_dialect import SHORTHANDS, complement, without_surrogates
-from kvflow.structured.schema_support import map_patterns
+from kvflow.structured.schema_support import map_patterns, map_schemas
 
 Ranges = list[tuple[int, int]]
 
@@ -37,6 +37,22 @@ _UTF8_LENGTHS = ((0x00, 0x7F), (0x80, 0x7FF), (0x800, 0xFFFF), (0x10000, 0x10FFF
 _JSON_RAW = complement(((0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)))
 # "." matches no line terminator (ECMA-262: LF, CR, U+2028, U+2029; Python's re: LF)
 _DOT = list(complement(((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029))))
+
+
+# JSON Schema's ipv4 (RFC 2673 dotted quad): no leading zeros, which xgrammar 0.2.9's own
+# ipv4 format allowed ("01.2.3.4"; the JSON Schema test suite and jsonschema refuse them)
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9][0-9]|[0-9])"
+IPV4_PATTERN = rf"^({_OCTET}\.){{3}}{_OCTET}$"
+
+
+def strict_formats(schema: Any) -> Any:
+    """A copy of ``schema`` with each ``"format": "ipv4"`` (a string schema without a
+    ``pattern``) written as the pattern :data:`IPV4_PATTERN`."""
+    def one(sub: dict[str, Any]) -> dict[str, Any]:
+        if sub.get("format") != "ipv4" or "pattern" in sub:
+            return sub
+        return {**{k: v for k, v in sub.items() if k != "format"}, "pattern": IPV4_PATTERN}
+    return map_schemas(schema, one)
 
 
 def placeholder_patterns(schema: Any) -> tuple[Any, dict[str, str]]:

@@ -356,21 +356,29 @@ def costly_pattern(schema: Any) -> str | None:
 def map_patterns(schema: Any, rewrite: Callable[[str], str]) -> Any:
     """A copy of ``schema`` (a parsed JSON schema) with every ``pattern`` string of it and
     its subschemas replaced by ``rewrite(pattern)``; other values shared, not copied."""
+    def one(sub: dict[str, Any]) -> dict[str, Any]:
+        if isinstance(sub.get("pattern"), str):
+            return {**sub, "pattern": rewrite(sub["pattern"])}
+        return sub
+    return map_schemas(schema, one)
+
+
+def map_schemas(schema: Any, rewrite: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
+    """A copy of ``schema`` (a parsed JSON schema) with it and each of its subschemas (an
+    object) replaced by ``rewrite(subschema)``, subschemas first."""
     if not isinstance(schema, dict):
         return schema
     out = {}
     for key, value in schema.items():
-        if key == "pattern" and isinstance(value, str):
-            out[key] = rewrite(value)
-        elif key in _MAP and isinstance(value, dict):
-            out[key] = {name: map_patterns(sub, rewrite) for name, sub in value.items()}
+        if key in _MAP and isinstance(value, dict):
+            out[key] = {name: map_schemas(sub, rewrite) for name, sub in value.items()}
         elif key in _LIST and isinstance(value, list):
-            out[key] = [map_patterns(sub, rewrite) for sub in value]
+            out[key] = [map_schemas(sub, rewrite) for sub in value]
         elif key in _ONE and isinstance(value, dict):
-            out[key] = map_patterns(value, rewrite)
+            out[key] = map_schemas(value, rewrite)
         else:
             out[key] = value
-    return out
+    return rewrite(out)
 
 
 def string_patterns(schema: Any, path: str = "") -> list[tuple[str, str]]:

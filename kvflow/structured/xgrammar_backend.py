@@ -17,7 +17,7 @@ import xgrammar as xgr
 
 from kvflow.structured.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvflow.structured.grammar_cycles import unit_cycle_problem
-from kvflow.structured.json_pattern import placeholder_patterns
+from kvflow.structured.json_pattern import placeholder_patterns, strict_formats
 from kvflow.structured.lark_grammar import lark_to_gbnf, looks_like_lark
 from kvflow.structured.params import StructuredOutputsParams
 from kvflow.structured.regex_dialect import xgrammar_regex
@@ -161,7 +161,7 @@ def json_schema_grammar(spec: str) -> xgr.Grammar:
         raise ValueError(problem)
     # patterns converted by utf8_grammar in place of placeholders (json_pattern: xgrammar's
     # own conversion wrote their quotes raw and let overlong UTF-8 through)
-    converted, patterns = placeholder_patterns(schema)
+    converted, patterns = placeholder_patterns(strict_formats(schema))
     grammar = xgr.Grammar.from_json_schema(json.dumps(converted), any_whitespace=False)
     fixed = utf8_grammar(json_only_strings(grammar), patterns)
     if any(name in str(fixed) for name in patterns):  # a placeholder converted as text
