@@ -62,8 +62,8 @@ def _stream(client: TestClient, **body) -> list[dict]:
 ])
 def test_echo_prepends_the_last_message_of_the_replys_role(client, messages, options, echo):
     """Every choice (n=2) is the echo followed by what the same request generates without
-    ``echo``; streamed, the role chunk comes first, then one chunk per choice holding the
-    echo (none when it is empty), then the generated text."""
+    ``echo``; streamed, each choice's role chunk comes first, then one chunk per choice
+    holding the echo (none when it is empty), then the generated text."""
     plain = _reply(client, messages=messages, n=2, **options)
     echoed = _reply(client, messages=messages, n=2, echo=True, **options)
     assert [c["token_ids"] for c in echoed["choices"]] == \
@@ -73,15 +73,15 @@ def test_echo_prepends_the_last_message_of_the_replys_role(client, messages, opt
     assert {c["message"]["role"] for c in echoed["choices"]} == {role}
 
     events = _stream(client, messages=messages, n=2, echo=True, **options)
-    assert [c["delta"] for c in events[0]["choices"]] == \
-        [{"role": role, "content": ""}] * 2
-    rest = events[1:]
+    assert [[(c["index"], c["delta"]) for c in e["choices"]] for e in events[:2]] == \
+        [[(i, {"role": role, "content": ""})] for i in range(2)]  # one role chunk per choice
+    rest = events[2:]
     if echo:
         keys = ("index", "delta", "logprobs", "finish_reason")
-        assert [[{k: c[k] for k in keys} for c in e["choices"]] for e in events[1:3]] == [
+        assert [[{k: c[k] for k in keys} for c in e["choices"]] for e in events[2:4]] == [
             [{"index": i, "delta": {"content": echo}, "logprobs": None,
               "finish_reason": None}] for i in range(2)]
-        rest = events[3:]
+        rest = events[4:]
     streamed = ["", ""]
     for e in rest:
         for c in e["choices"]:
@@ -117,7 +117,9 @@ def test_echo_with_beam_search_prepends_to_every_beam(client):
     assert _contents(echoed) == ["brown fox" + text for text in _contents(plain)]
     assert echoed.get("prompt_logprobs") is None
     events = _stream(client, **body, echo=True)
-    assert [c["delta"] for e in events[1:3] for c in e["choices"]] == \
+    assert [c["delta"] for e in events[:2] for c in e["choices"]] == \
+        [{"role": "assistant", "content": ""}] * 2  # one role chunk per beam
+    assert [c["delta"] for e in events[2:4] for c in e["choices"]] == \
         [{"content": "brown fox"}] * 2
 
 

@@ -281,13 +281,14 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
                                                 prompt_token_ids=prompt_token_ids)
 
         def first_chunks() -> list[ChatCompletionStreamResponse]:
-            """Every choice's first chunk: the role and (as vLLM) the prompt's token ids;
-            with ``echo``, then one chunk per choice holding the echoed text (none when it
-            is empty), as vLLM streams it."""
+            """Every choice's first chunk, one chunk each (as vLLM and OpenAI send them, so
+            a client reading ``choices[0]`` sees every choice's role): the role and (as
+            vLLM) the prompt's token ids; with ``echo``, then one chunk per choice holding the
+            echoed text (none when it is empty), as vLLM streams it."""
             role, echo = self.response_role(req), self.echo_text(req)
-            chunks = [chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role=role, content=""))
-                             for i in range(req.n)],
-                            prompt_token_ids=ids if req.return_token_ids else None)]
+            chunks = [chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role=role, content=""))],
+                            prompt_token_ids=ids if req.return_token_ids else None)
+                      for i in range(req.n)]
             return chunks + [chunk([ChatStreamChoice(index=i, delta=DeltaMessage(content=echo))])
                              for i in range(req.n) if echo]
 

@@ -95,9 +95,9 @@ class ToolCall(OpenAIBaseModel):
 
 class ChatResponseMessage(OmitNoneModel):
     """The reply's message. ``tool_calls`` is left out when the reply made no call, as
-    OpenAI leaves it out (vLLM writes ``[]``): the official client sends the message back
-    as it parsed it (``messages.append(reply.choices[0].message)``), and an empty
-    ``tool_calls`` is a 400 there, as OpenAI refuses one."""
+    OpenAI and vLLM 0.32 leave it out: the official client sends the message back as it
+    parsed it (``messages.append(reply.choices[0].message)``), and an empty ``tool_calls``
+    is a 400 there, as OpenAI refuses one."""
 
     OMIT_IF_NONE = ("tool_calls", "reasoning_content")
 
