@@ -69,6 +69,9 @@ C, CH = "/v1/completions", "/v1/chat/completions"
 CONT = [*CHAT, {"role": "assistant", "content": "Red,"}]
 SPECIAL = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 USAGE = {"include_usage": True}
+TOOL = {"type": "function", "function": {"name": "get_colour", "description": "A colour.",
+                                         "parameters": {"type": "object", "properties": {
+                                             "n": {"type": "integer"}}, "required": ["n"]}}}
 CASES = [
     Case("models", "/v1/models"),
     Case("cmpl_greedy", C, _cmp()),
@@ -141,6 +144,34 @@ CASES = [
     Case("chat_multibyte", CH, _chat(messages=[{"role": "user", "content":
                                                "Say \u65e5\u672c twice"}],
                                      logprobs=True, top_logprobs=1)),
+    Case("cmpl_choice", C, _cmp(structured_outputs={"choice": ["yes", "no", "maybe"]})),
+    Case("cmpl_regex", C, _cmp(structured_outputs={"regex": "[0-9]{3}-[a-z]{2}"})),
+    Case("cmpl_echo_list_lp", C, _cmp(prompt=[PROMPT, "Hello"], echo=True, logprobs=1,
+                                      max_tokens=3)),
+    Case("cmpl_prompt_lp_ids", C, _cmp(prompt=[504, 3575, 282, 4649, 314], prompt_logprobs=1,
+                                       max_tokens=2)),
+    Case("cmpl_stop_special", C, {"prompt": SPECIAL, "max_tokens": 30, "temperature": 0,
+                                  "skip_special_tokens": False, "ignore_eos": True,
+                                  "stop": ["<|im_end|>"], "include_stop_str_in_output": True}),
+    Case("cmpl_stream_min_tokens", C, _cmp(prompt="Say hi.<|im_end|>", max_tokens=6,
+                                           min_tokens=4, stream=True), stream=True),
+    Case("chat_json_object", CH, _chat(response_format={"type": "json_object"}, max_tokens=24)),
+    Case("chat_json_schema", CH, _chat(max_tokens=24, response_format={
+        "type": "json_schema", "json_schema": {"name": "c", "schema": {
+            "type": "object", "properties": {"colour": {"type": "string"}},
+            "required": ["colour"]}}})),
+    Case("chat_tools_none", CH, _chat(tools=[TOOL], tool_choice="none")),
+    Case("chat_tool_required", CH, _chat(tools=[TOOL], tool_choice="required", max_tokens=40)),
+    Case("chat_tool_named", CH, _chat(tools=[TOOL], max_tokens=40, tool_choice={
+        "type": "function", "function": {"name": "get_colour"}})),
+    Case("chat_tool_required_stream", CH, _chat(tools=[TOOL], tool_choice="required",
+                                                max_tokens=40, stream=True), stream=True),
+    Case("chat_stop_ids_incl", CH, _chat(max_tokens=16, stop_token_ids=[28],
+                                         include_stop_str_in_output=True)),
+    Case("responses", "/v1/responses", {"input": "Name three colours.", "max_output_tokens": 8,
+                                        "temperature": 0}),
+    Case("err_tool_required_no_tools", CH, _chat(tool_choice="required")),
+    Case("err_response_format", CH, _chat(response_format={"type": "yaml"})),
     Case("chat_greedy", CH, _chat()),
     Case("chat_logprobs", CH, _chat(logprobs=True, top_logprobs=3)),
     Case("chat_logprobs_only", CH, _chat(logprobs=True)),
@@ -185,6 +216,22 @@ CASES = [
                                                  "continue_final_message": True}),
     Case("detokenize", "/detokenize", {"tokens": [504, 3575, 282, 4649, 314]}),
     Case("detokenize_special", "/detokenize", {"tokens": [1, 504, 2, 198]}),
+    Case("edge_top_p0", C, _cmp(top_p=0)),
+    Case("edge_top_k0", C, _cmp(top_k=0, temperature=1.0, seed=1, max_tokens=1, logprobs=1)),
+    Case("edge_tiny_temp_n2", C, _cmp(temperature=1e-6, n=2)),
+    Case("edge_max_model_len", C, _cmp(max_tokens=8192, prompt="Hi<|im_end|>")),
+    Case("edge_truncate_long", C, _cmp(truncate_prompt_tokens=50)),
+    Case("edge_truncate0", C, _cmp(truncate_prompt_tokens=0)),
+    Case("edge_stop_empty", C, _cmp(stop=[""])),
+    Case("edge_stop_str", C, _cmp(stop=".", max_tokens=16)),
+    Case("edge_top_logprobs0", CH, _chat(logprobs=True, top_logprobs=0)),
+    Case("edge_logprobs20", C, _cmp(logprobs=20, max_tokens=2)),
+    Case("edge_logit_bias_float", C, _cmp(logit_bias={"7042": -0.5}, logprobs=1, max_tokens=2)),
+    Case("edge_min_tokens_eq", C, _cmp(min_tokens=8)),
+    Case("edge_stop_ids_eos", C, _cmp(prompt="Say hi.<|im_end|>", stop_token_ids=[2],
+                                      max_tokens=6)),
+    Case("err_stream_bad", C, _cmp(stream=True, temperature=-1), stream=True),
+    Case("err_chat_stream_bad", CH, _chat(stream=True, n=0), stream=True),
     Case("err_no_prompt", C, {"max_tokens": 4}),
     Case("err_empty_prompt", C, _cmp(prompt="")),
     Case("err_empty_ids", C, _cmp(prompt=[])),
