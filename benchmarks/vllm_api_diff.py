@@ -197,6 +197,21 @@ CASES = [
     Case("chat_system", CH, _chat(messages=[{"role": "system", "content": "Be brief."}, *CHAT])),
     Case("chat_content_parts", CH, _chat(messages=[{"role": "user", "content": [
         {"type": "text", "text": "Name three"}, {"type": "text", "text": "colours."}]}])),
+    Case("chat_developer", CH, _chat(messages=[{"role": "developer", "content": "Be brief."},
+                                              *CHAT])),
+    Case("chat_name", CH, _chat(messages=[{"role": "user", "content": "Hi", "name": "bob"}])),
+    Case("chat_multi_turn", CH, _chat(messages=[*CONT, {"role": "user", "content": "More."}])),
+    Case("chat_tool_history", CH, _chat(tools=[TOOL], tool_choice="none", messages=[
+        *CHAT, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_colour", "arguments": "{\"n\": 1}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "red"}])),
+    Case("tokenize_tool_history", "/tokenize", {"messages": [
+        *CHAT, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_colour", "arguments": "{\"n\": 1}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "red"}],
+        "add_generation_prompt": True}),
     Case("chat_stream", CH, _chat(stream=True), stream=True),
     Case("chat_stream_usage", CH, _chat(stream=True, n=2, temperature=1.0, top_k=1,
                                         logprobs=True, top_logprobs=1, stream_options=USAGE),
