@@ -4,7 +4,8 @@ replies are the oracle; OpenAI's API writes them the same way): a whole reply's 
 no ``tool_calls`` key when there are no calls (kvflow wrote ``[]``), and a streamed reply with
 ``n`` > 1 sends each choice's role in a chunk of its own (kvflow sent one chunk holding every
 choice, so a client reading ``choices[0]`` of each chunk never saw the other choices' role).
-Through ``build_app`` on a real AsyncLLM over the tiny chat model."""
+vLLM 0.32's ``return_prompt_text`` is served (it was a 400 unknown field). Through
+``build_app`` on a real AsyncLLM over the tiny chat model."""
 
 from __future__ import annotations
 
@@ -51,3 +52,23 @@ def test_streamed_role_chunks_are_one_per_choice(client):
     assert all("prompt_token_ids" not in e for e in events[3:])
     assert all(len(e["choices"]) == 1 for e in events[:-1]) and events[-1]["choices"] == []
     assert all("role" not in c["delta"] for e in events[3:] for c in e["choices"])
+
+
+def test_return_prompt_text_gives_the_rendered_conversation(client, tiny_chat_model):
+    """vLLM 0.32's ``return_prompt_text``: the whole reply's ``prompt_text`` and, streamed,
+    each choice's role chunk's, are the conversation as transformers renders it (the tiny
+    template, add_generation_prompt); without the field there is no ``prompt_text`` key. It
+    was a 400 (an unknown field)."""
+    from transformers import AutoTokenizer
+
+    rendered = AutoTokenizer.from_pretrained(tiny_chat_model).apply_chat_template(
+        BODY["messages"], tokenize=False, add_generation_prompt=True)
+    whole = client.post(CH, json={**BODY, "return_prompt_text": True})
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["prompt_text"] == rendered
+    assert "prompt_text" not in client.post(CH, json=BODY).json()
+    resp = client.post(CH, json={**BODY, "n": 2, "return_prompt_text": True, "stream": True})
+    events = [json.loads(line[6:]) for line in resp.text.splitlines()
+              if line.startswith("data: {")]
+    assert [e.get("prompt_text") for e in events[:2]] == [rendered] * 2
+    assert all("prompt_text" not in e for e in events[2:])

@@ -64,14 +64,16 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ChatRun:
     """A queued chat request: the reply's id, the prompt's token ids, its one stream, the
-    parser that reads reasoning and tool calls back out of the generated text, and the
-    request field that holds its grammar (``grammar_param``; None without one)."""
+    parser that reads reasoning and tool calls back out of the generated text, the
+    request field that holds its grammar (``grammar_param``; None without one), and the
+    prompt's text (the rendered conversation, as queued)."""
 
     reply_id: str
     prompt_ids: list[int]
     streams: list[RequestStream]
     parser: ChatOutputParser
     grammar_param: str | None = None
+    prompt_text: str = ""
 
 
 class OpenAIServingChat(ChatRendering, OpenAIServing):
@@ -105,13 +107,16 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         """
         self.check_fields(req, "/v1/chat/completions")
         run = await self.start(req, raw, "chatcmpl")
+        prompt_text = run.prompt_text if req.return_prompt_text else None
         if req.stream:
-            chunks = self._chunks(req, run.reply_id, run.prompt_ids, run.streams, run.parser)
+            chunks = self._chunks(req, run.reply_id, run.prompt_ids, run.streams, run.parser,
+                                  prompt_text)
             return SSEResponse(with_keep_alive(
                 self.stream(run.streams, chunks, run.grammar_param),
                 self.config.sse_keep_alive_interval))
         return await self.respond(raw, run.streams, self._response(
-            req, run.reply_id, run.prompt_ids, run.streams[0], run.parser), run.grammar_param)
+            req, run.reply_id, run.prompt_ids, run.streams[0], run.parser, prompt_text),
+            run.grammar_param)
 
     async def start(self, req: ChatCompletionRequest, raw: Request, prefix: str) -> ChatRun:
         """Check ``req`` (its unknown fields were checked by the caller), render the
@@ -161,7 +166,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
                                               self.client_id(req, raw), lora_request=lora,
                                               cache_salt=req.cache_salt,
                                               data_parallel_rank=dp_rank)
-        return ChatRun(reply_id, ids, streams, parser, grammar_param(req, tool_grammar))
+        return ChatRun(reply_id, ids, streams, parser, grammar_param(req, tool_grammar), text)
 
     async def _tools(self, req: ChatCompletionRequest) -> tuple[str | None, ChatOutputParser]:
         """The tool-choice mode and the parser that reads the reply back.
@@ -235,8 +240,8 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
 
     # ---- whole response ----------------------------------------------------------------------
     async def _response(self, req: ChatCompletionRequest, request_id: str, ids: list[int],
-                        stream: RequestStream, parser: ChatOutputParser
-                        ) -> ChatCompletionResponse:
+                        stream: RequestStream, parser: ChatOutputParser,
+                        prompt_text: str | None = None) -> ChatCompletionResponse:
         out = await collect(stream)
         choices = []
         for c in out.outputs:
@@ -254,7 +259,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             service_tier=served_tier(req),
             prompt_token_ids=ids if req.return_token_ids else None,
             prompt_logprobs=None if _prompt_logprobs(req) is None
-            else vllm_prompt_logprobs(out.prompt_logprobs))
+            else vllm_prompt_logprobs(out.prompt_logprobs), prompt_text=prompt_text)
 
     def _choice_extras(self, req: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any]:
         return {"logprobs": chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0,
@@ -266,19 +271,21 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
 
     # ---- streaming ---------------------------------------------------------------------------
     async def _chunks(self, req: ChatCompletionRequest, request_id: str, ids: list[int],
-                      streams: Sequence[RequestStream], parser: ChatOutputParser
+                      streams: Sequence[RequestStream], parser: ChatOutputParser,
+                      prompt_text: str | None = None
                       ) -> AsyncIterator[ChatCompletionStreamResponse]:
         created, num_generated, num_cached = int(time.time()), 0, 0
         include_usage, continuous_usage = self.stream_usage(req)
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None,
-                  prompt_token_ids: list[int] | None = None):
+                  prompt_token_ids: list[int] | None = None, prompt_text: str | None = None):
             if continuous_usage and usage is None:  # the usage so far, on every chunk
                 usage = self.usage(len(ids), num_generated, num_cached)
             return ChatCompletionStreamResponse(id=request_id, created=created,
                                                 model=self.response_model(req.model), choices=choices,
                                                 usage=usage, service_tier=served_tier(req),
-                                                prompt_token_ids=prompt_token_ids)
+                                                prompt_token_ids=prompt_token_ids,
+                                                prompt_text=prompt_text)
 
         def first_chunks() -> list[ChatCompletionStreamResponse]:
             """Every choice's first chunk, one chunk each (as vLLM and OpenAI send them, so
@@ -287,7 +294,8 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             echoed text (none when it is empty), as vLLM streams it."""
             role, echo = self.response_role(req), self.echo_text(req)
             chunks = [chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role=role, content=""))],
-                            prompt_token_ids=ids if req.return_token_ids else None)
+                            prompt_token_ids=ids if req.return_token_ids else None,
+                            prompt_text=prompt_text)
                       for i in range(req.n)]
             return chunks + [chunk([ChatStreamChoice(index=i, delta=DeltaMessage(content=echo))])
                              for i in range(req.n) if echo]

@@ -215,6 +215,7 @@ class ChatCompletionRequest(SamplingRequest):
     mm_processor_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
     echo: bool = False
+    return_prompt_text: bool = False  # vLLM 0.32's: the rendered prompt as prompt_text
     tools: list[ChatTool] | None = Field(None, min_length=1)  # [] too short; MAX_TOOLS
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

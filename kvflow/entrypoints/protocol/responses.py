@@ -121,9 +121,10 @@ class ChatChoice(OmitNoneModel):
 class ChatCompletionResponse(OmitNoneModel):
     """``service_tier``: the tier that served the request, when it sent one (as OpenAI's);
     ``prompt_logprobs`` (vLLM's field, when asked for): as ``CompletionChoice``'s, for the
-    rendered conversation's tokens."""
+    rendered conversation's tokens; ``prompt_text`` (vLLM 0.32's, ``return_prompt_text``):
+    the rendered conversation the model was given."""
 
-    OMIT_IF_NONE = ("prompt_token_ids", "service_tier", "prompt_logprobs")
+    OMIT_IF_NONE = ("prompt_token_ids", "service_tier", "prompt_logprobs", "prompt_text")
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -134,6 +135,7 @@ class ChatCompletionResponse(OmitNoneModel):
     service_tier: str | None = None
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_text: str | None = None
 
 
 class DeltaFunctionCall(OmitNoneModel):
@@ -175,10 +177,11 @@ class ChatStreamChoice(OmitNoneModel):
 
 
 class ChatCompletionStreamResponse(OmitNoneModel):
-    """A chat stream chunk; ``prompt_token_ids`` (``return_token_ids``) on the first only;
-    ``service_tier`` on every chunk when the request sent one (as OpenAI's)."""
+    """A chat stream chunk; ``prompt_token_ids`` (``return_token_ids``) and ``prompt_text``
+    (``return_prompt_text``) on each choice's first (its role chunk) only; ``service_tier``
+    on every chunk when the request sent one (as OpenAI's)."""
 
-    OMIT_IF_NONE = ("prompt_token_ids", "service_tier")
+    OMIT_IF_NONE = ("prompt_token_ids", "service_tier", "prompt_text")
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -188,3 +191,4 @@ class ChatCompletionStreamResponse(OmitNoneModel):
     usage: UsageInfo | None = None
     service_tier: str | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
