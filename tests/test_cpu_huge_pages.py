@@ -1,17 +1,28 @@
 """Large CPU tensors advised onto transparent huge pages (kvflow/platforms/cpu_memory.py): the
 advised range is exactly the whole 2 MB pages inside the tensor, the tensor holds zeros, and the
-engine's CPU KV cache goes through it."""
+engine's CPU KV cache goes through it. The KV cache is a fresh zeroed mapping, nothing of it
+resident until touched (``mincore``, the kernel's own count, is the oracle), which the prefault
+thread backs without changing a byte."""
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import mmap
 import sys
+import weakref
 
 import pytest
 import torch
 
 from kvflow.platforms import cpu_memory
-from kvflow.platforms.cpu_memory import HUGE_PAGE, advise_huge_pages, zeros_on_huge_pages
+from kvflow.platforms.cpu_memory import (
+    HUGE_PAGE,
+    advise_huge_pages,
+    populate,
+    prefault_in_background,
+    zeros_on_huge_pages,
+)
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
 
@@ -37,6 +48,61 @@ def test_zeros_on_huge_pages_are_zeros():
     assert int(t.count_nonzero()) == 0
 
 
+def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
+    """(pages of ``t`` in memory, pages of ``t``), by the kernel's ``mincore``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = t.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+    end = -(-(t.data_ptr() + t.numel() * t.element_size()) // mmap.PAGESIZE) * mmap.PAGESIZE
+    pages = (end - start) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) == 0
+    return sum(v & 1 for v in vec), pages
+
+
+@linux
+def test_the_zeros_are_a_fresh_mapping_on_a_huge_page_boundary_untouched():
+    shape = (2, 3 * HUGE_PAGE // 4 + 5, 2)  # 12 MiB + 40 bytes of bf16
+    t = zeros_on_huge_pages(shape, torch.bfloat16)
+    nbytes = t.numel() * 2
+    assert t.shape == shape and t.is_contiguous() and t.untyped_storage().nbytes() == nbytes
+    assert t.data_ptr() % HUGE_PAGE == 0  # every whole huge page advised: 6 of them
+    assert advise_huge_pages(t) == 6 * HUGE_PAGE
+    assert _resident_pages(t)[0] == 0  # was: every page written with zeros (all resident)
+    assert int(t.count_nonzero()) == 0  # read as the kernel's zero pages
+    t[1, -1, 1] = 7.0  # writable, to the last byte
+    assert float(t.sum()) == 7.0
+
+
+@linux
+def test_populate_backs_every_page_and_changes_no_byte():
+    t = zeros_on_huge_pages((5 * HUGE_PAGE // 4 + 3,), torch.float32)
+    t[::1001] = torch.arange(len(t[::1001]), dtype=torch.float32)
+    before = t.clone()
+    if not populate(t):
+        pytest.skip("kernel without MADV_POPULATE_WRITE (Linux < 5.14)")
+    resident, pages = _resident_pages(t)
+    assert resident == pages
+    assert torch.equal(t, before)
+
+
+@linux
+def test_prefault_thread_backs_the_cache_and_holds_no_tensor():
+    caches = [zeros_on_huge_pages((2, 40, 16, 3, 64), torch.bfloat16) for _ in range(3)]
+    caches[1][1, 39, 15, 2, 63] = 3.0  # the V plane's last element, written before it runs
+    gone = zeros_on_huge_pages((2, 40, 16, 3, 64), torch.bfloat16)
+    gone_ref = weakref.ref(gone)
+    thread = prefault_in_background([*caches, gone], chunk_bytes=64 << 10)
+    assert thread is not None and thread.name == "kvflow-kv-prefault" and thread.daemon
+    del gone
+    thread.join(30)
+    assert not thread.is_alive() and gone_ref() is None  # freed although the thread had it
+    if not populate(caches[0][:1]):
+        pytest.skip("kernel without MADV_POPULATE_WRITE (Linux < 5.14)")
+    assert [_resident_pages(c)[0] == _resident_pages(c)[1] for c in caches] == [True] * 3
+    assert float(caches[1].float().sum()) == 3.0 and int(caches[0].count_nonzero()) == 0
+    assert prefault_in_background([]) is None
+
+
 def test_cpu_kv_cache_is_allocated_through_it(monkeypatch, tiny_llama):
     from kvflow import LLM, SamplingParams
 
@@ -48,11 +114,16 @@ def test_cpu_kv_cache_is_allocated_through_it(monkeypatch, tiny_llama):
         return real(shape, dtype)
 
     monkeypatch.setattr("kvflow.worker.kv_cache_setup.zeros_on_huge_pages", spy)
+    prefaulted = []
+    monkeypatch.setattr("kvflow.worker.kv_cache_setup.prefault_in_background",
+                        lambda tensors: prefaulted.append([t.data_ptr() for t in tensors]))
     llm = LLM(model=tiny_llama.path, kv_cache_memory="16MiB", enable_prefix_caching=False)
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
     assert calls and all(shape[0] == 2 and len(shape) == 5 for shape, _ in calls)
+    runner = llm.engine.core.executor.runner
+    assert prefaulted == [[t.data_ptr() for t in runner.kv_caches]]
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

@@ -16,6 +16,15 @@ weights on huge pages").
 Linux backs an advised range with huge pages as it first touches it, where
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` or ``always`` (with ``never``
 the advice is a no-op). Only whole 2 MB-aligned pages inside the tensor are advised.
+
+The KV cache (:func:`zeros_on_huge_pages`) is a fresh anonymous mapping, which the kernel hands
+out zeroed: nothing writes zeros into it. Its first touch of each page (the kernel's fault,
+which clears the page) is what took the time: 2 GiB on huge pages took 8-19 s in a Firecracker
+VM (docs/benchmarks.md, session 48), on the way to the engine's ready. So
+:func:`prefault_in_background` takes those faults in a thread of its own
+(``madvise(MADV_POPULATE_WRITE)``, Linux 5.14: pages are backed without their contents
+changing, so the model may already write K/V beside it) while the engine serves; a page it has
+not reached yet is faulted by the step that first writes it, as any fresh page is.
 """
 
 from __future__ import annotations
@@ -23,12 +32,23 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import logging
+import math
+import mmap
 import sys
+import threading
+import time
+import weakref
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 HUGE_PAGE = 2 << 20
+PAGE = mmap.PAGESIZE
 MADV_HUGEPAGE = 14
+MADV_POPULATE_WRITE = 23  # Linux 5.14; EINVAL before
+PREFAULT_CHUNK = 16 << 20  # bytes per madvise call of the prefault thread
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -74,10 +94,93 @@ def advise_huge_pages(t: torch.Tensor) -> int:
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """``torch.zeros(shape, dtype=dtype)`` on the CPU, advised onto huge pages
-    (:func:`advise_huge_pages`) before the zeros first touch it."""
-    t = torch.empty(shape, dtype=dtype)
-    advise_huge_pages(t)
-    return t.zero_()
+    (:func:`advise_huge_pages`) before anything touches it.
+
+    On Linux the tensor is a fresh private anonymous mapping (zeroed by the kernel, so not
+    written here, and returned to it when the tensor is freed), starting on a 2 MB boundary so
+    that every whole huge page of it is advised; its storage is exactly the tensor's bytes.
+    Its pages are backed as they are first touched (:func:`prefault_in_background` touches
+    them ahead). Elsewhere, ``torch.zeros`` (advised where possible)."""
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if _madvise() is None or nbytes < HUGE_PAGE:
+        t = torch.empty(shape, dtype=dtype)
+        advise_huge_pages(t)
+        return t.zero_()
+    # one huge page more than needed, to start on a 2 MB boundary (the rest is never touched)
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    skip = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
+    t = torch.frombuffer(mapping, dtype=dtype, count=numel, offset=skip).view(shape)
+    advise_huge_pages(t)  # the tensor holds the mapping; unmapped once both are gone
+    return t
+
+
+def populate(t: torch.Tensor) -> bool:
+    """Back every page of ``t`` (a contiguous CPU tensor) with memory now, without changing its
+    contents (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14): the faults a first write would
+    take. Safe while other threads read and write ``t``. Returns False where the kernel or OS
+    does not offer it (nothing done)."""
+    madvise = _madvise()
+    nbytes = t.numel() * t.element_size()
+    if madvise is None or t.device.type != "cpu" or nbytes == 0:
+        return False
+    start = t.data_ptr() // PAGE * PAGE  # the pages holding the tensor's first and last bytes
+    end = -(-(t.data_ptr() + nbytes) // PAGE) * PAGE
+    return madvise(start, end - start, MADV_POPULATE_WRITE) == 0
+
+
+def _planes(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t``'s [2, num_blocks, ...] K and V halves (a KV cache tensor), else ``[t]``: each
+    is prefaulted from its first block on, the blocks the pool hands out first."""
+    return list(t.unbind(0)) if t.dim() == 5 and t.shape[0] == 2 else [t.view(-1)]
+
+
+def _prefault_chunk(t: torch.Tensor, offset: int, chunk_bytes: int) -> tuple[bool, bool]:
+    """Populate bytes [offset, offset + chunk_bytes) of each of ``t``'s planes; returns (any
+    plane goes on past them, the kernel populated them)."""
+    more = False
+    for plane in _planes(t):
+        step = max(chunk_bytes // plane.element_size(), 1)
+        part = plane.view(-1)[offset // plane.element_size():][:step]
+        if part.numel() and not populate(part):
+            return False, False
+        more = more or part.numel() == step
+    return more, True
+
+
+def _prefault(refs: list[weakref.ref], chunk_bytes: int) -> None:
+    """The prefault thread: the tensors' planes chunk by chunk, round robin. A tensor freed
+    meanwhile (sleep mode) is skipped: the thread holds one only during its chunk."""
+    start, offset, more = time.monotonic(), 0, True
+    while more:
+        more = False
+        for ref in refs:
+            t = ref()
+            if t is None:
+                continue
+            go_on, ok = _prefault_chunk(t, offset, chunk_bytes)
+            del t
+            if not ok:
+                logger.debug("KV cache prefault: madvise(MADV_POPULATE_WRITE) refused")
+                return
+            more = more or go_on
+        offset += chunk_bytes
+    logger.debug("KV cache prefaulted in %.2f s", time.monotonic() - start)
+
+
+def prefault_in_background(tensors: list[torch.Tensor],
+                           chunk_bytes: int = PREFAULT_CHUNK) -> threading.Thread | None:
+    """Start a daemon thread that backs ``tensors``' pages (contiguous CPU tensors, such as
+    :func:`zeros_on_huge_pages` made) with memory, ``chunk_bytes`` of each at a time
+    (:func:`populate`); returns it, or None where there is nothing to do (off Linux, no
+    tensor). The thread keeps no tensor alive: one freed meanwhile is skipped. Contents never
+    change, so the tensors may be in use meanwhile."""
+    if _madvise() is None or not tensors:
+        return None
+    thread = threading.Thread(target=_prefault, name="kvflow-kv-prefault", daemon=True,
+                              args=([weakref.ref(t) for t in tensors], chunk_bytes))
+    thread.start()
+    return thread
 
 
 class HugePageArena:

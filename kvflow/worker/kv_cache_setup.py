@@ -12,7 +12,7 @@ from kvflow.attention.layer import Attention
 from kvflow.config import CacheConfig
 from kvflow.kv_cache_interface import KVCacheConfig, KVCacheSpec, kv_cache_dtypes
 from kvflow.platforms import Platform
-from kvflow.platforms.cpu_memory import zeros_on_huge_pages
+from kvflow.platforms.cpu_memory import prefault_in_background, zeros_on_huge_pages
 from kvflow.spec_decode.draft_model import DraftModel
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,9 @@ def allocate_kv_caches(tensors: list[list[tuple[int, str]]], spec: KVCacheSpec,
     (``local_kv_tensors``), plus its float32 scales for a quantized cache, bound to the
     layers that use it (``layer.kv_cache``, ``kv_group``, ``kv_scales``). On the CPU the
     tensors sit on transparent huge pages (``platforms/cpu_memory.py``: a decode step reads
-    blocks scattered over the whole cache). Returns the tensors in order."""
+    blocks scattered over the whole cache), fresh zeroed mappings whose pages a background
+    thread backs while the engine starts serving (``prefault_in_background``: the faults took
+    seconds, on the way to ready). Returns the tensors in order."""
     caches = []
     for users in tensors:
         shape = local_cache_shape(spec, num_blocks, cp)
@@ -135,6 +137,8 @@ def allocate_kv_caches(tensors: list[list[tuple[int, str]]], spec: KVCacheSpec,
             if scales is not None:
                 layer.kv_scales = scales
         caches.append(cache)
+    if torch.device(device).type == "cpu":
+        prefault_in_background(caches)
     return caches
 
 
