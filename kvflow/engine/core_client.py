@@ -23,9 +23,11 @@ import msgspec
 import zmq
 
 from kvflow.config import EngineConfig
+from kvflow.config.parallel import DEFAULT_ENGINE_HEARTBEAT_TIMEOUT
+from kvflow.engine.core_heartbeat import StartupLiveness, declare_dead
 from kvflow.engine.core_proc import engine_core_process
 from kvflow.engine.forkserver_start import PRELOAD, ParentState, current_environment
-from kvflow.engine.messages import EngineFailed, EngineReady
+from kvflow.engine.messages import EngineFailed, EngineHeartbeat, EngineReady
 
 logger = logging.getLogger(__name__)
 
@@ -231,20 +233,27 @@ def main_guard_hint(core: CoreProcess) -> str:
 
 def wait_ready(output: zmq.Socket, decoder: msgspec.msgpack.Decoder, cores: list[CoreProcess],
                timeout: float,
-               on_ready: Callable[[EngineReady], None] | None = None) -> dict[int, EngineReady]:
+               on_ready: Callable[[EngineReady], None] | None = None,
+               heartbeat_timeout: float = DEFAULT_ENGINE_HEARTBEAT_TIMEOUT,
+               ) -> dict[int, EngineReady]:
     """Block until every replica in ``cores`` reported ``EngineReady`` on ``output``; marks
-    them live and returns their messages by replica index.
+    them live and returns their messages by replica index. A core silent for
+    ``heartbeat_timeout`` seconds meanwhile (``core_heartbeat.StartupLiveness``: stopped, or
+    frozen while it loads) is killed.
 
     Raises:
         ValueError: a replica's start-up found a bad model or configuration (its message).
-        RuntimeError: naming the replica, if one reported another ``EngineFailed`` or its
-            process exited while starting, or if they did not all report within ``timeout``
-            seconds.
+        RuntimeError: naming the replica, if one reported another ``EngineFailed``, its
+            process exited while starting, or it was silent for ``heartbeat_timeout``
+            seconds (killed), or if they did not all report within ``timeout`` seconds.
     """
     deadline, ready, n = time.monotonic() + timeout, {}, len(cores)
+    liveness = StartupLiveness(n, heartbeat_timeout, time.monotonic())
     while len(ready) < n and time.monotonic() < deadline:
-        if output.poll(200):
+        if output.poll(min(200, int(1000 * liveness.timeout_s / 4))):
             msg = decoder.decode(output.recv())
+            if isinstance(msg, EngineHeartbeat):
+                liveness.beat(msg)
             if isinstance(msg, EngineFailed) and msg.bad_input:
                 raise ValueError(msg.message)
             if isinstance(msg, EngineFailed):
@@ -259,6 +268,12 @@ def wait_ready(output: zmq.Socket, decoder: msgspec.msgpack.Decoder, cores: list
             if not core.is_alive and core.index not in ready:
                 raise RuntimeError(f"{replica_name(core.index, n)} process exited with code "
                                    f"{core.proc.exitcode} while starting{main_guard_hint(core)}")
+        starting = [core for core in cores if core.index not in ready]
+        for core, silent_s in liveness.silent(starting, time.monotonic()):
+            why = declare_dead(core, silent_s, replica_name(core.index, n), liveness.timeout_s,
+                               " while starting")
+            raise RuntimeError(f"{why}; its start-up was abandoned (a core that loads slowly "
+                               "but runs is waited for up to --engine-start-timeout)")
     if len(ready) < n:
         raise RuntimeError(f"engine core did not start within {timeout:.0f} s")
     return ready

@@ -11,8 +11,9 @@ to nobody), and then only once its output socket's queue (1000 steps) had room. 
 scheduler's window is open (``Scheduler.batch_wait_s``). Aborts are
 therefore applied (and their KV blocks freed) before the next step. Before it reports ready,
 the process freezes its start-up heap (model, tokenizer) out of the garbage collector's reach
-(``kvflow.gc_heap``); once ready, a thread of its own sends the API process a heartbeat every
-second (``kvflow/engine/core_heartbeat.py``), so that a stopped or frozen core is found.
+(``kvflow.gc_heap``); from its start (before the model loads), a thread of its own sends the
+API process a heartbeat every second (``kvflow/engine/core_heartbeat.py``), so that a stopped
+or frozen core is found, while it starts too.
 """
 
 from __future__ import annotations
@@ -105,7 +106,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     out.connect(output_addr)
     encoder = msgspec.msgpack.Encoder()
     index = config.parallel_config.data_parallel_rank
-    core = heartbeat = None
+    core = None
+    # from here, not from ready: a core frozen while it loads is found (StartupLiveness)
+    heartbeat = start_core_heartbeat(index, output_addr,
+                                     config.parallel_config.engine_heartbeat_timeout)
     try:
         if go is not None and not wait_for_go(go, inp):
             return
@@ -119,16 +123,13 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
             core.mark_restarted()
         freeze_startup_heap(f"engine {tag}")  # kvflow/gc_heap.py: no 0.2 s pauses in steps
         out.send(encoder.encode(_ready(core, index)))
-        heartbeat = start_core_heartbeat(index, output_addr,
-                                         config.parallel_config.engine_heartbeat_timeout)
         EngineCoreProc(core, inp, out, index).run()
     except Exception as e:  # noqa: BLE001 - report anything fatal to the API process
         logger.error("engine core failed: %s", traceback.format_exc())
         out.send(encoder.encode(EngineFailed(f"{type(e).__name__}: {e}", index)))
     finally:  # from here SIGTERM (CoreProcess.stop after its grace) waits for the clean-up
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if heartbeat is not None:
-            heartbeat.stop()
+        heartbeat.stop()
         if core is not None:
             core.shutdown()  # the executor's worker processes, if any
         inp.close(linger=0)

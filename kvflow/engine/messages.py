@@ -191,10 +191,11 @@ class UtilityResult(msgspec.Struct, tag="utility"):
 
 
 class EngineHeartbeat(msgspec.Struct, tag="heartbeat"):
-    """Sent every second or so by a ready core's heartbeat thread (``core_heartbeat``), also
-    during a long step: the API process takes a core silent for longer than
-    ``engine_heartbeat_timeout`` for dead (stopped or frozen). ``stamp``: the core's
-    ``time.monotonic()`` (seconds; one system-wide clock on Linux and macOS)."""
+    """Sent every second or so by a core's heartbeat thread (``core_heartbeat``), from the
+    core's start (its model load included) and during long steps: the API process takes a
+    core silent for longer than ``engine_heartbeat_timeout`` for dead (stopped or frozen).
+    ``stamp``: the core's ``time.monotonic()`` (seconds; one system-wide clock on Linux
+    and macOS)."""
 
     engine_index: int
     stamp: float

@@ -111,9 +111,12 @@ class ReplicaSet:
         passed to ``on_ready``); returns their messages by replica index.
 
         Raises:
-            RuntimeError: naming the replica, if one fails or exceeds ``timeout`` seconds.
+            RuntimeError: naming the replica, if one fails, exceeds ``timeout`` seconds, or
+                sends no heartbeat for ``engine_heartbeat_timeout`` seconds (stopped or
+                frozen while it loads: it is killed).
         """
-        return wait_ready(self.output, self.decoder, self.cores, timeout, on_ready)
+        return wait_ready(self.output, self.decoder, self.cores, timeout, on_ready,
+                          self.config.parallel_config.engine_heartbeat_timeout)
 
     def name(self, index: int) -> str:
         """How logs and errors name replica ``index`` ("the engine core" without DP)."""
