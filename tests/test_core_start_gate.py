@@ -75,3 +75,40 @@ def test_the_waiting_core_imports_autoconfig_before_the_go(tmp_path):
     out = subprocess.run([sys.executable, "-c", _WAITS, str(tmp_path / "go")], env=env,
                          capture_output=True, text=True, timeout=120, check=True).stdout
     assert out.split() == ["False", "True", "True"]  # before: False True False
+
+
+_STARTS = """
+import sys
+from kvflow.config import EngineConfig
+from kvflow.engine import replica_set
+AUTO = "transformers.models.auto.configuration_auto"
+seen = []  # (method, AutoConfig's module imported) as each core would start
+replica_set.CoreProcess.start = lambda self, level, go, method: seen.append(
+    (method, AUTO in sys.modules))
+config = EngineConfig.from_kwargs(model=sys.argv[1], dtype="float32")
+before = AUTO in sys.modules
+replicas = replica_set.ReplicaSet(config, start_method=sys.argv[2])
+replicas.start(gated=True)
+replicas.cores.clear()
+replicas.close()
+print(before, *seen[0])
+"""
+
+
+def test_a_forking_api_process_imports_autoconfig_once_before_the_fork(tmp_path, tiny_llama):
+    """A core about to be forked inherits AutoConfig's modules, which the API process's config
+    check imports next anyway (was: the API process and the waiting core imported them at the
+    same time, on the same 2 cores); a spawned core imports its own, so spawning waits for
+    nothing. In a fresh interpreter, as ``kvflow serve``'s is."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), HF_HUB_OFFLINE="1")
+    outs = [subprocess.run([sys.executable, "-c", _STARTS, tiny_llama.path, method], env=env,
+                           capture_output=True, text=True, timeout=120, check=True).stdout
+            for method in ("fork", "spawn")]
+    assert [out.split() for out in outs] == [["False", "fork", "True"],  # before: False
+                                             ["False", "spawn", "False"]]

@@ -166,17 +166,29 @@ def name_process(name: str) -> None:
         libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
 
 
+# transformers 5.x: most of AutoConfig's imports (-> torch.distributed.tensor), then AutoConfig
+# and transformers.models' lazy index: 1.9-4.2 s on 2 busy cores, before a config is read
+CONFIG_IMPORTS = ("transformers.activations", "transformers.models.auto.configuration_auto")
+
+
+def import_config_modules() -> None:
+    """Import :data:`CONFIG_IMPORTS` (what reading a model's config.json needs), those that
+    exist. A gated core does it while it waits for the go (it spent them after it, on the way
+    to ready); ``ReplicaSet.start`` before it forks cores, which then inherit them, since the
+    API process's config check needs them next (was: both processes imported them at once, on
+    the same cores)."""
+    for name in CONFIG_IMPORTS:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+
+
 def wait_for_go(go: str, inp: zmq.Socket, poll_ms: int = 20) -> bool:
     """Wait until the file ``go`` exists (True), or until the API process sends
     ``Shutdown`` on ``inp`` or exits (False: its config check failed, or it is gone; nothing
     was loaded). Polls every ``poll_ms`` milliseconds."""
     parent = multiprocessing.parent_process()
     if not os.path.exists(go):  # meanwhile, the imports its config load will need
-        with contextlib.suppress(ImportError):
-            importlib.import_module("transformers.activations")  # 5.x: most of AutoConfig's
-            # AutoConfig and transformers.models' lazy index (1.9-3.4 s on 2 busy cores,
-            # which the core spent after the go, on the way to /health)
-            importlib.import_module("transformers.models.auto.configuration_auto")
+        import_config_modules()
     while not os.path.exists(go):
         if inp.poll(poll_ms) or (parent is not None and not parent.is_alive()):
             return False  # only Shutdown is ever sent to a core before it is ready

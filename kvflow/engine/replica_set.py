@@ -30,6 +30,7 @@ from kvflow.engine.core_client import (
     stop_ray,
     wait_ready,
 )
+from kvflow.engine.core_proc import import_config_modules
 from kvflow.engine.messages import EngineReady, Shutdown, output_decoder
 from kvflow.engine.start_method import core_start_method, method_now, restart_method
 
@@ -94,6 +95,8 @@ class ReplicaSet:
         self._started_ray = start_ray_for_replicas(self.config)
         go = os.path.join(self.ipc_dir, "go") if gated else None  # a file: no semaphores
         self._go = go
+        if gated and method_now(self.start_method) == "fork":  # the caller's config check
+            import_config_modules()  # needs them next: imported once, and the cores inherit
         for index in range(self.num_replicas):
             self.cores.append(CoreProcess(self.ctx, self.ipc_dir,
                                           replica_config(self.config, index),
