@@ -1,7 +1,8 @@
 """``kvflow serve`` start-up: seconds to ``/health`` 200, then to the first generate.
 
 Starts ``python -m kvflow serve MODEL --port PORT`` (with ``PYTHONPATH`` at each ``--trees``
-entry, so two trees can be compared on one machine), polls ``/health`` every 50 ms, sends one
+entry and the tree as its working directory, so two trees can be compared on one machine:
+``tree_process``), polls ``/health`` every 50 ms, sends one
 ``/v1/completions`` (8 greedy tokens of "The capital of France is"), then stops the server by
 its PID (SIGTERM; SIGKILL to its process group after 15 s). Rounds alternate the trees and
 flip their order every round, as a shared machine drifts. Prints one JSON line per run (the
@@ -51,6 +52,15 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def tree_process(tree: str) -> dict:
+    """``subprocess.Popen`` keyword arguments under which ``python -m kvflow`` imports
+    ``tree``'s kvflow: ``PYTHONPATH`` at it, and ``tree`` as the working directory, since
+    ``-m`` (and ``-c``) put the working directory on ``sys.path`` ahead of ``PYTHONPATH``.
+    (Was: ``PYTHONPATH`` only, so the script run from a clone's root started that clone's
+    kvflow for every tree, and a before/after comparison timed one tree twice.)"""
+    return {"env": dict(os.environ, PYTHONPATH=tree, HF_HUB_OFFLINE="1"), "cwd": tree}
+
+
 def time_serve(tree: str, model: str, port: int, limit_s: float = 300.0) -> dict:
     """One start of ``kvflow serve`` from ``tree``: ``health_s`` (seconds from the process
     start to ``/health`` 200), ``first_gen_s`` (seconds of the first completion) and its text.
@@ -58,10 +68,9 @@ def time_serve(tree: str, model: str, port: int, limit_s: float = 300.0) -> dict
     Raises:
         RuntimeError: if the server exits or is not healthy within ``limit_s`` seconds.
     """
-    env = dict(os.environ, PYTHONPATH=tree, HF_HUB_OFFLINE="1")
     start = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "kvflow", "serve", model, "--port", str(port),
-                             "--uvicorn-log-level", "warning"], env=env,
+                             "--uvicorn-log-level", "warning"], **tree_process(tree),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
