@@ -10,6 +10,7 @@ import ctypes
 import itertools
 import mmap
 import sys
+import threading
 import weakref
 
 import pytest
@@ -101,6 +102,26 @@ def test_prefault_thread_backs_the_cache_and_holds_no_tensor():
     assert [_resident_pages(c)[0] == _resident_pages(c)[1] for c in caches] == [True] * 3
     assert float(caches[1].float().sum()) == 3.0 and int(caches[0].count_nonzero()) == 0
     assert prefault_in_background([]) is None
+
+
+@linux
+def test_the_prefault_thread_alone_runs_at_nice_19():
+    """Oracle: the kernel's per-thread nice value (``/proc/self/task/<tid>/stat``, field 19)."""
+    def nice(tid: int) -> int:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[16])
+
+    seen, mine = [], nice(threading.get_native_id())
+
+    def run():
+        seen.append(cpu_memory.lower_thread_priority())
+        seen.append(nice(threading.get_native_id()))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert mine < 19 and seen == [True, 19]
+    assert nice(threading.get_native_id()) == mine  # the process's other threads keep theirs
 
 
 def test_cpu_kv_cache_is_allocated_through_it(monkeypatch, tiny_llama):

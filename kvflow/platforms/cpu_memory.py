@@ -29,12 +29,14 @@ not reached yet is faulted by the step that first writes it, as any fresh page i
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import logging
 import math
 import mmap
+import os
 import sys
 import threading
 import time
@@ -49,6 +51,7 @@ PAGE = mmap.PAGESIZE
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux 5.14; EINVAL before
 PREFAULT_CHUNK = 16 << 20  # bytes per madvise call of the prefault thread
+PREFAULT_NICE = 19  # the prefault thread's nice value: it takes only otherwise idle CPU
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -148,9 +151,22 @@ def _prefault_chunk(t: torch.Tensor, offset: int, chunk_bytes: int) -> tuple[boo
     return more, True
 
 
+def lower_thread_priority(nice: int = PREFAULT_NICE) -> bool:
+    """Give the calling thread alone the ``nice`` value (Linux: ``setpriority`` of a thread
+    id sets that thread's, setpriority(2)); True if done. The prefault thread runs so: on a
+    machine with a core to spare it runs there, on a busy one it leaves the CPU to the start-up
+    and the steps (pages it has not reached are faulted by the steps that write them)."""
+    with contextlib.suppress(OSError, AttributeError):
+        if sys.platform.startswith("linux"):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+            return True
+    return False
+
+
 def _prefault(refs: list[weakref.ref], chunk_bytes: int) -> None:
     """The prefault thread: the tensors' planes chunk by chunk, round robin. A tensor freed
     meanwhile (sleep mode) is skipped: the thread holds one only during its chunk."""
+    lower_thread_priority()
     start, offset, more = time.monotonic(), 0, True
     while more:
         more = False
@@ -170,9 +186,9 @@ def _prefault(refs: list[weakref.ref], chunk_bytes: int) -> None:
 
 def prefault_in_background(tensors: list[torch.Tensor],
                            chunk_bytes: int = PREFAULT_CHUNK) -> threading.Thread | None:
-    """Start a daemon thread that backs ``tensors``' pages (contiguous CPU tensors, such as
-    :func:`zeros_on_huge_pages` made) with memory, ``chunk_bytes`` of each at a time
-    (:func:`populate`); returns it, or None where there is nothing to do (off Linux, no
+    """Start a daemon thread (at :data:`PREFAULT_NICE`: :func:`lower_thread_priority`) that
+    backs ``tensors``' pages (contiguous CPU tensors, such as :func:`zeros_on_huge_pages`
+    made) with memory, ``chunk_bytes`` of each at a time (:func:`populate`); returns it, or None where there is nothing to do (off Linux, no
     tensor). The thread keeps no tensor alive: one freed meanwhile is skipped. Contents never
     change, so the tensors may be in use meanwhile."""
     if _madvise() is None or not tensors:
