@@ -271,7 +271,7 @@ def wait_ready(output: zmq.Socket, decoder: msgspec.msgpack.Decoder, cores: list
         starting = [core for core in cores if core.index not in ready]
         for core, silent_s in liveness.silent(starting, time.monotonic()):
             why = declare_dead(core, silent_s, replica_name(core.index, n), liveness.timeout_s,
-                               " while starting")
+                               starting=True)
             raise RuntimeError(f"{why}; its start-up was abandoned (a core that loads slowly "
                                "but runs is waited for up to --engine-start-timeout)")
     if len(ready) < n:

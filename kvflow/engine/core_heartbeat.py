@@ -16,9 +16,8 @@ killed (a frozen process would hold its device and, resumed, answer for requests
 failed) and no longer chosen. While the API process waits for the cores' ``EngineReady``
 (``core_client.wait_ready``), a :class:`StartupLiveness` judges the same way, so a core
 frozen while it loads fails the start-up within ``engine_heartbeat_timeout`` seconds, not at
-``--engine-start-timeout`` (600 s); before a core's first heartbeat (a spawned core still
-importing torch) only a process that does not run (stopped, traced, in uninterruptible
-sleep) for that long is.
+``--engine-start-timeout`` (600 s); there a core that uses CPU time counts as heard from (a
+start-up's long C calls hold the GIL: the heap's full collection, a spawned core's imports).
 
 The steps themselves pay nothing: the thread wakes once a second for a few microseconds.
 """
@@ -101,15 +100,28 @@ class CoreLiveness:
 
 
 def declare_dead(core: CoreProcess, silent_s: float, name: str, timeout_s: float,
-                 when: str = "") -> str:
+                 starting: bool = False) -> str:
     """Kill ``core`` (silent for ``silent_s`` seconds) and return why, naming it and its
-    process state (``CoreLiveness.declare_dead``); ``when``: words after the silence
-    (" while starting")."""
+    process state (``CoreLiveness.declare_dead``); ``starting``: found by
+    :class:`StartupLiveness` (``"... sent no heartbeat and used no CPU for 2.1 s while
+    starting (engine_heartbeat_timeout=2) ..."``)."""
     state = None if core.pid is None else process_state(core.pid)
     core.kill()
-    return (f"{name} (pid {core.pid}) sent no heartbeat for {silent_s:.1f} s{when} "
+    what, when = (" and used no CPU", " while starting") if starting else ("", "")
+    return (f"{name} (pid {core.pid}) sent no heartbeat{what} for {silent_s:.1f} s{when} "
             f"(engine_heartbeat_timeout={timeout_s:g})"
             + ("" if state is None else f": the process is {state}"))
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """User + system CPU time process ``pid`` has used, in clock ticks (``/proc/<pid>/stat``
+    fields 14-15, Linux), or None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 class StartupLiveness:
@@ -120,30 +132,38 @@ class StartupLiveness:
         timeout_s: ``engine_heartbeat_timeout`` (seconds).
         now: the current ``time.monotonic()``; every replica counts as heard from then.
 
-    A core that has sent a heartbeat is judged by them, as a ready one is (it stopped, or a
-    C call holds its GIL, while it loads). One that has not yet (a spawned core imports
-    torch and the engine before its first) counts as heard from at every check that finds
-    its process running (``process_state`` None), so only one stopped, traced or in
-    uninterruptible sleep for ``timeout_s`` is silent: a slow import never is.
+    A starting core may hold the GIL for seconds in one C call (the start-up heap's full
+    ``gc.collect``: 3.5 s on 2 busy cores; importing torch, in a spawned core, before its
+    heartbeat thread starts), so silence alone does not mean frozen here. A core counts as
+    heard from at a heartbeat, and at every check that finds it has used CPU time since the
+    previous one (``cpu_ticks``) or waits for its disk (``D`` state): it is silent only when
+    it neither beats nor runs, as a stopped (SIGSTOP), traced or deadlocked process does.
+    Where ``/proc`` cannot be read, heartbeats alone decide.
     """
 
     def __init__(self, num_replicas: int, timeout_s: float, now: float) -> None:
         self.timeout_s = timeout_s
         self._monitor = HeartbeatMonitor(num_replicas, timeout_s, now)
-        self._beating = [False] * num_replicas
+        self._ticks: list[int | None] = [None] * num_replicas
 
     def beat(self, msg: EngineHeartbeat) -> None:
         """Record a heartbeat."""
-        if 0 <= msg.engine_index < len(self._beating):
-            self._beating[msg.engine_index] = True
-            self._monitor.beat(msg.engine_index, msg.stamp)
+        self._monitor.beat(msg.engine_index, msg.stamp)
 
     def silent(self, starting: list[CoreProcess], now: float) -> list[tuple[CoreProcess, float]]:
         """(core, seconds of silence) of each of ``starting`` (the cores not ready yet,
-        their processes alive) silent for longer than the timeout as of ``now``."""
+        their processes alive) that neither sent a heartbeat nor ran for longer than the
+        timeout as of ``now``."""
         for core in starting:
-            if not self._beating[core.index] and core.pid is not None \
-                    and process_state(core.pid) is None:
+            if core.pid is not None and self._ran(core.index, core.pid):
                 self._monitor.beat(core.index, now)
         by_index = {core.index: core for core in starting}
         return [(by_index[i], s) for i, s in self._monitor.silent_ranks(now) if i in by_index]
+
+    def _ran(self, index: int, pid: int) -> bool:
+        """Whether process ``pid`` (replica ``index``) used CPU time since the previous check
+        or is waiting for I/O."""
+        ticks, before = cpu_ticks(pid), self._ticks[index]
+        self._ticks[index] = ticks
+        io_wait = process_state(pid) == "in uninterruptible sleep (I/O)"
+        return io_wait or (ticks is not None and before is not None and ticks > before)
