@@ -19,7 +19,7 @@ the advice is a no-op). Only whole 2 MB-aligned pages inside the tensor are advi
 
 The KV cache (:func:`zeros_on_huge_pages`) is a fresh anonymous mapping, which the kernel hands
 out zeroed: nothing writes zeros into it. Its first touch of each page (the kernel's fault,
-which clears the page) is what took the time: 2 GiB on huge pages took 8-19 s in a Firecracker
+which clears the page) is what took the time: 2 GiB on huge pages took 8-49 s in a Firecracker
 VM (docs/benchmarks.md, session 48), on the way to the engine's ready. So
 :func:`prefault_in_background` takes those faults in a thread of its own
 (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14: pages are backed without their contents
