@@ -25,6 +25,7 @@ import zmq
 from kvflow.engine.core_client import wait_ready
 from kvflow.engine.core_heartbeat import start_core_heartbeat
 from kvflow.engine.messages import output_decoder
+from tests.e2e.conftest import free_port
 from tests.e2e.test_engine_faults import core_pid
 
 BUSY = [sys.executable, "-c", "while True: pass"]
@@ -135,7 +136,7 @@ def _serve(model: str, port: int) -> subprocess.Popen:
 
 
 def test_kvflow_serve_with_its_core_stopped_while_starting_exits_naming_it(tiny_llama):
-    server = _serve(tiny_llama.path, 18591)
+    server = _serve(tiny_llama.path, free_port())
     try:
         deadline, pid = time.monotonic() + 120, None
         while pid is None and time.monotonic() < deadline and server.poll() is None:
