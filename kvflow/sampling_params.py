@@ -55,8 +55,10 @@ class SamplingParams:
             tokens whatever else is batched. -1 given to the constructor is None
             (unseeded), as in vLLM, whose ``SamplingParams`` turns it into None (sample
             ``i`` of a request seeded ``s`` is seeded ``s + i``, which may be -1: the engine
-            sets that after constructing, so it stays a seed). On CPU torch's generator uses
-            only its low 32 bits: seeds that differ by a multiple of 2**32 sample alike.
+            sets that after constructing, so it stays a seed). Output token ``p`` is drawn
+            with numbers that are a function of the seed (all 64 bits) and ``p`` only
+            (``layers/seeded_noise.py``), so speculative decoding and preemption do not
+            change a seeded request's tokens either.
         max_tokens: maximum number of generated tokens (>= 1); None: as many as the context
             leaves (``max_model_len`` minus the prompt), as in vLLM.
         min_tokens: no stop condition ends the request before this many tokens are generated:

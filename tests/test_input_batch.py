@@ -196,17 +196,21 @@ def test_scheduler_output_crosses_a_process_boundary_with_msgspec():
         assert back == out
 
 
-def test_cpu_seeds_that_differ_by_2_to_the_32_draw_the_same_numbers():
-    """README: on CPU torch's generator keeps only a seed's low 32 bits, so 5 and 5 + 2**32
-    (and -2 and 2**32 - 2) draw the same numbers while 5 and 6 do not; kvflow passes the seed
-    unchanged (a request's generator remembers all 64 bits; -1 is no seed, as in vLLM)."""
-    from kvflow.worker.request_state import request_generator
+def test_seeds_are_taken_modulo_2_to_the_64_with_all_their_bits():
+    """A request's seed is kept as given (-1 is no seed, as in vLLM; greedy requests have
+    none) and its numbers come from all 64 bits (SplitMix64 of the seed, layers/seeded_noise):
+    5 and 5 + 2**32 draw different numbers on CPU, where torch's generator seeded with the
+    seed itself kept only its low 32 bits and drew the same; -2 and 2**64 - 2 are one seed."""
+    from kvflow.layers.seeded_noise import fill_exponential
+    from kvflow.worker.request_state import request_seed
 
     def draws(seed: int) -> torch.Tensor:
-        gen = request_generator(SamplingParams(temperature=1.0, seed=seed), torch.device("cpu"))
-        assert gen.initial_seed() == seed % 2**64
-        return torch.rand(8, generator=gen)
+        kept = request_seed(SamplingParams(temperature=1.0, seed=seed))
+        assert kept == seed
+        return fill_exponential(torch.empty(8), kept, 0)
 
-    assert torch.equal(draws(5), draws(5 + 2**32))
-    assert torch.equal(draws(-2), draws(2**32 - 2))
+    assert request_seed(SamplingParams(temperature=0.0, seed=5)) is None
+    assert request_seed(SamplingParams(temperature=1.0, seed=-1)) is None
+    assert not torch.equal(draws(5), draws(5 + 2**32))
+    assert torch.equal(draws(-2), fill_exponential(torch.empty(8), 2**64 - 2, 0))
     assert not torch.equal(draws(5), draws(6))

@@ -467,15 +467,15 @@ def test_sampler_matches_transformers_warpers(temperature, top_k, top_p, min_p):
 
 
 def test_sampler_seeded_rows_and_greedy_rows():
-    """Greedy rows take the argmax in a mixed batch; a seeded row's draw depends only on its own
-    generator, not on the row it sits in or on its neighbours."""
+    """Greedy rows take the argmax in a mixed batch; a seeded row's draw depends only on its
+    seed and output position, not on the row it sits in or on its neighbours."""
     gen_logits = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 50, generator=gen_logits)
     sampler = Sampler(torch.Generator().manual_seed(1))
 
     def draw(rows: torch.Tensor, seeded_row: int) -> tuple[int, list[int]]:
         meta = SamplingMetadata(temperature=torch.tensor([0.0, 1.0, 1.0, 0.0]),
-                                generators={seeded_row: torch.Generator().manual_seed(99)})
+                                seeded={seeded_row: (99, 4)})
         out = sampler(rows.clone(), meta).sampled.tolist()
         return out[seeded_row], out
 

@@ -2,9 +2,10 @@
 per-request seeds.
 
 Random rows use the exponential-race form of categorical sampling: ``argmax(p / E)`` with
-``E ~ Exp(1)`` i.i.d. draws the index with probability proportional to ``p``. A seeded request
-draws its ``E`` from its own generator, once per sampled token, so its tokens do not depend on
-what else is in the batch.
+``E ~ Exp(1)`` i.i.d. draws the index with probability proportional to ``p``. A seeded request's
+``E`` for its output token ``p`` is a pure function of its seed and ``p``
+(``layers/seeded_noise.py``), so its tokens depend neither on what else is in the batch nor
+on how many drafts speculative decoding verified for it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Protocol
 import torch
 
 from kvflow.kernels.argmax import argmax_rows
+from kvflow.layers.seeded_noise import fill_exponential
 from kvflow.runner_output import TokenLogprobs
 
 
@@ -65,7 +67,8 @@ class SamplingMetadata:
     Attributes:
         temperature: float32 [B]; 0 = greedy.
         top_k: int64 [B] (0 = off) or None when no row uses it; likewise top_p, min_p (float32).
-        generators: row -> torch.Generator for seeded rows.
+        seeded: row -> (seed, output position: tokens the request generated before this
+            one) for seeded random rows (``layers/seeded_noise.py``).
         banned_token_ids: row -> token ids masked this step (EOS/stop ids during min_tokens).
         num_logprobs: row -> number of top logprobs requested.
         penalties: presence / frequency / repetition penalties of the rows that use them.
@@ -79,7 +82,7 @@ class SamplingMetadata:
     top_k: torch.Tensor | None = None
     top_p: torch.Tensor | None = None
     min_p: torch.Tensor | None = None
-    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    seeded: dict[int, tuple[int, int]] = field(default_factory=dict)
     banned_token_ids: dict[int, list[int]] = field(default_factory=dict)
     num_logprobs: dict[int, int] = field(default_factory=dict)
     penalties: PenaltyMetadata | None = None
@@ -197,8 +200,8 @@ class Sampler:
         logits = apply_top_k_top_p_min_p(logits, meta.top_k, meta.top_p, min_p)
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, gen in meta.generators.items():
-            noise[row].exponential_(generator=gen)
+        for row, (seed, position) in meta.seeded.items():
+            fill_exponential(noise[row], seed, position)
         return (probs / noise).argmax(dim=-1), logits
 
     @staticmethod

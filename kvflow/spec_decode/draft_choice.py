@@ -3,11 +3,17 @@ has run (draft_model.py runs the passes).
 
 Greedy requests draft the argmax (a point mass); sampled requests draw from
 ``q = softmax(draft logits / temperature)`` within the request's top-k / top-p / min-p, as the
-target's ``p`` is (the request's own generator when seeded), and ``q`` goes to the rejection
-sampler, which keeps the target's distribution exactly whatever ``q`` is (Leviathan et al.
-2023, arXiv 2211.17192; kvflow/spec_decode/rejection_sampler.py): truncating ``q`` as ``p`` is
-only what makes drafts likely to be accepted (a draft outside ``p``'s top-k has ``p = 0`` and is
-always rejected). A draw is the Gumbel-max form ``argmax(q / Exp(1))``.
+target's ``p`` is, and ``q`` goes to the rejection sampler, which keeps the target's
+distribution exactly whatever ``q`` is (Leviathan et al. 2023, arXiv 2211.17192;
+kvflow/spec_decode/rejection_sampler.py): truncating ``q`` as ``p`` is only what makes drafts
+likely to be accepted (a draft outside ``p``'s top-k has ``p = 0`` and is always rejected). A
+draw is the Gumbel-max form ``argmax(q / E)``, ``E ~ Exp(1)``: from the engine's generator for
+an unseeded request; for a seeded one ``E`` is the vector of its seed and the draft's output
+position (``layers/seeded_noise.py``), the one the target's token there is drawn with, so a
+draft distribution close to the target's proposes the very token verification accepts (the
+coupled draw is accepted with probability ``P(argmax q/E = argmax p/E)``, at least
+``(1 - d) / (1 + d)``, ``d`` the total variation distance between ``p`` and ``q``: Daliri et
+al. 2024, "Coupling without Communication and Drafter-Invariant Speculative Decoding").
 
 A constrained request (structured output) chooses within its grammar's bitmask row: draft 1
 within the row the engine core hands the step, draft ``i`` within the row the core answers for
@@ -26,6 +32,7 @@ import numpy as np
 import torch
 
 from kvflow.layers.sampler import apply_top_k_top_p_min_p, scale_by_temperature
+from kvflow.layers.seeded_noise import fill_exponential
 from kvflow.sched_output import DraftGrammar, GrammarBitmask
 from kvflow.worker.input_batch import InputBatch
 
@@ -37,9 +44,10 @@ def choose_drafts(batch: InputBatch, rows: np.ndarray, logits: torch.Tensor, i: 
     """Write draft ``i`` (0-based) of each batch row in ``rows`` into ``tokens[sub, i]``
     (int64 [drafting rows, k]; ``sub``: the rows' indices among the drafting rows, default
     all) from ``logits`` (float [len(rows), columns]): the argmax for greedy rows, else a
-    draw from ``q`` (:func:`proposal_probs`; the request's generator when seeded, else
-    ``generator``), whose float32 [V] row is appended to ``probs[sub]`` (mapped back to the
-    full vocabulary through ``vocab.to_full`` when ``vocab``, a cut vocabulary, is given)."""
+    draw from ``q`` (:func:`proposal_probs`; module docstring: the seeded requests' draws,
+    else from ``generator``), whose float32 [V] row is appended to ``probs[sub]`` (mapped back
+    to the full vocabulary through ``vocab.to_full`` when ``vocab``, a cut vocabulary, is
+    given)."""
     sub = np.arange(len(rows)) if sub is None else sub
     if not len(rows):
         return
@@ -47,14 +55,23 @@ def choose_drafts(batch: InputBatch, rows: np.ndarray, logits: torch.Tensor, i: 
     sampled = np.flatnonzero(batch.temperature[rows] > 0)
     qs = proposal_probs(logits[torch.from_numpy(sampled).to(logits.device)], batch,
                         rows[sampled]) if len(sampled) else None
+    seeded: dict[int, torch.Tensor] = {}  # j -> its token id
     for n, j in enumerate(sampled.tolist()):
         q = qs[n]
-        gen = batch.generators.get(batch.req_ids[rows[j]], generator)
-        noise = torch.empty_like(q).exponential_(generator=gen)
-        choice[j] = (q / noise).argmax()  # Gumbel-max: a draw from q
-        probs[int(sub[j])].append(q if vocab is None else vocab.to_full(q))
-    if vocab is not None:
+        full = q if vocab is None else vocab.to_full(q)
+        seed = batch.seeds.get(batch.req_ids[rows[j]])
+        if seed is None:  # Gumbel-max over the columns: a draw from q
+            noise = torch.empty_like(q).exponential_(generator=generator)
+            choice[j] = (q / noise).argmax()
+        else:  # over the whole vocabulary, with the target's numbers at this position
+            position = int(batch.num_tokens[rows[j]] - batch.num_prompt_tokens[rows[j]]) + i
+            seeded[j] = (full / fill_exponential(torch.empty_like(full), seed,
+                                                 position)).argmax()
+        probs[int(sub[j])].append(full)
+    if vocab is not None:  # columns -> token ids
         choice = vocab.token_ids[choice]
+    for j, token_id in seeded.items():
+        choice[j] = token_id
     tokens[sub, i] = choice.cpu().numpy()
 
 

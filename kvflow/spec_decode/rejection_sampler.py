@@ -33,9 +33,23 @@ tokens are greedy decoding's, whatever the proposer did.
 
 Draws: ``k`` uniforms, then one exponential vector for the final token (the exponential race
 ``argmax(w / E)``, ``E ~ Exp(1)``, draws index ``x`` with probability ``w(x) / sum w``, so the
-residual needs no normalization). A seeded request draws both from its own generator: one
-uniform per draft it verifies and one exponential vector, so its draws do not depend on the
-other requests of the step.
+residual needs no normalization), all from the engine's generator.
+
+Seeded rows (a seeded request at temperature > 0) are verified like greedy rows, with the
+token plain seeded sampling draws in place of the argmax: row ``i``'s token is
+``t_i = argmax(p_i / E_i)``, ``E_i`` the exponential vector of the request's seed and the
+output position row ``i`` predicts (``layers/seeded_noise.py``: a pure function of the two,
+the numbers the plain sampler uses there). ``d_i`` is accepted iff ``d_i = t_{i-1}``, and the
+token after the accepted drafts is that row's ``t``. The emitted tokens are then exactly the
+tokens plain seeded sampling gives (each ``t_i`` is that position's plain draw once the
+drafts before it are the plain tokens), however many drafts were proposed, cut or verified,
+and whatever ``q`` was: the output is a function of the prompt, the parameters and the seed.
+Its distribution is the target's because plain sampling's is: ``E_i`` is independent of the
+earlier positions' vectors, so ``t_i`` given the tokens before it is a draw of ``p_i``. Such a
+row draws no uniforms and no residual, and ``q`` only decides how often drafts are accepted
+(a draft model draws its seeded drafts with the same ``E_i``, ``draft_choice.py``, so a ``q``
+close to ``p`` proposes ``t_i`` itself; an n-gram draft ``d`` is accepted with probability
+``p(d)``, as by the rule above).
 """
 
 from __future__ import annotations
@@ -45,6 +59,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvflow.layers.sampler import apply_top_k_top_p_min_p, scale_by_temperature
+from kvflow.layers.seeded_noise import seeded_exponentials
 
 
 @dataclass
@@ -61,14 +76,15 @@ class SpecLayout:
         draft_token_ids: int64 [R, K] (``K = max k_r``; entries past ``k_r`` are ignored).
         draft_probs: float32 [R, K, V], the proposer's distribution of each draft token, or
             None for point masses (n-gram proposals, greedy drafts of greedy requests).
-        generators: request index -> its own generator (seeded random requests).
+        seeded: request index -> (seed, output position its first row predicts: tokens it
+            generated before this step) for seeded requests at temperature > 0.
     """
 
     first_row: torch.Tensor
     num_drafts: torch.Tensor
     draft_token_ids: torch.Tensor
     draft_probs: torch.Tensor | None = None
-    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    seeded: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -92,7 +108,7 @@ def rejection_sample(logits: torch.Tensor, temperature: torch.Tensor,
             penalties, bans and grammar masks applied; no temperature yet).
         temperature: float32 [N] per row (0 = greedy); top_k / top_p / min_p: [N] or None.
         layout: the rows and drafts of each request.
-        generator: draws for requests without their own generator.
+        generator: the draws of random rows that are not seeded.
 
     Returns:
         The emitted tokens of every request.
@@ -104,25 +120,31 @@ def rejection_sample(logits: torch.Tensor, temperature: torch.Tensor,
     # row checked for draft i: the target's prediction after drafts 0..i-1
     draft_rows = (first_row.unsqueeze(1) + positions).clamp(max=logits.shape[0] - 1)
     drafts = layout.draft_token_ids.clamp(min=0)
-    greedy = temperature[first_row] == 0
-    target_argmax = logits.argmax(dim=-1)
-    accept = drafts == target_argmax[draft_rows]  # greedy rule
+    # exact rows: each position has one token (greedy: the argmax; seeded: its seeded draw)
+    exact = temperature[first_row] == 0
+    choice = logits.argmax(dim=-1)
     probs = None
-    if not bool(greedy.all()):
+    all_exact = bool(exact.all())
+    if not all_exact:
         probs = _target_probs(logits, temperature, top_k, top_p, min_p)
-        uniforms = _uniforms((num_reqs, k_max), layout, generator, device)
+        if layout.seeded:
+            exact = _seeded_choices(probs, layout, choice, exact)
+            all_exact = bool(exact.all())
+    accept = drafts == choice[draft_rows]  # the exact rule
+    if not all_exact:
+        uniforms = torch.rand((num_reqs, k_max), generator=generator, device=device)
         p_draft = probs[draft_rows, drafts]
         q_draft = torch.ones_like(p_draft) if layout.draft_probs is None else \
             layout.draft_probs.gather(2, drafts.unsqueeze(2)).squeeze(2)
         # accept with probability min(1, p/q): u < p / q  <=>  u * q < p  (q > 0)
-        accept = torch.where(greedy.unsqueeze(1), accept, uniforms * q_draft < p_draft)
+        accept = torch.where(exact.unsqueeze(1), accept, uniforms * q_draft < p_draft)
     accept &= positions < layout.num_drafts.unsqueeze(1)
     num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
     final_row = first_row + num_accepted
-    final = target_argmax[final_row]
-    if probs is not None:
+    final = choice[final_row]
+    if not all_exact:
         sampled = _sample_final(probs, final_row, num_accepted, drafts, layout, generator)
-        final = torch.where(greedy, final, sampled)
+        final = torch.where(exact, final, sampled)
     token_ids = torch.full((num_reqs, k_max + 1), -1, dtype=torch.int64, device=device)
     token_ids[:, :k_max] = torch.where(positions < num_accepted.unsqueeze(1), drafts, -1)
     token_ids.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
@@ -157,30 +179,25 @@ def _sample_final(probs: torch.Tensor, final_row: torch.Tensor, num_accepted: to
         # a rejection implies p(d) < q(d), hence sum(residual) > 0; keep p if rounding ate it
         usable = rejected & (residual.sum(dim=1) > 0)
         weights = torch.where(usable.unsqueeze(1), residual, weights)
-    noise = _exponential(weights.shape, layout.generators, generator, probs.device)
+    noise = torch.empty(weights.shape, device=probs.device).exponential_(generator=generator)
     return (weights / noise).argmax(dim=-1)
 
 
-def _uniforms(shape: tuple[int, int], layout: SpecLayout, generator: torch.Generator,
-              device: torch.device) -> torch.Tensor:
-    """U(0, 1) draws float32 [R, K] from ``generator``; a seeded request ``r``'s first
-    ``num_drafts[r]`` redrawn from its own generator. It draws exactly one per draft it
-    verifies, not ``K`` (the batch's most): how far its generator advances, and so its
-    tokens, must not depend on what else is batched (a request without drafts then draws
-    just what a plain step draws)."""
-    out = torch.rand(shape, generator=generator, device=device)
-    if layout.generators:
-        counts = layout.num_drafts.tolist()
-        for r, gen in layout.generators.items():
-            if counts[r]:
-                out[r, :counts[r]] = torch.rand(counts[r], generator=gen, device=device)
-    return out
-
-
-def _exponential(shape: tuple[int, ...], generators: dict[int, torch.Generator],
-                 generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """Exp(1) draws of ``shape``; row ``r`` from ``generators[r]``."""
-    out = torch.empty(shape, device=device).exponential_(generator=generator)
-    for r, gen in generators.items():
-        out[r].exponential_(generator=gen)
-    return out
+def _seeded_choices(probs: torch.Tensor, layout: SpecLayout, choice: torch.Tensor,
+                    exact: torch.Tensor) -> torch.Tensor:
+    """Write into ``choice`` (int64 [N], in place) each seeded request's token at each of its
+    ``num_drafts + 1`` rows, ``argmax(p / E)`` with ``E`` its seed's exponential vector for
+    the output position the row predicts (the plain sampler's draw there; module docstring),
+    and return ``exact`` (bool [R]) with the seeded requests set."""
+    first = layout.first_row.tolist()
+    counts = layout.num_drafts.tolist()
+    rows, noise = [], []
+    for r, (seed, position) in layout.seeded.items():
+        rows.extend(range(first[r], first[r] + counts[r] + 1))
+        noise.append(seeded_exponentials(seed, position, counts[r] + 1, probs.shape[1],
+                                         probs.device))
+    index = torch.tensor(rows, dtype=torch.int64, device=probs.device)
+    choice[index] = (probs[index] / torch.cat(noise)).argmax(dim=-1)
+    seeded = torch.zeros_like(exact)
+    seeded[list(layout.seeded)] = True
+    return exact | seeded

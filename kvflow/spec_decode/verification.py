@@ -112,7 +112,7 @@ def verify(step: SpecStep, logits: torch.Tensor, batch: InputBatch,
         step: the layout from ``plan_verification``.
         logits: float32 [N, V], the target's logits of ``step.logits_indices``.
         batch: the persistent batch (drafts in place).
-        sampling_inputs / sampler: the runner's (settings and the unseeded generator).
+        sampling_inputs / sampler: the runner's (settings and the unseeded rows' generator).
         grammar: the bitmask rows of constrained requests (k + 1 each), or None.
     """
     meta = sampling_inputs.build(batch, step.expanded_rows, grammar, step.num_extra)
@@ -125,7 +125,7 @@ def verify(step: SpecStep, logits: torch.Tensor, batch: InputBatch,
     layout = SpecLayout(torch.from_numpy(step.first_row).to(device),
                         torch.from_numpy(step.num_drafts).to(device),
                         torch.from_numpy(step.draft_token_ids).to(device), step.draft_probs,
-                        _generators(batch, step.sample_rows))
+                        _seeded(batch, step.sample_rows))
     out = rejection_sample(logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p,
                            layout, sampler.generator)
     token_ids = out.token_ids.cpu().numpy()
@@ -140,15 +140,16 @@ def verify(step: SpecStep, logits: torch.Tensor, batch: InputBatch,
                              draft_pass_s=step.draft_pass_s)
 
 
-def _generators(batch: InputBatch, sample_rows: np.ndarray) -> dict[int, torch.Generator]:
-    """Request index in the step -> its own generator (seeded random requests)."""
-    if not batch.generators:
+def _seeded(batch: InputBatch, sample_rows: np.ndarray) -> dict[int, tuple[int, int]]:
+    """Request index in the step -> (its seed, tokens it generated so far: the output
+    position its first row predicts), for seeded random requests (``SpecLayout.seeded``)."""
+    if not batch.seeds:
         return {}
     out = {}
     for s, row in enumerate(sample_rows.tolist()):
-        gen = batch.generators.get(batch.req_ids[row])
-        if gen is not None and batch.temperature[row] > 0:
-            out[s] = gen
+        seed = batch.seeds.get(batch.req_ids[row])
+        if seed is not None and batch.temperature[row] > 0:
+            out[s] = (seed, int(batch.num_tokens[row] - batch.num_prompt_tokens[row]))
     return out
 
 

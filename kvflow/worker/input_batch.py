@@ -13,7 +13,7 @@ per KV-cache group, the sampling
 parameters as columns (temperature, top-k/p, min-p, penalties, min_tokens), and which of the
 row's tokens is still on the device (``pending_sample``: async scheduling samples a token,
 launches the next step with it, and copies it to the host later). Rarely used per-request
-settings (seeded generators, logprobs, logit bias, min_tokens bans, allowed token ids, bad
+settings (sampling seeds, logprobs, logit bias, min_tokens bans, allowed token ids, bad
 words' token ids) live in small dicts keyed by request id.
 """
 
@@ -79,7 +79,7 @@ class InputBatch:
         self.uses_penalties = np.zeros(n, np.bool_)
         self.min_tokens = np.zeros(n, np.int64)
         # sparse settings, by request id (only rows that use them)
-        self.generators: dict[str, torch.Generator] = {}
+        self.seeds: dict[str, int] = {}  # request_seed: seeded random rows
         self.num_logprobs: dict[str, int] = {}
         self.logit_bias: dict[str, dict[int, float]] = {}
         # allowed_token_ids as int64 [K] host tensors, built once when the row is added
@@ -147,8 +147,8 @@ class InputBatch:
         self.repetition_penalty[row] = min(p.repetition_penalty, _F32_MAX)
         self.uses_penalties[row] = p.uses_penalties
         self.min_tokens[row] = p.min_tokens
-        if state.generator is not None:
-            self.generators[rid] = state.generator
+        if state.seed is not None:
+            self.seeds[rid] = state.seed
         if p.logprobs is not None:
             self.num_logprobs[rid] = p.logprobs
         if p.logit_bias:
@@ -175,7 +175,7 @@ class InputBatch:
         if row != last:
             self._move_row(last, row)
         self.req_ids.pop()
-        for sparse in (self.generators, self.num_logprobs, self.logit_bias,
+        for sparse in (self.seeds, self.num_logprobs, self.logit_bias,
                        self.allowed_token_ids, self.bad_words, self.min_tokens_banned,
                        self.stop_ids, self.prompt_logprobs):
             sparse.pop(req_id, None)

@@ -1,6 +1,6 @@
 """What a model runner keeps of each request it computes (:class:`RequestState`), from its
 first step until it finishes, and what is derived from it once: the token ids that stop it
-and its seeded generator. The per-step rows live in :mod:`kvflow.worker.input_batch`."""
+and its sampling seed. The per-step rows live in :mod:`kvflow.worker.input_batch`."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class RequestState:
     preemptions, which drop its row and generated tokens).
 
     Attributes:
-        generator: its own random generator (seeded random sampling), else None.
+        seed: its sampling seed (seeded random sampling, ``request_seed``), else None.
         mm_features: the prompt's images (vision-language models), else None.
         mrope_positions / mrope_delta: M-RoPE models: the prompt's position ids int64
             [3, prompt_len] and the offset of generated tokens' positions (None / 0 when the
@@ -40,7 +40,7 @@ class RequestState:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None
-    generator: torch.Generator | None = None
+    seed: int | None = None
     mm_features: list[MultiModalFeature] | None = None
     mrope_positions: np.ndarray | None = None
     mrope_delta: int = 0
@@ -63,10 +63,10 @@ def request_stop_ids(state: RequestState) -> list[int]:
     return stop
 
 
-def request_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    """A request's own generator on ``device`` (seeded random sampling), else None."""
+def request_seed(params: SamplingParams) -> int | None:
+    """A request's sampling seed when it samples seeded (its output token ``p`` is drawn with
+    the numbers of ``(seed, p)``: ``layers/seeded_noise.py``), else None (greedy or
+    unseeded)."""
     if params.seed is None or params.temperature == 0:
         return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(params.seed)
-    return gen
+    return params.seed

@@ -42,7 +42,7 @@ class SamplingInputs:
         per draft token plus one, consecutive in ``rows``; row ``i`` predicts the token after
         ``num_extra[i]`` of the request's drafts, which count as generated for its penalties,
         ``min_tokens`` and ``bad_words``; ``logit_bias`` and ``allowed_token_ids`` apply to
-        every row. Generators are left to the rejection sampler.
+        every row. Seeds are left to the rejection sampler (``SpecLayout.seeded``).
 
         Raises:
             KeyError: if ``grammar`` names a request without a row among ``rows``.
@@ -53,9 +53,9 @@ class SamplingInputs:
         if num_extra is not None:
             return self._fill_expanded(meta, batch, rows, num_extra, grammar)
         position = _sampling_positions(batch, rows)
-        for rid, gen in batch.generators.items():
+        for rid, seed in batch.seeds.items():
             if (i := position.get(rid)) is not None and batch.temperature[rows[i]] > 0:
-                meta.generators[i] = gen
+                meta.seeded[i] = (seed, int(batch.num_output_tokens(rows[i:i + 1])[0]))
         for rid, banned in batch.min_tokens_banned.items():
             if (i := position.get(rid)) is not None and \
                     batch.num_output_tokens(rows[i:i + 1])[0] < batch.min_tokens[rows[i]]:
@@ -156,7 +156,7 @@ def _sampling_positions(batch: InputBatch, rows: np.ndarray,
                         always: bool = False) -> dict[str, int]:
     """Request id -> sampling row; empty (unless ``always``) when no request uses a
     per-request dict setting."""
-    if not (always or batch.generators or batch.min_tokens_banned or batch.num_logprobs
+    if not (always or batch.seeds or batch.min_tokens_banned or batch.num_logprobs
             or batch.logit_bias or batch.allowed_token_ids or batch.bad_words):
         return {}
     return {batch.req_ids[r]: i for i, r in enumerate(rows.tolist())}

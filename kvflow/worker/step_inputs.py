@@ -18,7 +18,7 @@ from kvflow.worker.mm_runner import MultiModalRunner
 from kvflow.worker.model_inputs import ModelInputs
 from kvflow.worker.pooling import PoolingState
 from kvflow.worker.request_failures import Failures, is_request_fault, request_failure
-from kvflow.worker.request_state import RequestState, request_generator
+from kvflow.worker.request_state import RequestState, request_seed
 from kvflow.worker.step_sampling import PendingOutput
 
 
@@ -27,7 +27,7 @@ def update_states(sched: SchedulerOutput, requests: dict[str, RequestState], bat
                   lora_manager: LoRAManager | None, mm_runner: MultiModalRunner | None,
                   failures: Failures | None = None) -> None:
     """Apply the step's changes to the request states (``requests``, in place: finished ones
-    dropped, new ones added with their generator, adapter, images and prompt embeddings) and
+    dropped, new ones added with their seed, adapter, images and prompt embeddings) and
     the input batch. ``failures``: where a new request whose adapter cannot be read again
     (removed meanwhile, its folder changed), whose images' M-RoPE positions cannot be
     computed, or whose image fails in the encoder is recorded (``worker/request_failures.py``;
@@ -41,7 +41,7 @@ def update_states(sched: SchedulerOutput, requests: dict[str, RequestState], bat
         lora = _request_lora(lora_manager, new, failures)
         state = requests[new.req_id] = RequestState(
             new.req_id, new.prompt_token_ids, new.sampling_params, new.eos_token_id,
-            request_generator(new.sampling_params, device), new.mm_features,
+            request_seed(new.sampling_params), new.mm_features,
             lora_request=None if lora is None else new.lora_request, lora=lora,
             pooling_params=new.pooling_params,
             prompt_embeds=None if new.prompt_embeds is None else new.prompt_embeds.tensor())
