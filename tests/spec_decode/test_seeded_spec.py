@@ -165,3 +165,14 @@ def test_pipeline_parallel_keeps_the_plain_seeded_tokens(tiny_llama, plain):
         assert _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == plain
     finally:
         shutdown_and_check(llm)
+
+
+def test_eagle_speculation_keeps_the_plain_seeded_tokens(tiny_llama, plain, assert_no_leaks,
+                                                         tmp_path):
+    """An EAGLE-1 head (random weights, rarely right) drafts with the same rule."""
+    from tests.spec_decode.test_eagle_engine import _save_head
+
+    _save_head(str(tmp_path), tiny_llama.path, seed=7)
+    llm = _engine(tiny_llama.path, {"method": "eagle", "model": str(tmp_path),
+                                    "num_speculative_tokens": 3, "adaptive": False})
+    _check(llm, plain, assert_no_leaks)
