@@ -318,7 +318,8 @@ def test_smollm2_batch_invariant(dtype):
 def test_seeded_sampling_and_speculation_are_batch_invariant(tiny_llama):
     """Two consequences: a seeded sampled request repeats inside a batch, and n-gram
     speculative decoding, whose verification steps compute several tokens of a request at once,
-    gives bitwise the logprobs of plain decoding (drafts were checked: some accepted)."""
+    gives bitwise the logprobs of plain decoding (drafts were checked: some accepted), and a
+    seeded request's tokens and logprobs too."""
     target = [7, 9, 11, 13, 17, 19, 23, 29] * 4  # repeats: the n-gram proposer finds drafts
     _, others = _prompts()
     seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS, logprobs=2)
@@ -329,6 +330,10 @@ def test_seeded_sampling_and_speculation_are_batch_invariant(tiny_llama):
     assert _result(llm.generate([{"prompt_token_ids": target}], seeded, use_tqdm=False)[0]) == \
         _result(llm.generate([{"prompt_token_ids": p} for p in [target, *others[:7]]], seeded,
                              use_tqdm=False)[0])
+    # cool enough to repeat itself: the n-gram proposer drafts for it
+    looping = SamplingParams(temperature=0.2, seed=7, max_tokens=40, logprobs=2)
+    seeded_plain = _result(llm.generate([{"prompt_token_ids": target}], looping,
+                                        use_tqdm=False)[0])
     del llm
     # fixed draft lengths: adaptive ones follow step timings, and on a loaded machine the
     # engine drafted twice in the whole test and had nothing accepted
@@ -336,6 +341,12 @@ def test_seeded_sampling_and_speculation_are_batch_invariant(tiny_llama):
                                              "prompt_lookup_max": 3, "adaptive": False})
     assert _run(spec, target, others, 1) == plain
     assert _run(spec, target, others, 8) == plain
+    # a seeded request too: its drafts are accepted iff they are its plain seeded tokens (it
+    # drew one number per draft it verified, so its tokens followed the drafts)
+    out = spec.generate([{"prompt_token_ids": p} for p in [target, *others[:7]]], looping,
+                        use_tqdm=False)[0]
+    assert _result(out) == seeded_plain
+    assert out.metrics.num_accepted_tokens > 0
     speculator = spec.engine.core.scheduler.speculator
     assert speculator.num_draft_tokens > 0 and speculator.num_accepted_tokens > 0
 
