@@ -116,15 +116,17 @@ def test_n_samples_and_async_scheduling_keep_the_plain_seeded_tokens(tiny_llama,
                                                                      assert_no_leaks):
     """Sample i of a request seeded s is seeded s + i, with or without speculation; async
     scheduling (no speculation) samples the same tokens as lock-step scheduling."""
-    params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=5, n=3)
+    params = SamplingParams(temperature=0.2, max_tokens=32, ignore_eos=True, seed=5, n=3)
     alone = [_tokens(_engine(tiny_llama.path).generate(
-        [PROMPTS[0]], SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True,
+        [PROMPTS[0]], SamplingParams(temperature=0.2, max_tokens=32, ignore_eos=True,
                                      seed=5 + i), use_tqdm=False))[0][0] for i in range(3)]
     for llm in (_engine(tiny_llama.path, NGRAM),
                 _engine(tiny_llama.path, async_scheduling=True)):
         (out,) = _tokens(llm.generate([PROMPTS[0]], params, use_tqdm=False))
         assert out == alone
         assert_no_leaks(llm)
+        speculator = llm.engine.core.scheduler.speculator
+        assert speculator is None or speculator.num_accepted_tokens > 0
     async_llm = _engine(tiny_llama.path, async_scheduling=True)
     outs = async_llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert _tokens(outs) == _tokens(_engine(tiny_llama.path).generate(PROMPTS, PARAMS,
