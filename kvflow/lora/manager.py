@@ -84,6 +84,8 @@ class LoRAManager:
         self.adapters: dict[int, LoRAAdapter] = {}
         self.elsewhere = elsewhere
         self.slot_ids = [0] * config.max_loras  # lora_int_id held by each slot (0: none)
+        # the adapter whose weights each slot holds (an id may stand for another folder later)
+        self.slot_adapters: list[LoRAAdapter | None] = [None] * config.max_loras
         logger.info("LoRA: %d layers adapted, %d slots of rank %d", len(self.layers),
                     config.max_loras, config.max_lora_rank)
 
@@ -98,12 +100,33 @@ class LoRAManager:
         """
         adapter = self.adapters.get(request.lora_int_id)
         if adapter is None:
-            adapter = load_adapter(request, self.targets, self.packed,
-                                   self.config.max_lora_rank, self.dtype, self.rename,
-                                   self.model_type, self.elsewhere)
-            adapter.weights = {name: self.layers[name].shard_weights(pairs)
-                               for name, pairs in adapter.weights.items()}
-            self.adapters[request.lora_int_id] = adapter
+            adapter = self.adapters[request.lora_int_id] = self._load(request)
+        return adapter
+
+    def request_adapter(self, request: LoRARequest) -> LoRAAdapter:
+        """The adapter a newly scheduled request runs with: the loaded one, or, when it was
+        removed after the request was queued, a copy read again for that request alone. The
+        copy is not kept here (it goes when its request does), so an unloaded adapter's
+        weights do not stay in memory, nor come back for a later adapter given its id.
+
+        Raises:
+            ValueError: when the folder can no longer be applied (see :meth:`add_lora`).
+        """
+        adapter = self.adapters.get(request.lora_int_id)
+        if adapter is not None and adapter.request == request:
+            return adapter
+        return self._load(request)
+
+    def _load(self, request: LoRARequest) -> LoRAAdapter:
+        """Read and check an adapter, keeping this rank's and stage's part of its weights.
+
+        Raises:
+            ValueError: see :meth:`add_lora`.
+        """
+        adapter = load_adapter(request, self.targets, self.packed, self.config.max_lora_rank,
+                               self.dtype, self.rename, self.model_type, self.elsewhere)
+        adapter.weights = {name: self.layers[name].shard_weights(pairs)
+                           for name, pairs in adapter.weights.items()}
         return adapter
 
     def remove_lora(self, lora_int_id: int) -> bool:
@@ -111,7 +134,9 @@ class LoRAManager:
         slot again at their next step); False if it was not loaded. Its slot is freed: the id
         may come back for another folder, whose weights must not be taken for those still in
         the slot."""
-        self.slot_ids = [0 if held == lora_int_id else held for held in self.slot_ids]
+        for slot, held in enumerate(self.slot_ids):
+            if held == lora_int_id:
+                self.slot_ids[slot], self.slot_adapters[slot] = 0, None
         return self.adapters.pop(lora_int_id, None) is not None
 
     def step_mapping(self, row_lora_ids: np.ndarray, token_rows: np.ndarray,
@@ -140,8 +165,12 @@ class LoRAManager:
         return make_mapping(row_slot[token_rows], self.device)
 
     def _activate(self, ids: list[int], adapter_of: dict[int, LoRAAdapter]) -> dict[int, int]:
-        """Slots holding ``ids``: those already there stay, the others take slots no id of
-        this step holds (their weights copied into every LoRA layer)."""
+        """Slots holding ``ids``: those already there (the same adapter, not only the same
+        id) stay, the others take slots no id of this step holds (their weights copied into
+        every LoRA layer)."""
+        for slot, held in enumerate(self.slot_ids):
+            if held in adapter_of and self.slot_adapters[slot] is not adapter_of[held]:
+                self.slot_ids[slot], self.slot_adapters[slot] = 0, None  # stale weights
         wanted = set(ids)
         free = [s for s, held in enumerate(self.slot_ids) if held not in wanted]
         for lora_id in ids:
@@ -151,5 +180,5 @@ class LoRAManager:
             weights = adapter_of[lora_id].weights
             for name, layer in self.layers.items():
                 layer.set_slot(slot, weights.get(name, {}))
-            self.slot_ids[slot] = lora_id
+            self.slot_ids[slot], self.slot_adapters[slot] = lora_id, adapter_of[lora_id]
         return {lora_id: self.slot_ids.index(lora_id) for lora_id in ids}

@@ -59,7 +59,7 @@ def _request_lora(lora_manager: LoRAManager | None, new: NewRequestData,
     if new.lora_request is None:
         return None
     try:
-        return lora_manager.add_lora(new.lora_request)
+        return lora_manager.request_adapter(new.lora_request)
     except Exception as e:
         if failures is None or not is_request_fault(e):
             raise

@@ -126,6 +126,36 @@ def test_removed_adapter_leaves_its_slot(llm, tiny_llama, adapters, assert_no_le
     assert_no_leaks(llm)
 
 
+def test_adapter_removed_while_its_request_waits_is_not_kept(tiny_llama, adapters,
+                                                             assert_no_leaks):
+    """max_loras=1: a request of ``qv`` waits behind one of ``all``, and both adapters are
+    removed meanwhile. The waiting request still runs with its adapter (read again: peft's
+    tokens), but the runner keeps no copy once it is done (it used to keep the unloaded
+    weights in host memory for good: a server loading and unloading adapters with requests
+    queued grew without bound), and the id loaded again for another folder runs that
+    folder's weights, not the stale copy's."""
+    llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=128,
+              block_size=4, enable_lora=True, max_loras=1, max_lora_rank=8)
+    engine, core = llm.engine, llm.engine.core
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    lora_all, lora_qv = _requests(adapters)
+    engine.add_request({"prompt_token_ids": ids}, params, "all", lora_request=lora_all)
+    engine.add_request({"prompt_token_ids": ids}, params, "qv", lora_request=lora_qv)
+    engine.step()  # "all" runs, "qv" waits for the slot
+    assert core.remove_lora(1) and core.remove_lora(2)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert outs == {"all": peft_greedy(tiny_llama.path, adapters["all"], ids),
+                    "qv": peft_greedy(tiny_llama.path, adapters["qv"], ids)}
+    assert core.executor.runner.lora_manager.adapters == {}
+    again = llm.generate([ids], params, lora_request=LoRARequest("all", 2, adapters["all"]),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    assert again == outs["all"]
+    assert_no_leaks(llm)
+
+
 @pytest.mark.parametrize("algo", ["blake2b", "sha256"])
 def test_reused_id_and_name_miss_the_old_adapters_blocks(llm, tiny_llama, adapters, algo,
                                                          assert_no_leaks):
