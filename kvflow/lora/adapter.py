@@ -122,7 +122,8 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
                  packed: dict[str, tuple[str, Any]], max_rank: int,
                  dtype: torch.dtype, rename: Callable[[str], str] | None = None,
                  model_type: str | None = None,
-                 elsewhere: Callable[[str], bool] | None = None) -> LoRAAdapter:
+                 elsewhere: Callable[[str], bool] | None = None,
+                 towers: tuple[str, ...] = ()) -> LoRAAdapter:
     """Read and check a PEFT folder against the model's LoRA targets. Modules the config
     adapts that hold no weights (peft loads zero deltas there and warns) are logged, one
     warning per load.
@@ -140,11 +141,14 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
         elsewhere: kvflow module name -> whether another pipeline stage holds it (its
             weights are left to that stage, which checks them; None: one stage). A stage
             may then keep no weights of an adapter.
+        towers: name prefixes (``"vision_tower."``) of a multimodal model's parts that
+            kvflow does not adapt (its vision tower, projector): a module there is refused
+            saying so.
 
     Raises:
         ValueError: for anything kvflow cannot apply (see ``check_adapter_config``), a
             truncated or corrupt ``adapter_model.safetensors`` (naming it), a target module the
-            model does not have (or cannot adapt), an A without its B, a shape that does not
+            model does not have (or cannot adapt; in ``towers``: naming the part), an A without its B, a shape that does not
             fit the layer, a weight that is not floating point or not finite, weights
             of a module that ``target_modules`` (unset: peft's default for ``model_type``) /
             ``layers_to_transform`` / ``exclude_modules`` leave out (peft would drop them;
@@ -163,7 +167,7 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
         module, shard = _kvflow_module(peft_module, packed, rename)
         if elsewhere is not None and elsewhere(module):
             continue
-        a, b = _checked_pair(peft_module, module, shard, ab, targets)
+        a, b = _checked_pair(peft_module, module, shard, ab, targets, towers)
         _check_weights_rank(request, config, peft_module, a.shape[0], max_rank)
         weights.setdefault(module, {})[shard] = _folded_pair(config, peft_module, a, b, dtype)
         rank = max(rank, a.shape[0])
@@ -274,7 +278,7 @@ def _check_values(key: str, tensor: torch.Tensor, path: str) -> None:
 
 
 def _checked_pair(peft_module: str, module: str, shard: Any, ab: dict[str, torch.Tensor],
-                  targets: dict[str, LoRATarget]
+                  targets: dict[str, LoRATarget], towers: tuple[str, ...] = ()
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(A, B) of one adapted module, checked against the layer it lands in.
 
@@ -282,6 +286,13 @@ def _checked_pair(peft_module: str, module: str, shard: Any, ab: dict[str, torch
         ValueError: see :func:`load_adapter`.
     """
     target = targets.get(module)
+    tower = next((t for t in towers if module.startswith(t)), None)
+    if target is None and tower is not None:
+        raise ValueError(f"LoRA target module {peft_module!r} is in the model's "
+                         f"{tower.rstrip('.')!r} (the vision tower or its projector): kvflow "
+                         "applies LoRA adapters to the language model only; train the adapter "
+                         "with target_modules limited to it (e.g. the regex "
+                         r"'.*language_model.*\.(q_proj|v_proj)')")
     if target is None and module.rpartition(".")[2] in {t.rpartition(".")[2] for t in targets}:
         raise ValueError(f"LoRA target module {peft_module!r} cannot be applied: this model "
                          f"has no module {module!r} (an adapter for another base model?)")

@@ -52,6 +52,17 @@ def wrap_lora_layers(model: nn.Module, max_loras: int, max_rank: int, ctx: LoRAC
     return wrapped
 
 
+def untargeted_parts(model: nn.Module, layers: dict[str, LoRALinear]) -> tuple[str, ...]:
+    """A multimodal model's parts that hold no LoRA layer, as name prefixes (LLaVA's
+    ``("vision_tower.", "multi_modal_projector.")``, Qwen2-VL's ``("visual.",)``): its vision
+    tower and projector. ``()`` for a text model; the LM head is never one."""
+    if not getattr(model, "supports_multimodal", False):
+        return ()
+    return tuple(f"{name}." for name, child in model.named_children()
+                 if name != "lm_head" and any(True for _ in child.parameters())
+                 and not any(layer.startswith(f"{name}.") for layer in layers))
+
+
 class LoRAManager:
     """Adapters of one runner.
 
@@ -81,6 +92,7 @@ class LoRAManager:
                                                                {}))
         # the model's checkpoint renames (Qwen2-VL: model.language_model.* -> model.*)
         self.rename = getattr(model, "checkpoint_name", None)
+        self.towers = untargeted_parts(model, self.layers)
         self.adapters: dict[int, LoRAAdapter] = {}
         self.elsewhere = elsewhere
         self.slot_ids = [0] * config.max_loras  # lora_int_id held by each slot (0: none)
@@ -124,7 +136,8 @@ class LoRAManager:
             ValueError: see :meth:`add_lora`.
         """
         adapter = load_adapter(request, self.targets, self.packed, self.config.max_lora_rank,
-                               self.dtype, self.rename, self.model_type, self.elsewhere)
+                               self.dtype, self.rename, self.model_type, self.elsewhere,
+                               self.towers)
         adapter.weights = {name: self.layers[name].shard_weights(pairs)
                            for name, pairs in adapter.weights.items()}
         return adapter

@@ -349,3 +349,26 @@ def test_image_keys_the_prefix_cache_and_encoder_cache(tiny_llava):
     assert run(one) == first
     assert kv.num_hits - hits > feature.end  # past the image's placeholders
     assert encoder.num_encoded == encoded + 1
+
+
+@pytest.mark.parametrize("targets,part", [(["q_proj", "v_proj"], "vision_tower"),
+                                          (["linear_1"], "multi_modal_projector")])
+def test_lora_adapter_of_the_vision_tower_is_refused_naming_it(tiny_llava, tmp_path, targets,
+                                                                part):
+    """peft adapts every module ``target_modules`` names, the CLIP tower's q/v_proj and the
+    projector's linear_1 too; kvflow adapts the language model only, so such an adapter is
+    refused at load naming the part and what to train instead (the tower's q_proj was
+    refused as a module "this model has no (an adapter for another base model?)")."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlavaForConditionalGeneration
+
+    from kvflow.lora.request import LoRARequest
+
+    base = LlavaForConditionalGeneration.from_pretrained(tiny_llava.path, dtype=torch.float32)
+    get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets)).save_pretrained(
+        str(tmp_path))
+    llm = LLM(tiny_llava.path, dtype="float32", num_kv_blocks=64, block_size=16,
+              enable_lora=True, max_lora_rank=4)
+    with pytest.raises(ValueError, match=rf"in the model's '{part}' \(the vision tower or its "
+                       r"projector\): kvflow applies LoRA adapters to the language model only"):
+        llm.engine.core.add_lora(LoRARequest("tower", 1, str(tmp_path)))
