@@ -62,6 +62,7 @@ from kvflow.metrics_spec_decode import SpecDecodeMetrics
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS = ("stop", "length", "abort")
 ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")  # vLLM 0.32's
+LORA_INFO_SERIES = 32  # lora_requests_info series kept: the newest label sets
 
 
 class ServerMetrics:
@@ -85,6 +86,7 @@ class ServerMetrics:
         self.prompt_sources = PromptSourceMetrics(self.registry, model_name)
         self.cache_config_info = CacheConfigInfo(self.registry, model_name)  # set per replica
         self.lora_info: Gauge | None = None  # enable_lora_info makes it
+        self._lora_info_labels: dict[tuple[str, ...], None] = {}  # its series, oldest first
         self.max_loras = 0
         self._last_stats: dict[int, EngineStats] = {}  # per replica
 
@@ -172,7 +174,10 @@ class ServerMetrics:
         ``lora_requests_info`` gauge. Each engine report sets the series of its labels
         ``max_lora``, ``running_lora_adapters`` and ``waiting_lora_adapters`` (adapter names,
         comma-separated) to the time it came (Unix seconds), as vLLM's does; the newest
-        series is the current state. Not per replica (vLLM's has no ``engine`` label)."""
+        series is the current state. Not per replica (vLLM's has no ``engine`` label). Only
+        the ``LORA_INFO_SERIES`` series set last are kept (vLLM keeps every combination of
+        adapter names ever reported: a server that loads adapters under new names grew
+        without bound, in memory and in each /metrics reply)."""
         if self.lora_info is None:
             self.lora_info = Gauge("kvflow:lora_requests_info", "Running stats on LoRA "
                                    "requests: adapters running and waiting (value: the time "
@@ -330,10 +335,21 @@ class ServerMetrics:
             # speculative decoding is on (a speculator reports every position from the start)
             self.spec_decode.record(stats, last, engine)
         if self.lora_info is not None:
-            self.lora_info.labels(self.model_name, str(self.max_loras),
-                                  ",".join(stats.waiting_lora_adapters),
-                                  ",".join(stats.running_lora_adapters)).set_to_current_time()
+            self._set_lora_info((self.model_name, str(self.max_loras),
+                                 ",".join(stats.waiting_lora_adapters),
+                                 ",".join(stats.running_lora_adapters)))
         self._last_stats[engine_index] = stats
+
+    def _set_lora_info(self, labels: tuple[str, ...]) -> None:
+        """Set the ``lora_requests_info`` series of ``labels`` to now; drop the series set
+        longest ago beyond the newest ``LORA_INFO_SERIES``."""
+        self.lora_info.labels(*labels).set_to_current_time()
+        self._lora_info_labels.pop(labels, None)
+        self._lora_info_labels[labels] = None
+        if len(self._lora_info_labels) > LORA_INFO_SERIES:
+            oldest = next(iter(self._lora_info_labels))
+            del self._lora_info_labels[oldest]
+            self.lora_info.remove(*oldest)
 
     def _record_waiting_by_reason(self, engine: str, capacity: int, deferred: int) -> None:
         for reason, value in (("capacity", capacity), ("deferred", deferred)):

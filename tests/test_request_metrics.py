@@ -407,3 +407,26 @@ def test_request_parameter_histograms_as_vllms():
     assert _bounds(metrics, "kvflow:request_params_n") == [1, 2, 5, 10, 20]
     assert _bounds(metrics, "kvflow:request_max_num_generation_tokens") == \
         [1, 2, 5, 10, 20, 50, 100]
+
+
+def test_lora_requests_info_keeps_the_newest_series_only():
+    """Each combination of running and waiting adapter names is a series of its own; a
+    server loading adapters under new names made new ones without end (vLLM keeps them all).
+    The newest ``LORA_INFO_SERIES`` are kept, the current state among them."""
+    from kvflow.engine_outputs import EngineStats
+    from kvflow.metrics import LORA_INFO_SERIES
+
+    metrics = ServerMetrics("m")
+    metrics.enable_lora_info(2)
+    for i in range(3 * LORA_INFO_SERIES):
+        metrics.record_engine_stats(EngineStats(running_lora_adapters=[f"a{i}"],
+                                                waiting_lora_adapters=[f"a{i + 1}"]))
+    metrics.record_engine_stats(EngineStats(running_lora_adapters=["a5"]))
+    samples = [s for fam in text_string_to_metric_families(metrics.render().decode())
+               for s in fam.samples if s.name == "kvflow:lora_requests_info"]
+    assert len(samples) == LORA_INFO_SERIES
+    assert {"running_lora_adapters": "a5", "waiting_lora_adapters": ""}.items() <= \
+        next(s for s in samples if s.labels["running_lora_adapters"] == "a5").labels.items()
+    running = {s.labels["running_lora_adapters"] for s in samples}
+    assert running == {"a5"} | {f"a{i}" for i in range(2 * LORA_INFO_SERIES + 1,
+                                                       3 * LORA_INFO_SERIES)}
