@@ -4,7 +4,8 @@ Each feature has tests of its own; these run several at once: LoRA with chunked 
 prefix-cache hits (peft teacher forcing), prompt logprobs with hits and chunks (transformers),
 INT8 KV with prefix caching, chunks and swap preemption, with and without a sliding window
 (a plain int8 engine), n-gram
-speculation with LoRA and seeded n>1 sampling (peft logprobs of the sampled tokens), and
+speculation with LoRA and seeded n>1 sampling (peft logprobs of the sampled tokens), a draft
+model without the adapter for a target with it (peft's greedy tokens and logprobs), and
 mean pooling of a prompt longer than one step's budget (a plain torch mean of HF states).
 """
 
@@ -162,4 +163,29 @@ def test_ngram_speculation_lora_seeded_samples_match_peft(tiny_llama, adapter,
         got = [e[t].logprob for t, e in zip(sample.token_ids, sample.logprobs)]
         want = [ref[len(ids) - 1 + i, t].item() for i, t in enumerate(sample.token_ids)]
         assert got == pytest.approx(want, abs=1e-4)
+    assert_no_leaks(llm)
+
+
+def test_draft_model_speculation_with_lora_equals_peft_greedy(tiny_llama, adapter,
+                                                              assert_no_leaks):
+    """A draft model (the base model itself, without the adapter) proposing for a target
+    running the adapter: the verified greedy tokens and their logprobs are peft's with the
+    adapter (the drafts, which the adapter changes, are rejected where they differ); the
+    base-model row of the same batch is the base model's."""
+    llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=128,
+              block_size=4, enable_lora=True, max_loras=1, max_lora_rank=8,
+              speculative_config={"method": "draft_model", "model": tiny_llama.path,
+                                  "num_speculative_tokens": 3, "adaptive": False})
+    lora = LoRARequest("all", 1, adapter)
+    ids = _ids(llm, PROMPTS[1])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    with_lora, base = llm.generate([ids, ids], params, lora_request=[lora, None],
+                                   use_tqdm=False)
+    assert with_lora.metrics.num_drafts > 0
+    for out, folder in ((with_lora, adapter), (base, None)):
+        ref = peft_logprobs(tiny_llama.path, folder, ids + list(out.outputs[0].token_ids))
+        assert list(out.outputs[0].token_ids) == \
+            ref[len(ids) - 1:-1].argmax(-1).tolist()
+        _check_against(ref, ids, out)
+    assert with_lora.outputs[0].token_ids != base.outputs[0].token_ids
     assert_no_leaks(llm)
