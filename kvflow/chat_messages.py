@@ -22,7 +22,11 @@ format); rendering them is ``chat_template.py``'s job:
   videos in prompt order either way;
 * an assistant's ``tool_calls[].function.arguments`` given as JSON text (OpenAI's form) is
   parsed into an object, as templates that write ``arguments | tojson`` expect; text that
-  is no JSON object (a cut or malformed call) becomes ``{}`` (``arguments_object``).
+  is no JSON object (a cut or malformed call) becomes ``{}`` (``arguments_object``);
+* an assistant's reasoning, sent as ``reasoning`` (vLLM 0.32's name) or ``reasoning_content``
+  (its deprecated one; ``reasoning`` wins when both are set, as vLLM renames only an unset
+  one), reaches the template under both names, as vLLM gives it: Qwen3's and
+  DeepSeek-R1's templates read ``reasoning_content``, newer ones ``reasoning``.
 """
 
 from __future__ import annotations
@@ -156,7 +160,18 @@ def _normalize_message(message: Any, i: int, placeholders: dict[str, str],
     if isinstance(message.get("tool_calls"), list):
         out["tool_calls"] = [_parsed_arguments(_without_index(c, i, j))
                              for j, c in enumerate(message["tool_calls"])]
+    if message["role"] == "assistant":
+        out.update(_reasoning_keys(message))
     return out
+
+
+def _reasoning_keys(message: Mapping[str, Any]) -> dict[str, Any]:
+    """An assistant message's reasoning under both its names (``reasoning``, else the
+    deprecated ``reasoning_content``; vLLM 0.32's renaming), or {} when it sent none."""
+    reasoning = message.get("reasoning")
+    if reasoning is None:
+        reasoning = message.get("reasoning_content")
+    return {} if reasoning is None else {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
 def check_message_fields(message: Mapping[str, Any], i: int) -> None:

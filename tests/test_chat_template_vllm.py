@@ -86,6 +86,27 @@ def test_assistant_reasoning_is_reasoning_content(tok):
     assert out == "<user>hi\n<assistant><think>greet</think>yo\n"
 
 
+# a newer template's way: it reads ``reasoning`` (vLLM 0.32's name)
+READS_REASONING = ("{% for m in messages %}<{{ m.role }}>{% if m.reasoning %}<think>"
+                   "{{ m.reasoning }}</think>{% endif %}{{ m.content }}\n{% endfor %}")
+
+
+@pytest.mark.parametrize("template", [REASONING, READS_REASONING],
+                         ids=["reads-reasoning_content", "reads-reasoning"])
+@pytest.mark.parametrize("sent", [{"reasoning": "greet"}, {"reasoning_content": "greet"},
+                                  {"reasoning": "greet", "reasoning_content": "old"}],
+                         ids=["reasoning", "reasoning_content", "both"])
+def test_assistant_reasoning_under_either_name_reaches_either_template(tok, template, sent):
+    """vLLM 0.32 renames a history message's deprecated ``reasoning_content`` to ``reasoning``
+    (an unset one only: ``reasoning`` wins) and hands an assistant's reasoning to the template
+    as both ``reasoning`` and ``reasoning_content``. transformers alone filled only
+    ``reasoning_content``, from ``reasoning_content`` first: a template reading ``reasoning``
+    saw nothing when ``reasoning_content`` was sent, and ``old`` won when both were."""
+    messages = [_user("hi"), {"role": "assistant", "content": "yo", **sent}]
+    out = render_chat(tok, messages, chat_template=template, add_generation_prompt=False)
+    assert out == "<user>hi\n<assistant><think>greet</think>yo\n"
+
+
 @pytest.fixture(scope="module")
 def served_chat(tok):
     """The server's chat handler (rendering only) on ``tok``."""
@@ -109,6 +130,25 @@ def test_served_chat_renders_as_vllm(served_chat, tok):
     text, ids = asyncio.run(served_chat.render(req.messages, ChatOptions.of(req)))
     assert text == _hf(tok, [_sys("Answer in French."), _user("hi")])
     assert ids == tok.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("name", ["reasoning", "reasoning_content"])
+def test_served_chat_takes_an_earlier_turns_reasoning_under_either_name(served_chat, name):
+    """/v1/chat/completions: an assistant turn's ``reasoning`` or (deprecated)
+    ``reasoning_content`` renders as vLLM 0.32 renders it, for a template reading either."""
+    from kvflow.config import ServerConfig
+    from kvflow.entrypoints.chat_options import ChatOptions
+    from kvflow.entrypoints.protocol import ChatCompletionRequest
+    from kvflow.entrypoints.serving_chat import OpenAIServingChat
+
+    served_chat = OpenAIServingChat(served_chat.engine,
+                                    ServerConfig(trust_request_chat_template=True), "m")
+
+    for template in (REASONING, READS_REASONING):
+        req = ChatCompletionRequest.model_validate({"chat_template": template, "messages": [
+            _user("hi"), {"role": "assistant", "content": "yo", name: "greet"}, _user("ok")]})
+        text, _ = asyncio.run(served_chat.render(req.messages, ChatOptions.of(req)))
+        assert text == "<user>hi\n<assistant><think>greet</think>yo\n<user>ok\n"
 
 
 # Qwen2-VL's way with content: a string printed as it is, else each part (images as a pad)
