@@ -294,7 +294,7 @@ def test_spaces_after_think_do_not_eat_the_end_of_the_stream(parser):
     text = "<think>r</think>  \n Hi!"
     out = ChatOutputParser(parser, ThinkReasoningParser())
     message, _ = out.message(text, "stop")
-    assert (message.reasoning_content, message.content) == ("r", "Hi!")
+    assert (message.reasoning, message.content) == ("r", "Hi!")
     for chunk in range(1, len(text) + 1):
         assert _chat_stream(out, text, chunk, "stop") == ("Hi!", None, "stop"), chunk
 
@@ -326,7 +326,7 @@ def test_member_name_that_is_not_json_does_not_raise(parser, text):
 ])
 def test_whole_reply_reasoning_is_what_the_stream_sends(parser, text, reasoning, content):
     """The whole reply's reasoning_content is what the streamed deltas carry, joined: a reply
-    that wrote none had "" (the JSON said "reasoning_content": "") where the stream sends no
+    that wrote none had "" (the JSON said "reasoning": "") where the stream sends no
     reasoning_content at all (and vLLM's qwen3 / think parsers answer null)."""
     from kvflow.entrypoints.chat_output import ChatOutputParser
 
@@ -335,9 +335,52 @@ def test_whole_reply_reasoning_is_what_the_stream_sends(parser, text, reasoning,
     state, streamed = out.stream_state(), ""
     for i, char in enumerate(text):
         delta, _ = out.delta(state, char, "stop" if i == len(text) - 1 else None)
-        streamed += (delta.reasoning_content or "") if delta else ""
-    assert (message.reasoning_content, message.content) == (reasoning, content)
+        streamed += (delta.reasoning or "") if delta else ""
+    assert (message.reasoning, message.content) == (reasoning, content)
     assert (streamed or None) == reasoning
+
+
+def test_reasoning_is_written_as_reasoning():
+    """vLLM 0.32 writes a reply's reasoning as ``reasoning`` (message and stream delta) and
+    no longer as vLLM 0.10's ``reasoning_content``, which kvflow wrote."""
+    from kvflow.entrypoints.chat_output import ChatOutputParser
+
+    out = ChatOutputParser(None, ThinkReasoningParser())
+    message, _ = out.message("<think>hm</think>Hi", "stop")
+    assert message.model_dump() == {"role": "assistant", "content": "Hi", "reasoning": "hm"}
+    delta, _ = out.delta(out.stream_state(), "<think>hm", None)
+    assert delta.model_dump() == {"reasoning": "hm"}
+
+
+@pytest.mark.parametrize("parser", [None, HermesToolParser()], ids=["no-tools", "hermes"])
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ("<think>hm</think>Hi", "Hi", None),
+    ('<think>hm</think>Hi<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>',
+     "Hi", [("f", '{"a": 1}')]),
+    ("<think>cut sho", None, None),  # all reasoning: nothing left
+], ids=["content", "call", "all-reasoning"])
+def test_include_reasoning_false_drops_the_reasoning(parser, text, content, calls):
+    """``include_reasoning: false`` (vLLM's field): the reasoning is split off and dropped,
+    whole and streamed; a delta holding only reasoning is not sent at all. Without a tool
+    parser the call's text is content."""
+    from kvflow.entrypoints.chat_output import ChatOutputParser
+
+    if parser is None and calls:
+        content, calls = text.split("</think>")[1], None
+    out = ChatOutputParser(parser, ThinkReasoningParser(), include_reasoning=False)
+    assert out.hides_reasoning and not ChatOutputParser(parser, ThinkReasoningParser()) \
+        .hides_reasoning and not ChatOutputParser(parser, None, include_reasoning=False) \
+        .hides_reasoning
+    message, _ = out.message(text, "stop")
+    assert message.reasoning is None and message.content == content
+    assert ([(c.function.name, c.function.arguments)
+             for c in message.tool_calls or []] or None) == calls
+    state = out.stream_state()
+    for i, char in enumerate(text):
+        delta, _ = out.delta(state, char, "stop" if i == len(text) - 1 else None)
+        assert delta is None or (delta.reasoning is None and (delta.content or delta.tool_calls))
+    finish = "tool_calls" if calls else "stop"
+    assert _chat_stream(out, text, 1, "stop") == (content, calls, finish)
 
 
 @pytest.mark.parametrize("parser", [None, HermesToolParser()], ids=["no-tools", "hermes"])
@@ -349,7 +392,7 @@ def test_reply_that_is_all_reasoning_has_null_content(parser):
 
     message, _ = ChatOutputParser(parser, ThinkReasoningParser()).message("<think>a b",
                                                                           "length")
-    assert (message.reasoning_content, message.content) == ("a b", None)
+    assert (message.reasoning, message.content) == ("a b", None)
     assert ChatOutputParser(None, None).message("", "stop")[0].content == ""
 
 
@@ -378,11 +421,11 @@ def test_prompt_that_opens_the_think_block(parser, prompt, text, reasoning, cont
     out = ChatOutputParser(parser, make_reasoning_parser("qwen3", {}))
     out.note_prompt(prompt)
     message, _ = out.message(text, "stop")
-    assert (message.reasoning_content, message.content) == (reasoning, content)
+    assert (message.reasoning, message.content) == (reasoning, content)
     state, streamed, sent = out.stream_state(), "", ""
     for i, char in enumerate(text):
         delta, _ = out.delta(state, char, "stop" if i == len(text) - 1 else None)
-        streamed += (delta.reasoning_content or "") if delta else ""
+        streamed += (delta.reasoning or "") if delta else ""
         sent += (delta.content or "") if delta else ""
     assert (streamed or None, sent or None) == (reasoning, content)
 
@@ -406,7 +449,7 @@ def test_grammar_forced_reply_is_not_reasoning(name, prompt):
         out.note_prompt(prompt, grammar=True)
         message, finish = out.message(text, "stop")
         calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
-        return out, (message.content, message.reasoning_content, calls or None, finish)
+        return out, (message.content, message.reasoning, calls or None, finish)
 
     out, whole = reply(RequiredToolParser(), '[{"name": "add", "arguments": {"a": 1}}]')
     assert whole == (None, None, [("add", '{"a": 1}')], "tool_calls")

@@ -67,7 +67,7 @@ def read_streamed(out: ChatOutputParser, parts: list[str], finish: str):
         if delta is None:
             continue
         content += delta.content or ""
-        reasoning += delta.reasoning_content or ""
+        reasoning += delta.reasoning or ""
         for call in delta.tool_calls or []:
             entry = calls.setdefault(call.index, [None, "", None])
             entry[0] = call.function.name or entry[0]
@@ -84,7 +84,7 @@ def read_whole(out: ChatOutputParser, text: str, finish: str = "stop"):
     read whole (not streamed)."""
     message, reason = out.message(text, finish)
     calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
-    return message.content, message.reasoning_content or None, calls or None, reason
+    return message.content, message.reasoning or None, calls or None, reason
 
 
 def check_calls(name: str, text: str, content: str | None, calls: list[tuple[str, str]],

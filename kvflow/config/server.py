@@ -101,7 +101,7 @@ class ServerConfig:
         "tool_choice=none (default: the model still sees them and calls none, as with "
         "OpenAI; vLLM's flag of the same name)")
     reasoning_parser: str | None = opt(None, "split the reply's reasoning into "
-                                        "reasoning_content: think (<think>...</think>), "
+                                        "reasoning: think (<think>...</think>), "
                                         "qwen3 (the same; none under enable_thinking false), "
                                         "deepseek_r1 (text before </think>), granite; "
                                         "vLLM's glm45, mistral, seed_oss, step3, ernie45, "

@@ -33,13 +33,23 @@ class ChatOutputParser:
         calls_finish: the finish reason of a reply that stopped with tool calls:
             ``tool_calls``, or ``stop`` under a named ``tool_choice`` (OpenAI's answers,
             streamed or not; vLLM aligned with them in its PR 25054).
+        include_reasoning: False (vLLM's request field): the reasoning is still split off
+            the text, then dropped from messages and deltas (a delta holding only reasoning
+            is not sent), as vLLM 0.32 drops it.
     """
 
     def __init__(self, tool_parser: ToolParser | None,
                  reasoning: ReasoningParser | None, max_calls: int | None = None,
-                 calls_finish: str = "tool_calls") -> None:
+                 calls_finish: str = "tool_calls", include_reasoning: bool = True) -> None:
         self.tool_parser, self.reasoning, self.max_calls = tool_parser, reasoning, max_calls
-        self.calls_finish = calls_finish
+        self.calls_finish, self.include_reasoning = calls_finish, include_reasoning
+
+    @property
+    def hides_reasoning(self) -> bool:
+        """Whether reasoning is split off and dropped (``include_reasoning: false`` with a
+        reasoning parser): then the reply's per-token data (logprobs, token ids), which
+        would show the reasoning, is left out too, as vLLM 0.32 leaves it out."""
+        return self.reasoning is not None and not self.include_reasoning
 
     @property
     def is_plain(self) -> bool:
@@ -69,19 +79,20 @@ class ChatOutputParser:
         documents that clients must check), and text the parser treats as a call is never
         repeated as content."""
         reasoning, content = self.reasoning.split(text, True) if self.reasoning else (None, text)
-        reasoning = reasoning or None  # none written: null, as the stream sends none
         if self.tool_parser is None:  # all reasoning: no content (null), as streamed
-            return ChatResponseMessage(content=content or None if reasoning else content,
-                                       reasoning_content=reasoning), finish_reason
+            content = content or None if reasoning else content
+        reasoning = reasoning if reasoning and self.include_reasoning else None  # none: null
+        if self.tool_parser is None:
+            return ChatResponseMessage(content=content, reasoning=reasoning), finish_reason
         parsed = self.tool_parser.parse(content, True)
         calls = [ToolCall(id=c.id or self.tool_parser.new_call_id(),
                           function=FunctionCall(name=c.name, arguments=c.arguments))
                  for c in parsed.calls if c.name][:self.max_calls]
         if not calls:
             return ChatResponseMessage(content=parsed.content or None,
-                                       reasoning_content=reasoning), finish_reason
+                                       reasoning=reasoning), finish_reason
         message = ChatResponseMessage(content=parsed.content or None, tool_calls=calls,
-                                      reasoning_content=reasoning)
+                                      reasoning=reasoning)
         return message, self.calls_finish if finish_reason == "stop" else finish_reason
 
     def stream_state(self) -> StreamingToolState:
@@ -103,7 +114,8 @@ class ChatOutputParser:
                 fn.arguments = (fn.arguments or "") + arguments
         if finish_reason == "stop" and state.num_calls:
             finish_reason = self.calls_finish
-        if not (out.content or out.reasoning or calls):
+        reasoning = out.reasoning if self.include_reasoning else None
+        if not (out.content or reasoning or calls):
             return None, finish_reason
-        return DeltaMessage(content=out.content or None, reasoning_content=out.reasoning or None,
+        return DeltaMessage(content=out.content or None, reasoning=reasoning or None,
                             tool_calls=list(calls.values()) or None), finish_reason

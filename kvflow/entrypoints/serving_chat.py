@@ -183,7 +183,8 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
                                       make_reasoning_parser(self.config.reasoning_parser,
                                                             template_kwargs),
                                       None if req.parallel_tool_calls else 1,
-                                      "stop" if mode == "named" else "tool_calls")
+                                      "stop" if mode == "named" else "tool_calls",
+                                      req.include_reasoning)
 
     def _check_request(self, req: ChatCompletionRequest) -> None:
         self.check_n(req.n)
@@ -250,7 +251,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             if req.echo:  # as vLLM: content null (tool calls only) becomes the echo, "" too
                 message.content = self.echo_text(req) + (message.content or "")
             choices.append(ChatChoice(index=c.index, message=message,
-                                      **{**self._choice_extras(req, c),
+                                      **{**self._choice_extras(req, c, parser.hides_reasoning),
                                          "finish_reason": finish_reason}))
         num_generated = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(
@@ -261,13 +262,18 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             prompt_logprobs=None if _prompt_logprobs(req) is None
             else vllm_prompt_logprobs(out.prompt_logprobs), prompt_text=prompt_text)
 
-    def _choice_extras(self, req: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any]:
+    def _choice_extras(self, req: ChatCompletionRequest, c: CompletionOutput,
+                       hides_reasoning: bool) -> dict[str, Any]:
+        """A choice's logprobs, token ids and finish; under ``hides_reasoning``
+        (``ChatOutputParser.hides_reasoning``) no logprobs or token ids, which would show the
+        dropped reasoning's tokens (vLLM 0.32's rule)."""
+        show = not hides_reasoning
         return {"logprobs": chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0,
                                           self.engine.tokenizer,
                                           req.return_tokens_as_token_ids)
-                if req.logprobs else None,
+                if req.logprobs and show else None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                "token_ids": c.token_ids if req.return_token_ids else None}
+                "token_ids": c.token_ids if req.return_token_ids and show else None}
 
     # ---- streaming ---------------------------------------------------------------------------
     async def _chunks(self, req: ChatCompletionRequest, request_id: str, ids: list[int],
@@ -300,7 +306,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             return chunks + [chunk([ChatStreamChoice(index=i, delta=DeltaMessage(content=echo))])
                              for i in range(req.n) if echo]
 
-        want_tokens = req.logprobs or req.return_token_ids
+        want_tokens = (req.logprobs or req.return_token_ids) and not parser.hides_reasoning
         states = {i: parser.stream_state() for i in range(req.n)}
         sent_role = False
         async for _, delta in merge_streams(streams):
@@ -311,12 +317,13 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             num_cached = delta.metrics.num_cached_tokens  # the prompt's, once known
             for c in delta.outputs:
                 num_generated += len(c.token_ids)
-                message, extras = DeltaMessage(content=c.text), self._choice_extras(req, c)
+                message = DeltaMessage(content=c.text)
+                extras = self._choice_extras(req, c, parser.hides_reasoning)
                 if not parser.is_plain:  # reasoning / tool calls parsed out of the text
                     message, extras["finish_reason"] = parser.delta(states[c.index], c.text,
                                                                     c.finish_reason)
                     message = message or DeltaMessage(content="" if want_tokens else None)
-                if not (message.content or message.tool_calls or message.reasoning_content) \
+                if not (message.content or message.tool_calls or message.reasoning) \
                         and c.finish_reason is None and not (want_tokens and c.token_ids):
                     continue  # text held back (partial character, stop-string prefix)
                 yield chunk([ChatStreamChoice(index=c.index, delta=message, **extras)])

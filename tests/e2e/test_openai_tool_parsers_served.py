@@ -53,7 +53,7 @@ def _streamed(stream):
         for c in chunk.choices:
             finish = c.finish_reason or finish
             content += c.delta.content or ""
-            reasoning += getattr(c.delta, "reasoning_content", None) or ""
+            reasoning += getattr(c.delta, "reasoning", None) or ""
             for d in c.delta.tool_calls or []:
                 entry = calls.setdefault(d.index, ["", "", ""])
                 if d.id:
@@ -66,7 +66,7 @@ def test_mistral_calls_and_qwen3_reasoning_whole_and_streamed(client):
     choice = _chat(client).choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == "Sure."  # no EOS text, though decoded with specials
-    assert choice.message.reasoning_content == "hm"
+    assert choice.message.reasoning == "hm"
     (call,) = choice.message.tool_calls
     assert (call.function.name, call.function.arguments) == ("add", '{"a": 7}')
     assert len(call.id) == 9 and call.id.isalnum()
@@ -75,11 +75,46 @@ def test_mistral_calls_and_qwen3_reasoning_whole_and_streamed(client):
     assert [c[:2] for c in calls] == [("add", '{"a": 7}')] and len(calls[0][2]) == 9
 
 
+def test_reasoning_is_sent_as_vllm_0_32_sends_it(client):
+    """The reply's reasoning is ``reasoning``, in the message and in stream deltas, as vLLM
+    0.32 writes it; vLLM 0.10's ``reasoning_content`` (which kvflow wrote) is not."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=120,
+        extra_body={"structured_outputs": {"regex": FORCED}})
+    message = raw.http_response.json()["choices"][0]["message"]
+    assert message["reasoning"] == "hm" and "reasoning_content" not in message
+    deltas = [c.delta.model_dump() for chunk in _chat(client, stream=True)
+              for c in chunk.choices]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == "hm"
+    assert not any("reasoning_content" in d for d in deltas)
+
+
+def test_include_reasoning_false_drops_the_reasoning_logprobs_and_token_ids(client):
+    """``include_reasoning: false`` (vLLM's field; it was a 400 as unknown): the reply is the
+    same but for its reasoning, which is left out, whole and streamed, and so are logprobs
+    and token ids, which would show it (vLLM 0.32's rule)."""
+    extra = {"include_reasoning": False, "return_token_ids": True}
+    shown = _chat(client, logprobs=True, extra_body={"return_token_ids": True}).choices[0]
+    assert shown.logprobs is not None and shown.token_ids  # shown without the field
+    choice = _chat(client, logprobs=True, extra_body=extra).choices[0]
+    assert (choice.message.content, getattr(choice.message, "reasoning", None),
+            choice.finish_reason) == ("Sure.", None, "tool_calls")
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == \
+        [("add", '{"a": 7}')]
+    assert choice.logprobs is None and getattr(choice, "token_ids", None) is None
+    chunks = list(_chat(client, stream=True, logprobs=True, extra_body=extra))
+    content, reasoning, calls, finish = _streamed(chunks)
+    assert (content, reasoning, finish) == ("Sure.", "", "tool_calls")
+    assert [c[:2] for c in calls] == [("add", '{"a": 7}')]
+    assert all(c.logprobs is None and getattr(c, "token_ids", None) is None
+               for chunk in chunks for c in chunk.choices)
+
+
 def test_enable_thinking_false_leaves_the_text_to_the_tool_parser(client):
     choice = _chat(client, extra_body={"chat_template_kwargs": {"enable_thinking": False}},
                    ).choices[0]
     assert choice.message.content == "<think>hm</think>Sure."
-    assert getattr(choice.message, "reasoning_content", None) is None
+    assert getattr(choice.message, "reasoning", None) is None
     assert json.loads(choice.message.tool_calls[0].function.arguments) == {"a": 7}
 
 
@@ -111,18 +146,18 @@ def test_a_prompt_that_opens_the_think_block(client):
                         "chat_template_kwargs": {"open_think": opened}})
 
     message = ask(True).choices[0].message
-    assert message.content is None and message.reasoning_content
+    assert message.content is None and message.reasoning
     content, reasoning, _, _ = _streamed(ask(True, stream=True))
-    assert (content, reasoning) == ("", message.reasoning_content)
+    assert (content, reasoning) == ("", message.reasoning)
     plain = ask(False).choices[0].message
-    assert plain.content and getattr(plain, "reasoning_content", None) is None
+    assert plain.content and getattr(plain, "reasoning", None) is None
     forced = ask(True, structured_outputs={"regex": r"Plain\."}).choices[0].message
-    assert (forced.content, getattr(forced, "reasoning_content", None)) == ("Plain.", None)
+    assert (forced.content, getattr(forced, "reasoning", None)) == ("Plain.", None)
     named = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=40,
         tool_choice={"type": "function", "function": {"name": "add"}},
         extra_body={"chat_template_kwargs": {"open_think": True}}).choices[0].message
-    assert getattr(named, "reasoning_content", None) is None
+    assert getattr(named, "reasoning", None) is None
     assert [c.function.name for c in named.tool_calls] == ["add"]
 
 
@@ -147,7 +182,7 @@ def test_forced_calls_and_json_are_not_reasoning(r1_client):
     for choice, finish in (("required", "tool_calls"),
                            ({"type": "function", "function": {"name": "add"}}, "stop")):
         whole = ask(tools=TOOLS, tool_choice=choice).choices[0]
-        assert getattr(whole.message, "reasoning_content", None) is None
+        assert getattr(whole.message, "reasoning", None) is None
         assert {c.function.name for c in whole.message.tool_calls} == {"add"}
         assert whole.finish_reason in (finish, "length")  # the random model may run on
         _, reasoning, calls, streamed_finish = _streamed(ask(stream=True, tools=TOOLS,
@@ -156,4 +191,4 @@ def test_forced_calls_and_json_are_not_reasoning(r1_client):
         assert [c[:2] for c in calls] == [(c.function.name, c.function.arguments)
                                           for c in whole.message.tool_calls]
     message = ask(response_format={"type": "json_object"}, max_tokens=20).choices[0].message
-    assert message.content and getattr(message, "reasoning_content", None) is None
+    assert message.content and getattr(message, "reasoning", None) is None

@@ -212,6 +212,8 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM's: template variables (chat_options.effort_kwargs), not a sampling setting
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh",
                               "max"] | None = None
+    # vLLM's: false drops the parsed reasoning (and logprobs, token ids) from the reply
+    include_reasoning: bool = True
     mm_processor_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
     echo: bool = False

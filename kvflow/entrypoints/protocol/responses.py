@@ -97,14 +97,16 @@ class ChatResponseMessage(OmitNoneModel):
     """The reply's message. ``tool_calls`` is left out when the reply made no call, as
     OpenAI and vLLM 0.32 leave it out: the official client sends the message back as it
     parsed it (``messages.append(reply.choices[0].message)``), and an empty ``tool_calls``
-    is a 400 there, as OpenAI refuses one."""
+    is a 400 there, as OpenAI refuses one. ``reasoning`` (``--reasoning-parser``) is vLLM
+    0.32's name for the reply's reasoning (vLLM 0.10's ``reasoning_content`` is no longer
+    written, as vLLM 0.32 writes only ``reasoning``)."""
 
-    OMIT_IF_NONE = ("tool_calls", "reasoning_content")
+    OMIT_IF_NONE = ("tool_calls", "reasoning")
 
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
-    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(OmitNoneModel):
@@ -157,12 +159,14 @@ class DeltaToolCall(OmitNoneModel):
 
 
 class DeltaMessage(OmitNoneModel):
-    OMIT_IF_NONE = ("role", "content", "tool_calls", "reasoning_content")
+    """A stream chunk's piece of the message; ``reasoning`` as ``ChatResponseMessage``'s."""
+
+    OMIT_IF_NONE = ("role", "content", "tool_calls", "reasoning")
 
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
-    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatStreamChoice(OmitNoneModel):
