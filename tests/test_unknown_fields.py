@@ -113,6 +113,22 @@ def test_openai_client_chat_fields_are_refused_as_on_responses(name):
     UnknownFields().check(_parsed("/v1/chat/completions", {name: None}), "/v1/chat/completions")
 
 
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_thinking_token_budget_is_refused_naming_it_but_unlimited_passes(endpoint):
+    """vLLM 0.32's ``thinking_token_budget`` (declared on both endpoints): a budget kvflow
+    cannot enforce is a 400 naming it with why (also under ``--ignore-unknown-fields``, which
+    dropped it unread: reasoning ran past the budget asked for); vLLM's "unlimited" (-1) and
+    null ask for nothing and pass. ``include_reasoning`` is declared on chat now."""
+    for ignore in (False, True):
+        error = _refusal(endpoint, {"thinking_token_budget": 16}, ignore)
+        assert (error.param, error.code) == ("thinking_token_budget", "unsupported_parameter")
+        assert "max_tokens" in str(error)  # what to do instead
+    for value in (-1, None):
+        UnknownFields().check(_parsed(endpoint, {"thinking_token_budget": value}), endpoint)
+    assert protocol.ChatCompletionRequest.model_validate(
+        {"messages": HI, "include_reasoning": False}).include_reasoning is False
+
+
 def test_null_and_harmless_values_of_unsupported_fields_pass():
     harmless = {"modalities": ["text"], "audio": None, "guided_decoding_backend": "auto",
                 "spaces_between_special_tokens": True, "verbosity": None}
