@@ -79,20 +79,19 @@ class ChatOutputParser:
         documents that clients must check), and text the parser treats as a call is never
         repeated as content."""
         reasoning, content = self.reasoning.split(text, True) if self.reasoning else (None, text)
+        shown = reasoning if reasoning and self.include_reasoning else None  # none: null
         if self.tool_parser is None:  # all reasoning: no content (null), as streamed
-            content = content or None if reasoning else content
-        reasoning = reasoning if reasoning and self.include_reasoning else None  # none: null
-        if self.tool_parser is None:
-            return ChatResponseMessage(content=content, reasoning=reasoning), finish_reason
+            return ChatResponseMessage(content=content or None if reasoning else content,
+                                       reasoning=shown), finish_reason
         parsed = self.tool_parser.parse(content, True)
         calls = [ToolCall(id=c.id or self.tool_parser.new_call_id(),
                           function=FunctionCall(name=c.name, arguments=c.arguments))
                  for c in parsed.calls if c.name][:self.max_calls]
         if not calls:
             return ChatResponseMessage(content=parsed.content or None,
-                                       reasoning=reasoning), finish_reason
+                                       reasoning=shown), finish_reason
         message = ChatResponseMessage(content=parsed.content or None, tool_calls=calls,
-                                      reasoning=reasoning)
+                                      reasoning=shown)
         return message, self.calls_finish if finish_reason == "stop" else finish_reason
 
     def stream_state(self) -> StreamingToolState:
