@@ -210,6 +210,33 @@ def test_reload_weights_clears_the_blocks(tiny, tmp_path):
         ctx.destroy(linger=0)
 
 
+def test_reload_weights_clears_the_blocks_a_running_request_holds(tiny, tmp_path):
+    """A request running across ``reload_weights`` held its prompt's published blocks, which
+    stayed indexed (and announced: no event went out) and served the old weights' K/V once
+    it ended: the reload is one ``AllBlocksCleared``, the request's blocks filled after it
+    are never stored, and its freed blocks are never removed (they were cleared)."""
+    tok = AutoTokenizer.from_pretrained(tiny.path)
+    llm = make_llm(tiny, tmp_path)
+    ctx = zmq.Context()
+    try:
+        sub = Subscriber(ctx, f"ipc://{tmp_path}/pub")
+        engine = llm.engine
+        engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12,
+                                                      ignore_eos=True))
+        engine.step()  # the prompt's blocks computed, held by the running request
+        ids = tok(PROMPTS[0]).input_ids
+        assert set(stored_blocks(events_of(sub.drain()))) == {h for h, _, _ in chain(ids)}
+        assert llm.collective_rpc("reload_weights") == [None]
+        assert [type(e) for e in events_of(sub.drain())] == [AllBlocksCleared]
+        while engine.has_unfinished_requests():  # fills more blocks, then frees them all
+            engine.step()
+        assert events_of(sub.drain()) == []
+        assert not llm.engine.core.kv_cache_manager.pool._cached
+    finally:
+        llm.shutdown()
+        ctx.destroy(linger=0)
+
+
 def test_off_by_default_creates_no_events(tiny):
     llm = LLM(model=tiny.path, dtype="float32", block_size=BLOCK_SIZE,
               num_kv_blocks=NUM_KV_BLOCKS)

@@ -81,6 +81,52 @@ def test_a_changed_checkpoint_reloads_without_the_old_prefix_cache(tiny_llama, t
     llm.shutdown()
 
 
+def _change_kv_weights(folder: Path) -> None:
+    """Replace every layer's k_proj and v_proj in the folder's checkpoint (new K/V of every
+    token: the greedy tokens change, which the tests check)."""
+    path = _weights_file(folder)
+    weights = load_file(path)
+    gen = torch.Generator().manual_seed(1)
+    for name, w in weights.items():
+        if "k_proj" in name or "v_proj" in name:
+            weights[name] = torch.randn(w.shape, generator=gen, dtype=w.dtype) * 0.5
+    save_file(weights, path, metadata={"format": "pt"})
+
+
+def test_blocks_a_running_request_holds_serve_no_hit_after_a_reload(tiny_llama, tmp_path):
+    """A request running across the reload held its prompt's blocks, which kept their
+    hashes: once it finished they were freed still indexed, and the same prompt after it
+    hit the old weights' K/V (wrong tokens). Its blocks filled after the reload (attending
+    over old K/V) must not be indexed either."""
+    folder = _copy(tiny_llama, tmp_path / "model")
+    llm = _engine(folder)
+    old = _greedy(llm)
+    kv = llm.engine.core.kv_cache_manager
+    kv.reset_prefix_cache()  # nothing cached but what the running request holds
+    engine = llm.engine
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                  ignore_eos=True))
+    engine.step()  # the prompt's 3 full blocks computed and indexed, held by it
+    assert len(list(kv.pool._cached)) == 3
+
+    _change_kv_weights(folder)
+    expected = _hf_greedy(folder)
+    assert expected != old  # by hand: the new K/V change every prompt's greedy tokens
+    assert llm.collective_rpc("reload_weights") == [None]
+    assert not list(kv.pool._cached)  # its held blocks are forgotten too
+    while engine.has_unfinished_requests():  # 20 tokens: 2 more full blocks filled
+        engine.step()
+    assert not list(kv.pool._cached)  # nothing of it indexed, before or after the reload
+    kv.pool.check_invariants()
+
+    hits = kv.num_hits
+    assert _greedy(llm) == expected
+    assert kv.num_hits == hits  # the metric: no prefix-cache hit after the reload
+    assert _greedy(llm) == expected  # the new weights' blocks are cached and served
+    assert kv.num_hits > hits
+    llm.shutdown()
+
+
 def test_a_reload_that_fails_refuses_requests_until_one_succeeds(tiny_llama, tmp_path):
     """The runner let its model go before the load failed; the engine went on accepting
     requests and ran them on no model (TypeError: 'NoneType' object is not callable; the

@@ -242,13 +242,17 @@ class BlockPool:
         for block in blocks:
             self._evict_hash(block)
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix held by free blocks (used blocks keep their hashes).
+    def reset_prefix_cache(self, held_too: bool = False) -> None:
+        """Forget every cached prefix held by free blocks (used blocks keep their hashes),
+        or, with ``held_too``, by every block (a weight change: no K/V of the old weights
+        may serve a hit, and a held block freed later joins the free queue unindexed).
         With events on: ``AllBlocksCleared`` when no published block is left, else one
         ``BlockRemoved`` per published hash left with no copy (a copy in use keeps it)."""
         num_events = len(self.kv_events) if self.kv_events is not None else 0
-        for block in list(self._free.values()):
-            self._evict_hash(block)
+        indexed = self.blocks[1:] if held_too else list(self._free.values())
+        for block in indexed:
+            if block.block_hash is not None:
+                self._evict_hash(block)
         if self.kv_events is not None and not self._published:
             del self.kv_events[num_events:]
             self.kv_events.append(AllBlocksCleared())

@@ -359,14 +359,18 @@ class EngineCoreStartup:
             layout_name(cc.block_size, cc.kv_cache_dtype, tp, str(self.dtype).split(".")[-1]))
         return model_identity(self.source.path, self.hf_config, self.dtype, mc), layout
 
-    def kv_connector_weights_changed(self) -> None:
+    def weights_changed(self) -> None:
         """``reload_weights`` built the model again from its files, which may have changed:
-        the KV connector keys blocks by their identity now, and stores nothing more of the
-        requests running now (their K/V are the old weights', or computed over them)."""
-        connector = self.scheduler.connector
-        if connector is not None:
-            connector.weights_changed(*self._connector_identity(),
-                                      {r.request_id for r in self.scheduler.running})
+        no block of the prefix cache serves a hit any more (those requests hold too), the
+        KV connector keys blocks by the files' identity now, and neither indexes nor stores
+        anything more of the requests with K/V now (running, or swapped out: their K/V are
+        the old weights', or computed over them)."""
+        sched = self.scheduler
+        old_kv = {r.request_id for r in sched.running} | \
+            {rid for rid, r in sched.requests.items() if r.num_computed_tokens > 0}
+        self.kv_cache_manager.weights_changed(old_kv)
+        if sched.connector is not None:
+            sched.connector.weights_changed(*self._connector_identity(), old_kv)
 
     def _init_structured_output(self) -> None:
         """Grammar compiles run on compile threads, each within a time limit

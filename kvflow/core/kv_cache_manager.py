@@ -96,6 +96,8 @@ class KVCacheManager:
         self._group0_blocks = self.managers[0].req_to_blocks  # for the no-allocation check
         self._windowed = [m for m in self.managers if not m.needs_every_block]
         self._num_hashed: dict[str, int] = {}  # leading blocks of each request already indexed
+        # requests whose K/V predate a weight change: none of their blocks is indexed again
+        self._stale: set[str] = set()
         self.num_queries = 0  # prefix-cache lookups, in tokens
         self.num_hits = 0  # prefix-cache hits, in tokens
 
@@ -231,7 +233,7 @@ class KVCacheManager:
         rid = request.request_id
         start = self._num_hashed.get(rid, 0)
         end = min(num_tokens // self.block_size, len(self._group0_blocks.get(rid, ())))
-        if end <= start or not self._uses_hashing(request):
+        if end <= start or not self._uses_hashing(request) or rid in self._stale:
             return
         self._update_block_hashes(request)
         for m in self.managers:
@@ -272,7 +274,12 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release every block of the request (last group first, each tail first, so its tail
-        is evicted before its shared prefix)."""
+        is evicted before its shared prefix). A request freed to be recomputed computes
+        all its K/V again, so it may be indexed again (``weights_changed``)."""
+        self._stale.discard(request.request_id)
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
         self._num_hashed.pop(request.request_id, None)
         for m in reversed(self.managers):
             m.free(request.request_id)
@@ -284,7 +291,7 @@ class KVCacheManager:
         tables = tuple([None if b is self.pool.null_block else b.block_id
                         for b in m.req_to_blocks.get(request.request_id, ())]
                        for m in self.managers)
-        self.free(request)
+        self._release(request)  # a stale request stays stale: its K/V come back
         return tables
 
     def attach_blocks(self, request: Request, present: list[list[bool]]
@@ -332,6 +339,15 @@ class KVCacheManager:
         """Forget the cached prefixes of every free block (blocks a request holds keep
         theirs: see ``EngineCore.reset_prefix_cache``, ``BlockPool.reset_prefix_cache``)."""
         self.pool.reset_prefix_cache()
+
+    def weights_changed(self, request_ids: set[str]) -> None:
+        """The model's weights changed (``reload_weights``): forget every cached prefix,
+        the blocks requests hold included, and index nothing more of the requests whose
+        K/V the old weights computed (``request_ids``, e.g. a swapped-out request's, and
+        every request holding blocks now): their later blocks attend over old K/V. Such a
+        request may be indexed again once it is freed for recompute (``free``)."""
+        self._stale |= set(request_ids) | set(self._group0_blocks)
+        self.pool.reset_prefix_cache(held_too=True)
 
     # ---- KV cache events ---------------------------------------------------------------------
     def enable_kv_events(self, medium: str) -> None:

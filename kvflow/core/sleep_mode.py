@@ -114,7 +114,8 @@ class EngineSleep:
         ``reload_weights`` builds new models: the images the encoder-cache mirror lists
         are gone from the ranks (they drop their models' caches), and the prefix cache's
         K/V were computed by the old weights (the checkpoint may have changed), so both are
-        forgotten (the prefix cache as far as no request holds its blocks). A reload that
+        forgotten (the prefix cache with the blocks requests hold: ``weights_changed``). A
+        reload that
         fails leaves the ranks without weights: requests are refused until one succeeds.
 
         Raises:
@@ -150,8 +151,7 @@ class EngineSleep:
         if reload:
             self.weights_dropped = False
             core.weight_bytes = core.executor.weight_bytes
-            core.kv_cache_manager.reset_prefix_cache()  # K/V of the old weights
-            core.kv_connector_weights_changed()  # and the stored blocks are the old files'
+            core.weights_changed()  # the cached K/V and the stored blocks are the old files'
             if core.kv_event_publisher is not None:
                 core.publish_kv_events()
         return results

@@ -350,3 +350,41 @@ def test_cache_salt_shares_blocks_only_within_one_salt(make_kv, make_request):
     assert salted[2] == hash_block_tokens(salted[1], tuple(prompt[8:12]))
     for r in reqs.values():
         kv.free(r)
+
+
+def test_weights_changed_forgets_held_blocks_and_indexes_no_old_kv(make_kv, make_request):
+    """After ``weights_changed`` no block serves a hit: the blocks a running request holds
+    are forgotten (freed unindexed), its later full blocks are not indexed (they attend over
+    old K/V), nor is a swapped-out request's K/V when it comes back; a request freed for
+    recompute is indexed again (its K/V are all the new weights')."""
+    kv = make_kv(20)
+    running, swapped, prompt = make_request("run", list(range(9))), \
+        make_request("swap", list(range(100, 109))), list(range(9))
+    admit(kv, running)  # 2 full blocks indexed, held
+    admit(kv, swapped)
+    layout = kv.detach_blocks(swapped)  # swap-out: its 2 full blocks stay cached, free
+    assert len(list(kv.pool._cached)) == 4
+
+    kv.weights_changed({"swap"})
+    assert not list(kv.pool._cached)
+    for t in range(7):  # 16 tokens: 2 more full blocks of the running request
+        decode(kv, running, 50 + t)
+    kv.attach_blocks(swapped, [[b is not None for b in layout[0]]])
+    assert not list(kv.pool._cached)
+    kv.free(running)
+    kv.free(swapped)
+    assert not list(kv.pool._cached)
+    kv.pool.check_invariants()
+    later = make_request("later", prompt)
+    assert admit(kv, later) == 0  # no hit on the old K/V
+    assert len(list(kv.pool._cached)) == 2  # the new weights' blocks are indexed
+    kv.free(later)
+
+    preempted = make_request("again", list(range(200, 209)))
+    admit(kv, preempted)
+    kv.weights_changed(set())  # it holds blocks: stale without being named
+    kv.free(preempted)  # preempted by recompute: computes everything again
+    preempted.num_computed_tokens = 0
+    admit(kv, preempted)
+    assert len(list(kv.pool._cached)) == 2  # indexed again
+    kv.free(preempted)
