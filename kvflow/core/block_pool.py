@@ -242,6 +242,17 @@ class BlockPool:
         for block in blocks:
             self._evict_hash(block)
 
+    def indexed_keys(self) -> set[int]:
+        """Every key (hash, or group key) with a block indexed under it now."""
+        return set(self._cached)
+
+    def uncache_keys(self, keys: set[int]) -> None:
+        """Forget every copy indexed under each of ``keys`` (free or held; a key not indexed
+        is skipped; ``BlockRemoved`` for each published one)."""
+        for key in keys:
+            for block in list(self._cached.copies(key)):
+                self._evict_hash(block)
+
     def reset_prefix_cache(self, held_too: bool = False) -> None:
         """Forget every cached prefix held by free blocks (used blocks keep their hashes),
         or, with ``held_too``, by every block (a weight change: no K/V of the old weights

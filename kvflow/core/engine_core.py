@@ -115,11 +115,18 @@ class EngineCore(EngineCoreStartup):
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget a LoRA adapter on every rank (requests running with it finish with it);
-        False if it was not loaded."""
+        False if it was not loaded. No block its weights filled serves a hit after it (its
+        folder may hold other weights at its next load: ``KVCacheManager.forget_adapter``).
+        """
         if self.loras.pop(lora_int_id, None) is None:
             return False
         self.drain_steps()
         self.executor.collective_rpc("remove_lora", lora_int_id)
+        self.kv_cache_manager.forget_adapter(lora_int_id, {
+            rid for rid, r in self.scheduler.requests.items()
+            if r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id})
+        if self.kv_event_publisher is not None:
+            self.publish_kv_events()
         return True
 
     def drain_steps(self) -> None:

@@ -98,6 +98,8 @@ class KVCacheManager:
         self._num_hashed: dict[str, int] = {}  # leading blocks of each request already indexed
         # requests whose K/V predate a weight change: none of their blocks is indexed again
         self._stale: set[str] = set()
+        # pool keys indexed for each LoRA adapter id (some evicted since): forget_adapter
+        self._adapter_keys: dict[int, set[int]] = {}
         self.num_queries = 0  # prefix-cache lookups, in tokens
         self.num_hits = 0  # prefix-cache hits, in tokens
 
@@ -239,8 +241,19 @@ class KVCacheManager:
         for m in self.managers:
             m.cache_blocks(rid, request.block_hashes, request.all_token_ids, start, end)
         self._num_hashed[rid] = end
+        if request.lora_request is not None:
+            self._note_adapter_keys(request.lora_request.lora_int_id,
+                                    request.block_hashes[start:end])
         if self.pool.kv_events is not None:
             self._record_stored(request, start, end)
+
+    def _note_adapter_keys(self, lora_int_id: int, hashes: list[int]) -> None:
+        """Remember the pool keys of ``hashes`` (every group's) as the adapter's; the keys
+        evicted since are dropped whenever the set outgrows the pool twice over."""
+        keys = self._adapter_keys.setdefault(lora_int_id, set())
+        keys.update(m.cache_key(h) for m in self.managers for h in hashes)
+        if len(keys) > 2 * self.pool.num_blocks:
+            keys.intersection_update(self.pool.indexed_keys())
 
     def _record_stored(self, request: Request, start: int, end: int) -> None:
         """Publish group 0's blocks ``[start, end)`` of the request that are now indexed."""
@@ -348,6 +361,14 @@ class KVCacheManager:
         request may be indexed again once it is freed for recompute (``free``)."""
         self._stale |= set(request_ids) | set(self._group0_blocks)
         self.pool.reset_prefix_cache(held_too=True)
+
+    def forget_adapter(self, lora_int_id: int, request_ids: set[str]) -> None:
+        """A LoRA adapter was unloaded: its folder may hold other weights at its next load
+        (under the same name and folder, which vLLM's hashes key, or the same id): forget
+        every block indexed under it, held ones included, and index nothing more of the
+        ``request_ids`` (those still running with it)."""
+        self._stale |= request_ids
+        self.pool.uncache_keys(self._adapter_keys.pop(lora_int_id, set()))
 
     # ---- KV cache events ---------------------------------------------------------------------
     def enable_kv_events(self, medium: str) -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from kvflow.core.block_pool import hash_block_tokens
 from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.lora.request import LoRARequest
 from kvflow.request import Request
 
 BS = 4  # block size used throughout (the conftest default)
@@ -388,3 +389,34 @@ def test_weights_changed_forgets_held_blocks_and_indexes_no_old_kv(make_kv, make
     admit(kv, preempted)
     assert len(list(kv.pool._cached)) == 2  # indexed again
     kv.free(preempted)
+
+
+def test_forget_adapter_uncaches_its_blocks_only_and_its_running_requests(make_kv,
+                                                                          make_request):
+    """An unloaded adapter's blocks, free or held, leave the index (its folder may hold other
+    weights at the next load under the same key); the base model's and another adapter's
+    stay; the request still running with it indexes nothing more."""
+    kv = make_kv(30)
+    reqs = {}
+    for rid, lora, start in [("done", 7, 0), ("run", 7, 100), ("other", 8, 200),
+                             ("base", None, 300)]:
+        reqs[rid] = req = make_request(rid, list(range(start, start + 9)))
+        req.lora_request = None if lora is None else LoRARequest(f"a{lora}", lora, f"/a{lora}")
+        admit(kv, req)  # 2 full blocks each
+    kv.free(reqs["done"])
+    assert len(list(kv.pool._cached)) == 8
+
+    kv.forget_adapter(7, {"run"})
+    kept = {b.block_hash for r in ("other", "base") for b in kv.pool.blocks
+            if b.block_id in kv.get_block_ids(r)[0] and b.block_hash is not None}
+    assert set(kv.pool._cached) == kept and len(kept) == 4
+    for t in range(7):  # 16 tokens: 2 more full blocks, not indexed
+        decode(kv, reqs["run"], 50 + t)
+    assert set(kv.pool._cached) == kept
+    kv.pool.check_invariants()
+    for rid in ("run", "other", "base"):
+        kv.free(reqs[rid])
+    again = make_request("again", list(range(9)))  # "done"'s prompt and adapter id
+    again.lora_request = LoRARequest("a7", 7, "/a7")
+    assert admit(kv, again) == 0
+    kv.free(again)

@@ -5,6 +5,7 @@ with peft itself) and the base model in one batch give the same greedy tokens as
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import pytest
@@ -582,3 +583,34 @@ def test_engine_stats_name_the_running_and_waiting_adapters(llm, adapters, asser
     stats = collect_stats(llm.engine.core)
     assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == ([], [])
     assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize(("algo", "new_id"), [("blake2b", 70), ("sha256", 71)])
+def test_an_adapter_folder_rewritten_between_loads_misses_its_old_blocks(
+        tiny_llama, adapters, tmp_path, algo, new_id, assert_no_leaks):
+    """An adapter unloaded, its folder rewritten (a training loop's next checkpoint), and
+    loaded again under the same name and folder: the blocks its old weights filled were
+    still indexed under the same key (vLLM's hashes key name + folder; kvflow's also the id,
+    which an offline caller may reuse) and served a hit, so the old adapter's tokens came
+    out. Oracle: peft's greedy tokens on the new files."""
+    llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=128,
+              block_size=4, enable_lora=True, max_loras=2, max_lora_rank=8,
+              prefix_caching_hash_algo=algo)
+    folder = str(tmp_path / "adapter")
+    shutil.copytree(adapters["all"], folder)
+    ids = llm.get_tokenizer().encode(PROMPTS[2])
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    core = llm.engine.core
+    old = llm.generate([ids], params, lora_request=LoRARequest("x", 70, folder),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    assert old == peft_greedy(tiny_llama.path, adapters["all"], ids)
+    assert core.remove_lora(70)
+    shutil.rmtree(folder)
+    shutil.copytree(adapters["qv"], folder)
+    hits_before = core.kv_cache_manager.num_hits
+    new = llm.generate([ids], params, lora_request=LoRARequest("x", new_id, folder),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    assert new == peft_greedy(tiny_llama.path, adapters["qv"], ids) != old
+    assert core.kv_cache_manager.num_hits == hits_before  # no block of the old files hit
+    assert_no_leaks(llm)
+    llm.shutdown()
