@@ -127,6 +127,56 @@ def test_blocks_a_running_request_holds_serve_no_hit_after_a_reload(tiny_llama, 
     llm.shutdown()
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_a_quantized_kv_cache_reloads_to_a_fresh_engines_tokens(tiny_llama, tmp_path,
+                                                                kv_cache_dtype):
+    """--kv-cache-dtype int8 / fp8: the quantized blocks (and their scales beside them) of a
+    request running across the reload serve no hit after it: the tokens are a fresh engine's
+    on the new files (transformers does not quantize its cache: kvflow is the oracle)."""
+    folder = _copy(tiny_llama, tmp_path / "model")
+
+    def engine() -> LLM:
+        return LLM(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=64,
+                   block_size=4, enable_prefix_caching=True, kv_cache_dtype=kv_cache_dtype)
+
+    llm = engine()
+    old = _greedy(llm)
+    llm.engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                      ignore_eos=True))
+    llm.engine.step()  # its prompt's blocks, held across the reload
+    _change_kv_weights(folder)
+    assert llm.collective_rpc("reload_weights") == [None]
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    got = _greedy(llm)
+    llm.shutdown()
+    fresh = engine()
+    expected = _greedy(fresh)
+    fresh.shutdown()
+    assert expected != old  # the new K/V change the tokens
+    assert got == expected
+
+
+def test_new_weights_after_a_level_2_sleep_serve_no_old_block(tiny_llama, tmp_path):
+    """sleep(level=2), the checkpoint rewritten, wake_up and reload_weights: the new
+    weights' greedy tokens (transformers' on the new files), with no prefix-cache hit."""
+    folder = _copy(tiny_llama, tmp_path / "model")
+    llm = LLM(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=64, block_size=4,
+              enable_prefix_caching=True, enable_sleep_mode=True)
+    old = _greedy(llm)
+    kv = llm.engine.core.kv_cache_manager
+    llm.sleep(level=2)
+    _change_kv_weights(folder)
+    expected = _hf_greedy(folder)
+    assert expected != old
+    llm.wake_up()
+    assert llm.collective_rpc("reload_weights") == [None]
+    hits = kv.num_hits
+    assert _greedy(llm) == expected
+    assert kv.num_hits == hits
+    llm.shutdown()
+
+
 def test_a_reload_that_fails_refuses_requests_until_one_succeeds(tiny_llama, tmp_path):
     """The runner let its model go before the load failed; the engine went on accepting
     requests and ran them on no model (TypeError: 'NoneType' object is not callable; the
