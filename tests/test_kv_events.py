@@ -34,6 +34,8 @@ from kvflow.core.kv_events import (
     KVEventBatch,
     decode_kv_event_batch,
 )
+from kvflow.lora.request import LoRARequest
+from tests.lora.adapters import make_adapter
 
 BLOCK_SIZE = 4
 NUM_KV_BLOCKS = 40  # 39 usable blocks: 156 tokens
@@ -232,6 +234,46 @@ def test_reload_weights_clears_the_blocks_a_running_request_holds(tiny, tmp_path
             engine.step()
         assert events_of(sub.drain()) == []
         assert not llm.engine.core.kv_cache_manager.pool._cached
+    finally:
+        llm.shutdown()
+        ctx.destroy(linger=0)
+
+
+def test_an_unloaded_adapters_blocks_are_removed(tiny, tmp_path):
+    """``remove_lora``: every block stored under the adapter goes (``BlockRemoved``), those
+    a request still running with it holds included, and nothing more of that request is
+    stored; the base model's blocks stay. Before, they stayed announced and indexed, and a
+    folder rewritten in place hit them."""
+    folder = make_adapter(tiny.path, str(tmp_path / "adapter"), 1, r=4, lora_alpha=8,
+                          target_modules=["q_proj", "v_proj"])
+    lora = LoRARequest("a", 3, folder)
+    llm = LLM(model=tiny.path, dtype="float32", block_size=BLOCK_SIZE,
+              num_kv_blocks=NUM_KV_BLOCKS, enable_prefix_caching=True, enable_lora=True,
+              max_lora_rank=4, kv_events_config={"enable_kv_cache_events": True,
+                                                 "endpoint": f"ipc://{tmp_path}/pub"})
+    ctx = zmq.Context()
+    try:
+        sub = Subscriber(ctx, f"ipc://{tmp_path}/pub")
+        llm.generate(PROMPTS[:1], ONE_TOKEN, use_tqdm=False)  # the base model's blocks
+        llm.generate(PROMPTS[:1], ONE_TOKEN, lora_request=lora, use_tqdm=False)
+        engine = llm.engine
+        engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12,
+                                                      ignore_eos=True), lora_request=lora)
+        engine.step()  # held by the running request
+        stored = [e for e in events_of(sub.drain()) if isinstance(e, BlockStored)]
+        base = {h for e in stored if e.lora_id is None for h in e.block_hashes}
+        adapter = {h for e in stored if e.lora_id == 3 for h in e.block_hashes}
+        assert base and adapter and not base & adapter
+
+        assert llm.engine.core.remove_lora(3)
+        events = events_of(sub.drain())
+        assert all(isinstance(e, BlockRemoved) for e in events)
+        assert {h for e in events for h in e.block_hashes} == adapter
+        while engine.has_unfinished_requests():  # fills more blocks: none stored
+            engine.step()
+        assert events_of(sub.drain()) == []
+        pool = llm.engine.core.kv_cache_manager.pool
+        assert {h & (2**64 - 1) for h in pool._cached} == base
     finally:
         llm.shutdown()
         ctx.destroy(linger=0)
