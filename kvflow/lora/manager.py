@@ -3,7 +3,10 @@ adapter sits in which device slot this step.
 
 Adapters are loaded (read and checked) when they are added (``add_lora``: the engine calls it
 before a request may use the adapter, so a bad folder fails there, never in a step) and kept in
-host memory until removed. Each step the adapters of the batch's rows are put into the
+host memory, at most ``max_cpu_loras`` of them (vLLM's LRU): past that the least recently used
+one that no request of this runner holds is dropped, and read again from its folder when a
+request asks for it (the folder as it is then). Every tensor-parallel rank and pipeline stage
+sees the same adds and steps, so all drop and read the same adapters. Each step the adapters of the batch's rows are put into the
 ``max_loras`` device slots of every LoRA layer (an adapter already in a slot stays; a slot no
 row uses is reused); the scheduler admits no request whose adapter would make a step use more
 than ``max_loras`` adapters.
@@ -12,7 +15,7 @@ than ``max_loras`` adapters.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -75,6 +78,8 @@ class LoRAManager:
             ``target_modules`` adapts peft's default modules for it).
         elsewhere: module name -> whether another pipeline stage holds that layer (an
             adapter's weights for it are left to that stage); None with one stage.
+        in_use: the adapters the runner's requests hold now (never dropped from host
+            memory: dropping one would free nothing and read it twice); None: none.
 
     Raises:
         ValueError: from the constructor for a model without LoRA support.
@@ -82,7 +87,8 @@ class LoRAManager:
 
     def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype,
                  device: torch.device, model_type: str | None = None,
-                 elsewhere: Callable[[str], bool] | None = None) -> None:
+                 elsewhere: Callable[[str], bool] | None = None,
+                 in_use: Callable[[], Iterable[object]] | None = None) -> None:
         self.config, self.dtype, self.device = config, dtype, device
         self.model_type = model_type
         self.ctx = LoRAContext()
@@ -93,7 +99,10 @@ class LoRAManager:
         # the model's checkpoint renames (Qwen2-VL: model.language_model.* -> model.*)
         self.rename = getattr(model, "checkpoint_name", None)
         self.towers = untargeted_parts(model, self.layers)
-        self.adapters: dict[int, LoRAAdapter] = {}
+        self.adapters: dict[int, LoRAAdapter] = {}  # host copies, least recently used first
+        # adapters dropped for room (not removed): read again when a request asks for one
+        self.evicted: dict[int, LoRARequest] = {}
+        self.in_use = in_use or (lambda: ())
         self.elsewhere = elsewhere
         self.slot_ids = [0] * config.max_loras  # lora_int_id held by each slot (0: none)
         # the adapter whose weights each slot holds (an id may stand for another folder later)
@@ -112,22 +121,59 @@ class LoRAManager:
         """
         adapter = self.adapters.get(request.lora_int_id)
         if adapter is None:
-            adapter = self.adapters[request.lora_int_id] = self._load(request)
+            adapter = self._load(request)
+            self.evicted.pop(request.lora_int_id, None)
+            self._keep(adapter, held=False)
+        else:
+            self.adapters[request.lora_int_id] = self.adapters.pop(request.lora_int_id)
         return adapter
 
     def request_adapter(self, request: LoRARequest) -> LoRAAdapter:
-        """The adapter a newly scheduled request runs with: the loaded one, or, when it was
-        removed after the request was queued, a copy read again for that request alone. The
-        copy is not kept here (it goes when its request does), so an unloaded adapter's
-        weights do not stay in memory, nor come back for a later adapter given its id.
+        """The adapter a newly scheduled request runs with: the loaded one; one dropped for
+        room (``max_cpu_loras``) read again from its folder and kept; or, when it was removed
+        after the request was queued, a copy read again for that request alone. That copy is
+        not kept here (it goes when its request does), so an unloaded adapter's weights do
+        not stay in memory, nor come back for a later adapter given its id.
 
         Raises:
             ValueError: when the folder can no longer be applied (see :meth:`add_lora`).
         """
-        adapter = self.adapters.get(request.lora_int_id)
+        lora_id = request.lora_int_id
+        adapter = self.adapters.get(lora_id)
         if adapter is not None and adapter.request == request:
+            self.adapters[lora_id] = self.adapters.pop(lora_id)  # most recently used
+            return adapter
+        if adapter is None and self.evicted.get(lora_id) == request:
+            adapter = self._load(request)
+            del self.evicted[lora_id]
+            self._keep(adapter, held=True)
             return adapter
         return self._load(request)
+
+    def _keep(self, adapter: LoRAAdapter, held: bool) -> None:
+        """Keep ``adapter`` as the most recently used, then drop the least recently used
+        ones no request holds (``held``: a request is about to hold ``adapter``; else it
+        goes last, only when every other one is held) while more than ``max_cpu_loras``
+        are kept."""
+        lora_id = adapter.request.lora_int_id
+        self.adapters[lora_id] = adapter
+        excess = len(self.adapters) - self.config.cpu_loras
+        if excess <= 0:
+            return
+        held_now = {id(a) for a in self.in_use()}
+        free = [i for i, a in self.adapters.items() if i != lora_id and id(a) not in held_now]
+        if not held:
+            free.append(lora_id)
+        for victim in free[:excess]:
+            self._evict(victim)
+
+    def _evict(self, lora_id: int) -> None:
+        """Drop an adapter's host copy (and its slot: its weights are read again as a new
+        copy), remembering its request so that a later one reads it again."""
+        self.evicted[lora_id] = self.adapters.pop(lora_id).request
+        self._free_slots(lora_id)
+        logger.debug("LoRA: adapter %d dropped from host memory (max_cpu_loras=%d)", lora_id,
+                     self.config.cpu_loras)
 
     def _load(self, request: LoRARequest) -> LoRAAdapter:
         """Read and check an adapter, keeping this rank's and stage's part of its weights.
@@ -147,10 +193,15 @@ class LoRAManager:
         slot again at their next step); False if it was not loaded. Its slot is freed: the id
         may come back for another folder, whose weights must not be taken for those still in
         the slot."""
+        self._free_slots(lora_int_id)
+        evicted = self.evicted.pop(lora_int_id, None) is not None
+        return self.adapters.pop(lora_int_id, None) is not None or evicted
+
+    def _free_slots(self, lora_int_id: int) -> None:
+        """Empty the slots holding ``lora_int_id``."""
         for slot, held in enumerate(self.slot_ids):
             if held == lora_int_id:
                 self.slot_ids[slot], self.slot_adapters[slot] = 0, None
-        return self.adapters.pop(lora_int_id, None) is not None
 
     def step_mapping(self, row_lora_ids: np.ndarray, token_rows: np.ndarray,
                      adapter_of: dict[int, LoRAAdapter]) -> LoRAMapping | None:

@@ -139,7 +139,8 @@ class ModelRunner(RunnerKVCache):
         elsewhere = None if self.parallel.pp.world_size == 1 else \
             (lambda name: is_pp_missing(name, self.model))
         self.lora_manager = LoRAManager(self.model, lc, self.dtype, self.device,
-                                        getattr(hf_config, "model_type", None), elsewhere) \
+                                        getattr(hf_config, "model_type", None), elsewhere,
+                                        lambda: (s.lora for s in self.requests.values())) \
             if lc.enable_lora else None
         self.weight_bytes = weight_bytes(self.model)
         logger.info("weights: %.1f MiB (quantization: %s)", self.weight_bytes / 2**20,

@@ -181,6 +181,7 @@ class RunnerSleep:
     offloaded: list[MovedTensor] = field(default_factory=list)
     weights_dropped: bool = False
     adapters: dict[int, Any] = field(default_factory=dict)  # LoRA adapters of dropped weights
+    evicted: dict[int, Any] = field(default_factory=dict)  # and those max_cpu_loras dropped
     graphs_len: int | None = None  # capture_graphs' max_model_len (None: never captured)
 
     def sleep(self, runner, level: int) -> None:
@@ -196,7 +197,7 @@ class RunnerSleep:
             runner.mm_runner.encoder_cache.clear()
         if level == 2:
             if not self.weights_dropped:  # else dropped already, adapters kept aside
-                self.adapters = _lora_adapters(runner)
+                self.adapters, self.evicted = _lora_adapters(runner)
             _drop_model(runner)
             self.weights_dropped = True
         elif runner.device.type != "cpu" and not self.weights_dropped:  # dropped: none left
@@ -235,8 +236,8 @@ class RunnerSleep:
                              "wake_up(tags=['weights']) first")
         bindings = _kv_bindings(runner)
         if not self.weights_dropped:
-            self.adapters = _lora_adapters(runner)
-        adapters = self.adapters
+            self.adapters, self.evicted = _lora_adapters(runner)
+        adapters, evicted = self.adapters, self.evicted
         _drop_model(runner)
         self.weights_dropped = True  # until the load below succeeds
         gc.collect()
@@ -251,7 +252,8 @@ class RunnerSleep:
             _allocate_kv_cache(runner)
         if runner.lora_manager is not None:
             runner.lora_manager.adapters.update(adapters)
-        self.weights_dropped, self.adapters = False, {}
+            runner.lora_manager.evicted.update(evicted)
+        self.weights_dropped, self.adapters, self.evicted = False, {}, {}
         self._remake_graphs(runner)
 
     def _remake_graphs(self, runner) -> None:
@@ -264,10 +266,12 @@ def _models(runner) -> list[nn.Module]:
     return [runner.model] + ([runner.drafter.model] if runner.drafter is not None else [])
 
 
-def _lora_adapters(runner) -> dict[int, Any]:
+def _lora_adapters(runner) -> tuple[dict[int, Any], dict[int, Any]]:
     """The runner's loaded LoRA adapters (lora_int_id -> adapter; read from their folders,
-    independent of the model object)."""
-    return dict(runner.lora_manager.adapters) if runner.lora_manager is not None else {}
+    independent of the model object) and those ``max_cpu_loras`` dropped (lora_int_id ->
+    LoRARequest, read again when asked for)."""
+    manager = runner.lora_manager
+    return ({}, {}) if manager is None else (dict(manager.adapters), dict(manager.evicted))
 
 
 def _layer_maps(runner) -> list[dict[str, nn.Module]]:

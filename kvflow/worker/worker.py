@@ -262,6 +262,7 @@ class Worker:
         """Forget a LoRA adapter (one a level-2 sleep keeps aside for ``reload_weights``
         too); False if it was not loaded."""
         kept = self.sleep_state.adapters.pop(lora_int_id, None) is not None
+        kept = self.sleep_state.evicted.pop(lora_int_id, None) is not None or kept
         return self.runner.remove_lora(lora_int_id) or kept
 
     # ---- one step: whole (execute_model) or split (launch_forward ... collect_output) -----
