@@ -258,6 +258,13 @@ class Worker:
             return RpcRefusal(str(e))
         return None
 
+    def list_loras(self) -> set[int]:
+        """The ids of the LoRA adapters this rank holds in host memory (vLLM's worker
+        ``list_loras``: at most ``max_cpu_loras`` unless more are held by its requests;
+        a dropped one is not among them)."""
+        manager = self.runner.lora_manager
+        return set() if manager is None else set(manager.adapters)
+
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget a LoRA adapter (one a level-2 sleep keeps aside for ``reload_weights``
         too); False if it was not loaded."""

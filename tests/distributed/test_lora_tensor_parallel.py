@@ -102,3 +102,26 @@ def test_prompt_logprobs_at_tp2_match_peft(tiny_model_factory, tmp_path, name, t
         got = out.prompt_logprobs[p][ids[p]].logprob
         assert got == pytest.approx(ref[p - 1, ids[p]].item(), abs=LOGPROB_ATOL), p
     assert (ref - base).abs().max().item() > 1e-1  # the adapter changes the logprobs
+
+
+def test_max_cpu_loras_drops_the_same_adapters_on_both_ranks(tiny_llama, adapters):
+    """max_loras=1, max_cpu_loras=2 at TP=2: three adapters used in turn, then the first
+    again (dropped meanwhile: read again on both ranks). After each request both ranks hold
+    the same two adapters (``list_loras``), and every output is peft's."""
+    llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64,
+              block_size=4, enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=8,
+              tensor_parallel_size=2, distributed_executor_backend="mp")
+    try:
+        ids = llm.get_tokenizer().encode(PROMPTS[0])
+        loras = [LoRARequest(name, i + 1, adapters[name])
+                 for i, name in enumerate(("all", "qv", "late"))]
+        held = []
+        for lora in (*loras, loras[0]):
+            out = llm.generate([ids], GREEDY, lora_request=lora, use_tqdm=False)[0]
+            assert_output_matches_peft(tiny_llama.path, lora.lora_path, ids, out.outputs[0])
+            by_rank = llm.collective_rpc("list_loras")
+            assert by_rank[0] == by_rank[1]
+            held.append(by_rank[0])
+        assert held == [{1}, {1, 2}, {2, 3}, {3, 1}]
+    finally:
+        shutdown_and_check(llm)

@@ -181,3 +181,25 @@ def test_removed_adapter_is_not_read_again(tiny_llama, four, assert_no_leaks):
     assert out.outputs[0].token_ids == peft_greedy(
         tiny_llama.path, four[3], llm.get_tokenizer().encode(PROMPTS[1]))
     assert_no_leaks(llm)
+
+
+def test_level_2_sleep_keeps_the_dropped_list(tiny_llama, four, assert_no_leaks):
+    """An adapter dropped for room before a level-2 sleep is, after ``reload_weights``, read
+    again and kept when asked for (not a copy for its request alone: the rebuilt manager
+    would otherwise have forgotten that it was dropped), with peft's tokens."""
+    llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=128,
+              block_size=4, enable_lora=True, max_loras=1, max_lora_rank=8,
+              enable_sleep_mode=True)
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    first, second = LoRARequest("a", 1, four[0]), LoRARequest("b", 2, four[1])
+    llm.generate([ids], PARAMS, lora_request=first, use_tqdm=False)
+    llm.generate([ids], PARAMS, lora_request=second, use_tqdm=False)  # drops "a"
+    llm.sleep(level=2)
+    llm.wake_up()
+    llm.collective_rpc("reload_weights")
+    manager = llm.engine.core.executor.runner.lora_manager
+    assert set(manager.adapters) == {2} and set(manager.evicted) == {1}
+    out = llm.generate([ids], PARAMS, lora_request=first, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == peft_greedy(tiny_llama.path, four[0], ids)
+    assert set(manager.adapters) == {1} and set(manager.evicted) == {2}
+    assert_no_leaks(llm)
