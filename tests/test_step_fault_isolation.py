@@ -221,6 +221,34 @@ def test_an_adapter_that_cannot_be_read_at_first_schedule_ends_only_its_request(
     assert_idle_and_forgotten(llm, ["fi-good", "fi-bad"])
 
 
+def test_an_adapter_dropped_for_room_that_cannot_be_read_again_ends_only_its_request(
+        tiny_llama, tmp_path):
+    """max_cpu_loras=1: adapter ``a`` is dropped from host memory when ``b`` is loaded, and
+    its folder then corrupted; the runner reads it again at its request's first schedule,
+    and fails: only that request ends (field ``lora_request``), and a later request of
+    ``a`` is refused alike (the drop is remembered, nothing half-read kept)."""
+    folders = [make_adapter(tiny_llama.path, str(tmp_path / name), seed, r=4, lora_alpha=8,
+                            target_modules=["q_proj"]) for seed, name in ((1, "a"), (2, "b"))]
+    llm = LLM(tiny_llama.path, dtype="float32", num_kv_blocks=64, block_size=4,
+              enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8)
+    solo = llm.generate({"prompt_token_ids": GOOD}, greedy())[0].outputs[0].token_ids
+    a, b = LoRARequest("a", 1, folders[0]), LoRARequest("b", 2, folders[1])
+    engine = llm.engine
+    for rid in ("fi-bad", "fi-bad-again"):
+        engine.add_request({"prompt_token_ids": GOOD}, greedy(), "fi-good")
+        engine.add_request({"prompt_token_ids": BAD}, greedy(), rid, lora_request=a)
+        engine.add_request({"prompt_token_ids": BAD}, greedy(), "fi-b", lora_request=b)
+        assert set(engine.core.executor.runner.lora_manager.evicted) == {1}
+        with open(os.path.join(folders[0], "adapter_model.safetensors"), "wb") as f:
+            f.write(b"\x00not safetensors")
+        tokens, errors = step_until_done(engine)
+        assert tokens["fi-good"] == solo and set(tokens) == {"fi-good", "fi-b"}
+        error = errors[rid]
+        assert isinstance(error, RequestRefused) and error.field == LORA_REQUEST
+        assert "LoRA adapter 'a'" in str(error) and "truncated or corrupt" in str(error)
+        assert_idle_and_forgotten(llm, ["fi-good", rid, "fi-b"])
+
+
 class FailingMatcher:
     """A grammar matcher that raises ``error`` from ``method`` once it was called ``after``
     times (a stand-in for a matcher that cannot advance); the rest is the real matcher's."""
