@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import signal
 import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -17,12 +18,16 @@ import pytest
 import zmq
 
 from kvflow.config.parallel import ParallelConfig
+from kvflow.engine.core_client import ReplicaState
 from kvflow.engine.core_heartbeat import CoreLiveness, heartbeat_interval, start_core_heartbeat
 from kvflow.engine.messages import EngineHeartbeat, output_decoder
 
 
-def _core(live: bool = True, pid: int | None = None) -> SimpleNamespace:
-    core = SimpleNamespace(is_live=live, pid=pid, killed=False)
+def _core(live: bool = True, pid: int | None = None, index: int = 0,
+          state: ReplicaState | None = None) -> SimpleNamespace:
+    state = state or (ReplicaState.LIVE if live else ReplicaState.DEAD)
+    core = SimpleNamespace(is_live=live, pid=pid, killed=False, index=index, state=state,
+                           is_alive=state is not ReplicaState.DEAD)
     core.kill = lambda: setattr(core, "killed", True)
     return core
 
@@ -59,6 +64,66 @@ def test_declare_dead_names_a_stopped_process_and_kills_it():
     finally:
         proc.kill()
         proc.wait()
+
+
+def _restarting(proc: subprocess.Popen, index: int) -> SimpleNamespace:
+    """A replica whose new process (``proc``) is starting: alive, not live."""
+    return _core(live=False, pid=proc.pid, index=index, state=ReplicaState.STARTING)
+
+
+def test_a_restarted_core_that_neither_beats_nor_runs_is_found_while_starting():
+    """``--engine-failure restart``: a new core stopped before its ``EngineReady`` is found by
+    the start-up rule within the timeout. Was: ``silent`` judged live replicas only, so it
+    was waited for until ``--engine-start-timeout`` (600 s)."""
+    stopped = subprocess.Popen(["sleep", "30"])
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # loading: runs
+    try:
+        stopped.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        liveness = CoreLiveness(3, 1.0, now=start)
+        cores = [_core(index=0), _restarting(stopped, 1), _restarting(busy, 2)]
+        found, now = [], start
+        while not found and now - start < 5.0:
+            time.sleep(0.25)  # the output loop's checks
+            now = time.monotonic()
+            liveness.beat(EngineHeartbeat(0, now))  # replica 0 serves and beats
+            found = liveness.silent(cores, now)
+        assert [core for core, _ in found] == [cores[1]]
+        assert 1.0 < found[0][1] < 2.0 and now - start < 2.5
+        why = liveness.declare_dead(cores[1], found[0][1], "engine core 2 of 3")
+        assert why.startswith(f"engine core 2 of 3 (pid {stopped.pid}) sent no heartbeat and "
+                              "used no CPU for 1.")
+        assert why.endswith(" s while starting (engine_heartbeat_timeout=1): the process is "
+                            "stopped (SIGSTOP or SIGTSTP)")
+        assert cores[1].killed and not cores[2].killed
+    finally:
+        for proc in (stopped, busy):
+            proc.kill()
+            proc.wait()
+
+
+def test_a_restart_is_judged_from_its_new_process_start():
+    """A replica restarted long after the liveness began (its old process's silence is not
+    the new one's) and a second restart of the same replica (a new pid: judged anew)."""
+    first, second = subprocess.Popen(["sleep", "30"]), subprocess.Popen(["sleep", "30"])
+    try:
+        liveness = CoreLiveness(1, 2.0, now=100.0)
+        for t in (100.5, 101.0, 101.5):
+            liveness.beat(EngineHeartbeat(0, t))
+            assert liveness.silent([_core()], t) == []
+        # the replica died at 101.5 and its new process appears at 150 (checks went on)
+        for t in [101.5 + 0.5 * i for i in range(1, 98)]:
+            assert liveness.silent([_core(live=False)], t) == []
+        core = _restarting(first, 0)
+        for t in (150.0, 150.5, 151.0, 151.5):  # heard from at its first sight, 150 s
+            assert liveness.silent([core], t) == []
+        assert [s for _, s in liveness.silent([core], 152.1)] == [pytest.approx(2.1)]
+        again = _restarting(second, 0)
+        assert liveness.silent([again], 152.2) == []  # another process: judged from now
+    finally:
+        for proc in (first, second):
+            proc.kill()
+            proc.wait()
 
 
 def test_a_cores_thread_beats_on_the_output_socket(tmp_path):

@@ -135,3 +135,41 @@ def test_a_killed_single_core_is_dead_at_once(one_engine):
     assert waited < 2.5, waited  # the exit is polled every second, not timed out
     assert not healthy and dead == [error]
     assert _lost(one_engine, 0, "exited") == 1.0
+
+
+async def _freeze_the_restart(engine: AsyncLLM):
+    """Kill the core, restart it (``--engine-failure restart``) and stop the new process
+    before it is ready; returns the restart's error, the seconds it took after the stop and
+    the new core."""
+    await engine.start()
+    os.kill(engine.core_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while engine.cores[0].state is not ReplicaState.DEAD and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    restart = asyncio.create_task(engine.restart(30))
+    await asyncio.sleep(0)  # the restart ran up to its wait: the new process is started
+    new = engine.cores[0]
+    os.kill(new.pid, signal.SIGSTOP)  # still importing or loading: not ready
+    stopped_at = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        await asyncio.wait_for(restart, 60)
+    return str(info.value), time.monotonic() - stopped_at, new
+
+
+def test_a_restarted_core_frozen_before_ready_fails_the_restart_within_the_timeout(one_engine):
+    """Was: the output loop judged live replicas only, so a restarting core stopped before
+    its ``EngineReady`` was waited for until the restart's timeout (``--engine-start-timeout``,
+    600 s; 30 s here)."""
+    lost = _lost(one_engine, 0, "unresponsive")
+    message, waited, new = asyncio.run(_freeze_the_restart(one_engine))
+    assert waited < TIMEOUT_S + 3, waited  # was: 30 s
+    assert message.startswith(f"engine core failed to restart: engine core (pid {new.pid}) "
+                              "sent no heartbeat and used no CPU for ")
+    assert message.endswith(" s while starting (engine_heartbeat_timeout=2): the process is "
+                            "stopped (SIGSTOP or SIGTSTP); killed it")
+    deadline = time.monotonic() + 5
+    while new.is_alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not new.is_alive and new.proc.exitcode == -signal.SIGKILL
+    assert new.state is ReplicaState.DEAD and not one_engine.is_healthy
+    assert _lost(one_engine, 0, "unresponsive") == lost  # a failed restart is not a loss

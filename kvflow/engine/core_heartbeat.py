@@ -18,6 +18,9 @@ failed) and no longer chosen. While the API process waits for the cores' ``Engin
 frozen while it loads fails the start-up within ``engine_heartbeat_timeout`` seconds, not at
 ``--engine-start-timeout`` (600 s); there a core that uses CPU time counts as heard from (a
 start-up's long C calls hold the GIL: the heap's full collection, a spawned core's imports).
+A core restarted while the server runs (``--engine-failure restart``) is judged by the same
+start-up rule until its ``EngineReady`` (:class:`CoreLiveness`; was: only
+``--engine-start-timeout``).
 
 The steps themselves pay nothing: the thread wakes once a second for a few microseconds.
 """
@@ -71,32 +74,50 @@ class CoreLiveness:
     did not look: an offline ``LLM`` sat idle, or this process was stopped too) counts every
     replica as heard from at that moment instead of judging stale stamps
     (``HeartbeatMonitor``); hence :attr:`check_interval_s`.
+
+    A replica whose new process is starting (a restart: alive, not live yet) is judged by the
+    start-up rule (:class:`StartupLiveness`: silent when it neither beats nor uses CPU time),
+    from the first check that sees that process.
     """
 
     def __init__(self, num_replicas: int, timeout_s: float, now: float) -> None:
         self.timeout_s = timeout_s
         self.check_interval_s = heartbeat_interval(timeout_s)  # how often to call silent()
         self._monitor = HeartbeatMonitor(num_replicas, timeout_s, now)
+        self._startup = StartupLiveness(num_replicas, timeout_s, now)
+        self._starting_pids: list[int | None] = [None] * num_replicas  # judged by _startup
 
     def beat(self, msg: EngineHeartbeat) -> None:
         """Record a heartbeat."""
         self._monitor.beat(msg.engine_index, msg.stamp)
+        self._startup.beat(msg)
 
     def heard(self, engine_index: int, now: float) -> None:
         """Replica ``engine_index`` (re)started at ``now`` (its ``EngineReady``)."""
         self._monitor.beat(engine_index, now)
 
     def silent(self, cores: list[CoreProcess], now: float) -> list[tuple[CoreProcess, float]]:
-        """(core, seconds since its last heartbeat) of each live replica silent for longer
-        than the timeout as of ``now`` (call after recording the heartbeats received)."""
+        """(core, seconds of silence) of each live replica silent for longer than the timeout
+        as of ``now`` (call after recording the heartbeats received), then of each starting
+        one (alive, not live: a restart) that neither beat nor ran for that long."""
+        from kvflow.engine.core_client import ReplicaState  # it imports this module
+
         silent = self._monitor.silent_ranks(now)
-        return [(cores[i], s) for i, s in silent if cores[i].is_live]
+        live = [(cores[i], s) for i, s in silent if cores[i].is_live]
+        starting = [c for c in cores if c.state is ReplicaState.STARTING and c.is_alive]
+        for core in starting:
+            if self._starting_pids[core.index] != core.pid:  # a new process: judged from now
+                self._starting_pids[core.index] = core.pid
+                self._startup.restarted(core.index, now)
+        return live + self._startup.silent(starting, now)
 
     def declare_dead(self, core: CoreProcess, silent_s: float, name: str) -> str:
         """Kill ``core`` (found silent for ``silent_s`` seconds) and return why, for its
         error: ``"{name} (pid P) sent no heartbeat for 2.1 s (engine_heartbeat_timeout=2):
-        the process is stopped (SIGSTOP or SIGTSTP)"``. The caller marks it dead."""
-        return declare_dead(core, silent_s, name, self.timeout_s)
+        the process is stopped (SIGSTOP or SIGTSTP)"`` (a starting core's: ``"... sent no
+        heartbeat and used no CPU for 2.1 s while starting ..."``). The caller marks it
+        dead."""
+        return declare_dead(core, silent_s, name, self.timeout_s, starting=not core.is_live)
 
 
 def declare_dead(core: CoreProcess, silent_s: float, name: str, timeout_s: float,
@@ -149,6 +170,12 @@ class StartupLiveness:
     def beat(self, msg: EngineHeartbeat) -> None:
         """Record a heartbeat."""
         self._monitor.beat(msg.engine_index, msg.stamp)
+
+    def restarted(self, index: int, now: float) -> None:
+        """Replica ``index`` has a new process, started by ``now``: heard from then, its CPU
+        time counted from the next check."""
+        self._monitor.beat(index, now)
+        self._ticks[index] = None
 
     def silent(self, starting: list[CoreProcess], now: float) -> list[tuple[CoreProcess, float]]:
         """(core, seconds of silence) of each of ``starting`` (the cores not ready yet,
