@@ -36,3 +36,11 @@ def test_each_tree_imports_its_own_kvflow_from_a_clones_root(monkeypatch, tmp_pa
                          capture_output=True, text=True, check=True, timeout=60,
                          env=process["env"]).stdout.strip()  # the old harness: PYTHONPATH only
     assert was == str(_BENCH.parent / "kvflow" / "__init__.py")
+
+
+def test_summary_takes_medians_per_key_and_over_every_later_request(monkeypatch):
+    runs = [{"health_s": 8.0, "first_gen_s": 1.5, "first_ttft_s": 0.9, "next_gen_s": [0.3, 0.2]},
+            {"health_s": 18.0, "first_gen_s": 0.4, "first_ttft_s": 0.1, "next_gen_s": [0.25]},
+            {"health_s": 9.0, "first_gen_s": 0.5, "first_ttft_s": 0.2, "next_gen_s": [9.0]}]
+    assert _serve_startup(monkeypatch).summary(runs) == {
+        "health_s": 9.0, "first_gen_s": 0.5, "first_ttft_s": 0.2, "next_gen_s": 0.275}
