@@ -21,10 +21,12 @@ The KV cache (:func:`zeros_on_huge_pages`) is a fresh anonymous mapping, which t
 out zeroed: nothing writes zeros into it. Its first touch of each page (the kernel's fault,
 which clears the page) is what took the time: 2 GiB on huge pages took 8-49 s in a Firecracker
 VM (docs/benchmarks.md, session 48), on the way to the engine's ready. So
-:func:`prefault_in_background` takes those faults in a thread of its own
-(``madvise(MADV_POPULATE_WRITE)``, Linux 5.14: pages are backed without their contents
-changing, so the model may already write K/V beside it) while the engine serves; a page it has
-not reached yet is faulted by the step that first writes it, as any fresh page is.
+:func:`prefault_in_background` takes those faults (``madvise(MADV_POPULATE_WRITE)``, Linux
+5.14: pages are backed without their contents changing, so the model may already write K/V
+beside it): each K and V plane's first 2 MB page before ready (the blocks the first requests
+get), the rest in a thread of its own while the engine serves, only while no step runs
+(:class:`StepGate`); a page it has not reached yet is faulted by the step that first writes
+it, as any fresh page is.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 
 import torch
 
@@ -50,7 +53,9 @@ HUGE_PAGE = 2 << 20
 PAGE = mmap.PAGESIZE
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux 5.14; EINVAL before
-PREFAULT_CHUNK = 16 << 20  # bytes per madvise call of the prefault thread
+PREFAULT_CHUNK = HUGE_PAGE  # bytes of each plane per madvise call of the prefault thread
+PREFAULT_FIRST = HUGE_PAGE  # bytes of each plane populated before the thread starts
+PREFAULT_IDLE_S = 0.05  # the prefault thread waits until no step has run for this long
 PREFAULT_NICE = 19  # the prefault thread's nice value: it takes only otherwise idle CPU
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -163,14 +168,48 @@ def lower_thread_priority(nice: int = PREFAULT_NICE) -> bool:
     return False
 
 
-def _prefault(refs: list[weakref.ref], chunk_bytes: int) -> None:
-    """The prefault thread: the tensors' planes chunk by chunk, round robin. A tensor freed
-    meanwhile (sleep mode) is skipped: the thread holds one only during its chunk."""
+class StepGate:
+    """When the engine's steps run, for the prefault thread to keep off their CPU: the worker
+    wraps each step (or part of one) in :meth:`running`; :meth:`quiet` says whether none runs
+    and none ended in the last ``seconds``. One writer thread (the steps'); readers only read
+    two attributes."""
+
+    def __init__(self) -> None:
+        self._running = 0  # steps (parts) running now
+        self._last_end = -math.inf  # time.monotonic() at the last one's end
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Wrap one step (or part of one)."""
+        self._running += 1
+        try:
+            yield
+        finally:
+            self._running -= 1
+            self._last_end = time.monotonic()
+
+    def quiet(self, seconds: float) -> bool:
+        """No step runs now and none ended in the last ``seconds`` seconds."""
+        return self._running == 0 and time.monotonic() - self._last_end >= seconds
+
+
+def _wait_for_quiet(gate: StepGate | None) -> None:
+    """Return once ``gate`` has been quiet for :data:`PREFAULT_IDLE_S` (at once without one)."""
+    while gate is not None and not gate.quiet(PREFAULT_IDLE_S):
+        time.sleep(PREFAULT_IDLE_S)
+
+
+def _prefault(refs: list[weakref.ref], chunk_bytes: int, offset: int = 0,
+              gate: StepGate | None = None) -> None:
+    """The prefault thread: the tensors' planes chunk by chunk from byte ``offset`` of each,
+    round robin, each chunk once ``gate`` is quiet (no step running or just run). A tensor
+    freed meanwhile (sleep mode) is skipped: the thread holds one only during its chunk."""
     lower_thread_priority()
-    start, offset, more = time.monotonic(), 0, True
+    start, more = time.monotonic(), True
     while more:
         more = False
         for ref in refs:
+            _wait_for_quiet(gate)
             t = ref()
             if t is None:
                 continue
@@ -184,17 +223,36 @@ def _prefault(refs: list[weakref.ref], chunk_bytes: int) -> None:
     logger.debug("KV cache prefaulted in %.2f s", time.monotonic() - start)
 
 
-def prefault_in_background(tensors: list[torch.Tensor],
-                           chunk_bytes: int = PREFAULT_CHUNK) -> threading.Thread | None:
-    """Start a daemon thread (at :data:`PREFAULT_NICE`: :func:`lower_thread_priority`) that
-    backs ``tensors``' pages (contiguous CPU tensors, such as :func:`zeros_on_huge_pages`
-    made) with memory, ``chunk_bytes`` of each at a time (:func:`populate`); returns it, or None where there is nothing to do (off Linux, no
-    tensor). The thread keeps no tensor alive: one freed meanwhile is skipped. Contents never
-    change, so the tensors may be in use meanwhile."""
+def prefault_in_background(tensors: list[torch.Tensor], chunk_bytes: int = PREFAULT_CHUNK,
+                           first_bytes: int = PREFAULT_FIRST,
+                           gate: StepGate | None = None) -> threading.Thread | None:
+    """Back ``tensors``' pages (contiguous CPU tensors, such as :func:`zeros_on_huge_pages`
+    made) with memory (:func:`populate`): the first ``first_bytes`` of each plane now, in the
+    caller's thread (the blocks the pool hands out first, which the first requests write), the
+    rest in a daemon thread (at :data:`PREFAULT_NICE`: :func:`lower_thread_priority`),
+    ``chunk_bytes`` of each plane at a time, in the pool's allocation order (block 0 up),
+    each chunk only once ``gate`` (the engine's steps) has been quiet for
+    :data:`PREFAULT_IDLE_S`. Returns the thread, or None where there is nothing to do (off
+    Linux, no tensor, nothing left after the first bytes). The thread keeps no tensor alive:
+    one freed meanwhile is skipped. Contents never change, so the tensors may be in use
+    meanwhile; a page the thread has not reached is faulted by the step that first writes it.
+
+    Why: with the whole cache left to a thread that ran beside the steps, the first request
+    after ``/health`` faulted its blocks' pages itself (one 2 MB page per layer's K and V,
+    about 8 ms each in a Firecracker VM) while the thread took the machine's other core: it
+    took 1.5 s instead of 0.4 s on a quiet 2-core machine, and the next ones 10-100% longer
+    (docs/benchmarks.md, session 48)."""
     if _madvise() is None or not tensors:
         return None
+    for t in tensors if first_bytes > 0 else []:
+        if not _prefault_chunk(t, 0, first_bytes)[1]:
+            return None  # the kernel refuses MADV_POPULATE_WRITE: the steps fault them
+    if not any(plane.numel() * plane.element_size() > first_bytes
+               for t in tensors for plane in _planes(t)):
+        return None
     thread = threading.Thread(target=_prefault, name="kvflow-kv-prefault", daemon=True,
-                              args=([weakref.ref(t) for t in tensors], chunk_bytes))
+                              args=([weakref.ref(t) for t in tensors], chunk_bytes,
+                                    first_bytes, gate))
     thread.start()
     return thread
 

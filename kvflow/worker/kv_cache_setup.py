@@ -12,7 +12,7 @@ from kvflow.attention.layer import Attention
 from kvflow.config import CacheConfig
 from kvflow.kv_cache_interface import KVCacheConfig, KVCacheSpec, kv_cache_dtypes
 from kvflow.platforms import Platform
-from kvflow.platforms.cpu_memory import prefault_in_background, zeros_on_huge_pages
+from kvflow.platforms.cpu_memory import StepGate, prefault_in_background, zeros_on_huge_pages
 from kvflow.spec_decode.draft_model import DraftModel
 
 logger = logging.getLogger(__name__)
@@ -114,14 +114,16 @@ def local_cache_shape(spec: KVCacheSpec, num_blocks: int, cp: int) -> tuple[int,
 
 def allocate_kv_caches(tensors: list[list[tuple[int, str]]], spec: KVCacheSpec,
                        num_blocks: int, attn_layers: dict[str, Attention],
-                       device: torch.device, cp: int) -> list[torch.Tensor]:
+                       device: torch.device, cp: int,
+                       steps: StepGate | None = None) -> list[torch.Tensor]:
     """One zeroed tensor (``local_cache_shape``, ``spec.dtype``) per entry of ``tensors``
     (``local_kv_tensors``), plus its float32 scales for a quantized cache, bound to the
     layers that use it (``layer.kv_cache``, ``kv_group``, ``kv_scales``). On the CPU the
     tensors sit on transparent huge pages (``platforms/cpu_memory.py``: a decode step reads
-    blocks scattered over the whole cache), fresh zeroed mappings whose pages a background
-    thread backs while the engine starts serving (``prefault_in_background``: the faults took
-    seconds, on the way to ready). Returns the tensors in order."""
+    blocks scattered over the whole cache), fresh zeroed mappings: each K and V plane's first
+    2 MB page (the blocks handed out first) is backed now, the rest by a background thread
+    while no step runs (``steps``; ``prefault_in_background``: the faults took seconds, on
+    the way to ready). Returns the tensors in order."""
     caches = []
     for users in tensors:
         shape = local_cache_shape(spec, num_blocks, cp)
@@ -138,7 +140,7 @@ def allocate_kv_caches(tensors: list[list[tuple[int, str]]], spec: KVCacheSpec,
                 layer.kv_scales = scales
         caches.append(cache)
     if torch.device(device).type == "cpu":
-        prefault_in_background(caches)
+        prefault_in_background(caches, gate=steps)
     return caches
 
 

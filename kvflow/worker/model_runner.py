@@ -36,6 +36,7 @@ from kvflow.models.model_resolver import ModelSource
 from kvflow.models.model_task import model_task
 from kvflow.models.parallel_utils import is_pp_missing
 from kvflow.platforms import Platform
+from kvflow.platforms.cpu_memory import StepGate
 from kvflow.quant import weight_bytes
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sched_output import DraftGrammar, GrammarBitmask, SchedulerOutput
@@ -93,6 +94,7 @@ class ModelRunner(RunnerKVCache):
         self.parallel = parallel or ParallelState.single(self.device)
         self.block_size = config.cache_config.block_size
         self.stager = InputStager(self.device)
+        self.step_gate = StepGate()  # the worker's steps, for the KV cache's prefault thread
         if self.device.type == "cpu":
             self.adaptive_threads, self.caller_pin = configure_runner_threads(config,
                                                                               self.parallel)

@@ -134,7 +134,8 @@ class RunnerKVCache:
         draft = kv_cache_config.draft_group
         self.kv_caches = allocate_kv_caches(self.local_kv_tensors(kv_cache_config), spec,
                                             kv_cache_config.num_blocks, self.attn_layers,
-                                            self.device, self.parallel.cp.world_size)
+                                            self.device, self.parallel.cp.world_size,
+                                            self.step_gate)
         if draft is not None and self.drafter is not None:
             self.kv_caches.extend(self.drafter.bind_kv_cache(draft, kv_cache_config.num_blocks))
         self.host_kv = None

@@ -314,10 +314,12 @@ class Worker:
 
     @contextlib.contextmanager
     def _timed(self) -> Iterator[None]:
-        """Add the block's wall time to ``step_time_s`` (raised or not)."""
+        """Add the block's wall time to ``step_time_s`` (raised or not); the KV cache's
+        prefault thread keeps off the CPU meanwhile (``runner.step_gate``)."""
         start = time.perf_counter()
         try:
-            yield
+            with self.runner.step_gate.running():
+                yield
         finally:
             self.step_time_s += time.perf_counter() - start
 
