@@ -136,3 +136,15 @@ def test_max_tokens_0_needs_echo_and_no_min_tokens(client, body, param):
     resp = client.post(CO, json={"model": "m", "prompt": PROMPTS[0], **body})
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
+
+
+def test_max_tokens_0_without_echo_says_echo_takes_it(client):
+    """A client sending ``max_tokens: 0`` alone learns the one case the field takes 0 (the
+    message said only ``it must be >= 1``, though the docs take 0 with ``echo``)."""
+    resp = client.post(CO, json={"model": "m", "prompt": PROMPTS[0], "max_tokens": 0})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "integer_below_min_value"
+    assert error["message"] == ("max_tokens=0 is invalid: it must be >= 1 (the most tokens to "
+                                "generate); 0 is taken only with echo, which returns the "
+                                "prompt alone")

@@ -59,11 +59,13 @@ def prompt_truncation(engine: AsyncLLM, req: SamplingRequest) -> int | None:
         raise OpenAIError(str(e), param="truncate_prompt_tokens", code="invalid_value") from None
 
 
-def check_max_tokens(max_tokens: int, param: str, engine: AsyncLLM | None = None) -> None:
+def check_max_tokens(max_tokens: int, param: str, engine: AsyncLLM | None = None,
+                     hint: str = "") -> None:
     """Refuse a request for fewer than one generated token, or (given the ``engine``) for
     more than its ``max_model_len``, as vLLM 0.32 refuses it whatever the prompt (a
     smaller one is clamped to what the prompt leaves: ``check_prompt``); ``param`` names
-    the field the request set (``max_tokens`` or chat's ``max_completion_tokens``).
+    the field the request set (``max_tokens`` or chat's ``max_completion_tokens``);
+    ``hint``, when given, ends the below-1 message (the endpoint's exception to the rule).
 
     Raises:
         OpenAIError: 400 naming ``param``, code ``integer_below_min_value`` (the OpenAI
@@ -72,7 +74,7 @@ def check_max_tokens(max_tokens: int, param: str, engine: AsyncLLM | None = None
     """
     if max_tokens < 1:
         raise OpenAIError(f"{param}={max_tokens} is invalid: it must be >= 1 (the most "
-                          "tokens to generate)", param=param,
+                          f"tokens to generate){hint}", param=param,
                           code="integer_below_min_value")
     if engine is not None and max_tokens > engine.max_model_len:
         raise OpenAIError(

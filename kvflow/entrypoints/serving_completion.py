@@ -200,7 +200,8 @@ class OpenAIServingCompletion(OpenAIServing):
             max_tokens = 1
         else:
             max_tokens = req.max_tokens
-            check_max_tokens(max_tokens, "max_tokens", self.engine)
+            check_max_tokens(max_tokens, "max_tokens", self.engine, hint=(
+                "; 0 is taken only with echo, which returns the prompt alone"))
         params = sampling_params(self.engine, req, max_tokens, req.logprobs)
         if req.echo and req.logprobs is not None:  # the echoed prompt carries logprobs too
             params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
