@@ -31,11 +31,12 @@ from contextlib import contextmanager
 logger = logging.getLogger(__name__)
 
 
-def freeze_startup_heap(process: str) -> int:
+def freeze_startup_heap(process: str, level: int = logging.INFO) -> int:
     """Collect every generation once, then freeze what is left (``gc.freeze``).
 
     Args:
         process: the process's name for the log line (``"engine core"``, ``"rank 1"``).
+        level: the log line's level (DEBUG for an early freeze that a later one reports).
 
     Returns:
         The number of frozen objects (``gc.get_freeze_count()``).
@@ -45,8 +46,9 @@ def freeze_startup_heap(process: str) -> int:
     collect_ms = (time.perf_counter() - start) * 1e3
     gc.freeze()
     frozen = gc.get_freeze_count()
-    logger.info("froze %d start-up objects of the %s process out of the garbage collector's "
-                "reach (a full collection of them took %.0f ms)", frozen, process, collect_ms)
+    logger.log(level, "froze %d start-up objects of the %s process out of the garbage "
+               "collector's reach (a full collection of them took %.0f ms)", frozen, process,
+               collect_ms)
     return frozen
 
 

@@ -296,11 +296,12 @@ def freeze_after(check_tokenizer: Callable[[Any], None] | None) -> Callable[[Any
     API process's heap so far collected and frozen (``kvflow/gc_heap.py``) while the core
     processes still load the model, so that the freeze before serving walks only what was
     made since (was: all of it, 0.6-0.8 s on 2 busy cores between the engine's ready and
-    ``/health``). What ``check_tokenizer`` raises is raised, nothing frozen."""
+    ``/health``). What ``check_tokenizer`` raises is raised, nothing frozen. Logged at DEBUG:
+    the freeze before serving reports the whole count (a start-up error stays the only line)."""
     def on_tokenizer(tokenizer: Any) -> None:
         if check_tokenizer is not None:
             check_tokenizer(tokenizer)
-        freeze_startup_heap("API server")
+        freeze_startup_heap("API server", logging.DEBUG)
     return on_tokenizer
 
 
