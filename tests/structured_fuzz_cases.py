@@ -141,8 +141,8 @@ CASES = [
     _lark_case("lark_words", 'start: WORD ("," WORD)*\n%import common.WORD'),
     _lark_case("lark_regex", "start: /[^ ]{1,5}/ (\" \" /\\S{1,3}/)*"),
     _lark_case("lark_dot", "start: /x.{1,4}/"),
-    _lark_case("gbnf_negated", 'start: "<" /[^>]+/ ">"',
-               {"grammar": 'root ::= "<" [^>]+ ">"'}),
+    _lark_case("gbnf_negated", 'start: "<" /[^>]{1,8}/ ">"',
+               {"grammar": 'root ::= "<" [^>]{1,8} ">"'}),  # bounded: it ends within max_tokens
     _tag_case("tag_json", {"type": "json_schema", "json_schema": _object({"s": _STRING})},
               _valid_json, open_ended=True),
     _tag_case("tag_regex", {"type": "regex", "pattern": r"[\D]{1,4}"},

@@ -720,6 +720,20 @@ def chat_cases() -> dict[str, Callable]:
         same_reply({"safety_identifier": "sid-4c1d"})(server, tokenizer)
         assert "safety_identifier 'sid-4c1d'" in server.log()
 
+    def return_prompt_text(server, tokenizer):
+        """vLLM 0.32's: the rendered prompt as ``prompt_text`` (transformers' rendering is
+        the oracle); none unless asked."""
+        reply = ok(server, CH, {"return_prompt_text": True})
+        assert reply["prompt_text"] == tokenizer.apply_chat_template(
+            HI, tokenize=False, add_generation_prompt=True)
+        assert "prompt_text" not in ok(server, CH, {})
+
+    def include_reasoning(server, tokenizer):
+        """Without --reasoning-parser there is no reasoning to drop: the reply is the same
+        (with a parser: tests/e2e/test_openai_tool_parsers_served.py); not a boolean, a 400."""
+        same_reply({"include_reasoning": False},
+                   {"include_reasoning": "sometimes"})(server, tokenizer)
+
     def tools(server, tokenizer):
         body = {"tools": [TOOL], "tool_choice": "auto", "chat_template": TOOLS_TEMPLATE}
         assert prompt_ids(server, body) == tokenizer.encode("hi get_x", add_special_tokens=False)
@@ -747,7 +761,8 @@ def chat_cases() -> dict[str, Callable]:
             "store": same_reply({"store": False}, {"store": True}),
             "service_tier": service_tier,
             "prompt_cache_key": same_reply({"prompt_cache_key": "conversation-9"}),
-            "safety_identifier": safety_identifier}
+            "safety_identifier": safety_identifier,
+            "return_prompt_text": return_prompt_text, "include_reasoning": include_reasoning}
 
 
 # ---- /tokenize, /detokenize ------------------------------------------------------------------
