@@ -96,7 +96,7 @@ def _inject_worker_faults() -> None:
     from kvflow.lora.manager import LoRAManager
     from kvflow.worker.mm_runner import MultiModalRunner
 
-    encode, add_lora = MultiModalRunner._encode, LoRAManager.add_lora
+    encode, load = MultiModalRunner._encode, LoRAManager._load
     if getattr(encode, "injected", False):
         return
 
@@ -106,17 +106,16 @@ def _inject_worker_faults() -> None:
             raise ValueError("the encoder cannot take a solid image")
         return encode(self, features)
 
-    def faulty_add_lora(self, request):
+    def faulty_load(self, request):  # every read of a folder (add_lora, request_adapter)
         reads = self.__dict__.setdefault("test_reads", collections.Counter())
-        if request.lora_int_id not in self.adapters:
-            reads[request.lora_name] += 1
-            if request.lora_name == REREAD_FAILS and reads[request.lora_name] > 1 \
-                    and _on_fault_rank():
-                raise OSError("adapter_model.safetensors vanished")
-        return add_lora(self, request)
+        reads[request.lora_name] += 1
+        if request.lora_name == REREAD_FAILS and reads[request.lora_name] > 1 \
+                and _on_fault_rank():
+            raise OSError("adapter_model.safetensors vanished")
+        return load(self, request)
 
     faulty_encode.injected = True
-    MultiModalRunner._encode, LoRAManager.add_lora = faulty_encode, faulty_add_lora
+    MultiModalRunner._encode, LoRAManager._load = faulty_encode, faulty_load
 
 
 def start(path: str, fault_rank: int | None, **kwargs) -> LLM:
