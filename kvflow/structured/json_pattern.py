@@ -23,7 +23,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvflow.structured.regex_dialect import SHORTHANDS, complement, without_surrogates
+from kvflow.structured.regex_dialect import (
+    SHORTHANDS,
+    complement,
+    merged_ranges,
+    without_surrogates,
+)
 from kvflow.structured.schema_support import map_patterns, map_schemas
 
 Ranges = list[tuple[int, int]]
@@ -159,7 +164,7 @@ def _class(pattern: str, start: int) -> tuple[str, int]:
             ranges.append((low, low))
     if i >= len(pattern):
         return pattern[start:], len(pattern)
-    merged = _merged(ranges)
+    merged = merged_ranges(ranges)
     return _class_text(list(complement(merged)) if negated else merged), i + 1
 
 
@@ -181,22 +186,12 @@ def _class_item(pattern: str, i: int, ranges: Ranges) -> tuple[int | None, int]:
     return _code_point(pattern, i)
 
 
-def _merged(ranges: Ranges) -> Ranges:
-    out: list[list[int]] = []
-    for low, high in sorted(ranges):
-        if out and low <= out[-1][1] + 1:
-            out[-1][1] = max(out[-1][1], high)
-        else:
-            out.append([low, high])
-    return [(low, high) for low, high in out]
-
-
 def _class_text(ranges: Ranges) -> str:
     """Regex text for one character of ``ranges`` written raw in a JSON string: a class
     without the surrogates and the characters JSON escapes, each range within one UTF-8
     length. Only a class of such characters alone (``["\\\\]``) is written as their JSON
     escapes (more alternatives in every class would multiply xgrammar's conversion time)."""
-    ranges = _merged(ranges)
+    ranges = merged_ranges(ranges)
     kept = []
     for low, high in without_surrogates(ranges):
         for a, b in _JSON_RAW:

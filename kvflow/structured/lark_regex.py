@@ -29,6 +29,8 @@ try:  # Python 3.11+
 except ImportError:  # pragma: no cover - Python 3.10
     import sre_parse as _sre  # type: ignore[no-redef]
 
+from kvflow.structured.regex_dialect import merged_ranges
+
 _MAX_CODE_POINT = 0x10FFFF
 _SURROGATES = (0xD800, 0xDFFF)
 
@@ -181,7 +183,7 @@ def _char_set(op, av, flags: int) -> Ranges:
         return _complement(((10, 10),))
     if op == _sre.IN and not flags & re.IGNORECASE and all(
             kind in (_sre.LITERAL, _sre.RANGE, _sre.NEGATE) for kind, _ in av):
-        ranges = _normalize([(v, v) if kind == _sre.LITERAL else v
+        ranges = merged_ranges([(v, v) if kind == _sre.LITERAL else v
                              for kind, v in av if kind != _sre.NEGATE])
         return _complement(ranges) if av[0][0] == _sre.NEGATE else ranges
     if op == _sre.NOT_LITERAL and not flags & re.IGNORECASE:
@@ -231,17 +233,9 @@ def _matching(pattern: str, flags: int) -> Ranges:
 
     runs = [(code(m.start()), code(m.end() - 1))
             for m in re.finditer(f"(?:{pattern})+", _all_chars(), flags)]
-    return _normalize(runs)
+    return merged_ranges(runs)
 
 
-def _normalize(ranges) -> Ranges:
-    out: list[list[int]] = []
-    for low, high in sorted(ranges):
-        if out and low <= out[-1][1] + 1:
-            out[-1][1] = max(out[-1][1], high)
-        else:
-            out.append([low, high])
-    return tuple((low, high) for low, high in out)
 
 
 def _complement(ranges: Ranges) -> Ranges:

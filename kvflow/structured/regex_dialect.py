@@ -120,6 +120,18 @@ def _class_atom(pattern: str, i: int, refuse_letters: bool) -> tuple[int | None,
     return None, pattern[i:i + 2], i + 2
 
 
+def merged_ranges(ranges) -> tuple[tuple[int, int], ...]:
+    """Inclusive code point ``ranges`` (any order, overlapping or adjacent) as sorted,
+    disjoint, non-adjacent ones."""
+    out: list[list[int]] = []
+    for low, high in sorted(ranges):
+        if out and low <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], high)
+        else:
+            out.append([low, high])
+    return tuple((low, high) for low, high in out)
+
+
 def complement(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
     """The code points (up to U+10FFFF) outside sorted, disjoint ``ranges``."""
     out, start = [], 0
