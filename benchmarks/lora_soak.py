@@ -41,6 +41,8 @@ import random
 import time
 from pathlib import Path
 
+from rss_soak import rss_mib, slope_per_1000
+
 ROUND = 10
 REGEX = "[ab]{3}"
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -66,23 +68,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default="/tmp/lora_soak")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
-
-
-def rss_mib(pid: int) -> float:
-    """VmRSS of process ``pid`` in MiB (Linux /proc)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-def slope_per_1000(xs: list[int], ys: list[float]) -> float:
-    """Least-squares slope of ``ys`` over ``xs``, times 1000 (MiB per 1000 requests)."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((x - mx) ** 2 for x in xs)
-    return 1000 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
 
 
 def make_adapters(model: str, root: Path, count: int, seed: int) -> list[str]:

@@ -81,7 +81,10 @@ def step_until_done(engine) -> tuple[dict[str, list[int]], dict[str, Exception]]
 
 
 def assert_idle_and_forgotten(llm: LLM, ids: list[str]) -> None:
-    llm.generate({"prompt_token_ids": [2, 3]}, greedy(2))  # the runner hears of the ends
+    """The engine serves the next request (which also tells the runner of the ends); every
+    KV block is free again and nothing holds ``ids``."""
+    assert len(llm.generate({"prompt_token_ids": [2, 3]}, greedy(2),
+                            use_tqdm=False)[0].outputs[0].token_ids) == 2
     pool = llm.engine.core.kv_cache_manager.pool
     pool.check_invariants()
     assert pool.num_free_blocks == pool.num_usable_blocks

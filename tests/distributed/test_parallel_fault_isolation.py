@@ -40,8 +40,13 @@ from kvflow.logits_process import AdapterLogitsProcessor
 from kvflow.lora.request import LoRARequest
 from tests.distributed.conftest import shutdown_and_check
 from tests.lora.adapters import make_adapter
-from tests.request_state import holders
-from tests.test_step_fault_isolation import BAD, GOOD, greedy, step_until_done
+from tests.test_step_fault_isolation import (
+    BAD,
+    GOOD,
+    assert_idle_and_forgotten,
+    greedy,
+    step_until_done,
+)
 
 HERE = "tests.distributed.test_parallel_fault_isolation"
 FAULT_RANK = "KVFLOW_TEST_FAULT_RANK"
@@ -130,17 +135,6 @@ def start(path: str, fault_rank: int | None, **kwargs) -> LLM:
         return LLM(path, dtype="float32", num_kv_blocks=128, block_size=8, **kwargs)
 
 
-def assert_serves_on_and_forgets(llm: LLM, ids: list[str]) -> None:
-    """The engine serves the next request; every KV block is free again and nothing holds
-    ``ids``."""
-    assert len(llm.generate({"prompt_token_ids": GOOD}, greedy(2),
-                            use_tqdm=False)[0].outputs[0].token_ids) == 2
-    pool = llm.engine.core.kv_cache_manager.pool
-    pool.check_invariants()
-    assert pool.num_free_blocks == pool.num_usable_blocks
-    assert holders(llm, ids) == []
-
-
 @pytest.fixture(scope="module")
 def tp_llama(tiny_llama):
     """TP=2, LoRA on, faults on rank 1."""
@@ -170,7 +164,7 @@ def test_a_logits_processor_failing_on_one_rank_ends_only_its_request(tp_llama, 
     error = errors[f"pf-bad-{kind}"]
     assert type(error) is error_type and match in str(error)
     assert error_type is RequestFailed or error.field == EXTRA_ARGS
-    assert_serves_on_and_forgets(tp_llama, [f"pf-good-{kind}", f"pf-bad-{kind}"])
+    assert_idle_and_forgotten(tp_llama, [f"pf-good-{kind}", f"pf-bad-{kind}"])
 
 
 def _reread_failure(llm: LLM, folder: str) -> tuple[list[int], dict, dict]:
@@ -206,7 +200,7 @@ def test_an_adapter_failing_on_one_rank_ends_only_its_request(tp_llama, tiny_lla
         assert type(error) is RequestFailed
         assert f"LoRA adapter '{REREAD_FAILS}' failed: OSError: " \
                "adapter_model.safetensors vanished" in str(error)
-        assert_serves_on_and_forgets(llm, ["pf-good", "pf-bad"])
+        assert_idle_and_forgotten(llm, ["pf-good", "pf-bad"])
     finally:
         if llm is not tp_llama:
             shutdown_and_check(llm)

@@ -121,10 +121,8 @@ def test_an_image_failing_on_one_rank_ends_only_its_request(tiny_qwen2_vl, paral
     from PIL import Image
 
     from tests.distributed.conftest import shutdown_and_check
-    from tests.distributed.test_parallel_fault_isolation import (
-        assert_serves_on_and_forgets,
-        start,
-    )
+    from tests.distributed.test_parallel_fault_isolation import start
+    from tests.test_step_fault_isolation import assert_idle_and_forgotten
 
     llm = start(tiny_qwen2_vl.path, fault_rank, **parallel)
     try:
@@ -143,6 +141,6 @@ def test_an_image_failing_on_one_rank_ends_only_its_request(tiny_qwen2_vl, paral
         error = errors["pf-bad"]
         assert isinstance(error, RequestRefused) and error.field == MULTI_MODAL_DATA
         assert "image 0: the encoder cannot take a solid image" in str(error)
-        assert_serves_on_and_forgets(llm, list(prompts))
+        assert_idle_and_forgotten(llm, list(prompts))
     finally:
         shutdown_and_check(llm)
