@@ -103,7 +103,9 @@ class EngineCore(EngineCoreStartup):
         if already_loaded(self.loras, lora_request, self.config.lora_config.enable_lora):
             return
         self.drain_steps()
-        results = self.executor.collective_rpc("add_lora", lora_request)  # every rank
+        # every rank; requests finished since the last step hold their adapters no more
+        results = self.executor.collective_rpc("add_lora", lora_request,
+                                               self.scheduler.finished_unsent())
         refused = next((r for r in results if isinstance(r, RpcRefusal)), None)
         if refused is not None:
             # pipeline stages check only their own layers' weights: the stages that took

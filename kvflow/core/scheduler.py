@@ -230,6 +230,11 @@ class Scheduler:
         return batch_wait_s(self)
 
     # ---- one step ----------------------------------------------------------------------------
+    def finished_unsent(self) -> frozenset[str]:
+        """The ids of requests finished since the last schedule (the runner has not been
+        told yet: the next SchedulerOutput's ``finished_ids``)."""
+        return frozenset(self._finished_ids)
+
     def schedule(self, max_num_reqs: int | None = None) -> SchedulerOutput:
         """Pick this step's tokens: running requests first, then waiting ones if no preemption.
 

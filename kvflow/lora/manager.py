@@ -78,8 +78,9 @@ class LoRAManager:
             ``target_modules`` adapts peft's default modules for it).
         elsewhere: module name -> whether another pipeline stage holds that layer (an
             adapter's weights for it are left to that stage); None with one stage.
-        in_use: the adapters the runner's requests hold now (never dropped from host
-            memory: dropping one would free nothing and read it twice); None: none.
+        in_use: the adapters the runner's requests hold now, given request ids to leave
+            out (finished ones the runner still has; never dropped from host memory:
+            dropping one would free nothing and read it twice); None: none.
 
     Raises:
         ValueError: from the constructor for a model without LoRA support.
@@ -88,7 +89,8 @@ class LoRAManager:
     def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype,
                  device: torch.device, model_type: str | None = None,
                  elsewhere: Callable[[str], bool] | None = None,
-                 in_use: Callable[[], Iterable[object]] | None = None) -> None:
+                 in_use: Callable[[frozenset[str]], Iterable[object]] | None = None
+                 ) -> None:
         self.config, self.dtype, self.device = config, dtype, device
         self.model_type = model_type
         self.ctx = LoRAContext()
@@ -102,7 +104,7 @@ class LoRAManager:
         self.adapters: dict[int, LoRAAdapter] = {}  # host copies, least recently used first
         # adapters dropped for room (not removed): read again when a request asks for one
         self.evicted: dict[int, LoRARequest] = {}
-        self.in_use = in_use or (lambda: ())
+        self.in_use = in_use or (lambda finished_ids=frozenset(): ())
         self.elsewhere = elsewhere
         self.slot_ids = [0] * config.max_loras  # lora_int_id held by each slot (0: none)
         # the adapter whose weights each slot holds (an id may stand for another folder later)
@@ -110,10 +112,12 @@ class LoRAManager:
         logger.info("LoRA: %d layers adapted, %d slots of rank %d", len(self.layers),
                     config.max_loras, config.max_lora_rank)
 
-    def add_lora(self, request: LoRARequest) -> LoRAAdapter:
+    def add_lora(self, request: LoRARequest,
+                 finished_ids: frozenset[str] = frozenset()) -> LoRAAdapter:
         """Load (read and check against the checkpoint's sizes) an adapter unless it is
         loaded, keeping this tensor-parallel rank's part of its weights, of this pipeline
-        stage's layers; returns it.
+        stage's layers; returns it. ``finished_ids``: requests finished since the last
+        step, whose adapters are not held any more (the runner drops them at that step).
 
         Raises:
             ValueError: when the folder cannot be applied to this model (see
@@ -123,7 +127,7 @@ class LoRAManager:
         if adapter is None:
             adapter = self._load(request)
             self.evicted.pop(request.lora_int_id, None)
-            self._keep(adapter, held=False)
+            self._keep(adapter, held=False, finished_ids=finished_ids)
         else:
             self.adapters[request.lora_int_id] = self.adapters.pop(request.lora_int_id)
         return adapter
@@ -150,7 +154,8 @@ class LoRAManager:
             return adapter
         return self._load(request)
 
-    def _keep(self, adapter: LoRAAdapter, held: bool) -> None:
+    def _keep(self, adapter: LoRAAdapter, held: bool,
+              finished_ids: frozenset[str] = frozenset()) -> None:
         """Keep ``adapter`` as the most recently used, then drop the least recently used
         ones no request holds (``held``: a request is about to hold ``adapter``; else it
         goes last, only when every other one is held) while more than ``max_cpu_loras``
@@ -160,7 +165,7 @@ class LoRAManager:
         excess = len(self.adapters) - self.config.cpu_loras
         if excess <= 0:
             return
-        held_now = {id(a) for a in self.in_use()}
+        held_now = {id(a) for a in self.in_use(finished_ids)}
         free = [i for i, a in self.adapters.items() if i != lora_id and id(a) not in held_now]
         if not held:
             free.append(lora_id)

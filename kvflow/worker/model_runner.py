@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -142,7 +143,7 @@ class ModelRunner(RunnerKVCache):
             (lambda name: is_pp_missing(name, self.model))
         self.lora_manager = LoRAManager(self.model, lc, self.dtype, self.device,
                                         getattr(hf_config, "model_type", None), elsewhere,
-                                        lambda: (s.lora for s in self.requests.values())) \
+                                        self._adapters_in_use) \
             if lc.enable_lora else None
         self.weight_bytes = weight_bytes(self.model)
         logger.info("weights: %.1f MiB (quantization: %s)", self.weight_bytes / 2**20,
@@ -200,8 +201,15 @@ class ModelRunner(RunnerKVCache):
         self._proposed: dict[str, list[int]] = {}  # the launched step's draft-model tokens
 
     # ---- LoRA adapters -----------------------------------------------------------------------
-    def add_lora(self, lora_request: LoRARequest) -> None:
-        """Load (read and check) a LoRA adapter so that requests may use it.
+    def _adapters_in_use(self, finished_ids: frozenset[str] = frozenset()) -> Iterator[Any]:
+        """The LoRA adapters the runner's requests hold, those in ``finished_ids`` left out."""
+        return (s.lora for rid, s in self.requests.items() if rid not in finished_ids)
+
+    def add_lora(self, lora_request: LoRARequest,
+                 finished_ids: frozenset[str] = frozenset()) -> None:
+        """Load (read and check) a LoRA adapter so that requests may use it;
+        ``finished_ids``: requests the scheduler has finished since the last step (their
+        states go at the next step; they hold their adapters no more).
 
         Raises:
             ValueError: without ``enable_lora``, or for an adapter this model cannot apply.
@@ -209,7 +217,7 @@ class ModelRunner(RunnerKVCache):
         if self.lora_manager is None:
             raise ValueError("LoRA adapters need an engine started with enable_lora "
                              "(--enable-lora)")
-        self.lora_manager.add_lora(lora_request)
+        self.lora_manager.add_lora(lora_request, finished_ids)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget a LoRA adapter (running requests keep theirs); False if it was not loaded."""

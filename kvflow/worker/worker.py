@@ -239,8 +239,10 @@ class Worker:
         except Exception as e:  # noqa: BLE001 - the caller's call failed, not this worker
             return RpcRefusal(f"{method}: {type(e).__name__}: {e}")
 
-    def add_lora(self, lora_request: LoRARequest) -> RpcRefusal | None:
-        """Load a LoRA adapter, this rank's part of it (see :meth:`ModelRunner.add_lora`).
+    def add_lora(self, lora_request: LoRARequest,
+                 finished_ids: frozenset[str] = frozenset()) -> RpcRefusal | None:
+        """Load a LoRA adapter, this rank's part of it (see :meth:`ModelRunner.add_lora`;
+        ``finished_ids``: requests the scheduler has finished since the last step).
 
         Returns:
             None once loaded; the ValueError's message as an :class:`RpcRefusal` for an
@@ -253,7 +255,7 @@ class Worker:
                               "dropped (sleep(level=2)): reload them with "
                               "collective_rpc('reload_weights') before loading an adapter")
         try:
-            self.runner.add_lora(lora_request)
+            self.runner.add_lora(lora_request, finished_ids)
         except ValueError as e:
             return RpcRefusal(str(e))
         return None

@@ -143,6 +143,23 @@ def test_running_requests_keep_their_adapters(tiny_llama, four, assert_no_leaks)
     assert_no_leaks(llm)
 
 
+def test_adapters_in_turn_at_the_default_limit_are_read_once_per_use(tiny_llama, four,
+                                                                      assert_no_leaks):
+    """max_loras = max_cpu_loras = 1 (the default), two adapters in turn: each use reads its
+    folder once. The request before it has finished, though the runner hears so only at the
+    next step; was: counted as holding its adapter, so the new one was read, dropped at once
+    and read again at its first schedule (two reads a switch)."""
+    llm = _llm(tiny_llama, max_loras=1)
+    copies = HostCopies(llm)
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    loras = [LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(four[:2])]
+    for lora in (*loras, *loras):
+        out = llm.generate([ids], PARAMS, lora_request=lora, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == peft_greedy(tiny_llama.path, lora.lora_path, ids)
+    assert copies.loads == 4 and max(copies.counts) == 1
+    assert_no_leaks(llm)
+
+
 def test_folder_changed_after_eviction_is_read_as_it_is_then(tiny_llama, four, tmp_path,
                                                              assert_no_leaks):
     """As vLLM: an adapter dropped for room is read again from its folder, so files changed
