@@ -7,13 +7,16 @@ method: the base output is ``base(x)``, computed as the base layer always does, 
 layer fusing ``S`` checkpoint shards (q/k/v: 3, gate/up: 2). Shard ``s``'s A fills rank rows
 ``[s * max_rank, s * max_rank + r)`` and its B the same columns of its own output rows, so B is
 block-diagonal and one shrink plus one expand matmul serve every shard; rows and columns past
-an adapter's rank are zero, which adds exactly nothing.
+an adapter's rank are zero, which adds exactly nothing. On CPU the slots are fp32 whatever the
+model's dtype (a rank-r bf16 matmul there pays ~20 us of set-up, fp32 ~3 us; docs/benchmarks.md,
+session 48): the layer's input is converted, and the delta rounded to the output's dtype once.
 
 A batch mixes tokens of several adapters (and of none). The step's
 :class:`LoRAMapping` lists the adapted tokens grouped by slot (a stable sort done once per
 step, shared by every layer); each layer gathers those rows, runs one shrink and one expand
 matmul per slot on a contiguous slice, and adds the result into its output with one
-``index_add_`` - the segmented ("SGMV", Chen et al. 2023, Punica) form of a multi-adapter
+``index_add_`` (a step whose every token runs one slot skips the gather and the scatter) -
+the segmented ("SGMV", Chen et al. 2023, Punica) form of a multi-adapter
 batch. :class:`GroupedLoRA` dispatches it (:class:`~kvflow.layers.custom_op.CustomOp`): plain
 torch (:func:`grouped_lora`) on CPU and elsewhere, two Triton launches on CUDA
 (:func:`kvflow.kernels.lora.sgmv_lora`; ``KVFLOW_LORA_KERNEL=torch`` keeps torch there too).
@@ -47,12 +50,14 @@ class LoRAMapping:
         segment_table: int32 [S, 3] ``segments`` on the device (the Triton kernel's copy).
         token_slots: int64 [T] (host) each step token's slot, -1 for none: what the mapping
             was made from (``select`` maps a subset of the tokens again).
+        whole: every token of the step runs one slot (``token_index`` is ``0..T-1``).
     """
 
     token_index: torch.Tensor
     segments: list[tuple[int, int, int]]
     segment_table: torch.Tensor
     token_slots: np.ndarray
+    whole: bool = False
 
     @property
     def max_segment_len(self) -> int:
@@ -77,8 +82,9 @@ def make_mapping(token_slots: np.ndarray, device: torch.device) -> LoRAMapping |
     slots, starts, counts = np.unique(token_slots[order], return_index=True, return_counts=True)
     segments = [(int(s), int(b), int(b + c)) for s, b, c in zip(slots, starts, counts)]
     table = torch.tensor(segments, dtype=torch.int32).to(device)
+    whole = len(segments) == 1 and len(adapted) == len(token_slots)  # stable sort: 0..T-1
     return LoRAMapping(torch.from_numpy(order).to(device), segments, table,
-                       np.asarray(token_slots, dtype=np.int64))
+                       np.asarray(token_slots, dtype=np.int64), whole)
 
 
 class LoRAContext:
@@ -116,17 +122,29 @@ def grouped_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
                  lora_b: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
     """``y[t] += (x[t] A[s]^T) B[s]^T`` for every adapted token ``t`` of slot ``s``.
 
+    The matmuls run in ``lora_a``'s dtype (fp32 slots on CPU, see :class:`LoRALinear`; ``x``
+    is converted to it) and the delta is rounded to ``y``'s dtype once. When every token runs
+    one slot in order (``mapping.whole``: a batch on one adapter) the rows are neither
+    gathered nor scattered: the delta is added to ``y`` directly.
+
     Args:
         y: [T, out] the base layer's output (updated in place and returned).
         x: [T, in] the layer's input.
         lora_a: [max_loras, R, in]; lora_b: [max_loras, out, R] (scaling folded in).
         mapping: the step's adapted tokens, grouped by slot.
     """
-    rows = x.index_select(0, mapping.token_index)
-    delta = torch.empty(rows.shape[0], y.shape[1], dtype=x.dtype, device=x.device)
-    for slot, start, end in mapping.segments:
-        shrunk = rows[start:end] @ lora_a[slot].T  # [n, R]
-        torch.matmul(shrunk, lora_b[slot].T, out=delta[start:end])
+    rows = x if mapping.whole else x.index_select(0, mapping.token_index)
+    rows = rows.to(lora_a.dtype)
+    if len(mapping.segments) == 1:
+        slot = mapping.segments[0][0]
+        delta = (rows @ lora_a[slot].T) @ lora_b[slot].T
+    else:
+        delta = torch.empty(rows.shape[0], y.shape[1], dtype=lora_a.dtype, device=x.device)
+        for slot, start, end in mapping.segments:
+            shrunk = rows[start:end] @ lora_a[slot].T  # [n, R]
+            torch.matmul(shrunk, lora_b[slot].T, out=delta[start:end])
+    if mapping.whole:
+        return y.add_(delta.to(y.dtype))
     return y.index_add_(0, mapping.token_index, delta.to(y.dtype))
 
 
@@ -189,7 +207,10 @@ class LoRALinear(nn.Module):
             self.row_offsets[shard] = offset
             offset += size
         rank_rows = len(self.shards) * max_rank
-        dtype, device = base.params_dtype, _device_of(base)
+        device = _device_of(base)
+        # fp32 slots on CPU: a rank-r bf16/fp16 matmul there costs ~20 us of set-up each
+        # (docs/benchmarks.md, session 48), fp32 ~3 us; the slots are small
+        dtype = torch.float32 if device.type == "cpu" else base.params_dtype
         self.register_buffer("lora_a", torch.zeros(max_loras, rank_rows,
                                                    base.input_size_per_partition,
                                                    dtype=dtype, device=device), persistent=False)

@@ -26,6 +26,40 @@ def test_grouped_lora_matches_a_per_token_loop():
     assert make_mapping(np.full(4, -1), torch.device("cpu")) is None
 
 
+def test_bf16_layer_on_cpu_runs_fp32_slots_and_a_whole_batch_unscattered():
+    """On CPU the slots are fp32 (a rank-r bf16 matmul costs ~20 us of set-up there) and a
+    step whose every token runs one slot (``whole``) adds its delta without gather/scatter:
+    both paths match the float64 per-token sum, the delta rounded once to bf16."""
+    gen = torch.Generator().manual_seed(4)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        base = QKVParallelLinear(16, head_dim=4, num_heads=4, num_kv_heads=2)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    base.weight.data.copy_(torch.randn(base.weight.shape, generator=gen))
+    ctx = LoRAContext()
+    layer = LoRALinear(base, max_loras=2, max_rank=4, ctx=ctx)
+    assert layer.lora_a.dtype == layer.lora_b.dtype == torch.float32
+    pairs = [(torch.randn(4, 16, generator=gen), torch.randn(32, 4, generator=gen))
+             for _ in range(2)]
+    for slot, (a, b) in enumerate(pairs):
+        layer.set_slot(slot, {None: (a.bfloat16(), b.bfloat16())})
+    x = torch.randn(5, 16, generator=gen).bfloat16()
+    plain = base(x)
+    for slots, whole in (([1] * 5, True), ([1, 0, -1, 1, 0], False), ([-1, 1, 1, 1, 1], False)):
+        mapping = make_mapping(np.array(slots), torch.device("cpu"))
+        assert mapping.whole is whole
+        with ctx.bind(mapping):
+            y = layer(x)
+        expected = plain.clone()
+        for t, s in enumerate(slots):
+            if s >= 0:
+                a, b = (w.bfloat16().double() for w in pairs[s])
+                expected[t] += (b @ (a @ x[t].double())).bfloat16()
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y, expected)  # bf16: within one rounding
+
+
 def test_mapping_of_a_token_subset_renumbers_its_tokens():
     """A context-parallel rank runs only some of the step's tokens (``LoRAContext.select``):
     the grouped matmul over that subset adds each kept token's own adapter, as the per-token
