@@ -41,6 +41,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", default="1,16", help="decode batch sizes, comma-separated")
     p.add_argument("--adapters", default="/tmp/loraperf", help="where the adapters are saved")
     p.add_argument("--modes", default="base,r8,r16")
+    p.add_argument("--before-after", type=int, default=None, metavar="RANK",
+                   help="instead: one LoRA engine of this rank, steps alternating between "
+                        "session 48's grouped LoRA and the one before it (bf16 slots)")
+    p.add_argument("--layers", action="store_true",
+                   help="instead: one SmolLM2-135M layer's four LoRA matmuls (qkv, o, gate_up, "
+                        "down at max_rank 16), session 48's grouped LoRA against the one "
+                        "before it, alternating in one process, no engine")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for --layers")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -112,6 +120,124 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     return result
 
 
+def _grouped_lora_before(y, x, lora_a, lora_b, mapping):
+    """kvflow.lora.layers.grouped_lora before session 48: slots in the model's dtype, rows
+    always gathered and scattered."""
+    import torch
+
+    rows = x.index_select(0, mapping.token_index)
+    delta = torch.empty(rows.shape[0], y.shape[1], dtype=x.dtype, device=x.device)
+    for slot, start, end in mapping.segments:
+        torch.matmul(rows[start:end] @ lora_a[slot].T, lora_b[slot].T, out=delta[start:end])
+    return y.index_add_(0, mapping.token_index, delta.to(y.dtype))
+
+
+def before_after(args: argparse.Namespace) -> None:
+    """One engine with rank ``--before-after`` adapters; each figure alternates the current
+    grouped LoRA (fp32 slots on CPU) and the previous one (slots cast to the model dtype),
+    ``--runs`` times each, and prints the medians and after / before."""
+    import time
+
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import offline_engine
+
+    from kvflow.lora import layers
+    from kvflow.lora.request import LoRARequest
+
+    make_adapters(args.model_dir, Path(args.adapters))
+    rank = args.before_after
+    llm, params_cls, _ = offline_engine.load_engine(
+        "kvflow", args.model_dir, args.dtype, enable_lora=True,
+        max_loras=ADAPTERS_PER_RANK, max_lora_rank=rank)
+    manager = llm.engine.core.executor.runner.lora_manager
+    current = layers.grouped_lora
+    dtype = getattr(torch, args.dtype)
+
+    def use(mode: str) -> None:
+        slot_dtype = dtype if mode == "before" else torch.float32
+        for layer in manager.layers.values():
+            layer.lora_a = layer.lora_a.to(slot_dtype)
+            layer.lora_b = layer.lora_b.to(slot_dtype)
+        layers.grouped_lora = _grouped_lora_before if mode == "before" else current
+
+    batches = [int(x) for x in args.batches.split(",")]
+    ids = offline_engine.cpu_w1_token_ids(llm.get_tokenizer().vocab_size, max(batches))
+    requests = [LoRARequest(f"a{i}", i + 1, path)
+                for i, path in enumerate(adapter_paths(Path(args.adapters), rank))]
+    kinds = {"none": [], "one": requests[:1], "four": requests}
+
+    def run(batch: list, max_tokens: int, adapters: list) -> float:
+        p = params_cls(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        lora = [adapters[i % len(adapters)] for i in range(len(batch))] if adapters else None
+        start = time.perf_counter()
+        llm.generate(batch, p, use_tqdm=False, lora_request=lora)
+        return time.perf_counter() - start
+
+    for mode in ("before", "after"):
+        use(mode)
+        for adapters in kinds.values():
+            run(ids[:2], 4, adapters)
+    for b in batches:
+        for kind, adapters in kinds.items():
+            ms: dict[str, list[float]] = {"before": [], "after": []}
+            for _ in range(args.runs):
+                for mode in ("before", "after"):
+                    use(mode)
+                    ms[mode].append((run(ids[:b], OUTPUT_LEN, adapters)
+                                     - run(ids[:b], 1, adapters)) / (OUTPUT_LEN - 1) * 1e3)
+            before, after = (statistics.median(ms[m]) for m in ("before", "after"))
+            print(f"r{rank} {kind}_b{b}: before {before:.2f} ms/step, after {after:.2f}, "
+                  f"after / before {after / before:.2f}", flush=True)
+
+
+def layer_costs(args: argparse.Namespace) -> None:
+    """Microseconds per layer (qkv 576->960 rank rows 48, o 576->576 16, gate_up 576->3072 32,
+    down 1536->576 16) of the grouped LoRA, before (bf16 slots) and after (fp32 slots), at
+    each batch with 1 and 4 adapters; 100 calls timed, medians of 7 alternating rounds."""
+    import time
+
+    import numpy as np
+    import torch
+
+    from kvflow.lora.layers import grouped_lora, make_mapping
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    shapes = [(576, 960, 48), (576, 576, 16), (576, 3072, 32), (1536, 576, 16)]
+    gen = torch.Generator().manual_seed(0)
+
+    def timed(fn, calls: int = 100) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - start) / calls * 1e6
+
+    for b in (int(x) for x in args.batches.split(",")):
+        for count in (1, ADAPTERS_PER_RANK):
+            mapping = make_mapping(np.arange(b) % count, torch.device("cpu"))
+            ops = []
+            for inp, out, rank in shapes:
+                a = torch.randn(4, rank, inp, generator=gen) * 0.01
+                w = torch.randn(4, out, rank, generator=gen) * 0.01
+                ops.append((torch.randn(b, out, generator=gen).to(dtype),
+                            torch.randn(b, inp, generator=gen).to(dtype), a, w))
+            cast = [(y, x, a.to(dtype), w.to(dtype)) for y, x, a, w in ops]
+            runs = {"before": (_grouped_lora_before, cast), "after": (grouped_lora, ops)}
+            us: dict[str, list[float]] = {"before": [], "after": []}
+            for fn in runs.values():
+                timed(lambda fn=fn, m=mapping: [fn[0](*op, m) for op in fn[1]], 5)
+            for _ in range(7):
+                for mode, (fn, args_) in runs.items():
+                    us[mode].append(timed(lambda fn=fn, args_=args_, m=mapping:
+                                          [fn(*op, m) for op in args_]))
+            before, after = (statistics.median(us[m]) for m in ("before", "after"))
+            print(f"batch {b}, {count} adapter(s): {before:.0f} -> {after:.0f} us per layer "
+                  f"(x30 layers: {before * 0.03:.2f} -> {after * 0.03:.2f} ms/step), "
+                  f"after / before {after / before:.2f}", flush=True)
+
+
 def compare(args: argparse.Namespace) -> None:
     modes = args.modes.split(",")
     if any(m != "base" for m in modes):
@@ -139,7 +265,11 @@ def compare(args: argparse.Namespace) -> None:
 
 def main() -> None:
     args = parse_args()
-    if args.child:
+    if args.layers:
+        layer_costs(args)
+    elif args.before_after:
+        before_after(args)
+    elif args.child:
         print(json.dumps(measure(args)))
     else:
         compare(args)
