@@ -14,6 +14,10 @@ CPU-W1's random 128-token prompts, greedy, EOS ignored, the median of ``--runs``
 lines give each figure's median over the rounds and its ratio to ``base`` at the same batch::
 
     .venv/bin/python benchmarks/lora_step.py out/smollm2-hf [--rounds 3] [--batches 1,16]
+
+``--before-after RANK`` instead runs one LoRA engine whose steps alternate between the grouped
+LoRA of session 48 (fp32 slots on CPU) and the one before it (slots in the model dtype);
+``--layers`` times one SmolLM2 layer's four LoRA matmuls the same two ways, without an engine.
 """
 
 from __future__ import annotations
