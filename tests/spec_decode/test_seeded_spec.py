@@ -97,7 +97,8 @@ def test_draft_model_speculation_keeps_the_plain_seeded_tokens(tiny_llama, noisy
     adaptive = kw.pop("adaptive", False)
     extra = {"draft_vocab_size": kw.pop("draft_vocab_size")} if "draft_vocab_size" in kw else {}
     llm = _engine(tiny_llama.path, _draft(noisy_draft, adaptive=adaptive, **extra), **kw)
-    drafted, accepted = _check(llm, plain, assert_no_leaks)
+    # adaptive lengths follow measured step times: on a busy machine they may draft nothing
+    drafted, accepted = _check(llm, plain, assert_no_leaks, speculates=not adaptive)
     if not adaptive:
         assert 0 < accepted < drafted
     if "num_kv_blocks" in kw:
