@@ -19,12 +19,13 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq
 
 from kvflow.engine.core_client import wait_ready
 from kvflow.engine.core_heartbeat import start_core_heartbeat
-from kvflow.engine.messages import output_decoder
+from kvflow.engine.messages import EngineFailed, EngineHeartbeat, output_decoder
 from tests.e2e.conftest import free_port
 from tests.e2e.test_engine_faults import core_pid
 
@@ -109,6 +110,28 @@ def test_a_core_whose_heartbeats_stop_while_it_loads_fails_the_start(output, sle
     assert message.startswith(f"engine core (pid {core.pid}) sent no heartbeat and used no "
                               "CPU for ")
     assert "while starting (engine_heartbeat_timeout=1)" in message and core.killed
+
+
+def test_a_core_that_beat_then_failed_and_exited_reports_its_error(output, sleeper):
+    """Heartbeats, then the start-up's EngineFailed, then the process is gone, all before
+    ``wait_ready`` reads a message: the error (a ValueError for bad input) is what is
+    raised. Was: one message read per turn (the beat), then the dead process was reported
+    as "exited with code 0 while starting" (tests/test_max_model_len_kv_cache.py's serve
+    case failed so under CI load)."""
+    pull, address = output
+    proc = sleeper(["true"])
+    proc.exitcode = proc.wait()  # multiprocessing's name, which the error message reads
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.connect(address)
+    encoder = msgspec.msgpack.Encoder()
+    for msg in (EngineHeartbeat(0, time.monotonic()), EngineHeartbeat(0, time.monotonic()),
+                EngineFailed("--max-model-len=64 does not fit the KV cache", bad_input=True)):
+        push.send(encoder.encode(msg))
+    while not pull.poll(50):
+        pass
+    with pytest.raises(ValueError, match="--max-model-len=64 does not fit the KV cache"):
+        wait_ready(pull, output_decoder(), [_Core(0, proc)], 30.0, heartbeat_timeout=5.0)
+    push.close(linger=0)
 
 
 def test_a_core_that_runs_without_heartbeats_is_waited_for(output, sleeper):

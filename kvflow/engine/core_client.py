@@ -249,23 +249,28 @@ def wait_ready(output: zmq.Socket, decoder: msgspec.msgpack.Decoder, cores: list
     """
     deadline, ready, n = time.monotonic() + timeout, {}, len(cores)
     liveness = StartupLiveness(n, heartbeat_timeout, time.monotonic())
+    def _take(msg: object) -> None:
+        if isinstance(msg, EngineHeartbeat):
+            liveness.beat(msg)
+        failed = msg if isinstance(msg, EngineFailed) else None
+        if failed is not None and failed.bad_input:
+            raise ValueError(failed.message)
+        if failed is not None:
+            raise RuntimeError(f"{replica_name(failed.engine_index, n)} failed to start: "
+                               f"{failed.message}")
+        if isinstance(msg, EngineReady):
+            ready[msg.engine_index] = msg
+            cores[msg.engine_index].state = ReplicaState.LIVE
+            if on_ready is not None:
+                on_ready(msg)
+
     while len(ready) < n and time.monotonic() < deadline:
         if output.poll(min(200, int(1000 * liveness.timeout_s / 4))):
-            msg = decoder.decode(output.recv())
-            if isinstance(msg, EngineHeartbeat):
-                liveness.beat(msg)
-            if isinstance(msg, EngineFailed) and msg.bad_input:
-                raise ValueError(msg.message)
-            if isinstance(msg, EngineFailed):
-                raise RuntimeError(f"{replica_name(msg.engine_index, n)} failed to start: "
-                                   f"{msg.message}")
-            if isinstance(msg, EngineReady):
-                ready[msg.engine_index] = msg
-                cores[msg.engine_index].state = ReplicaState.LIVE
-                if on_ready is not None:
-                    on_ready(msg)
+            _take(decoder.decode(output.recv()))
         for core in cores:
             if not core.is_alive and core.index not in ready:
+                while output.poll(0):  # its last words (EngineFailed) may wait behind a beat
+                    _take(decoder.decode(output.recv()))
                 raise RuntimeError(f"{replica_name(core.index, n)} process exited with code "
                                    f"{core.proc.exitcode} while starting{main_guard_hint(core)}")
         starting = [core for core in cores if core.index not in ready]
