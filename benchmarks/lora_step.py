@@ -36,6 +36,18 @@ RANKS = (8, 16)
 ADAPTERS_PER_RANK = 4
 
 
+def timed_generate(llm, params_cls, batch: list, max_tokens: int, adapters: list) -> float:
+    """Seconds for one greedy ``llm.generate`` of ``batch`` (``max_tokens`` each, EOS
+    ignored), the rows taking ``adapters`` in turn (none: the base model)."""
+    import time
+
+    p = params_cls(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    lora = [adapters[i % len(adapters)] for i in range(len(batch))] if adapters else None
+    start = time.perf_counter()
+    llm.generate(batch, p, use_tqdm=False, lora_request=lora)
+    return time.perf_counter() - start
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model_dir")
@@ -102,13 +114,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
         kinds = {"none": [], "one": requests[:1], "four": requests}
 
     def run(batch: list, max_tokens: int, adapters: list) -> float:
-        import time
-
-        p = params_cls(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        lora = [adapters[i % len(adapters)] for i in range(len(batch))] if adapters else None
-        start = time.perf_counter()
-        llm.generate(batch, p, use_tqdm=False, lora_request=lora)
-        return time.perf_counter() - start
+        return timed_generate(llm, params_cls, batch, max_tokens, adapters)
 
     for adapters in kinds.values():
         run(ids[:2], 4, adapters)  # warm-up (and the adapters' first load)
@@ -140,7 +146,6 @@ def before_after(args: argparse.Namespace) -> None:
     """One engine with rank ``--before-after`` adapters; each figure alternates the current
     grouped LoRA (fp32 slots on CPU) and the previous one (slots cast to the model dtype),
     ``--runs`` times each, and prints the medians and after / before."""
-    import time
 
     import torch
 
@@ -173,11 +178,7 @@ def before_after(args: argparse.Namespace) -> None:
     kinds = {"none": [], "one": requests[:1], "four": requests}
 
     def run(batch: list, max_tokens: int, adapters: list) -> float:
-        p = params_cls(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        lora = [adapters[i % len(adapters)] for i in range(len(batch))] if adapters else None
-        start = time.perf_counter()
-        llm.generate(batch, p, use_tqdm=False, lora_request=lora)
-        return time.perf_counter() - start
+        return timed_generate(llm, params_cls, batch, max_tokens, adapters)
 
     for mode in ("before", "after"):
         use(mode)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -50,13 +51,19 @@ class FailAt(AdapterLogitsProcessor):
             return None
         if args.get("kind") == "bind":
             raise ValueError("fail_at: cannot bind")
-        error = RuntimeError if args.get("kind") == "runtime" else ValueError
+        return fail_at(args)
 
-        def fail(output_ids: list[int], row: torch.Tensor) -> torch.Tensor:
-            if len(output_ids) >= args["fail_at"]:
-                raise error(f"fail_at={args['fail_at']} reached")
-            return row
-        return fail
+
+def fail_at(args: dict) -> Callable[[list[int], torch.Tensor], torch.Tensor]:
+    """A per-request processor raising once ``args["fail_at"]`` tokens are out: RuntimeError
+    for ``kind`` "runtime", else ValueError."""
+    error = RuntimeError if args.get("kind") == "runtime" else ValueError
+
+    def fail(output_ids: list[int], row: torch.Tensor) -> torch.Tensor:
+        if len(output_ids) >= args["fail_at"]:
+            raise error(f"fail_at={args['fail_at']} reached")
+        return row
+    return fail
 
 
 def greedy(n: int = 10, **extra) -> SamplingParams:

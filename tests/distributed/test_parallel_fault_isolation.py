@@ -44,6 +44,7 @@ from tests.test_step_fault_isolation import (
     BAD,
     GOOD,
     assert_idle_and_forgotten,
+    fail_at,
     greedy,
     step_until_done,
 )
@@ -76,13 +77,7 @@ class RankFaults(AdapterLogitsProcessor):
         args = params.extra_args or {}
         if "fail_at" not in args or not _on_fault_rank():
             return None
-        error = RuntimeError if args.get("kind") == "runtime" else ValueError
-
-        def fail(output_ids: list[int], row: torch.Tensor) -> torch.Tensor:
-            if len(output_ids) >= args["fail_at"]:
-                raise error(f"fail_at={args['fail_at']} reached")
-            return row
-        return fail
+        return fail_at(args)
 
 
 class BrokenOnRank(RankFaults):
