@@ -31,6 +31,7 @@ it, as any fresh page is.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import ctypes.util
@@ -193,23 +194,30 @@ class StepGate:
         return self._running == 0 and time.monotonic() - self._last_end >= seconds
 
 
-def _wait_for_quiet(gate: StepGate | None) -> None:
-    """Return once ``gate`` has been quiet for :data:`PREFAULT_IDLE_S` (at once without one)."""
+def _wait_for_quiet(gate: StepGate | None, stop: threading.Event) -> bool:
+    """Return once ``gate`` has been quiet for :data:`PREFAULT_IDLE_S` (at once without one):
+    True, or False as soon as ``stop`` is set."""
     while gate is not None and not gate.quiet(PREFAULT_IDLE_S):
-        time.sleep(PREFAULT_IDLE_S)
+        if stop.wait(PREFAULT_IDLE_S):
+            return False
+    return not stop.is_set()
 
 
 def _prefault(refs: list[weakref.ref], chunk_bytes: int, offset: int = 0,
-              gate: StepGate | None = None) -> None:
+              gate: StepGate | None = None, stop: threading.Event | None = None) -> None:
     """The prefault thread: the tensors' planes chunk by chunk from byte ``offset`` of each,
-    round robin, each chunk once ``gate`` is quiet (no step running or just run). A tensor
-    freed meanwhile (sleep mode) is skipped: the thread holds one only during its chunk."""
+    round robin, each chunk once ``gate`` is quiet (no step running or just run), until done
+    or ``stop`` is set. A tensor freed meanwhile (sleep mode) is skipped: the thread holds one
+    only during its chunk."""
     lower_thread_priority()
+    stop = stop or threading.Event()
     start, more = time.monotonic(), True
     while more:
         more = False
         for ref in refs:
-            _wait_for_quiet(gate)
+            if not _wait_for_quiet(gate, stop):
+                logger.debug("KV cache prefault stopped (interpreter exit)")
+                return
             t = ref()
             if t is None:
                 continue
@@ -250,11 +258,38 @@ def prefault_in_background(tensors: list[torch.Tensor], chunk_bytes: int = PREFA
     if not any(plane.numel() * plane.element_size() > first_bytes
                for t in tensors for plane in _planes(t)):
         return None
-    thread = threading.Thread(target=_prefault, name="kvflow-kv-prefault", daemon=True,
-                              args=([weakref.ref(t) for t in tensors], chunk_bytes,
-                                    first_bytes, gate))
+    thread = _PrefaultThread([weakref.ref(t) for t in tensors], chunk_bytes, first_bytes, gate)
     thread.start()
     return thread
+
+
+class _PrefaultThread(threading.Thread):
+    """The daemon thread running :func:`_prefault`, stopped and joined (up to 10 s) by an
+    ``atexit`` hook if the interpreter exits while it runs (the hook is dropped once it ends).
+
+    Why: a daemon thread still running at exit is ended by the interpreter inside whatever
+    call it is in; inside a torch call (C++) that was ``terminate called without an active
+    exception`` and exit status 134 (SIGABRT) for about half of the short runs (``kvflow
+    generate``, a test's subprocess) that exited before the prefault thread was done."""
+
+    def __init__(self, refs: list[weakref.ref], chunk_bytes: int, offset: int,
+                 gate: StepGate | None) -> None:
+        super().__init__(name="kvflow-kv-prefault", daemon=True)
+        self._work = (refs, chunk_bytes, offset, gate)
+        self.stop = threading.Event()
+        atexit.register(self._stop_and_join)  # before start: exit may come at once
+
+    def run(self) -> None:
+        """The prefault, then the exit hook dropped."""
+        try:
+            _prefault(*self._work, stop=self.stop)
+        finally:
+            atexit.unregister(self._stop_and_join)
+
+    def _stop_and_join(self) -> None:
+        self.stop.set()
+        if self.is_alive():
+            self.join(timeout=10)
 
 
 class HugePageArena:
