@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvflow.structured import StructuredOutputsParams, validate
-from kvflow.structured.xgrammar_backend import grammar_error
+from kvflow.structured.xgrammar_errors import grammar_error
 
 ELEMENT = ('an element (a "quoted string", a [character class], a rule name or a '
            '(parenthesized group))')

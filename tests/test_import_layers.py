@@ -49,6 +49,9 @@ LAYERS: dict[str, int] = {
     "kvflow.multimodal": 8, "kvflow.multimodal.processor_files": 8,  # its processor configs read
     "kvflow.core": 7, "kvflow.structured": 7, "kvflow.spec_decode": 7,
     "kvflow.core.sched_arrivals": 7,  # the scheduler's admission verdict, TTFT forecast
+    "kvflow.structured.xgrammar_convert": 7,  # a constraint as xgrammar's grammar
+    "kvflow.structured.xgrammar_validate": 7,  # a constraint checked without a tokenizer
+    "kvflow.structured.xgrammar_errors": 7,  # xgrammar's errors in the user's terms
     "kvflow.executor": 6,
     "kvflow.worker": 5,
     # speculative decoding's runner side: the draft model and verification run in the worker,

@@ -15,7 +15,7 @@ import xgrammar as xgr
 
 from kvflow.structured import StructuredOutputsParams, validate
 from kvflow.structured.schema_support import LENGTHLESS_FORMATS
-from kvflow.structured.xgrammar_backend import json_schema_grammar
+from kvflow.structured.xgrammar_convert import json_schema_grammar
 
 VOCAB = ['"', "a", "b", "</s>"] + list("0123456789-:.@/TZPD")
 STOP = 3

@@ -3,8 +3,9 @@ structural tag.
 
 ``params`` (StructuredOutputsParams, no heavy imports), ``structural_tag`` (structural tags
 read and checked without xgrammar), ``backend`` (the interface),
-``xgrammar_backend`` (the implementation), ``lark_grammar`` (Lark grammars to GBNF, with
-``lark_expansion``, ``lark_regex`` and ``lark_common``),
+``xgrammar_backend`` (the implementation; ``xgrammar_convert``, ``xgrammar_validate`` and
+``xgrammar_errors`` its conversion, check and error texts), ``lark_grammar`` (Lark grammars
+to GBNF, with ``lark_expansion``, ``lark_regex`` and ``lark_common``),
 ``manager`` (the engine core's side: compile off the step loop, per-step token bitmask).
 """
 
@@ -24,7 +25,7 @@ def validate(params: StructuredOutputsParams) -> None:
     Raises:
         ValueError: naming the problem.
     """
-    from kvflow.structured.xgrammar_backend import validate as _validate
+    from kvflow.structured.xgrammar_validate import validate as _validate
 
     _validate(params)
 

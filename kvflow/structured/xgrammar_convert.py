@@ -1,0 +1,183 @@
+"""A constraint converted to xgrammar's terms: its grammar text (choices as an EBNF
+alternation, Lark grammars as GBNF, regexes in xgrammar's dialect), a JSON schema's grammar
+kept to JSON's and UTF-8's characters, and a structural tag as xgrammar's ``format`` JSON."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import xgrammar as xgr
+
+from kvflow.structured.json_pattern import placeholder_patterns, strict_formats
+from kvflow.structured.lark_grammar import lark_to_gbnf, looks_like_lark
+from kvflow.structured.params import StructuredOutputsParams
+from kvflow.structured.regex_dialect import xgrammar_regex
+from kvflow.structured.schema_support import costly_pattern, string_patterns, unenforced_keyword
+from kvflow.structured.structural_tag import (
+    StructuralTagError,
+    check_format,
+    check_legacy,
+    format_schemas,
+    is_legacy,
+    parse,
+    regex_formats,
+)
+from kvflow.structured.utf8_grammar import printed_ebnf, utf8_grammar
+from kvflow.structured.xgrammar_errors import clean_error
+
+# xgrammar resolves token names / ids of a ``format`` tag (``token``, ``any_tokens``, ...)
+# only with the tokenizer: ``validate`` has none, the compile checks them.
+NEEDS_TOKENIZER = "requires tokenizer_info"
+
+
+def grammar_text(params: StructuredOutputsParams) -> tuple[str, str]:
+    """(kind, spec) with choices turned into an EBNF alternation of JSON-quoted literals
+    (EBNF string literals use JSON escapes, so any Unicode text is safe), a grammar in
+    Lark's syntax converted to GBNF (``lark_grammar.lark_to_gbnf``; its ValueError passes)
+    and a regex written in xgrammar's dialect (``regex_dialect.xgrammar_regex``: ``.`` does
+    not match a newline; its ValueError passes)."""
+    if params.kind == "regex":
+        return "regex", xgrammar_regex(params.regex)
+    if params.kind == "choice":
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
+        return "grammar", f"root ::= {alternatives}"
+    if params.kind == "grammar" and looks_like_lark(params.grammar):
+        return "grammar", lark_to_gbnf(params.grammar)
+    return params.key
+
+
+def _schema_text(spec: str) -> str:
+    """``spec`` itself, checked to be a JSON schema: a JSON object or true/false."""
+    try:
+        schema = json.loads(spec)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+    if isinstance(schema, (dict, bool)):
+        return spec
+    raise ValueError("a JSON schema must be an object (or true/false)")
+
+
+# xgrammar (0.2.9) writes a string with minLength / maxLength as repetitions of this character
+# class, which lets the raw control characters U+0000-U+001F (but CR and LF) through: a tab or
+# \x0b inside a JSON string, which JSON parsers refuse. Its other strings use the second class.
+# Both classes also match the UTF-16 surrogates U+D800-U+DFFF, whose UTF-8 spellings (ED A0-BF
+# xx) are not UTF-8: the text decodes to three U+FFFD per surrogate (so a maxLength string came
+# out longer than its bound). Both are rewritten to ``_JSON_STRING_CHARS``.
+# (as ``utf8_grammar.printed_ebnf`` writes them: \x1f is \u001f)
+_LENGTH_STRING_CHARS = r'[^\"\\\r\n]'
+_XGRAMMAR_STRING_CHARS = r'[^\0-\u001f\"\\\r\n]'
+_JSON_STRING_CHARS = r'[^\0-\u001f\"\\\r\n\uD800-\uDFFF]'
+
+
+def json_only_strings(grammar: xgr.Grammar) -> xgr.Grammar:
+    """``grammar`` (xgrammar's conversion of a JSON schema) with its string characters kept to
+    what a JSON string may hold as UTF-8 text: no raw control characters, no surrogates."""
+    ebnf = printed_ebnf(grammar)
+    if _LENGTH_STRING_CHARS not in ebnf and _XGRAMMAR_STRING_CHARS not in ebnf:
+        return grammar
+    return xgr.Grammar.from_ebnf(ebnf.replace(_LENGTH_STRING_CHARS, _JSON_STRING_CHARS)
+                                 .replace(_XGRAMMAR_STRING_CHARS, _JSON_STRING_CHARS))
+
+
+def json_schema_grammar(spec: str) -> xgr.Grammar:
+    """The grammar of a JSON schema (compact separators), with length-limited strings kept
+    to JSON's characters (``_LENGTH_STRING_CHARS``) and every string, ``pattern`` included,
+    to UTF-8 text (``utf8_grammar``).
+
+    Raises:
+        ValueError: for text that is not a JSON schema object (or true/false), one using a
+            keyword xgrammar would not enforce (``schema_support.unenforced_keyword``), or
+            one whose string patterns repeat more than xgrammar converts in well under a
+            second (``schema_support.costly_pattern``), or one with a string pattern that is
+            not a valid regex (:func:`bad_pattern`, naming it and where it is).
+        RuntimeError: from xgrammar, for a schema it cannot convert.
+    """
+    text = _schema_text(spec)
+    schema = json.loads(text)
+    problem = unenforced_keyword(schema)
+    if problem is not None:
+        raise ValueError(f"{problem} (xgrammar, kvflow's grammar engine, accepts this keyword "
+                         "but does not enforce it; leave it out)")
+    problem = costly_pattern(schema) or bad_pattern(schema)  # costly: before xgrammar spends
+    if problem is not None:  # minutes on it; bad: xgrammar converts placeholders (below)
+        raise ValueError(problem)
+    # patterns converted by utf8_grammar in place of placeholders (json_pattern: xgrammar's
+    # own conversion wrote their quotes raw and let overlong UTF-8 through)
+    converted, patterns = placeholder_patterns(strict_formats(schema))
+    grammar = xgr.Grammar.from_json_schema(json.dumps(converted), any_whitespace=False)
+    fixed = utf8_grammar(json_only_strings(grammar), patterns)
+    if any(name in str(fixed) for name in patterns):  # a placeholder converted as text
+        fixed = utf8_grammar(json_only_strings(xgr.Grammar.from_json_schema(
+            text, any_whitespace=False)))
+    return fixed
+
+
+def structural_tag_text(spec: str) -> str:
+    """The structural tag in ``spec`` (JSON text) as xgrammar's ``format`` spelling (JSON
+    text for ``GrammarCompiler.compile_structural_tag``). A legacy tag becomes one
+    ``triggered_tags`` format whose tags hold the grammar of their schemas as
+    :func:`json_schema_grammar` writes it (so a structure's JSON is written as
+    ``response_format`` json_schema's is: compact separators, checked keywords, JSON-only
+    characters in length-limited strings). A ``format`` tag is passed as written (xgrammar's
+    own JSON conversion for its schemas, whitespace as xgrammar allows it), its schemas
+    checked for keywords xgrammar would not enforce and costly patterns, the patterns of its
+    ``regex`` formats written as a ``regex`` constraint's are (``regex_dialect``).
+
+    Raises:
+        StructuralTagError: naming the field inside the tag (``structures.0.schema``) and
+            why, for a malformed tag or schema; a schema xgrammar cannot convert included.
+    """
+    tag = parse(spec)
+    if not is_legacy(tag):
+        check_format(tag)
+        for path, node in format_schemas(tag):
+            problem = _schema_problem(node["json_schema"])
+            if problem is not None:
+                raise StructuralTagError(path, problem)
+        regexes = regex_formats(tag)
+        for path, node in regexes:
+            try:
+                node["pattern"] = xgrammar_regex(node["pattern"])
+            except ValueError as e:
+                raise StructuralTagError(f"{path}.pattern", str(e)) from None
+        return json.dumps(tag, ensure_ascii=False) if regexes else spec
+    check_legacy(tag)
+    grammars: dict[str, str] = {}  # schema text -> grammar: a schema shared by tags converts once
+    tags = []
+    for i, structure in enumerate(tag["structures"]):
+        text = json.dumps(structure["schema"], ensure_ascii=False)
+        if text not in grammars:
+            try:
+                grammars[text] = printed_ebnf(json_schema_grammar(text))
+            except (RuntimeError, ValueError) as e:
+                raise StructuralTagError(f"structures.{i}.schema", clean_error(e)) from None
+        tags.append({"type": "tag", "begin": structure["begin"], "end": structure["end"],
+                     "content": {"type": "grammar", "grammar": grammars[text]}})
+    return json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": tag["triggers"], "tags": tags}},
+        ensure_ascii=False)
+
+
+def _schema_problem(schema: Any) -> str | None:
+    """Why kvflow refuses a schema inside a ``format`` structural tag (a keyword xgrammar
+    would not enforce, a costly pattern), or None."""
+    problem = unenforced_keyword(schema)
+    if problem is not None:
+        return (f"{problem} (xgrammar, kvflow's grammar engine, accepts this keyword but does "
+                "not enforce it; leave it out)")
+    return costly_pattern(schema)
+
+
+def bad_pattern(schema: Any) -> str | None:
+    """Why the first string pattern of ``schema`` (a parsed JSON schema) that xgrammar's
+    regex parser refuses is refused, naming the pattern and where it is
+    (``the pattern 'a[' at properties.code.pattern is not a valid regex: ...``); None when
+    every pattern parses."""
+    for path, pattern in string_patterns(schema):
+        try:
+            xgr.Grammar.from_regex(pattern)
+        except RuntimeError as e:
+            shown = pattern if len(pattern) <= 60 else pattern[:57] + "..."
+            return f"the pattern {shown!r} at {path} is not a valid regex: {clean_error(e)}"
+    return None
