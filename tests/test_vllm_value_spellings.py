@@ -16,7 +16,7 @@ import torch
 from kvflow import LLM, SamplingParams
 from kvflow.config import EngineConfig
 from kvflow.config.model import ModelConfig
-from kvflow.distributed.kv_transfer.shared_storage import model_identity
+from kvflow.distributed.kv_transfer.storage_keys import model_identity
 from kvflow.entrypoints.cli import build_parser, main
 from kvflow.entrypoints.config_file import expand_config_file
 from kvflow.models.loader import load_hf_config, load_model

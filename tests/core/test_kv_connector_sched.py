@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvflow.config import KVTransferConfig
-from kvflow.distributed.kv_transfer.shared_storage import SharedStorageScheduler, block_path
+from kvflow.distributed.kv_transfer.shared_storage import SharedStorageScheduler
+from kvflow.distributed.kv_transfer.storage_paths import block_path
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sched_output import SchedulerOutput
 from tests.core.conftest import BLOCK_SIZE, FakeDriver

@@ -25,9 +25,9 @@ from kvflow.config import EngineConfig, KVTransferConfig
 from kvflow.distributed.kv_transfer.shared_storage import (
     SharedStorageScheduler,
     SharedStorageWorker,
-    block_keys,
-    block_path,
 )
+from kvflow.distributed.kv_transfer.storage_keys import block_keys
+from kvflow.distributed.kv_transfer.storage_paths import block_path
 from kvflow.lora.request import LoRARequest
 from tests.conftest import build_tiny_model
 from tests.distributed.conftest import SLOW

@@ -4,9 +4,9 @@ model finds the blocks of a new prompt there and loads them instead of computing
 
 Storage: one safetensors file per KV block, ``{shared_storage_path}/{key}.safetensors`` (under
 tensor parallelism one per rank, ``{key}.tp{size}_rank{rank}.safetensors``, holding the rank's
-KV heads; a block counts as stored once every rank's file is there), with two tensors per
-attention layer: ``{layer}.kv`` [2, block_size, kv_heads, head_dim] (0 = K,
-1 = V, the cache's dtype) and, for a quantized cache (``--kv-cache-dtype int8|fp8_e4m3``),
+KV heads; a block counts as stored once every rank's file is there; ``storage_paths.py``),
+with two tensors per attention layer: ``{layer}.kv`` [2, block_size, kv_heads, head_dim]
+(0 = K, 1 = V, the cache's dtype) and, for a quantized cache (``--kv-cache-dtype int8|fp8_e4m3``),
 ``{layer}.kv_scales`` [2, block_size, kv_heads] float32. Files are written to a temporary name
 of their own (pid and a random suffix: no two writers share one) and renamed, so a reader never sees half a block.
 A file that could not be loaded (truncated, garbage, another layout) is written over the same
@@ -44,10 +44,7 @@ from kvflow.distributed.kv_transfer.base import (
     KVConnectorWorker,
     KVTensors,
 )
-from kvflow.distributed.kv_transfer.storage_keys import (  # noqa: F401 (re-exported: here before)
-    block_keys,
-    model_identity,
-)
+from kvflow.distributed.kv_transfer.storage_keys import block_keys
 from kvflow.distributed.kv_transfer.storage_layouts import (
     StorageLayout,
     foreign_layouts,
@@ -55,40 +52,13 @@ from kvflow.distributed.kv_transfer.storage_layouts import (
     mismatch_message,
     record_layout,
 )
+from kvflow.distributed.kv_transfer.storage_paths import block_path, is_stored, make_folder
 from kvflow.kv_connector_meta import BlockTransfer, KVConnectorMetadata
 from kvflow.request import Request
 
 logger = logging.getLogger(__name__)
 # request -> (start, end) -> the extra key of the request's block [start, end)
 ExtraKeys = Callable[[Request], Callable[[int, int], Any]]
-
-
-def block_path(root: str, key: str, rank: int = 0, tp_size: int = 1) -> str:
-    """The file of the block stored under ``key``: ``{key}.safetensors``, or under tensor
-    parallelism the file of tensor-parallel rank ``rank`` of ``tp_size`` (its KV heads),
-    ``{key}.tp{tp_size}_rank{rank}.safetensors``."""
-    name = key if tp_size == 1 else f"{key}.tp{tp_size}_rank{rank}"
-    return os.path.join(root, f"{name}.safetensors")
-
-
-def is_stored(root: str, key: str, tp_size: int = 1) -> bool:
-    """Whether every tensor-parallel rank's file of block ``key`` is in ``root``."""
-    return all(os.path.exists(block_path(root, key, rank, tp_size)) for rank in range(tp_size))
-
-
-def make_folder(root: str) -> None:
-    """Create the storage folder ``root`` if missing.
-
-    Raises:
-        ValueError: naming ``shared_storage_path`` and the OS error, if it cannot be created
-            (a missing parent on a read-only file system, a file in the way, no permission),
-            so start-up fails with the setting's name rather than a bare OSError.
-    """
-    try:
-        os.makedirs(root, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"kv_transfer_config kv_connector_extra_config shared_storage_path="
-                         f"{root!r} cannot be created: {e.strerror or e}") from None
 
 
 def takes_part(request: Request) -> bool:
