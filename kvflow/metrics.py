@@ -21,7 +21,8 @@ Two sources feed them:
   inference times, preemptions and computed prompt tokens, histograms; a sample ended by a
   stop string too: the API stops it with ``AbortRequests(stopped=True)``, a client's abort is
   not one, as in vLLM);
-  with LoRA enabled, the adapters running and waiting (vLLM's ``lora_requests_info``);
+  with LoRA enabled, the adapters running and waiting (vLLM's ``lora_requests_info``,
+  ``kvflow/metrics_lora.py``);
   each replica's sleep state (vLLM's ``engine_sleep_state``, set by ``AsyncLLM``);
   speculative decoding's drafts, draft tokens and accepted tokens (in total and by position) as
   counters, and the acceptance rate and mean acceptance length since start-up as gauges
@@ -56,13 +57,13 @@ from kvflow.metrics_buckets import (
     token_buckets,
 )
 from kvflow.metrics_cache_config import CacheConfigInfo
+from kvflow.metrics_lora import LoraInfoMetrics
 from kvflow.metrics_prompt_sources import PromptSourceMetrics
 from kvflow.metrics_spec_decode import SpecDecodeMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS = ("stop", "length", "abort")
 ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")  # vLLM 0.32's
-LORA_INFO_SERIES = 32  # lora_requests_info series kept: the newest label sets
 
 
 class ServerMetrics:
@@ -85,9 +86,7 @@ class ServerMetrics:
         self._init_engine_metrics()
         self.prompt_sources = PromptSourceMetrics(self.registry, model_name)
         self.cache_config_info = CacheConfigInfo(self.registry, model_name)  # set per replica
-        self.lora_info: Gauge | None = None  # enable_lora_info makes it
-        self._lora_info_labels: dict[tuple[str, ...], None] = {}  # its series, oldest first
-        self.max_loras = 0
+        self.lora_info: LoraInfoMetrics | None = None  # enable_lora_info makes it
         self._last_stats: dict[int, EngineStats] = {}  # per replica
 
     def _labelled(self, cls: type, name: str, doc: str, extra: tuple[str, ...] = (),
@@ -171,20 +170,10 @@ class ServerMetrics:
 
     def enable_lora_info(self, max_loras: int) -> None:
         """LoRA serving is on (``--enable-lora``, ``max_loras`` adapters a step): export vLLM's
-        ``lora_requests_info`` gauge. Each engine report sets the series of its labels
-        ``max_lora``, ``running_lora_adapters`` and ``waiting_lora_adapters`` (adapter names,
-        comma-separated) to the time it came (Unix seconds), as vLLM's does; the newest
-        series is the current state. Not per replica (vLLM's has no ``engine`` label). Only
-        the ``LORA_INFO_SERIES`` series set last are kept (vLLM keeps every combination of
-        adapter names ever reported: a server that loads adapters under new names grew
-        without bound, in memory and in each /metrics reply)."""
+        ``lora_requests_info`` gauge, set by each engine report (``metrics_lora.py``)."""
         if self.lora_info is None:
-            self.lora_info = Gauge("kvflow:lora_requests_info", "Running stats on LoRA "
-                                   "requests: adapters running and waiting (value: the time "
-                                   "of the report, s)",
-                                   ("model_name", "max_lora", "waiting_lora_adapters",
-                                    "running_lora_adapters"), registry=self.registry)
-        self.max_loras = max_loras
+            self.lora_info = LoraInfoMetrics(self.registry, self.model_name, max_loras)
+        self.lora_info.max_loras = max_loras
 
     def _init_engine_metrics(self) -> None:
         """The per-replica series the engine core's reports set (``engine`` label), then the
@@ -335,21 +324,8 @@ class ServerMetrics:
             # speculative decoding is on (a speculator reports every position from the start)
             self.spec_decode.record(stats, last, engine)
         if self.lora_info is not None:
-            self._set_lora_info((self.model_name, str(self.max_loras),
-                                 ",".join(stats.waiting_lora_adapters),
-                                 ",".join(stats.running_lora_adapters)))
+            self.lora_info.record(stats)
         self._last_stats[engine_index] = stats
-
-    def _set_lora_info(self, labels: tuple[str, ...]) -> None:
-        """Set the ``lora_requests_info`` series of ``labels`` to now; drop the series set
-        longest ago beyond the newest ``LORA_INFO_SERIES``."""
-        self.lora_info.labels(*labels).set_to_current_time()
-        self._lora_info_labels.pop(labels, None)
-        self._lora_info_labels[labels] = None
-        if len(self._lora_info_labels) > LORA_INFO_SERIES:
-            oldest = next(iter(self._lora_info_labels))
-            del self._lora_info_labels[oldest]
-            self.lora_info.remove(*oldest)
 
     def _record_waiting_by_reason(self, engine: str, capacity: int, deferred: int) -> None:
         for reason, value in (("capacity", capacity), ("deferred", deferred)):

@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "kvflow.metrics_prompt_sources": 8,  # /metrics' prompt tokens by source (vLLM's)
     "kvflow.metrics_cache_config": 8,  # /metrics' cache_config_info (vLLM's)
     "kvflow.metrics_spec_decode": 8,  # /metrics' speculative decoding series (vLLM's)
+    "kvflow.metrics_lora": 8,  # /metrics' lora_requests_info (vLLM's)
     "kvflow.beam_search": 8,  # beam search above the engine (LLM.beam_search, the server)
     "kvflow.llm_inputs": 8,  # LLM's per-call argument checks (prompts, one SamplingParams each)
     "kvflow.llm_pooling": 8,  # LLM's pooling half (embed, encode, classify, score), mixed into LLM

@@ -414,7 +414,7 @@ def test_lora_requests_info_keeps_the_newest_series_only():
     server loading adapters under new names made new ones without end (vLLM keeps them all).
     The newest ``LORA_INFO_SERIES`` are kept, the current state among them."""
     from kvflow.engine_outputs import EngineStats
-    from kvflow.metrics import LORA_INFO_SERIES
+    from kvflow.metrics_lora import LORA_INFO_SERIES
 
     metrics = ServerMetrics("m")
     metrics.enable_lora_info(2)
