@@ -50,6 +50,7 @@ LAYERS: dict[str, int] = {
     "kvflow.multimodal": 8, "kvflow.multimodal.processor_files": 8,  # its processor configs read
     "kvflow.core": 7, "kvflow.structured": 7, "kvflow.spec_decode": 7,
     "kvflow.core.sched_arrivals": 7,  # the scheduler's admission verdict, TTFT forecast
+    "kvflow.core.kv_connector_startup": 7,  # the KV connector's scheduler half at start-up
     "kvflow.structured.xgrammar_convert": 7,  # a constraint as xgrammar's grammar
     "kvflow.structured.xgrammar_validate": 7,  # a constraint checked without a tokenizer
     "kvflow.structured.xgrammar_errors": 7,  # xgrammar's errors in the user's terms

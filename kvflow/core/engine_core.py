@@ -3,8 +3,8 @@
 Offline use (``LLM``) drives it in-process; the server runs the same class in its own process.
 Its parts, one job each: ``engine_startup`` (building the platform, model, executor, KV cache,
 scheduler, ...: EngineCore's base class), ``engine_dtype`` (the compute dtype),
-``kv_cache_sizing`` (the KV-cache config) and ``engine_steps`` (the step variants: lock-step,
-async, pipelined).
+``kv_cache_sizing`` (the KV-cache config), ``kv_connector_startup`` (the KV connector's
+scheduler half) and ``engine_steps`` (the step variants: lock-step, async, pipelined).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from collections import deque
 
 from kvflow.config import EngineConfig
 from kvflow.config.speculative import HEAD_METHODS
-from kvflow.core.block_hashing import BlockHasher, connector_extra_keys
+from kvflow.core.block_hashing import BlockHasher
 from kvflow.core.encoder_cache_manager import EncoderCacheManager
 from kvflow.core.engine_dtype import cpu_dtype_measure, resolve_dtype
 from kvflow.core.engine_steps import InFlightStep
@@ -26,6 +26,7 @@ from kvflow.core.kv_cache_utils import (
     max_concurrency,
     max_tokens_per_request,
 )
+from kvflow.core.kv_connector_startup import connector_identity, make_connector
 from kvflow.core.kv_event_publisher import make_kv_event_publisher
 from kvflow.core.kv_events import MEDIUM_CPU, MEDIUM_GPU
 from kvflow.core.kv_swap import SwapManager
@@ -40,13 +41,9 @@ from kvflow.core.unread_options import (
     warn_unread_model_settings,
     warn_unread_settings,
 )
-from kvflow.distributed.kv_transfer import make_kv_connector_scheduler
-from kvflow.distributed.kv_transfer.storage_keys import model_identity
-from kvflow.distributed.kv_transfer.storage_layouts import StorageLayout, layout_name
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor import make_executor
 from kvflow.kernels.cpu_threads import check_cpu_threads
-from kvflow.kv_cache_interface import FullAttentionSpec
 from kvflow.layers.rotary import long_prompt_rope
 from kvflow.lora.request import LoRARequest
 from kvflow.models.classifier_from_tokens import resolve_classifier_tokens
@@ -325,39 +322,14 @@ class EngineCoreStartup:
         its worker half from the same config.
 
         Raises:
-            ValueError: for KV-cache groups other than one full-attention group (sliding
-                window layers, MLA's latent cache): their blocks are not stored yet; for a
-                ``kv_consumer`` of a layout no producer of its model in the folder stores
-                (``storage_layouts.py``).
+            ValueError: see :func:`~kvflow.core.kv_connector_startup.make_connector` (a
+                KV-cache layout the connector does not store, a consumer of a layout no
+                producer stores).
         """
-        kt = self.config.kv_transfer_config
-        if kt is None:
-            return
-        groups = self.kv_cache_config.kv_cache_groups
-        spec = groups[0].kv_cache_spec
-        if len(groups) > 1 or type(spec) is not FullAttentionSpec:
-            kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-            raise ValueError(f"kv_transfer_config needs a model whose attention layers all "
-                             f"attend in full (one KV-cache group of FullAttentionSpec); this "
-                             f"one has {len(groups)} group(s) of {kinds} (sliding-window or "
-                             "MLA layers), which the connector does not store yet")
-        cc = self.config.cache_config
-        rope = long_prompt_rope(self.hf_config)
-        model_key, layout = self._connector_identity()
-        self.scheduler.connector = make_kv_connector_scheduler(
-            kt, cc.block_size, cc.kv_cache_dtype, model_key,
-            connector_extra_keys(rope.original if rope is not None else None),
-            self.config.parallel_config.tensor_parallel_size, layout)
-
-    def _connector_identity(self) -> tuple[str, StorageLayout]:
-        """The KV connector's ``model_identity`` of the model as its files are now, and its
-        layout record (the identity without the dtype; ``storage_layouts.py``)."""
-        mc, cc = self.config.model_config, self.config.cache_config
-        tp = self.config.parallel_config.tensor_parallel_size
-        layout = StorageLayout(  # the producers' layouts of this model, whatever its dtype
-            model_identity(self.source.path, self.hf_config, None, mc),
-            layout_name(cc.block_size, cc.kv_cache_dtype, tp, str(self.dtype).split(".")[-1]))
-        return model_identity(self.source.path, self.hf_config, self.dtype, mc), layout
+        if self.config.kv_transfer_config is not None:
+            self.scheduler.connector = make_connector(self.config, self.kv_cache_config,
+                                                      self.source.path, self.hf_config,
+                                                      self.dtype)
 
     def weights_changed(self) -> None:
         """``reload_weights`` built the model again from its files, which may have changed:
@@ -370,7 +342,8 @@ class EngineCoreStartup:
             {rid for rid, r in sched.requests.items() if r.num_computed_tokens > 0}
         self.kv_cache_manager.weights_changed(old_kv)
         if sched.connector is not None:
-            sched.connector.weights_changed(*self._connector_identity(), old_kv)
+            sched.connector.weights_changed(*connector_identity(
+                self.config, self.source.path, self.hf_config, self.dtype), old_kv)
 
     def _init_structured_output(self) -> None:
         """Grammar compiles run on compile threads, each within a time limit
