@@ -11,6 +11,8 @@ import pytest
 
 from kvflow.engine.dp_balancer import DPLoadBalancer, cache_key
 from kvflow.lora.request import LoRARequest
+from kvflow.models.loader import load_tokenizer
+from kvflow.models.model_resolver import resolve_model
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.prompt_embeds import PromptEmbeds
 
@@ -104,6 +106,45 @@ def test_the_longest_known_prefix_names_the_replica():
     assert lb.choose(prompt(1, 5), LIVE2) == 1  # (1) -> 1: recorded by the (1, 2, 3) call
     assert lb.choose(prompt(1, 4), LIVE2) == 0  # (1, 4) -> 0: recorded by the first call
     assert lb.choose(prompt(6, 2), LIVE2) == 1  # nothing known: least loaded (0 has "a")
+
+
+def test_a_short_shared_opening_does_not_pull_every_prompt():
+    """Prompts that share only their first block (a chat template's opening) of the 9 tokens
+    the balancer sees: 4 < 0.5 * 9, too short a share to name a replica, so 8 queued at
+    once alternate (least loaded, ties to the lowest index). Was: all followed the first
+    one's replica until it was 5 deeper ([0, 0, 0, 0, 0, 1, 1, 1], depths [5, 3]). A prompt
+    that shares half or more of what the balancer sees still follows its replica."""
+    lb = DPLoadBalancer(2, BS)
+    picks = []
+    for i in range(8):
+        picks.append(lb.choose(prompt(1, 10 + i, tail=1), LIVE2))
+        lb.assign(f"r{i}", picks[-1], 1)
+    assert picks == [0, 1, 0, 1, 0, 1, 0, 1] and lb.depth == [4, 4]
+    lb.assign("one more", 0, 1)  # depths [5, 4]: prompt(1, 11) was sent to replica 1
+    assert lb.choose(prompt(1, 11), LIVE2) == 1
+    assert lb.choose(prompt(1, 11, tail=1), LIVE2) == 1  # 8 of 9 shared
+    assert lb.choose(prompt(1, 20, 21, 22), LIVE2) == 1  # least loaded: 4 of 16 shared
+    assert lb.choose(prompt(1, 12, 13, 14), LIVE2) == 0  # (1, 12) went to 0: 8 of 16
+
+
+def test_eight_chat_requests_split_four_four():
+    """The reported case: 8 chat requests of SmolLM2's template (its default system prompt,
+    24 tokens shared, then the question: 35-39 tokens, 2 full blocks of 16) queued at once
+    on 2 replicas go 4/4 (the shared block is under half of each prompt)."""
+    questions = ["What is the capital of France?", "Write a haiku about rain.",
+                 "How do I sort a list in Python?", "Name three primes.",
+                 "Why is the sky blue?", "Translate hello to German.", "What is 2+2?",
+                 "Tell me a joke."]
+    tokenizer = load_tokenizer(resolve_model("SmolLM2-135M-Instruct"), None)
+    prompts = [tokenizer(tokenizer.apply_chat_template(
+        [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False)["input_ids"] for q in questions]
+    assert all(35 <= len(ids) <= 39 and ids[:24] == prompts[0][:24] for ids in prompts)
+    assert len({ids[24] for ids in prompts}) > 1  # the question starts at token 24
+    lb = DPLoadBalancer(2, 16)
+    for i, ids in enumerate(prompts):
+        lb.assign(f"chat{i}", lb.choose(ids, LIVE2), 1)
+    assert lb.depth == [4, 4]
 
 
 def test_only_the_first_affinity_blocks_count():
@@ -210,7 +251,9 @@ def test_the_prefix_map_is_bounded():
 
 @pytest.mark.parametrize("kwargs", [{"num_replicas": 0, "block_size": 4},
                                     {"num_replicas": 2, "block_size": 0},
-                                    {"num_replicas": 2, "block_size": 4, "slack": -1}])
+                                    {"num_replicas": 2, "block_size": 4, "slack": -1},
+                                    {"num_replicas": 2, "block_size": 4,
+                                     "min_shared_fraction": 1.5}])
 def test_bad_arguments_are_a_value_error(kwargs):
     with pytest.raises(ValueError):
         DPLoadBalancer(**kwargs)
