@@ -23,6 +23,19 @@ classes with waiting requests, ranked by priority value (lower first), get ``qua
 ``quantum / 2``, ``quantum / 4``, ... per visit, so an urgent class is served more often but
 a lower class always progresses (no starvation: every visit adds a positive quantum, so every
 flow's deficit eventually covers its head request). Within a flow, requests go by arrival.
+
+A request DRR serves that does not fit (too few free KV blocks, or, with whole prompts, the
+step's token budget) would hold every other client up behind it, as a FIFO head does (vLLM's
+rule under FCFS and priority: the queue waits for the head). Here it is *reserved* and passed
+over, keeping its flow's credit, and the requests DRR serves after it are admitted while they
+fit (backfilling, as EASY backfilling in batch job schedulers: Lifka, "The ANL/IBM SP
+scheduling system", JSSPP 1995), but only into the blocks that were free when it was
+reserved (``backfill_blocks``): the blocks freed after that are kept for it, and it is
+offered first at every admission round until it is admitted. So it waits at most until its
+own blocks, plus at most those backfilled, have been freed by the running requests (never
+starved), while the others use the blocks it could not. Once the backfill blocks are spent,
+or a second request does not fit either, the queue waits for it, as a FIFO does. One request
+is reserved at a time, until it is admitted or aborted.
 """
 
 from __future__ import annotations
@@ -64,6 +77,8 @@ class FairWaitingQueue(WaitingQueue):
         self._num_open: dict[Flow, int] = {}  # requests in the scheduler (waiting or running)
         self._chosen: Request | None = None
         self._size = 0
+        self.reserved: Request | None = None  # served but did not fit: the others backfill
+        self.backfill_blocks = 0  # KV blocks the others may still take past it
 
     @staticmethod
     def flow_of(request: Request) -> Flow:
@@ -81,11 +96,20 @@ class FairWaitingQueue(WaitingQueue):
         self._chosen = None  # a new flow may change nothing, but keep peek honest
 
     def peek(self) -> Request:
-        """The request deficit round robin serves next (the same until it is popped or
-        removed)."""
+        """The request served next (the same until it is popped or removed): the reserved
+        one while it is queued (DRR served it already), else the one deficit round robin
+        serves."""
         if self._chosen is None:
-            self._chosen = self._choose()
+            self._chosen = self._queued_reserved() or self._choose()
         return self._chosen
+
+    def _queued_reserved(self) -> Request | None:
+        """The reserved request if it is in the queue now (not passed over this round)."""
+        reserved = self.reserved
+        if reserved is None:
+            return None
+        heap = self._flows.get(self.flow_of(reserved), ())
+        return reserved if any(entry[2] is reserved for entry in heap) else None
 
     def _choose(self) -> Request:
         weights, costs = self._class_weights(), {}
@@ -117,7 +141,12 @@ class FairWaitingQueue(WaitingQueue):
         admission of it prepaid and never computed (it was preempted mid-prefill)."""
         request = self.peek()
         flow = self.flow_of(request)
-        heapq.heappop(self._flows[flow])
+        heap = self._flows[flow]
+        if heap[0][2] is request:
+            heapq.heappop(heap)
+        else:  # the reserved request, behind a readmission of its flow that came since
+            heap.remove(next(entry for entry in heap if entry[2] is request))
+            heapq.heapify(heap)
         cost = self._cost(request)
         self.deficit[flow] -= cost - self._prepaid.get(request.request_id, 0)
         self._prepaid[request.request_id] = cost
@@ -135,6 +164,31 @@ class FairWaitingQueue(WaitingQueue):
         if self.deficit[flow] >= 0 and not keep_credit:
             del self.deficit[flow]
 
+    def reserve(self, request: Request, num_free_blocks: int) -> bool:
+        """``request``, the one DRR serves, does not fit now (``num_free_blocks`` free).
+        With nothing reserved it is reserved, the others may backfill the blocks free now,
+        and admission passes over it (``pass_over``: its flow keeps its credit); returns
+        whether to pass it over (the reserved one again: yes; another one: no, the queue
+        waits for the reserved one)."""
+        if self.reserved is None:
+            self.reserved, self.backfill_blocks = request, num_free_blocks
+        return request is self.reserved
+
+    def backfill_limit(self, request: Request) -> int | None:
+        """The KV blocks ``request``'s admission may take now: any free ones (None) for the
+        reserved request or with none reserved, else what is left of ``backfill_blocks``."""
+        if self.reserved is None or request is self.reserved:
+            return None
+        return self.backfill_blocks
+
+    def admitted(self, request: Request, num_blocks: int) -> None:
+        """``request`` was admitted, taking ``num_blocks`` free KV blocks: the reserved one
+        ends its reservation; another one spends backfill blocks."""
+        if request is self.reserved:
+            self.reserved = None
+        elif self.reserved is not None:
+            self.backfill_blocks -= num_blocks
+
     def pass_over(self) -> Request:
         """Take the request deficit round robin serves next out for this admission round
         (it is not ready: grammar compiling, no adapter slot, past its TTFT target), without
@@ -147,6 +201,8 @@ class FairWaitingQueue(WaitingQueue):
     def remove(self, request: Request, keep_credit: bool = False) -> bool:
         """Remove a request (abort; ``keep_credit``: see ``pass_over``); returns whether it
         was queued."""
+        if request is self.reserved and not keep_credit:
+            self.reserved = None  # aborted while reserved
         flow = self.flow_of(request)
         heap = self._flows.get(flow, [])
         for i, entry in enumerate(heap):

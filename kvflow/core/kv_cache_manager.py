@@ -171,12 +171,19 @@ class KVCacheManager:
     # ---- allocation --------------------------------------------------------------------------
     def can_allocate(self, request: Request, num_new_tokens: int,
                      new_computed: KVCacheBlocks = EMPTY_BLOCKS) -> bool:
-        """Whether ``allocate_slots`` with the same arguments would succeed now: new blocks
-        over all groups, less those that leave a sliding window first, plus hit blocks that
-        must be revived from the free queue."""
+        """Whether ``allocate_slots`` with the same arguments would succeed now (see
+        ``num_blocks_needed``)."""
+        return self.num_blocks_needed(request, num_new_tokens, new_computed) <= \
+            self.pool.num_free_blocks
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int,
+                          new_computed: KVCacheBlocks = EMPTY_BLOCKS) -> int:
+        """The free blocks ``allocate_slots`` with the same arguments would take now: new
+        blocks over all groups, less those that leave a sliding window first, plus hit
+        blocks that must be revived from the free queue."""
         if (new_computed is EMPTY_BLOCKS or not len(new_computed)) and \
                 self._fits(request, num_new_tokens):
-            return True  # no new block in any group (the common decode step)
+            return 0  # no new block in any group (the common decode step)
         computed = request.num_computed_tokens + len(new_computed) * self.block_size
         need = sum(m.num_blocks_to_allocate(request.request_id, computed + num_new_tokens,
                                             new_computed.group(g), computed)
@@ -184,7 +191,7 @@ class KVCacheManager:
         if len(new_computed):
             need += sum(1 for g in range(len(self.managers)) for b in new_computed.group(g)
                         if b.ref_cnt == 0)
-        return need <= self.pool.num_free_blocks
+        return need
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed: KVCacheBlocks = EMPTY_BLOCKS) -> KVCacheBlocks:

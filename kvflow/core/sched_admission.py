@@ -23,12 +23,15 @@ def admit_waiting(sched: Scheduler, budget: int, cap: int, out: SchedulerOutput,
                   step_budget: StepBudget | None = None, now: float = 0.0,
                   skip_late: bool = False) -> tuple[int, bool]:
     """Admit waiting requests in policy order while the budgets, ``max_num_seqs`` and the
-    KV pool allow. ``skip_late``: pass over requests that already missed their TTFT
-    target (a second call admits them). Returns what is left of ``budget`` and whether
-    every waiting request was admitted or passed over (nothing blocked the queue)."""
+    KV pool allow. A request that does not fit blocks the queue, unless the queue reserves
+    it and passes over it (the fair policy's backfilling: ``WaitingQueue.reserve``).
+    ``skip_late``: pass over requests that already missed their TTFT target (a second call
+    admits them). Returns what is left of ``budget`` and whether every waiting request was
+    admitted or passed over for a transient constraint (nothing blocked the queue)."""
     waiting, running = sched.waiting, sched.running
     # grammars compiling, late, or adapters without a free slot: skipped, not blocking
     not_ready: list[Request] = []
+    blocked = False  # a request was passed over because it did not fit
     # adapter ids of the running requests (admissions add theirs); None: no LoRA limit
     running_loras = None if sched.max_loras is None else \
         {r.lora_int_id for r in running} - {0}
@@ -45,14 +48,21 @@ def admit_waiting(sched: Scheduler, budget: int, cap: int, out: SchedulerOutput,
         if step_budget is not None and \
                 not step_budget.may_admit(request, sched.planner.tpot_of(request)):
             break
-        num_new = _allocate_admitted(sched, request, budget, step_budget, out)
+        free = sched.kv.num_free_blocks
+        num_new = _allocate_admitted(sched, request, budget, step_budget, out,
+                                     waiting.backfill_limit(request))
         if num_new <= 0:
-            break
+            if not waiting.reserve(request, free):
+                break
+            blocked = True
+            not_ready.append(waiting.pass_over())
+            continue
+        waiting.admitted(request, free - sched.kv.num_free_blocks)
         _start_running(sched, request, num_new, out)
         if running_loras is not None and request.lora_int_id:
             running_loras.add(request.lora_int_id)
         budget -= num_new
-    drained = not waiting
+    drained = not waiting and not blocked
     for request in not_ready:
         waiting.add(request)
     return budget, drained
@@ -70,12 +80,14 @@ def _deferred(sched: Scheduler, request: Request, running_loras: set[int] | None
 
 
 def _allocate_admitted(sched: Scheduler, request: Request, budget: int,
-                       step_budget: StepBudget | None, out: SchedulerOutput) -> int:
+                       step_budget: StepBudget | None, out: SchedulerOutput,
+                       max_blocks: int | None = None) -> int:
     """The first step of the waiting queue's head: its prefix-cache hits, its tokens within
-    the budgets (a whole prompt for ``whole_prompts``) and their slots; it leaves the queue.
-    Returns its tokens (0: it does not fit this step, nothing allocated, still queued)."""
+    the budgets (a whole prompt for ``whole_prompts``) and their slots, taking at most
+    ``max_blocks`` free KV blocks (None: any); it leaves the queue. Returns its tokens (0:
+    it does not fit this step, nothing allocated, still queued)."""
     if sched.swap is not None and sched.swap.holds(request):  # back from host memory
-        num_new = _swap_in(sched, request, budget, step_budget, out)
+        num_new = _swap_in(sched, request, budget, step_budget, out, max_blocks)
         if num_new > 0:
             sched.waiting.pop()
         return num_new
@@ -92,7 +104,10 @@ def _allocate_admitted(sched: Scheduler, request: Request, budget: int,
         num_new, encodes = sched.encoder.plan(request, num_computed, num_new)
     if sched.whole_prompts and num_new < request.num_tokens - num_computed:
         return 0  # a whole prompt next step, when the budget allows
-    if num_new <= 0 or not sched.kv.can_allocate(request, num_external + num_new, hits):
+    if num_new <= 0:
+        return 0
+    need = sched.kv.num_blocks_needed(request, num_external + num_new, hits)
+    if need > sched.kv.num_free_blocks or (max_blocks is not None and need > max_blocks):
         return 0
     sched.waiting.pop()
     sched.kv.allocate_slots(request, num_external + num_new, hits)
@@ -134,15 +149,18 @@ def _start_running(sched: Scheduler, request: Request, num_new: int,
 
 
 def _swap_in(sched: Scheduler, request: Request, budget: int, step_budget: StepBudget | None,
-             out: SchedulerOutput) -> int:
+             out: SchedulerOutput, max_blocks: int | None = None) -> int:
     """Readmit a swapped-out request: its blocks back from host memory (its computed
-    count kept) plus the step's tokens. Returns the step's tokens (0: it does not fit,
-    nothing allocated)."""
+    count kept) plus the step's tokens, taking at most ``max_blocks`` free blocks (None:
+    any). Returns the step's tokens (0: it does not fit, nothing allocated)."""
     start = request.num_computed_tokens
     num_new = min(request.num_tokens - start, _request_budget(sched, budget))
     if num_new > 1 and step_budget is not None:
         num_new = step_budget.take_prefill(start, num_new)
-    if num_new <= 0 or sched.swap.blocks_needed(request, num_new) > sched.kv.num_free_blocks:
+    if num_new <= 0:
+        return 0
+    need = sched.swap.blocks_needed(request, num_new)
+    if need > sched.kv.num_free_blocks or (max_blocks is not None and need > max_blocks):
         return 0
     out.blocks_to_swap_in += sched.swap.swap_in(request)
     sched.kv.allocate_slots(request, num_new)

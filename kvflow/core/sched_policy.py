@@ -75,12 +75,28 @@ def make_waiting_queue(policy: SchedulingPolicy,
 
 
 class WaitingQueue:
-    """A heap of waiting requests ordered by the policy key (then insertion order)."""
+    """A heap of waiting requests ordered by the policy key (then insertion order).
+
+    A head that does not fit (KV blocks, token budget) blocks the queue until it does, as
+    vLLM's scheduler does under both of its policies: ``reserve`` says not to pass it over.
+    """
 
     def __init__(self, policy: SchedulingPolicy) -> None:
         self._policy = policy
         self._heap: list[tuple[tuple, int, Request]] = []
         self._counter = itertools.count()
+
+    def reserve(self, request: Request, num_free_blocks: int) -> bool:
+        """``request``, the head, does not fit now (``num_free_blocks`` free): whether
+        admission passes over it (the fair queue's backfilling); here never, it blocks."""
+        return False
+
+    def backfill_limit(self, request: Request) -> int | None:
+        """The KV blocks ``request``'s admission may take now (None: any that are free)."""
+        return None
+
+    def admitted(self, request: Request, num_blocks: int) -> None:
+        """``request`` was admitted, taking ``num_blocks`` free KV blocks."""
 
     def charge(self, num_scheduled_tokens: dict[str, int], requests: dict[str, Request],
                drafts: dict[str, list[int]] | None = None) -> None:
