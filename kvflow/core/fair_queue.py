@@ -190,10 +190,11 @@ class FairWaitingQueue(WaitingQueue):
             self.backfill_blocks -= num_blocks
 
     def pass_over(self) -> Request:
-        """Take the request deficit round robin serves next out for this admission round
-        (it is not ready: grammar compiling, no adapter slot, past its TTFT target), without
-        charging its flow: it is added back after the round, and its flow keeps the credit
-        it had (a flow charged for requests it could not run lost its share)."""
+        """Take the request served next (``peek``) out for this admission round (it is not
+        ready: grammar compiling, no adapter slot, past its TTFT target; or it is the
+        reserved one and does not fit yet), without charging its flow: it is added back
+        after the round, and its flow keeps the credit it had (a flow charged for requests
+        it could not run lost its share)."""
         request = self.peek()
         self.remove(request, keep_credit=True)
         return request
