@@ -22,8 +22,10 @@ def check_sampling_params(params: SamplingParams, vocab_size: int, max_model_len
     Raises:
         ValueError: for a ``logit_bias``, ``stop_token_ids`` or ``allowed_token_ids`` id
             outside ``[0, vocab_size)``, ``logprobs`` / ``prompt_logprobs`` above
-            ``vocab_size``, stop strings or ``bad_words`` without a tokenizer, or a
-            ``truncate_prompt_tokens`` above ``max_model_len``.
+            ``vocab_size``, stop strings or ``bad_words`` without a tokenizer, a
+            ``truncate_prompt_tokens`` above ``max_model_len``, or a
+            ``thinking_token_budget`` without ``reasoning_token_ids`` (vLLM refuses it
+            without a reasoning parser) or with marker ids outside the vocabulary.
     """
     if params.stop and not has_tokenizer:
         raise ValueError("SamplingParams.stop needs a tokenizer to match text "
@@ -45,6 +47,29 @@ def check_sampling_params(params: SamplingParams, vocab_size: int, max_model_len
                          "(skip_tokenizer_init is set); use logit_bias or "
                          "allowed_token_ids")
     truncation_length(params.truncate_prompt_tokens, max_model_len, SAMPLING_FIELD)
+    _check_thinking_budget(params, vocab_size)
+
+
+def _check_thinking_budget(params: SamplingParams, vocab_size: int) -> None:
+    """A ``thinking_token_budget`` needs the reasoning markers' ids, inside the vocabulary.
+
+    Raises:
+        ValueError: naming ``SamplingParams.thinking_token_budget`` or the marker field.
+    """
+    if params.thinking_token_budget is None:
+        return
+    ids = params.reasoning_token_ids
+    if ids is None:
+        raise ValueError("SamplingParams.thinking_token_budget needs the model's reasoning "
+                         "markers (SamplingParams.reasoning_token_ids; the server fills them "
+                         "from --reasoning-parser): without them there is no think block to "
+                         "count or end")
+    for name in ("reasoning_start_token_ids", "reasoning_end_token_ids",
+                 "natural_reasoning_end_token_ids"):
+        bad = [t for t in getattr(ids, name) if t >= vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.reasoning_token_ids.{name} has token id "
+                             f"{bad[0]} outside the vocabulary [0, {vocab_size})")
 
 
 def check_extra_args(params: SamplingParams,

@@ -24,6 +24,7 @@ from kvflow.stop_limits import (  # noqa: F401 (re-exports: defined here before)
 )
 from kvflow.structured.params import StructuredOutputsParams
 from kvflow.text_checks import find_lone_surrogate
+from kvflow.thinking_budget import ReasoningTokenIds, check_thinking_token_budget
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -128,6 +129,14 @@ class SamplingParams:
             bools, numbers, strings, bytes, lists and dicts of them), since it travels to
             the engine's processes; kvflow itself reads none of it. The server fills it from
             a request's ``vllm_xargs``. None: no arguments.
+        thinking_token_budget: vLLM 0.32's: once this many tokens follow the opening
+            reasoning marker (inside a think block), the end marker is forced, then the reply
+            goes on (``kvflow.thinking_budget``); 0 ends thinking at once. None or -1
+            (given as -1, stored as None): unlimited. Needs :attr:`reasoning_token_ids`.
+        reasoning_token_ids: the reasoning markers' token ids the budget is counted and ended
+            with (:class:`kvflow.thinking_budget.ReasoningTokenIds`, vLLM's
+            ``ReasoningConfig`` names; a dict of its fields is accepted). The server fills it
+            from its ``--reasoning-parser``; offline, pass it with the budget.
 
     The constructor records which fields it was given (:attr:`fields_set`, like pydantic's
     ``model_fields_set``), so a model's sampling defaults (:meth:`with_defaults`) fill only
@@ -169,6 +178,8 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
     detokenize: bool = True
     output_kind: RequestOutputKind | None = None
+    thinking_token_budget: int | None = None
+    reasoning_token_ids: ReasoningTokenIds | None = field(default=None, repr=False)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         self = super().__new__(cls)
@@ -211,6 +222,8 @@ class SamplingParams:
             self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
         self.bad_words = list(self.bad_words) if self.bad_words else None
         self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+        self.thinking_token_budget = check_thinking_token_budget(self.thinking_token_budget)
+        self.reasoning_token_ids = ReasoningTokenIds.from_value(self.reasoning_token_ids)
         self._check_extra_args()
         self._validate()
 

@@ -83,6 +83,7 @@ LAYERS: dict[str, int] = {
     "kvflow.outputs": 0, "kvflow.sched_output": 0, "kvflow.runner_output": 0,
     "kvflow.engine_outputs": 0, "kvflow.kv_cache_interface": 0, "kvflow.structured.params": 0,
     "kvflow.text_checks": 0, "kvflow.multimodal_inputs": 0, "kvflow.lora.request": 0,
+    "kvflow.thinking_budget": 0,  # thinking_token_budget: the markers (SamplingParams) and rule
     "kvflow.pooling_params": 0, "kvflow.validation_words": 0, "kvflow.prompt_truncation": 0,
     "kvflow.prompt_embeds": 0, "kvflow.token_masks": 0,
     "kvflow.close_names": 0,  # the closest valid name to a misspelled one (CLI, LLM, params)

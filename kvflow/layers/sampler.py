@@ -76,6 +76,9 @@ class SamplingMetadata:
             (row, token) pair with a bias, or None.
         allowed_token_ids: (rows int64 [R], positions int64 [K] in ``rows``, token ids int64
             [K]): each of the R rows may sample only its listed tokens; None: no row limited.
+        forced_token_ids: row -> the one token it must take (a thinking budget's end
+            marker, ``kvflow.thinking_budget``): every other logit is -inf, after every other
+            setting (vLLM forces it after the penalties, over everything).
     """
 
     temperature: torch.Tensor
@@ -88,6 +91,7 @@ class SamplingMetadata:
     penalties: PenaltyMetadata | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     allowed_token_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    forced_token_ids: dict[int, int] = field(default_factory=dict)
     # Structured output: (batch rows [R], token bitmask int32 [R, ceil(V / 32)]) of the
     # constrained rows only, or None.
     grammar: tuple[list[int], torch.Tensor] | None = None
@@ -168,7 +172,7 @@ class Sampler:
         it before its sampler, so its raw logprobs see it), then logit bias, the custom
         processors that may change the argmax (``custom``; after the bias and before the
         penalties, as vLLM v1 runs them), penalties, allowed token ids, banned ids
-        (min_tokens, bad words). Returns (processed logits, a copy of them taken after the
+        (min_tokens, bad words), then the forced tokens (thinking budgets). Returns (processed logits, a copy of them taken after the
         grammar's mask when ``keep_raw``, else None): the raw logprobs modes read the copy."""
         if meta.grammar is not None:
             apply_token_bitmask_fast(logits, *meta.grammar)
@@ -184,6 +188,8 @@ class Sampler:
             apply_allowed_token_ids(logits, *meta.allowed_token_ids)
         for row, token_ids in meta.banned_token_ids.items():
             logits[row, token_ids] = float("-inf")
+        if meta.forced_token_ids:
+            force_tokens(logits, meta.forced_token_ids)
         return logits, raw
 
     def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata,
@@ -302,6 +308,16 @@ def apply_allowed_token_ids(logits: torch.Tensor, rows: torch.Tensor, positions:
                          device=logits.device)
     blocked[positions, token_ids] = False
     logits[rows] = logits[rows].masked_fill(blocked, float("-inf"))
+
+
+def force_tokens(logits: torch.Tensor, forced: dict[int, int]) -> None:
+    """Make row ``r`` of ``logits`` [B, V] (in place) a point mass on token ``forced[r]``:
+    that logit 0, every other one -inf, so greedy, random and rejection sampling all take
+    it (a draft other than it has target probability 0)."""
+    rows = torch.tensor(list(forced), dtype=torch.int64, device=logits.device)
+    tokens = torch.tensor(list(forced.values()), dtype=torch.int64, device=logits.device)
+    logits[rows] = float("-inf")
+    logits[rows, tokens] = 0.0
 
 
 def apply_penalties(logits: torch.Tensor, pen: PenaltyMetadata) -> None:

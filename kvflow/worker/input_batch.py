@@ -14,7 +14,7 @@ parameters as columns (temperature, top-k/p, min-p, penalties, min_tokens), and 
 row's tokens is still on the device (``pending_sample``: async scheduling samples a token,
 launches the next step with it, and copies it to the host later). Rarely used per-request
 settings (sampling seeds, logprobs, logit bias, min_tokens bans, allowed token ids, bad
-words' token ids) live in small dicts keyed by request id.
+words' token ids, thinking budgets) live in small dicts keyed by request id.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 
 from kvflow.kv_cache_interface import KVCacheSpec
 from kvflow.sched_output import SchedulerOutput
+from kvflow.thinking_budget import ThinkingBudgetScan
 from kvflow.worker.request_state import RequestState, request_stop_ids
 
 # float32's largest finite value: a larger temperature or repetition penalty (SamplingParams
@@ -88,6 +89,9 @@ class InputBatch:
         self.min_tokens_banned: dict[str, list[int]] = {}
         self.stop_ids: dict[str, list[int]] = {}  # request_stop_ids, when it has any
         self.prompt_logprobs: dict[str, int] = {}  # top tokens per prompt position
+        # thinking_token_budget rows: a scan made when the row is added (a preempted request
+        # reads its prompt and generated tokens again)
+        self.thinking_budgets: dict[str, ThinkingBudgetScan] = {}
 
     @property
     def num_reqs(self) -> int:
@@ -164,6 +168,12 @@ class InputBatch:
             self.min_tokens_banned[rid] = stop
         if p.prompt_logprobs is not None:
             self.prompt_logprobs[rid] = p.prompt_logprobs
+        if p.thinking_token_budget is not None and p.reasoning_token_ids is not None:
+            # under a grammar only a block the reply opens counts (the grammar decides the
+            # reply from its first token; the reasoning parser reads it the same way)
+            first = len(state.prompt_token_ids) if p.structured_outputs is not None else 0
+            self.thinking_budgets[rid] = ThinkingBudgetScan(
+                p.thinking_token_budget, p.reasoning_token_ids, first)
 
     def remove_request(self, req_id: str) -> bool:
         """Drop the request's row (the last row moves into it); False if it has none."""
@@ -177,7 +187,7 @@ class InputBatch:
         self.req_ids.pop()
         for sparse in (self.seeds, self.num_logprobs, self.logit_bias,
                        self.allowed_token_ids, self.bad_words, self.min_tokens_banned,
-                       self.stop_ids, self.prompt_logprobs):
+                       self.stop_ids, self.prompt_logprobs, self.thinking_budgets):
             sparse.pop(req_id, None)
         return True
 
@@ -333,6 +343,11 @@ class InputBatch:
         end = int(self.num_tokens[row]) + num_extra
         start = max(int(self.num_prompt_tokens[row]), end - length)
         return self.token_ids[row, start:end].tolist()
+
+    def tokens_through(self, row: int, num_extra: int = 0) -> np.ndarray:
+        """The row's known tokens (prompt, then generated) and its first ``num_extra`` draft
+        tokens (int64 [L], a view); on the host."""
+        return self.token_ids[row, :int(self.num_tokens[row]) + num_extra]
 
     def prompt_and_output_ids(self, rows: np.ndarray, num_extra: np.ndarray | None = None
                               ) -> tuple[np.ndarray, np.ndarray]:

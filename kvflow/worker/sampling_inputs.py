@@ -68,10 +68,13 @@ class SamplingInputs:
         meta.logit_bias = _logit_bias(batch, rows_of, self.device) if batch.logit_bias else None
         meta.allowed_token_ids = self._allowed_token_ids(batch, rows_of)
         _bad_words(meta, batch, rows, rows_of, None)
+        grammar_rows = None
         if grammar is not None:
             position = position or _sampling_positions(batch, rows, always=True)
             grammar_rows = [position[rid] for rid in grammar.request_ids]
             meta.grammar = grammar_rows, grammar.bitmask.to(self.device, non_blocking=True)
+        if batch.thinking_budgets:
+            _forced_tokens(meta, batch, rows, rows_of, None, grammar, grammar_rows)
         return meta
 
     def _fill_expanded(self, meta: SamplingMetadata, batch: InputBatch, rows: np.ndarray,
@@ -94,12 +97,15 @@ class SamplingInputs:
         meta.logit_bias = _logit_bias(batch, rows_of, self.device) if batch.logit_bias else None
         meta.allowed_token_ids = self._allowed_token_ids(batch, rows_of)
         _bad_words(meta, batch, rows, rows_of, num_extra)
+        grammar_rows = None
         if grammar is not None:
             grammar_rows, seen = [], {}
             for rid in grammar.request_ids:  # a request's k + 1 rows, in order
                 grammar_rows.append(spans[rid][0] + seen.get(rid, 0))
                 seen[rid] = seen.get(rid, 0) + 1
             meta.grammar = grammar_rows, grammar.bitmask.to(self.device, non_blocking=True)
+        if batch.thinking_budgets:
+            _forced_tokens(meta, batch, rows, rows_of, num_extra, grammar, grammar_rows)
         return meta
 
     def _allowed_token_ids(self, batch: InputBatch, rows_of: dict[str, Sequence[int]]
@@ -157,7 +163,8 @@ def _sampling_positions(batch: InputBatch, rows: np.ndarray,
     """Request id -> sampling row; empty (unless ``always``) when no request uses a
     per-request dict setting."""
     if not (always or batch.seeds or batch.min_tokens_banned or batch.num_logprobs
-            or batch.logit_bias or batch.allowed_token_ids or batch.bad_words):
+            or batch.logit_bias or batch.allowed_token_ids or batch.bad_words
+            or batch.thinking_budgets):
         return {}
     return {batch.req_ids[r]: i for i, r in enumerate(rows.tolist())}
 
@@ -219,6 +226,39 @@ def _bad_words(meta: SamplingMetadata, batch: InputBatch, rows: np.ndarray,
             banned = bad_word_bans(words, past)
             if banned:
                 meta.banned_token_ids[i] = meta.banned_token_ids.get(i, []) + banned
+
+
+def _forced_tokens(meta: SamplingMetadata, batch: InputBatch, rows: np.ndarray,
+                   rows_of: dict[str, Sequence[int]], num_extra: np.ndarray | None,
+                   grammar: GrammarBitmask | None, grammar_rows: list[int] | None) -> None:
+    """Fill ``meta.forced_token_ids`` for the rows of requests with a thinking budget whose
+    position must take the end-of-thinking marker's next token (``kvflow.thinking_budget``;
+    ``num_extra``: drafts before each sampling row's position, None for none). A forced token
+    the row's grammar does not allow is not forced (the grammar decides a constrained reply:
+    the forced marker never contradicts it)."""
+    allowed_by = dict(zip(grammar_rows, range(len(grammar_rows)))) if grammar_rows else {}
+    for rid, scan in batch.thinking_budgets.items():
+        sampling_rows = rows_of.get(rid, ())
+        if not sampling_rows:
+            continue
+        row = int(rows[sampling_rows[0]])
+        scan.commit(batch.tokens_through(row))
+        num_known = int(batch.num_tokens[row])
+        for i in sampling_rows:
+            extra = 0 if num_extra is None else int(num_extra[i])
+            token = scan.forced_token(batch.tokens_through(row, extra), num_known)
+            if token is None:
+                continue
+            if i in allowed_by and not _allows(grammar, allowed_by[i], token):
+                continue
+            meta.forced_token_ids[i] = token
+
+
+def _allows(grammar: GrammarBitmask, index: int, token: int) -> bool:
+    """Whether bitmask row ``index`` of ``grammar`` (xgrammar's layout, on the host) allows
+    ``token``."""
+    word = int(grammar.bitmask[index, token // 32])
+    return bool((word >> (token % 32)) & 1)
 
 
 def bad_word_bans(words: list[list[int]], past: list[int]) -> list[int]:
