@@ -90,11 +90,12 @@ def check_thinking_token_budget(value: Any) -> int | None:
     a non-negative integer (tokens of reasoning before the end marker is forced).
 
     Raises:
-        ValueError: for a bool, a float, another type or an integer below -1.
+        ValueError: for a bool, a float, another type, or an integer below -1 or above
+            2**63 - 1 (it crosses to the engine as a 64-bit integer).
     """
     if value is None or (_is_int(value) and value == -1):
         return None
-    if not _is_int(value) or value < 0:
+    if not _is_int(value) or not 0 <= value < 2**63:
         raise ValueError(f"SamplingParams.thinking_token_budget={value!r} is invalid: it "
                          "must be a non-negative integer, or -1 (unlimited)")
     return int(value)

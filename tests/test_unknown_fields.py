@@ -114,17 +114,16 @@ def test_openai_client_chat_fields_are_refused_as_on_responses(name):
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
-def test_thinking_token_budget_is_refused_naming_it_but_unlimited_passes(endpoint):
-    """vLLM 0.32's ``thinking_token_budget`` (declared on both endpoints): a budget kvflow
-    cannot enforce is a 400 naming it with why (also under ``--ignore-unknown-fields``, which
-    dropped it unread: reasoning ran past the budget asked for); vLLM's "unlimited" (-1) and
-    null ask for nothing and pass. ``include_reasoning`` is declared on chat now."""
-    for ignore in (False, True):
-        error = _refusal(endpoint, {"thinking_token_budget": 16}, ignore)
-        assert (error.param, error.code) == ("thinking_token_budget", "unsupported_parameter")
-        assert "max_tokens" in str(error)  # what to do instead
-    for value in (-1, None):
-        UnknownFields().check(_parsed(endpoint, {"thinking_token_budget": value}), endpoint)
+def test_thinking_token_budget_is_declared_on_both_endpoints(endpoint):
+    """vLLM 0.32's ``thinking_token_budget`` is a declared field of completions and chat
+    (honoured: tests/e2e/test_thinking_budget_served.py), not an unknown one; elsewhere it is
+    unknown (vLLM declares it on those two only). ``include_reasoning`` is declared on chat."""
+    for value in (16, -1, None):
+        body = _parsed(endpoint, {"thinking_token_budget": value})
+        assert body.thinking_token_budget == value and not body.unknown_fields
+        UnknownFields().check(body, endpoint)
+    error = _refusal("/v1/embeddings", {"thinking_token_budget": 16}, False)
+    assert (error.param, error.code) == ("thinking_token_budget", "unknown_parameter")
     assert protocol.ChatCompletionRequest.model_validate(
         {"messages": HI, "include_reasoning": False}).include_reasoning is False
 

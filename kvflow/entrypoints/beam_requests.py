@@ -49,6 +49,8 @@ _SAMPLING_ONLY = {
     "vllm_xargs": ((None, {}),
                    "beam search does not pass custom arguments to custom logits processors"),
     "spaces_between_special_tokens": ((True,), _BEAM_TEXT),
+    "thinking_token_budget": ((None, -1), ("beam search does not force the end of a "
+                                           "think block (send -1 or leave it out)")),
 }
 # chat's echo prepends the last message's text to each reply (serving_chat.echo_text), a
 # beam's included, as vLLM's chat does
@@ -62,8 +64,8 @@ def check_beam_request(req: SamplingRequest) -> bool:
         OpenAIError: 400 naming the field: ``length_penalty`` other than 1 without
             ``use_beam_search`` (it applies to beam search only); with it, ``n`` above
             ``MAX_BEAM_WIDTH``, any sampling, stop, penalty, structured-output or
-            service-level (``target_ttft_ms`` / ``target_tpot_ms``) field set to something
-            beam search would ignore, ``response_format`` other than
+            service-level (``target_ttft_ms`` / ``target_tpot_ms``) field or a
+            ``thinking_token_budget`` set to something beam search would ignore, ``response_format`` other than
             ``text``, or ``echo`` (on /v1/completions; chat's is honoured). With ``stream`` the reply comes as one chunk per beam when the
             search ends (vLLM's behaviour: beams change until the last step).
     """

@@ -19,6 +19,7 @@ from kvflow.entrypoints.structured_requests import (
 from kvflow.prompt_truncation import truncation_length
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import StructuredOutputsParams
+from kvflow.thinking_budget import ReasoningTokenIds
 
 # Request fields that map 1:1 onto SamplingParams (the optional ones only when set).
 _COPIED_FIELDS = ("n", "seed", "min_tokens", "ignore_eos", "skip_special_tokens",
@@ -85,18 +86,21 @@ def check_max_tokens(max_tokens: int, param: str, engine: AsyncLLM | None = None
 
 def sampling_params(engine: AsyncLLM, req: SamplingRequest, max_tokens: int,
                     logprobs: int | None,
-                    structured_outputs: StructuredOutputsParams | None = None
-                    ) -> SamplingParams:
+                    structured_outputs: StructuredOutputsParams | None = None,
+                    reasoning: ReasoningTokenIds | None = None) -> SamplingParams:
     """SamplingParams from the request's fields, checked by ``engine``'s processor;
     ``structured_outputs`` (a tool-call grammar) is one more constraint: with the request's
     own ``response_format`` / ``structured_outputs`` / ``guided_*`` it is a 400 (one
     constraint only). Optional fields the request leaves unset (or null) are not passed, so
-    the model's sampling defaults fill them when the request is queued.
+    the model's sampling defaults fill them when the request is queued. ``reasoning``: the
+    server's ``--reasoning-parser`` markers, which a ``thinking_token_budget`` needs.
 
     Raises:
         OpenAIError: 400 when invalid (a malformed schema or regex too); a ``logit_bias`` of
             more entries than the model's vocabulary has tokens (code
-            ``array_above_max_length``: they cannot all name a token) before any is read.
+            ``array_above_max_length``: they cannot all name a token) before any is read; a
+            ``thinking_token_budget`` without ``reasoning`` markers (code
+            ``unsupported_parameter``).
     """
     if req.logit_bias and len(req.logit_bias) > engine.processor.vocab_size:
         raise OpenAIError(f"logit_bias holds {len(req.logit_bias)} entries, more than this "
@@ -120,12 +124,35 @@ def sampling_params(engine: AsyncLLM, req: SamplingRequest, max_tokens: int,
                               "would be ignored: leave it out", param="vllm_xargs",
                               code="unsupported_parameter")
         fields["extra_args"] = dict(req.vllm_xargs)
+    fields.update(_thinking_budget(req, reasoning))
     try:
         params = SamplingParams(**fields)
         engine.processor.validate_params(params)
     except ValueError as e:
         raise _params_error(e, req, structured_outputs) from None
     return params
+
+
+def _thinking_budget(req: SamplingRequest, reasoning: ReasoningTokenIds | None
+                     ) -> dict[str, object]:
+    """The SamplingParams fields of the request's ``thinking_token_budget`` (none when it is
+    unset, null or -1: unlimited).
+
+    Raises:
+        OpenAIError: 400 naming ``thinking_token_budget`` (code ``unsupported_parameter``)
+            when the server has no reasoning markers (vLLM 0.32 refuses a budget without a
+            reasoning parser).
+    """
+    budget = req.thinking_token_budget
+    if budget is None or budget == -1:
+        return {}
+    if reasoning is None:
+        raise OpenAIError("thinking_token_budget needs the model's reasoning markers: start "
+                          "the server with a --reasoning-parser that names them (think, "
+                          "qwen3, deepseek_r1, ...; granite and hunyuan_a13b name none), or "
+                          "send -1 or leave it out", param="thinking_token_budget",
+                          code="unsupported_parameter")
+    return {"thinking_token_budget": budget, "reasoning_token_ids": reasoning}
 
 
 async def check_constraint(engine: AsyncLLM, req: SamplingRequest,

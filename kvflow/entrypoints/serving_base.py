@@ -6,6 +6,7 @@ streaming plumbing in ``streaming``, SamplingParams from a request in
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import uuid
@@ -30,11 +31,13 @@ from kvflow.entrypoints.protocol import (
 )
 from kvflow.entrypoints.serving_checks import OpenAIServingChecks
 from kvflow.entrypoints.serving_models import ServingModels
+from kvflow.entrypoints.tool_parsers.reasoning import reasoning_token_ids
 from kvflow.entrypoints.unknown_fields import UnknownFields
 from kvflow.lora.request import LoRARequest
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.prompt_embeds import PromptEmbeds
 from kvflow.sampling_params import SamplingParams
+from kvflow.thinking_budget import ReasoningTokenIds
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +124,12 @@ class OpenAIServing(OpenAIServingChecks):
         self.models = models or ServingModels(engine, model_name)
         self.unknown_fields = unknown_fields or UnknownFields(config.ignore_unknown_fields)
         self.beam_searches = BeamSearches()
+
+    @functools.cached_property
+    def reasoning_token_ids(self) -> ReasoningTokenIds | None:
+        """The ``--reasoning-parser``'s markers as token ids (``thinking_token_budget``
+        needs them), None without a parser, markers or tokenizer; tokenized once."""
+        return reasoning_token_ids(self.config.reasoning_parser, self.engine.tokenizer)
 
     def check_fields(self, req: RequestBody, endpoint: str) -> None:
         """Refuse (or, under ``--ignore-unknown-fields``, log) the body fields kvflow does not

@@ -213,7 +213,8 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         else:
             check_max_tokens(max_tokens, field, self.engine)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = sampling_params(self.engine, req, max_tokens, logprobs, tool_grammar)
+        params = sampling_params(self.engine, req, max_tokens, logprobs, tool_grammar,
+                                 self.reasoning_token_ids)
         params.prompt_logprobs = _prompt_logprobs(req)
         # vLLM's clamp: at most what the context leaves
         params.max_tokens = self.check_prompt(ids, max_tokens, "messages", params.min_tokens)

@@ -50,15 +50,6 @@ UNSUPPORTED = {
     "web_search_options": "web search is not supported",
     "reasoning_effort": "only /v1/chat/completions takes it (elsewhere pass the model's "
                         "own switch in chat_template_kwargs, e.g. enable_thinking)",
-    # vLLM 0.32's (chat and completions): after that many reasoning tokens its sampler forces
-    # the end-of-thinking marker. kvflow's engine does not know the markers (the reasoning
-    # parser reads the reply's text in the server), its custom-logits-processor path is one
-    # row per request (no speculative decoding), and its grammars constrain from the first
-    # token, so a forced marker would fight them (docs/coming-from-vllm.md)
-    "thinking_token_budget": "reasoning is not cut short by a token budget (bound the whole "
-                             "reply with max_tokens, or turn reasoning off with "
-                             "reasoning_effort none or the template's switch; send -1 or "
-                             "leave it out)",
     # vLLM's /v1/embeddings extensions; normalize and add_special_tokens are declared (and
     # honoured) there, these entries refuse them on the endpoints that do not take them
     "normalize": "only /v1/embeddings and /pooling take it (scores and classes use the "
@@ -115,7 +106,7 @@ HARMLESS = {"modalities": [["text"]], "bad_words": [[]], "early_stopping": [Fals
             "guided_decoding_backend": ["xgrammar", "auto"],
             "spaces_between_special_tokens": [True], "store": [False],
             "truncation_side": ["left"], "padding": ["do_not_pad"],
-            "service_tier": ["auto", "default"], "thinking_token_budget": [-1]}
+            "service_tier": ["auto", "default"]}
 
 
 def refuse_unsupported(unknown: Mapping[str, Any]) -> None:

@@ -492,9 +492,27 @@ def sampling_cases(path: str) -> dict[str, Callable]:
         rejected(path, {"vllm_xargs": {"k": {"nested": 1}}}, "vllm_xargs.k")(server,
                                                                              tokenizer)
 
+    def thinking_token_budget(server, tokenizer):
+        """This server runs without --reasoning-parser: a budget is a 400 naming the field
+        (vLLM 0.32 refuses it without a reasoning config); -1 (unlimited) and null give the
+        baseline's ids. A value below -1 or not an integer is a 400 naming it; the budget
+        honoured: tests/e2e/test_thinking_budget_served.py."""
+        resp = post(server, path, {"thinking_token_budget": 4})
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "thinking_token_budget", error
+        assert "start the server with a --reasoning-parser" in error["message"], error
+        base = ids(ok(server, path, {}))
+        for value in (-1, None):
+            assert ids(ok(server, path, {"thinking_token_budget": value})) == base
+        for bad in (-2, 1.5, True, "3"):
+            rejected(path, {"thinking_token_budget": bad}, "thinking_token_budget")(
+                server, tokenizer)
+
     return {
         "model": rejected(path, {"model": "gpt-4"}, "model", 404), "request_id": request_id,
         "cache_salt": cache_salt, "vllm_xargs": vllm_xargs,
+        "thinking_token_budget": thinking_token_budget,
         # no --kv-transfer-config here (the P/D pair takes it: test_openai_kv_transfer.py)
         "kv_transfer_params": rejected(path, {"kv_transfer_params": {
             "do_remote_decode": True, "do_remote_prefill": False}}, "kv_transfer_params"),

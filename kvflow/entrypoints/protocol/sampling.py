@@ -106,7 +106,10 @@ class SamplingRequest(RequestBody):
     processors (``--logits-processors``). vLLM's ``kv_transfer_params`` (a JSON object, what
     a disaggregated-prefill proxy sends each instance) is taken by a server with
     ``--kv-transfer-config`` and read by no connector of kvflow's (SharedStorageConnector
-    finds a prompt's blocks by their content, as vLLM's does)."""
+    finds a prompt's blocks by their content, as vLLM's does). vLLM 0.32's
+    ``thinking_token_budget`` (an integer >= 0, or -1 for unlimited) ends the reply's think
+    block after that many tokens (``SamplingParams.thinking_token_budget``; the markers come
+    from ``--reasoning-parser``)."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
@@ -153,6 +156,9 @@ class SamplingRequest(RequestBody):
     vllm_xargs: dict[str, XargValue | list[XargValue]] | None = None
     # vLLM's disaggregated-prefill parameters (--kv-transfer-config servers only)
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM 0.32's: think tokens before the end marker is forced (-1 or null: unlimited);
+    # needs --reasoning-parser (entrypoints/sampling_requests.py)
+    thinking_token_budget: int | None = Field(None, ge=-1, le=INT64_MAX)
 
     @model_validator(mode="wrap")
     @classmethod

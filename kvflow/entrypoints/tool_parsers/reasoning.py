@@ -41,6 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvflow.entrypoints.tool_parsers.base import held_back
+from kvflow.thinking_budget import ReasoningTokenIds
 
 
 class ReasoningParser:
@@ -49,7 +50,10 @@ class ReasoningParser:
     without an opening one) / ``off_switch`` (a chat template variable that, false, turns
     reasoning off) / ``on_switch`` (one that must be true for any reasoning) /
     ``CONTENT_TAGS`` (tags around the content, dropped) / ``keeps_special_tokens`` (the
-    markers are special tokens: the reply must be decoded with them)."""
+    markers are special tokens: the reply must be decoded with them) /
+    ``reasoning_start_str`` and ``reasoning_end_str`` (vLLM's names: the markers a
+    ``thinking_token_budget`` is counted from and forces; None for a parser whose vLLM
+    namesake names none, where vLLM refuses a budget)."""
 
     name = "base"
     STARTS: tuple[str, ...] = ()
@@ -59,6 +63,8 @@ class ReasoningParser:
     off_switch: str | None = None
     on_switch: str | None = None
     keeps_special_tokens = False
+    reasoning_start_str: str | None = None
+    reasoning_end_str: str | None = None
 
     def __init__(self) -> None:
         #: the reply may start inside the block without writing the opening marker (text
@@ -121,6 +127,7 @@ class ThinkReasoningParser(ReasoningParser):
     name = "think"
     START, END = "<think>", "</think>"
     STARTS, ENDS = (START,), (END,)
+    reasoning_start_str, reasoning_end_str = START, END
 
 
 class Qwen3ReasoningParser(ThinkReasoningParser):
@@ -146,18 +153,21 @@ class Glm45ReasoningParser(Qwen3ReasoningParser):
 class MistralReasoningParser(ReasoningParser):
     name = "mistral"
     STARTS, ENDS = ("[THINK]",), ("[/THINK]",)
+    reasoning_start_str, reasoning_end_str = "[THINK]", "[/THINK]"
     keeps_special_tokens = True
 
 
 class SeedOssReasoningParser(ReasoningParser):
     name = "seed_oss"
     STARTS, ENDS = ("<seed:think>",), ("</seed:think>",)
+    reasoning_start_str, reasoning_end_str = "<seed:think>", "</seed:think>"
     opening_optional = keeps_special_tokens = True
 
 
 class Step3ReasoningParser(ReasoningParser):
     name = "step3"
     ENDS = ("</think>",)
+    reasoning_start_str, reasoning_end_str = "<think>", "</think>"  # vLLM's step3 names both
     opening_optional = True
 
 
@@ -206,3 +216,26 @@ def make_reasoning_parser(name: str | None, template_kwargs: dict[str, Any] | No
     if cls.on_switch and not (template_kwargs or {}).get(cls.on_switch):
         return None
     return cls()
+
+
+def reasoning_token_ids(name: str | None, tokenizer: Any) -> ReasoningTokenIds | None:
+    """The token ids of the ``--reasoning-parser`` named ``name``'s markers
+    (``reasoning_start_str`` / ``reasoning_end_str``, tokenized without special tokens, as
+    vLLM's ``ReasoningConfig.initialize_token_ids`` does; the end marker is also the natural
+    end), which a request's ``thinking_token_budget`` is counted and ended with; None without
+    a parser, a tokenizer, or markers (``granite``, ``hunyuan_a13b``: vLLM's name none).
+
+    Raises:
+        ValueError: for an unknown name, listing the choices.
+    """
+    if name is None or tokenizer is None:
+        return None
+    if name not in REASONING_PARSERS:
+        raise ValueError(f"unknown reasoning parser {name!r}; choose one of "
+                         f"{sorted(REASONING_PARSERS)}")
+    cls = REASONING_PARSERS[name]
+    if cls.reasoning_start_str is None or cls.reasoning_end_str is None:
+        return None
+    start = tokenizer.encode(cls.reasoning_start_str, add_special_tokens=False)
+    end = tokenizer.encode(cls.reasoning_end_str, add_special_tokens=False)
+    return ReasoningTokenIds(list(start), list(end)) if start and end else None
