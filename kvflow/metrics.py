@@ -62,7 +62,7 @@ from kvflow.metrics_prompt_sources import PromptSourceMetrics
 from kvflow.metrics_spec_decode import SpecDecodeMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "repetition")  # vLLM 0.32's four
 ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")  # vLLM 0.32's
 
 

@@ -19,10 +19,11 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_REPETITION = "repetition"  # vLLM 0.32's repetition_detection (its reason)
 
     def __init__(self, value: str) -> None:
         # Plain attributes, not properties: read for every request on every step.
-        self.is_finished: bool = value in ("stop", "length", "abort")
+        self.is_finished: bool = value in ("stop", "length", "abort", "repetition")
         self.finish_reason: str | None = value if self.is_finished else None
 
 

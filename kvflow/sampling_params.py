@@ -16,6 +16,7 @@ import numpy as np
 
 from kvflow.beam_search_params import BeamSearchParams  # noqa: F401 (vLLM's path of it)
 from kvflow.close_names import guess_unknown_keywords
+from kvflow.repetition_detection import RepetitionDetectionParams
 from kvflow.stop_limits import (  # noqa: F401 (re-exports: defined here before)
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -137,6 +138,17 @@ class SamplingParams:
             with (:class:`kvflow.thinking_budget.ReasoningTokenIds`, vLLM's
             ``ReasoningConfig`` names; a dict of its fields is accepted). The server fills it
             from its ``--reasoning-parser``; offline, pass it with the budget.
+        stream_interval: vLLM 0.32's per-request ``stream_interval``: an ``AsyncLLM``
+            stream of deltas (``output_kind`` ``DELTA``, the server's streamed replies) sends
+            this many new tokens per output, its first and last output at once
+            (``engine/stream_interval.py``); an interval below the engine's
+            ``stream_interval`` is raised to it. An integer >= 1; None: the engine's. It
+            changes nothing in a cumulative or final-only output.
+        repetition_detection: vLLM 0.32's: finish the request with reason ``repetition``
+            (stop reason ``"repetition_detected"``) once its generated tokens end with an
+            n-gram repeated ``min_count`` times in a row
+            (:class:`~kvflow.repetition_detection.RepetitionDetectionParams`; a dict of its
+            fields is accepted); None or ``max_pattern_size`` 0: off.
 
     The constructor records which fields it was given (:attr:`fields_set`, like pydantic's
     ``model_fields_set``), so a model's sampling defaults (:meth:`with_defaults`) fill only
@@ -180,6 +192,8 @@ class SamplingParams:
     output_kind: RequestOutputKind | None = None
     thinking_token_budget: int | None = None
     reasoning_token_ids: ReasoningTokenIds | None = field(default=None, repr=False)
+    stream_interval: int | None = None
+    repetition_detection: RepetitionDetectionParams | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         self = super().__new__(cls)
@@ -224,6 +238,8 @@ class SamplingParams:
         self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         self.thinking_token_budget = check_thinking_token_budget(self.thinking_token_budget)
         self.reasoning_token_ids = ReasoningTokenIds.from_value(self.reasoning_token_ids)
+        self.repetition_detection = RepetitionDetectionParams.from_value(
+            self.repetition_detection)
         self._check_extra_args()
         self._validate()
 
@@ -254,9 +270,9 @@ class SamplingParams:
             return ValueError(f"SamplingParams.{name}={value!r} is invalid: it must be {what}")
 
         optional = {"seed", "logprobs", "max_tokens", "prompt_logprobs",
-                    "truncate_prompt_tokens"}
+                    "truncate_prompt_tokens", "stream_interval"}
         for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs",
-                     "prompt_logprobs", "truncate_prompt_tokens"):
+                     "prompt_logprobs", "truncate_prompt_tokens", "stream_interval"):
             value = getattr(self, name)
             if not (_is_int(value) or (value is None and name in optional)):
                 raise bad(name, value, "an integer" + (" or None" if name in optional else ""))
@@ -343,6 +359,8 @@ class SamplingParams:
             (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1
              or self.truncate_prompt_tokens == -1, "truncate_prompt_tokens",
              self.truncate_prompt_tokens, "must be an integer >= 1, or -1 (max_model_len)"),
+            (self.stream_interval is None or self.stream_interval >= 1, "stream_interval",
+             self.stream_interval, "must be an integer >= 1 (tokens per streamed output)"),
         ]
         for ok, name, value, why in checks:
             if not ok:

@@ -62,7 +62,7 @@ def test_counts_of_a_known_workload(llm, tiny_llama):
     assert find(metrics, "vllm:prompt_tokens_cached").value == 4
     success = {m.labels["finished_reason"]: m.value for m in metrics
                if m.name == "vllm:request_success"}
-    assert success == {"stop": 0, "length": 3, "abort": 0}
+    assert success == {"stop": 0, "length": 3, "abort": 0, "repetition": 0}
     for name, count, total in (("vllm:time_to_first_token_seconds", 3, None),
                                ("vllm:inter_token_latency_seconds", 8, None),
                                ("vllm:e2e_request_latency_seconds", 3, None),
@@ -96,7 +96,7 @@ def test_counters_add_up_and_an_abort_counts_once(llm):
     assert find(metrics, "vllm:generation_tokens").value == 3 + 3 + 1
     success = {m.labels["finished_reason"]: m.value for m in metrics
                if m.name == "vllm:request_success"}
-    assert success == {"stop": 0, "length": 2, "abort": 1}
+    assert success == {"stop": 0, "length": 2, "abort": 1, "repetition": 0}
     assert find(metrics, "vllm:prefix_cache_hits").value == 4  # the second run's full block
     assert find(metrics, "vllm:num_requests_running").value == 0
 

@@ -25,13 +25,16 @@ from kvflow.sampling_params import SamplingParams
 PROMPT = [5, 6, 7]
 
 
-def _stream(tokenizer, interval: int, tokens: int, per_step: int = 1, n: int = 1):
-    """Feed ``tokens`` tokens ``per_step`` a step to every sample of one request; returns the
-    outputs its stream got (sample 0's token count per output, finished), sample 0's text
-    and logprobs joined from them, the tokens fed, and the ITL observations counted."""
+def _stream(tokenizer, interval: int, tokens: int, per_step: int = 1, n: int = 1,
+            own: int | None = None):
+    """Feed ``tokens`` tokens ``per_step`` a step to every sample of one request (its own
+    ``stream_interval`` ``own``); returns the outputs its stream got (sample 0's token count
+    per output, finished), sample 0's text and logprobs joined from them, the tokens fed, and
+    the ITL observations counted."""
     token_ids = (tokenizer.encode("the quick brown fox jumps over a lazy dog") * 3)[:tokens]
     requests = InputProcessor(tokenizer, 128, len(tokenizer), tokenizer.eos_token_id) \
-        .make_requests("r", PROMPT, SamplingParams(n=n, max_tokens=tokens, logprobs=0))
+        .make_requests("r", PROMPT, SamplingParams(n=n, max_tokens=tokens, logprobs=0,
+                                                   stream_interval=own))
     metrics = ServerMetrics("m")
     open_requests = OpenRequests(OutputProcessor(tokenizer), RequestStatsTracker(metrics),
                                  DPLoadBalancer(1, 16), metrics, False, interval)
@@ -70,6 +73,29 @@ def test_outputs_held_to_the_interval(tiny_tokenizer, interval, tokens, per_step
     assert [next(iter(lp)) for lp in logprobs] == token_ids
     assert itl == tokens // per_step - 1  # one per engine step after the first
     assert not open_requests.streams and not open_requests.stream_interval._held
+
+
+@pytest.mark.parametrize("interval,own,tokens,expected", [
+    (1, 3, 10, [1, 3, 3, 3]),  # the request's own interval, above the engine's 1
+    (1, 4, 10, [1, 4, 4, 1]),
+    (4, 2, 10, [1, 4, 4, 1]),  # below the engine's 4: raised to it (vLLM's clamp)
+    (1, 1, 4, [1, 1, 1, 1]),
+    (3, None, 10, [1, 3, 3, 3]),  # None: the engine's
+])
+def test_a_request_s_own_interval(tiny_tokenizer, interval, own, tokens, expected):
+    """vLLM 0.32's per-request ``stream_interval``: the larger of it and the engine's; it is
+    forgotten once the request finishes."""
+    got, text, _, token_ids, _, open_requests = _stream(tiny_tokenizer, interval, tokens,
+                                                        own=own)
+    assert [count for count, _ in got] == expected
+    assert text == tiny_tokenizer.decode(token_ids)
+    assert not open_requests.stream_interval._own and not open_requests.stream_interval._held
+
+
+def test_own_interval_refused_below_one():
+    with pytest.raises(ValueError, match="stream_interval=0 is invalid: it must be an "
+                                         "integer >= 1"):
+        SamplingParams(stream_interval=0)
 
 
 def test_several_samples(tiny_tokenizer):

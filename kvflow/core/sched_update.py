@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from kvflow.core.sched_failures import end_failed_requests
 from kvflow.engine_outputs import EngineCoreOutput, FinishedRequestStats, PromptTokenStats
+from kvflow.repetition_detection import REPETITION_STOP_REASON, ends_with_repetition
 from kvflow.request import Request, RequestStatus
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sched_output import SchedulerOutput
@@ -371,4 +372,22 @@ def check_stop(request: Request, token: int) -> bool:
     if num_tokens >= request.max_num_tokens:
         request.status = RequestStatus.FINISHED_LENGTH
         return True
-    return False
+    return check_repetition(request)
+
+
+def check_repetition(request: Request) -> bool:
+    """Finish the request with reason ``repetition`` (stop reason ``repetition_detected``)
+    if its ``repetition_detection`` finds its generated tokens ending with a repeated n-gram,
+    once ``min_tokens`` are out (vLLM 0.32's ``check_stop`` order: after EOS, stop ids and
+    the length limit); returns whether it did. Reads only the tail a pattern can span."""
+    detection = request.sampling_params.repetition_detection
+    num_tokens = len(request.all_token_ids)
+    if detection is None or num_tokens < request.min_stop_len:
+        return False
+    start = max(request.num_prompt_tokens,
+                num_tokens - detection.max_pattern_size * detection.min_count)
+    if not ends_with_repetition(request.all_token_ids[start:], detection):
+        return False
+    request.status, request.stop_reason = RequestStatus.FINISHED_REPETITION, \
+        REPETITION_STOP_REASON
+    return True

@@ -60,6 +60,8 @@ class OpenRequests:
                                           delta=kind in (None, RequestOutputKind.DELTA))
         if kind not in (None, RequestOutputKind.DELTA):
             self.kinds[request_id] = kind
+        elif params is not None:
+            self.stream_interval.open(request_id, params.stream_interval)
         self.balancer.assign(request_id, replica, len(requests))
         stream = RequestStream(request_id, self.admission_control)
         self.streams[request_id] = stream
@@ -162,6 +164,7 @@ class OpenRequests:
         for rejection in msg.rejected:
             stream = self.streams.pop(rejection.request_id, None)
             self.kinds.pop(rejection.request_id, None)
+            self.stream_interval.forget(rejection.request_id)
             self.output_processor.abort(rejection.request_id)
             self.waiting.discard(rejection.request_id)
             self.balancer.finish(rejection.request_id)

@@ -33,7 +33,9 @@ def join_deltas(held: RequestOutput, new: RequestOutput) -> RequestOutput:
 
 
 class StreamInterval:
-    """Holds back the delta outputs of streams under ``interval`` tokens (1: none held).
+    """Holds back the delta outputs of streams under ``interval`` tokens (1: none held), or
+    under a request's own larger interval (vLLM 0.32's per-request ``stream_interval``:
+    :meth:`open`).
 
     Args:
         interval: vLLM's ``stream_interval``, tokens per streamed output.
@@ -43,27 +45,39 @@ class StreamInterval:
         self.interval = interval
         self._held: dict[str, RequestOutput] = {}
         self._sent: set[str] = set()  # requests whose first output went out
+        self._own: dict[str, int] = {}  # requests with an interval above ``interval``
+
+    def open(self, request_id: str, interval: int | None) -> None:
+        """Give a request its own ``interval`` (``SamplingParams.stream_interval``; None:
+        the engine's); one below the engine's is raised to it, as vLLM clamps it."""
+        if interval is not None and interval > self.interval:
+            self._own[request_id] = interval
 
     def take(self, output: RequestOutput) -> RequestOutput | None:
         """``output`` joined to what was held of its request, to pass on now; None while it
         is held (the next call of its request returns it joined)."""
-        if self.interval <= 1 or not isinstance(output, RequestOutput):
+        if not isinstance(output, RequestOutput):
             return output  # an embedding's one output
         rid = output.request_id
+        interval = self._own.get(rid, self.interval)
+        if interval <= 1:
+            return output
         held = self._held.pop(rid, None)
         joined = output if held is None else join_deltas(held, output)
         due = output.finished or rid not in self._sent or any(
-            c.finished or len(c.token_ids) >= self.interval for c in joined.outputs)
+            c.finished or len(c.token_ids) >= interval for c in joined.outputs)
         if not due:
             self._held[rid] = joined
             return None
         if output.finished:
-            self._sent.discard(rid)
+            self.forget(rid)
         else:
             self._sent.add(rid)
         return joined
 
     def forget(self, request_id: str) -> None:
-        """Drop what is held of a request that ended otherwise (aborted, refused, failed)."""
+        """Drop what is held of a request that ended otherwise (aborted, refused, failed),
+        and its own interval."""
         self._held.pop(request_id, None)
         self._sent.discard(request_id)
+        self._own.pop(request_id, None)

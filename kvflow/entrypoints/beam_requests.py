@@ -39,7 +39,7 @@ _SAMPLING_ONLY = {
     "repetition_penalty": ((None, 1), _RAW), "logit_bias": ((None, {}), _RAW),
     "allowed_token_ids": ((None,), _RAW), "bad_words": ((None, []), _RAW),
     "stop": ((None, "", []), _STOPS), "stop_token_ids": ((None, []), _STOPS),
-    "min_tokens": ((0,), _STOPS),
+    "min_tokens": ((0,), _STOPS), "repetition_detection": ((None,), _STOPS),
     "structured_outputs": ((None,), _STRUCTURED), "guided_json": ((None,), _STRUCTURED),
     "guided_regex": ((None,), _STRUCTURED), "guided_choice": ((None,), _STRUCTURED),
     "guided_grammar": ((None,), _STRUCTURED),

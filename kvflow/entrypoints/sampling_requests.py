@@ -17,6 +17,7 @@ from kvflow.entrypoints.structured_requests import (
     request_constraint,
 )
 from kvflow.prompt_truncation import truncation_length
+from kvflow.repetition_detection import RepetitionDetectionParams
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import StructuredOutputsParams
 from kvflow.thinking_budget import ReasoningTokenIds
@@ -30,7 +31,7 @@ _TAG_FIELD = re.compile(r"invalid structural tag in structured_outputs: "
                         r"((?:structures|triggers|format)(?:\.\w+)*): ")
 _OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "target_ttft_ms",
-                    "target_tpot_ms")
+                    "target_tpot_ms", "stream_interval")
 
 
 def default_max_tokens(engine: AsyncLLM, num_prompt_tokens: int,
@@ -117,6 +118,8 @@ def sampling_params(engine: AsyncLLM, req: SamplingRequest, max_tokens: int,
     fields.update(max_tokens=max_tokens, logprobs=logprobs,
                   stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
                   stop_token_ids=list(req.stop_token_ids or []))
+    if req.repetition_detection is not None:
+        fields["repetition_detection"] = repetition_detection(req)
     if req.vllm_xargs:
         if not engine.processor.logits_processors:  # nothing would read them
             raise OpenAIError("vllm_xargs is read only by custom logits processors, and this "
@@ -153,6 +156,20 @@ def _thinking_budget(req: SamplingRequest, reasoning: ReasoningTokenIds | None
                           "send -1 or leave it out", param="thinking_token_budget",
                           code="unsupported_parameter")
     return {"thinking_token_budget": budget, "reasoning_token_ids": reasoning}
+def repetition_detection(req: SamplingRequest) -> RepetitionDetectionParams:
+    """The request's ``repetition_detection`` as SamplingParams takes it.
+
+    Raises:
+        OpenAIError: 400 naming ``repetition_detection.<field>`` (code ``invalid_value``)
+            for ``min_pattern_size`` > ``max_pattern_size``, or ``min_count`` < 2 with
+            ``max_pattern_size`` > 0 (vLLM's rules).
+    """
+    fields = req.repetition_detection.model_dump()
+    try:
+        return RepetitionDetectionParams(**fields)
+    except ValueError as e:
+        name = str(e).split("=", 1)[0]  # "repetition_detection.min_count=1 is invalid..."
+        raise OpenAIError(str(e), param=name, code="invalid_value") from None
 
 
 async def check_constraint(engine: AsyncLLM, req: SamplingRequest,

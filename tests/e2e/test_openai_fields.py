@@ -13,6 +13,7 @@ request is admitted).
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shutil
@@ -509,10 +510,47 @@ def sampling_cases(path: str) -> dict[str, Callable]:
             rejected(path, {"thinking_token_budget": bad}, "thinking_token_budget")(
                 server, tokenizer)
 
+    def stream_interval(server, tokenizer):
+        """vLLM 0.32's: streamed, 3 tokens a chunk on a server at --stream-interval 1, the
+        first at once and the last short (chunk ends at 1, 4, 7, 8 tokens; a stream read
+        late may join chunks, never end one between them); the same ids as unstreamed; 0 is
+        a 400 naming it (the interval itself: tests/test_stream_interval.py)."""
+        body = {"max_tokens": 8, "ignore_eos": True, "stream_interval": 3}
+        streamed = post(server, path, {**body, "stream": True, "stream_options": {
+            "include_usage": True}}).text
+        chunks = [c for line in streamed.splitlines() if line.startswith("data: {")
+                  for c in json.loads(line[6:])["choices"] if c.get("token_ids")]
+        ends = list(itertools.accumulate(len(c["token_ids"]) for c in chunks))
+        assert set(ends) <= {1, 4, 7, 8} and ends[-1] == 8, ends
+        assert [t for c in chunks for t in c["token_ids"]] == ids(ok(server, path, body))
+        rejected(path, {"stream_interval": 0}, "stream_interval")(server, tokenizer)
+
+    def repetition_detection(server, tokenizer):
+        """vLLM 0.32's: steered to "a" (id 66) at every step, the reply ends where its ids
+        first end with one token three times (hand-computed: 3 tokens), finish reason
+        ``repetition``, stop reason ``repetition_detected``; max_pattern_size 0 is off; a
+        min_count of 1 and an unknown key are 400s naming them."""
+        body = {**steer, "max_tokens": 12, "ignore_eos": True}
+        assert ids(ok(server, path, body)) == [66] * 12
+        reply = ok(server, path, {**body, "repetition_detection": {
+            "max_pattern_size": 2, "min_count": 3}})
+        choice = reply["choices"][0]
+        assert (choice["token_ids"], choice["finish_reason"], choice["stop_reason"]) == \
+            ([66] * 3, "repetition", "repetition_detected")
+        assert reply["usage"]["completion_tokens"] == 3
+        assert ids(ok(server, path, {**body, "repetition_detection": {
+            "max_pattern_size": 0}})) == [66] * 12
+        rejected(path, {"repetition_detection": {"max_pattern_size": 2, "min_count": 1}},
+                 "repetition_detection.min_count")(server, tokenizer)
+        rejected(path, {"repetition_detection": {"max_pattern_size": 2, "min_count": 2,
+                                                 "size": 1}},
+                 "repetition_detection.size")(server, tokenizer)
+
     return {
         "model": rejected(path, {"model": "gpt-4"}, "model", 404), "request_id": request_id,
         "cache_salt": cache_salt, "vllm_xargs": vllm_xargs,
         "thinking_token_budget": thinking_token_budget,
+        "stream_interval": stream_interval, "repetition_detection": repetition_detection,
         # no --kv-transfer-config here (the P/D pair takes it: test_openai_kv_transfer.py)
         "kv_transfer_params": rejected(path, {"kv_transfer_params": {
             "do_remote_decode": True, "do_remote_prefill": False}}, "kv_transfer_params"),

@@ -89,6 +89,20 @@ class StructuredOutputsField(RequestModel):
     structural_tag: str | dict[str, Any] | None = None
 
 
+class RepetitionDetection(RequestModel):
+    """vLLM 0.32's ``repetition_detection``: the request finishes with reason
+    ``repetition`` (stop reason ``"repetition_detected"``) once its generated tokens end with
+    an n-gram of ``min_pattern_size`` (0: 1) to ``max_pattern_size`` tokens repeated
+    ``min_count`` times in a row (``kvflow/repetition_detection.py``); ``max_pattern_size``
+    0 turns it off. A key it does not declare is a 400 naming
+    ``repetition_detection.<key>``; the rules between the fields (``min_pattern_size`` <=
+    ``max_pattern_size``, ``min_count`` >= 2 while on) a 400 naming the field."""
+
+    max_pattern_size: int = Field(0, ge=0, le=INT32_MAX)
+    min_pattern_size: int = Field(0, ge=0, le=INT32_MAX)
+    min_count: int = Field(0, ge=0, le=INT32_MAX)
+
+
 class SamplingRequest(RequestBody):
     """Fields shared by completion and chat requests. vLLM's older ``guided_json`` /
     ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` are ``structured_outputs``
@@ -109,7 +123,9 @@ class SamplingRequest(RequestBody):
     finds a prompt's blocks by their content, as vLLM's does). vLLM 0.32's
     ``thinking_token_budget`` (an integer >= 0, or -1 for unlimited) ends the reply's think
     block after that many tokens (``SamplingParams.thinking_token_budget``; the markers come
-    from ``--reasoning-parser``)."""
+    from ``--reasoning-parser``); ``stream_interval`` (tokens per streamed chunk, raised to
+    the server's ``--stream-interval``; no effect on a reply that is not streamed, as
+    vLLM's) and ``repetition_detection`` are SamplingParams'."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
@@ -159,6 +175,10 @@ class SamplingRequest(RequestBody):
     # vLLM 0.32's: think tokens before the end marker is forced (-1 or null: unlimited);
     # needs --reasoning-parser (entrypoints/sampling_requests.py)
     thinking_token_budget: int | None = Field(None, ge=-1, le=INT64_MAX)
+    # vLLM 0.32's: tokens per streamed chunk, raised to the server's --stream-interval
+    stream_interval: int | None = Field(None, ge=1, le=INT32_MAX)
+    # vLLM 0.32's: finish with reason "repetition" on a repeated n-gram
+    repetition_detection: RepetitionDetection | None = None
 
     @model_validator(mode="wrap")
     @classmethod
