@@ -20,7 +20,8 @@ def check_sampling_params(params: SamplingParams, vocab_size: int, max_model_len
     ``max_model_len`` tokens, served with or without a tokenizer.
 
     Raises:
-        ValueError: for a ``logit_bias``, ``stop_token_ids`` or ``allowed_token_ids`` id
+        ValueError: for a ``logit_bias``, ``stop_token_ids``, ``allowed_token_ids`` or
+            ``logprob_token_ids`` id
             outside ``[0, vocab_size)``, ``logprobs`` / ``prompt_logprobs`` above
             ``vocab_size``, stop strings or ``bad_words`` without a tokenizer, a
             ``truncate_prompt_tokens`` above ``max_model_len``, or a
@@ -37,7 +38,8 @@ def check_sampling_params(params: SamplingParams, vocab_size: int, max_model_len
                              f"size ({vocab_size})")
     for name, ids in (("logit_bias", params.logit_bias or {}),
                       ("stop_token_ids", params.stop_token_ids),
-                      ("allowed_token_ids", params.allowed_token_ids or [])):
+                      ("allowed_token_ids", params.allowed_token_ids or []),
+                      ("logprob_token_ids", params.logprob_token_ids or [])):
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"SamplingParams.{name} has token id {bad[0]} outside the "

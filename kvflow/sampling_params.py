@@ -73,6 +73,11 @@ class SamplingParams:
         ignore_eos: keep generating past the EOS token.
         logprobs: if set, return this many top logprobs per generated token (plus the sampled);
             -1: every token of the vocabulary (vLLM's), resolved when the request is queued.
+        logprob_token_ids: vLLM 0.32's: the logprobs of these token ids (a non-empty list)
+            at every generated position, in place of the top ``logprobs`` (which must be set,
+            its value is then not read); each position's dict holds the sampled token, then
+            these in order (a listed token's ``Logprob.rank`` is its place in the list, as
+            vLLM's). Ids outside the vocabulary are refused when the request is queued.
         prompt_logprobs: if set, return this many top logprobs per prompt token (plus the
             prompt token's own) in ``RequestOutput.prompt_logprobs``; the first prompt token has
             none (None); -1: the whole vocabulary, as for ``logprobs``. Such a request takes no
@@ -172,6 +177,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -234,6 +240,8 @@ class SamplingParams:
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        if self.logprob_token_ids is not None:
+            self.logprob_token_ids = [int(t) for t in self.logprob_token_ids]
         self.bad_words = list(self.bad_words) if self.bad_words else None
         self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         self.thinking_token_budget = check_thinking_token_budget(self.thinking_token_budget)
@@ -302,10 +310,11 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple, type(None))) or \
                 not all(_is_int(t) for t in self.stop_token_ids or []):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of integer token ids")
-        if not isinstance(self.allowed_token_ids, (list, tuple, type(None))) or \
-                not all(_is_int(t) for t in self.allowed_token_ids or []):
-            raise bad("allowed_token_ids", self.allowed_token_ids,
-                      "a list of integer token ids or None")
+        for name in ("allowed_token_ids", "logprob_token_ids"):
+            ids = getattr(self, name)
+            if not isinstance(ids, (list, tuple, type(None))) or \
+                    not all(_is_int(t) for t in ids or []):
+                raise bad(name, ids, "a list of integer token ids or None")
         if not isinstance(self.bad_words, (list, tuple, type(None))) or \
                 not all(isinstance(w, str) for w in self.bad_words or []):
             raise bad("bad_words", self.bad_words, "a list of strings or None")
@@ -354,6 +363,11 @@ class SamplingParams:
             (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
              "allowed_token_ids", self.allowed_token_ids,
              "must name at least one token id (None allows every token)"),
+            (self.logprob_token_ids is None or len(self.logprob_token_ids) > 0,
+             "logprob_token_ids", self.logprob_token_ids, "must name at least one token id"),
+            (self.logprob_token_ids is None or self.logprobs is not None, "logprob_token_ids",
+             self.logprob_token_ids,
+             "needs logprobs set (the listed tokens' logprobs replace its top ones)"),
             (all(w.strip() for w in self.bad_words or []), "bad_words", self.bad_words,
              "must be words, not empty or whitespace-only strings"),
             (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1

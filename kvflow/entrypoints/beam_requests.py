@@ -40,6 +40,7 @@ _SAMPLING_ONLY = {
     "allowed_token_ids": ((None,), _RAW), "bad_words": ((None, []), _RAW),
     "stop": ((None, "", []), _STOPS), "stop_token_ids": ((None, []), _STOPS),
     "min_tokens": ((0,), _STOPS), "repetition_detection": ((None,), _STOPS),
+    "logprob_token_ids": ((None,), "beam search reports each beam token's top logprobs"),
     "structured_outputs": ((None,), _STRUCTURED), "guided_json": ((None,), _STRUCTURED),
     "guided_regex": ((None,), _STRUCTURED), "guided_choice": ((None,), _STRUCTURED),
     "guided_grammar": ((None,), _STRUCTURED),

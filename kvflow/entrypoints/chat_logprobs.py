@@ -63,9 +63,12 @@ def _splits_a_character(tokenizer: Any, token_id: int) -> bool:
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_k: int,
-                  tokenizer: Any = None, as_token_ids: bool = False) -> ChatLogprobs:
+                  tokenizer: Any = None, as_token_ids: bool = False,
+                  listed: bool = False) -> ChatLogprobs:
     """Chat-format logprobs: per token its logprob, bytes and the ``top_k`` best
-    (``tokenizer`` gives partial characters' bytes; None: the decoded text's).
+    (``tokenizer`` gives partial characters' bytes; None: the decoded text's); ``listed``
+    (vLLM's ``logprob_token_ids``): every entry of each token's dict instead, the chosen
+    token then the listed ones, in order, as vLLM writes them.
 
     ``as_token_ids`` (vLLM's ``return_tokens_as_token_ids``): every ``token``, the chosen
     one's and the alternatives', is ``"token_id:{id}"``; as vLLM writes them, the chosen
@@ -73,10 +76,12 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_
     ``"token_id:{id}"`` string."""
     content = []
     for token_id, step in zip(token_ids, logprobs):
-        top = sorted(((tid, lp) for tid, lp in step.items() if lp.rank <= top_k),
-                     key=lambda item: item[1].rank)
+        top = list(step.items()) if listed else \
+            sorted(((tid, lp) for tid, lp in step.items() if lp.rank <= top_k),
+                   key=lambda item: item[1].rank)
         chosen = _entry(tokenizer, token_id, step[token_id])
-        alternatives = [_entry(tokenizer, tid, lp) for tid, lp in top[:top_k]]
+        alternatives = [_entry(tokenizer, tid, lp) for tid, lp in
+                        (top if listed else top[:top_k])]
         if as_token_ids:
             chosen["token"] = f"token_id:{token_id}"
             for (tid, _), entry in zip(top, alternatives):

@@ -25,7 +25,8 @@ from kvflow.thinking_budget import ReasoningTokenIds
 # Request fields that map 1:1 onto SamplingParams (the optional ones only when set).
 _COPIED_FIELDS = ("n", "seed", "min_tokens", "ignore_eos", "skip_special_tokens",
                   "spaces_between_special_tokens", "include_stop_str_in_output", "logit_bias",
-                  "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
+                  "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+                  "logprob_token_ids")
 # a structural tag's error names the field inside the tag first (structural_tag.py)
 _TAG_FIELD = re.compile(r"invalid structural tag in structured_outputs: "
                         r"((?:structures|triggers|format)(?:\.\w+)*): ")
@@ -97,7 +98,8 @@ def sampling_params(engine: AsyncLLM, req: SamplingRequest, max_tokens: int,
     server's ``--reasoning-parser`` markers, which a ``thinking_token_budget`` needs.
 
     Raises:
-        OpenAIError: 400 when invalid (a malformed schema or regex too); a ``logit_bias`` of
+        OpenAIError: 400 when invalid (a malformed schema or regex too; ``logprob_token_ids``
+            without logprobs); a ``logit_bias`` of
             more entries than the model's vocabulary has tokens (code
             ``array_above_max_length``: they cannot all name a token) before any is read; a
             ``thinking_token_budget`` without ``reasoning`` markers (code
@@ -118,6 +120,11 @@ def sampling_params(engine: AsyncLLM, req: SamplingRequest, max_tokens: int,
     fields.update(max_tokens=max_tokens, logprobs=logprobs,
                   stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
                   stop_token_ids=list(req.stop_token_ids or []))
+    if req.logprob_token_ids is not None and logprobs is None:
+        raise OpenAIError("logprob_token_ids needs logprobs (true on /v1/chat/completions, a "
+                          "count on /v1/completions): the listed tokens' logprobs are given "
+                          "in place of the top ones", param="logprob_token_ids",
+                          code="invalid_parameter_combination")
     if req.repetition_detection is not None:
         fields["repetition_detection"] = repetition_detection(req)
     if req.vllm_xargs:

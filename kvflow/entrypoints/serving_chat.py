@@ -271,7 +271,8 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         show = not hides_reasoning
         return {"logprobs": chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0,
                                           self.engine.tokenizer,
-                                          req.return_tokens_as_token_ids)
+                                          req.return_tokens_as_token_ids,
+                                          req.logprob_token_ids is not None)
                 if req.logprobs and show else None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                 "token_ids": c.token_ids if req.return_token_ids and show else None}

@@ -71,6 +71,9 @@ class SamplingMetadata:
             one) for seeded random rows (``layers/seeded_noise.py``).
         banned_token_ids: row -> token ids masked this step (EOS/stop ids during min_tokens).
         num_logprobs: row -> number of top logprobs requested.
+        logprob_token_ids: row -> the token ids whose logprobs it reports in place of its
+            top ones (``SamplingParams.logprob_token_ids``; its ``num_logprobs`` is their
+            count).
         penalties: presence / frequency / repetition penalties of the rows that use them.
         logit_bias: (rows int64 [K], token ids int64 [K], biases float32 [K]) for every
             (row, token) pair with a bias, or None.
@@ -88,6 +91,7 @@ class SamplingMetadata:
     seeded: dict[int, tuple[int, int]] = field(default_factory=dict)
     banned_token_ids: dict[int, list[int]] = field(default_factory=dict)
     num_logprobs: dict[int, int] = field(default_factory=dict)
+    logprob_token_ids: dict[int, list[int]] = field(default_factory=dict)
     penalties: PenaltyMetadata | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     allowed_token_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -215,11 +219,17 @@ class Sampler:
                         meta: SamplingMetadata) -> tuple[torch.Tensor, ...] | None:
         """(top ids [B, K], top values [B, K], ``sampled``'s value [B], its rank [B]) from
         ``raw`` [B, V], the values the logprobs mode reports (``logprob_values``; K: the most
-        logprobs a row asked for), or None."""
+        logprobs a row asked for), or None. A row with ``logprob_token_ids`` holds its listed
+        ids and their values in place of its top ones (vLLM's
+        ``gather_specific_token_logprobs``)."""
         if raw is None:
             return None
         k_max = max(meta.num_logprobs.values())
         top_lp, top_ids = raw.topk(max(k_max, 1), dim=-1)
+        for row, listed in meta.logprob_token_ids.items():
+            ids = torch.tensor(listed, dtype=torch.int64, device=raw.device)
+            top_ids[row, :len(listed)] = ids
+            top_lp[row, :len(listed)] = raw[row, ids]
         sampled_lp = raw.gather(1, sampled.unsqueeze(1)).squeeze(1)
         ranks = (raw > sampled_lp.unsqueeze(1)).sum(dim=1) + 1
         return top_ids, top_lp, sampled_lp, ranks

@@ -82,6 +82,7 @@ class InputBatch:
         # sparse settings, by request id (only rows that use them)
         self.seeds: dict[str, int] = {}  # request_seed: seeded random rows
         self.num_logprobs: dict[str, int] = {}
+        self.logprob_token_ids: dict[str, list[int]] = {}  # SamplingParams.logprob_token_ids
         self.logit_bias: dict[str, dict[int, float]] = {}
         # allowed_token_ids as int64 [K] host tensors, built once when the row is added
         self.allowed_token_ids: dict[str, torch.Tensor] = {}
@@ -153,7 +154,10 @@ class InputBatch:
         self.min_tokens[row] = p.min_tokens
         if state.seed is not None:
             self.seeds[rid] = state.seed
-        if p.logprobs is not None:
+        if p.logprob_token_ids:  # its listed tokens' logprobs in place of the top ones
+            self.num_logprobs[rid] = len(p.logprob_token_ids)
+            self.logprob_token_ids[rid] = p.logprob_token_ids
+        elif p.logprobs is not None:
             self.num_logprobs[rid] = p.logprobs
         if p.logit_bias:
             self.logit_bias[rid] = p.logit_bias
@@ -185,7 +189,7 @@ class InputBatch:
         if row != last:
             self._move_row(last, row)
         self.req_ids.pop()
-        for sparse in (self.seeds, self.num_logprobs, self.logit_bias,
+        for sparse in (self.seeds, self.num_logprobs, self.logprob_token_ids, self.logit_bias,
                        self.allowed_token_ids, self.bad_words, self.min_tokens_banned,
                        self.stop_ids, self.prompt_logprobs, self.thinking_budgets):
             sparse.pop(req_id, None)

@@ -63,6 +63,9 @@ class SamplingInputs:
         for rid, k in batch.num_logprobs.items():
             if (i := position.get(rid)) is not None:
                 meta.num_logprobs[i] = k
+        for rid, listed in batch.logprob_token_ids.items():
+            if (i := position.get(rid)) is not None:
+                meta.logprob_token_ids[i] = listed
         meta.penalties = _penalties(batch, rows, self.device)
         rows_of = {rid: (i,) for rid, i in position.items()}
         meta.logit_bias = _logit_bias(batch, rows_of, self.device) if batch.logit_bias else None
@@ -92,6 +95,10 @@ class SamplingInputs:
         for rid, k in batch.num_logprobs.items():
             if (span := spans.get(rid)) is not None:
                 meta.num_logprobs.update(dict.fromkeys(range(span[0], span[0] + span[1]), k))
+        for rid, listed in batch.logprob_token_ids.items():
+            if (span := spans.get(rid)) is not None:
+                meta.logprob_token_ids.update(dict.fromkeys(range(span[0], span[0] + span[1]),
+                                                            listed))
         meta.penalties = _penalties(batch, rows, self.device, num_extra)
         rows_of = {rid: range(s, s + c) for rid, (s, c) in spans.items()}
         meta.logit_bias = _logit_bias(batch, rows_of, self.device) if batch.logit_bias else None

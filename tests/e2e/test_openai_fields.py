@@ -529,7 +529,8 @@ def sampling_cases(path: str) -> dict[str, Callable]:
         """vLLM 0.32's: steered to "a" (id 66) at every step, the reply ends where its ids
         first end with one token three times (hand-computed: 3 tokens), finish reason
         ``repetition``, stop reason ``repetition_detected``; max_pattern_size 0 is off; a
-        min_count of 1 and an unknown key are 400s naming them."""
+        min_count of 1 and an unknown key are 400s naming them, and so is the field with
+        beam search (which ends beams at EOS or max_tokens only)."""
         body = {**steer, "max_tokens": 12, "ignore_eos": True}
         assert ids(ok(server, path, body)) == [66] * 12
         reply = ok(server, path, {**body, "repetition_detection": {
@@ -545,9 +546,46 @@ def sampling_cases(path: str) -> dict[str, Callable]:
         rejected(path, {"repetition_detection": {"max_pattern_size": 2, "min_count": 2,
                                                  "size": 1}},
                  "repetition_detection.size")(server, tokenizer)
+        rejected(path, {"repetition_detection": {"max_pattern_size": 2, "min_count": 2},
+                        "use_beam_search": True}, "repetition_detection")(server, tokenizer)
+
+    def logprob_token_ids(server, tokenizer):
+        """vLLM 0.32's: every generated token's logprobs are its own and the listed ids'
+        (named ``token_id:N``), equal to transformers' log-softmax over the same ids, in place
+        of the top ones; without logprobs, empty, or with beam search, a 400 naming it."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        listed = [66, 200, 7]
+        logprobs = {"logprobs": 1} if path == C else {"logprobs": True, "top_logprobs": 1}
+        reply = ok(server, path, {**logprobs, "logprob_token_ids": listed, "max_tokens": 4,
+                                  "return_tokens_as_token_ids": True})
+        prompt = tokenizer.encode(PROMPT) if path == C else prompt_ids(server, {})
+        generated = ids(reply)
+        model = AutoModelForCausalLM.from_pretrained(tokenizer.name_or_path,
+                                                     dtype=torch.float32).eval()
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt + generated])).logits[0], -1)
+        lp = reply["choices"][0]["logprobs"]
+        steps = lp["top_logprobs"] if path == C else \
+            [{t["token"]: t["logprob"] for t in c["top_logprobs"]} for c in lp["content"]]
+        for pos, (token, step) in enumerate(zip(generated, steps)):
+            wanted = dict.fromkeys([token, *listed])
+            names = [f"token_id:{t}" for t in wanted]  # chat: in vLLM's order
+            assert (list(step) if path == CH else sorted(step)) == \
+                (names if path == CH else sorted(names))
+            for t in wanted:
+                assert step[f"token_id:{t}"] == pytest.approx(
+                    float(ref[len(prompt) - 1 + pos, t]), abs=1e-4)
+        rejected(path, {"logprob_token_ids": listed}, "logprob_token_ids")(server, tokenizer)
+        rejected(path, {**logprobs, "logprob_token_ids": []}, "logprob_token_ids")(server,
+                                                                                   tokenizer)
+        rejected(path, {**logprobs, "logprob_token_ids": listed, "use_beam_search": True},
+                 "logprob_token_ids")(server, tokenizer)
 
     return {
         "model": rejected(path, {"model": "gpt-4"}, "model", 404), "request_id": request_id,
+        "logprob_token_ids": logprob_token_ids,
         "cache_salt": cache_salt, "vllm_xargs": vllm_xargs,
         "thinking_token_budget": thinking_token_budget,
         "stream_interval": stream_interval, "repetition_detection": repetition_detection,

@@ -83,6 +83,27 @@ def test_logprobs_penalties_and_min_tokens_match(engines):
     assert _drafted(got)[0] > 0
 
 
+def test_logprob_token_ids_and_repetition_detection_match(engines):
+    """vLLM 0.32's logprob_token_ids: every verified position reports the listed ids'
+    logprobs, as the plain engine's; repetition_detection cuts the output at the same token
+    when a step verifies several (each accepted token is checked in turn)."""
+    base, spec = engines
+    params = SamplingParams(temperature=0, max_tokens=30, logprobs=0, ignore_eos=True,
+                            logprob_token_ids=[66, 200, 7])
+    ref, got = _generate(base, params), _generate(spec, params)
+    _same_outputs(ref, got)
+    for b, s in zip(ref, got):
+        for lb, ls in zip(b.outputs[0].logprobs, s.outputs[0].logprobs):
+            assert list(lb) == list(ls)
+            assert all(abs(ls[t].logprob - lb[t].logprob) < 1e-4 for t in lb)
+    assert _drafted(got)[0] > 0
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                            repetition_detection={"max_pattern_size": 6, "min_count": 2})
+    ref, got = _generate(base, params), _generate(spec, params)
+    _same_outputs(ref, got)
+    assert {o.outputs[0].finish_reason for o in got} == {"repetition"}
+
+
 def test_logit_bias_applies_at_every_verified_position(engines):
     """logit_bias shifts every row a step verifies, not only the one after the last draft
     (it did only that one: drafts were checked against unbiased logits, so the output

@@ -125,7 +125,9 @@ class SamplingRequest(RequestBody):
     block after that many tokens (``SamplingParams.thinking_token_budget``; the markers come
     from ``--reasoning-parser``); ``stream_interval`` (tokens per streamed chunk, raised to
     the server's ``--stream-interval``; no effect on a reply that is not streamed, as
-    vLLM's) and ``repetition_detection`` are SamplingParams'."""
+    vLLM's) and ``repetition_detection`` are SamplingParams', and so is ``logprob_token_ids``
+    (each generated token's logprobs are those of the listed ids and its own, in place of the
+    top ones; it needs ``logprobs``: a count on completions, ``true`` on chat)."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
@@ -175,6 +177,8 @@ class SamplingRequest(RequestBody):
     # vLLM 0.32's: think tokens before the end marker is forced (-1 or null: unlimited);
     # needs --reasoning-parser (entrypoints/sampling_requests.py)
     thinking_token_budget: int | None = Field(None, ge=-1, le=INT64_MAX)
+    # vLLM 0.32's: the logprobs of these ids in place of the top ones (needs logprobs)
+    logprob_token_ids: list[int] | None = Field(None, min_length=1)
     # vLLM 0.32's: tokens per streamed chunk, raised to the server's --stream-interval
     stream_interval: int | None = Field(None, ge=1, le=INT32_MAX)
     # vLLM 0.32's: finish with reason "repetition" on a repeated n-gram
