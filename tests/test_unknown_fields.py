@@ -128,6 +128,32 @@ def test_thinking_token_budget_is_declared_on_both_endpoints(endpoint):
         {"messages": HI, "include_reasoning": False}).include_reasoning is False
 
 
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions",
+                                      "/v1/responses"])
+def test_vllm_032_fields_kvflow_does_not_take(endpoint):
+    """vLLM 0.32's ``watermarking``, ``ec_transfer_params`` and
+    ``routed_experts_prompt_start`` would change its reply: a 400 naming each with why
+    (also under ``--ignore-unknown-fields``), their defaults passing; the render endpoints'
+    ``return_token_offsets`` / ``mm_payload`` / ``return_mm_kwargs`` and the KV-event tag
+    ``session_id`` change nothing on vLLM's generation endpoints: unknown fields, whose
+    400 says why, ignored under the flag."""
+    for name, value in (("watermarking", True), ("ec_transfer_params", {"a": 1}),
+                        ("routed_experts_prompt_start", 2)):
+        for ignore in (False, True):
+            error = _refusal(endpoint, {name: value}, ignore)
+            assert (error.param, error.code) == (name, "unsupported_parameter")
+    UnknownFields().check(_parsed(endpoint, {"watermarking": False,
+                                             "routed_experts_prompt_start": 0}), endpoint)
+    for name, value, why in (("return_token_offsets", True, "render endpoints"),
+                             ("mm_payload", "none", "render endpoints"),
+                             ("return_mm_kwargs", False, "render endpoints"),
+                             ("session_id", "s-1", "KV cache events")):
+        error = _refusal(endpoint, {name: value})
+        assert (error.param, error.code) == (name, "unknown_parameter")
+        assert f"{name}: vLLM 0.32" in str(error) and why in str(error)
+        UnknownFields(True).check(_parsed(endpoint, {name: value}), endpoint)
+
+
 def test_null_and_harmless_values_of_unsupported_fields_pass():
     harmless = {"modalities": ["text"], "audio": None, "guided_decoding_backend": "auto",
                 "spaces_between_special_tokens": True, "verbosity": None}

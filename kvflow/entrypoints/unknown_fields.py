@@ -98,11 +98,34 @@ UNSUPPORTED = {
     "store": "completions are never stored (send false or leave it out)",
     "service_tier": "every request is served on one tier (send auto or default, or leave it "
                     "out)",
+    # vLLM 0.32's: they change its replies; refused (their defaults pass: HARMLESS)
+    "watermarking": "kvflow does not watermark outputs (vLLM's needs a server watermark "
+                    "config: send false or leave it out)",
+    "ec_transfer_params": "encoder-cache disaggregation (vLLM's ECConnector) is not "
+                          "supported: kvflow encodes a request's images itself",
+    "routed_experts_prompt_start": "kvflow does not return the routed experts (vLLM's "
+                                   "--enable-return-routed-experts): send 0 or leave it out",
 }
 
 
+# vLLM 0.32's fields above: the values that ask for nothing (its defaults)
+_VLLM_032_HARMLESS = {"watermarking": [False], "routed_experts_prompt_start": [0]}
+
+# vLLM 0.32 fields that change nothing in its replies on the endpoints kvflow serves: unknown
+# fields still (a 400 naming them, ignored under --ignore-unknown-fields as vLLM ignores them
+# there), the 400 saying why kvflow does not take them
+UNREAD = {
+    **{name: "vLLM 0.32 reads it on its /v1/completions/render and "
+             "/v1/chat/completions/render endpoints only (its generation endpoints ignore "
+             "it), and kvflow has no render endpoints (/tokenize gives a prompt's token ids)"
+       for name in ("return_token_offsets", "mm_payload", "return_mm_kwargs")},
+    "session_id": "vLLM 0.32 only writes it into its KV cache events (BlockStored) for "
+                  "session-aware routers, and kvflow's events carry no session",
+}
+
 # Values of an UNSUPPORTED field that ask for nothing kvflow does not do.
-HARMLESS = {"modalities": [["text"]], "bad_words": [[]], "early_stopping": [False],
+HARMLESS = {**_VLLM_032_HARMLESS,
+            "modalities": [["text"]], "bad_words": [[]], "early_stopping": [False],
             "guided_decoding_backend": ["xgrammar", "auto"],
             "spaces_between_special_tokens": [True], "store": [False],
             "truncation_side": ["left"], "padding": ["do_not_pad"],
@@ -123,14 +146,16 @@ def refuse_unsupported(unknown: Mapping[str, Any]) -> None:
 def refuse_unknown(names: Iterable[str]) -> None:
     """Raises OpenAIError 400 (code ``unknown_parameter``, ``param`` the first name in sorted
     order) naming every one of a body's undeclared field ``names``, except the
-    ``UNSUPPORTED`` ones that ``refuse_unsupported`` let pass (null, ``HARMLESS``)."""
+    ``UNSUPPORTED`` ones that ``refuse_unsupported`` let pass (null, ``HARMLESS``); an
+    ``UNREAD`` name's reason is added."""
     unknown = [name for name in sorted(names) if name not in UNSUPPORTED]
     if unknown:
+        why = "".join(f"; {name}: {UNREAD[name]}" for name in unknown if name in UNREAD)
         raise OpenAIError(f"Unrecognized request argument supplied: {', '.join(unknown)} "
                           "(kvflow does not know it, so it is refused rather than ignored: "
                           "check the spelling, or start the server with "
                           "--ignore-unknown-fields to ignore such top-level fields as vLLM "
-                          "does)", param=unknown[0], code="unknown_parameter")
+                          f"does{why})", param=unknown[0], code="unknown_parameter")
 
 
 # Unknown field names remembered (as logged already) per server: the names are the clients'
