@@ -12,6 +12,7 @@ its stream (with ``stream``) followed again with GET ...?stream=true&starting_af
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -210,6 +211,7 @@ class OpenAIServingResponses:
                     "prompt_cache_key": req.prompt_cache_key, "cache_salt": req.cache_salt,
                     "safety_identifier": req.safety_identifier,
                     "reasoning_effort": req.reasoning and req.reasoning.effort,
+                    "include_reasoning": req.include_reasoning,
                     "vllm_xargs": req.vllm_xargs}
         except RequestFieldError as e:
             raise OpenAIError(str(e), param=e.param, code=e.code) from None
@@ -288,11 +290,14 @@ class OpenAIServingResponses:
         yield events.event("response.in_progress", response=skeleton.model_copy(
             update={"status": "in_progress"}).model_dump())
         state, num_generated, finish_reason = run.parser.stream_state(), 0, None
-        top = (req.top_logprobs or 0) if wants_logprobs(req) else None
+        # include_reasoning false (vLLM 0.32's): reasoning items and logprobs are left out;
+        # the dropped reasoning still counts in usage's reasoning_tokens, as vLLM counts it
+        hides, hidden = run.parser.hides_reasoning, []
+        top = (req.top_logprobs or 0) if wants_logprobs(req) and not hides else None
         num_cached = 0
         # the counts as they stand (the locals it reads grow below): a cancel reads them
         events.usage = lambda: self._usage(events, len(run.prompt_ids), num_cached,
-                                           num_generated)
+                                           num_generated, hidden)
         async for delta in run.streams[0]:
             num_cached = delta.metrics.num_cached_tokens
             for c in delta.outputs:
@@ -302,10 +307,13 @@ class OpenAIServingResponses:
                     entry.model_dump() for entry in chat_logprobs(
                         c.token_ids, c.logprobs or [], top, self.chat.engine.tokenizer,
                         self.chat.config.return_tokens_as_token_ids).content]
-                for event in events.feed(state.update(c.text, c.finish_reason is not None),
-                                         logprobs):
+                delta = state.update(c.text, c.finish_reason is not None)
+                if hides and delta.reasoning:
+                    hidden.append(delta.reasoning)
+                    delta = dataclasses.replace(delta, reasoning="")
+                for event in events.feed(delta, logprobs):
                     yield event
-        usage = self._usage(events, len(run.prompt_ids), num_cached, num_generated)
+        usage = self._usage(events, len(run.prompt_ids), num_cached, num_generated, hidden)
         response, closing = self._finish(req, events, skeleton, conv, finish_reason, usage)
         done.append(response)
         for event in closing:
@@ -313,11 +321,12 @@ class OpenAIServingResponses:
         yield events.event(f"response.{response.status}", response=response.model_dump())
 
     def _usage(self, events: ResponseEvents, num_prompt: int, num_cached: int,
-               num_generated: int) -> ResponseUsage:
+               num_generated: int, hidden: list[str]) -> ResponseUsage:
         """Token counts: ``num_cached`` of the ``num_prompt`` prompt tokens were prefix-cache
-        hits; the reasoning text is re-tokenized for ``reasoning_tokens``."""
+        hits; the reasoning text, the items' and the ``hidden`` one
+        (``include_reasoning: false``), is re-tokenized for ``reasoning_tokens``."""
         reasoning = "".join(p["text"] for item in events.items if item["type"] == "reasoning"
-                            for p in item["content"])
+                            for p in item["content"]) + "".join(hidden)
         return ResponseUsage(
             input_tokens=num_prompt, output_tokens=num_generated,
             total_tokens=num_prompt + num_generated,

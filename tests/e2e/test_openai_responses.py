@@ -426,7 +426,8 @@ USED = {"model", "input", "instructions", "max_output_tokens", "temperature", "t
         "previous_response_id", "user", "prompt_cache_key", "safety_identifier",
         "include", "top_logprobs",  # output logprobs: test_openai_responses_extras
         "cache_salt", "background",  # background: test_openai_responses_background
-        "vllm_xargs"}  # below without processors; with them: test_openai_logits_processors
+        "vllm_xargs",  # below without processors; with them: test_openai_logits_processors
+        "include_reasoning"}  # test_openai_tool_parsers_served (a reasoning parser's server)
 
 
 def test_vllm_xargs_without_processors_is_a_400_naming_it(server):

@@ -192,3 +192,29 @@ def test_forced_calls_and_json_are_not_reasoning(r1_client):
                                           for c in whole.message.tool_calls]
     message = ask(response_format={"type": "json_object"}, max_tokens=20).choices[0].message
     assert message.content and getattr(message, "reasoning", None) is None
+
+
+def test_responses_include_reasoning_false_drops_the_reasoning_items(r1_client):
+    """/v1/responses' ``include_reasoning`` (vLLM 0.32's; it was a 400 as unknown): under
+    deepseek_r1 the tiny model's reply (no ``</think>``) is all reasoning. The same request
+    with ``include_reasoning: false`` has no reasoning item, whole or streamed (no reasoning
+    event either), only the empty message, and no output logprobs; its usage equals the
+    shown reply's, reasoning tokens included (vLLM counts them too)."""
+    def ask(stream=False, **extra):
+        return r1_client.responses.create(
+            model=MODEL, input="the quick brown fox", temperature=0, max_output_tokens=6,
+            stream=stream, include=["message.output_text.logprobs"], top_logprobs=2,
+            extra_body=extra)
+
+    shown, hidden = ask(), ask(include_reasoning=False)
+    kinds = [item.type for item in shown.output]
+    assert "reasoning" in kinds and shown.usage.output_tokens_details.reasoning_tokens > 0
+    assert [item.type for item in hidden.output] == ["message"]
+    (part,) = hidden.output[0].content
+    assert (part.text, part.logprobs) == ("", [])
+    assert hidden.usage.model_dump() == shown.usage.model_dump()
+    events = list(ask(stream=True, include_reasoning=False))
+    assert not any("reasoning" in event.type for event in events)
+    done = events[-1].response
+    assert [item.type for item in done.output] == ["message"]
+    assert done.usage.model_dump() == shown.usage.model_dump()

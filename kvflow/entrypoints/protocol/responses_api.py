@@ -81,6 +81,9 @@ class ResponsesRequest(RequestBody):
     ``top_logprobs`` alternatives, 0-20); other values are refused by ``serving_responses``.
     ``vllm_xargs`` (vLLM's, as on chat/completions) goes to the chat request: the arguments
     of the server's custom logits processors (``SamplingParams.extra_args``).
+    ``include_reasoning`` (vLLM 0.32's, as on chat): ``false`` on a server with a reasoning
+    parser leaves the reasoning items out, streamed or not, and the output text's logprobs
+    (which would show the reasoning's tokens); ``usage`` still counts its tokens.
     The fields after ``user`` are OpenAI's that kvflow does not honour, each marked
     ``Unhonoured`` (its harmless value and what kvflow does instead): declared so that a set
     value is a 400 naming it (``responses_checks.refuse_unhonoured`` reads
@@ -114,6 +117,8 @@ class ResponsesRequest(RequestBody):
     background: bool = False
     # vLLM's: arguments of the server's custom logits processors (as on chat/completions)
     vllm_xargs: dict[str, XargValue | list[XargValue]] | None = None
+    # vLLM 0.32's: false leaves the reasoning items (and output logprobs) out
+    include_reasoning: bool = True
     # OpenAI's, not honoured: a value other than null (or the harmless one) is a 400
     conversation: Annotated[Any, Unhonoured(
         None, "use previous_response_id to continue a stored reply")] = None
