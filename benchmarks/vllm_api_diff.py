@@ -248,6 +248,20 @@ CASES = [
     Case("edge_min_tokens_eq", C, _cmp(min_tokens=8)),
     Case("edge_stop_ids_eos", C, _cmp(prompt="Say hi.<|im_end|>", stop_token_ids=[2],
                                       max_tokens=6)),
+    # vLLM 0.32's per-request fields (session 49)
+    Case("cmpl_logprob_token_ids", C, _cmp(logprobs=1, logprob_token_ids=[30, 33, 216])),
+    Case("chat_logprob_token_ids", CH, _chat(logprobs=True, logprob_token_ids=[30, 33, 216])),
+    Case("cmpl_stream_interval", C, _cmp(stream=True, max_tokens=10, stream_interval=3,
+                                         return_token_ids=True), stream=True),
+    Case("chat_stream_interval", CH, _chat(stream=True, max_tokens=10, stream_interval=4),
+         stream=True),
+    Case("cmpl_repetition", C, _cmp(max_tokens=48, ignore_eos=True, repetition_detection={
+        "max_pattern_size": 8, "min_count": 2})),
+    Case("chat_repetition", CH, _chat(max_tokens=48, ignore_eos=True, repetition_detection={
+        "max_pattern_size": 8, "min_count": 2})),
+    Case("err_logprob_token_ids", C, _cmp(logprob_token_ids=[30])),
+    Case("err_repetition_count", C, _cmp(repetition_detection={"max_pattern_size": 2,
+                                                               "min_count": 1})),
     Case("err_stream_bad", C, _cmp(stream=True, temperature=-1), stream=True),
     Case("err_chat_stream_bad", CH, _chat(stream=True, n=0), stream=True),
     Case("err_no_prompt", C, {"max_tokens": 4}),
