@@ -684,7 +684,7 @@ def test_a_file_that_fails_to_load_is_rewritten_by_the_recompute(tiny_llama, tmp
         assert_no_leaks(llm)
     finally:
         llm.shutdown()
-    assert not glob.glob(f"{folder}/*.tmp")
+    assert not glob.glob(f"{folder}/*.tmp") and not glob.glob(f"{folder}/.kvflow-tmp/*")
     got, want = load_file(bad), load_file(str(clean / os.path.basename(bad)))
     assert got.keys() == want.keys()
     for tensor in want:
@@ -853,7 +853,8 @@ def test_two_writers_of_one_block_in_one_process_both_succeed(tmp_path, monkeypa
     assert len(calls) == 2 and calls[0] != calls[1]
     torch.testing.assert_close(load_file(block_path(str(tmp_path), key))["layer.0.kv"],
                                kv[:, 1], rtol=0, atol=0)
-    assert os.listdir(tmp_path) == [f"{key}.safetensors"]  # no temporary file left
+    assert sorted(os.listdir(tmp_path)) == [".kvflow-tmp", f"{key}.safetensors"]
+    assert os.listdir(tmp_path / ".kvflow-tmp") == []  # no temporary file left
 
 
 def test_a_save_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
@@ -876,4 +877,5 @@ def test_a_save_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
     monkeypatch.setattr(ss, "save_file", disk_full)
     with pytest.raises(OSError, match="No space left"):
         worker.wait_for_save(KVConnectorMetadata(saves=[BlockTransfer("r", [1], [key])]))
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == [".kvflow-tmp"]
+    assert os.listdir(tmp_path / ".kvflow-tmp") == []

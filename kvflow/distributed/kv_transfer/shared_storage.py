@@ -8,7 +8,9 @@ KV heads; a block counts as stored once every rank's file is there; ``storage_pa
 with two tensors per attention layer: ``{layer}.kv`` [2, block_size, kv_heads, head_dim]
 (0 = K, 1 = V, the cache's dtype) and, for a quantized cache (``--kv-cache-dtype int8|fp8_e4m3``),
 ``{layer}.kv_scales`` [2, block_size, kv_heads] float32. Files are written to a temporary name
-of their own (pid and a random suffix: no two writers share one) and renamed, so a reader never sees half a block.
+of their own in ``.kvflow-tmp/`` and renamed, so a reader never sees half a block; a producer
+starting on the folder removes the temporary files of saves a kill or crash interrupted
+(``storage_writes.py``).
 A file that could not be loaded (truncated, garbage, another layout) is written over the same
 way by the first producer that recomputes its block after the failure, so the next instance
 loads it again (a consumer only reads, and leaves it).
@@ -26,10 +28,9 @@ need every prompt token computed); no pooling request.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 import os
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,7 @@ from kvflow.distributed.kv_transfer.storage_layouts import (
     record_layout,
 )
 from kvflow.distributed.kv_transfer.storage_paths import block_path, is_stored, make_folder
+from kvflow.distributed.kv_transfer.storage_writes import remove_orphans, write_atomically
 from kvflow.kv_connector_meta import BlockTransfer, KVConnectorMetadata
 from kvflow.request import Request
 
@@ -113,6 +115,8 @@ class SharedStorageScheduler(KVConnectorScheduler):
         self.tp_size = tp_size
         self.root = config.shared_storage_path
         make_folder(self.root)
+        if config.is_producer:
+            remove_orphans(self.root)  # temporary files of saves a kill interrupted
         self._states: dict[str, _RequestState] = {}
         self._loads: list[BlockTransfer] = []
         self._bad_keys: set[str] = set()  # blocks a worker failed to load: never offered again
@@ -346,16 +350,9 @@ class SharedStorageWorker(KVConnectorWorker):
                     block[f"{name}.kv"] = kv[:, block_id].to("cpu", copy=True)
                     if scales is not None:
                         block[f"{name}.kv_scales"] = scales[:, block_id].to("cpu", copy=True)
-                # a name no other writer uses: processes in two containers may share a pid,
-                # two engines may share a process; the last rename wins, with equal K/V
-                tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
-                try:
-                    save_file(block, tmp)
-                    os.replace(tmp, path)
-                except BaseException:  # a full disk: no partial file left behind
-                    with contextlib.suppress(OSError):
-                        os.remove(tmp)
-                    raise
+                # a temporary name no other writer uses, then renamed: the last rename wins,
+                # with equal K/V (storage_writes.py)
+                write_atomically(path, self.root, functools.partial(save_file, block))
 
 
 def _copy_in(cache: torch.Tensor, stored: dict[str, torch.Tensor], name: str, block_id: int,
