@@ -1,11 +1,13 @@
-"""SharedStorageConnector's leftovers: temporary files of saves a kill interrupted
-(``storage_writes.py``).
+"""SharedStorageConnector's leftovers: temporary files of saves a kill interrupted, and layout
+records whose blocks are gone (``storage_writes.py``, ``storage_layouts.py``).
 
-Oracle: the folder's files, listed by hand (``os.walk``, dot folders included).
+Oracles: the folder's files, listed by hand (``os.walk``, dot folders included); HF
+transformers' greedy tokens for a consumer that starts despite a stale record.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
@@ -13,6 +15,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 import torch
 
 from kvflow.config import KVTransferConfig
@@ -25,7 +28,12 @@ from kvflow.distributed.kv_transfer.shared_storage import (
 from kvflow.kv_connector_meta import BlockTransfer, KVConnectorMetadata
 from tests.distributed.test_kv_connector import (
     BLOCK_SIZE,
+    GREEDY,
+    _hf_greedy,
     _kv,
+    _llm,
+    _produce,
+    _prompts,
 )
 
 KILLED_MID_SAVE = textwrap.dedent("""
@@ -112,3 +120,68 @@ def test_a_writer_whose_temporary_file_was_removed_stores_nothing_and_goes_on(
     monkeypatch.setattr(ss, "save_file", real_save)
     worker.wait_for_save(meta)
     assert _files(tmp_path) == [f"{key}.safetensors"]
+
+
+@pytest.mark.parametrize("cleared", ["blocks", "none"])
+def test_a_record_whose_blocks_were_deleted_is_ignored_saying_so(tiny_llama, tmp_path, caplog,
+                                                                 cleared):
+    """A producer of another block size stored a prompt's blocks; the blocks are then
+    deleted (``rm folder/*``, which leaves the dot folders and so the layout records). A
+    consumer of this layout starts (was: refused, naming a layout of which nothing is
+    stored), says which record it ignores and why, and computes the prompt (HF's tokens).
+    With the blocks still there it is refused as before."""
+    prompt = _prompts(tiny_llama.vocab_size)[0]
+    _produce(tiny_llama.path, str(tmp_path), [prompt], block_size=8)
+    stored = glob.glob(f"{tmp_path}/*.safetensors")
+    (record,) = glob.glob(f"{tmp_path}/.kvflow-layouts/*/*")
+    assert "block_size=8," in record
+    if cleared == "none":
+        with open(record) as f:  # its witness: one of the blocks the producer stored
+            assert os.path.join(str(tmp_path), f.read()) in stored
+        with pytest.raises(ValueError, match="store KV blocks of .*block_size=8,"):
+            _llm(tiny_llama.path, str(tmp_path), "kv_consumer")
+        return
+    for path in stored:
+        os.remove(path)
+    with caplog.at_level("INFO", "kvflow.distributed.kv_transfer.shared_storage"):
+        consumer = _llm(tiny_llama.path, str(tmp_path), "kv_consumer")
+    try:
+        out = consumer.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+    finally:
+        consumer.shutdown()
+    assert out.metrics.num_cached_tokens == 0
+    assert out.outputs[0].token_ids == _hf_greedy(tiny_llama, prompt)
+    said = [r.getMessage() for r in caplog.records if "stale layout records" in r.message]
+    assert len(said) == 1 and "block_size=8," in said[0] and "none names a KV block" in said[0]
+
+
+
+def test_a_producer_names_a_new_block_once_its_records_block_is_gone(tiny_llama, tmp_path):
+    """The record's witness is rewritten at the first save after its block is deleted, so a
+    producer that keeps running keeps its record live; a record naming a file outside the
+    folder, or no block file, is stale."""
+    from kvflow.distributed.kv_transfer.storage_layouts import StorageLayout, read_records
+
+    first, second = _prompts(tiny_llama.vocab_size)[:2]
+    producer = _llm(tiny_llama.path, str(tmp_path), "kv_producer")
+    try:
+        producer.generate([{"prompt_token_ids": first}], GREEDY, use_tqdm=False)
+        (record,) = glob.glob(f"{tmp_path}/.kvflow-layouts/*/*")
+        for path in glob.glob(f"{tmp_path}/*.safetensors"):
+            os.remove(path)
+        producer.generate([{"prompt_token_ids": second}], GREEDY, use_tqdm=False)
+    finally:
+        producer.shutdown()
+    with open(record) as f:
+        witness = f.read()
+    assert os.path.isfile(tmp_path / witness)  # one of the second prompt's blocks
+    family, name = record.split(os.sep)[-2:]
+    other = StorageLayout(family, "another layout")
+    assert read_records(str(tmp_path), other) == ([name], [])
+    outside = tmp_path / "elsewhere" / "x.safetensors"  # a file, but not in the folder
+    os.makedirs(outside.parent)
+    outside.write_bytes(b"")
+    for content in ("", witness.removesuffix(".safetensors"), str(outside)):
+        with open(record, "w") as f:
+            f.write(content)
+        assert read_records(str(tmp_path), other) == ([], [name]), content

@@ -19,7 +19,9 @@ Keys: a SHA-256 chain over each block's tokens and everything its K/V depends on
 (``storage_keys.py``: ``block_keys`` from ``model_identity``). Layouts: each producer
 records its compute dtype, block size, KV-cache dtype and tensor-parallel size in the folder;
 a ``kv_consumer`` whose layout no producer of its model records is refused at start-up, or
-warned at its first miss once such a producer has started (``storage_layouts.py``).
+warned at its first miss once such a producer has started, when blocks of those other layouts
+are stored (records that name no stored block are stale: ignored, saying so;
+``storage_layouts.py``).
 
 Which requests take part: every generation request (prompt embeddings too: their digest is an
 extra key of every block) stores its blocks; those asking for prompt logprobs load none (they
@@ -51,7 +53,10 @@ from kvflow.distributed.kv_transfer.storage_layouts import (
     foreign_layouts,
     layout_name,
     mismatch_message,
+    read_records,
     record_layout,
+    record_witness,
+    stale_message,
 )
 from kvflow.distributed.kv_transfer.storage_paths import block_path, is_stored, make_folder
 from kvflow.distributed.kv_transfer.storage_writes import remove_orphans, write_atomically
@@ -104,7 +109,8 @@ class SharedStorageScheduler(KVConnectorScheduler):
             producer) its layout cannot be recorded there; for a ``kv_consumer``, naming
             both layouts, if the folder's producers of this model store only blocks of
             another compute dtype, block size, KV-cache dtype or tensor-parallel size
-            (``storage_layouts.py``: it could load none of them).
+            (``storage_layouts.py``: it could load none of them; stale records, naming no
+            stored block, are ignored).
     """
 
     def __init__(self, config: KVTransferConfig, block_size: int, kv_cache_dtype: str,
@@ -132,12 +138,15 @@ class SharedStorageScheduler(KVConnectorScheduler):
         self.layout = layout if layout is not None else StorageLayout(
             self.model_key, layout_name(self.block_size, self.kv_cache_dtype, self.tp_size))
         self._warned_layouts: list[str] = []  # the foreign layouts last warned about
+        self._witness: str | None = None  # the block file its layout record names
         if self.config.is_producer:
             record_layout(self.root, self.layout)
             return
-        recorded = foreign_layouts(self.root, self.layout)
-        if recorded:
-            raise ValueError(mismatch_message(self.root, self.layout, recorded))
+        records = read_records(self.root, self.layout)
+        if records.stale:
+            logger.info("%s", stale_message(self.root, self.layout, records.stale))
+        if records.live:
+            raise ValueError(mismatch_message(self.root, self.layout, records.live))
 
     def _check_layout(self, state: _RequestState) -> None:
         """A consumer's request found none of its blocks: warn (once per set of layouts)
@@ -198,7 +207,19 @@ class SharedStorageScheduler(KVConnectorScheduler):
                         save.reads = [b for b in block_ids_of(request.request_id)
                                       if b in loaded]
                     meta.saves.append(save)
+            self._refresh_witness(meta.saves)
         return meta
+
+    def _refresh_witness(self, saves: Sequence[BlockTransfer]) -> None:
+        """Name the last block of ``saves`` in this producer's layout record, if the block
+        file it names is gone or none is named yet (``storage_layouts.py``: the record stays
+        live while that file is there; one stat per step that saves)."""
+        if not saves or (self._witness is not None
+                         and os.path.exists(os.path.join(self.root, self._witness))):
+            return
+        name = os.path.basename(block_path(self.root, saves[-1].keys[-1], 0, self.tp_size))
+        if record_witness(self.root, self.layout, name):
+            self._witness = name
 
     def _new_saves(self, request: Request, block_ids_of: Callable[[str], Sequence[int]],
                    planned: set[str]) -> BlockTransfer | None:
@@ -253,6 +274,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
         self._stale |= running
         self.layout = layout
         self._warned_layouts = []
+        self._witness = None
         if self.config.is_producer:
             record_layout(self.root, layout)
 
