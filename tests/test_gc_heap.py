@@ -53,6 +53,44 @@ def test_freezing_hides_the_startup_heap_and_later_garbage_is_still_collected():
     assert done.stdout.strip() == "ok"
 
 
+IMPORT_FREEZE = textwrap.dedent("""
+    import gc, weakref
+    from kvflow.gc_heap import freeze_import_heap, freeze_startup_heap
+
+    class Node:
+        pass
+
+    def cycle():
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        return a
+
+    keep = [cycle()]                      # an import's object: alive, frozen
+    young = weakref.ref(cycle())          # young garbage: collected, not frozen
+    frozen = freeze_import_heap()
+    assert young() is None, "young garbage was frozen"
+    assert frozen == gc.get_freeze_count() > 0
+    assert not any(o is keep for o in gc.get_objects()), "an import's object left tracked"
+    later = [cycle()]                     # what loading the model makes
+    tracked = len(gc.get_objects())
+    assert tracked < frozen / 10, (tracked, frozen)  # all the later full collection walks
+    assert freeze_startup_heap("test") > frozen
+    assert not any(o is later for o in gc.get_objects())
+    print("ok")
+""")
+
+
+def test_the_import_freeze_leaves_the_later_collection_only_what_came_after():
+    """freeze_import_heap freezes what is alive (the imports), not young garbage, so the
+    full collection of freeze_startup_heap walks only the objects made after it. Oracle:
+    weak references and gc.get_objects (what a full collection walks), in a fresh
+    interpreter."""
+    done = subprocess.run([sys.executable, "-c", IMPORT_FREEZE], check=False,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
 def test_the_engine_core_process_freezes_after_building_the_engine_and_before_ready(
         monkeypatch, tmp_path):
     """run_engine_core: EngineCore built (model loaded), then the heap frozen, then ready
@@ -82,6 +120,7 @@ def test_the_engine_core_process_freezes_after_building_the_engine_and_before_re
 
     monkeypatch.setattr(core_proc, "EngineCore", FakeCore)
     monkeypatch.setattr(core_proc, "EngineCoreProc", FakeLoop)
+    monkeypatch.setattr(core_proc, "freeze_import_heap", lambda: events.append("imports"))
     monkeypatch.setattr(core_proc, "freeze_startup_heap", lambda name: events.append(name))
     monkeypatch.setattr(core_proc, "_ready", lambda core, index: events.append("ready") or
                         {"ready": index})
@@ -101,7 +140,7 @@ def test_the_engine_core_process_freezes_after_building_the_engine_and_before_re
     finally:
         results.close(linger=0)
         ctx.term()
-    assert events == ["engine built", "engine core", "ready", "loop", "shutdown"]
+    assert events == ["imports", "engine built", "engine core", "ready", "loop", "shutdown"]
 
 
 def test_multiprocess_executors_ask_each_worker_to_freeze_and_uniproc_does_not(monkeypatch):

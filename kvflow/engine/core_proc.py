@@ -11,9 +11,10 @@ to nobody), and then only once its output socket's queue (1000 steps) had room. 
 scheduler's window is open (``Scheduler.batch_wait_s``). Aborts are
 therefore applied (and their KV blocks freed) before the next step. Before it reports ready,
 the process freezes its start-up heap (model, tokenizer) out of the garbage collector's reach
-(``kvflow.gc_heap``); from its start (before the model loads), a thread of its own sends the
-API process a heartbeat every second (``kvflow/engine/core_heartbeat.py``), so that a stopped
-or frozen core is found, while it starts too.
+(``kvflow.gc_heap``; its imports' objects first thing, so that the collection before ready
+walks only what loading made); from its start (before the model loads), a thread of its own
+sends the API process a heartbeat every second (``kvflow/engine/core_heartbeat.py``), so that
+a stopped or frozen core is found, while it starts too.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from kvflow.engine.messages import (
 )
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor.base import ExecutorError
-from kvflow.gc_heap import freeze_startup_heap
+from kvflow.gc_heap import freeze_import_heap, freeze_startup_heap
 from kvflow.models.loader import resolve_eos_token_id
 from kvflow.request import Request
 
@@ -100,6 +101,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
             core's blocks are gone (``EngineCore.mark_restarted``).
     """
     tag = _set_up_process(config, log_level, env, parent)
+    freeze_import_heap()  # kvflow/gc_heap.py: the collection before ready skips the imports
     ctx = zmq.Context()
     inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inp.connect(input_addr)
