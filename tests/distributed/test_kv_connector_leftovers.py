@@ -22,9 +22,8 @@ from kvflow.config import KVTransferConfig
 from kvflow.distributed.kv_transfer.shared_storage import (
     SharedStorageScheduler,
     SharedStorageWorker,
-    block_keys,
-    is_stored,
 )
+from kvflow.distributed.kv_transfer.storage_keys import block_keys
 from kvflow.kv_connector_meta import BlockTransfer, KVConnectorMetadata
 from tests.distributed.test_kv_connector import (
     BLOCK_SIZE,
@@ -80,7 +79,7 @@ def test_a_save_killed_mid_write_is_never_read_and_the_next_producer_removes_it(
     assert done.returncode == -signal.SIGKILL, done.stderr
     (left,) = _files(tmp_path)
     assert left.endswith(".tmp") and (tmp_path / left).read_bytes() == b"partial"
-    assert not is_stored(str(tmp_path), key)  # a reader never takes it
+    assert not (tmp_path / f"{key}.safetensors").exists()  # a reader never takes it
 
     SharedStorageScheduler(_config(tmp_path), BLOCK_SIZE, "auto")  # a producer starts
     assert left in _files(tmp_path)  # young: maybe another engine's save in progress
@@ -115,7 +114,7 @@ def test_a_writer_whose_temporary_file_was_removed_stores_nothing_and_goes_on(
     monkeypatch.setattr(ss, "save_file", swept)
     with caplog.at_level("WARNING", "kvflow.distributed.kv_transfer.storage_writes"):
         worker.wait_for_save(meta)
-    assert not is_stored(str(tmp_path), key) and _files(tmp_path) == []
+    assert not (tmp_path / f"{key}.safetensors").exists() and _files(tmp_path) == []
     assert any("removed before its rename" in r.getMessage() for r in caplog.records)
     monkeypatch.setattr(ss, "save_file", real_save)
     worker.wait_for_save(meta)
