@@ -80,6 +80,7 @@ LAYERS: dict[str, int] = {
     "kvflow.platforms": 1,
     # foundation: configuration and pure data that crosses a boundary
     "kvflow.config": 0, "kvflow.openmp_env": 0, "kvflow.malloc_env": 0, "kvflow.gc_heap": 0,
+    "kvflow.exit_threads": 0,
     "kvflow.sampling_params": 0, "kvflow.stop_limits": 0, "kvflow.request": 0,
     "kvflow.repetition_detection": 0,  # SamplingParams.repetition_detection
     "kvflow.outputs": 0, "kvflow.sched_output": 0, "kvflow.runner_output": 0,

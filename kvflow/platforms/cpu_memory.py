@@ -31,7 +31,6 @@ it, as any fresh page is.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import ctypes.util
@@ -47,6 +46,8 @@ import weakref
 from collections.abc import Iterator
 
 import torch
+
+from kvflow.exit_threads import ExitJoinedThread
 
 logger = logging.getLogger(__name__)
 
@@ -258,38 +259,14 @@ def prefault_in_background(tensors: list[torch.Tensor], chunk_bytes: int = PREFA
     if not any(plane.numel() * plane.element_size() > first_bytes
                for t in tensors for plane in _planes(t)):
         return None
-    thread = _PrefaultThread([weakref.ref(t) for t in tensors], chunk_bytes, first_bytes, gate)
+    # stopped and joined at exit: ended by the interpreter inside a torch call, the process
+    # aborted (status 134) in about half of the short runs (kvflow/exit_threads.py)
+    stop = threading.Event()
+    thread = ExitJoinedThread(_prefault, ([weakref.ref(t) for t in tensors], chunk_bytes,
+                                          first_bytes, gate, stop),
+                              name="kvflow-kv-prefault", exit_timeout_s=10.0, stop=stop)
     thread.start()
     return thread
-
-
-class _PrefaultThread(threading.Thread):
-    """The daemon thread running :func:`_prefault`, stopped and joined (up to 10 s) by an
-    ``atexit`` hook if the interpreter exits while it runs (the hook is dropped once it ends).
-
-    Why: a daemon thread still running at exit is ended by the interpreter inside whatever
-    call it is in; inside a torch call (C++) that was ``terminate called without an active
-    exception`` and exit status 134 (SIGABRT) for about half of the short runs (``kvflow
-    generate``, a test's subprocess) that exited before the prefault thread was done."""
-
-    def __init__(self, refs: list[weakref.ref], chunk_bytes: int, offset: int,
-                 gate: StepGate | None) -> None:
-        super().__init__(name="kvflow-kv-prefault", daemon=True)
-        self._work = (refs, chunk_bytes, offset, gate)
-        self.stop = threading.Event()
-        atexit.register(self._stop_and_join)  # before start: exit may come at once
-
-    def run(self) -> None:
-        """The prefault, then the exit hook dropped."""
-        try:
-            _prefault(*self._work, stop=self.stop)
-        finally:
-            atexit.unregister(self._stop_and_join)
-
-    def _stop_and_join(self) -> None:
-        self.stop.set()
-        if self.is_alive():
-            self.join(timeout=10)
 
 
 class HugePageArena:
