@@ -5,6 +5,8 @@ takes milliseconds."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -98,6 +100,42 @@ def test_abandoned_compiles_hold_their_threads_until_they_end():
     assert pool.num_abandoned == 1 and not pool.is_saturated
     releases[1].set()
     _wait_until(lambda: pool.num_abandoned == 0)
+
+
+EXIT_WHILE_COMPILING = """
+import random, time, xgrammar as xgr
+from kvflow.structured.compile_pool import CompilePool
+rng = random.Random(0)
+vocab = ["".join(rng.choices('abcdefghij"\\\\ {}[]:,0123', k=rng.randint(1, 12)))
+         for _ in range(20000)]
+compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab), max_threads=1, cache_enabled=False)
+future = CompilePool(1, 60.0).submit(compiler.compile_grammar,
+                                     'root ::= [^"\\\\\\\\] | root{2,8}')  # ~1 s of C++
+
+
+class SlowTeardown:  # freed while the interpreter finalizes: waits there for the compile
+    def __del__(self, done=future.done, sleep=time.sleep, clock=time.monotonic):
+        deadline = clock() + 20
+        while not done() and clock() < deadline:
+            sleep(0.05)
+
+
+teardown = SlowTeardown()
+print("exiting")
+"""
+
+
+def test_the_interpreter_exits_cleanly_while_a_grammar_compiles():
+    """A process that exits while xgrammar compiles (``kvflow generate`` with a JSON schema
+    ended by a stop string, an ``LLM`` script's last request) exits with status 0: the exit
+    waits for the compile. Was: the compile thread, back from C++ while the interpreter
+    finalized, was ended there: ``terminate called without an active exception``, status 134.
+    The script's teardown waits for the compile, so the old code failed every time."""
+    runs = [subprocess.Popen([sys.executable, "-c", EXIT_WHILE_COMPILING], text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for _ in range(2)]
+    results = [(p.wait(timeout=120), *p.communicate()) for p in runs]
+    assert [(rc, out) for rc, out, _ in results] == [(0, "exiting\n")] * 2, results
 
 
 def test_pool_refuses_a_cap_below_its_threads():

@@ -18,6 +18,11 @@ child process could be killed instead, but every child would need its own tokeni
 a replacement costs that after every kill) and each compiled grammar would have to be
 serialized back to the engine process; a thread costs ~0.2 ms a compile (measured: 233 us
 per round trip vs 21 us on a ThreadPoolExecutor), next to compiles of a millisecond or more.
+
+At interpreter exit the running compiles are waited for (up to ``timeout_s`` each) and no
+queued one starts: a compile thread that returned from xgrammar while the interpreter
+finalized aborted the process (``terminate called without an active exception``, status 134;
+``kvflow/exit_threads.py``), as vLLM's thread pool is joined at exit too.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
+
+from kvflow.exit_threads import ExitJoinedThread
 
 
 class CompileTimeoutError(RuntimeError):
@@ -62,6 +69,7 @@ class CompilePool:
         self._running: dict[Future, float] = {}  # future -> when its compile started
         self.num_abandoned = 0  # abandoned compiles whose threads still run
         self._closed = False
+        self._exiting = threading.Event()  # set at interpreter exit: start no queued compile
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Queue ``fn(*args)``; its future gets the result, the exception it raised, or
@@ -101,7 +109,8 @@ class CompilePool:
             return min(starts) + self.timeout_s if starts else None
 
     def shutdown(self) -> None:
-        """Cancel queued compiles; running threads finish on their own (daemon threads)."""
+        """Cancel queued compiles; running threads finish on their own (daemon threads, waited
+        for at interpreter exit)."""
         with self._lock:
             self._closed = True
             while self._queue:
@@ -109,13 +118,14 @@ class CompilePool:
 
     def _start_queued(self) -> None:  # with the lock held
         while (self._queue and len(self._running) < self.num_threads and not self._closed
+               and not self._exiting.is_set()
                and len(self._running) + self.num_abandoned < self.max_threads):
             future, fn, args = self._queue.popleft()
             if not future.set_running_or_notify_cancel():
                 continue
             self._running[future] = self._clock()
-            threading.Thread(target=self._run, args=(future, fn, args), daemon=True,
-                             name="kvflow-grammar").start()
+            ExitJoinedThread(self._run, (future, fn, args), name="kvflow-grammar",
+                             exit_timeout_s=self.timeout_s, stop=self._exiting).start()
 
     def _run(self, future: Future, fn: Callable[..., Any], args: tuple) -> None:
         try:
