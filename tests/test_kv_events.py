@@ -11,6 +11,8 @@ field, before any model loads.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import msgspec
@@ -345,6 +347,41 @@ def test_endpoint_in_use_and_data_parallel_offsets(tmp_path):
     assert offset_endpoint("tcp://[::1]:5557", 1) == "tcp://[::1]:5558"
     assert offset_endpoint("inproc://kv", 3) == "inproc://kv_dp3"
     assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+
+
+EXIT_WITHOUT_SHUTDOWN = """
+import sys
+from kvflow.config import KVEventsConfig
+from kvflow.core.kv_event_publisher import ZmqEventPublisher
+from kvflow.core.kv_events import EventBatch
+publisher = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=sys.argv[1]))
+print("bound", flush=True)
+sys.stdin.readline()  # the subscriber is connected
+for i in range(500):
+    publisher.publish(EventBatch(ts=float(i), events=[]))
+"""
+
+
+def test_a_process_exiting_without_shutdown_sends_what_is_queued(tmp_path):
+    """A process that ends without shutting its publisher down (an ``LLM`` script's last
+    steps, no ``del llm``) still sends every batch it published: the exit waits for the
+    publisher thread. Was: the interpreter ended the thread and the never-closed socket,
+    and the subscriber got none of the 500."""
+    endpoint = f"ipc://{tmp_path}/pub"
+    child = subprocess.Popen([sys.executable, "-c", EXIT_WITHOUT_SHUTDOWN, endpoint],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    ctx = zmq.Context()
+    try:
+        assert child.stdout.readline() == "bound\n"
+        sub = Subscriber(ctx, endpoint)
+        child.stdin.write("go\n")
+        child.stdin.close()
+        seqs = [seq for seq, _ in sub.drain()]
+        assert child.wait(timeout=30) == 0
+    finally:
+        child.kill()
+        ctx.destroy(linger=0)
+    assert seqs == list(range(500))
 
 
 def test_prefix_caching_off_is_refused(tiny):

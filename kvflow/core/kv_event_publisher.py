@@ -1,7 +1,10 @@
 """Publishers of KV cache event batches: ZeroMQ (a PUB socket, an optional ROUTER socket for
 replay) and null. The engine core hands each step's batch to ``publish``; a thread of the
 ZeroMQ publisher encodes and sends it, so a step never waits on the network (only on a full
-queue, ``max_queue_size`` batches).
+queue, ``max_queue_size`` batches). The thread is an ``ExitJoinedThread``: a process that exits
+without ``shutdown`` (an ``LLM`` script's end) still sends what is queued, for up to 2 s (was:
+every batch not yet sent was lost, and what the thread had sent but ZeroMQ had not yet
+written too, the context never closed: a short script's subscriber got nothing).
 
 Replay protocol (vLLM 0.10-0.11's, whose event format this is; vLLM 0.32 adds the topic
 frame before ``seq`` and an empty one before the end marker): a DEALER client sends ``[b"", start]``, ``start`` the first sequence
@@ -15,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 from collections import deque
 
 import msgspec
@@ -23,12 +25,14 @@ import zmq
 
 from kvflow.config.kv_events import KVEventsConfig
 from kvflow.core.kv_events import EventBatch
+from kvflow.exit_threads import ExitJoinedThread
 
 logger = logging.getLogger(__name__)
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 _POLL_S = 0.05  # how long the thread waits for a batch before it looks at replay requests
-_SHUTDOWN_S = 2.0  # how long shutdown waits for queued batches to go out
+_SHUTDOWN_S = 2.0  # how long shutdown (and the exit) waits for queued batches to go out
+_LINGER_MS = 1000  # how long closing the PUB socket waits for ZeroMQ to write what it holds
 
 
 class NullEventPublisher:
@@ -73,8 +77,8 @@ class ZmqEventPublisher:
         except ValueError:
             self._close_sockets()
             raise
-        self._thread = threading.Thread(target=self._run, name="kv-event-publisher",
-                                        daemon=True)
+        self._thread = ExitJoinedThread(self._run, name="kv-event-publisher",
+                                        exit_timeout_s=_SHUTDOWN_S)
         self._thread.start()
         logger.info("KV cache events: publishing on %s%s", self.endpoint,
                     f", replay on {self.replay_endpoint}" if self._replay else "")
@@ -92,7 +96,7 @@ class ZmqEventPublisher:
         self._queue.put(batch)
 
     def shutdown(self) -> None:
-        """Send what is queued (waiting up to 2 s), stop the thread, close the sockets
+        """Send what is queued (waiting up to 2 s), stop the thread, which closes the sockets
         (idempotent)."""
         if self._thread.is_alive():
             self._queue.put(None)
@@ -100,17 +104,25 @@ class ZmqEventPublisher:
             if self._thread.is_alive():
                 logger.warning("KV event publisher: %d batches unsent at shutdown",
                                self._queue.qsize())
-                return  # the daemon thread still owns the sockets
-        self._close_sockets()
 
-    def _close_sockets(self) -> None:
-        for sock in (self._pub, self._replay):
-            if sock is not None and not sock.closed:
-                sock.close(linger=0)
+    def _close_sockets(self, linger_ms: int = 0) -> None:
+        """Close the sockets, the PUB socket's held messages written for up to
+        ``linger_ms``, and the context."""
+        self._pub.close(linger=linger_ms)
+        if self._replay is not None:
+            self._replay.close(linger=0)
         self._ctx.term()
 
     # ---- the thread: the only user of the sockets once started ------------------------------
     def _run(self) -> None:
+        """Send batches until ``shutdown``, or until the queue is empty once the interpreter
+        exits (``ExitJoinedThread.stop``); then close the sockets."""
+        try:
+            self._send_batches()
+        finally:
+            self._close_sockets(_LINGER_MS)
+
+    def _send_batches(self) -> None:
         encoder = msgspec.msgpack.Encoder()
         seq = 0
         while True:
@@ -120,6 +132,8 @@ class ZmqEventPublisher:
             try:
                 batch = self._queue.get(timeout=_POLL_S)
             except queue.Empty:
+                if self._thread.stop.is_set():
+                    return  # the interpreter exits: everything queued was sent
                 continue
             if batch is None:
                 return
