@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import shutil
 import signal
 import sys
 import threading
@@ -66,13 +67,18 @@ class WorkerArgs:
     heartbeat_interval_s: float
 
 
-def _watch_parent(death_fd: int) -> None:
-    """Block until the executor's end of the death pipe closes, then exit at once."""
+def _watch_parent(death_fd: int, folder: str) -> None:
+    """Block until the executor's end of the death pipe closes, then remove the executor's
+    private ``folder`` and exit at once. The executor removes the folder itself when it shuts
+    down; a killed one cannot (an ``LLM`` script ended by SIGTERM or SIGKILL, an engine-core
+    process killed), and its ``/tmp/kvflow-mp-*`` folder, with the sockets and the pickled
+    worker arguments, was left behind."""
     try:
         while os.read(death_fd, 1):
             pass
     except OSError:
         pass
+    shutil.rmtree(folder, ignore_errors=True)
     os._exit(1)
 
 
@@ -185,8 +191,8 @@ def main(argv: list[str]) -> None:
     """Entry point: ``mp_worker <args pickle> <rank> <death pipe fd>``."""
     args_path, rank, death_fd = argv[1], int(argv[2]), int(argv[3])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the executor's to handle
-    threading.Thread(target=_watch_parent, args=(death_fd,), daemon=True,
-                     name="kvflow-parent-watch").start()
+    threading.Thread(target=_watch_parent, args=(death_fd, os.path.dirname(args_path)),
+                     daemon=True, name="kvflow-parent-watch").start()
     with open(args_path, "rb") as f:
         args: WorkerArgs = pickle.load(f)
     logging.basicConfig(level=args.log_level,

@@ -26,8 +26,11 @@ def _running(pid: int) -> bool:
 
 def test_workers_exit_when_the_engine_process_is_killed(tiny_model_factory, tmp_path):
     """A script (no main guard) that builds a two-rank offline LLM prints its workers' pids and
-    is SIGKILLed: nothing could tell the workers to stop, yet both exit within seconds (their
-    end of the death pipe reads EOF), instead of holding their memory and cores forever."""
+    is SIGKILLed (SIGTERM's default action is the same: no clean-up either): nothing could
+    tell the workers to stop, yet both exit within seconds (their end of the death pipe reads
+    EOF), instead of holding their memory and cores forever, and the executor's
+    ``kvflow-mp-*`` folder (sockets, pickled worker arguments) is gone with them (was: left in
+    the temporary directory)."""
     script = tmp_path / "engine.py"
     script.write_text(textwrap.dedent(f"""
         import time
@@ -37,18 +40,22 @@ def test_workers_exit_when_the_engine_process_is_killed(tiny_model_factory, tmp_
         print(*[p.pid for p in llm.engine.core.executor._procs], flush=True)
         time.sleep(600)
     """))
+    temp = tmp_path / "tmp"
+    temp.mkdir()
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(temp)})
     pids: list[int] = []
     try:
         pids = [int(x) for x in proc.stdout.readline().split()]
         assert len(pids) == 2 and all(_running(pid) for pid in pids)
+        assert [p.name for p in temp.glob("kvflow-mp-*")]  # the executor's, while it runs
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and any(_running(pid) for pid in pids):
             time.sleep(0.1)
         assert not [pid for pid in pids if _running(pid)]
+        assert not list(temp.glob("kvflow-mp-*"))
     finally:
         if proc.poll() is None:
             proc.kill()
