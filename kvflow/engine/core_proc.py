@@ -26,6 +26,7 @@ import logging
 import math
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import time
@@ -208,10 +209,24 @@ def engine_core_process(*args: Any) -> NoReturn:
         run_engine_core(*args)
     except SystemExit as e:  # SIGTERM (_unwind_on_sigterm), cleaned up on the way out
         status = e.code if isinstance(e.code, int) else 1
+    remove_folder_of_a_gone_parent(args[2])
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def remove_folder_of_a_gone_parent(output_addr: str) -> None:
+    """Where the API process is gone (killed: an ``LLM`` script with data-parallel replicas
+    ended by SIGTERM or SIGKILL), remove its private IPC folder, the one holding
+    ``output_addr`` (``ipc://<folder>/output``): it cannot any more, and the folder with its
+    sockets was left in the temporary directory. Where it is alive, it removes the folder
+    itself (``ReplicaSet.close``); every replica of a gone one tries (no error if another
+    did)."""
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.is_alive() or not output_addr.startswith("ipc://"):
+        return
+    shutil.rmtree(os.path.dirname(output_addr.removeprefix("ipc://")), ignore_errors=True)
 
 
 def _unwind_on_sigterm(signum: int, frame: Any) -> NoReturn:

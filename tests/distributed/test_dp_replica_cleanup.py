@@ -6,6 +6,11 @@ of the core processes read before the LLM is dropped."""
 from __future__ import annotations
 
 import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import psutil
@@ -36,6 +41,46 @@ def test_a_dropped_data_parallel_llm_stops_its_replicas(tiny_llama):
     try:
         assert [pid for pid in pids if _running(pid)] == []  # was: both ran until exit
     finally:
+        for pid in pids:
+            if _running(pid):
+                psutil.Process(pid).kill()
+
+
+def test_replicas_of_a_killed_process_exit_and_remove_its_folder(tiny_llama, tmp_path):
+    """A script (main guard: its cores come from the forkserver) whose ``LLM`` has two
+    replicas is SIGKILLed (SIGTERM's default action is the same: no clean-up): both core
+    processes exit (they poll for their parent) and the script's ``kvflow-dp-*`` folder, whose
+    sockets the cores used, is gone with them (was: left in the temporary directory)."""
+    script = tmp_path / "engine.py"
+    script.write_text(textwrap.dedent(f"""
+        import time
+        from kvflow import LLM
+        if __name__ == "__main__":
+            llm = LLM(model={tiny_llama.path!r}, dtype="float32", num_kv_blocks=64,
+                      data_parallel_size=2)
+            print(*[core.pid for core in llm.engine.core.cores], flush=True)
+            time.sleep(600)
+    """))
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(temp)})
+    pids: list[int] = []
+    try:
+        pids = [int(x) for x in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(_running(pid) for pid in pids)
+        assert list(temp.glob("kvflow-dp-*"))  # the script's, while it runs
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+            time.sleep(0.1)
+        assert not [pid for pid in pids if _running(pid)]
+        assert not list(temp.glob("kvflow-dp-*"))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
         for pid in pids:
             if _running(pid):
                 psutil.Process(pid).kill()
