@@ -22,13 +22,15 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+_QUIET_S = 1.0  # how long the exit waits for a thread before it says so in the log
+
 
 class ExitJoinedThread(threading.Thread):
     """A daemon thread running ``target(*args)`` that an ``atexit`` hook stops and joins: the
     hook sets ``stop`` (the target's to watch, where its work can stop between two calls) and
-    waits up to ``exit_timeout_s`` seconds for the thread to end (a Ctrl-C ends the wait). The
-    hook is registered by :meth:`start` and dropped when the thread ends, so a thread that
-    ended holds nothing.
+    waits up to ``exit_timeout_s`` seconds for the thread to end (None: until it ends, saying
+    so in the log after a second); a Ctrl-C ends the wait. The hook is registered by
+    :meth:`start` and dropped when the thread ends, so a thread that ended holds nothing.
 
     The hook runs after the interpreter joined its non-daemon threads and before it finalizes;
     a thread still running when ``exit_timeout_s`` passes is left to the interpreter (logged).
@@ -37,14 +39,15 @@ class ExitJoinedThread(threading.Thread):
         target: the thread's work.
         args: its positional arguments.
         name: the thread's name.
-        exit_timeout_s: seconds the exit waits for the thread (a time of the owner's: how long
-            its work may take once ``stop`` is set).
+        exit_timeout_s: seconds the exit waits for the thread (how long its work may take once
+            ``stop`` is set), or None to wait until it ends (work that cannot be stopped and
+            would abort the process if ended).
         stop: the event the hook sets (a new one if None); pass the one ``args`` hands the
             target.
     """
 
     def __init__(self, target: Callable[..., Any], args: tuple = (), *, name: str,
-                 exit_timeout_s: float, stop: threading.Event | None = None) -> None:
+                 exit_timeout_s: float | None, stop: threading.Event | None = None) -> None:
         super().__init__(target=target, args=args, name=name, daemon=True)
         self.exit_timeout_s = exit_timeout_s
         self.stop = stop if stop is not None else threading.Event()
@@ -67,11 +70,17 @@ class ExitJoinedThread(threading.Thread):
 
     def _stop_and_join(self) -> None:
         self.stop.set()
-        if not self.is_alive():
-            return
-        logger.debug("exit: waiting up to %g s for thread %s", self.exit_timeout_s, self.name)
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: stop waiting
-            self.join(self.exit_timeout_s)
+            if self.exit_timeout_s is not None:
+                self.join(self.exit_timeout_s)
+            elif not self.join_within(_QUIET_S):
+                logger.warning("exit: waiting for thread %s to end (it cannot be stopped; "
+                               "Ctrl-C stops waiting)", self.name)
+                self.join()
         if self.is_alive():
-            logger.warning("exit: thread %s still runs after %g s; the interpreter ends it",
-                           self.name, self.exit_timeout_s)
+            logger.warning("exit: thread %s still runs; the interpreter ends it", self.name)
+
+    def join_within(self, timeout_s: float) -> bool:
+        """Join for up to ``timeout_s`` seconds; whether the thread ended."""
+        self.join(timeout_s)
+        return not self.is_alive()

@@ -103,20 +103,23 @@ def test_abandoned_compiles_hold_their_threads_until_they_end():
 
 
 EXIT_WHILE_COMPILING = """
-import random, time, xgrammar as xgr
+import random, sys, threading, time, xgrammar as xgr
 from kvflow.structured.compile_pool import CompilePool
 rng = random.Random(0)
 vocab = ["".join(rng.choices('abcdefghij"\\\\ {}[]:,0123', k=rng.randint(1, 12)))
          for _ in range(20000)]
 compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab), max_threads=1, cache_enabled=False)
-future = CompilePool(1, 60.0).submit(compiler.compile_grammar,
-                                     'root ::= [^"\\\\\\\\] | root{2,8}')  # ~1 s of C++
+pool = CompilePool(1, 0.05)
+pool.submit(compiler.compile_grammar, 'root ::= [^"\\\\\\\\] | root{2,8}')  # ~1 s of C++
+if sys.argv[1] == "abandoned":
+    time.sleep(0.1)
+    print("abandoned", pool.expire())  # its thread compiles on
 
 
 class SlowTeardown:  # freed while the interpreter finalizes: waits there for the compile
-    def __del__(self, done=future.done, sleep=time.sleep, clock=time.monotonic):
+    def __del__(self, threads=threading.active_count, sleep=time.sleep, clock=time.monotonic):
         deadline = clock() + 20
-        while not done() and clock() < deadline:
+        while threads() > 1 and clock() < deadline:
             sleep(0.05)
 
 
@@ -126,16 +129,19 @@ print("exiting")
 
 
 def test_the_interpreter_exits_cleanly_while_a_grammar_compiles():
-    """A process that exits while xgrammar compiles (``kvflow generate`` with a JSON schema
-    ended by a stop string, an ``LLM`` script's last request) exits with status 0: the exit
-    waits for the compile. Was: the compile thread, back from C++ while the interpreter
-    finalized, was ended there: ``terminate called without an active exception``, status 134.
-    The script's teardown waits for the compile, so the old code failed every time."""
-    runs = [subprocess.Popen([sys.executable, "-c", EXIT_WHILE_COMPILING], text=True,
+    """A process that exits while xgrammar compiles (an ``LLM`` script whose last request's
+    grammar timed out, its compile abandoned, or one ended meanwhile) exits with status 0:
+    the exit waits for every compile thread, an abandoned one too (it cannot be stopped).
+    Was: the compile thread, back from C++ while the interpreter finalized, was ended there:
+    ``terminate called without an active exception``, status 134. The script's teardown
+    waits for the compile, so the old code failed every time (and an exit that waited only
+    the compile timeout, for the abandoned one)."""
+    runs = [subprocess.Popen([sys.executable, "-c", EXIT_WHILE_COMPILING, state], text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            for _ in range(2)]
+            for state in ("running", "abandoned")]
     results = [(p.wait(timeout=120), *p.communicate()) for p in runs]
-    assert [(rc, out) for rc, out, _ in results] == [(0, "exiting\n")] * 2, results
+    assert [(rc, out) for rc, out, _ in results] == [
+        (0, "exiting\n"), (0, "abandoned 1\nexiting\n")], results
 
 
 def test_pool_refuses_a_cap_below_its_threads():

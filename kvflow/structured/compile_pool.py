@@ -19,10 +19,12 @@ a replacement costs that after every kill) and each compiled grammar would have 
 serialized back to the engine process; a thread costs ~0.2 ms a compile (measured: 233 us
 per round trip vs 21 us on a ThreadPoolExecutor), next to compiles of a millisecond or more.
 
-At interpreter exit the running compiles are waited for (up to ``timeout_s`` each) and no
-queued one starts: a compile thread that returned from xgrammar while the interpreter
-finalized aborted the process (``terminate called without an active exception``, status 134;
-``kvflow/exit_threads.py``), as vLLM's thread pool is joined at exit too.
+At interpreter exit every compile thread, abandoned ones included, is waited for until it
+ends (logged after a second; Ctrl-C stops the wait) and no queued compile starts: a compile
+thread that returned from xgrammar while the interpreter finalized aborted the process
+(``terminate called without an active exception``, status 134; ``kvflow/exit_threads.py``),
+and one cannot be stopped; vLLM's compile threads (a ``ThreadPoolExecutor``'s) are waited for
+at exit too.
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ class CompilePool:
                 continue
             self._running[future] = self._clock()
             ExitJoinedThread(self._run, (future, fn, args), name="kvflow-grammar",
-                             exit_timeout_s=self.timeout_s, stop=self._exiting).start()
+                             exit_timeout_s=None, stop=self._exiting).start()
 
     def _run(self, future: Future, fn: Callable[..., Any], args: tuple) -> None:
         try:
