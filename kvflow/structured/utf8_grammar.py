@@ -23,7 +23,7 @@ import xgrammar as xgr
 
 from kvflow.structured.json_pattern import json_pattern
 from kvflow.structured.regex_dialect import utf8_regex
-from kvflow.structured.schema_support import pattern_repeat_cost
+from kvflow.structured.repeat_counts import compact_repeat
 
 _SURROGATES = (0xD800, 0xDFFF)
 _NO_SURROGATES = r"\ud800-\udfff"
@@ -32,12 +32,7 @@ _HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
 _REGEX_NODE = re.compile(r'(?<![\w])Regex\("')
 _JSON_STRING_FLAG = re.compile(r'\s*,\s*json_string=true\s*\)')
 _NAME = re.compile(r"[A-Za-z_]\w*")
-# A pattern is converted to rules (below) when no count in it passes this: xgrammar compiles
-# "[^a]{1,n}" as rules in time growing with n (for a 49k vocabulary ~0.5 s at n = 30, 9 s at
-# 300, where its lazy regex took 0.7 s); past it the pattern stays xgrammar's lazy regex, its
-# classes without the surrogates (utf8_regex) but its literal quotes raw and overlong UTF-8
-# let through (json_pattern's docstring).
-_MAX_INLINE_COUNT = 32
+_COUNT = re.compile(r"\{(\d+), (-?\d+)\}")  # a repetition count as xgrammar prints it
 
 
 def utf8_grammar(grammar: xgr.Grammar, patterns: Mapping[str, str] | None = None
@@ -49,6 +44,7 @@ def utf8_grammar(grammar: xgr.Grammar, patterns: Mapping[str, str] | None = None
 
     Raises:
         RuntimeError: from xgrammar, should it refuse its own printing rewritten (a bug).
+        ValueError: for a JSON-schema pattern that does not convert (:func:`_pattern_rules`).
     """
     ebnf = printed_ebnf(grammar)
     fixed = utf8_ebnf(ebnf, patterns or {})
@@ -84,7 +80,11 @@ def utf8_ebnf(ebnf: str, patterns: Mapping[str, str] | None = None) -> str:
     its negated classes, of its class ranges that span them and of its ``Regex("...")``
     patterns (``regex_dialect.utf8_regex``); a JSON-schema pattern (``Regex("...",
     json_string=true)``, or the placeholder of one in ``patterns``) becomes rules of its own
-    (:func:`_pattern_rules`). String literals are copied as written."""
+    (:func:`_pattern_rules`). String literals are copied as written.
+
+    Raises:
+        ValueError: for a JSON-schema pattern that does not convert (:func:`_pattern_rules`).
+    """
     out, rules, i = [], [], 0
     while i < len(ebnf):
         char = ebnf[i]
@@ -97,14 +97,11 @@ def utf8_ebnf(ebnf: str, patterns: Mapping[str, str] | None = None) -> str:
             pattern = _unescape(ebnf[start + 1:end - 1])
             pattern = (patterns or {}).get(pattern, pattern)
             flag = _JSON_STRING_FLAG.match(ebnf, end)
-            inline = None
-            if flag and pattern_repeat_cost(pattern)[1] <= _MAX_INLINE_COUNT:
-                inline = _pattern_rules(pattern, f"kvflow_pattern_{len(rules)}_")
-            if inline is None:
+            if flag is None:
                 out.append("Regex(" + json.dumps(utf8_regex(pattern), ensure_ascii=False))
             else:
-                out.append(f"(kvflow_pattern_{len(rules)}_root)")
-                rules.append(inline)
+                rules.append(_pattern_rules(pattern, f"kvflow_pattern_{len(rules)}_"))
+                out.append(f"(kvflow_pattern_{len(rules) - 1}_root)")
                 end = flag.end()
         elif char == "[":
             text, end = _character_class(ebnf, i)
@@ -116,15 +113,23 @@ def utf8_ebnf(ebnf: str, patterns: Mapping[str, str] | None = None) -> str:
     return "".join(out) + "".join(f"\n{r}" for r in rules)
 
 
-def _pattern_rules(pattern: str, prefix: str) -> str | None:
+def _pattern_rules(pattern: str, prefix: str) -> str:
     """The rules of a JSON-schema ``pattern`` as JSON string contents (``json_pattern``) from
-    xgrammar's regex converter, their names prefixed, the first ``<prefix>root``; None for a
-    pattern that converter refuses (it stays xgrammar's lazy regex, ``utf8_regex``)."""
+    xgrammar's regex converter, their names prefixed, the first ``<prefix>root``; each
+    repetition whose count passes ``repeat_counts.INLINE_COUNT`` written as rules shared by
+    every count (``repeat_counts.compact_repeat``).
+
+    Raises:
+        ValueError: for a pattern xgrammar's regex converter refuses once rewritten (kvflow
+            never hands a pattern to xgrammar's own JSON-string regex, which wrote quotes
+            raw and let overlong UTF-8 through).
+    """
     try:
         grammar = utf8_grammar(xgr.Grammar.from_regex(json_pattern(pattern)))
-    except RuntimeError:
-        return None
-    text, out, i = printed_ebnf(grammar).strip(), [], 0
+    except RuntimeError as e:
+        shown = pattern if len(pattern) <= 60 else pattern[:57] + "..."
+        raise ValueError(f"the pattern {shown!r} does not convert to a grammar: {e}") from None
+    text, out, extra, i = printed_ebnf(grammar).strip(), [], {}, 0
     while i < len(text):
         char, name = text[i], _NAME.match(text, i)
         if char == '"':
@@ -135,12 +140,18 @@ def _pattern_rules(pattern: str, prefix: str) -> str | None:
             out.append(text[i:end])
         elif name is not None:
             end = name.end()
-            out.append(prefix + name.group())
+            count = _COUNT.match(text, end)
+            if count is None:
+                out.append(prefix + name.group())
+            else:
+                end = count.end()
+                out.append(compact_repeat(prefix + name.group(), int(count.group(1)),
+                                          int(count.group(2)), extra))
         else:
             end = i + 1
             out.append(char)
         i = end
-    return "".join(out)
+    return "".join(out) + "".join(f"\n{name} ::= {body}" for name, body in extra.items())
 
 
 def _string_end(text: str, start: int) -> int:

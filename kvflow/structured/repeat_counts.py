@@ -1,0 +1,75 @@
+r"""Large counted repetitions of a JSON-schema pattern's rules, written so that xgrammar
+compiles them in time that does not grow with the count.
+
+xgrammar (0.2.9) compiles a repetition ``x{m,n}`` of its own in time growing with the count
+(``.{1,300}``: 5-9 s for a 49k vocabulary; its lazy regex, which kvflow used past a count of
+32 instead, wrote a pattern's quotes raw and let overlong UTF-8 through). Past
+:data:`INLINE_COUNT`, :func:`compact_repeat` writes ``x{m,n}`` as rules shared by every count:
+a block ``b ::= x{K}`` (``K`` = :data:`BLOCK`), the rest of ``m`` as ``x{m mod K}``, and the
+``n - m`` optional repetitions as a chain ``t_i ::= "" | x t_(i-1)`` (``i < K``) after at most
+``(n - m) div K`` optional blocks, ``q_j ::= t_(K-1) | b q_(j-1)``, ``q_0 ::= t_s``: each count
+is matched one way only, and the grammar holds about ``2 K`` character positions whatever the
+count. ``x{m,}`` is ``x{m}`` then ``x*``. A token that runs past a block's end is checked when
+the mask is filled (xgrammar cannot tell from the block alone what follows it), so such
+patterns cost more per token than small counts do.
+"""
+
+from __future__ import annotations
+
+INLINE_COUNT = 32  # counts up to this stay xgrammar's own repetition (flat, cheap masks)
+BLOCK = 64  # the repetitions one shared block holds (32: half the compile time, twice the
+# tokens checked at fill time; benchmarks/pattern_counts.py)
+
+
+def compact_repeat(atom: str, low: int, high: int, rules: dict[str, str]) -> str:
+    """The EBNF expression for ``atom{low,high}`` (``atom`` a rule name; ``high`` -1 for no
+    bound) when a count passes :data:`INLINE_COUNT`, else xgrammar's own ``atom{low, high}``.
+    The rules it refers to are added to ``rules`` (name -> definition; names start with
+    ``atom``, so rules shared by two repetitions of one atom are defined once).
+
+    Raises:
+        ValueError: for ``low`` below 0, or ``high`` below ``low`` (and not -1).
+    """
+    if low < 0 or (high != -1 and high < low):
+        raise ValueError(f"bad repetition count {{{low},{high}}} of {atom}")
+    if max(low, high) <= INLINE_COUNT:
+        return f"{atom}{{{low}, {high}}}"
+    blocks, rest = divmod(low, BLOCK)
+    parts = []
+    if blocks:
+        parts.append(f"{_block(atom, rules)}{{{blocks}, {blocks}}}")
+    if rest:
+        parts.append(f"{atom}{{{rest}, {rest}}}")
+    if high == -1:
+        parts.append(f"{atom}*")
+    elif high > low:
+        parts.append(_optional(atom, high - low, rules))
+    return "(" + " ".join(parts) + ")" if parts else '""'
+
+
+def _block(atom: str, rules: dict[str, str]) -> str:
+    name = f"{atom}_block"
+    rules[name] = f"{atom}{{{BLOCK}, {BLOCK}}}"
+    return name
+
+
+def _optional(atom: str, count: int, rules: dict[str, str]) -> str:
+    """A rule name for ``atom{0,count}`` (``count`` >= 1), its rules added to ``rules``."""
+    if count < BLOCK:
+        return _chain(atom, count, rules)
+    blocks, rest = divmod(count, BLOCK)
+    block, full = _block(atom, rules), _chain(atom, BLOCK - 1, rules)
+    name = f"{atom}_opt{rest}_0"
+    rules[name] = _chain(atom, rest, rules) if rest else '""'
+    for j in range(1, blocks + 1):
+        previous, name = name, f"{atom}_opt{rest}_{j}"
+        rules[name] = f"{full} | ({block} {previous})"
+    return name
+
+
+def _chain(atom: str, count: int, rules: dict[str, str]) -> str:
+    """``t_count`` of the module docstring: ``atom{0,count}`` matched one way only."""
+    for i in range(1, count + 1):
+        rest = f" {atom}_upto{i - 1}" if i > 1 else ""
+        rules[f"{atom}_upto{i}"] = f'"" | ({atom}{rest})'
+    return f"{atom}_upto{count}"

@@ -1,0 +1,108 @@
+"""JSON-schema patterns with counts past 32, and the patterns of structural tags' ``format``
+schemas: converted by kvflow (``json_pattern``, ``repeat_counts``) into JSON text in UTF-8.
+
+Before, a count past 32 (``^[^a-z]{40}$``) was left to xgrammar's own JSON-string regex,
+which accepted overlong UTF-8 (``E0 81 88``) and matched no text at all for a pattern with a
+literal quote, backslash or newline (``^a"x{40}$``: the request could only end at max_tokens);
+and a ``format`` structural tag's ``json_schema`` wrote a pattern's quote raw (``^a"b$`` took
+``"a"b"``). The oracles: Python's strict UTF-8 decoder, ``json.loads`` and ``re.fullmatch``
+on the decoded value."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import xgrammar as xgr
+
+from kvflow.structured import StructuredOutputsParams
+from kvflow.structured.repeat_counts import BLOCK
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_llama):
+    from transformers import AutoTokenizer
+
+    from kvflow.structured.xgrammar_backend import XgrammarBackend
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama.path)
+    return XgrammarBackend(tokenizer, len(tokenizer), tokenizer.eos_token_id)
+
+
+def _matcher(backend, params: StructuredOutputsParams) -> xgr.GrammarMatcher:
+    return xgr.GrammarMatcher(backend.compile(params), terminate_without_stop_token=True)
+
+
+def _accepts(backend, params: StructuredOutputsParams, data: bytes) -> bool:
+    matcher = _matcher(backend, params)
+    return matcher.accept_string(data) and matcher.is_terminated()
+
+
+def _oracle(pattern: str, data: bytes) -> bool:
+    """Whether ``data`` is a JSON string in UTF-8 whose value matches ``pattern``."""
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError
+        return False
+    return isinstance(value, str) and re.search(pattern, value) is not None
+
+
+def _string(pattern: str) -> dict:
+    return {"type": "string", "pattern": pattern}
+
+
+# (pattern, JSON texts that must be accepted, byte strings that must not)
+LARGE_COUNTS = [
+    ("^[^a-z]{40}$", ['"' + "é" * 40 + '"', '"' + "😀" * 40 + '"'],
+     [b'"' + b"\xe0\x81\x88" * 40 + b'"', b'"' + b"\xf0\x8f\xbf\xbf" * 40 + b'"']),
+    ("^x.{1,300}$", ['"x' + "é" * 299 + '"', '"x😀"'],
+     [b'"x\xe0\x9f\xae"', b'"x\xf0\x80\x80\x80"']),
+    ('^a"x{40}$', ['"a\\"' + "x" * 40 + '"'], [b'"a"' + b"x" * 40 + b'"']),
+    ("^a\\nx{33}$", ['"a\\n' + "x" * 33 + '"'], [b'"a\n' + b"x" * 33 + b'"']),
+    ("^[a-z\u00e9]{40,60}$", ['"' + "é" * 40 + '"', '"' + "ab" * 30 + '"'],
+     [b'"' + b"\xc0\xa9" * 40 + b'"']),
+]
+
+
+@pytest.mark.parametrize("pattern, good, bad", LARGE_COUNTS, ids=[c[0] for c in LARGE_COUNTS])
+def test_large_counts_yield_json_text(backend, pattern, good, bad):
+    params = StructuredOutputsParams(json=_string(pattern))
+    for text in good:
+        assert _oracle(pattern, text.encode())
+        assert _accepts(backend, params, text.encode()), text
+    for data in bad:
+        assert not _oracle(pattern, data)
+        assert not _accepts(backend, params, data), data
+
+
+B = BLOCK
+
+
+@pytest.mark.parametrize("atom, text, low, high", [
+    ("x", "x", B + 1, B + 1), ("x", "x", 0, B + 6), ("x", "x", B - 1, 2 * B + 1),
+    ("x", "x", B, B), ("x", "x", 1, 2 * B + 1), ("x", "x", 2 * B + 2, 3 * B + 6),
+    ("(ab|c)", "ab", B + 1, -1), ("(ab|c)", "c", 40, 60)])
+def test_large_counts_take_every_count_and_no_other(backend, atom, text, low, high):
+    """``x{m,n}`` written as shared blocks and chains (``repeat_counts``) matches exactly
+    ``m`` to ``n`` repetitions (``-1``: no bound), checked length by length against
+    ``re.fullmatch``."""
+    count = f"{{{low},{high}}}" if high >= 0 else f"{{{low},}}"
+    pattern = f"^{atom}{count}$"
+    params = StructuredOutputsParams(json=_string(pattern))
+    compiled = backend.compile(params)
+    top = (high if high >= 0 else low) + 3
+    for n in range(top + 1):
+        data = json.dumps(text * n).encode()
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        got = matcher.accept_string(data) and matcher.is_terminated()
+        assert got == bool(re.fullmatch(pattern[1:-1], text * n)), (pattern, n)
+
+
+def test_large_count_grammar_stays_small():
+    """The rules of ``.{1,3000}`` hold a few dozen character positions, not thousands."""
+    from kvflow.structured.utf8_grammar import _pattern_rules
+
+    rules = _pattern_rules("^.{1,3000}$", "p_")
+    assert rules.count("::=") < 200
+    assert "3000}" not in rules and "Regex" not in rules
