@@ -129,6 +129,17 @@ CASES = [
                                    "e": {"type": "string", "format": "email"}}),
                open_ended=True),
     _json_case("ipv4", {"type": "string", "format": "ipv4"}),
+    # counts past 32 (repeat_counts): blocks, chains, a quote; a random model seldom ends
+    # these within max_tokens, so most outputs are cut (checked for UTF-8)
+    _json_case("pattern_large_count", _object({"s": {"type": "string",
+                                                     "pattern": "^[^a-z]{33,60}$"}}),
+               open_ended=True),
+    _json_case("pattern_large_count_quote", _object({"s": {"type": "string",
+                                                           "pattern": '^"\\d{40,}$'}}),
+               open_ended=True),
+    _json_case("pattern_large_range", _object({"s": {"type": "string",
+                                                     "pattern": "^x.{1,300}$"}}),
+               open_ended=True),
     FuzzCase("json_object", {"json_object": True},
              lambda text: isinstance(json.loads(text), dict) or _fail(text)),
     _regex_case("regex_anchors", r"^[a-z]{2,5}\d$"),
@@ -145,6 +156,9 @@ CASES = [
                {"grammar": 'root ::= "<" [^>]{1,8} ">"'}),  # bounded: it ends within max_tokens
     _tag_case("tag_json", {"type": "json_schema", "json_schema": _object({"s": _STRING})},
               _valid_json, open_ended=True),
+    _tag_case("tag_json_pattern", {"type": "json_schema", "json_schema": _object(
+        {"s": {"type": "string", "pattern": '^[^a]"{0,40}$'}})},
+        lambda text: _check_regex('[^a]"{0,40}', json.loads(text)["s"]), open_ended=True),
     _tag_case("tag_regex", {"type": "regex", "pattern": r"[\D]{1,4}"},
               lambda text: _check_regex(r"[\D]{1,4}", text)),
     _tag_case("tag_grammar", {"type": "grammar", "grammar": 'root ::= [^<]{1,6}'},

@@ -48,6 +48,14 @@ def _oracle(pattern: str, data: bytes) -> bool:
     return isinstance(value, str) and re.search(pattern, value) is not None
 
 
+def _tag(schema: dict, style: str | None = None) -> str:
+    content = {"type": "json_schema", "json_schema": schema}
+    if style is not None:
+        content["style"] = style
+    return json.dumps({"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<t>", "content": content, "end": "</t>"}})
+
+
 def _string(pattern: str) -> dict:
     return {"type": "string", "pattern": pattern}
 
@@ -106,3 +114,32 @@ def test_large_count_grammar_stays_small():
     rules = _pattern_rules("^.{1,3000}$", "p_")
     assert rules.count("::=") < 200
     assert "3000}" not in rules and "Regex" not in rules
+
+
+@pytest.mark.parametrize("pattern, good, bad", [
+    ('^a"b$', '"a\\"b"', b'"a"b"'), ("^\\\\d$", '"\\\\d"', b'"\\d"'),
+    ("^[^a-z]{40}$", '"' + "é" * 40 + '"', b'"' + b"\xe0\x81\x88" * 40 + b'"')])
+def test_format_tag_patterns_yield_json_text(backend, pattern, good, bad):
+    """A ``format`` structural tag's ``json_schema`` (a tool call's parameters) had its
+    pattern converted by xgrammar: a literal quote written raw (``"a"b"``)."""
+    schema = {"type": "object", "properties": {"s": _string(pattern)}, "required": ["s"]}
+    params = StructuredOutputsParams(structural_tag=_tag(schema))
+    good_text, bad_text = f'<t>{{"s": {good}}}</t>', b'<t>{"s": ' + bad + b"}</t>"
+    assert _oracle(pattern, good.encode()) and not _oracle(pattern, bad)
+    assert _accepts(backend, params, good_text.encode())
+    assert not _accepts(backend, params, bad_text)
+
+
+def test_format_tag_ipv4_is_json_schemas(backend):
+    schema = {"type": "string", "format": "ipv4"}
+    params = StructuredOutputsParams(structural_tag=_tag(schema))
+    assert _accepts(backend, params, b'<t>"1.2.3.4"</t>')
+    assert not _accepts(backend, params, b'<t>"01.2.3.4"</t>')
+
+
+def test_format_tag_xml_style_keeps_patterns_raw(backend):
+    """XML styles write a string raw: its pattern is not JSON-escaped."""
+    schema = {"type": "object", "properties": {"s": _string('^a"b$')}, "required": ["s"]}
+    params = StructuredOutputsParams(structural_tag=_tag(schema, "qwen_xml"))
+    matcher = _matcher(backend, params)
+    assert matcher.accept_string(b'<t><parameter=s>\na"b')

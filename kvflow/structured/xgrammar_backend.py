@@ -24,6 +24,7 @@ from kvflow.structured.xgrammar_convert import (
     grammar_text,
     json_only_strings,
     json_schema_grammar,
+    structural_tag_grammar,
     structural_tag_text,
 )
 from kvflow.structured.xgrammar_errors import clean_error
@@ -119,21 +120,23 @@ class XgrammarBackend(StructuredOutputBackend):
         return self._compiler.compile_grammar(utf8_grammar(xgr.Grammar.from_ebnf(spec)))
 
     def _compile_structural_tag(self, text: str) -> xgr.CompiledGrammar:
-        """A structural tag (xgrammar's ``format`` JSON text) compiled as UTF-8 text
-        (``utf8_grammar``), over xgrammar's own reading of the vocabulary (special tokens
+        """A structural tag (xgrammar's ``format`` JSON text) compiled as UTF-8 text, its
+        JSON-schema patterns converted by kvflow (``structural_tag_grammar``), over xgrammar's
+        own reading of the vocabulary (special tokens
         spell their text: a trigger may be one). A tag that names tokens converts only with
         the tokenizer: it is compiled as written (its grammars may hold surrogates).
 
         Raises:
             RuntimeError: from xgrammar, for a tag it cannot compile.
+            ValueError: for a JSON-schema pattern in it that does not convert.
         """
         try:
-            grammar = xgr.Grammar.from_structural_tag(text)
+            grammar = structural_tag_grammar(text)
         except RuntimeError as e:
             if NEEDS_TOKENIZER not in str(e):
                 raise
             return self._tag_compiler.compile_structural_tag(text)
-        return self._tag_compiler.compile_grammar(utf8_grammar(grammar))
+        return self._tag_compiler.compile_grammar(grammar)
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> XgrammarGrammar:
         return XgrammarGrammar(xgr.GrammarMatcher(compiled))

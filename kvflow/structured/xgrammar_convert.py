@@ -159,6 +159,33 @@ def structural_tag_text(spec: str) -> str:
         ensure_ascii=False)
 
 
+def structural_tag_grammar(text: str) -> xgr.Grammar:
+    """The grammar of a structural tag in xgrammar's ``format`` spelling (``text``, from
+    :func:`structural_tag_text`) as UTF-8 text (``utf8_grammar``), the ``pattern`` strings of
+    its JSON-style ``json_schema`` formats converted by kvflow as a ``json`` constraint's are
+    (``json_pattern``: xgrammar wrote a literal quote of ``^a"b$`` raw inside the string, and
+    gave a count past 32 its own JSON-string regex, which let overlong UTF-8 through), and
+    ``ipv4`` written as JSON Schema's (``json_pattern.strict_formats``). XML styles write
+    their strings raw, so their patterns are left to xgrammar.
+
+    Raises:
+        RuntimeError: from xgrammar, for a tag it cannot convert (``NEEDS_TOKENIZER`` in the
+            message for one that names tokens).
+        ValueError: for a pattern that does not convert (``utf8_grammar``).
+    """
+    tag = json.loads(text)
+    patterns: dict[str, str] = {}
+    for _, node in format_schemas(tag):
+        if node.get("type") == "json_schema" and node.get("style", "json") == "json":
+            node["json_schema"], found = placeholder_patterns(
+                strict_formats(node["json_schema"]), first=len(patterns))
+            patterns.update(found)
+    grammar = utf8_grammar(xgr.Grammar.from_structural_tag(json.dumps(tag)), patterns)
+    if any(name in str(grammar) for name in patterns):  # a placeholder converted as text
+        return utf8_grammar(xgr.Grammar.from_structural_tag(text))
+    return grammar
+
+
 def _schema_problem(schema: Any) -> str | None:
     """Why kvflow refuses a schema inside a ``format`` structural tag (a keyword xgrammar
     would not enforce, a costly pattern), or None."""
