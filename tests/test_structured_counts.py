@@ -17,7 +17,7 @@ import pytest
 import xgrammar as xgr
 
 from kvflow.structured import StructuredOutputsParams
-from kvflow.structured.repeat_counts import BLOCK
+from kvflow.structured.repeat_counts import BLOCK, INLINE_COUNT
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +68,7 @@ LARGE_COUNTS = [
      [b'"x\xe0\x9f\xae"', b'"x\xf0\x80\x80\x80"']),
     ('^a"x{40}$', ['"a\\"' + "x" * 40 + '"'], [b'"a"' + b"x" * 40 + b'"']),
     ("^a\\nx{33}$", ['"a\\n' + "x" * 33 + '"'], [b'"a\n' + b"x" * 33 + b'"']),
+    ("^[^a-z]{200}$", ['"' + "é" * 200 + '"'], [b'"' + b"\xe0\x81\x88" * 200 + b'"']),
     ("^[a-z\u00e9]{40,60}$", ['"' + "é" * 40 + '"', '"' + "ab" * 30 + '"'],
      [b'"' + b"\xc0\xa9" * 40 + b'"']),
 ]
@@ -84,13 +85,13 @@ def test_large_counts_yield_json_text(backend, pattern, good, bad):
         assert not _accepts(backend, params, data), data
 
 
-B = BLOCK
+B, INLINE = BLOCK, INLINE_COUNT
 
 
 @pytest.mark.parametrize("atom, text, low, high", [
-    ("x", "x", B + 1, B + 1), ("x", "x", 0, B + 6), ("x", "x", B - 1, 2 * B + 1),
-    ("x", "x", B, B), ("x", "x", 1, 2 * B + 1), ("x", "x", 2 * B + 2, 3 * B + 6),
-    ("(ab|c)", "ab", B + 1, -1), ("(ab|c)", "c", 40, 60)])
+    ("x", "x", INLINE + 1, INLINE + 1), ("x", "x", 0, INLINE + 6),
+    ("x", "x", B - 1, INLINE + B + 1), ("x", "x", 3 * B, 3 * B), ("x", "x", 1, INLINE + 2 * B + 1),
+    ("(ab|c)", "ab", INLINE + 1, -1), ("(ab|c)", "c", 40, INLINE + 72)])
 def test_large_counts_take_every_count_and_no_other(backend, atom, text, low, high):
     """``x{m,n}`` written as shared blocks and chains (``repeat_counts``) matches exactly
     ``m`` to ``n`` repetitions (``-1``: no bound), checked length by length against

@@ -2,21 +2,23 @@ r"""Large counted repetitions of a JSON-schema pattern's rules, written so that 
 compiles them in time that does not grow with the count.
 
 xgrammar (0.2.9) compiles a repetition ``x{m,n}`` of its own in time growing with the count
-(``.{1,300}``: 5-9 s for a 49k vocabulary; its lazy regex, which kvflow used past a count of
-32 instead, wrote a pattern's quotes raw and let overlong UTF-8 through). Past
-:data:`INLINE_COUNT`, :func:`compact_repeat` writes ``x{m,n}`` as rules shared by every count:
-a block ``b ::= x{K}`` (``K`` = :data:`BLOCK`), the rest of ``m`` as ``x{m mod K}``, and the
-``n - m`` optional repetitions as a chain ``t_i ::= "" | x t_(i-1)`` (``i < K``) after at most
-``(n - m) div K`` optional blocks, ``q_j ::= t_(K-1) | b q_(j-1)``, ``q_0 ::= t_s``: each count
-is matched one way only, and the grammar holds about ``2 K`` character positions whatever the
-count. ``x{m,}`` is ``x{m}`` then ``x*``. A token that runs past a block's end is checked when
-the mask is filled (xgrammar cannot tell from the block alone what follows it), so such
-patterns cost more per token than small counts do.
+(``.{1,300}``: 5-9 s for a 49k vocabulary, and 25-30 ms a token to fill a mask; its
+JSON-string regex, which kvflow used past a count of 32 before, wrote a pattern's quotes raw
+and let overlong UTF-8 through). Past :data:`INLINE_COUNT`, :func:`compact_repeat` writes
+``x{m,n}`` as rules shared by every count: a block ``b ::= x{K}`` (``K`` = :data:`BLOCK`),
+the rest of ``m`` as ``x{m mod K}``, and the ``n - m`` optional repetitions as a chain
+``t_i ::= "" | x t_(i-1)`` (``i < K``) after at most ``(n - m) div K`` optional blocks,
+``q_j ::= t_(K-1) | b q_(j-1)``, ``q_0 ::= t_s``: each count is matched one way only, and the
+grammar holds about ``2 K`` character positions whatever the count. ``x{m,}`` is ``x{m}``
+then ``x*``. A token that runs past a block's or chain's end is checked when the mask is
+filled (xgrammar cannot tell from the rule alone what follows it), so up to
+:data:`INLINE_COUNT` xgrammar's own repetition is kept: it fills masks faster there
+(``benchmarks/pattern_counts.py``).
 """
 
 from __future__ import annotations
 
-INLINE_COUNT = 32  # counts up to this stay xgrammar's own repetition (flat, cheap masks)
+INLINE_COUNT = 128  # counts up to this stay xgrammar's own repetition (cheaper masks)
 BLOCK = 64  # the repetitions one shared block holds (32: half the compile time, twice the
 # tokens checked at fill time; benchmarks/pattern_counts.py)
 
