@@ -1,0 +1,84 @@
+"""Compile time and mask time of JSON-schema string patterns with counted repetitions, three
+ways in one run: xgrammar's own JSON-schema conversion (its JSON-string regex, what kvflow
+used for a count past 32 before ``repeat_counts``), xgrammar's repetition as rules
+(``x{m,n}`` of its regex converter, what kvflow uses up to a count of 32) and kvflow's
+conversion (``xgrammar_convert.json_schema_grammar``: ``json_pattern`` + ``repeat_counts``).
+
+Mask time: the mean (and worst) ``fill_next_token_bitmask`` over a random walk of up to 60
+tokens through the string. Usage::
+
+    python benchmarks/pattern_counts.py [--tokenizer out/smollm2-hf] [PATTERN ...]
+
+``--skip-rules-over N`` leaves out xgrammar's repetition as rules past a count of N (it
+compiles in time growing with the count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import xgrammar as xgr
+
+from kvflow.structured.json_pattern import json_pattern
+from kvflow.structured.schema_support import pattern_repeat_cost
+from kvflow.structured.utf8_grammar import printed_ebnf
+from kvflow.structured.xgrammar_convert import json_schema_grammar
+
+PATTERNS = ["^[a-z]{30}$", "^.{1,30}$", "^[a-z\u00e9]{40,60}$", "^\\d{100}$", "^.{1,100}$",
+            "^.{1,300}$", "^.{1,3000}$"]
+
+
+def mask_times(compiled: xgr.CompiledGrammar, vocab_size: int, steps: int = 60,
+               seed: int = 0) -> tuple[float, float]:
+    """(mean, worst) milliseconds of one ``fill_next_token_bitmask`` along a random walk."""
+    rng, matcher = random.Random(seed), xgr.GrammarMatcher(compiled)
+    bitmask, times = xgr.allocate_token_bitmask(1, vocab_size), []
+    for _ in range(steps):
+        start = time.perf_counter()
+        matcher.fill_next_token_bitmask(bitmask)
+        times.append(time.perf_counter() - start)
+        rejected = set(xgr.testing._get_masked_tokens_from_bitmask(bitmask, vocab_size))
+        allowed = [i for i in range(vocab_size) if i not in rejected]
+        if not allowed or not matcher.accept_token(rng.choice(allowed)) or \
+                matcher.is_terminated():
+            break
+    return sum(times) / len(times) * 1000, max(times) * 1000
+
+
+def grammars(pattern: str, skip_rules_over: int) -> dict[str, xgr.Grammar]:
+    schema = {"type": "string", "pattern": pattern}
+    out = {"xgrammar": xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)}
+    if pattern_repeat_cost(pattern)[1] <= skip_rules_over:
+        rules = printed_ebnf(xgr.Grammar.from_regex(json_pattern(pattern)))
+        out["rules"] = xgr.Grammar.from_ebnf(rules.replace("root", "pattern") +
+                                             '\nroot ::= "\\"" pattern "\\""')
+    out["kvflow"] = json_schema_grammar(json.dumps(schema))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("patterns", nargs="*", default=PATTERNS)
+    parser.add_argument("--tokenizer", default="out/smollm2-hf")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-rules-over", type=int, default=300)
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(args.tokenizer))
+    compiler = xgr.GrammarCompiler(info, max_threads=args.threads, cache_enabled=False)
+    print(f"{'pattern':24s} {'way':9s} {'compile s':>9s} {'mask ms':>8s} {'worst':>8s}")
+    for pattern in args.patterns:
+        for way, grammar in grammars(pattern, args.skip_rules_over).items():
+            start = time.perf_counter()
+            compiled = compiler.compile_grammar(grammar)
+            seconds = time.perf_counter() - start
+            mean, worst = mask_times(compiled, info.vocab_size)
+            print(f"{pattern:24s} {way:9s} {seconds:9.2f} {mean:8.2f} {worst:8.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
