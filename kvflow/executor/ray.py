@@ -10,8 +10,9 @@ same Worker code as with ``mp``.
 
 A step is encoded once, put in Ray's object store once, and its reference passed to every
 actor; only the driver rank's result is decoded. A failed actor (dead, or raised) ends the
-wait for its step with :class:`~kvflow.executor.base.ExecutorError` naming the rank, and every
-actor is killed. As with ``mp``, a worker's ``ValueError`` before the first step (building its
+wait for its step with :class:`~kvflow.executor.base.ExecutorError` naming the rank (a rank
+whose actor died, rather than the peers whose collective its death broke), and every actor is
+killed. As with ``mp``, a worker's ``ValueError`` before the first step (building its
 part of the model, sizing or allocating its KV cache) is bad input:
 :class:`~kvflow.executor.base.WorkerConfigError`, one line from ``kvflow`` (exit 2).
 """
@@ -21,7 +22,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any
+import time
+from typing import Any, NoReturn
 
 from kvflow.config import EngineConfig
 from kvflow.executor.base import Executor, StepFuture
@@ -32,6 +34,9 @@ from kvflow.sched_output import GrammarBitmask, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.1  # how often a wait checks the other ranks' calls for failures
+# How long a rank's error waits for a peer's death to show (see RayExecutor._fail_rank): a
+# killed actor's peers fail in their collective at once, Ray reports the death a moment later.
+_DEATH_GRACE_S = 2.0
 
 
 def _import_ray():
@@ -147,9 +152,47 @@ class RayExecutor(Executor):
                     cause = getattr(e, "cause", None)
                     if self._sent == 0 and isinstance(cause, ValueError):
                         self._fail_config(rank, str(cause))
-                    what = "failed to start" if starting else "failed"
-                    self._fail(f"worker rank {rank} {what}: {_describe(e)}")
+                    self._fail_rank(rank, e, pending, starting)
         return [results[r] for r in range(len(refs))]
+
+    def _fail_rank(self, rank: int, error: Exception, pending: dict[Any, int],
+                   starting: bool) -> NoReturn:
+        """Rank ``rank``'s call raised ``error``; ``pending``: the other ranks' calls not yet
+        done (ref -> rank). When a peer's actor died (killed, OOM), the others fail inside a
+        collective at once (gloo: "Connection reset by peer"), before Ray reports the death:
+        name the rank whose actor died as the cause if its call fails so within
+        ``_DEATH_GRACE_S``. (Was: the first error seen was named, so a killed rank 1 was
+        reported as rank 0's connection error.)
+
+        Raises:
+            ExecutorError: always, naming the dead rank, else ``rank``.
+        """
+        what = "failed to start" if starting else "failed"
+        if not isinstance(error, self.ray.exceptions.RayActorError):
+            dead = self._dead_peer(pending)
+            if dead is not None:
+                then = _describe(error)
+                then = then if len(then) <= 80 else then[:77] + "..."
+                self._fail(f"worker rank {dead[0]} {what}: {_describe(dead[1])} "
+                           f"(then rank {rank} failed: {then})")
+        self._fail(f"worker rank {rank} {what}: {_describe(error)}")
+
+    def _dead_peer(self, pending: dict[Any, int]) -> tuple[int, Exception] | None:
+        """(rank, its error) of the first of ``pending``'s calls (ref -> rank) to fail
+        because its actor died, waited for up to ``_DEATH_GRACE_S``; None if none does."""
+        pending = dict(pending)
+        deadline = time.monotonic() + _DEATH_GRACE_S
+        while pending and (left := deadline - time.monotonic()) > 0:
+            ready, _ = self.ray.wait(list(pending), num_returns=1, timeout=min(left, _POLL_S))
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    self.ray.get(ref)
+                except self.ray.exceptions.RayActorError as e:
+                    return rank, e
+                except Exception:  # noqa: BLE001, S110 - another rank's own error: not a death
+                    pass
+        return None
 
     # ---- failure and shutdown ------------------------------------------------------------------
 

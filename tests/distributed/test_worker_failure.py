@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -112,8 +113,14 @@ class _RayTaskError(Exception):
         self.cause = cause
 
 
+class _RayActorError(Exception):
+    """Ray's error for a call whose actor died (its process killed)."""
+
+
 class _FakeRay:
     """``ray.wait`` / ``ray.get`` over refs that are the values (or errors) themselves."""
+
+    exceptions = SimpleNamespace(RayActorError=_RayActorError)
 
     def wait(self, refs: list, num_returns: int, timeout: float) -> tuple[list, list]:
         return refs[:num_returns], refs[num_returns:]
@@ -145,6 +152,33 @@ def test_ray_worker_value_error_at_start_up_is_bad_input(monkeypatch, steps_sent
     assert ("worker rank 1, at engine start-up" in str(err.value)) is is_value_error
     if is_value_error:
         assert str(err.value).startswith("quantization_group_size=64")  # no Ray task text
+
+
+def test_ray_killed_actor_is_named_not_the_peer_its_death_broke(monkeypatch):
+    """A killed Ray actor (rank 1) breaks its peers' collective at once: rank 0's call fails
+    with gloo's connection error before Ray reports rank 1's death. The error names rank 1,
+    the cause, with rank 0's failure after it (was: "worker rank 0 failed: RuntimeError:
+    ... Connection reset by peer"). A rank's own error with no dead peer still names it.
+    No Ray: its ``wait``/``get`` are faked (the real kill: test_slow_ray_and_real_models)."""
+    from kvflow.executor.ray import RayExecutor
+
+    executor = RayExecutor.__new__(RayExecutor)
+    executor._failed, executor.ray, executor._sent = None, _FakeRay(), 3
+    monkeypatch.setattr(executor, "shutdown", lambda: None)
+    reset = _RayTaskError(RuntimeError("[gloo/pair.cc:537] Read error: Connection reset by peer"))
+    died = _RayActorError("The actor died unexpectedly before finishing this task.")
+    with pytest.raises(ExecutorError) as err:
+        executor._wait([reset, died, None])
+    assert str(err.value).startswith(
+        "worker rank 1 failed: _RayActorError: The actor died unexpectedly before finishing "
+        "this task. (then rank 0 failed: RuntimeError: [gloo/pair.cc:537] Read error: "
+        "Connection reset by peer)")
+
+    executor._failed = None
+    own = _RayTaskError(RuntimeError("batched processor raised"))
+    with pytest.raises(ExecutorError, match=r"^worker rank 1 failed: RuntimeError: batched "
+                                            r"processor raised; the engine's workers"):
+        executor._wait(["rank 0 result", own, "rank 2 result"])
 
 
 class _Proc:
