@@ -69,18 +69,25 @@ def start_ray_for_replicas(config: EngineConfig) -> bool:
     started one (the caller stops it: :func:`stop_ray`).
 
     Raises:
-        ValueError: if Ray is not installed.
+        ValueError: if Ray is not installed, or the local cluster cannot hold every
+            replica's workers (one CPU or GPU each; it is stopped again).
     """
     pc = config.parallel_config
     if pc.executor_backend != "ray" or pc.data_parallel_size == 1 \
             or os.environ.get("RAY_ADDRESS"):
         return False
-    from kvflow.executor.ray import _import_ray
+    from kvflow.executor.ray import _import_ray, check_cluster_fits, worker_bundle
 
     ray = _import_ray()
     if ray.is_initialized():
         return False
     ray.init(log_to_driver=True)
+    try:  # every replica's workers, in this local cluster
+        check_cluster_fits(ray, worker_bundle(ray, config),
+                           pc.data_parallel_size * pc.world_size, local=True, timeout_s=0)
+    except ValueError:
+        ray.shutdown()
+        raise
     logger.info("started a local Ray cluster for the %d data-parallel replicas (%s)",
                 pc.data_parallel_size, ray.get_runtime_context().gcs_address)
     return True

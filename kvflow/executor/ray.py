@@ -84,12 +84,11 @@ class RayExecutor(Executor):
             self._started_ray = True
 
     def _init_placement_group(self, timeout_s: float) -> None:
+        self._bundle = worker_bundle(self.ray, self.config)
+        check_cluster_fits(self.ray, self._bundle, self.world_size, local=self._started_ray,
+                           timeout_s=timeout_s)
         from ray.util.placement_group import placement_group
 
-        gpu = self.config.device_config.device == "cuda" or (
-            self.config.device_config.device == "auto" and
-            self.ray.cluster_resources().get("GPU", 0) > 0)
-        self._bundle = {"GPU": 1} if gpu else {"CPU": 1}
         self._pg = placement_group([dict(self._bundle)] * self.world_size, strategy="PACK")
         ready, _ = self.ray.wait([self._pg.ready()], timeout=timeout_s)
         if not ready:
@@ -211,6 +210,38 @@ class RayExecutor(Executor):
         if self._started_ray and self.ray.is_initialized():
             self.ray.shutdown()
             self._started_ray = False
+
+
+def worker_bundle(ray: Any, config: EngineConfig) -> dict[str, int]:
+    """The Ray resources of one worker: ``{"GPU": 1}`` on CUDA (or ``device="auto"`` on a
+    cluster with GPUs), ``{"CPU": 1}`` otherwise."""
+    device = config.device_config.device
+    gpu = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    return {"GPU": 1} if gpu else {"CPU": 1}
+
+
+def check_cluster_fits(ray: Any, bundle: dict[str, int], count: int, local: bool,
+                       timeout_s: float) -> None:
+    """Check that the connected Ray cluster has ``count`` workers' ``bundle`` in all (free
+    or not). A ``local`` cluster (started by kvflow in this process: one machine, no
+    autoscaler) never grows, so a shortfall is an error at once (was: the placement group
+    waited ``placement_timeout_s``, 120 s, before the same error); another cluster may grow
+    (an autoscaler): a warning, and the placement waits.
+
+    Raises:
+        ValueError: naming the shortfall and what to do, if ``local`` and it cannot fit.
+    """
+    (key, per), = bundle.items()
+    have = ray.cluster_resources().get(key, 0)
+    if have >= per * count:
+        return
+    what = (f"the Ray cluster has {have:g} {key} in all, fewer than the {count} workers of "
+            f"{bundle} need")
+    if local:
+        raise ValueError(f"{what}; kvflow started it on this machine, where Ray counts "
+                         f"{have:g}: start a cluster with enough (ray start --head "
+                         f"--num-{key.lower()}s {per * count}) and name it in RAY_ADDRESS")
+    logger.warning("%s; waiting up to %.0f s for it to grow", what, timeout_s)
 
 
 def _describe(error: Exception) -> str:

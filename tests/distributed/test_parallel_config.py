@@ -247,6 +247,10 @@ class _FakeRay:
 
         self.__spec__ = importlib.machinery.ModuleSpec("ray", None)  # "installed"
         self.up, self.inits, self.shutdowns = False, 0, 0
+        self.cpus = 64.0
+
+    def cluster_resources(self) -> dict[str, float]:
+        return {"CPU": self.cpus, "memory": 1e10}
 
     def is_initialized(self) -> bool:
         return self.up
@@ -331,3 +335,49 @@ def test_an_unknown_option_never_suggests_a_field_kvflow_sets():
     with pytest.raises(ValueError, match="unknown engine option 'data_parallel_backend'") as e:
         EngineConfig.from_kwargs(model="x", data_parallel_backend="ray")
     assert "data_parallel_rank" not in str(e.value)
+
+
+def test_a_local_ray_cluster_too_small_is_an_error_at_once(caplog):
+    """4 CPU workers (TP=4) on a local Ray cluster of 2 CPUs (the one kvflow starts on a
+    2-core machine): a ValueError naming the shortfall and the fix before any placement
+    group is made (was: the placement group waited 120 s, then the same shortfall). A
+    cluster named in RAY_ADDRESS may grow (an autoscaler): a warning, and the placement
+    waits. No Ray: its calls are faked."""
+    from kvflow.executor.ray import RayExecutor, check_cluster_fits
+
+    executor = RayExecutor.__new__(RayExecutor)
+    executor.config = EngineConfig.from_kwargs(model="x", device="cpu")
+    executor.ray, executor.world_size, executor._started_ray = _FakeRay(), 4, True
+    executor.ray.cpus = 2
+    with pytest.raises(ValueError, match=r"^the Ray cluster has 2 CPU in all, fewer than the "
+                                         r"4 workers of \{'CPU': 1\} need; .*ray start --head "
+                                         r"--num-cpus 4\) and name it in RAY_ADDRESS$"):
+        executor._init_placement_group(120.0)
+    with caplog.at_level("WARNING", logger="kvflow.executor.ray"):
+        check_cluster_fits(executor.ray, {"CPU": 1}, 4, local=False, timeout_s=120)
+    executor.ray.cpus = 4
+    check_cluster_fits(executor.ray, {"CPU": 1}, 4, local=True, timeout_s=120)  # fits
+    assert "has 2 CPU in all, fewer than the 4 workers" in caplog.text
+    assert "waiting up to 120 s" in caplog.text
+
+
+def test_data_parallel_replicas_too_many_for_the_local_ray_cluster(monkeypatch):
+    """DP=2 x TP=2 under ray with no cluster named: the API process starts a local one for
+    both replicas; 4 workers on its 2 CPUs is a ValueError at once and the cluster is
+    stopped again (was: replica 1's engine core waited 120 s for its placement group)."""
+    import sys
+
+    from kvflow.engine.core_client import start_ray_for_replicas
+
+    fake = _FakeRay()
+    fake.cpus = 2
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    config = EngineConfig.from_kwargs(model="x", device="cpu", data_parallel_size=2,
+                                      tensor_parallel_size=2)
+    config.parallel_config.distributed_executor_backend = "ray"
+    with pytest.raises(ValueError, match="has 2 CPU in all, fewer than the 4 workers"):
+        start_ray_for_replicas(config)
+    assert not fake.up and fake.shutdowns == 1  # stopped again
+    fake.cpus = 4
+    assert start_ray_for_replicas(config) is True and fake.up
