@@ -68,6 +68,7 @@ class RayExecutor(Executor):
         self.codec = StepCodec()
         self._sent = 0  # steps sent (a worker's ValueError before the first is bad input)
         self._started_ray = False
+        self._local_cluster = False  # _init_ray started a cluster on this machine
         self.actors: list[Any] = []
         self._pg = None
         try:
@@ -79,13 +80,28 @@ class RayExecutor(Executor):
             raise
 
     def _init_ray(self) -> None:
-        if not self.ray.is_initialized():
-            self.ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
-            self._started_ray = True
+        """Join the cluster in ``RAY_ADDRESS`` (else start a local one) unless this process
+        is connected to one already.
+
+        Raises:
+            ValueError: if the cluster in ``RAY_ADDRESS`` cannot be joined (was: Ray's
+                ConnectionError, a traceback and exit 1, after its 20 s of retries).
+        """
+        if self.ray.is_initialized():
+            return
+        address = os.environ.get("RAY_ADDRESS")
+        try:
+            self.ray.init(address=address, log_to_driver=True)
+        except ConnectionError as e:
+            if not address:
+                raise
+            raise ValueError(ray_connect_error(address, e)) from None
+        self._started_ray = True  # shutdown() disconnects (and stops a local cluster)
+        self._local_cluster = address is None
 
     def _init_placement_group(self, timeout_s: float) -> None:
         self._bundle = worker_bundle(self.ray, self.config)
-        check_cluster_fits(self.ray, self._bundle, self.world_size, local=self._started_ray,
+        check_cluster_fits(self.ray, self._bundle, self.world_size, local=self._local_cluster,
                            timeout_s=timeout_s)
         from ray.util.placement_group import placement_group
 
@@ -210,6 +226,16 @@ class RayExecutor(Executor):
         if self._started_ray and self.ray.is_initialized():
             self.ray.shutdown()
             self._started_ray = False
+
+
+def ray_connect_error(address: str, error: Exception) -> str:
+    """Why the cluster at ``RAY_ADDRESS`` could not be joined, and the likely fixes."""
+    first = str(error).strip().splitlines()
+    return (f"cannot join the Ray cluster at RAY_ADDRESS={address}: "
+            f"{first[0] if first else type(error).__name__} (is it running? A cluster "
+            "`ray start` began with token authentication, its default in recent Ray, is "
+            "joined with RAY_AUTH_MODE=token and its token in ~/.ray/auth_token or "
+            "RAY_AUTH_TOKEN)")
 
 
 def worker_bundle(ray: Any, config: EngineConfig) -> dict[str, int]:

@@ -347,7 +347,7 @@ def test_a_local_ray_cluster_too_small_is_an_error_at_once(caplog):
 
     executor = RayExecutor.__new__(RayExecutor)
     executor.config = EngineConfig.from_kwargs(model="x", device="cpu")
-    executor.ray, executor.world_size, executor._started_ray = _FakeRay(), 4, True
+    executor.ray, executor.world_size, executor._local_cluster = _FakeRay(), 4, True
     executor.ray.cpus = 2
     with pytest.raises(ValueError, match=r"^the Ray cluster has 2 CPU in all, fewer than the "
                                          r"4 workers of \{'CPU': 1\} need; .*ray start --head "
@@ -381,3 +381,27 @@ def test_data_parallel_replicas_too_many_for_the_local_ray_cluster(monkeypatch):
     assert not fake.up and fake.shutdowns == 1  # stopped again
     fake.cpus = 4
     assert start_ray_for_replicas(config) is True and fake.up
+
+
+def test_a_ray_cluster_that_cannot_be_joined_is_bad_input(monkeypatch):
+    """RAY_ADDRESS names a cluster that refuses this process (not running, or `ray start`'s
+    token authentication without RAY_AUTH_MODE=token here): a ValueError naming the address
+    and the likely fixes, so ``kvflow`` prints one line and exits 2 (was: Ray's
+    ConnectionError, a traceback and exit 1). No Ray: its ``init`` is faked."""
+    from kvflow.executor.ray import RayExecutor
+
+    def refuse(**kwargs):
+        raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.7:6379")
+
+    executor = RayExecutor.__new__(RayExecutor)
+    executor.ray = _FakeRay()
+    executor.ray.init = refuse
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.7:6379")
+    with pytest.raises(ValueError, match=r"^cannot join the Ray cluster at RAY_ADDRESS="
+                                         r"10\.0\.0\.7:6379: Failed to connect to Ray cluster "
+                                         r"at 10\.0\.0\.7:6379 \(is it running\? .*"
+                                         r"RAY_AUTH_MODE=token"):
+        executor._init_ray()
+    monkeypatch.delenv("RAY_ADDRESS")
+    with pytest.raises(ConnectionError):  # a local cluster that fails to start: Ray's error
+        executor._init_ray()
