@@ -20,6 +20,14 @@ import pytest
 from kvflow import LLM, SamplingParams
 from kvflow.executor import ExecutorError
 from tests.distributed.conftest import assert_same_greedy, greedy_run
+from tests.distributed.test_parallel_fault_isolation import FAULT_RANK, HERE
+from tests.test_step_fault_isolation import (
+    BAD,
+    GOOD,
+    assert_idle_and_forgotten,
+    greedy,
+    step_until_done,
+)
 
 pytestmark = [
     pytest.mark.distributed_slow,
@@ -34,9 +42,12 @@ def _installed(*packages: str) -> bool:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray cluster of 4 CPUs, started here and stopped after the module."""
+    """A local Ray cluster of 4 CPUs, started here and stopped after the module. Its actors
+    see ``KVFLOW_TEST_FAULT_RANK=1`` (the fault-isolation processors fail on rank 1 only;
+    Ray actors take their environment from the cluster, not from this process)."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {FAULT_RANK: "1"}})
     yield ray
     ray.shutdown()
 
@@ -87,6 +98,50 @@ def test_ray_actor_death_names_the_rank(ray_cluster, tiny_model_factory):
                      use_tqdm=False)
     assert executor.actors == []  # every actor was killed
     llm.shutdown()
+
+
+def _ray_tp2(path: str, processor: str) -> LLM:
+    return LLM(path, dtype="float32", num_kv_blocks=128, block_size=8, tensor_parallel_size=2,
+               distributed_executor_backend="ray", logits_processors=[f"{HERE}:{processor}"])
+
+
+def test_ray_request_failing_on_one_rank_ends_alone(ray_cluster, tiny_llama):
+    """docs/parallel/request-failures.md under ray: rank 1's per-request processor raises
+    (rank 0's does not); that request alone ends with a 400 naming extra_args, the good one
+    beside it gets its solo tokens, every block is free and the engine serves on."""
+    from kvflow.core.request_errors import EXTRA_ARGS
+    from kvflow.engine.streams import RequestRefused
+
+    llm = _ray_tp2(tiny_llama.path, "RankFaults")
+    try:
+        solo = llm.generate({"prompt_token_ids": GOOD}, greedy(),
+                            use_tqdm=False)[0].outputs[0].token_ids
+        llm.engine.add_request({"prompt_token_ids": GOOD}, greedy(), "good")
+        llm.engine.add_request({"prompt_token_ids": BAD}, greedy(fail_at=3), "bad")
+        tokens, errors = step_until_done(llm.engine)
+        assert tokens == {"good": solo}
+        assert type(errors["bad"]) is RequestRefused and errors["bad"].field == EXTRA_ARGS
+        assert "its logits processor: fail_at=3 reached" in str(errors["bad"])
+        assert_idle_and_forgotten(llm, ["good", "bad"])
+    finally:
+        llm.shutdown()
+
+
+def test_ray_failure_no_request_owns_names_its_rank_within_seconds(ray_cluster, tiny_llama):
+    """A batched processor raising on rank 1 only: rank 0 waits for it in a collective; the
+    executor names rank 1 and kills both actors within seconds, never a hang."""
+    import time
+
+    llm = _ray_tp2(tiny_llama.path, "BrokenOnRank")
+    executor = llm.engine.core.executor
+    try:
+        start = time.monotonic()
+        with pytest.raises(ExecutorError, match="^worker rank 1 failed: ZeroDivisionError: "
+                                                "broken processor"):
+            llm.generate([{"prompt_token_ids": GOOD}], greedy(3), use_tqdm=False)
+        assert time.monotonic() - start < 15 and executor.actors == []
+    finally:
+        llm.shutdown()
 
 
 PROMPT = "The capital of France is"
