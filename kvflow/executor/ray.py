@@ -70,6 +70,7 @@ class RayExecutor(Executor):
         self._started_ray = False
         self._local_cluster = False  # _init_ray started a cluster on this machine
         self.actors: list[Any] = []
+        self._pings: dict[Any, int] = {}  # check_health's pings not yet answered: ref -> rank
         self._pg = None
         try:
             self._init_ray()
@@ -210,6 +211,29 @@ class RayExecutor(Executor):
         return None
 
     # ---- failure and shutdown ------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raise if a worker has failed, without waiting: collect the answers to the pings the
+        previous call sent (a killed actor's raises ActorDiedError), then ping every rank
+        not still being pinged. An idle engine calls it every second, so a killed actor is
+        found within about two. (Was: nothing was checked, so an idle engine's killed actor
+        went unnoticed until the next request's step failed on it.)
+
+        Raises:
+            ExecutorError: naming the rank whose ping failed, or if a worker failed before.
+        """
+        self._check_failed()
+        if self._pings:
+            ready, _ = self.ray.wait(list(self._pings), num_returns=len(self._pings), timeout=0)
+            for ref in ready:
+                rank = self._pings.pop(ref)
+                try:
+                    self.ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - any failed ping is a failed worker
+                    self._fail(f"worker rank {rank} failed: {_describe(e)}")
+        pinged = set(self._pings.values())
+        for rank, actor in enumerate(self.actors):
+            if rank not in pinged:
+                self._pings[actor.getpid.remote()] = rank
 
     def shutdown(self) -> None:
         """Kill the actors, remove the placement group, and stop Ray if this executor started
@@ -218,6 +242,7 @@ class RayExecutor(Executor):
             with contextlib.suppress(Exception):  # already dead
                 self.ray.kill(actor)
         self.actors = []
+        self._pings = {}
         if self._pg is not None:
             from ray.util.placement_group import remove_placement_group
 

@@ -144,6 +144,28 @@ def test_ray_failure_no_request_owns_names_its_rank_within_seconds(ray_cluster, 
         llm.shutdown()
 
 
+def test_ray_idle_engine_finds_a_killed_actor(ray_cluster, tiny_model_factory):
+    """An idle engine's periodic check (``EngineCore.check_health``, every second in an
+    engine-core process) finds a killed actor within seconds, naming its rank, with no
+    request sent (was: only the next request's step found it)."""
+    import signal
+    import time
+
+    llm = LLM(model=tiny_model_factory("llama").path, dtype="float32", num_kv_blocks=64,
+              tensor_parallel_size=2, distributed_executor_backend="ray")
+    try:
+        executor = llm.engine.core.executor
+        os.kill(ray_cluster.get(executor.actors[1].getpid.remote()), signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        with pytest.raises(ExecutorError, match="^worker rank 1 failed: ActorDiedError"):
+            while time.monotonic() < deadline:
+                llm.engine.core.check_health()
+                time.sleep(1)
+        assert executor.actors == []
+    finally:
+        llm.shutdown()
+
+
 PROMPT = "The capital of France is"
 
 

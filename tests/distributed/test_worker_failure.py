@@ -181,6 +181,37 @@ def test_ray_killed_actor_is_named_not_the_peer_its_death_broke(monkeypatch):
         executor._wait(["rank 0 result", own, "rank 2 result"])
 
 
+class _Actor:
+    """A Ray actor handle whose ``getpid.remote()`` ref is ``answer`` (an error: raised)."""
+
+    def __init__(self, answer: object) -> None:
+        self.getpid = SimpleNamespace(remote=lambda: answer)
+
+
+def test_ray_idle_engine_finds_a_killed_actor(monkeypatch):
+    """An idle engine calls ``check_health`` every second: the Ray executor pings every
+    actor and, at the next call, fails naming the rank whose ping raised (its actor died),
+    without waiting (was: not checked at all, so a killed actor of an idle engine went
+    unnoticed until the next request failed on it). No Ray: refs are faked."""
+    from kvflow.executor.ray import RayExecutor
+
+    executor = RayExecutor.__new__(RayExecutor)
+    executor._failed, executor.ray, executor._pings = None, _FakeRay(), {}
+    monkeypatch.setattr(executor, "shutdown", lambda: None)
+    executor.actors = [_Actor(101), _Actor(102)]
+    executor.check_health()
+    assert sorted(executor._pings.values()) == [0, 1]  # pinged, not waited for
+    executor.check_health()  # both answered: pinged again
+    executor.actors[1] = _Actor(_RayActorError("The actor died unexpectedly before finishing "
+                                               "this task."))
+    executor.check_health()  # the answers to the last pings; rank 1's next ping will fail
+    with pytest.raises(ExecutorError, match=r"^worker rank 1 failed: _RayActorError: The actor "
+                                            r"died unexpectedly before finishing this task\."):
+        executor.check_health()
+    with pytest.raises(ExecutorError, match="worker rank 1 failed"):  # and from then on
+        executor.check_health()
+
+
 class _Proc:
     """A worker process that is running (``poll`` is None)."""
 
