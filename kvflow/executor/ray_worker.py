@@ -39,6 +39,7 @@ class RayWorkerWrapper:
         return ray.util.get_node_ip_address(), free_port()
 
     def getpid(self) -> int:
+        """This actor's process id (also the executor's health ping: ``check_health``)."""
         return os.getpid()
 
     def init_worker(self, rank: int, distributed_init_method: str, config: Any, source: Any,
