@@ -40,8 +40,8 @@ from kvflow.config.cpu_isa import (  # noqa: F401  (re-exported for the kernel l
 )
 
 SOURCES = ("cpu_argmax.c", "cpu_attention.c", "cpu_attention_kvq.c", "cpu_elementwise.c",
-           "cpu_gelu.c", "cpu_gemm.c", "cpu_gguf.c", "cpu_pool.c", "cpu_quant_embed.c",
-           "cpu_quant_gemm.c", "cpu_replay.c", "cpu_threads.c")
+           "cpu_gelu.c", "cpu_gemm.c", "cpu_gguf.c", "cpu_lora.c", "cpu_pool.c",
+           "cpu_quant_embed.c", "cpu_quant_gemm.c", "cpu_replay.c", "cpu_threads.c")
 HEADERS = ("cpu_common.h", "cpu_attention_tiled.h", "cpu_attention_dp.h",
            "cpu_attention_decode.h", "cpu_attention_decode_bf16.h", "cpu_pool.h",
            "cpu_gemm_amx.h", "cpu_elementwise_avx512.h", "cpu_entry_points.h")

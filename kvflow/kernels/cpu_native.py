@@ -14,7 +14,8 @@ Where no compiler is available or every build fails, :func:`native_cpu_kernels` 
 This module loads the library and picks the ISA level; the wrappers live by job in
 :mod:`~kvflow.kernels.cpu_native_attention` (paged attention, K/V store),
 :mod:`~kvflow.kernels.cpu_native_elementwise` (RMSNorm, SiLU-and-mul, GELU, rotary) and
-:mod:`~kvflow.kernels.cpu_native_gemm` (packed and GGUF GEMMs), with the shared dtype codes and
+:mod:`~kvflow.kernels.cpu_native_gemm` (packed and GGUF GEMMs) and
+:mod:`~kvflow.kernels.cpu_native_lora` (the batched multi-LoRA matmul), with the shared dtype codes and
 checks in :mod:`~kvflow.kernels.cpu_native_common`; :class:`NativeCpuKernels` joins them.
 """
 
@@ -39,6 +40,7 @@ from kvflow.kernels.cpu_native_attention import AttentionKernels
 from kvflow.kernels.cpu_native_common import DTYPE_CODES, bind, c_int, gemm_out_code, ptr
 from kvflow.kernels.cpu_native_elementwise import ElementwiseKernels
 from kvflow.kernels.cpu_native_gemm import GemmKernels
+from kvflow.kernels.cpu_native_lora import LoRAKernels
 from kvflow.kernels.cpu_native_replay import CallReplayer
 
 __all__ = ["NativeCpuKernels", "gemm_out_code", "native_cpu_kernels",
@@ -47,7 +49,7 @@ __all__ = ["NativeCpuKernels", "gemm_out_code", "native_cpu_kernels",
 logger = logging.getLogger(__name__)
 
 
-class NativeCpuKernels(AttentionKernels, ElementwiseKernels, GemmKernels):
+class NativeCpuKernels(AttentionKernels, ElementwiseKernels, GemmKernels, LoRAKernels):
     """The compiled library's entry points, with argument checks done in Python.
 
     Raises:
@@ -61,6 +63,7 @@ class NativeCpuKernels(AttentionKernels, ElementwiseKernels, GemmKernels):
         self._bind_attention(lib)
         self._bind_elementwise(lib)
         self._bind_gemm(lib)
+        self._bind_lora(lib)
         self._bind_threads = bind(lib, "kvflow_bind_threads", c_int, [ptr, c_int])
         self.replayer = CallReplayer(lib)  # runs step graphs' calls from C (cpu_replay.c)
 

@@ -1,0 +1,112 @@
+"""Native batched multi-LoRA (kernels/csrc/cpu_lora.c) at every ISA level this CPU runs.
+
+Oracle: the same LoRA in float64 from plain torch indexing, ``y[t] + (x[t] A[s]^T) B[s]^T``
+per row. Error bound of the kernel's fp32 math (Higham, Accuracy and Stability of Numerical
+Algorithms, 3.1: a dot product of n terms errs by at most ~n u times the sum of its terms'
+magnitudes): the shrink's ``in`` terms and the expand's ``R`` give ``(in + R + 2) u`` times
+``(|x| |A|^T) |B|^T``; a 16-bit ``y`` adds the two roundings torch's ``y.add_(delta.to(y.dtype))``
+makes (the delta, then the sum: one unit roundoff each).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.kernels import cpu_native
+
+UNIT = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+SLOTS = [0, -1, 2, 2, 1, -1, 0, 2, 2, 2, 2, 1, 0]  # 13 rows: three adapters and none, mixed
+
+
+def _operands(dtype: torch.dtype, rank: int, in_features: int = 97, out: int = 131,
+              max_loras: int = 3, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    rows = len(SLOTS)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    y = torch.randn(rows, out, generator=gen).to(dtype)
+    a = torch.randn(max_loras, rank, in_features, generator=gen) / in_features**0.5
+    b = torch.randn(max_loras, out, rank, generator=gen) / rank**0.5
+    return y, x, a, b, torch.tensor(SLOTS, dtype=torch.int32)
+
+
+def _reference(y, x, a, b, slots):
+    """(float64 result, its error bound) per element; rows of slot -1 keep y exactly."""
+    ref, bound = y.double().clone(), torch.zeros(y.shape, dtype=torch.float64)
+    u32, u = UNIT[torch.float32], UNIT[y.dtype]
+    for t, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        xa = x[t].double() @ a[s].double().T
+        delta = xa @ b[s].double().T
+        mags = (x[t].double().abs() @ a[s].double().abs().T) @ b[s].double().abs().T
+        ref[t] += delta
+        fp32 = (a.shape[2] + a.shape[1] + 2) * u32 * mags
+        bound[t] = fp32 if y.dtype == torch.float32 else \
+            fp32 + u * (delta.abs() + fp32) + u * (ref[t].abs() + u * delta.abs() + fp32)
+    return ref, bound
+
+
+@pytest.mark.parametrize("rank", [8, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_lora_rows_match_float64(kernels, dtype, rank):
+    y, x, a, b, slots = _operands(dtype, rank)
+    before = y.clone()
+    assert kernels.lora(y, x, a, b, slots) is y
+    ref, bound = _reference(before, x, a, b, slots)
+    assert ((y.double() - ref).abs() <= bound).all(), (y.double() - ref).abs().max()
+    none = slots < 0
+    assert torch.equal(y[none], before[none])  # rows without an adapter: untouched
+    assert not torch.equal(y[~none], before[~none])
+
+
+def test_a_rows_result_does_not_depend_on_the_step_mix(kernels):
+    """A replayed step graph serves any mix of adapters: each row's bits are those it gets
+    alone (tiles of one slot, fixed summation order per row)."""
+    y, x, a, b, slots = _operands(torch.bfloat16, 16)
+    mixed = y.clone()
+    kernels.lora(mixed, x, a, b, slots)
+    for t, s in enumerate(SLOTS):
+        alone = y[t:t + 1].clone()
+        kernels.lora(alone, x[t:t + 1], a, b, torch.tensor([s], dtype=torch.int32))
+        assert torch.equal(alone[0], mixed[t]), t
+
+
+def test_strided_rows(kernels):
+    """x and y as column slices of wider rows (a fused layer's output, say)."""
+    y, x, a, b, slots = _operands(torch.float32, 8)
+    wide_x = torch.randn(len(SLOTS), 200)
+    wide_x[:, 50:50 + x.shape[1]] = x
+    wide_y = torch.randn(len(SLOTS), 300)
+    wide_y[:, 7:7 + y.shape[1]] = y
+    kept = wide_y.clone()
+    kernels.lora(wide_y[:, 7:7 + y.shape[1]], wide_x[:, 50:50 + x.shape[1]], a, b, slots)
+    kernels.lora(y, x, a, b, slots)
+    assert torch.equal(wide_y[:, 7:7 + y.shape[1]], y)
+    assert torch.equal(wide_y[:, :7], kept[:, :7]) and torch.equal(wide_y[:, 138:], kept[:, 138:])
+
+
+def test_slot_past_max_loras_raises_and_writes_nothing(kernels):
+    y, x, a, b, slots = _operands(torch.float32, 8)
+    slots[-1] = 3
+    before = y.clone()
+    with pytest.raises(ValueError, match="max_loras=3"):
+        kernels.lora(y, x, a, b, slots)
+    assert torch.equal(y, before)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda ops: {**ops, "slots": ops["slots"].long()}, "slots must be"),
+    (lambda ops: {**ops, "slots": ops["slots"][:-1]}, "slots must be"),
+    (lambda ops: {**ops, "lora_a": ops["lora_a"].bfloat16()}, "lora_a and lora_b"),
+    (lambda ops: {**ops, "x": ops["x"][:, :-1]}, "shapes do not chain"),
+    (lambda ops: {**ops, "y": ops["y"].t()}, "unit-stride rows"),
+])
+def test_bad_arguments_raise_value_error(change, match):
+    kernels = cpu_native.native_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C compiler")
+    y, x, a, b, slots = _operands(torch.float32, 8)
+    ops = change({"y": y, "x": x, "lora_a": a, "lora_b": b, "slots": slots})
+    with pytest.raises(ValueError, match=match):
+        kernels.lora(**ops)
