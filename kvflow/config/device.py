@@ -14,6 +14,7 @@ from kvflow.config.kernel_choices import (
     cpu_gemm_choice,
     cpu_gemm_pool_choice,
     cpu_gguf_choice,
+    cpu_lora_choice,
     cpu_quant_choice,
     fused_kernels_enabled,
     lora_kernel_choice,
@@ -81,6 +82,7 @@ class DeviceConfig:
         cpu_gemm_pool_choice(self.cpu_gemm_pool)
         cpu_gguf_choice()
         cpu_quant_choice()
+        cpu_lora_choice()
         forced_isa_level()  # a bad KVFLOW_CPU_ISA fails here too
         fused_kernels_enabled()  # the CUDA-only switches too: a CPU engine never reads
         lora_kernel_choice()  # them later, so a typo there went unnoticed

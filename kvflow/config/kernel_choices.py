@@ -184,13 +184,21 @@ def cpu_quant_choice() -> str:
     return env_choice("KVFLOW_CPU_QUANT", "native", ("native", "torch"))
 
 
+def cpu_lora_choice() -> str:
+    """How LoRA layers' grouped matmul runs on CPU: ``KVFLOW_CPU_LORA`` = ``native`` (the
+    default: kvflow's C kernel, ``csrc/cpu_lora.c``, one call for every adapter of a step,
+    which lets decode steps replay as CPU step graphs) or ``torch`` (one torch matmul pair per
+    adapter of the step; the steps then run eagerly). Raises ValueError on any other value."""
+    return env_choice("KVFLOW_CPU_LORA", "native", ("native", "torch"))
+
+
 LORA_KERNEL_CHOICES = ("triton", "torch")
 
 
 def lora_kernel_choice(value: str | None = None) -> str:
     """The grouped LoRA matmul on CUDA: ``value`` if given, else ``$KVFLOW_LORA_KERNEL``, else
-    ``triton`` (kvflow's SGMV kernel); ``torch`` keeps the plain-torch path. CPU always runs
-    plain torch.
+    ``triton`` (kvflow's SGMV kernel); ``torch`` keeps the plain-torch path. CPU reads
+    :func:`cpu_lora_choice` instead.
 
     Raises:
         ValueError: on another value (naming the variable when it came from there).
@@ -204,14 +212,14 @@ def lora_kernel_choice(value: str | None = None) -> str:
 # engine on another device does anyway). KVFLOW_NATIVE_CPU is neither: its "1" is the default
 # and its "0" (no native CPU kernels) what another device does anyway.
 _CPU_CHOICE_VARIABLES = ("KVFLOW_CPU_GEMM", "KVFLOW_CPU_ATTENTION", "KVFLOW_CPU_GGUF",
-                         "KVFLOW_CPU_QUANT", "KVFLOW_CPU_ISA")
+                         "KVFLOW_CPU_QUANT", "KVFLOW_CPU_ISA", "KVFLOW_CPU_LORA")
 _CPU_SWITCH_VARIABLES = ("KVFLOW_CPU_GEMM_POOL", "KVFLOW_CPU_ADAPTIVE_THREADS")
 
 
 def cpu_only_environment() -> list[str]:
     """The CPU-only kernel variables set (``NAME='value'``) to something only a CPU engine
     acts on: ``KVFLOW_CPU_GEMM``, ``KVFLOW_CPU_ATTENTION``, ``KVFLOW_CPU_GGUF``,
-    ``KVFLOW_CPU_QUANT`` and ``KVFLOW_CPU_ISA`` (any non-empty value), ``KVFLOW_CPU_GEMM_POOL``
+    ``KVFLOW_CPU_QUANT``, ``KVFLOW_CPU_ISA`` and ``KVFLOW_CPU_LORA`` (any non-empty value), ``KVFLOW_CPU_GEMM_POOL``
     and ``KVFLOW_CPU_ADAPTIVE_THREADS`` (``1``). An engine on another device warns about them
     at start-up (``kvflow.core.unread_options``): a variable may be set machine-wide, so it is
     not refused as the matching option is."""

@@ -20,13 +20,17 @@ the segmented ("SGMV", Chen et al. 2023, Punica) form of a multi-adapter
 batch. :class:`GroupedLoRA` dispatches it (:class:`~kvflow.layers.custom_op.CustomOp`): plain
 torch (:func:`grouped_lora`) on CPU and elsewhere, two Triton launches on CUDA
 (:func:`kvflow.kernels.lora.sgmv_lora`; ``KVFLOW_LORA_KERNEL=torch`` keeps torch there too).
+A CPU step graph's steps (:func:`graph_mapping`: each token's slot in a static int32 buffer)
+run kvflow's native kernel instead, one C call per layer for every adapter
+(``csrc/cpu_lora.c``, ``KVFLOW_CPU_LORA=native``, the default), which the graph records and
+replays whatever the step's mix of adapters.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -34,6 +38,8 @@ import torch
 from torch import nn
 
 from kvflow.config import lora_kernel_choice
+from kvflow.kernels.cpu_native import native_kernels_for
+from kvflow.kernels.cpu_native_common import DTYPE_CODES
 from kvflow.layers.custom_op import CustomOp
 from kvflow.layers.linear import LinearBase
 from kvflow.lora.adapter import LoRATarget
@@ -51,6 +57,8 @@ class LoRAMapping:
         token_slots: int64 [T] (host) each step token's slot, -1 for none: what the mapping
             was made from (``select`` maps a subset of the tokens again).
         whole: every token of the step runs one slot (``token_index`` is ``0..T-1``).
+        row_slots: int32 [T] (host) ``token_slots`` where the native CPU kernel reads them (a
+            CPU step graph's static buffer, :func:`graph_mapping`); None: the torch path.
     """
 
     token_index: torch.Tensor
@@ -58,6 +66,7 @@ class LoRAMapping:
     segment_table: torch.Tensor
     token_slots: np.ndarray
     whole: bool = False
+    row_slots: torch.Tensor | None = None
 
     @property
     def max_segment_len(self) -> int:
@@ -87,6 +96,22 @@ def make_mapping(token_slots: np.ndarray, device: torch.device) -> LoRAMapping |
                        np.asarray(token_slots, dtype=np.int64), whole)
 
 
+def graph_mapping(mapping: LoRAMapping | None, row_slots: torch.Tensor) -> LoRAMapping:
+    """The mapping of a step run as a CPU step graph: each token's slot (-1: none) written into
+    ``row_slots`` (int32 [T], the graph runner's static buffer, whose address the recorded
+    calls keep) and attached, so every LoRA layer runs the native kernel
+    (``csrc/cpu_lora.c``) over it. A step with no adapted token (``mapping`` None) gets a
+    mapping too, of no segments: its calls then change nothing, and every step of a batch
+    size records the same calls whatever its mix of adapters."""
+    if mapping is None:
+        row_slots.fill_(-1)
+        return LoRAMapping(torch.zeros(0, dtype=torch.int64), [],
+                           torch.zeros(0, 3, dtype=torch.int32),
+                           np.full(row_slots.shape[0], -1, dtype=np.int64), row_slots=row_slots)
+    row_slots.copy_(torch.from_numpy(mapping.token_slots))
+    return replace(mapping, row_slots=row_slots)
+
+
 class LoRAContext:
     """The step's :class:`LoRAMapping`, shared by every LoRA layer of one model (per engine,
     not a module global; ``bind`` refuses nesting and always clears)."""
@@ -109,6 +134,17 @@ class LoRAContext:
             yield
         finally:
             self.mapping, self._bound = None, False
+
+    def use_row_slots(self, row_slots: torch.Tensor) -> None:
+        """Inside ``bind``: the bound mapping as a CPU step graph runs it, each token's slot in
+        ``row_slots`` (int32 [T], :func:`graph_mapping`).
+
+        Raises:
+            RuntimeError: outside ``bind``.
+        """
+        if not self._bound:
+            raise RuntimeError("LoRAContext.use_row_slots needs a bound mapping")
+        self.mapping = graph_mapping(self.mapping, row_slots)
 
     def select(self, tokens: torch.Tensor) -> None:
         """Inside ``bind``: keep only the step tokens ``tokens`` (int64 [T_local], ascending)
@@ -168,6 +204,18 @@ class GroupedLoRA(CustomOp):
                        lora_b: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
         """Plain torch, one shrink and one expand matmul per slot (:func:`grouped_lora`)."""
         return grouped_lora(y, x, lora_a, lora_b, mapping)
+
+    def forward_cpu(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
+                    lora_b: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
+        """The native kernel (``csrc/cpu_lora.c``: one C call for every adapter of the step)
+        when the mapping carries per-row slots (a CPU step graph's step, :func:`graph_mapping`)
+        and the operands fit it; else plain torch."""
+        if mapping.row_slots is not None and x.stride(-1) == 1 and y.stride(-1) == 1 \
+                and lora_a.dtype == torch.float32:
+            kernels = native_kernels_for(y)
+            if kernels is not None and x.dtype in DTYPE_CODES:
+                return kernels.lora(y, x, lora_a, lora_b, mapping.row_slots)
+        return self.forward_native(y, x, lora_a, lora_b, mapping)
 
     def forward_cuda(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
                      lora_b: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:

@@ -36,8 +36,14 @@ A forward that also returns aux hidden states (an EAGLE-3 target's layer taps,
 recorded calls, kept to the end of the step, checked bit for bit, replayed from the buffer.
 
 Used only where that holds by construction: the native CPU attention backend with its pool
-closed, one KV-cache group, no LoRA, multimodal, pipeline split, tensor parallel or draft model
-other than an EAGLE / EAGLE-3 head (``kvflow/worker/step_graphs.py`` decides).
+closed, one KV-cache group, no multimodal, pipeline split, tensor parallel or draft model
+other than an EAGLE / EAGLE-3 head, and LoRA only with its native kernel
+(``kvflow/worker/step_graphs.py`` decides).
+
+With LoRA the step's tokens -> adapter slots are staged too, into an int32 buffer that every
+LoRA layer's native call reads (``kvflow.lora.layers.graph_mapping``, ``csrc/cpu_lora.c``): a
+step runs those calls whether or not any of its tokens has an adapter, so one program serves
+every mix of adapters, and an adapter loaded into a slot (in place) is read by the next replay.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from torch import nn
 
 from kvflow.attention.backend import AttentionMetadata
 from kvflow.attention.layer import AttentionContext
+from kvflow.lora.layers import LoRAContext
 from kvflow.worker.cpu_step_record import (
     NotReplayable,
     Recording,
@@ -97,6 +104,8 @@ class CpuGraphRunner:
         max_query_len: the query length, in tokens per request, up to which steps where
             every request has the same one (speculative decoding's verification steps: 1 +
             ``num_speculative_tokens``) are recorded too; 1: decodes only.
+        lora_ctx: the model's LoRA context when LoRA is on (the caller binds the step's
+            mapping around :meth:`run`); None without LoRA.
 
     A batch is keyed by (requests, threads), and a verification step's by (requests, threads,
     query length).
@@ -105,7 +114,7 @@ class CpuGraphRunner:
     def __init__(self, model: nn.Module, attn_ctx: AttentionContext, kernels,
                  kv_caches: list[torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int,
                  block_size: int, max_recording_bytes: int = MAX_RECORDING_BYTES,
-                 max_query_len: int = 1) -> None:
+                 max_query_len: int = 1, lora_ctx: LoRAContext | None = None) -> None:
         self.model, self.attn_ctx, self.kernels = model, attn_ctx, kernels
         self.max_recording_bytes = max_recording_bytes
         self.max_query_len = max_query_len
@@ -119,6 +128,8 @@ class CpuGraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.int32)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32)
         self.block_table = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32)
+        self.lora_ctx = lora_ctx
+        self.lora_slots = torch.full((t,), -1, dtype=torch.int32)  # each token's adapter slot
         self.kv_caches = kv_caches
         self.buffer = torch.empty(0, dtype=torch.uint8)  # every program's activations
         self.regions: list[tuple[int, int]] | None = None
@@ -163,6 +174,8 @@ class CpuGraphRunner:
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.query_start_loc[:n + 1].copy_(meta.query_start_loc)
         self.block_table[:n, :width].copy_(meta.block_table)
+        if self.lora_ctx is not None:  # the LoRA layers' native calls read lora_slots
+            self.lora_ctx.use_row_slots(self.lora_slots[:t])
 
     def _static_meta(self, meta: AttentionMetadata) -> AttentionMetadata:
         """The step's metadata over the static buffers (for a recorded, eager step)."""
@@ -265,7 +278,7 @@ class CpuGraphRunner:
     def _regions(self) -> list[tuple[int, int]]:
         if self.regions is None:
             static = [self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
-                      self.query_start_loc, self.block_table]
+                      self.query_start_loc, self.block_table, self.lora_slots]
             self.regions = lasting_regions(self.model, static + list(self.kv_caches))
         return self.regions
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -372,7 +373,11 @@ class ModelRunner(RunnerKVCache):
         if not spans and self.graph_runner is not None and \
                 self.graph_runner.can_run(metadata[0]):
             start = time.perf_counter()
-            hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, metadata[0])
+            lora = nullcontext() if self.lora_manager is None else \
+                self.lora_manager.ctx.bind(lora_mapping)
+            with lora:  # a CPU step graph stages the step's adapter slots from it
+                hidden = self.graph_runner.run(inputs.input_ids, inputs.positions,
+                                               metadata[0])
             self.counters.dense_tokens += metadata[0].num_reqs
             self.counters.forward_s += time.perf_counter() - start
             return hidden

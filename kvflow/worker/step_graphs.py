@@ -3,13 +3,15 @@
 
 Both replay one KV-cache group's block table for batches of single-token queries (the CPU
 runner also for speculative decoding's verification steps, every request 1 + k tokens), so
-both are off with ``--enforce-eager``, LoRA, several KV-cache groups, a multimodal model, a pipeline
+both are off with ``--enforce-eager``, several KV-cache groups, a multimodal model, a pipeline
 split or an embedding (pooling) model: it never decodes, an encoder's attention reads
 ``query_start_loc`` on the host (a sync that breaks CUDA stream capture), and a pooling model
 keeps hidden states across steps while a replayed step's live in a static buffer (CUDA) or an
 arena (CPU). CUDA graphs are also off for quantized MoE experts (``--quantization int8|fp8|gguf``
-on an MoE model): their grouped loop reads each expert's token count on the host. The CPU
-runner also needs the native CPU attention backend with its
+on an MoE model): their grouped loop reads each expert's token count on the host, and with
+LoRA (its grouped matmul is sized on the host). The CPU runner replays LoRA steps with the
+native LoRA kernel (``KVFLOW_CPU_LORA=native``, the default; ``torch`` runs them eagerly), and
+also needs the native CPU attention backend with its
 work-sharing pool closed, an unquantized KV cache, one tensor-parallel rank and no draft model
 other than an EAGLE / EAGLE-3 / MTP head (whose passes run eagerly between the target's steps).
 An EAGLE-3 head's taps on the target's layers are returned by the target's forward
@@ -22,7 +24,7 @@ import logging
 
 import torch
 
-from kvflow.config import cpu_gemm_pool_choice
+from kvflow.config import cpu_gemm_pool_choice, cpu_lora_choice
 from kvflow.spec_decode.eagle import EagleDrafter
 from kvflow.worker.cpu_graphs import CpuGraphRunner
 from kvflow.worker.cuda_graphs import CudaGraphRunner
@@ -31,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 
 def _common_ok(runner) -> bool:
-    return not runner.config.device_config.enforce_eager and runner.lora_manager is None \
+    return not runner.config.device_config.enforce_eager \
         and len(runner.kv_cache_config.kv_cache_groups) == 1 and runner.mm_runner is None \
         and runner.parallel.pp.world_size == 1 and runner.pooling is None
 
@@ -41,6 +43,7 @@ def _cpu_ok(runner) -> bool:
     return runner.device.type == "cpu" and runner.attn_ctx.backend.name == "cpu" \
         and kernels is not None and (kernels.pool is None or not kernels.pool.is_open) \
         and runner.parallel.tp.world_size == 1 \
+        and (runner.lora_manager is None or cpu_lora_choice() == "native") \
         and (runner.drafter is None or isinstance(runner.drafter, EagleDrafter)) \
         and all(cache.dtype == runner.dtype for cache in runner.kv_caches)
 
@@ -61,11 +64,12 @@ def cpu_step_graphs_expected(config) -> bool:
     """Whether a CPU engine of ``config`` (an EngineConfig) will replay its decode steps as CPU
     step graphs, as far as the config tells before the model loads (what
     ``--cpu-gemm auto`` weighs, ``kernels/gemm_select.py: graph_weighted``): no
-    ``--enforce-eager``, LoRA, draft model (an EAGLE / EAGLE-3 / MTP head is fine), pipeline
+    ``--enforce-eager``, LoRA with ``KVFLOW_CPU_LORA=torch``, draft model (an EAGLE / EAGLE-3 / MTP head is fine), pipeline
     or tensor split, quantized KV cache or ``--cpu-gemm-pool``. (A multimodal or pooling
     model, known only once loaded, runs without graphs all the same.)"""
     pc = config.parallel_config
-    return not config.device_config.enforce_eager and not config.lora_config.enable_lora \
+    return not config.device_config.enforce_eager \
+        and (not config.lora_config.enable_lora or cpu_lora_choice() == "native") \
         and (config.speculative_config is None
              or config.speculative_config.method in ("eagle", "eagle3", "deepseek_mtp")) \
         and pc.pipeline_parallel_size == 1 \
@@ -82,6 +86,8 @@ def make_graph_runner(runner, max_model_len: int) -> CudaGraphRunner | CpuGraphR
     max_num_seqs = runner.config.scheduler_config.max_num_seqs
     max_blocks = -(-max_model_len // runner.block_size)
     if runner.platform.supports_graphs and runner.attn_ctx.backend.supports_cuda_graphs:
+        if runner.lora_manager is not None:
+            return None
         moe = _host_synced_moe(runner.model)
         if moe is not None:
             logger.info("no CUDA graphs: %s MoE experts count their tokens on the host (a "
@@ -104,7 +110,9 @@ def make_graph_runner(runner, max_model_len: int) -> CudaGraphRunner | CpuGraphR
         spec = runner.config.speculative_config  # verification steps: 1 + k tokens a row
         return CpuGraphRunner(runner.model, runner.attn_ctx, runner.attn_ctx.backend._kernels,
                               runner.kv_caches, max_num_seqs, max_blocks, runner.block_size,
-                              max_query_len=1 + (spec.num_speculative_tokens if spec else 0))
+                              max_query_len=1 + (spec.num_speculative_tokens if spec else 0),
+                              lora_ctx=None if runner.lora_manager is None
+                              else runner.lora_manager.ctx)
     return None
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvflow.kernels import cpu_native
+from kvflow.lora.layers import GroupedLoRA, grouped_lora, make_mapping
 
 UNIT = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 SLOTS = [0, -1, 2, 2, 1, -1, 0, 2, 2, 2, 2, 1, 0]  # 13 rows: three adapters and none, mixed
@@ -110,3 +111,20 @@ def test_bad_arguments_raise_value_error(change, match):
     ops = change({"y": y, "x": x, "lora_a": a, "lora_b": b, "slots": slots})
     with pytest.raises(ValueError, match=match):
         kernels.lora(**ops)
+
+
+def test_layer_runs_the_kernel_only_with_row_slots():
+    """GroupedLoRA on CPU: a mapping with ``row_slots`` (a CPU step graph's) runs the native
+    kernel, agreeing with the torch path (one matmul pair per adapter) to fp32 rounding;
+    without them it is the torch path itself, bit for bit."""
+    kernels = cpu_native.native_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C compiler")
+    y, x, a, b, slots = _operands(torch.float32, 16)
+    mapping = make_mapping(slots.long().numpy(), torch.device("cpu"))
+    op = GroupedLoRA()
+    torch_path = grouped_lora(y.clone(), x, a, b, mapping)
+    assert torch.equal(op(y.clone(), x, a, b, mapping), torch_path)
+    native = op(y.clone(), x, a, b, mapping.__class__(**{**vars(mapping), "row_slots": slots}))
+    assert torch.equal(native, kernels.lora(y.clone(), x, a, b, slots))
+    assert torch.allclose(native, torch_path, rtol=0, atol=1e-4)
