@@ -15,6 +15,10 @@ lines give each figure's median over the rounds and its ratio to ``base`` at the
 
     .venv/bin/python benchmarks/lora_step.py out/smollm2-hf [--rounds 3] [--batches 1,16]
 
+The engine's ``KVFLOW_CPU_LORA`` (``native``, the default: LoRA decode steps replay as CPU
+step graphs; ``torch``: eager steps, as before session 49) is inherited by the processes: run
+the script once with each, alternating, to compare the two.
+
 ``--before-after RANK`` instead runs one LoRA engine whose steps alternate between the grouped
 LoRA of session 48 (fp32 slots on CPU) and the one before it (slots in the model dtype);
 ``--layers`` times one SmolLM2 layer's four LoRA matmuls the same two ways, without an engine.
@@ -157,6 +161,9 @@ def before_after(args: argparse.Namespace) -> None:
 
     make_adapters(args.model_dir, Path(args.adapters))
     rank = args.before_after
+    # both sides are torch paths; the layers' slots are swapped for other tensors, which
+    # recorded CPU step graphs (KVFLOW_CPU_LORA=native) would not see
+    os.environ["KVFLOW_CPU_LORA"] = "torch"
     llm, params_cls, _ = offline_engine.load_engine(
         "kvflow", args.model_dir, args.dtype, enable_lora=True,
         max_loras=ADAPTERS_PER_RANK, max_lora_rank=rank)

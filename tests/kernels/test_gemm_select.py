@@ -136,9 +136,12 @@ def test_step_graphs_expected_follows_the_config(monkeypatch):
     # mode) DeviceConfig would refuse cpu_gemm_pool=True before the function is asked
     monkeypatch.setenv("KVFLOW_NATIVE_CPU", "1")
     assert cpu_step_graphs_expected(EngineConfig.from_kwargs())
-    for off in ({"enforce_eager": True}, {"enable_lora": True}, {"cpu_gemm_pool": True},
-                {"kv_cache_dtype": "int8"}):
+    for off in ({"enforce_eager": True}, {"cpu_gemm_pool": True}, {"kv_cache_dtype": "int8"}):
         assert not cpu_step_graphs_expected(EngineConfig.from_kwargs(**off)), off
+    # LoRA replays with its native kernel (the default), not with the torch path
+    assert cpu_step_graphs_expected(EngineConfig.from_kwargs(enable_lora=True))
+    monkeypatch.setenv("KVFLOW_CPU_LORA", "torch")
+    assert not cpu_step_graphs_expected(EngineConfig.from_kwargs(enable_lora=True))
 
 
 def test_choose_splits_only_when_both_packings_are_affordable(tmp_path):
