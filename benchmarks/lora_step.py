@@ -21,7 +21,10 @@ the script once with each, alternating, to compare the two.
 
 ``--before-after RANK`` instead runs one LoRA engine whose steps alternate between the grouped
 LoRA of session 48 (fp32 slots on CPU) and the one before it (slots in the model dtype);
-``--layers`` times one SmolLM2 layer's four LoRA matmuls the same two ways, without an engine.
+``--graphs RANK`` runs one LoRA engine whose steps alternate between eager (the torch grouped
+LoRA, no step graphs: before session 49) and replayed CPU step graphs (the native LoRA kernel);
+``--layers`` times one SmolLM2 layer's four LoRA matmuls the ``--before-after`` two ways,
+without an engine.
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--before-after", type=int, default=None, metavar="RANK",
                    help="instead: one LoRA engine of this rank, steps alternating between "
                         "session 48's grouped LoRA and the one before it (bf16 slots)")
+    p.add_argument("--graphs", type=int, default=None, metavar="RANK",
+                   help="instead: one LoRA engine of this rank, steps alternating between "
+                        "eager (torch grouped LoRA) and CPU step graphs (native LoRA kernel)")
     p.add_argument("--layers", action="store_true",
                    help="instead: one SmolLM2-135M layer's four LoRA matmuls (qkv, o, gate_up, "
                         "down at max_rank 16), session 48's grouped LoRA against the one "
@@ -204,6 +210,55 @@ def before_after(args: argparse.Namespace) -> None:
                   f"after / before {after / before:.2f}", flush=True)
 
 
+def graphs_on_off(args: argparse.Namespace) -> None:
+    """One LoRA engine with rank ``--graphs`` adapters (``KVFLOW_CPU_LORA=native``); each
+    figure alternates steps without its CPU step graph runner (eager, the torch grouped LoRA:
+    the engine as before session 49) and with it (replayed, the native LoRA kernel),
+    ``--runs`` times each, and prints the medians and graphs / eager."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import offline_engine
+
+    from kvflow.lora.request import LoRARequest
+
+    make_adapters(args.model_dir, Path(args.adapters))
+    os.environ["KVFLOW_CPU_LORA"] = "native"
+    rank = args.graphs
+    llm, params_cls, _ = offline_engine.load_engine(
+        "kvflow", args.model_dir, args.dtype, enable_lora=True,
+        max_loras=ADAPTERS_PER_RANK, max_lora_rank=rank)
+    runner = llm.engine.core.executor.runner
+    graphs = runner.graph_runner
+    if graphs is None:
+        raise SystemExit("this engine has no CPU step graphs (see worker/step_graphs.py)")
+    batches = [int(x) for x in args.batches.split(",")]
+    ids = offline_engine.cpu_w1_token_ids(llm.get_tokenizer().vocab_size, max(batches))
+    requests = [LoRARequest(f"a{i}", i + 1, path)
+                for i, path in enumerate(adapter_paths(Path(args.adapters), rank))]
+    kinds = {"none": [], "one": requests[:1], "four": requests}
+    modes = {"eager": None, "graphs": graphs}
+
+    def step_ms(batch: list, adapters: list) -> float:
+        return (timed_generate(llm, params_cls, batch, OUTPUT_LEN, adapters)
+                - timed_generate(llm, params_cls, batch, 1, adapters)) / (OUTPUT_LEN - 1) * 1e3
+
+    for b in batches:  # warm-up: adapters loaded, each size recorded and trusted
+        for adapters in kinds.values():
+            for runner.graph_runner in modes.values():
+                timed_generate(llm, params_cls, ids[:b], 8, adapters)
+    for b in batches:
+        for kind, adapters in kinds.items():
+            ms: dict[str, list[float]] = {m: [] for m in modes}
+            for _ in range(args.runs):
+                for mode, runner.graph_runner in modes.items():
+                    ms[mode].append(step_ms(ids[:b], adapters))
+            eager, replayed = (statistics.median(ms[m]) for m in modes)
+            print(f"r{rank} {kind}_b{b}: eager {eager:.2f} ms/step, graphs {replayed:.2f}, "
+                  f"graphs / eager {replayed / eager:.2f}", flush=True)
+    runner.graph_runner = graphs
+    print(f"replayed steps: {graphs.replayed_steps}, refused: {sorted(graphs.refused)}, "
+          f"disabled: {graphs.disabled}")
+
+
 def layer_costs(args: argparse.Namespace) -> None:
     """Microseconds per layer (qkv 576->960 rank rows 48, o 576->576 16, gate_up 576->3072 32,
     down 1536->576 16) of the grouped LoRA, before (bf16 slots) and after (fp32 slots), at
@@ -281,6 +336,8 @@ def main() -> None:
         layer_costs(args)
     elif args.before_after:
         before_after(args)
+    elif args.graphs:
+        graphs_on_off(args)
     elif args.child:
         print(json.dumps(measure(args)))
     else:
