@@ -129,6 +129,17 @@ static int64_t plan_tiles(const int32_t *slots, int64_t rows, int64_t max_loras,
     return tiles;
 }
 
+/* Tile `tile` of the plan: up to TILE rows of one slot. */
+static void run_tile(const LoraArgs *p, const int32_t *order, const int64_t *tile_start,
+                     int64_t tiles, int64_t tile, const int32_t *slots, float *work) {
+    const int64_t first = tile_start[tile];
+    int64_t end = first + TILE;
+    const int64_t slot = slots[order[first]];
+    for (int64_t i = first + 1; i < end; ++i) /* a tile ends at TILE rows or its slot's last */
+        if (i >= tile_start[tiles] || slots[order[i]] != slot) end = i;
+    lora_tile(p, order + first, (int)(end - first), slot, work);
+}
+
 int kvflow_lora(void *y, int64_t y_stride, int ydt, const void *x, int64_t x_stride, int xdt,
                 const float *lora_a, const float *lora_b, const int32_t *slots, int64_t rows,
                 int64_t in, int64_t out, int64_t rank, int64_t max_loras, int num_threads) {
@@ -142,8 +153,8 @@ int kvflow_lora(void *y, int64_t y_stride, int ydt, const void *x, int64_t x_str
         goto done;
     }
     const int64_t tiles = plan_tiles(slots, rows, max_loras, order, tile_start, counts);
-    if (tiles < 0) {
-        status = 2;
+    if (tiles <= 0) { /* a bad slot, or no row with an adapter */
+        status = tiles < 0 ? 2 : 0;
         goto done;
     }
     const LoraArgs p = {y, y_stride, ydt, x, x_stride, xdt, lora_a, lora_b, in, out, rank};
@@ -151,6 +162,19 @@ int kvflow_lora(void *y, int64_t y_stride, int ydt, const void *x, int64_t x_str
     const int threads = adapted * rank * (in + out) < PARALLEL_MACS || tiles < 2 ? 1
                                                                               : num_threads;
     const size_t scratch = ((size_t)TILE * (in + rank + out) + out) * sizeof(float);
+    if (threads == 1) { /* no parallel region: entering one of another team size than the
+                         * last makes the caller wait for the idle threads to dock, a whole
+                         * time slice when one is descheduled on a busy machine */
+        float *work = malloc(scratch);
+        if (!work) {
+            status = 1;
+            goto done;
+        }
+        for (int64_t tile = 0; tile < tiles; ++tile)
+            run_tile(&p, order, tile_start, tiles, tile, slots, work);
+        free(work);
+        goto done;
+    }
 #pragma omp parallel num_threads(threads) reduction(| : status)
     {
         float *work = malloc(scratch);
@@ -158,15 +182,8 @@ int kvflow_lora(void *y, int64_t y_stride, int ydt, const void *x, int64_t x_str
             status |= 1;
         } else {
 #pragma omp for schedule(static)
-            for (int64_t tile = 0; tile < tiles; ++tile) {
-                const int64_t first = tile_start[tile];
-                int64_t end = first + TILE;
-                const int64_t slot = slots[order[first]];
-                /* a tile ends at TILE rows or at its slot's last row */
-                for (int64_t i = first + 1; i < end; ++i)
-                    if (i >= tile_start[tiles] || slots[order[i]] != slot) end = i;
-                lora_tile(&p, order + first, (int)(end - first), slot, work);
-            }
+            for (int64_t tile = 0; tile < tiles; ++tile)
+                run_tile(&p, order, tile_start, tiles, tile, slots, work);
             free(work);
         }
     }
