@@ -218,12 +218,14 @@ class KVCacheManager:
         total = computed + num_new_tokens
         if new_computed is EMPTY_BLOCKS and \
                 len(self._group0_blocks.get(rid, ())) * self.block_size >= total:
-            # nothing to allocate (the common decode step)
-            for m in self._windowed:
-                m.remove_skipped_blocks(rid, computed)
-            if min(total, len(request.all_token_ids)) // self.block_size > \
-                    self._num_hashed.get(rid, 0):  # a block filled up: index it
-                self._cache_full_blocks(request, min(total, request.num_tokens))
+            # nothing to allocate (the common decode step, once per running request and
+            # step: no loop over an empty list, one min())
+            if self._windowed:
+                for m in self._windowed:
+                    m.remove_skipped_blocks(rid, computed)
+            known = min(total, len(request.all_token_ids))
+            if known // self.block_size > self._num_hashed.get(rid, 0):  # a block filled up
+                self._cache_full_blocks(request, known)  # index it
             return self.empty_blocks
         if not self.can_allocate(request, num_new_tokens, new_computed):
             return None

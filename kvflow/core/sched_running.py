@@ -32,15 +32,20 @@ def schedule_running(sched: Scheduler, budget: int, cap: int, out: SchedulerOutp
     try_allocate, num_scheduled = sched.kv.try_allocate_slots, out.num_scheduled_tokens
     add_id, add_computed = cached.req_ids.append, cached.num_computed_tokens.append
     track, send_token_ids = sched.track_in_flight, sched.send_token_ids
+    note_sampling = sched.async_scheduling  # else only constrained requests are noted
     i = total = 0
     while i < len(running) and budget > 0 and len(num_scheduled) < cap:
         request = running[i]
         rid, computed = request.request_id, request.num_computed_tokens
         num_tokens = len(request.all_token_ids) + request.num_output_placeholders
         extra = drafts.get(rid) if drafts else None  # speculative decoding
-        num_new, encodes = _tokens_wanted(sched, request, num_tokens, extra,
-                                          min(budget, chunk_cap) if chunk_cap else budget,
-                                          step_budget)
+        if num_tokens - computed == 1 and not extra and not request.num_output_placeholders \
+                and request.mm_features is None:  # a plain decode step: its next token
+            num_new, encodes = 1, None
+        else:
+            num_new, encodes = _tokens_wanted(sched, request, num_tokens, extra,
+                                              min(budget, chunk_cap) if chunk_cap else budget,
+                                              step_budget)
         new_blocks = try_allocate(request, num_new) if num_new > 0 else None
         if new_blocks is None and num_new > 0:  # no room: drop the drafts, then preempt
             new_blocks, extra, num_new = _make_room(sched, request, num_new,
@@ -64,8 +69,9 @@ def schedule_running(sched: Scheduler, budget: int, cap: int, out: SchedulerOutp
             num_drafts = computed + num_new - num_tokens
             if num_drafts > 0:
                 out.scheduled_spec_decode_tokens[rid] = extra[:num_drafts]
-        if computed + num_new >= num_tokens:  # the step samples (drafts go past)
-            sched._note_sampling(request, out)
+        if computed + num_new >= num_tokens and \
+                (note_sampling or request.structured_output is not None):  # it samples
+            sched._note_sampling(request, out)  # (drafts go past its tokens)
         if track:
             sched.in_flight[rid] = sched.in_flight.get(rid, 0) + 1
         budget -= num_new
