@@ -82,15 +82,18 @@ def build_model_inputs(batch: InputBatch, num_scheduled: np.ndarray, block_size:
     if num_computed is not None and len(pending):  # only those whose pending token is computed
         last = batch.num_tokens[rows[pending]] - 1
         pending = pending[(last >= computed[pending]) & (last < seq_lens[pending])]
-    pending_tokens = query_start[pending] + batch.num_tokens[rows[pending]] - 1 - \
-        computed[pending]
+    pending_tokens, pending_samples = pending, pending  # none (lock-step): both empty
+    if len(pending):  # (each numpy call costs microseconds, on empty arrays too)
+        pending_tokens = query_start[pending] + batch.num_tokens[rows[pending]] - 1 - \
+            computed[pending]
+        pending_samples = batch.pending_sample[rows[pending]]
     groups = [_block_table_and_slots(batch, g, index, req_of_token, positions, block_size)
               for g in range(len(batch.kv_cache_specs))]
     rope_rows = positions if long_prompt_rope is None else \
         long_prompt_rope.table_rows(positions, batch.num_prompt_tokens[rows[req_of_token]])
     i64, i32 = stager.stage(
-        [input_ids, rope_rows, logits_indices, pending_tokens,
-         batch.pending_sample[rows[pending]], *(s for _, s in groups)],
+        [input_ids, rope_rows, logits_indices, pending_tokens, pending_samples,
+         *(s for _, s in groups)],
         [query_start, seq_lens, *(table for table, _ in groups)])
     query_start_t, seq_lens_t = i32[:2]
     attn_metadata = [
@@ -181,6 +184,6 @@ def _block_table_and_slots(batch: InputBatch, group: int, rows: np.ndarray | sli
     if isinstance(spec, SlidingWindowSpec):
         first = spec.first_needed_blocks(batch.num_computed_tokens[rows])
         table[np.arange(width) < first[:, None]] = 0
-    slot_mapping = (table[req_of_token, positions // block_size].astype(np.int64) * block_size
-                    + positions % block_size)
+    block_index, offset = np.divmod(positions, block_size)
+    slot_mapping = table[req_of_token, block_index].astype(np.int64) * block_size + offset
     return table, slot_mapping
