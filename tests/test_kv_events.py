@@ -168,27 +168,30 @@ def test_wire_format_and_replay_of_missed_batches(tiny, tmp_path):
         dealer.connect(f"ipc://{tmp_path}/replay")
         dealer.send_multipart((b"", (0).to_bytes(8, "big")))
         replayed = []
-        while True:
+        while True:  # vLLM 0.32's replies: [b"", topic, seq, payload], end [b"", b"", -1, b""]
             assert dealer.poll(5000)
-            empty, seq, payload = dealer.recv_multipart()
+            empty, topic, seq, payload = dealer.recv_multipart()
             assert empty == b""
             if seq == END_OF_REPLAY:
-                assert payload == b""
+                assert (topic, payload) == (b"", b"")
                 break
+            assert topic == b"kv"
             replayed.append((int.from_bytes(seq, "big"), payload))
         assert [s for s, _ in replayed] == list(range(len(replayed)))
         assert replayed[-len(live):] == live  # the same bytes
         missed = replayed[:-len(live)]
         assert [s for s, _ in missed] == list(range(live[0][0]))
-        # raw decode: [ts, [[tag, hashes, parent, tokens, block_size, lora_id, medium,
-        #                    lora_name, extra_keys]], rank]
+        # raw decode: [ts, [{"type": tag, field: value, ...}], rank], None defaults omitted
         ts, events, rank = msgspec.msgpack.decode(missed[0][1])
         assert rank == 0 and abs(ts - time.time()) < 60
         first = tok(PROMPTS[0]).input_ids
         blocks = chain(first)
-        assert events == [["BlockStored", [h for h, _, _ in blocks], None,
-                           first[:len(blocks) * BLOCK_SIZE], BLOCK_SIZE, None, "CPU",
-                           None, [None] * len(blocks)]]
+        assert events == [{"type": "BlockStored", "block_hashes": [h for h, _, _ in blocks],
+                           "parent_block_hash": None,
+                           "token_ids": first[:len(blocks) * BLOCK_SIZE],
+                           "block_size": BLOCK_SIZE, "lora_id": None, "medium": "CPU",
+                           "lora_name": None, "extra_keys": [None] * len(blocks),
+                           "group_idx": 0}]
     finally:
         llm.shutdown()
         ctx.destroy(linger=0)
@@ -393,38 +396,18 @@ def test_prefix_caching_off_is_refused(tiny):
 
 def test_batch_round_trip_types():
     batch = KVEventBatch(ts=1.5, events=[
-        BlockStored([1, 2], None, [5] * 8, 4, 7, "GPU", "ad", [("ad", "salt"), ("ad",)]),
+        BlockStored([1, 2], None, [5] * 8, 4, 7, "GPU", "ad", [("ad", "salt"), ("ad",)],
+                    group_idx=0, session_id="s"),
         BlockRemoved([2], "GPU"), AllBlocksCleared()], data_parallel_rank=1)
     raw = msgspec.msgpack.encode(batch)
     assert msgspec.msgpack.decode(raw) == [1.5, [
-        ["BlockStored", [1, 2], None, [5] * 8, 4, 7, "GPU", "ad", [["ad", "salt"], ["ad"]]],
-        ["BlockRemoved", [2], "GPU"], ["AllBlocksCleared"]], 1]
+        {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+         "token_ids": [5] * 8, "block_size": 4, "lora_id": 7, "medium": "GPU",
+         "lora_name": "ad", "extra_keys": [["ad", "salt"], ["ad"]], "group_idx": 0,
+         "session_id": "s"},
+        {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"},
+        {"type": "AllBlocksCleared"}], 1]
     assert decode_kv_event_batch(raw) == batch  # extra keys typed back as tuples
-
-
-class OldBlockStored(msgspec.Struct, array_like=True, tag="BlockStored"):
-    """vLLM 0.10-0.11's BlockStored: six fields."""
-
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class OldBatch(msgspec.Struct, array_like=True, omit_defaults=True):
-    ts: float
-    events: list[OldBlockStored]
-    data_parallel_rank: int | None = None
-
-
-def test_a_decoder_of_the_six_vllm_0_11_fields_ignores_the_later_ones():
-    """vLLM 0.10-0.11's BlockStored has six fields; msgspec's array-like decoding of such a
-    struct skips the trailing lora_name and extra_keys."""
-    new = KVEventBatch(ts=2.0, events=[BlockStored([9], 8, [1, 2], 2, 4, "CPU", "ad", [("ad",)])])
-    old = msgspec.msgpack.Decoder(OldBatch).decode(msgspec.msgpack.encode(new))
-    assert old == OldBatch(2.0, [OldBlockStored([9], 8, [1, 2], 2, 4, "CPU")])
 
 
 def test_a_replicas_publisher_binds_its_endpoint_and_stamps_its_rank(tmp_path):

@@ -189,11 +189,11 @@ class BlockPool:
 
     def record_stored(self, blocks: list[KVCacheBlock], hashes: list[int],
                       parent_hash: int | None, block_size: int, lora: LoRARequest | None,
-                      extra_keys: list[tuple | None]) -> None:
+                      extra_keys: list[tuple | None], session_id: str | None = None) -> None:
         """Publish (``BlockStored``) the blocks of one request's chain that ``cache_full_block``
         just indexed: ``blocks[i]`` is the chain's block of hash ``hashes[i]`` and event extra
         keys ``extra_keys[i]``, the first one following ``parent_hash``; ``lora`` is the
-        request's adapter. A hash is announced once, whatever its copies: a block not indexed
+        request's adapter, ``session_id`` its session (vLLM 0.32's request field; None: none). A hash is announced once, whatever its copies: a block not indexed
         under its hash (the null block, a collision) or whose hash was published already (by
         another copy) splits the run: each event is a consecutive chain. Call only with events
         on.
@@ -204,13 +204,14 @@ class BlockPool:
                 run.append(i)
                 continue
             self._store_run([blocks[j] for j in run], parent_hash, block_size, lora,
-                            [extra_keys[j] for j in run])
+                            [extra_keys[j] for j in run], session_id)
             run, parent_hash = [], h
         self._store_run([blocks[j] for j in run], parent_hash, block_size, lora,
-                        [extra_keys[j] for j in run])
+                        [extra_keys[j] for j in run], session_id)
 
     def _store_run(self, run: list[KVCacheBlock], parent_hash: int | None, block_size: int,
-                   lora: LoRARequest | None, extra_keys: list[tuple | None]) -> None:
+                   lora: LoRARequest | None, extra_keys: list[tuple | None],
+                   session_id: str | None) -> None:
         if not run:
             return
         self._published.update(b.block_hash for b in run)
@@ -219,7 +220,8 @@ class BlockPool:
             parent_block_hash=None if parent_hash is None else external_block_hash(parent_hash),
             token_ids=[t for b in run for t in b.token_ids], block_size=block_size,
             lora_id=lora.lora_int_id if lora is not None else None, medium=self._medium,
-            lora_name=lora.lora_name if lora is not None else None, extra_keys=extra_keys))
+            lora_name=lora.lora_name if lora is not None else None, extra_keys=extra_keys,
+            group_idx=0, session_id=session_id))
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """The events recorded since the last call, oldest first (empty with events off)."""
@@ -276,7 +278,7 @@ class BlockPool:
         if last and self.kv_events is not None and h in self._published:
             self._published.discard(h)
             self.kv_events.append(BlockRemoved(block_hashes=[external_block_hash(h)],
-                                               medium=self._medium))
+                                               medium=self._medium, group_idx=0))
         block.block_hash, block.parent_hash, block.token_ids = None, None, ()
 
     def check_invariants(self) -> None:

@@ -6,12 +6,13 @@ without ``shutdown`` (an ``LLM`` script's end) still sends what is queued, for u
 every batch not yet sent was lost, and what the thread had sent but ZeroMQ had not yet
 written too, the context never closed: a short script's subscriber got nothing).
 
-Replay protocol (vLLM 0.10-0.11's, whose event format this is; vLLM 0.32 adds the topic
-frame before ``seq`` and an empty one before the end marker): a DEALER client sends ``[b"", start]``, ``start`` the first sequence
-number it wants (8 bytes big-endian); the ROUTER answers with one ``[b"", seq, payload]``
-message per buffered batch from that number on (at most the ``buffer_steps`` latest), then
-``[b"", -1 as 8 signed big-endian bytes, b""]`` as the end marker. (A REQ client may ask,
-but takes only the first answer unless ``ZMQ_REQ_RELAXED`` is set.)
+Replay protocol (vLLM 0.32's): a DEALER client sends ``[b"", start]``, ``start`` the first
+sequence number it wants (8 bytes big-endian); the ROUTER answers with one ``[b"", topic, seq,
+payload]`` message per buffered batch from that number on (at most the ``buffer_steps``
+latest: the live message's three frames after the empty one), then ``[b"", b"", -1 as 8
+signed big-endian bytes, b""]`` as the end marker. (vLLM 0.10-0.11 sent no topic frame: ``[b"",
+seq, payload]``, ``[b"", -1, b""]``.) A REQ client may ask, but takes only the first answer
+unless ``ZMQ_REQ_RELAXED`` is set.
 """
 
 from __future__ import annotations
@@ -155,8 +156,9 @@ class ZmqEventPublisher:
         first = int.from_bytes(start, "big")
         for seq, payload in self._buffer:
             if seq >= first:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))
+                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"),
+                                             payload))
+        self._replay.send_multipart((client, b"", b"", END_OF_REPLAY, b""))
 
 
 def _open(sock: zmq.Socket, address: str, field: str, bind: bool | None = None) -> None:

@@ -1,23 +1,33 @@
 """KV cache events: what the block pool tells a KV-aware router (llm-d, Dynamo) about the
-prefix cache, in vLLM's wire format.
+prefix cache, in vLLM 0.32's wire format (``vllm/distributed/kv_events.py``).
 
 Each message the publisher sends (``kvflow/core/kv_event_publisher.py``) is three ZeroMQ
 frames: the topic, the batch's sequence number (8 bytes, big-endian, from 0), and a
-``KVEventBatch`` encoded with msgspec's msgpack encoder. Every struct is ``array_like`` (a
-msgpack array in field order) and an event's first element is its tag, the class name:
+``KVEventBatch`` encoded with msgspec's msgpack encoder. The batch is ``array_like`` (a msgpack
+array in field order); each event is a msgpack map of its fields, its tag (the class name)
+under ``"type"``, fields left at their None default omitted (vLLM 0.32's ``omit_defaults``):
 
 * ``KVEventBatch``: ``[ts, events, data_parallel_rank]`` (``ts`` Unix seconds, float);
-* ``BlockStored``: ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-  lora_id, medium, lora_name, extra_keys]``: full blocks now in the prefix cache, a chain
-  (each block's parent is the one before it; the first one's is ``parent_block_hash``, None
-  at a prompt's start), ``token_ids`` their tokens in order (``block_size`` per block);
-  ``lora_name`` the adapter's name (None without one; vLLM added it after 0.11, after the
-  six fields 0.10-0.11 decode, and those decoders ignore it), ``extra_keys`` one entry per
-  block: None, or the untagged keys mixed into its hash (``block_hashing.event_extra_keys``:
-  the LoRA name, ``[identifier, offset]`` per image, the ``cache_salt`` on a prompt's first
-  block);
-* ``BlockRemoved``: ``["BlockRemoved", block_hashes, medium]``: blocks no longer served;
-* ``AllBlocksCleared``: ``["AllBlocksCleared"]``: the prefix cache is empty.
+* ``BlockStored``: ``{"type": "BlockStored", "block_hashes", "parent_block_hash",
+  "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys", "group_idx",
+  "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality", "ownership",
+  "session_id"}``: full blocks now in the prefix cache, a chain (each block's parent is the
+  one before it; the first one's is ``parent_block_hash``, None at a prompt's start),
+  ``token_ids`` their tokens in order (``block_size`` per block); ``lora_name`` the adapter's
+  name (None without one); ``extra_keys`` one entry per block: None, or the untagged keys
+  mixed into its hash (``block_hashing.event_extra_keys``: the LoRA name, ``[identifier,
+  offset]`` per image, the ``cache_salt`` on a prompt's first block); ``group_idx`` the KV
+  cache group (kvflow's events are group 0's); ``session_id`` the request's ``session_id``
+  (the request that stored the blocks; None without one). kvflow leaves
+  ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``, ``locality`` and ``ownership``
+  None (vLLM: unspecified), so they are not on the wire;
+* ``BlockRemoved``: ``{"type": "BlockRemoved", "block_hashes", "medium", "group_idx"}``
+  (and vLLM's ``locality``, ``ownership``, None here): blocks no longer served;
+* ``AllBlocksCleared``: ``{"type": "AllBlocksCleared"}``: the prefix cache is empty.
+
+vLLM up to its PR #42892 (June 2026) encoded events as arrays (``["BlockStored", hashes,
+...]``); a decoder of those (vLLM 0.10-0.2x's own structs) refuses a map, and vLLM 0.32's
+refuses an array: kvflow sends the maps, as vLLM 0.32 does.
 
 A block's hash on the wire is :func:`external_block_hash` of the block pool's chain hash (its
 low 64 bits, ``core/block_hashing.py``), an unsigned integer as vLLM sends by default. ``medium`` is where the
@@ -50,8 +60,8 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base of the KV cache events (tagged by class name)."""
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the KV cache events: msgpack maps tagged by class name under ``"type"``."""
 
 
 class BlockStored(KVCacheEvent):
@@ -65,6 +75,12 @@ class BlockStored(KVCacheEvent):
     medium: str | None
     lora_name: str | None
     extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -72,6 +88,9 @@ class BlockRemoved(KVCacheEvent):
 
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):

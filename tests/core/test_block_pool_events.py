@@ -48,13 +48,14 @@ def test_runs_split_at_blocks_another_block_serves():
     b = pool.get_new_blocks(4)  # same step: blocks 0-1 are copies of a's
     hb = index(pool, b, b_tokens)
     lora = LoRARequest("ad", 3, "/adapters/ad")
-    pool.record_stored(b, hb, None, BS, lora, [("ad", "salt"), ("ad",), ("ad", 2), ("ad", 3)])
+    pool.record_stored(b, hb, None, BS, lora, [("ad", "salt"), ("ad",), ("ad", 2), ("ad", 3)],
+                       "session-b")
     events = pool.take_kv_events()
-    assert events == [  # b's run: its blocks 2-3, with their own extra keys
+    assert events == [  # b's run: its blocks 2-3, with their own extra keys and b's session
         BlockStored([h & LOW for h in ha], None, a_tokens, BS, None, "GPU", None,
-                    [None] * 3),
+                    [None] * 3, group_idx=0),
         BlockStored([hb[2] & LOW, hb[3] & LOW], hb[1] & LOW, [7, 8, 9, 10], BS, 3, "GPU", "ad",
-                    [("ad", 2), ("ad", 3)])]
+                    [("ad", 2), ("ad", 3)], group_idx=0, session_id="session-b")]
     assert pool.take_kv_events() == []
     pool.record_stored(a, ha, None, BS, None, [None] * len(a))  # published already: nothing again
     assert pool.take_kv_events() == []
@@ -70,7 +71,7 @@ def test_reset_with_blocks_in_use_removes_only_the_free_ones():
     pool.free_blocks([a[1]])  # a[0] stays in use
     pool.take_kv_events()
     pool.reset_prefix_cache()
-    assert pool.take_kv_events() == [BlockRemoved([ha[1] & LOW], "CPU")]
+    assert pool.take_kv_events() == [BlockRemoved([ha[1] & LOW], "CPU", 0)]
     pool.free_blocks([a[0]])
     pool.reset_prefix_cache()
     assert pool.take_kv_events() == [AllBlocksCleared()]
@@ -86,9 +87,9 @@ def test_eviction_for_reuse_is_removed_once():
     pool.free_blocks(list(reversed(a)))  # tail first: a[1] is evicted first
     pool.take_kv_events()
     pool.get_new_blocks(1)
-    assert pool.take_kv_events() == [BlockRemoved([ha[1] & LOW], "CPU")]
+    assert pool.take_kv_events() == [BlockRemoved([ha[1] & LOW], "CPU", 0)]
     pool.get_new_blocks(1)
-    assert pool.take_kv_events() == [BlockRemoved([ha[0] & LOW], "CPU")]
+    assert pool.take_kv_events() == [BlockRemoved([ha[0] & LOW], "CPU", 0)]
     pool.check_invariants()
 
 
@@ -106,8 +107,9 @@ def test_a_hash_with_copies_is_stored_once_and_removed_with_its_last_copy():
     assert hb[:2] == ha and all(x.block_hash == h for x, h in zip(b, hb))  # copies indexed
     assert pool.take_kv_events() == [
         BlockStored([h & LOW for h in ha], None, [1, 2, 3, 4], BS, None, "CPU", None,
-                    [None] * 2),
-        BlockStored([hb[2] & LOW], hb[1] & LOW, [5, 6], BS, None, "CPU", None, [None])]
+                    [None] * 2, group_idx=0),
+        BlockStored([hb[2] & LOW], hb[1] & LOW, [5, 6], BS, None, "CPU", None, [None],
+                    group_idx=0)]
     pool.free_blocks(list(reversed(a)))
     pool.free_blocks(list(reversed(b)))  # free queue: 6, 7, a1, a0, b2, b1, b0
     taken = pool.get_new_blocks(4)  # evicts a's copies: b's serve both hashes
@@ -115,9 +117,9 @@ def test_a_hash_with_copies_is_stored_once_and_removed_with_its_last_copy():
     assert [pool.get_cached_block(h, p, t) for h, p, t in
             zip(hb, [None, hb[0], hb[1]], [(1, 2), (3, 4), (5, 6)])] == b
     taken += pool.get_new_blocks(3)  # evicts b's blocks, the last copies, tail first
-    assert pool.take_kv_events() == [BlockRemoved([hb[2] & LOW], "CPU"),
-                                      BlockRemoved([hb[1] & LOW], "CPU"),
-                                      BlockRemoved([hb[0] & LOW], "CPU")]
+    assert pool.take_kv_events() == [BlockRemoved([hb[2] & LOW], "CPU", 0),
+                                      BlockRemoved([hb[1] & LOW], "CPU", 0),
+                                      BlockRemoved([hb[0] & LOW], "CPU", 0)]
     pool.check_invariants()
     pool.free_blocks(taken)
 
