@@ -3,8 +3,8 @@
 Oracles, by hand: a prompt's tokens are the HF tokenizer's ids sliced by ``BLOCK_SIZE``; each
 full block's hash is ``hash_block_tokens`` chained over those slices (parent = the previous
 block's hash), cut to its low 64 bits; the wire format is read back with msgspec's untyped
-msgpack decoder (plain lists, vLLM's field order). Eviction: the ``BlockRemoved`` hashes are
-exactly the stored ones that left the pool's hash table. Bad configs: ValueError naming the
+msgpack decoder (the batch a list, each event a map: vLLM 0.32's form). Eviction: the
+``BlockRemoved`` hashes are exactly the stored ones that left the pool's hash table. Bad configs: ValueError naming the
 field, before any model loads.
 """
 
