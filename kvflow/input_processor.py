@@ -228,7 +228,8 @@ class InputProcessor(PoolingInputs):
                       client_id: str = "",
                       lora_request: LoRARequest | None = None,
                       cache_salt: str | None = None,
-                      prompt_embeds: PromptEmbeds | None = None) -> list[Request]:
+                      prompt_embeds: PromptEmbeds | None = None,
+                      session_id: str | None = None) -> list[Request]:
         """One Request per sample (``n``); sample i of a seeded request uses seed + i
         (wrapped into the signed 64-bit range, the same generator seed modulo 2**64). The
         samples share ``mm_features`` (the images of the prompt, already expanded) and
@@ -277,7 +278,7 @@ class InputProcessor(PoolingInputs):
                                     priority, parent_id=request_id, sample_index=i,
                                     mm_features=mm_features, client_id=client_id,
                                     lora_request=lora_request, cache_salt=cache_salt,
-                                    prompt_embeds=prompt_embeds))
+                                    prompt_embeds=prompt_embeds, session_id=session_id))
         return requests
 
     def _sample_params(self, params: SamplingParams, i: int,

@@ -104,6 +104,8 @@ class Request:
         prompt_embeds: the prompt's embedding rows when it was given as embeddings
             (``prompt_token_ids`` then holds one placeholder 0 per row); kept until the
             request finishes, since a preempted request recomputes its prompt from them.
+        session_id: the session it belongs to (vLLM 0.32's request field): written into the
+            ``BlockStored`` KV cache events of the blocks it stores; None: none.
     """
 
     # Slots, not an instance dict: the scheduler, runner and output paths read and write these
@@ -118,8 +120,8 @@ class Request:
         "num_cached_tokens", "num_computed_tokens", "num_external_cached_tokens",
         "num_output_placeholders", "num_preemptions", "parent_id", "pooling_params", "priority",
         "prompt_embeds", "prompt_logprobs", "prompt_token_ids", "request_id", "sample_index",
-        "sampling_params", "spec_counts", "status", "stop_eos_id", "stop_reason",
-        "structured_output", "times",
+        "sampling_params", "session_id", "spec_counts", "status", "stop_eos_id",
+        "stop_reason", "structured_output", "times",
     )
 
     def __init__(
@@ -138,6 +140,7 @@ class Request:
         pooling_params: PoolingParams | None = None,
         cache_salt: str | None = None,
         prompt_embeds: PromptEmbeds | None = None,
+        session_id: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -153,6 +156,7 @@ class Request:
         self.pooling_params = pooling_params
         self.cache_salt = cache_salt
         self.prompt_embeds = prompt_embeds
+        self.session_id = session_id
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.all_token_ids: list[int] = list(prompt_token_ids)

@@ -134,9 +134,9 @@ def test_vllm_032_fields_kvflow_does_not_take(endpoint):
     """vLLM 0.32's ``watermarking``, ``ec_transfer_params`` and
     ``routed_experts_prompt_start`` would change its reply: a 400 naming each with why
     (also under ``--ignore-unknown-fields``), their defaults passing; the render endpoints'
-    ``return_token_offsets`` / ``mm_payload`` / ``return_mm_kwargs`` and the KV-event tag
-    ``session_id`` change nothing on vLLM's generation endpoints: unknown fields, whose
-    400 says why, ignored under the flag."""
+    ``return_token_offsets`` / ``mm_payload`` / ``return_mm_kwargs`` change nothing on
+    vLLM's generation endpoints: unknown fields, whose 400 says why, ignored under the flag
+    (``session_id`` is declared: tests/e2e/test_openai_fields.py)."""
     for name, value in (("watermarking", True), ("ec_transfer_params", {"a": 1}),
                         ("routed_experts_prompt_start", 2)):
         for ignore in (False, True):
@@ -146,8 +146,7 @@ def test_vllm_032_fields_kvflow_does_not_take(endpoint):
                                              "routed_experts_prompt_start": 0}), endpoint)
     for name, value, why in (("return_token_offsets", True, "render endpoints"),
                              ("mm_payload", "none", "render endpoints"),
-                             ("return_mm_kwargs", False, "render endpoints"),
-                             ("session_id", "s-1", "KV cache events")):
+                             ("return_mm_kwargs", False, "render endpoints")):
         error = _refusal(endpoint, {name: value})
         assert (error.param, error.code) == (name, "unknown_parameter")
         assert f"{name}: vLLM 0.32" in str(error) and why in str(error)

@@ -271,7 +271,7 @@ class KVCacheManager:
                                 hashes[start:end], hashes[start - 1] if start else None, bs,
                                 request.lora_request,
                                 [event_extra_keys(request, i * bs, (i + 1) * bs)
-                                 for i in range(start, end)])
+                                 for i in range(start, end)], request.session_id)
 
     def _fits(self, request: Request, num_new_tokens: int) -> bool:
         """Whether the request's block tables already cover ``num_new_tokens`` more tokens

@@ -225,7 +225,8 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
                     lora_request: LoRARequest | None = None,
                     cache_salt: str | None = None,
                     prompt_embeds: PromptEmbeds | None = None,
-                    data_parallel_rank: int | None = None) -> RequestStream:
+                    data_parallel_rank: int | None = None,
+                    session_id: str | None = None) -> RequestStream:
         """Validate and queue one prompt (its ``n`` samples) on one replica; returns its
         output stream. Fields ``params`` was not given take the model's sampling defaults
         (``sampling_defaults``, from its generation_config.json). ``mm_features``: the
@@ -236,7 +237,9 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
         ``cache_salt``: salts its prefix-cache blocks (a non-empty string; None: unsalted).
         ``prompt_embeds``: the prompt's embedding rows (``processor.embeds_prompt``;
         ``prompt_token_ids`` are then its placeholders). ``data_parallel_rank``: the replica
-        it must run on (vLLM's; None: the balancer chooses).
+        it must run on (vLLM's; None: the balancer chooses). ``session_id``: its session
+        (vLLM 0.32's), written into the ``BlockStored`` KV cache events of the blocks its
+        samples store (None: none; checked by the caller: the server's ``session_id``).
 
         Raises:
             ValueError: for a bad prompt, parameters or ``cache_salt``, a request id in use
@@ -256,7 +259,8 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
         params = params.with_defaults(self.sampling_defaults)
         requests = self.processor.make_requests(request_id, prompt_token_ids, params, arrival,
                                                 priority, mm_features, client_id,
-                                                lora_request, cache_salt, prompt_embeds)
+                                                lora_request, cache_salt, prompt_embeds,
+                                                session_id)
         return self._queue(request_id, prompt, requests, arrival, data_parallel_rank)
 
     def _check_serving(self) -> None:

@@ -48,20 +48,21 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     cache_salt: str | None = None  # salts the prompt's first prefix-cache block
     # a prompt given as embedding rows (raw bytes): see kvflow/prompt_embeds.py
     prompt_embeds: PromptEmbeds | None = None
+    session_id: str | None = None  # vLLM 0.32's: written into its BlockStored events
 
     @classmethod
     def from_request(cls, r: Request) -> EngineCoreRequest:
         return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id,
                    r.arrival_time, r.priority, r.parent_id, r.sample_index, r.mm_features,
                    r.client_id, r.lora_request, r.pooling_params, r.cache_salt,
-                   r.prompt_embeds)
+                   r.prompt_embeds, r.session_id)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
                        self.eos_token_id, self.arrival_time, self.priority, self.parent_id,
                        self.sample_index, self.mm_features, self.client_id,
                        self.lora_request, self.pooling_params, self.cache_salt,
-                       self.prompt_embeds)
+                       self.prompt_embeds, self.session_id)
 
 
 class AddRequests(msgspec.Struct, tag="add"):

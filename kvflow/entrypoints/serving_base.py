@@ -29,6 +29,7 @@ from kvflow.entrypoints.protocol import (
     RequestBody,
     SamplingRequest,
 )
+from kvflow.entrypoints.protocol.sampling import MAX_SESSION_ID_CHARS
 from kvflow.entrypoints.serving_checks import OpenAIServingChecks
 from kvflow.entrypoints.serving_models import ServingModels
 from kvflow.entrypoints.tool_parsers.reasoning import reasoning_token_ids
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 MIN_LOGPROB = -9999.0
 # The header that pins a request to a data-parallel replica (vLLM's; a router sets it).
 DP_RANK_HEADER = "X-data-parallel-rank"
+# The header naming a request's session when its body has no session_id (vLLM 0.32's).
+SESSION_ID_HEADER = "X-Session-ID"
 
 
 def random_id(prefix: str) -> str:
@@ -199,6 +202,27 @@ class OpenAIServing(OpenAIServingChecks):
             return "key:" + hashlib.sha256(auth[7:].strip().encode()).hexdigest()[:16]
         return ""
 
+    @staticmethod
+    def session_id(req: SamplingRequest, raw: Request) -> str | None:
+        """The request's session, as vLLM 0.32 finds it: its ``session_id`` field, else the
+        ``X-Session-ID`` header (an empty one is none); None without one. The KV cache
+        events carry it (``BlockStored``). (vLLM also reads ``vllm_xargs["session_id"]``;
+        kvflow hands vllm_xargs to custom logits processors only.)
+
+        Raises:
+            OpenAIError: 400 naming the header for one longer than 256 characters (the
+                body's field is checked by its model).
+        """
+        if req.session_id:
+            return req.session_id
+        value = raw.headers.get(SESSION_ID_HEADER)
+        if not value:
+            return None
+        if len(value) > MAX_SESSION_ID_CHARS:
+            raise OpenAIError(f"{SESSION_ID_HEADER} is {len(value)} characters long; at most "
+                              f"{MAX_SESSION_ID_CHARS}", param=SESSION_ID_HEADER)
+        return value
+
     @property
     def tokenizer(self) -> Any:
         """The tokenizer. Raises OpenAIError 400 if the server runs without one."""
@@ -267,15 +291,16 @@ class OpenAIServing(OpenAIServingChecks):
                            lora_request: LoRARequest | None = None,
                            cache_salt: str | None = None,
                            prompt_embeds: Sequence[PromptEmbeds | None] = (),
-                           data_parallel_rank: int | None = None
-                           ) -> list[RequestStream]:
+                           data_parallel_rank: int | None = None,
+                           session_id: str | None = None) -> list[RequestStream]:
         """Queue every prompt (ids ``{request_id}-{i}``) at ``priority`` (lower first under
         the priority policy) for ``client_id``, with the images ``mm_features`` (placeholders
         expanded in the prompts' ids); with admission control, wait until the engine core
         accepted them all; ``lora_request``: their adapter; ``cache_salt``: their prefix-cache
         salt (None: unsalted); ``prompt_embeds``: the embedding rows of the first prompts
         (their ids are placeholders); ``data_parallel_rank``: the replica they run on (None:
-        the balancer chooses). On failure abort what was queued. Under
+        the balancer chooses); ``session_id``: their session (``session_id``), written into
+        their KV cache events. On failure abort what was queued. Under
         ``--enable-log-outputs`` each stream logs its samples' outputs (``OutputLog``).
 
         Raises:
@@ -288,7 +313,7 @@ class OpenAIServing(OpenAIServingChecks):
             embeds = prompt_embeds[i] if i < len(prompt_embeds) else None
             stream = self.engine.add_request(f"{request_id}-{i}", text, ids, sp, priority,
                                              mm_features, client_id, lora_request, cache_salt,
-                                             embeds, data_parallel_rank)
+                                             embeds, data_parallel_rank, session_id)
             if self.config.enable_log_outputs:
                 stream.observer = OutputLog(f"{request_id}-{i}", self.config.max_log_len)
             return stream

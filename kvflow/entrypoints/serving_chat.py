@@ -165,7 +165,8 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
                                               req.priority, prompt.mm_features,
                                               self.client_id(req, raw), lora_request=lora,
                                               cache_salt=req.cache_salt,
-                                              data_parallel_rank=dp_rank)
+                                              data_parallel_rank=dp_rank,
+                                              session_id=self.session_id(req, raw))
         return ChatRun(reply_id, ids, streams, parser, grammar_param(req, tool_grammar), text)
 
     async def _tools(self, req: ChatCompletionRequest) -> tuple[str | None, ChatOutputParser]:

@@ -85,7 +85,8 @@ class OpenAIServingCompletion(OpenAIServing):
             streams = await self.add_requests(request_id, prompts, params, req.priority,
                                               client_id=self.client_id(req, raw),
                                               lora_request=lora, cache_salt=req.cache_salt,
-                                              prompt_embeds=embeds, data_parallel_rank=dp_rank)
+                                              prompt_embeds=embeds, data_parallel_rank=dp_rank,
+                                              session_id=self.session_id(req, raw))
         param = grammar_param(req, None)
         if req.stream:
             return SSEResponse(with_keep_alive(

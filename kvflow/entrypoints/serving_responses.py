@@ -209,7 +209,7 @@ class OpenAIServingResponses:
                     "logprobs": wants_logprobs(req) or None,
                     "top_logprobs": req.top_logprobs if wants_logprobs(req) else None,
                     "prompt_cache_key": req.prompt_cache_key, "cache_salt": req.cache_salt,
-                    "safety_identifier": req.safety_identifier,
+                    "session_id": req.session_id, "safety_identifier": req.safety_identifier,
                     "reasoning_effort": req.reasoning and req.reasoning.effort,
                     "include_reasoning": req.include_reasoning,
                     "vllm_xargs": req.vllm_xargs}

@@ -119,8 +119,6 @@ UNREAD = {
              "/v1/chat/completions/render endpoints only (its generation endpoints ignore "
              "it), and kvflow has no render endpoints (/tokenize gives a prompt's token ids)"
        for name in ("return_token_offsets", "mm_payload", "return_mm_kwargs")},
-    "session_id": "vLLM 0.32 only writes it into its KV cache events (BlockStored) for "
-                  "session-aware routers, and kvflow's events carry no session",
 }
 
 # Values of an UNSUPPORTED field that ask for nothing kvflow does not do.

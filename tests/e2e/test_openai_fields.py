@@ -393,6 +393,15 @@ def sampling_cases(path: str) -> dict[str, Callable]:
         assert ids(ok(server, path, {"cache_salt": "tenant-1"})) == ids(ok(server, path, {}))
         rejected(path, {"cache_salt": ""}, "cache_salt")(server, tokenizer)
 
+    def session_id(server, tokenizer):
+        """vLLM 0.32's session: the same greedy tokens (it only tags the KV cache events;
+        their session_id: tests/test_kv_events_session.py, a server with the events on); a
+        non-string or one over 256 characters is a 400 naming it."""
+        assert ids(ok(server, path, {"session_id": "conversation-1"})) == \
+            ids(ok(server, path, {}))
+        for bad in (7, "s" * 257):
+            rejected(path, {"session_id": bad}, "session_id")(server, tokenizer)
+
     def allowed_token_ids(server, tokenizer):
         """The same greedy ids as a -100 bias on every other token (logit_bias's path)."""
         allowed = [7, 30, 200]
@@ -586,7 +595,7 @@ def sampling_cases(path: str) -> dict[str, Callable]:
     return {
         "model": rejected(path, {"model": "gpt-4"}, "model", 404), "request_id": request_id,
         "logprob_token_ids": logprob_token_ids,
-        "cache_salt": cache_salt, "vllm_xargs": vllm_xargs,
+        "cache_salt": cache_salt, "session_id": session_id, "vllm_xargs": vllm_xargs,
         "thinking_token_budget": thinking_token_budget,
         "stream_interval": stream_interval, "repetition_detection": repetition_detection,
         # no --kv-transfer-config here (the P/D pair takes it: test_openai_kv_transfer.py)

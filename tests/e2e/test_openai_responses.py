@@ -425,7 +425,8 @@ USED = {"model", "input", "instructions", "max_output_tokens", "temperature", "t
         "metadata", "parallel_tool_calls", "tool_choice", "tools", "text", "stream", "store",
         "previous_response_id", "user", "prompt_cache_key", "safety_identifier",
         "include", "top_logprobs",  # output logprobs: test_openai_responses_extras
-        "cache_salt", "background",  # background: test_openai_responses_background
+        "cache_salt", "session_id",  # session_id: tests/test_kv_events_session.py
+        "background",  # background: test_openai_responses_background
         "vllm_xargs",  # below without processors; with them: test_openai_logits_processors
         "include_reasoning"}  # test_openai_tool_parsers_served (a reasoning parser's server)
 

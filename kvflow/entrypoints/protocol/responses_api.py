@@ -22,7 +22,7 @@ from kvflow.entrypoints.protocol.base import (
     RequestBody,
     RequestModel,
 )
-from kvflow.entrypoints.protocol.sampling import XargValue
+from kvflow.entrypoints.protocol.sampling import MAX_SESSION_ID_CHARS, XargValue
 
 
 class TextFormat(RequestModel):
@@ -114,6 +114,8 @@ class ResponsesRequest(RequestBody):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: salts the prefix cache
+    # vLLM 0.32's: the session written into the KV cache events (as on chat/completions)
+    session_id: str | None = Field(None, max_length=MAX_SESSION_ID_CHARS)
     background: bool = False
     # vLLM's: arguments of the server's custom logits processors (as on chat/completions)
     vllm_xargs: dict[str, XargValue | list[XargValue]] | None = None

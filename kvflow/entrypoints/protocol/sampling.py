@@ -21,6 +21,10 @@ from kvflow.entrypoints.protocol.base import (
 # the event loop, a 32 MiB body's ~2.5 million entries held it for seconds. In docs/openai-server.md.
 MAX_LOGIT_BIAS = 300_000
 
+# session_id's length (as request_id's): the string is copied into every BlockStored KV cache
+# event of the blocks the request stores, so it stays short. In docs/openai-server.md.
+MAX_SESSION_ID_CHARS = 256
+
 # a vllm_xargs value (vLLM: str | int | float, or a list of them; JSON's true / false kept)
 XargValue = str | bool | int | float
 
@@ -127,7 +131,10 @@ class SamplingRequest(RequestBody):
     the server's ``--stream-interval``; no effect on a reply that is not streamed, as
     vLLM's) and ``repetition_detection`` are SamplingParams', and so is ``logprob_token_ids``
     (each generated token's logprobs are those of the listed ids and its own, in place of the
-    top ones; it needs ``logprobs``: a count on completions, ``true`` on chat)."""
+    top ones; it needs ``logprobs``: a count on completions, ``true`` on chat). vLLM 0.32's
+    ``session_id`` (a string of at most 256 characters; "" as none) names the conversation or
+    agent session the request belongs to: it goes into the ``BlockStored`` KV cache events of
+    the blocks the request stores (``--kv-events-config``), for session-aware routers."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
@@ -166,6 +173,7 @@ class SamplingRequest(RequestBody):
     length_penalty: float = Field(1.0, allow_inf_nan=False)
     prompt_logprobs: int | None = Field(None, ge=0)
     cache_salt: str | None = Field(None, min_length=1)
+    session_id: str | None = Field(None, max_length=MAX_SESSION_ID_CHARS)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
