@@ -259,10 +259,12 @@ async def beam_search_async(engine: Any, request_id: str, prompt_token_ids: list
                             client_id: str = "", lora_request: Any = None,
                             skip_special_tokens: bool = True,
                             cache_salt: str | None = None,
-                            num_logprobs: int = 0) -> RequestOutput:
+                            num_logprobs: int = 0,
+                            session_id: str | None = None) -> RequestOutput:
     """One prompt's beam search on the server's ``AsyncLLM``; its step requests are named
-    ``{request_id}-s{step}-b{beam}`` and each carries ``lora_request`` and ``cache_salt``. If this coroutine is cancelled (the client went
-    away) or fails, every step request still in flight is aborted. ``num_logprobs``: the
+    ``{request_id}-s{step}-b{beam}`` and each carries ``lora_request``, ``cache_salt`` and
+    ``session_id`` (its KV cache events' session). If this coroutine is cancelled (the client
+    went away) or fails, every step request still in flight is aborted. ``num_logprobs``: the
     top logprobs the caller returns per token (a request's ``logprobs`` / ``top_logprobs``);
     each step asks for that many when it is more than ``2 * beam_width``.
 
@@ -281,7 +283,7 @@ async def beam_search_async(engine: Any, request_id: str, prompt_token_ids: list
     first: RequestMetrics | None = None
     while not search.done:
         outs = await _run_step(engine, request_id, search, num_logprobs, priority, client_id,
-                               lora_request, cache_salt)
+                               lora_request, cache_salt, session_id)
         search.advance([_step_logprobs(out) for out in outs])
         first = first or outs[0].metrics
     start = len(prompt_token_ids)
@@ -298,7 +300,7 @@ async def beam_search_async(engine: Any, request_id: str, prompt_token_ids: list
 
 async def _run_step(engine: Any, request_id: str, search: BeamSearch, num_logprobs: int,
                     priority: int, client_id: str, lora_request: Any,
-                    cache_salt: str | None) -> list[RequestOutput]:
+                    cache_salt: str | None, session_id: str | None) -> list[RequestOutput]:
     """One step of ``search`` on the engine: a request per live beam
     (``{request_id}-s{step}-b{beam}``), each one's finished output, in beam order. Every
     step request still open is aborted when this returns or raises (cancelled included).
@@ -313,7 +315,7 @@ async def _run_step(engine: Any, request_id: str, search: BeamSearch, num_logpro
             streams.append(engine.add_request(
                 f"{request_id}-s{search.num_steps}-b{i}", None, tokens,
                 search.step_params(num_logprobs), priority, None, client_id, lora_request,
-                cache_salt))
+                cache_salt, session_id=session_id))
         for stream in streams:
             await engine.admitted(stream)
         return await asyncio.gather(*(_last(stream) for stream in streams))

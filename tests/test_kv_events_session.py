@@ -82,6 +82,17 @@ def test_each_endpoints_session_reaches_its_stored_blocks(served, tiny_chat_mode
     assert {e.get("session_id") for e in stored(sub)} == {"resp-4"}
 
 
+def test_a_beam_searchs_step_requests_carry_its_session(served):
+    """Beam search runs a request per beam and step (kvflow/beam_search.py): the blocks each
+    stores carry the search's session."""
+    client, sub = served
+    resp = complete(client, "beam search keeps the best two of many candidate tokens here",
+                    use_beam_search=True, n=2, max_tokens=6, session_id="beam-5")
+    assert resp.status_code == 200, resp.text
+    events = stored(sub)
+    assert events and {e.get("session_id") for e in events} == {"beam-5"}
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
 def test_a_bad_session_is_a_400_naming_it(served, path):
     client, _ = served

@@ -132,18 +132,19 @@ class BeamSearches:
               prompts: Sequence[tuple[str | None, list[int]]],
               params: Sequence[SamplingParams], beam: Sequence[BeamSearchParams],
               priority: int, client_id: str, lora_request: LoRARequest | None,
-              skip_special_tokens: bool, cache_salt: str | None = None
-              ) -> list[RequestStream]:
+              skip_special_tokens: bool, cache_salt: str | None = None,
+              session_id: str | None = None) -> list[RequestStream]:
         """Start one search per prompt (ids ``{request_id}-{i}``, as ``add_requests``
         names them); each stream yields one finished RequestOutput (its logprobs cut to
         ``params[i].logprobs`` per token, the chosen token kept) or raises OpenAIError (a
-        400 for input the engine refuses, a 503 when admission control refuses a step)."""
+        400 for input the engine refuses, a 503 when admission control refuses a step);
+        ``session_id`` goes into the KV cache events of its step requests' blocks."""
         streams = []
         for i, ((text, ids), sp, bp) in enumerate(zip(prompts, params, beam)):
             stream = RequestStream(f"{request_id}-{i}")
             task = asyncio.create_task(self._run(
                 engine, stream, text, ids, bp, sp.logprobs, priority, client_id,
-                lora_request, skip_special_tokens, cache_salt))
+                lora_request, skip_special_tokens, cache_salt, session_id))
             self.tasks[stream.request_id] = task
             task.add_done_callback(lambda _, rid=stream.request_id: self.tasks.pop(rid, None))
             streams.append(stream)
@@ -159,14 +160,16 @@ class BeamSearches:
     async def _run(engine: AsyncLLM, stream: RequestStream, text: str | None, ids: list[int],
                    beam: BeamSearchParams, num_logprobs: int | None, priority: int,
                    client_id: str, lora_request: LoRARequest | None,
-                   skip_special_tokens: bool, cache_salt: str | None) -> None:
+                   skip_special_tokens: bool, cache_salt: str | None,
+                   session_id: str | None) -> None:
         try:
             out = await beam_search_async(engine, stream.request_id, ids, beam,
                                           priority=priority, client_id=client_id,
                                           lora_request=lora_request,
                                           skip_special_tokens=skip_special_tokens,
                                           cache_salt=cache_salt,
-                                          num_logprobs=num_logprobs or 0)
+                                          num_logprobs=num_logprobs or 0,
+                                          session_id=session_id)
         except ValueError as e:
             stream.put(invalid_request(e))
         except AdmissionRejected as e:

@@ -334,15 +334,15 @@ class OpenAIServing(OpenAIServingChecks):
     def start_beam_searches(self, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
                             params: Sequence[SamplingParams], beams: Sequence[Any],
                             priority: int, client_id: str, lora_request: LoRARequest | None,
-                            skip_special_tokens: bool, cache_salt: str | None
-                            ) -> list[RequestStream]:
+                            skip_special_tokens: bool, cache_salt: str | None,
+                            session_id: str | None = None) -> list[RequestStream]:
         """Log (``log_request``) and start one beam search per prompt
         (:meth:`BeamSearches.start`, which names the arguments)."""
         for i, ((text, ids), beam) in enumerate(zip(prompts, beams)):
             self.log_request(f"{request_id}-{i}", text, ids, beam, lora_request)
         return self.beam_searches.start(self.engine, request_id, prompts, params, beams,
                                         priority, client_id, lora_request,
-                                        skip_special_tokens, cache_salt)
+                                        skip_special_tokens, cache_salt, session_id)
 
     def abort(self, streams: Sequence[RequestStream]) -> None:
         """Abort every stream's request, or cancel the beam search feeding it (no-op for

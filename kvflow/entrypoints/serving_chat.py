@@ -159,7 +159,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             streams = self.start_beam_searches(
                 request_id, [(text, ids)], [params], [beam_params(req, params)],
                 req.priority, self.client_id(req, raw), lora, params.skip_special_tokens,
-                req.cache_salt)
+                req.cache_salt, self.session_id(req, raw))
         else:
             streams = await self.add_requests(request_id, [(text, ids)], [params],
                                               req.priority, prompt.mm_features,

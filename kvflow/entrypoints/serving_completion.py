@@ -80,7 +80,8 @@ class OpenAIServingCompletion(OpenAIServing):
             streams = self.start_beam_searches(
                 request_id, prompts, params,
                 [beam_params(req, sp) for sp in params], req.priority,
-                self.client_id(req, raw), lora, req.skip_special_tokens, req.cache_salt)
+                self.client_id(req, raw), lora, req.skip_special_tokens, req.cache_salt,
+                self.session_id(req, raw))
         else:
             streams = await self.add_requests(request_id, prompts, params, req.priority,
                                               client_id=self.client_id(req, raw),
