@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 
 import pytest
 import zmq
 from transformers import AutoTokenizer
 
 from kvflow.core.kv_events import AllBlocksCleared, decode_kv_event_batch
+from tests.e2e.conftest import free_port
 from tests.test_kv_events import (
     BLOCK_SIZE,
     NUM_KV_BLOCKS,
@@ -30,12 +30,6 @@ from tests.test_kv_events import (
     chain,
     stored_blocks,
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _before_and_after_a_restart(engine, sub: Subscriber, ids: list[int]):
@@ -68,7 +62,7 @@ def test_a_restarted_core_first_clears_the_dead_cores_blocks(tiny_llama, tmp_pat
     from kvflow.config import EngineConfig
     from kvflow.engine.async_llm import AsyncLLM
 
-    port = _free_port()  # TCP, as a router subscribes: it reconnects to the new core
+    port = free_port()  # TCP, as a router subscribes: it reconnects to the new core
     engine = AsyncLLM(EngineConfig.from_kwargs(
         model=tiny_llama.path, dtype="float32", block_size=BLOCK_SIZE,
         num_kv_blocks=NUM_KV_BLOCKS, enable_prefix_caching=True,

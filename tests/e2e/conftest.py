@@ -16,6 +16,7 @@ SmolLM2 server is shared by the modules that use it (``smollm2_server``).
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -42,11 +43,37 @@ SERVER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # every
 RUNTIME_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 
 
+EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections (Linux's file; its default,
+    32768-60999, elsewhere)."""
+    try:
+        low, high = Path(EPHEMERAL_PORTS).read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that the OS reports free (bind to port 0, read it, release)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1, free now and outside the kernel's ephemeral range, for a
+    server that binds it seconds later. A port the kernel hands out for port 0 comes from that
+    range, which every outgoing connection's local port is also taken from: on a busy machine
+    one took a server's port before it bound (``address already in use``, exit 3: every test
+    of that module's shared server errored, CI session 49). Tries random ports below the range
+    (else above it) until one binds."""
+    low, high = _ephemeral_range()
+    choices = range(10000, low) if low - 10000 >= 4096 else range(high + 1, 65536)
+    for _ in range(200):
+        port = random.choice(choices)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {choices}")
 
 
 class ServerProcess:
