@@ -60,15 +60,38 @@ def check_args(args: argparse.Namespace) -> None:
                      max_concurrency=args.max_concurrency, request_rate=args.request_rate,
                      sharegpt_output_len=args.sharegpt_output_len,
                      request_timeout=args.request_timeout)
+    _check_seed(args)
+    _check_workload_args(args)
+    if not args.burstiness > 0:  # NaN fails too; inf = evenly spaced arrivals
+        raise ValueError(f"--burstiness must be a positive number or inf, got "
+                         f"{args.burstiness}")
+    _check_extra_body(args.extra_body)
+    _check_rate_flags(args)
+    for path in args.compare or []:
+        load_compare(path)
+    ensure_parent_dir(args.result_json, "--result-json")
+    check_result_flags(args)
+    ensure_parent_dir(args.plot, "--plot")
+
+
+def _check_seed(args: argparse.Namespace) -> None:
+    """Raises ValueError naming ``--seed`` for one below 0, or one whose last sweep rate's
+    seed (a sweep's i-th rate uses seed + i) numpy's legacy generator cannot take: the arrival
+    gaps are drawn from ``np.random.RandomState(seed)`` (vLLM's generator), which takes seeds
+    below 2**32."""
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
-    # the arrival gaps are drawn from np.random.RandomState(seed) (vLLM's generator), which
-    # takes seeds below 2**32; a sweep's i-th rate uses seed + i
     num_rates = len(parse_rates(args.sweep_rates)) if args.sweep_rates else 1
     if args.seed + num_rates - 1 > MAX_SEED:
         raise ValueError(f"--seed must be <= {MAX_SEED - num_rates + 1} (numpy's legacy "
                          f"generator takes seeds below 2**32; the i-th rate of --sweep-rates "
                          f"uses --seed + i), got {args.seed}")
+
+
+def _check_workload_args(args: argparse.Namespace) -> None:
+    """Raises ValueError naming the flag for a dataset flag the chosen ``--dataset`` would
+    ignore or a bad value of one it reads (``_check_random_args``, ``_check_image_args``,
+    ``_check_synthetic_chat_args``)."""
     if args.sharegpt_output_len is not None and (
             args.dataset in ("random", "random-image", "synthetic-chat")
             or not is_json_array_file(args.dataset)):
@@ -84,26 +107,30 @@ def check_args(args: argparse.Namespace) -> None:
         _check_image_args(args)
     if args.dataset == "synthetic-chat":
         _check_synthetic_chat_args(args)
-    if not args.burstiness > 0:  # NaN fails too; inf = evenly spaced arrivals
-        raise ValueError(f"--burstiness must be a positive number or inf, got "
-                         f"{args.burstiness}")
-    if args.extra_body is not None:
-        try:
-            extra = json.loads(args.extra_body)
-        except ValueError as e:
-            raise ValueError(f"--extra-body is not valid JSON: {e}") from e
-        if not isinstance(extra, dict):
-            raise ValueError("--extra-body must be a JSON object, e.g. '{\"top_k\": 5}'")
-    if args.sweep_rates is not None:  # "" too: an empty sweep would run only the default
-        parse_rates(args.sweep_rates)
-        if args.request_rate is not None:
-            raise ValueError("give --request-rate (one run) or --sweep-rates (one run per "
-                             "rate), not both")
-    for path in args.compare or []:
-        load_compare(path)
-    ensure_parent_dir(args.result_json, "--result-json")
-    check_result_flags(args)
-    ensure_parent_dir(args.plot, "--plot")
+
+
+def _check_extra_body(extra_body: str | None) -> None:
+    """Raises ValueError naming ``--extra-body`` unless it is None or a JSON object."""
+    if extra_body is None:
+        return
+    try:
+        extra = json.loads(extra_body)
+    except ValueError as e:
+        raise ValueError(f"--extra-body is not valid JSON: {e}") from e
+    if not isinstance(extra, dict):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            "--extra-body must be a JSON object, e.g. '{\"top_k\": 5}'")
+
+
+def _check_rate_flags(args: argparse.Namespace) -> None:
+    """Raises ValueError for a bad ``--sweep-rates`` ("" too: an empty sweep would run only
+    the default) or one given with ``--request-rate``."""
+    if args.sweep_rates is None:
+        return
+    parse_rates(args.sweep_rates)
+    if args.request_rate is not None:
+        raise ValueError("give --request-rate (one run) or --sweep-rates (one run per "
+                         "rate), not both")
 
 
 def _check_length_flags(args: argparse.Namespace) -> None:
