@@ -86,6 +86,28 @@ class SpeculativeConfig:
         except ValueError as e:
             raise ValueError(f"speculative_config {e}") from None
         self._infer_method()
+        self._check_proposer()
+        self._check_method_keys()
+        if self.method in ("draft_model", "eagle", "eagle3") and not self.model:
+            raise ValueError(f"speculative_config method={self.method!r} needs 'model' (the "
+                             "draft model's or EAGLE head's name or path)")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} "
+                             f"and prompt_lookup_max={self.prompt_lookup_max} need "
+                             "1 <= min <= max")
+        self._check_draft_cpu_threads()
+        self._check_draft_vocab_size()
+        if self.quantization not in (None, "auto", "none", "int8", "int4"):
+            raise ValueError(f"speculative_config quantization={self.quantization!r} is "
+                             "invalid; choose int8, int4, none (or null) or auto")
+
+    def _check_proposer(self) -> None:
+        """The method (once inferred), K and the model's name: a known method, K in [1, 16],
+        a model name that is not blank and no model for ``ngram``.
+
+        Raises:
+            ValueError: naming the key and what it must be.
+        """
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config method={self.method!r} is invalid; choose "
                              f"one of {list(SPEC_METHODS)}")
@@ -98,14 +120,14 @@ class SpeculativeConfig:
         if self.method == "ngram" and self.model:
             raise ValueError(f"speculative_config model={self.model!r} applies to method="
                              "'draft_model' only (n-gram lookup uses no model)")
-        self._check_method_keys()
-        if self.method in ("draft_model", "eagle", "eagle3") and not self.model:
-            raise ValueError(f"speculative_config method={self.method!r} needs 'model' (the "
-                             "draft model's or EAGLE head's name or path)")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} "
-                             f"and prompt_lookup_max={self.prompt_lookup_max} need "
-                             "1 <= min <= max")
+
+    def _check_draft_cpu_threads(self) -> None:
+        """``draft_cpu_threads``: None, or an integer >= 1 the process may run
+        (:func:`~kvflow.config.cpu_limits.check_thread_limit`).
+
+        Raises:
+            ValueError: naming ``draft_cpu_threads`` for anything else.
+        """
         if self.draft_cpu_threads is not None and (
                 isinstance(self.draft_cpu_threads, bool) or
                 not isinstance(self.draft_cpu_threads, int) or self.draft_cpu_threads < 1):
@@ -116,6 +138,14 @@ class SpeculativeConfig:
                 self.draft_cpu_threads, cpu_limits.usable_cpus(), cpu_limits.cgroup_cpu_limit(),
                 name="speculative_config draft_cpu_threads",
                 default="the faster, as measured, of the engine's count and 1")
+
+    def _check_draft_vocab_size(self) -> None:
+        """``draft_vocab_size``: None, "auto", 0 or an integer >= 1, the last only with
+        ``draft_model`` (a proposer with an LM head of its own to cut).
+
+        Raises:
+            ValueError: naming ``draft_vocab_size`` for anything else.
+        """
         vocab = self.draft_vocab_size
         if vocab not in (None, "auto") and (
                 isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 0):
@@ -126,9 +156,6 @@ class SpeculativeConfig:
                 f"the {self.method} head drafts over the vocabulary its checkpoint and target set"
             raise ValueError(f"speculative_config draft_vocab_size={vocab} applies to "
                              f"method='draft_model' only ({why})")
-        if self.quantization not in (None, "auto", "none", "int8", "int4"):
-            raise ValueError(f"speculative_config quantization={self.quantization!r} is "
-                             "invalid; choose int8, int4, none (or null) or auto")
 
     def _infer_method(self) -> None:
         """A ``method`` left out, as vLLM's ``SpeculativeConfig`` infers it: ``ngram`` for
