@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -296,45 +296,59 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
                                                 prompt_token_ids=prompt_token_ids,
                                                 prompt_text=prompt_text)
 
-        def first_chunks() -> list[ChatCompletionStreamResponse]:
-            """Every choice's first chunk, one chunk each (as vLLM and OpenAI send them, so
-            a client reading ``choices[0]`` sees every choice's role): the role and (as
-            vLLM) the prompt's token ids; with ``echo``, then one chunk per choice holding the
-            echoed text (none when it is empty), as vLLM streams it."""
-            role, echo = self.response_role(req), self.echo_text(req)
-            chunks = [chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role=role, content=""))],
-                            prompt_token_ids=ids if req.return_token_ids else None,
-                            prompt_text=prompt_text)
-                      for i in range(req.n)]
-            return chunks + [chunk([ChatStreamChoice(index=i, delta=DeltaMessage(content=echo))])
-                             for i in range(req.n) if echo]
-
-        want_tokens = (req.logprobs or req.return_token_ids) and not parser.hides_reasoning
         states = {i: parser.stream_state() for i in range(req.n)}
         sent_role = False
         async for _, delta in merge_streams(streams):
             if not sent_role:  # with the first output, as vLLM: a client's TTFT (time to its
                 sent_role = True  # first chunk) then includes the prefill it waits for
-                for first in first_chunks():
+                for first in self._first_chunks(req, ids, prompt_text, chunk):
                     yield first
             num_cached = delta.metrics.num_cached_tokens  # the prompt's, once known
             for c in delta.outputs:
                 num_generated += len(c.token_ids)
-                message = DeltaMessage(content=c.text)
-                extras = self._choice_extras(req, c, parser.hides_reasoning)
-                if not parser.is_plain:  # reasoning / tool calls parsed out of the text
-                    message, extras["finish_reason"] = parser.delta(states[c.index], c.text,
-                                                                    c.finish_reason)
-                    message = message or DeltaMessage(content="" if want_tokens else None)
-                if not (message.content or message.tool_calls or message.reasoning) \
-                        and c.finish_reason is None and not (want_tokens and c.token_ids):
-                    continue  # text held back (partial character, stop-string prefix)
-                yield chunk([ChatStreamChoice(index=c.index, delta=message, **extras)])
+                choice = self._stream_choice(req, c, parser, states)
+                if choice is not None:
+                    yield chunk([choice])
         if not sent_role:
-            for first in first_chunks():
+            for first in self._first_chunks(req, ids, prompt_text, chunk):
                 yield first
         if include_usage:
             yield chunk([], self.usage(len(ids), num_generated, num_cached))
+
+    def _first_chunks(self, req: ChatCompletionRequest, ids: list[int], prompt_text: str | None,
+                      chunk: Callable[..., ChatCompletionStreamResponse]
+                      ) -> list[ChatCompletionStreamResponse]:
+        """Every choice's first chunk, one chunk each (as vLLM and OpenAI send them, so
+        a client reading ``choices[0]`` sees every choice's role): the role and (as
+        vLLM) the prompt's token ids; with ``echo``, then one chunk per choice holding the
+        echoed text (none when it is empty), as vLLM streams it. ``chunk``: ``_chunks``'
+        builder of a chunk from its choices."""
+        role, echo = self.response_role(req), self.echo_text(req)
+        chunks = [chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role=role, content=""))],
+                        prompt_token_ids=ids if req.return_token_ids else None,
+                        prompt_text=prompt_text)
+                  for i in range(req.n)]
+        return chunks + [chunk([ChatStreamChoice(index=i, delta=DeltaMessage(content=echo))])
+                         for i in range(req.n) if echo]
+
+    def _stream_choice(self, req: ChatCompletionRequest, c: CompletionOutput,
+                       parser: ChatOutputParser, states: dict[int, Any]
+                       ) -> ChatStreamChoice | None:
+        """A streamed delta ``c`` of a choice as its chunk's choice, reasoning and tool
+        calls parsed out of the text (``states``: each choice's ``parser.stream_state()``);
+        None while it has nothing to send (text held back: a partial character, a stop
+        string's prefix)."""
+        want_tokens = (req.logprobs or req.return_token_ids) and not parser.hides_reasoning
+        message = DeltaMessage(content=c.text)
+        extras = self._choice_extras(req, c, parser.hides_reasoning)
+        if not parser.is_plain:  # reasoning / tool calls parsed out of the text
+            message, extras["finish_reason"] = parser.delta(states[c.index], c.text,
+                                                            c.finish_reason)
+            message = message or DeltaMessage(content="" if want_tokens else None)
+        if not (message.content or message.tool_calls or message.reasoning) \
+                and c.finish_reason is None and not (want_tokens and c.token_ids):
+            return None
+        return ChatStreamChoice(index=c.index, delta=message, **extras)
 
 
 def _prompt_logprobs(req: ChatCompletionRequest) -> int | None:
