@@ -54,48 +54,66 @@ class LLMEngine:
         core_start_method(fresh_process=False)  # a bad variable is refused, replicas or not
         mc = config.model_config
         source = resolve_model(mc.model, mc.download_dir, mc.revision, mc.hf_token)  # a Hub download happens here
-        # The model folder's small files first, so a bad one fails in seconds, not after the
-        # weight load: config.json before the tokenizer (transformers may read it to pick the
-        # tokenizer class, and would report a broken one as a tokenizer failure).
-        hf_config = load_hf_config(source, hf_overrides=mc.hf_overrides,
-                                   trust_remote_code=mc.trust_remote_code)
-        # --quantization against the checkpoint's metadata (the workers build it again)
-        get_quant_config(mc.quantization, hf_config, source.kind, mc.quantization_group_size)
-        self.tokenizer = None if mc.skip_tokenizer_init else \
-            load_tokenizer(source, tokenizer_source(mc), mc.download_dir, mc.tokenizer_options,
-                           mc.hf_token)
-        check_draft_tokenizer(config, source, self.tokenizer)  # before the draft's weights
-        self.sampling_defaults = load_sampling_defaults(source, mc.generation_config,
-                                                       mc.override_generation_config)
+        hf_config = self._init_model_files(source)
         # the EOS ids as the front end stops on them: a data-parallel parent reads config.json
         dp = config.parallel_config.data_parallel_size > 1
         eos_ids = load_eos_token_ids(source, None if dp else hf_config, hf_config.vocab_size)
         mm_processor = _mm_processor(source, hf_config, self.tokenizer, config)
+        self.core: EngineCore | DPCoreClient = DPCoreClient(config) if dp \
+            else EngineCore(config, source)
+        self.core.tokenizer = self.tokenizer  # grammar compiles reuse it (in-process core)
+        self.processor = self._init_input_processor(dp, mm_processor, eos_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self.lost: dict[str, str] = {}  # the requests the last step took with it (it failed)
+
+    def _init_model_files(self, source: ModelSource) -> Any:
+        """Read the model folder's small files, so a bad one fails in seconds, not after the
+        weight load: config.json before the tokenizer (transformers may read it to pick the
+        tokenizer class, and would report a broken one as a tokenizer failure), then
+        ``--quantization`` against the checkpoint's metadata (the workers build it again), the
+        draft model's tokenizer (before the draft's weights) and the sampling defaults. Sets
+        ``tokenizer`` and ``sampling_defaults``; returns the HF config.
+
+        Raises:
+            ValueError: for a bad config, quantization, tokenizer or generation config.
+        """
+        mc = self.config.model_config
+        hf_config = load_hf_config(source, hf_overrides=mc.hf_overrides,
+                                   trust_remote_code=mc.trust_remote_code)
+        get_quant_config(mc.quantization, hf_config, source.kind, mc.quantization_group_size)
+        self.tokenizer = None if mc.skip_tokenizer_init else \
+            load_tokenizer(source, tokenizer_source(mc), mc.download_dir, mc.tokenizer_options,
+                           mc.hf_token)
+        check_draft_tokenizer(self.config, source, self.tokenizer)
+        self.sampling_defaults = load_sampling_defaults(source, mc.generation_config,
+                                                       mc.override_generation_config)
+        return hf_config
+
+    def _init_input_processor(self, dp: bool, mm_processor: MultiModalProcessor | None,
+                              eos_ids: list[int]) -> InputProcessor:
+        """The input processor, sized by the started core (``dp``: a ``DPCoreClient``, which
+        reports its replicas' sizes, else an in-process ``EngineCore``)."""
+        mc = self.config.model_config
         if dp:
-            self.core: EngineCore | DPCoreClient = DPCoreClient(config)
-            max_model_len, eos_source = self.core.max_model_len, self.core.ready
-            note = self.core.ready.max_model_len_note
-            vocab_size = self.core.ready.vocab_size
-            pooler, hidden_size = self.core.ready.pooler, self.core.ready.hidden_size
+            ready = self.core.ready
+            max_model_len, eos_source = self.core.max_model_len, ready
+            note, vocab_size = ready.max_model_len_note, ready.vocab_size
+            pooler, hidden_size = ready.pooler, ready.hidden_size
         else:
-            self.core = EngineCore(config, source)
             eos_source = self.core.hf_config
             max_model_len, vocab_size = self.core.max_model_len, self.core.hf_config.vocab_size
             note = self.core.max_model_len_note
             pooler, hidden_size = self.core.pooler_config, self.core.hf_config.hidden_size
-        self.core.tokenizer = self.tokenizer  # grammar compiles reuse it (in-process core)
         eos = resolve_eos_token_id(self.tokenizer, eos_source)
         if pooler is None:  # a data-parallel parent's config has not looked for plugins yet
-            config.find_logits_processor_plugins("generate")
-        self.processor = InputProcessor(self.tokenizer, max_model_len, vocab_size, eos,
-                                        mm_processor, eos_ids,
-                                        pooler, hidden_size, max_model_len_note=note,
-                                        enable_prompt_embeds=mc.enable_prompt_embeds,
-                                        logits_processors=() if pooler else
-                                        load_logits_processors(mc.custom_logits_processors()))
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self._ids = itertools.count()
-        self.lost: dict[str, str] = {}  # the requests the last step took with it (it failed)
+            self.config.find_logits_processor_plugins("generate")
+        return InputProcessor(self.tokenizer, max_model_len, vocab_size, eos,
+                              mm_processor, eos_ids,
+                              pooler, hidden_size, max_model_len_note=note,
+                              enable_prompt_embeds=mc.enable_prompt_embeds,
+                              logits_processors=() if pooler else
+                              load_logits_processors(mc.custom_logits_processors()))
 
     def add_request(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
                     request_id: str | None = None, priority: int = 0,
