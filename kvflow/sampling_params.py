@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
-import numbers
-import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-import numpy as np
-
 from kvflow.beam_search_params import BeamSearchParams  # noqa: F401 (vLLM's path of it)
 from kvflow.close_names import guess_unknown_keywords
 from kvflow.repetition_detection import RepetitionDetectionParams
+from kvflow.sampling_fields import (
+    check_extra_args_encodable,
+    check_field_types,
+    check_field_values,
+    normalize_logit_bias,
+)
 from kvflow.stop_limits import (  # noqa: F401 (re-exports: defined here before)
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -24,7 +24,6 @@ from kvflow.stop_limits import (  # noqa: F401 (re-exports: defined here before)
     check_stop_limits,
 )
 from kvflow.structured.params import StructuredOutputsParams
-from kvflow.text_checks import find_lone_surrogate
 from kvflow.thinking_budget import ReasoningTokenIds, check_thinking_token_budget
 
 if TYPE_CHECKING:
@@ -228,7 +227,7 @@ class SamplingParams:
         return merged
 
     def __post_init__(self) -> None:
-        self._check_types()
+        check_field_types(self)
         if self.seed == -1 and "seed" in self.fields_set:  # vLLM's "no seed"; a decoded
             self.seed = None  # copy (msgspec: no fields_set) keeps a sample's seed + i of -1
         if isinstance(self.stop, str):
@@ -237,7 +236,7 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
         if self.top_k == -1:
             self.top_k = 0
-        self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        self.logit_bias = normalize_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
         if self.logprob_token_ids is not None:
@@ -248,137 +247,8 @@ class SamplingParams:
         self.reasoning_token_ids = ReasoningTokenIds.from_value(self.reasoning_token_ids)
         self.repetition_detection = RepetitionDetectionParams.from_value(
             self.repetition_detection)
-        self._check_extra_args()
-        self._validate()
-
-    def _check_extra_args(self) -> None:
-        """``extra_args`` is None or a dict of string keys that msgpack can encode.
-
-        Raises:
-            ValueError: naming ``SamplingParams.extra_args`` and what is wrong.
-        """
-        args = self.extra_args
-        if args is None:
-            return
-        if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
-            raise ValueError(f"SamplingParams.extra_args={reprlib.repr(args)} is invalid: it "
-                             "must be a dict with string keys (or None)")
-        try:
-            msgspec.msgpack.encode(args)
-        except (TypeError, msgspec.EncodeError) as e:
-            raise ValueError(f"SamplingParams.extra_args={reprlib.repr(args)} is invalid: "
-                             f"its values must be None, bools, numbers, strings, bytes, or "
-                             f"lists and dicts of them, to reach the engine's processes "
-                             f"({e})") from None
-
-    def _check_types(self) -> None:
-        """Integers must be ints (not bools or floats); numbers must be real numbers; flags
-        bools; ``stop`` a string or list, ``stop_token_ids`` a list of ints."""
-        def bad(name: str, value, what: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name}={value!r} is invalid: it must be {what}")
-
-        optional = {"seed", "logprobs", "max_tokens", "prompt_logprobs",
-                    "truncate_prompt_tokens", "stream_interval"}
-        for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs",
-                     "prompt_logprobs", "truncate_prompt_tokens", "stream_interval"):
-            value = getattr(self, name)
-            if not (_is_int(value) or (value is None and name in optional)):
-                raise bad(name, value, "an integer" + (" or None" if name in optional else ""))
-            if value is not None:  # a numpy integer as a plain int (it crosses to the engine)
-                setattr(self, name, int(value))
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
-            value = getattr(self, name)
-            if not _is_real(value):
-                raise bad(name, value, "a number")
-            setattr(self, name, float(value))
-        for name in ("target_ttft_ms", "target_tpot_ms"):
-            value = getattr(self, name)
-            if value is not None:
-                if not _is_real(value):
-                    raise bad(name, value, "a number of milliseconds or None")
-                setattr(self, name, float(value))
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                     "spaces_between_special_tokens", "detokenize"):
-            if not isinstance(getattr(self, name), bool):
-                raise bad(name, getattr(self, name), "True or False")
-        if not (self.output_kind is None or isinstance(self.output_kind, RequestOutputKind)):
-            raise bad("output_kind", self.output_kind,
-                      "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY) or None")
-        if not (self.stop is None or isinstance(self.stop, (str, list, tuple))):
-            raise bad("stop", self.stop, "a string or a list of strings")
-        if not isinstance(self.stop_token_ids, (list, tuple, type(None))) or \
-                not all(_is_int(t) for t in self.stop_token_ids or []):
-            raise bad("stop_token_ids", self.stop_token_ids, "a list of integer token ids")
-        for name in ("allowed_token_ids", "logprob_token_ids"):
-            ids = getattr(self, name)
-            if not isinstance(ids, (list, tuple, type(None))) or \
-                    not all(_is_int(t) for t in ids or []):
-                raise bad(name, ids, "a list of integer token ids or None")
-        if not isinstance(self.bad_words, (list, tuple, type(None))) or \
-                not all(isinstance(w, str) for w in self.bad_words or []):
-            raise bad("bad_words", self.bad_words, "a list of strings or None")
-
-    def _validate(self) -> None:
-        check_stop_limits(self.stop)
-        max_tokens = self.max_tokens if self.max_tokens is not None else math.inf
-        # a bias out of range is named alone: logit_bias may hold 100,000s of entries
-        out_of_range = next(({t: b} for t, b in (self.logit_bias or {}).items()
-                             if not -100.0 <= b <= 100.0), None)
-        checks = [
-            (self.n >= 1, "n", self.n, "must be >= 1"),
-            (math.isfinite(self.temperature) and self.temperature >= 0.0, "temperature",
-             self.temperature, "must be a finite number >= 0"),
-            (self.seed is None or -2**63 <= self.seed < 2**63, "seed", self.seed,
-             "must fit in a signed 64-bit integer"),
-            (0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]"),
-            (self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0 or -1 disables)"),
-            (0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]"),
-            (max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1"),
-            (self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0"),
-            (self.min_tokens <= max_tokens, "min_tokens", self.min_tokens,
-             f"must be <= max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or self.logprobs >= -1, "logprobs", self.logprobs,
-             "must be >= 0, or -1 (the whole vocabulary)"),
-            (self.prompt_logprobs is None or self.prompt_logprobs >= -1, "prompt_logprobs",
-             self.prompt_logprobs, "must be >= 0, or -1 (the whole vocabulary)"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
-             "must be non-empty strings"),
-            (self.detokenize or not self.stop, "detokenize", self.detokenize,
-             "must be True with stop strings (they are matched on the text; vLLM's rule)"),
-            (find_lone_surrogate(self.stop) is None, "stop", self.stop,
-             "must be valid Unicode (no lone UTF-16 surrogates)"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty,
-             "must be in [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty,
-             "must be in [-2, 2]"),
-            (0.0 < self.repetition_penalty < math.inf, "repetition_penalty",
-             self.repetition_penalty, "must be a finite number > 0"),
-            (out_of_range is None, "logit_bias", out_of_range,
-             "must map token ids to biases in [-100, 100]"),
-            (self.target_ttft_ms is None or 0 < self.target_ttft_ms < math.inf,
-             "target_ttft_ms", self.target_ttft_ms, "must be a number of milliseconds > 0"),
-            (self.target_tpot_ms is None or 0 < self.target_tpot_ms < math.inf,
-             "target_tpot_ms", self.target_tpot_ms, "must be a number of milliseconds > 0"),
-            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
-             "allowed_token_ids", self.allowed_token_ids,
-             "must name at least one token id (None allows every token)"),
-            (self.logprob_token_ids is None or len(self.logprob_token_ids) > 0,
-             "logprob_token_ids", self.logprob_token_ids, "must name at least one token id"),
-            (self.logprob_token_ids is None or self.logprobs is not None, "logprob_token_ids",
-             self.logprob_token_ids,
-             "needs logprobs set (the listed tokens' logprobs replace its top ones)"),
-            (all(w.strip() for w in self.bad_words or []), "bad_words", self.bad_words,
-             "must be words, not empty or whitespace-only strings"),
-            (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1
-             or self.truncate_prompt_tokens == -1, "truncate_prompt_tokens",
-             self.truncate_prompt_tokens, "must be an integer >= 1, or -1 (max_model_len)"),
-            (self.stream_interval is None or self.stream_interval >= 1, "stream_interval",
-             self.stream_interval, "must be an integer >= 1 (tokens per streamed output)"),
-        ]
-        for ok, name, value, why in checks:
-            if not ok:
-                raise ValueError(f"SamplingParams.{name}={value!r} is invalid: it {why}")
+        check_extra_args_encodable(self.extra_args)
+        check_field_values(self)
 
     @property
     def is_greedy(self) -> bool:
@@ -389,43 +259,3 @@ class SamplingParams:
         """True if any of presence, frequency or repetition penalty is active."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
-
-
-def _is_int(value) -> bool:
-    """An integer (numpy's included, as vLLM takes them), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
-def _is_real(value) -> bool:
-    """A real number (numpy's included), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-
-
-def _normalize_logit_bias(bias: dict | None) -> dict[int, float] | None:
-    """``{"50256": -100}`` -> ``{50256: -100.0}``; None or empty -> None.
-
-    Raises:
-        ValueError: for a value that is not a mapping (or None), a key that is not an
-            integer token id, two keys naming one token id (``"7"`` and ``"07"``), or a
-            non-numeric bias, showing those entries only.
-    """
-    if bias is not None and not isinstance(bias, Mapping):
-        raise ValueError(f"SamplingParams.logit_bias={reprlib.repr(bias)} is invalid: it must "
-                         "be a dict of token id -> bias, or None")
-    if not bias:
-        return None
-    out, keys = {}, {}  # errors show the entries at fault, not the bias (100,000s of them)
-    for key, value in bias.items():
-        try:
-            if not (_is_int(key) or isinstance(key, str)) or isinstance(value, bool):
-                raise TypeError
-            token_id, bias_value = int(key), float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"SamplingParams.logit_bias={ {key: value}!r} is invalid: keys "
-                             "must be integer token ids and values numbers") from None
-        if token_id in out:
-            first = keys[token_id]
-            raise ValueError(f"SamplingParams.logit_bias={ {first: bias[first], key: value}!r} "
-                             f"is invalid: it names token id {token_id} more than once")
-        out[token_id], keys[token_id] = bias_value, key
-    return out

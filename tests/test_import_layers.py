@@ -83,6 +83,7 @@ LAYERS: dict[str, int] = {
     "kvflow.exit_threads": 0,
     "kvflow.sampling_params": 0, "kvflow.stop_limits": 0, "kvflow.request": 0,
     "kvflow.repetition_detection": 0,  # SamplingParams.repetition_detection
+    "kvflow.sampling_fields": 0,  # SamplingParams' own field checks (types, ranges)
     "kvflow.outputs": 0, "kvflow.sched_output": 0, "kvflow.runner_output": 0,
     "kvflow.engine_outputs": 0, "kvflow.kv_cache_interface": 0, "kvflow.structured.params": 0,
     "kvflow.text_checks": 0, "kvflow.multimodal_inputs": 0, "kvflow.lora.request": 0,
