@@ -1,7 +1,7 @@
 """POST /v1/completions: prompts (text or token ids, one or many; embedding rows with
 ``--enable-prompt-embeds``) -> completions, streamed (SSE) or whole. Choice ``i * n + j`` is
 sample ``j`` of prompt ``i``; ``prompt_embeds`` prompts come first, then ``prompt``'s.
-``echo`` with ``max_tokens`` 0 returns each prompt alone (``_echo_only``)."""
+``echo`` with ``max_tokens`` 0 returns each prompt alone (``completion_echo.py``)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from fastapi.responses import Response
 
 from kvflow.engine.async_llm import RequestStream, collect
 from kvflow.entrypoints.beam_requests import beam_params
+from kvflow.entrypoints.completion_echo import check_echo_only, echo_only, prompt_only
 from kvflow.entrypoints.completion_embeds import check_embeds_request, embeds_prompts
 from kvflow.entrypoints.completion_logprobs import (
     completion_logprobs,
@@ -44,7 +45,7 @@ from kvflow.entrypoints.sse_keep_alive import with_keep_alive
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.entrypoints.text_offsets import StreamedTokenOffsets, TokenTextOffsets
 from kvflow.lora.request import LoRARequest
-from kvflow.outputs import CompletionOutput
+from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.tokenization_options import cut_generation_prompt
 
@@ -197,8 +198,8 @@ class OpenAIServingCompletion(OpenAIServing):
             check_token_ids(ids, self.engine.vocab_size, param)
         if req.max_tokens is None:  # unset or null: the model's default, else OpenAI's 16
             max_tokens = default_max_tokens(self.engine, len(ids), fallback=16)
-        elif _echo_only(req):  # the engine samples one token, which the reply leaves out
-            _check_echo_only(req)
+        elif echo_only(req):  # the engine samples one token, which the reply leaves out
+            check_echo_only(req)
             max_tokens = 1
         else:
             max_tokens = req.max_tokens
@@ -241,7 +242,7 @@ class OpenAIServingCompletion(OpenAIServing):
             out = await collect(stream)
             num_cached += out.metrics.num_cached_tokens
             echo = self._echo(req, prompts[i])
-            for c in map(_prompt_only, out.outputs) if _echo_only(req) else out.outputs:
+            for c in map(prompt_only, out.outputs) if echo_only(req) else out.outputs:
                 num_generated += len(c.token_ids)
                 offsets = [] if req.logprobs is None else self._offsets(
                     req, len(echo), _context(req, prompts, i, num_embeds)).next_offsets(
@@ -303,44 +304,16 @@ class OpenAIServingCompletion(OpenAIServing):
         created, num_generated = int(time.time()), 0
         cached: dict[int, int] = {}  # prompt index -> its prefix-cache hits, once known
         include_usage, continuous_usage = self.stream_usage(req)
-        offsets: dict[int, StreamedTokenOffsets] = {}  # choice index -> its tokens not sent
-        ends: dict[int, int] = {}  # choice index -> characters sent
-        want_tokens = req.logprobs is not None or req.return_token_ids
-        prompt_outputs = {}  # prompt index -> the delta that carried its prompt logprobs
-        sent_prompt: set[int] = set()  # choices whose first chunk went out
+        sent = _SentSoFar(prompts, num_embeds)
         async for i, delta in merge_streams(streams):
             if delta.prompt_logprobs is not None:
-                prompt_outputs[i] = delta
+                sent.prompt_outputs[i] = delta
             cached[i] = delta.metrics.num_cached_tokens
-            for c in map(_prompt_only, delta.outputs) if _echo_only(req) else delta.outputs:
-                index = i * req.n + c.index
+            for c in map(prompt_only, delta.outputs) if echo_only(req) else delta.outputs:
                 num_generated += len(c.token_ids)
-                # The first chunk sent for a choice carries the echo.
-                first = index not in sent_prompt
-                echo = self._echo(req, prompts[i]) if first else ""
-                text = echo + c.text
-                ends[index] = ends.get(index, 0) + len(text)
-                text_offsets: list[int] = []
-                if req.logprobs is not None:
-                    c, text_offsets = self._release(req, c, offsets, index, len(echo),
-                                                    ends[index],
-                                                    _context(req, prompts, i, num_embeds))
-                if not text and c.finish_reason is None and not (want_tokens and c.token_ids):
+                choice = await self._stream_choice(req, i, c, delta, sent)
+                if choice is None:
                     continue  # text held back (partial character, stop-string prefix)
-                choice = self._choice(req, index, text, c, text_offsets)
-                sent_prompt.add(index)
-                if echo and choice.logprobs is not None:
-                    echoed = await off_loop(len(prompts[i][1]), prompt_logprobs_legacy,
-                                            self.tokenizer, prompts[i][1],
-                                            prompt_outputs.get(i, delta), echo,
-                                            req.return_tokens_as_token_ids, req.logprobs)
-                    choice.logprobs = with_prompt(echoed, choice.logprobs)
-                if first and req.prompt_logprobs is not None:
-                    choice.prompt_logprobs = vllm_prompt_logprobs(cut_prompt_logprobs(
-                        prompt_outputs.get(i, delta).prompt_logprobs, prompts[i][1],
-                        req.prompt_logprobs))
-                if first and req.return_token_ids:  # as vLLM: with the choice's first chunk
-                    choice.prompt_token_ids = prompts[i][1]
                 usage = self._usage(prompts, num_generated, sum(cached.values())) \
                     if continuous_usage else None
                 yield CompletionResponse(id=request_id, created=created, model=self.response_model(req.model),
@@ -350,31 +323,60 @@ class OpenAIServingCompletion(OpenAIServing):
                                      choices=[], usage=self._usage(prompts, num_generated,
                                                                    sum(cached.values())))
 
+    async def _stream_choice(self, req: CompletionRequest, i: int, c: CompletionOutput,
+                             delta: RequestOutput, sent: _SentSoFar) -> CompletionChoice | None:
+        """The chunk's choice for a streamed delta ``c`` of prompt ``i``'s output ``delta``;
+        the first chunk sent for a choice carries the echo and the prompt's parts
+        (``_add_prompt_parts``). None while there is nothing to send."""
+        index = i * req.n + c.index
+        first = index not in sent.choices
+        echo = self._echo(req, sent.prompts[i]) if first else ""
+        text = echo + c.text
+        sent.chars[index] = sent.chars.get(index, 0) + len(text)
+        text_offsets: list[int] = []
+        if req.logprobs is not None:
+            c, text_offsets = self._release(req, c, sent.offsets, index, len(echo),
+                                            sent.chars[index],
+                                            _context(req, sent.prompts, i, sent.num_embeds))
+        want_tokens = req.logprobs is not None or req.return_token_ids
+        if not text and c.finish_reason is None and not (want_tokens and c.token_ids):
+            return None
+        choice = self._choice(req, index, text, c, text_offsets)
+        sent.choices.add(index)
+        if first:
+            await self._add_prompt_parts(req, choice, sent.prompts[i][1],
+                                         sent.prompt_outputs.get(i, delta), echo)
+        return choice
 
-def _echo_only(req: CompletionRequest) -> bool:
-    """Whether ``req`` asks for its prompt alone: ``echo`` with ``max_tokens`` 0 (the legacy
-    OpenAI API's and vLLM's way to score a prompt: with ``logprobs``, the reply holds the
-    prompt tokens' logprobs and nothing generated)."""
-    return req.echo and req.max_tokens == 0
+    async def _add_prompt_parts(self, req: CompletionRequest, choice: CompletionChoice,
+                                ids: list[int], prompt_output: RequestOutput, echo: str) -> None:
+        """A choice's first chunk's parts of its prompt (token ids ``ids``; its prompt
+        logprobs in ``prompt_output``): the echoed prompt's logprobs, the prompt logprobs and
+        (as vLLM) the prompt's token ids, each when the request asks for it."""
+        if echo and choice.logprobs is not None:
+            echoed = await off_loop(len(ids), prompt_logprobs_legacy, self.tokenizer, ids,
+                                    prompt_output, echo, req.return_tokens_as_token_ids,
+                                    req.logprobs)
+            choice.logprobs = with_prompt(echoed, choice.logprobs)
+        if req.prompt_logprobs is not None:
+            choice.prompt_logprobs = vllm_prompt_logprobs(cut_prompt_logprobs(
+                prompt_output.prompt_logprobs, ids, req.prompt_logprobs))
+        if req.return_token_ids:
+            choice.prompt_token_ids = ids
 
 
-def _check_echo_only(req: CompletionRequest) -> None:
-    """Raises OpenAIError 400 naming ``min_tokens`` when an echo-only request
-    (``_echo_only``) asks for generated tokens all the same."""
-    if req.min_tokens:
-        raise OpenAIError(f"min_tokens={req.min_tokens} asks for generated tokens, but "
-                          "max_tokens=0 with echo returns the prompt alone", param="min_tokens",
-                          code="invalid_value")
+@dataclasses.dataclass
+class _SentSoFar:
+    """A completion stream's prompts and what it has sent of each choice (by choice index
+    ``i * n + j``)."""
 
-
-def _prompt_only(c: CompletionOutput) -> CompletionOutput:
-    """An echo-only request's sample (``_echo_only``) without the one token the engine
-    generated for it: no text, tokens or logprobs; finished for ``length`` (max_tokens 0),
-    whatever ended the hidden token, so usage counts no completion tokens."""
-    return dataclasses.replace(
-        c, text="", token_ids=[], cumulative_logprob=None,
-        logprobs=None if c.logprobs is None else [],
-        finish_reason="length" if c.finished else None, stop_reason=None)
+    prompts: list[Prompt]
+    num_embeds: int  # the first prompts, given as embeddings (see ``_context``)
+    offsets: dict[int, StreamedTokenOffsets] = dataclasses.field(default_factory=dict)
+    chars: dict[int, int] = dataclasses.field(default_factory=dict)  # characters sent
+    choices: set[int] = dataclasses.field(default_factory=set)  # first chunk sent
+    # prompt index -> the delta that carried its prompt logprobs
+    prompt_outputs: dict[int, RequestOutput] = dataclasses.field(default_factory=dict)
 
 
 def _context(req: CompletionRequest, prompts: list[Prompt], index: int,
