@@ -34,50 +34,65 @@ def check_field_types(params: SamplingParams) -> None:
     """
     from kvflow.sampling_params import RequestOutputKind  # here: that module imports this
 
-    def bad(name: str, value, what: str) -> ValueError:
-        return ValueError(f"SamplingParams.{name}={value!r} is invalid: it must be {what}")
+    _check_numbers(params)
+    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                 "spaces_between_special_tokens", "detokenize"):
+        if not isinstance(getattr(params, name), bool):
+            raise _bad_type(name, getattr(params, name), "True or False")
+    if not (params.output_kind is None or isinstance(params.output_kind, RequestOutputKind)):
+        raise _bad_type("output_kind", params.output_kind,
+                        "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY) or None")
+    _check_lists(params)
 
+
+def _bad_type(name: str, value: Any, what: str) -> ValueError:
+    """The error for field ``name`` holding ``value``, which must be ``what``."""
+    return ValueError(f"SamplingParams.{name}={value!r} is invalid: it must be {what}")
+
+
+def _check_numbers(params: SamplingParams) -> None:
+    """The integer fields ints, the real ones numbers (the latency targets or None); each
+    stored as a plain ``int`` / ``float``. Raises ValueError (``_bad_type``)."""
     optional = {"seed", "logprobs", "max_tokens", "prompt_logprobs",
                 "truncate_prompt_tokens", "stream_interval"}
     for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs",
                  "prompt_logprobs", "truncate_prompt_tokens", "stream_interval"):
         value = getattr(params, name)
         if not (_is_int(value) or (value is None and name in optional)):
-            raise bad(name, value, "an integer" + (" or None" if name in optional else ""))
+            raise _bad_type(name, value,
+                            "an integer" + (" or None" if name in optional else ""))
         if value is not None:  # a numpy integer as a plain int (it crosses to the engine)
             setattr(params, name, int(value))
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         value = getattr(params, name)
         if not _is_real(value):
-            raise bad(name, value, "a number")
+            raise _bad_type(name, value, "a number")
         setattr(params, name, float(value))
     for name in ("target_ttft_ms", "target_tpot_ms"):
         value = getattr(params, name)
         if value is not None:
             if not _is_real(value):
-                raise bad(name, value, "a number of milliseconds or None")
+                raise _bad_type(name, value, "a number of milliseconds or None")
             setattr(params, name, float(value))
-    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                 "spaces_between_special_tokens", "detokenize"):
-        if not isinstance(getattr(params, name), bool):
-            raise bad(name, getattr(params, name), "True or False")
-    if not (params.output_kind is None or isinstance(params.output_kind, RequestOutputKind)):
-        raise bad("output_kind", params.output_kind,
-                  "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY) or None")
+
+
+def _check_lists(params: SamplingParams) -> None:
+    """``stop`` a string or a list, the token id lists lists of integers, ``bad_words`` a
+    list of strings. Raises ValueError (``_bad_type``)."""
     if not (params.stop is None or isinstance(params.stop, (str, list, tuple))):
-        raise bad("stop", params.stop, "a string or a list of strings")
+        raise _bad_type("stop", params.stop, "a string or a list of strings")
     if not isinstance(params.stop_token_ids, (list, tuple, type(None))) or \
             not all(_is_int(t) for t in params.stop_token_ids or []):
-        raise bad("stop_token_ids", params.stop_token_ids, "a list of integer token ids")
+        raise _bad_type("stop_token_ids", params.stop_token_ids, "a list of integer token ids")
     for name in ("allowed_token_ids", "logprob_token_ids"):
         ids = getattr(params, name)
         if not isinstance(ids, (list, tuple, type(None))) or \
                 not all(_is_int(t) for t in ids or []):
-            raise bad(name, ids, "a list of integer token ids or None")
+            raise _bad_type(name, ids, "a list of integer token ids or None")
     if not isinstance(params.bad_words, (list, tuple, type(None))) or \
             not all(isinstance(w, str) for w in params.bad_words or []):
-        raise bad("bad_words", params.bad_words, "a list of strings or None")
+        raise _bad_type("bad_words", params.bad_words, "a list of strings or None")
 
 
 def check_field_values(params: SamplingParams) -> None:
