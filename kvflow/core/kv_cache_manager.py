@@ -32,10 +32,9 @@ leading blocks; sliding window: those inside the window).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kvflow.core.block_hashing import BlockHasher, event_extra_keys
-from kvflow.core.block_pool import BlockPool, KVCacheBlock
+from kvflow.core.block_pool import BlockPool
+from kvflow.core.kv_cache_blocks import EMPTY_BLOCKS, KVCacheBlocks
 from kvflow.core.kv_events import KVCacheEvent
 from kvflow.core.single_type_kv_cache_manager import (
     SingleTypeKVCacheManager,
@@ -43,29 +42,6 @@ from kvflow.core.single_type_kv_cache_manager import (
 )
 from kvflow.kv_cache_interface import KVCacheConfig
 from kvflow.request import Request
-
-
-@dataclass(frozen=True)
-class KVCacheBlocks:
-    """Runs of blocks handed to the scheduler, one per KV-cache group (valid until the request
-    is freed). All groups' runs are equally long; entries a sliding window no longer needs are
-    the null block.
-    """
-
-    blocks: tuple[tuple[KVCacheBlock, ...], ...] = ()
-
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        """Block ids per group."""
-        return tuple([b.block_id for b in run] for run in self.blocks)
-
-    def group(self, group_id: int) -> tuple[KVCacheBlock, ...]:
-        return self.blocks[group_id] if self.blocks else ()
-
-    def __len__(self) -> int:
-        return len(self.blocks[0]) if self.blocks else 0
-
-
-EMPTY_BLOCKS = KVCacheBlocks()
 
 
 class KVCacheManager:

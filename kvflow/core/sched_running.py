@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvflow.core.kv_cache_manager import KVCacheBlocks
+from kvflow.core.kv_cache_blocks import KVCacheBlocks
 from kvflow.core.slo_planner import StepBudget
 from kvflow.request import Request
 from kvflow.sched_output import SchedulerOutput
