@@ -122,8 +122,9 @@ class ThinkingBudgetScan:
     Args:
         budget: the request's ``thinking_token_budget`` (>= 0).
         ids: its reasoning markers.
-        first: the first token index that may hold a marker (0: the prompt counts; the
-            prompt's length: only generated tokens do, for a request under a grammar).
+        first: the first token index that may hold a marker (0, what the runner uses: the
+            prompt counts, under a grammar too, whose matcher starts after the reasoning;
+            the prompt's length: only generated tokens do).
     """
 
     def __init__(self, budget: int, ids: ReasoningTokenIds, first: int = 0) -> None:

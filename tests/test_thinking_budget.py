@@ -257,21 +257,25 @@ def test_a_budget_without_markers_is_refused(tiny_llama):
                                                  reasoning_token_ids=bad), use_tqdm=False)
 
 
-def test_a_grammar_is_never_contradicted(tiny_llama, cases):
-    """Under a grammar the prompt's opening marker does not count (the grammar decides the
-    reply from its first token, as the reasoning parser reads it): budget 0 forces nothing,
-    and the reply is the grammar's, as without a budget."""
+def test_a_grammar_starts_after_the_forced_marker(tiny_llama, cases):
+    """Under a grammar the markers hand over to it (``tests/test_grammar_after_reasoning.py``):
+    the prompt's opening marker counts, budget 0 forces the end marker at once, and the
+    grammar reads the reply after it: the tokens a prompt already holding the marker gives
+    (the grammar from its first token there, as vLLM reads such a prompt)."""
     import re
 
     from kvflow.structured import StructuredOutputsParams
     ids, cases_ = cases
+    end = ids.reasoning_end_token_ids
     llm = _engine(tiny_llama.path)
     regex = "[a-z ]{1,15}"
-    fields = {"structured_outputs": StructuredOutputsParams(regex=regex), "max_tokens": 16}
+    fields = {"structured_outputs": StructuredOutputsParams(regex=regex), "max_tokens": 16,
+              "temperature": 0, "reasoning_token_ids": ids}
     budgeted = llm.generate([{"prompt_token_ids": cases_[0][0]}], SamplingParams(
-        temperature=0, thinking_token_budget=0, reasoning_token_ids=ids, **fields),
+        thinking_token_budget=0, **{**fields, "max_tokens": 16 + len(end)}),
         use_tqdm=False)[0].outputs[0]
-    plain = llm.generate([{"prompt_token_ids": cases_[0][0]}], SamplingParams(
-        temperature=0, **fields), use_tqdm=False)[0].outputs[0]
-    assert re.fullmatch(regex, budgeted.text)
-    assert budgeted.token_ids == plain.token_ids
+    closed = llm.generate([{"prompt_token_ids": cases_[0][0] + end}], SamplingParams(
+        **fields), use_tqdm=False)[0].outputs[0]
+    assert list(budgeted.token_ids) == end + list(closed.token_ids)
+    assert budgeted.text.startswith("</think>")
+    assert re.fullmatch(regex, budgeted.text[len("</think>"):])

@@ -38,6 +38,7 @@ from kvflow.models.pooling_config import task_mismatch
 from kvflow.multimodal_inputs import check_mm_features
 from kvflow.prompt_embeds import check_packed_prompt_embeds
 from kvflow.request import Request, RequestStatus
+from kvflow.structured.reasoning_gate import ReasoningGate
 from kvflow.worker.worker import RpcRefusal
 
 logger = logging.getLogger(__name__)
@@ -223,8 +224,13 @@ class EngineCore(EngineCoreStartup):
             if self.config.model_config.skip_tokenizer_init:
                 raise RequestError("structured outputs need a tokenizer (skip_tokenizer_init "
                                    "is set)", STRUCTURED_OUTPUTS)
+            markers = request.sampling_params.reasoning_token_ids
+            gate = None if markers is None else \
+                ReasoningGate(markers, [] if request.prompt_embeds is not None
+                              else request.prompt_token_ids)  # embeds: placeholder ids
             request.structured_output = self.structured_output.request_state(
-                structured, request.request_id, request.sampling_params.allowed_token_ids)
+                structured, request.request_id, request.sampling_params.allowed_token_ids,
+                gate)
         self.scheduler.add_request(request)
 
     def _check_mm_features(self, request: Request) -> None:

@@ -46,6 +46,7 @@ from kvflow.sched_output import GrammarBitmask
 from kvflow.structured.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvflow.structured.compile_pool import CompilePool, CompileTimeoutError
 from kvflow.structured.params import StructuredOutputsParams
+from kvflow.structured.reasoning_gate import ReasoningGate
 from kvflow.structured.request_state import RequestStructuredOutput
 
 __all__ = ["RequestStructuredOutput", "StructuredOutputManager"]
@@ -127,11 +128,13 @@ class StructuredOutputManager:
         self._bitmask: torch.Tensor | None = None
 
     def request_state(self, params: StructuredOutputsParams, request_id: str,
-                      allowed_token_ids: list[int] | None = None) -> RequestStructuredOutput:
+                      allowed_token_ids: list[int] | None = None,
+                      reasoning: ReasoningGate | None = None) -> RequestStructuredOutput:
         """Start (or reuse) the compile of ``params`` for request ``request_id``; returns
         the request's state. ``take_failed`` names the request if its compile fails, or if
         the grammar's first token can be none of ``allowed_token_ids`` (the request's
-        ``SamplingParams.allowed_token_ids``, None: any token)."""
+        ``SamplingParams.allowed_token_ids``, None: any token). ``reasoning``: the request's
+        reasoning gate (the grammar starts after the reasoning end marker), None: none."""
         key = params.key
         future = self._cache.get(key)
         if future is None or _retried(future):
@@ -144,7 +147,7 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
         state = RequestStructuredOutput(future, lambda compiled: self._backend.new_matcher(compiled),
-                                        check_first_step=True)
+                                        check_first_step=True, reasoning=reasoning)
         if not state.is_compiled:
             self._compiling[request_id] = (params.kind, future)
         self._first_checks[request_id] = (params.kind, state, allowed_token_ids or None)
@@ -271,7 +274,8 @@ class StructuredOutputManager:
         row, row_ids = 0, []
         for (rid, state), tokens in zip(rows, drafts):
             try:
-                self._fill_rows(None if state.error else state.matcher, tokens, row)
+                free = state.reasoning.ended_after(tokens) if state.reasoning else 0
+                self._fill_rows(None if state.error else state.matcher, tokens, row, free)
             except Exception as e:  # noqa: BLE001 - this request's matcher: its failure alone
                 state.fail("filling its grammar's token mask", e)  # ended after the step
                 self._bitmask[row:row + len(tokens) + 1].zero_()
@@ -293,19 +297,23 @@ class StructuredOutputManager:
         return GrammarBitmask([ids[i] for i in last], full.bitmask[last])
 
     def _fill_rows(self, matcher: StructuredOutputGrammar | None, drafts: list[int],
-                   row: int) -> None:
+                   row: int, free: int | None = 0) -> None:
         """Rows ``row .. row + len(drafts)``: what may follow each prefix of ``drafts``
-        (nothing for a grammar that failed to compile or a draft it rejects)."""
-        accepted = 0
-        for i in range(len(drafts) + 1):
+        (nothing for a grammar that failed to compile or a draft it rejects). The first
+        ``free`` prefixes are reasoning (``ReasoningGate.ended_after``; None: all): their rows
+        allow every token, and the grammar reads the drafts after them."""
+        free = len(drafts) + 1 if free is None else free
+        self._bitmask[row:row + min(free, len(drafts) + 1)].fill_(-1)
+        accepted = free
+        for i in range(free, len(drafts) + 1):
             if matcher is None or accepted < i:
                 self._bitmask[row + i].zero_()
                 continue
             matcher.fill_bitmask(self._bitmask, row + i)
             if i < len(drafts) and matcher.accept_tokens([drafts[i]]):
                 accepted += 1
-        if matcher is not None and accepted:
-            matcher.rollback(accepted)
+        if matcher is not None and accepted > free:
+            matcher.rollback(accepted - free)
 
     def wait_for_compiles(self, timeout_s: float) -> None:
         """Block up to ``timeout_s`` seconds for a running compile to finish or pass its

@@ -13,17 +13,29 @@ from typing import Any
 from kvflow.core.request_errors import STRUCTURED_OUTPUTS
 from kvflow.runner_output import RequestFailure
 from kvflow.structured.backend import StructuredOutputGrammar
+from kvflow.structured.reasoning_gate import ReasoningGate
 from kvflow.worker.request_failures import failure_of, is_request_fault
 
 logger = logging.getLogger(__name__)
 
 
 class RequestStructuredOutput:
-    """A request's constraint: its compile future, then its matcher (made on first use)."""
+    """A request's constraint: its compile future, then its matcher (made on first use).
+
+    Args:
+        future: the grammar's compile.
+        new_matcher: makes the matcher from the compiled grammar.
+        check_first_step: not ready until the manager checked the first step.
+        reasoning: the request's reasoning gate (``structured/reasoning_gate.py``: tokens
+            before the reasoning end marker are unconstrained and not fed to the matcher);
+            None: the grammar applies from the first token.
+    """
 
     def __init__(self, future: Future, new_matcher: Callable[[Any], StructuredOutputGrammar],
-                 check_first_step: bool = False) -> None:
+                 check_first_step: bool = False, reasoning: ReasoningGate | None = None
+                 ) -> None:
         self._future = future
+        self.reasoning = reasoning
         self._new_matcher = new_matcher
         self._matcher: StructuredOutputGrammar | None = None
         # why its matcher failed (an exception while advancing it or filling its bitmask
@@ -57,13 +69,22 @@ class RequestStructuredOutput:
             self._matcher = self._new_matcher(self._future.result())
         return self._matcher
 
+    @property
+    def in_reasoning(self) -> bool:
+        """True while the request's tokens are reasoning (not the grammar's yet)."""
+        return self.reasoning is not None and not self.reasoning.ended
+
     def accept_token(self, token_id: int) -> bool:
-        """Advance the matcher; False if the grammar rejects the token (or failed to compile),
-        or if the matcher failed (raised now or before: ``error`` says why).
+        """Advance the matcher (or, while reasoning, the reasoning gate: always True); False
+        if the grammar rejects the token (or failed to compile), or if the matcher failed
+        (raised now or before: ``error`` says why).
 
         Raises:
             MemoryError / torch.OutOfMemoryError: out of memory (the engine's fault).
         """
+        if self.in_reasoning:
+            self.reasoning.append(token_id)
+            return True
         matcher = self.matcher
         if matcher is None or self.error is not None:
             return False
@@ -85,21 +106,27 @@ class RequestStructuredOutput:
 
     def is_terminated(self) -> bool:
         """True once the grammar is complete and its stop token (the EOS) was accepted: the
-        grammar admits no further token."""
+        grammar admits no further token (never while reasoning)."""
+        if self.in_reasoning:
+            return False
         matcher = self.matcher
         return matcher is not None and matcher.is_terminated()
 
     def num_valid_drafts(self, token_ids: list[int]) -> int:
         """How many leading ``token_ids`` (speculative decoding's draft tokens) the grammar
-        accepts from its current state; the matcher is rolled back to that state."""
+        accepts from its current state (those up to the reasoning end marker, if it is
+        still reasoning, all pass); the matcher is rolled back to that state."""
+        free = self.reasoning.ended_after(token_ids) if self.reasoning is not None else 0
+        if free is None:
+            return len(token_ids)
         matcher = self.matcher
         if matcher is None:
-            return 0
+            return free
         num = 0
-        for token_id in token_ids:
+        for token_id in token_ids[free:]:
             if matcher.is_terminated() or not matcher.accept_tokens([token_id]):
                 break
             num += 1
         if num:
             matcher.rollback(num)
-        return num
+        return free + num

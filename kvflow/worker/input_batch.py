@@ -173,11 +173,10 @@ class InputBatch:
         if p.prompt_logprobs is not None:
             self.prompt_logprobs[rid] = p.prompt_logprobs
         if p.thinking_token_budget is not None and p.reasoning_token_ids is not None:
-            # under a grammar only a block the reply opens counts (the grammar decides the
-            # reply from its first token; the reasoning parser reads it the same way)
-            first = len(state.prompt_token_ids) if p.structured_outputs is not None else 0
+            # the prompt counts, under a grammar too: the grammar starts after the reasoning
+            # (``structured/reasoning_gate.py``), so the forced end marker hands over to it
             self.thinking_budgets[rid] = ThinkingBudgetScan(
-                p.thinking_token_budget, p.reasoning_token_ids, first)
+                p.thinking_token_budget, p.reasoning_token_ids)
 
     def remove_request(self, req_id: str) -> bool:
         """Drop the request's row (the last row moves into it); False if it has none."""
