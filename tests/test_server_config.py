@@ -340,3 +340,18 @@ def test_lora_modules_in_a_config_file():
     assert ServerConfig(lora_modules=[{"name": "a", "path": "/x"}]).lora_modules == ("a=/x",)
     with pytest.raises(ValueError, match=r"^lora_modules: 5 must be NAME=PATH or"):
         ServerConfig(lora_modules=[5])
+
+
+def test_structured_outputs_config_takes_enable_in_reasoning_only():
+    """vLLM's --structured-outputs-config: kvflow reads enable_in_reasoning (a bool); another
+    key or value is refused, named."""
+    from kvflow.config.server import ServerConfig
+
+    on = ServerConfig(structured_outputs_config='{"enable_in_reasoning": true}')
+    assert on.structured_outputs_config == {"enable_in_reasoning": True}
+    assert ServerConfig().structured_outputs_config is None
+    for value, message in (('{"backend": "xgrammar"}', "key 'backend' is not supported"),
+                           ('{"enable_in_reasoning": 1}', "enable_in_reasoning=1 must be true"),
+                           ("[1]", "must be a JSON object")):
+        with pytest.raises(ValueError, match=message):
+            ServerConfig(structured_outputs_config=value)

@@ -16,6 +16,7 @@ from kvflow.config.server_values import (
     check_disable_log_stats,
     lora_module,
     one_or_many,
+    structured_outputs_config,
     word_list,
 )
 
@@ -110,6 +111,11 @@ class ServerConfig:
                                                  "granite", "glm45", "mistral", "seed_oss",
                                                  "step3", "ernie45", "hunyuan_a13b",
                                                  "deepseek_v3"])
+    structured_outputs_config: str | dict | None = opt(  # noqa: RUF009 (a dict, once parsed)
+        None, "vLLM's structured-output settings as a JSON object; kvflow reads one key, "
+        "enable_in_reasoning: true applies a grammar (response_format, structured_outputs, "
+        "forced tool calls) from the first token, reasoning included; default (false): with "
+        "a --reasoning-parser the grammar starts after the reasoning end marker, as vLLM's")
     chat_template: str | None = opt(None, "the Jinja chat template of every conversation "
                                     "(/v1/chat/completions, /tokenize messages), replacing "
                                     "the model's: a file, or the template itself (a value "
@@ -265,6 +271,8 @@ class ServerConfig:
         self.default_chat_template_kwargs = json_object(
             "default_chat_template_kwargs", self.default_chat_template_kwargs,
             '{"enable_thinking": false}')
+        self.structured_outputs_config = structured_outputs_config(
+            self.structured_outputs_config)
 
     def _normalize_one_or_many(self) -> None:
         """A config file's (or a caller's) one adapter / key / name as a tuple of one;

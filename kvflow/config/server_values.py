@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvflow.config.options import json_object
+
 LIST_FIELDS = ("allowed_origins", "allowed_methods", "allowed_headers")
 
 
@@ -108,3 +110,26 @@ def check_disable_log_stats(value: bool | None) -> None:
         raise ValueError("--no-disable-log-stats (disable_log_stats=False) is refused: kvflow "
                          "writes no periodic stats log line to turn on (its statistics are "
                          "GET /metrics and each RequestOutput's metrics); leave it out")
+
+
+def structured_outputs_config(value: str | dict | None) -> dict[str, bool] | None:
+    """``--structured-outputs-config`` as a dict: vLLM's JSON object, of which kvflow takes
+    ``enable_in_reasoning`` (a bool) alone.
+
+    Raises:
+        ValueError: naming the setting, for text that is not a JSON object, another key
+            (xgrammar is kvflow's only backend), or a value that is not a bool.
+    """
+    parsed = json_object("structured_outputs_config", value, '{"enable_in_reasoning": true}')
+    if parsed is None:
+        return None
+    for key, item in parsed.items():
+        if key != "enable_in_reasoning":
+            raise ValueError(f"structured_outputs_config key {key!r} is not supported: "
+                             "kvflow reads only enable_in_reasoning (xgrammar is its only "
+                             "backend)")
+        if not isinstance(item, bool):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+                f"structured_outputs_config.enable_in_reasoning={item!r} must "
+                "be true or false")
+    return parsed

@@ -89,13 +89,17 @@ def check_max_tokens(max_tokens: int, param: str, engine: AsyncLLM | None = None
 def sampling_params(engine: AsyncLLM, req: SamplingRequest, max_tokens: int,
                     logprobs: int | None,
                     structured_outputs: StructuredOutputsParams | None = None,
-                    reasoning: ReasoningTokenIds | None = None) -> SamplingParams:
+                    reasoning: ReasoningTokenIds | None = None,
+                    grammar_in_reasoning: bool = False) -> SamplingParams:
     """SamplingParams from the request's fields, checked by ``engine``'s processor;
     ``structured_outputs`` (a tool-call grammar) is one more constraint: with the request's
     own ``response_format`` / ``structured_outputs`` / ``guided_*`` it is a 400 (one
     constraint only). Optional fields the request leaves unset (or null) are not passed, so
     the model's sampling defaults fill them when the request is queued. ``reasoning``: the
-    server's ``--reasoning-parser`` markers, which a ``thinking_token_budget`` needs.
+    server's ``--reasoning-parser`` markers, which a ``thinking_token_budget`` needs; a
+    constrained request carries them too (its grammar then starts after the reasoning end
+    marker, as vLLM's does with a reasoning parser), unless ``grammar_in_reasoning``
+    (``--structured-outputs-config '{"enable_in_reasoning": true}'``).
 
     Raises:
         OpenAIError: 400 when invalid (a malformed schema or regex too; ``logprob_token_ids``
@@ -135,6 +139,10 @@ def sampling_params(engine: AsyncLLM, req: SamplingRequest, max_tokens: int,
                               code="unsupported_parameter")
         fields["extra_args"] = dict(req.vllm_xargs)
     fields.update(_thinking_budget(req, reasoning))
+    if reasoning is not None and fields["structured_outputs"] is not None and \
+            not grammar_in_reasoning:
+        # the grammar starts after the reasoning (vLLM's rule: structured/reasoning_gate.py)
+        fields["reasoning_token_ids"] = reasoning
     try:
         params = SamplingParams(**fields)
         engine.processor.validate_params(params)

@@ -134,6 +134,12 @@ class OpenAIServing(OpenAIServingChecks):
         needs them), None without a parser, markers or tokenizer; tokenized once."""
         return reasoning_token_ids(self.config.reasoning_parser, self.engine.tokenizer)
 
+    @property
+    def grammar_in_reasoning(self) -> bool:
+        """``--structured-outputs-config '{"enable_in_reasoning": true}'`` (vLLM's): a grammar
+        applies from the first token, reasoning included (default: after it)."""
+        return bool((self.config.structured_outputs_config or {}).get("enable_in_reasoning"))
+
     def check_fields(self, req: RequestBody, endpoint: str) -> None:
         """Refuse (or, under ``--ignore-unknown-fields``, log) the body fields kvflow does not
         declare; the first check of every request (``UnknownFields.check``).

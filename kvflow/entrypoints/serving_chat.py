@@ -144,9 +144,11 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         text, ids = await off_loop(len(text), _truncated, self.tokenizer, text,
                                    prompt.token_ids, limit, prompt.mm_features, special)
         params = self._params(req, ids, tool_grammar)
-        # a template that opens the think block itself; under a grammar (applied from the
-        # first token on) the reply is what the grammar forces, with no reasoning before it
-        parser.note_prompt(rendered, grammar=params.structured_outputs is not None)
+        # a template that opens the think block itself; under a grammar applied from the
+        # first token on (no reasoning markers known) the reply is what the grammar forces,
+        # with no reasoning before it; with the markers the grammar starts after the block
+        parser.note_prompt(rendered, grammar=params.structured_outputs is not None
+                           and params.reasoning_token_ids is None)
         if parser.keeps_special_tokens:  # the call markers are special tokens
             params.skip_special_tokens = False
         self.check_admission(1, n=req.n or 1)
@@ -215,7 +217,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             check_max_tokens(max_tokens, field, self.engine)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(self.engine, req, max_tokens, logprobs, tool_grammar,
-                                 self.reasoning_token_ids)
+                                 self.reasoning_token_ids, self.grammar_in_reasoning)
         params.prompt_logprobs = _prompt_logprobs(req)
         # vLLM's clamp: at most what the context leaves
         params.max_tokens = self.check_prompt(ids, max_tokens, "messages", params.min_tokens)

@@ -206,7 +206,8 @@ class OpenAIServingCompletion(OpenAIServing):
             check_max_tokens(max_tokens, "max_tokens", self.engine, hint=(
                 "; 0 is taken only with echo, which returns the prompt alone"))
         params = sampling_params(self.engine, req, max_tokens, req.logprobs,
-                                 reasoning=self.reasoning_token_ids)
+                                 reasoning=self.reasoning_token_ids,
+                                 grammar_in_reasoning=self.grammar_in_reasoning)
         if req.echo and req.logprobs is not None:  # the echoed prompt carries logprobs too
             params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
         elif req.prompt_logprobs is not None:

@@ -32,7 +32,11 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "weather",
 CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
               for t in TOOLS]
 EVENTS = TypeAdapter(ResponseStreamEvent)
-SERVER_ARGS = [*ARGS, "--reasoning-parser", "think"]
+# enable_in_reasoning (vLLM's): the tiny model never writes </think>, and the structured and
+# forced-tool tests below need their grammar from the first token (by default it would wait
+# for the end of the reasoning, as vLLM's does)
+SERVER_ARGS = [*ARGS, "--reasoning-parser", "think",
+               "--structured-outputs-config", '{"enable_in_reasoning": true}']
 STORE_SIZE = 4
 # the server of this module and test_openai_responses_extras.py (``start_server.shared``; it
 # runs first, so its block count is this module's alone): it keeps STORE_SIZE replies

@@ -11,8 +11,11 @@ import json
 import pytest
 
 MODEL = "tiny"
+# enable_in_reasoning (vLLM's): the regexes below force the think block itself, so the
+# grammar must apply from the first token (by default it starts after the reasoning)
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128", "--block-size", "8",
         "--max-model-len", "256", "--served-model-name", MODEL,
+        "--structured-outputs-config", '{"enable_in_reasoning": true}',
         "--tool-call-parser", "mistral", "--reasoning-parser", "qwen3"]
 # the opening <think> optional: a reply without </think> is all reasoning
 R1_ARGS = [*ARGS[:-1], "deepseek_r1"]
@@ -171,7 +174,8 @@ def r1_client(start_server, request):
 
 def test_forced_calls_and_json_are_not_reasoning(r1_client):
     """--reasoning-parser deepseek_r1 (opening <think> optional): the grammar of tool_choice
-    required / named or response_format is applied from the first token, so the reply is the
+    required / named or response_format is applied from the first token (enable_in_reasoning;
+    without it the grammar would wait for </think>, as vLLM's), so the reply is the
     forced JSON, with no </think>; it was read as all reasoning (no tool_calls, content null,
     finish_reason stop). Whole and streamed."""
     def ask(stream=False, **kwargs):

@@ -6,8 +6,10 @@ streaming, a possible start of a marker is held back; reasoning and content only
 the streamed pieces join to what the whole text gives. A rendered prompt that ends with an
 opening marker (``note_prompt``: a template that opens the block itself, as Qwen3's 2507
 thinking models do) starts the reply inside the block, for every parser; under a grammar
-(structured outputs, a forced tool call) only a reply that writes the opening marker has
-reasoning, for every parser too.
+applied from the first token (structured outputs or a forced tool call with
+``--structured-outputs-config '{"enable_in_reasoning": true}'``, or a parser that names no
+markers) only a reply that writes the opening marker has reasoning, for every parser too (by
+default the grammar starts after the reasoning: ``kvflow/structured/reasoning_gate.py``).
 
 - ``think``: ``<think>reasoning</think>content``; a reply that does not open with ``<think>``
   is all content; a block that never closes (cut by ``max_tokens``) is all reasoning.
@@ -78,9 +80,9 @@ class ReasoningParser:
         thinking models, ``<|im_start|>assistant\n<think>\n``; DeepSeek-R1's), starts the
         reply inside the reasoning: text before the end marker is reasoning though the reply
         writes no opening marker, and all of it without one (``deepseek_r1``'s reading, as
-        vLLM's parsers read such replies). Under a ``grammar`` (structured outputs, a forced
-        tool call), which kvflow applies from the first token, the reply is what the grammar
-        forces: reasoning only where it writes the opening marker itself, whatever the prompt
+        vLLM's parsers read such replies). Under a ``grammar`` applied from the first token
+        (the server passes it only then: ``enable_in_reasoning``, or no markers known), the
+        reply is what the grammar forces: reasoning only where it writes the opening marker itself, whatever the prompt
         or ``opening_optional`` say (else forced JSON or calls would read as reasoning)."""
         tail = prompt.rstrip()
         self.inside = not grammar and (self.opening_optional or any(
