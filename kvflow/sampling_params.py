@@ -141,7 +141,9 @@ class SamplingParams:
         reasoning_token_ids: the reasoning markers' token ids the budget is counted and ended
             with (:class:`kvflow.thinking_budget.ReasoningTokenIds`, vLLM's
             ``ReasoningConfig`` names; a dict of its fields is accepted). The server fills it
-            from its ``--reasoning-parser``; offline, pass it with the budget.
+            from its ``--reasoning-parser``; offline, pass it with the budget. With
+            ``structured_outputs`` too, the grammar starts after the reasoning (vLLM's rule:
+            ``kvflow/structured/reasoning_gate.py``); without it, from the first token.
         stream_interval: vLLM 0.32's per-request ``stream_interval``: an ``AsyncLLM``
             stream of deltas (``output_kind`` ``DELTA``, the server's streamed replies) sends
             this many new tokens per output, its first and last output at once
