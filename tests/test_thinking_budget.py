@@ -70,7 +70,7 @@ def test_drafts_count_and_commits_read_only_new_tokens():
             ([], [5], [5, 8], [5, 8, 9])] == [5, 8, 9, None]
 
 
-def test_under_a_grammar_only_generated_markers_count():
+def test_first_leaves_the_prompts_markers_uncounted():
     scan = ThinkingBudgetScan(0, IDS, first=2)  # a 2-token prompt [1, 7]
     assert _forced(scan, [1, 7]) is None
     assert _forced(scan, [1, 7, 3, 7]) == 8
