@@ -213,7 +213,8 @@ def test_min_p_runs_before_the_argmax_invariant_processors():
     halved: argmax-invariant) must not change which tokens min-p keeps; it ran before min-p,
     which then kept more tokens. Checked on what the row samples from (processed logprobs)
     against plain torch in vLLM's order."""
-    from kvflow.layers.sampler import Sampler, SamplingMetadata
+    from kvflow.layers.sampler import Sampler
+    from kvflow.layers.sampling_metadata import SamplingMetadata
 
     class Halve:
         def apply(self, logits: torch.Tensor, argmax_invariant: bool) -> torch.Tensor:

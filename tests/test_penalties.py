@@ -11,7 +11,8 @@ import torch
 
 from kvflow import LLM
 from kvflow.input_processor import InputProcessor
-from kvflow.layers.sampler import PenaltyMetadata, Sampler, SamplingMetadata, apply_penalties
+from kvflow.layers.sampler import Sampler, apply_penalties
+from kvflow.layers.sampling_metadata import PenaltyMetadata, SamplingMetadata
 from kvflow.sampling_params import SamplingParams
 
 VOCAB = 50

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from kvflow.layers.sampler import Sampler, SamplingMetadata, apply_top_k_top_p_min_p
+from kvflow.layers.sampler import Sampler, apply_top_k_top_p_min_p
+from kvflow.layers.sampling_metadata import SamplingMetadata
 
 PROMPTS = [[5, 17, 33, 100, 200, 7, 9], [42, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
 

@@ -123,7 +123,8 @@ def test_verification_rows_force_at_their_own_positions():
 
 
 def test_a_forced_row_is_a_point_mass():
-    from kvflow.layers.sampler import Sampler, SamplingMetadata
+    from kvflow.layers.sampler import Sampler
+    from kvflow.layers.sampling_metadata import SamplingMetadata
     logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(0))
     meta = SamplingMetadata(temperature=torch.tensor([0.0, 1.0]),
                             banned_token_ids={1: [4]}, forced_token_ids={0: 3, 1: 4})

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvflow.layers.sampler import PenaltyMetadata, SamplingMetadata
+from kvflow.layers.sampling_metadata import PenaltyMetadata, SamplingMetadata
 from kvflow.sched_output import GrammarBitmask
 from kvflow.worker.input_batch import InputBatch
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.layers.sampler import Sampler, SamplingMetadata
+from kvflow.layers.sampler import Sampler
+from kvflow.layers.sampling_metadata import SamplingMetadata
 from kvflow.spec_decode.rejection_sampler import SpecLayout, rejection_sample
 
 V = 8
