@@ -69,7 +69,7 @@ from kvflow.request import Request
 
 logger = logging.getLogger(__name__)
 
-_IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is alive
+_IDLE_POLL_MS = 1000  # how often (at most) an idle core checks its parent and workers
 _PARENT_CHECK_S = 1.0  # how often a busy core checks it (between steps)
 _PR_SET_NAME = 15  # prctl option (linux/prctl.h)
 _BUSY_RETRY_AFTER_S = 1.0  # Retry-After of a refusal for saturated grammar compiles
@@ -245,6 +245,17 @@ def _ready(core: EngineCore, engine_index: int = 0) -> EngineReady:
                        core.max_model_len_note, core.kv_cache_manager.enable_prefix_caching)
 
 
+def idle_poll_ms(executor: Any) -> int:
+    """Milliseconds between an idle core's wake-ups (each checks the API process and the
+    workers): ``_IDLE_POLL_MS``, or less where the executor's workers need checking more
+    often (``Executor.health_check_interval_s``: a quarter of a short
+    ``worker_heartbeat_timeout``; at 1 s a 2 s timeout was never judged while idle, every
+    check coming more than half a timeout after the previous one)."""
+    if executor is None:
+        return _IDLE_POLL_MS
+    return max(1, min(_IDLE_POLL_MS, round(executor.health_check_interval_s * 1000)))
+
+
 class EngineCoreProc:
     """The busy loop. ``run`` returns on ``Shutdown`` or when the parent process is gone and
     raises what ``EngineCore.step`` raises (and, while idle, ``EngineCore.check_health``:
@@ -260,6 +271,7 @@ class EngineCoreProc:
         self._errors: list[EngineCoreOutput] = []  # requests refused by the core
         self._admission_control = core.config.scheduler_config.admission_control
         self._verdicts = AdmissionVerdicts([], [])
+        self._idle_poll_ms = idle_poll_ms(getattr(core, "executor", None))
 
     def run(self) -> None:
         next_parent_check = time.monotonic() + _PARENT_CHECK_S
@@ -291,7 +303,7 @@ class EngineCoreProc:
         """Apply every pending message, first waiting for one if ``block``; returns how many
         were applied (None: stop the loop)."""
         if block:
-            while not self.inp.poll(_IDLE_POLL_MS):
+            while not self.inp.poll(self._idle_poll_ms):
                 if not self._parent_alive():
                     logger.warning("API process is gone; engine core exiting")
                     return None

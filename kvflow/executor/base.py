@@ -249,8 +249,17 @@ class Executor(ABC):
         """
         self.collective_rpc("freeze_startup_heap")
 
+    @property
+    def health_check_interval_s(self) -> float:
+        """How often (seconds) an idle engine should call :meth:`check_health`: every
+        second, or a quarter of ``worker_heartbeat_timeout`` where workers send heartbeats
+        (``mp``, ``ray``): their monitor forgives a gap of more than half the timeout between
+        checks, so an idle engine checking once a second never judged a 2 s timeout."""
+        return 1.0
+
     def check_health(self) -> None:
-        """Raise if a worker has failed (cheap: called by an idle engine every second).
+        """Raise if a worker has failed (cheap: called by an idle engine every
+        :attr:`health_check_interval_s`).
 
         Raises:
             ExecutorError: naming the failed rank.

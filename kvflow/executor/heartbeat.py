@@ -8,7 +8,8 @@ heartbeat every :data:`HEARTBEAT_INTERVAL_S` from a thread of its own (it runs d
 steps too: the main thread releases the GIL inside torch ops and collectives), stamped with
 its ``time.monotonic()`` (one system-wide clock on Linux and macOS). The executor reads them
 while it waits for replies and while idle (:class:`HeartbeatMonitor`), and fails the engine
-naming the rank whose last heartbeat is older than ``worker_heartbeat_timeout``.
+naming the rank whose last heartbeat is older than ``worker_heartbeat_timeout``. The Ray
+executor's actors do the same over TCP (they may run on other machines).
 """
 
 from __future__ import annotations
@@ -118,6 +119,16 @@ class HeartbeatMonitor:
         self._last_check = now
         return [(rank, now - t) for rank, t in enumerate(self.last_beat)
                 if now - t > self.timeout_s]
+
+
+def describe_silence(rank: int, pid: int | None, silent_s: float, timeout_s: float,
+                     state: str | None) -> str:
+    """Why a worker is taken for frozen: ``"worker rank 1 (pid 4242) sent no heartbeat for
+    2.1 s (worker_heartbeat_timeout=2): the process is stopped (SIGSTOP or SIGTSTP)"``
+    (``state``: :func:`process_state`'s word, None where unknown)."""
+    return (f"worker rank {rank} (pid {pid}) sent no heartbeat for {silent_s:.1f} s "
+            f"(worker_heartbeat_timeout={timeout_s:g})"
+            + (f": the process is {state}" if state else ""))
 
 
 def process_state(pid: int) -> str | None:

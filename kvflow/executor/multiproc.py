@@ -49,6 +49,7 @@ from kvflow.executor.heartbeat import (
     HEARTBEAT_INTERVAL_S,
     HeartbeatMonitor,
     decode_beat,
+    describe_silence,
     process_state,
 )
 from kvflow.executor.mp_worker import WorkerArgs
@@ -283,6 +284,11 @@ class MultiprocExecutor(Executor):
         return [kind, rank, payload]
 
     # ---- failure and shutdown ------------------------------------------------------------------
+    @property
+    def health_check_interval_s(self) -> float:
+        """A heartbeat period: a quarter of ``worker_heartbeat_timeout``, at most 1 s."""
+        return min(HEARTBEAT_INTERVAL_S, self._heartbeat_timeout_s / 4)
+
     def check_health(self) -> None:
         """Check that every worker is alive and none has failed.
 
@@ -332,10 +338,8 @@ class MultiprocExecutor(Executor):
         if silent:
             rank, age = silent[0]
             pid = self._procs[rank].pid
-            state = process_state(pid)
-            self._fail(f"worker rank {rank} (pid {pid}) sent no heartbeat for {age:.1f} s "
-                       f"(worker_heartbeat_timeout={self._heartbeat_timeout_s:g})"
-                       + (f": the process is {state}" if state else ""))
+            self._fail(describe_silence(rank, pid, age, self._heartbeat_timeout_s,
+                                        process_state(pid)))
 
     def shutdown(self) -> None:
         """Ask the workers to stop, kill any that do not within 5 s, release the sockets and
