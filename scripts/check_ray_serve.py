@@ -1,17 +1,20 @@
-"""Kill one Ray worker actor under ``kvflow serve --distributed-executor-backend ray`` and
-check what docs/parallel/engine-liveness.md says follows (docs/parallel/ray.md, "Checks").
+"""Kill (or, with ``--stop``, SIGSTOP) one Ray worker actor under ``kvflow serve
+--distributed-executor-backend ray`` and check what docs/parallel/engine-liveness.md says
+follows (docs/parallel/ray.md, "Checks").
 
 Starts the server (no ``RAY_ADDRESS``: it starts a local Ray cluster), asks for one greedy
 completion, SIGKILLs one ``ray::RayWorkerWrapper`` process descended from the server, then:
 
 * ``--engine-failure exit``: the server, sent no request, exits with status 1 within seconds
-  (the idle engine core's periodic check finds the dead actor);
+  (the idle engine core's periodic check finds the dead actor; a stopped one by its missing
+  heartbeats: ``--stop`` adds ``--worker-heartbeat-timeout 3``);
 * ``--engine-failure restart``: the server serves again, the same greedy text.
 
 Either way it then stops the server (SIGINT) and checks that no process of its Ray cluster is
 left. Prints what it saw; exit status 0 when all held, 1 otherwise. About 1 minute on 2 cores.
 
-Usage: python scripts/check_ray_serve.py MODEL exit|restart [PORT] [-- extra serve args]
+Usage: python scripts/check_ray_serve.py MODEL exit|restart [PORT] [--stop]
+       [-- extra serve args]
 """
 
 from __future__ import annotations
@@ -100,9 +103,14 @@ def _after_kill(server: subprocess.Popen, port: int, body: dict, failure: str,
 
 
 def main(argv: list[str]) -> int:
-    model, failure = argv[0], argv[1]
-    port = int(argv[2]) if len(argv) > 2 and argv[2] != "--" else 8471
+    head = argv[:argv.index("--")] if "--" in argv else argv
+    stop = "--stop" in head
+    head = [a for a in head if a != "--stop"]
+    model, failure = head[0], head[1]
+    port = int(head[2]) if len(head) > 2 else 8471
     extra = argv[argv.index("--") + 1:] if "--" in argv else ["--tensor-parallel-size", "2"]
+    if stop:
+        extra = [*extra, "--worker-heartbeat-timeout", "3"]
     cmd = [sys.executable, "-m", "kvflow.entrypoints.cli", "serve", model, "--port", str(port),
            "--dtype", "float32", "--distributed-executor-backend", "ray",
            "--engine-failure", failure, *extra]
@@ -121,7 +129,7 @@ def main(argv: list[str]) -> int:
         ray_pids = {p: a for p, a in tree.items() if any(n in a for n in RAY_NAMES)}
         actors = sorted(p for p, a in tree.items() if a.startswith("ray::RayWorkerWrapper"))
         print(f"completion {status} {text!r}; worker actors {actors}")
-        os.kill(actors[-1], signal.SIGKILL)
+        os.kill(actors[-1], signal.SIGSTOP if stop else signal.SIGKILL)
         ok = _after_kill(server, port, body, failure, text)
     finally:
         if server.poll() is None:  # the restarted replica's Ray cluster too

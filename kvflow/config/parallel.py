@@ -28,7 +28,7 @@ class ParallelConfig:
             or expert parallelism, ``context_parallel_prefill`` other than ``ring`` without
             context parallelism, an ``engine_heartbeat_timeout`` <= 0, a
             ``worker_heartbeat_timeout`` <= 0 (or other than the
-            default without ``mp`` worker processes), an unknown executor
+            default without ``mp`` or ``ray`` workers), an unknown executor
             backend, ``ray`` without Ray installed,
             ``uni`` with more than one rank, or a data-parallel rank outside the replicas.
     """
@@ -59,7 +59,8 @@ class ParallelConfig:
         "machine), ray (one Ray actor per rank, several machines) (default: uni for one rank, "
         "else mp)", choices=[None, "uni", "mp", "ray"])
     worker_heartbeat_timeout: float = opt(
-        DEFAULT_HEARTBEAT_TIMEOUT, "seconds a worker process (distributed_executor_backend mp) may go without a "
+        DEFAULT_HEARTBEAT_TIMEOUT, "seconds a worker process (distributed_executor_backend mp, "
+        "or a Ray actor with ray) may go without a "
         "heartbeat (each sends one every second from a thread of its own, also during a "
         "long step) before the engine fails naming its rank: a stopped (SIGSTOP) or frozen "
         "worker is reported within this time instead of hanging the other ranks' "
@@ -107,10 +108,10 @@ class ParallelConfig:
                              f"the engine has {self.world_size} (tensor x pipeline x context "
                              "parallel); use mp or ray")
         if self.worker_heartbeat_timeout != DEFAULT_HEARTBEAT_TIMEOUT \
-                and self.executor_backend != "mp":  # no worker process sends heartbeats
+                and self.executor_backend not in ("mp", "ray"):  # no worker sends heartbeats
             raise ValueError(f"worker_heartbeat_timeout={self.worker_heartbeat_timeout:g} "
-                             "applies to worker processes (distributed_executor_backend mp); "
-                             f"this engine's executor is {self.executor_backend}")
+                             "applies to worker processes (distributed_executor_backend mp "
+                             f"or ray); this engine's executor is {self.executor_backend}")
 
     @property
     def world_size(self) -> int:

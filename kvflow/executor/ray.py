@@ -15,6 +15,14 @@ whose actor died, rather than the peers whose collective its death broke), and e
 killed. As with ``mp``, a worker's ``ValueError`` before the first step (building its
 part of the model, sizing or allocating its KV cache) is bad input:
 :class:`~kvflow.executor.base.WorkerConfigError`, one line from ``kvflow`` (exit 2).
+
+An actor that is alive but does not run (SIGSTOP, a debugger) is not a death to Ray, and its
+peers would wait in their collective up to torch.distributed's timeout (600 s). So, as with
+``mp``, every actor sends a heartbeat every second from a thread of its own
+(:mod:`kvflow.executor.heartbeat`), here over TCP to a socket the executor binds at its node's
+address; the executor reads them while it waits and at each ``check_health``, and fails naming
+the rank silent for ``worker_heartbeat_timeout`` seconds (with ``/proc``'s word on its state,
+and killed at once, when the actor runs on the executor's node).
 """
 
 from __future__ import annotations
@@ -22,11 +30,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import time
 from typing import Any, NoReturn
 
+import zmq
+
 from kvflow.config import EngineConfig
 from kvflow.executor.base import Executor, StepFuture
+from kvflow.executor.heartbeat import (
+    HEARTBEAT_INTERVAL_S,
+    HeartbeatMonitor,
+    decode_beat,
+    describe_silence,
+    process_state,
+)
 from kvflow.executor.ray_worker import RayWorkerWrapper
 from kvflow.executor.step_codec import StepCodec
 from kvflow.sched_output import GrammarBitmask, SchedulerOutput
@@ -72,8 +90,13 @@ class RayExecutor(Executor):
         self.actors: list[Any] = []
         self._pings: dict[Any, int] = {}  # check_health's pings not yet answered: ref -> rank
         self._pg = None
+        self._heartbeat_timeout_s = config.parallel_config.worker_heartbeat_timeout
+        self._heartbeats: HeartbeatMonitor | None = None  # set once every actor is ready
+        self._beats: zmq.Socket | None = None
+        self._whereabouts: list[tuple[str, int]] = []  # per rank: (Ray node id, pid)
         try:
             self._init_ray()
+            self._init_heartbeat_socket()
             self._init_placement_group(placement_timeout_s)
             self._init_actors()
         except BaseException:
@@ -100,6 +123,16 @@ class RayExecutor(Executor):
         self._started_ray = True  # shutdown() disconnects (and stops a local cluster)
         self._local_cluster = address is None
 
+    def _init_heartbeat_socket(self) -> None:
+        """Bind the PULL socket the actors' heartbeats arrive at: TCP at this node's address
+        (actors may run on other nodes), a port picked free."""
+        self._zmq = zmq.Context()
+        self._beats = self._zmq.socket(zmq.PULL)
+        self._beats.setsockopt(zmq.LINGER, 0)
+        ip = self.ray.util.get_node_ip_address()
+        port = self._beats.bind_to_random_port(f"tcp://{ip}")
+        self._heartbeat_addr = f"tcp://{ip}:{port}"
+
     def _init_placement_group(self, timeout_s: float) -> None:
         self._bundle = worker_bundle(self.ray, self.config)
         check_cluster_fits(self.ray, self._bundle, self.world_size, local=self._local_cluster,
@@ -125,9 +158,15 @@ class RayExecutor(Executor):
                                                  **resources).remote())
         ip, port = self.ray.get(self.actors[0].node_address.remote())
         init_method = f"tcp://{ip}:{port}"
+        interval = min(HEARTBEAT_INTERVAL_S, self._heartbeat_timeout_s / 4)
         self._wait([a.init_worker.remote(rank, init_method, self.config, self.source,
-                                         self.hf_config, self.dtype)
+                                         self.hf_config, self.dtype, self._heartbeat_addr,
+                                         interval)
                     for rank, a in enumerate(self.actors)], starting=True)
+        self._whereabouts = self._wait([a.whereabouts.remote() for a in self.actors],
+                                       starting=True)
+        self._heartbeats = HeartbeatMonitor(self.world_size, self._heartbeat_timeout_s,
+                                            time.monotonic())
         logger.info("started %d Ray workers (rendezvous %s)", self.world_size, init_method)
 
     # ---- calls ---------------------------------------------------------------------------------
@@ -160,6 +199,7 @@ class RayExecutor(Executor):
         results: dict[int, Any] = {}
         while pending:
             ready, _ = self.ray.wait(list(pending), num_returns=1, timeout=_POLL_S)
+            self._check_heartbeats()
             for ref in ready:
                 rank = pending.pop(ref)
                 try:
@@ -211,6 +251,39 @@ class RayExecutor(Executor):
         return None
 
     # ---- failure and shutdown ------------------------------------------------------------------
+    @property
+    def health_check_interval_s(self) -> float:
+        """A heartbeat period: a quarter of ``worker_heartbeat_timeout``, at most 1 s."""
+        return min(HEARTBEAT_INTERVAL_S, self._heartbeat_timeout_s / 4)
+
+    def _check_heartbeats(self) -> None:
+        """Record every heartbeat received, then fail on the first rank silent for longer
+        than ``worker_heartbeat_timeout`` (once every actor started). A silent actor on
+        this node is SIGKILLed first: Ray kills actors through their own process, which a
+        stopped one does not run.
+
+        Raises:
+            ExecutorError: naming the silent rank, its pid and (on this node) its state.
+        """
+        if self._heartbeats is None:
+            return
+        while True:
+            try:
+                self._heartbeats.beat(*decode_beat(self._beats.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                break
+        silent = self._heartbeats.silent_ranks(time.monotonic())
+        if not silent:
+            return
+        rank, age = silent[0]
+        node, pid = self._whereabouts[rank]
+        state = None
+        if node == self.ray.get_runtime_context().get_node_id():
+            state = process_state(pid)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        self._fail(describe_silence(rank, pid, age, self._heartbeat_timeout_s, state))
+
     def check_health(self) -> None:
         """Raise if a worker has failed, without waiting: collect the answers to the pings the
         previous call sent (a killed actor's raises ActorDiedError), then ping every rank
@@ -219,9 +292,11 @@ class RayExecutor(Executor):
         went unnoticed until the next request's step failed on it.)
 
         Raises:
-            ExecutorError: naming the rank whose ping failed, or if a worker failed before.
+            ExecutorError: naming the rank whose ping failed, or that sent no heartbeat for
+                ``worker_heartbeat_timeout`` seconds, or if a worker failed before.
         """
         self._check_failed()
+        self._check_heartbeats()
         if self._pings:
             ready, _ = self.ray.wait(list(self._pings), num_returns=len(self._pings), timeout=0)
             for ref in ready:
@@ -243,6 +318,11 @@ class RayExecutor(Executor):
                 self.ray.kill(actor)
         self.actors = []
         self._pings = {}
+        self._heartbeats = None
+        if self._beats is not None:
+            self._beats.close(linger=0)
+            self._zmq.term()
+            self._beats = None
         if self._pg is not None:
             from ray.util.placement_group import remove_placement_group
 

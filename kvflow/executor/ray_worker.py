@@ -5,6 +5,9 @@ actor per rank in a placement group. The actor starts empty (so the executor can
 node and a free port first), then ``init_worker`` builds the Worker; afterwards it serves the
 same calls as the multiprocess worker: ``execute_model`` with a msgspec-encoded step (the
 driver rank returns the encoded result, the others None) and ``rpc`` for everything else.
+Once its Worker is built, a thread sends a heartbeat every second to the executor over TCP
+(:mod:`kvflow.executor.heartbeat`, as the ``mp`` workers do), so the executor finds an actor
+that is alive but does not run (SIGSTOP, a debugger), which Ray itself does not.
 Ray runs an actor's calls one at a time in submission order, so pipelined steps stay in order.
 """
 
@@ -14,6 +17,7 @@ import os
 import socket
 from typing import Any
 
+from kvflow.executor.heartbeat import HEARTBEAT_INTERVAL_S, HeartbeatSender
 from kvflow.executor.step_codec import StepCodec
 from kvflow.worker.worker import Worker
 
@@ -31,6 +35,7 @@ class RayWorkerWrapper:
     def __init__(self) -> None:
         self.worker: Worker | None = None
         self.codec: StepCodec | None = None
+        self.heartbeat: HeartbeatSender | None = None
 
     def node_address(self) -> tuple[str, int]:
         """(this node's IP address, a free TCP port on it): the rendezvous of rank 0."""
@@ -42,12 +47,25 @@ class RayWorkerWrapper:
         """This actor's process id (also the executor's health ping: ``check_health``)."""
         return os.getpid()
 
+    def whereabouts(self) -> tuple[str, int]:
+        """(this actor's Ray node id, its process id): the executor reads the process state
+        of a silent actor on its own node (``/proc``)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
     def init_worker(self, rank: int, distributed_init_method: str, config: Any, source: Any,
-                    hf_config: Any, dtype: Any) -> None:
-        """Build this rank's Worker (joins the process group: call on every rank at once).
-        Ray gives each actor its own device, so the local device index is always 0."""
+                    hf_config: Any, dtype: Any, heartbeat_addr: str | None = None,
+                    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+        """Build this rank's Worker (joins the process group: call on every rank at once),
+        then start its heartbeat thread, PUSHing to the executor's ``heartbeat_addr``
+        (``tcp://...``; None: no heartbeats) every ``heartbeat_interval_s`` seconds. Ray
+        gives each actor its own device, so the local device index is always 0."""
         self.codec = StepCodec()
         self.worker = Worker(config, rank, 0, distributed_init_method, source, hf_config, dtype)
+        if heartbeat_addr is not None:
+            self.heartbeat = HeartbeatSender(rank, heartbeat_addr, heartbeat_interval_s)
+            self.heartbeat.start()
 
     def rpc(self, method: str, *args: Any) -> Any:
         return getattr(self.worker, method)(*args)
@@ -59,5 +77,7 @@ class RayWorkerWrapper:
         return self.codec.encode(result) if self.worker.is_driver else None
 
     def shutdown(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if self.worker is not None:
             self.worker.shutdown()

@@ -1,7 +1,7 @@
-"""``--worker-heartbeat-timeout`` bounds how long a worker process (executor ``mp``) may go
-without a heartbeat; an engine without worker processes (``uni``: its one rank in-process;
-``ray``: actors, which send none) never reads it, so a value other than the default is refused
-there instead of being ignored."""
+"""``--worker-heartbeat-timeout`` bounds how long a worker (executor ``mp``: a process;
+``ray``: an actor) may go without a heartbeat; an engine without workers (``uni``: its one rank
+in-process) never reads it, so a value other than the default is refused there instead of
+being ignored."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from kvflow.config.parallel import ParallelConfig
 
 def test_in_process_engine_refuses_a_heartbeat_timeout():
     with pytest.raises(ValueError, match=r"^worker_heartbeat_timeout=5 applies to worker "
-                                         r"processes \(distributed_executor_backend mp\); this "
-                                         r"engine's executor is uni"):
+                                         r"processes \(distributed_executor_backend mp or ray\); "
+                                         r"this engine's executor is uni"):
         ParallelConfig(worker_heartbeat_timeout=5.0)
 
 
@@ -28,6 +28,7 @@ def test_worker_processes_take_it_and_the_default_passes_everywhere():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray not installed")
-def test_ray_refuses_it():
-    with pytest.raises(ValueError, match=r"this engine's executor is ray"):
-        ParallelConfig(distributed_executor_backend="ray", worker_heartbeat_timeout=5.0)
+def test_ray_takes_it():
+    """Ray actors send heartbeats too (was: refused, a stopped actor went unnoticed)."""
+    assert ParallelConfig(distributed_executor_backend="ray", tensor_parallel_size=2,
+                          worker_heartbeat_timeout=5.0).worker_heartbeat_timeout == 5.0

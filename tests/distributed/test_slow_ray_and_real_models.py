@@ -3,7 +3,8 @@
 
 * ``--distributed-executor-backend ray`` on a local Ray cluster this test starts: TP=2, PP=2,
   TP=2 + EP, CP=2 (tiny Llama and Gemma 3) and DP=2 greedy tokens equal the one-process run
-  (the DP replicas join this cluster); a killed actor is reported by rank;
+  (the DP replicas join this cluster); a killed actor is reported by rank, and so is one
+  stopped with SIGSTOP (its missing heartbeats), mid-run and while idle;
 * the real packaged Qwen2.5-Coder-0.5B-Instruct (14 heads / 2 KV heads, 24 layers) with
   TP=2 and with PP=2 gives the one-process greedy text;
 * the real gemma-3-270m (1 KV head) with TP=2 replicates its KV head on both ranks and gives
@@ -163,6 +164,87 @@ def test_ray_idle_engine_finds_a_killed_actor(ray_cluster, tiny_model_factory):
                 time.sleep(1)
         assert executor.actors == []
     finally:
+        llm.shutdown()
+
+
+def _stopped_actor_message(rank: int, pid: int) -> str:
+    return (rf"^worker rank {rank} \(pid {pid}\) sent no heartbeat for \d+\.\d s "
+            r"\(worker_heartbeat_timeout=2\): the process is stopped \(SIGSTOP or SIGTSTP\)")
+
+
+def _gone(pid: int, timeout_s: float = 10.0) -> bool:
+    """Whether process ``pid`` ends (or is a zombie) within ``timeout_s``."""
+    import time
+
+    from tests.distributed.test_worker_frozen import _state
+
+    deadline = time.monotonic() + timeout_s
+    while _state(pid) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _state(pid) is None
+
+
+def test_ray_stopped_actor_mid_run_is_named_within_the_timeout(ray_cluster, tiny_model_factory):
+    """A Ray actor stopped with SIGSTOP (alive: Ray sees nothing) mid-``generate``: its
+    missing heartbeats fail the engine within ``worker_heartbeat_timeout`` (2 s, plus a
+    check), naming the rank, its pid and its state, and it is killed (was: rank 0 waited in
+    its collective up to torch.distributed's 600 s timeout)."""
+    import signal
+    import threading
+    import time
+
+    llm = LLM(model=tiny_model_factory("llama").path, dtype="float32", num_kv_blocks=256,
+              tensor_parallel_size=2, distributed_executor_backend="ray",
+              worker_heartbeat_timeout=2)
+    executor = llm.engine.core.executor
+    pid = ray_cluster.get(executor.actors[1].getpid.remote())
+    stopped_at: list[float] = []
+
+    def stop() -> None:
+        stopped_at.append(time.monotonic())
+        os.kill(pid, signal.SIGSTOP)
+
+    timer = threading.Timer(1.0, stop)
+    timer.start()
+    try:
+        with pytest.raises(ExecutorError, match=_stopped_actor_message(1, pid)):
+            llm.generate([[5, 6, 7, 8]] * 8, SamplingParams(max_tokens=400, ignore_eos=True),
+                         use_tqdm=False)
+        waited = time.monotonic() - stopped_at[0]
+        assert 1.5 <= waited < 5, waited
+        assert executor.actors == [] and _gone(pid)
+    finally:
+        timer.cancel()
+        if not _gone(pid, 0):
+            os.kill(pid, signal.SIGKILL)
+        llm.shutdown()
+
+
+def test_ray_idle_engine_finds_a_stopped_actor(ray_cluster, tiny_model_factory):
+    """Rank 0's actor stopped while the engine is idle: the periodic ``check_health`` (every
+    ``health_check_interval_s``, 0.5 s here, in an engine-core process) names it within the
+    timeout plus a check (was: never; the next request hung in its collective)."""
+    import signal
+    import time
+
+    llm = LLM(model=tiny_model_factory("llama").path, dtype="float32", num_kv_blocks=64,
+              tensor_parallel_size=2, distributed_executor_backend="ray",
+              worker_heartbeat_timeout=2)
+    executor = llm.engine.core.executor
+    pid = ray_cluster.get(executor.actors[0].getpid.remote())
+    try:
+        assert executor.health_check_interval_s == 0.5
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(ExecutorError, match=_stopped_actor_message(0, pid)):
+            while time.monotonic() - start < 15:
+                llm.engine.core.check_health()
+                time.sleep(executor.health_check_interval_s)
+        assert time.monotonic() - start < 5
+        assert executor.actors == [] and _gone(pid)
+    finally:
+        if not _gone(pid, 0):
+            os.kill(pid, signal.SIGKILL)
         llm.shutdown()
 
 

@@ -143,6 +143,7 @@ def test_ray_worker_value_error_at_start_up_is_bad_input(monkeypatch, steps_sent
     from kvflow.executor.ray import RayExecutor
 
     executor = RayExecutor.__new__(RayExecutor)
+    executor._heartbeats = None  # no actor started: no heartbeat to judge
     executor._failed, executor.ray, executor._sent = None, _FakeRay(), steps_sent
     monkeypatch.setattr(executor, "shutdown", lambda: None)
     bad = ValueError("quantization_group_size=64 does not divide the 32 input columns")
@@ -163,6 +164,7 @@ def test_ray_killed_actor_is_named_not_the_peer_its_death_broke(monkeypatch):
     from kvflow.executor.ray import RayExecutor
 
     executor = RayExecutor.__new__(RayExecutor)
+    executor._heartbeats = None  # no actor started: no heartbeat to judge
     executor._failed, executor.ray, executor._sent = None, _FakeRay(), 3
     monkeypatch.setattr(executor, "shutdown", lambda: None)
     reset = _RayTaskError(RuntimeError("[gloo/pair.cc:537] Read error: Connection reset by peer"))
@@ -196,6 +198,7 @@ def test_ray_idle_engine_finds_a_killed_actor(monkeypatch):
     from kvflow.executor.ray import RayExecutor
 
     executor = RayExecutor.__new__(RayExecutor)
+    executor._heartbeats = None  # no actor started: no heartbeat to judge
     executor._failed, executor.ray, executor._pings = None, _FakeRay(), {}
     monkeypatch.setattr(executor, "shutdown", lambda: None)
     executor.actors = [_Actor(101), _Actor(102)]
@@ -268,6 +271,51 @@ def test_a_silent_worker_fails_the_engine_naming_its_rank(monkeypatch):
     assert failed_at == 7  # last beat at 1.5 s: silent for more than 5 s at t = 7
     assert message.startswith("worker rank 1 (pid 4101) sent no heartbeat for 5.5 s "
                               "(worker_heartbeat_timeout=5): the process is stopped")
+
+
+@pytest.mark.parametrize("same_node", [True, False])
+def test_a_silent_ray_actor_fails_the_engine_naming_its_rank(monkeypatch, same_node):
+    """A Ray actor that is alive but sends no heartbeat (SIGSTOP: Ray sees no death, its
+    peers wait in a collective) fails the engine at ``check_health`` after
+    ``worker_heartbeat_timeout``, naming rank and pid (was: not detected; a hang up to
+    torch.distributed's 600 s). On the executor's node it is SIGKILLed and its state named;
+    elsewhere ``/proc`` says nothing about it. Clock, socket and Ray faked: rank 0 beats every
+    second, rank 1 stops after t=2 (the real SIGSTOP: test_slow_ray_and_real_models)."""
+    from kvflow.executor.heartbeat import HeartbeatMonitor, encode_beat
+    from kvflow.executor.ray import RayExecutor
+
+    executor = RayExecutor.__new__(RayExecutor)
+    executor._failed, executor._pings, executor.actors = None, {}, []
+    executor.ray = SimpleNamespace(get_runtime_context=lambda: SimpleNamespace(
+        get_node_id=lambda: "here"))
+    executor._heartbeat_timeout_s = 5.0
+    executor._heartbeats = HeartbeatMonitor(2, 5.0, now=0.0)
+    executor._whereabouts = [("here", 4100), ("here" if same_node else "there", 4101)]
+    monkeypatch.setattr(executor, "shutdown", lambda: None)
+    monkeypatch.setattr("kvflow.executor.ray.process_state",
+                        lambda pid: "stopped (SIGSTOP or SIGTSTP)" if pid == 4101 else None)
+    killed = []
+    monkeypatch.setattr("kvflow.executor.ray.os.kill", lambda pid, sig: killed.append((pid, sig)))
+    clock = [0.0]
+    monkeypatch.setattr("kvflow.executor.ray.time.monotonic", lambda: clock[0])
+    failed_at = None
+    for t in range(1, 12):
+        clock[0] = float(t)
+        executor._beats = _Beats([encode_beat(0, t - 0.5)] +
+                                 ([encode_beat(1, t - 0.5)] if t <= 2 else []))
+        try:
+            executor.check_health()
+        except ExecutorError as e:
+            failed_at, message = t, str(e)
+            break
+    assert failed_at == 7  # last beat at 1.5 s: silent for more than 5 s at t = 7
+    expected = "worker rank 1 (pid 4101) sent no heartbeat for 5.5 s (worker_heartbeat_timeout=5)"
+    if same_node:
+        assert message.startswith(f"{expected}: the process is stopped (SIGSTOP or SIGTSTP);")
+        assert killed == [(4101, signal.SIGKILL)]
+    else:
+        assert message.startswith(f"{expected}; the engine's workers were shut down")
+        assert killed == []
 
 
 def test_heartbeat_monitor_forgives_a_gap_in_its_own_checks():
