@@ -121,6 +121,24 @@ class HeartbeatMonitor:
                 if now - t > self.timeout_s]
 
 
+def drain_beats(sock: zmq.Socket, monitor: HeartbeatMonitor) -> set[int]:
+    """Record in ``monitor`` every heartbeat waiting on ``sock``, without blocking; returns
+    the ranks heard from. A message that is not a heartbeat (a stray peer of a TCP socket)
+    is dropped."""
+    heard: set[int] = set()
+    while True:
+        try:
+            message = sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return heard
+        try:
+            rank, stamp = decode_beat(message)
+        except struct.error:
+            continue
+        monitor.beat(rank, stamp)
+        heard.add(rank)
+
+
 def describe_silence(rank: int, pid: int | None, silent_s: float, timeout_s: float,
                      state: str | None) -> str:
     """Why a worker is taken for frozen: ``"worker rank 1 (pid 4242) sent no heartbeat for

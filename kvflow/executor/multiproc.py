@@ -48,8 +48,8 @@ from kvflow.executor.base import Executor, StepFuture
 from kvflow.executor.heartbeat import (
     HEARTBEAT_INTERVAL_S,
     HeartbeatMonitor,
-    decode_beat,
     describe_silence,
+    drain_beats,
     process_state,
 )
 from kvflow.executor.mp_worker import WorkerArgs
@@ -329,11 +329,7 @@ class MultiprocExecutor(Executor):
 
     def _check_heartbeats(self) -> None:
         """Record every heartbeat received, then fail on the first silent rank."""
-        while True:
-            try:
-                self._heartbeats.beat(*decode_beat(self._beats.recv(zmq.NOBLOCK)))
-            except zmq.Again:
-                break
+        drain_beats(self._beats, self._heartbeats)
         silent = self._heartbeats.silent_ranks(time.monotonic())
         if silent:
             rank, age = silent[0]

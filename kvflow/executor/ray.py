@@ -41,8 +41,8 @@ from kvflow.executor.base import Executor, StepFuture
 from kvflow.executor.heartbeat import (
     HEARTBEAT_INTERVAL_S,
     HeartbeatMonitor,
-    decode_beat,
     describe_silence,
+    drain_beats,
     process_state,
 )
 from kvflow.executor.ray_worker import RayWorkerWrapper
@@ -165,9 +165,32 @@ class RayExecutor(Executor):
                     for rank, a in enumerate(self.actors)], starting=True)
         self._whereabouts = self._wait([a.whereabouts.remote() for a in self.actors],
                                        starting=True)
-        self._heartbeats = HeartbeatMonitor(self.world_size, self._heartbeat_timeout_s,
-                                            time.monotonic())
+        self._await_first_beats()
         logger.info("started %d Ray workers (rendezvous %s)", self.world_size, init_method)
+
+    def _await_first_beats(self) -> None:
+        """Wait (up to ``worker_heartbeat_timeout``) until every actor's first heartbeat has
+        arrived, then judge them from now on. An actor on another node whose heartbeats
+        cannot reach this node's port (a firewall) fails the start-up saying so, rather than
+        the running engine ``worker_heartbeat_timeout`` later as a silent rank.
+
+        Raises:
+            ExecutorError: naming the ranks not heard from and the address they could not
+                reach.
+        """
+        start = time.monotonic()
+        monitor = HeartbeatMonitor(self.world_size, self._heartbeat_timeout_s, start)
+        heard: set[int] = set()
+        while len(heard) < self.world_size:
+            if time.monotonic() - start > self._heartbeat_timeout_s:
+                missing = sorted(set(range(self.world_size)) - heard)
+                self._fail(f"worker rank(s) {missing} started but sent no heartbeat to "
+                           f"{self._heartbeat_addr} within {self._heartbeat_timeout_s:g} s "
+                           "(worker_heartbeat_timeout): every Ray node must reach this "
+                           "node's address on that port (a firewall?), and the actor run")
+            if self._beats.poll(int(_POLL_S * 1000)):
+                heard |= drain_beats(self._beats, monitor) & set(range(self.world_size))
+        self._heartbeats = monitor
 
     # ---- calls ---------------------------------------------------------------------------------
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
@@ -259,19 +282,15 @@ class RayExecutor(Executor):
     def _check_heartbeats(self) -> None:
         """Record every heartbeat received, then fail on the first rank silent for longer
         than ``worker_heartbeat_timeout`` (once every actor started). A silent actor on
-        this node is SIGKILLed first: Ray kills actors through their own process, which a
-        stopped one does not run.
+        this node is SIGKILLed first, as a frozen engine core is (not left to ``ray.kill``,
+        whose effect on a stopped process was not checked).
 
         Raises:
             ExecutorError: naming the silent rank, its pid and (on this node) its state.
         """
         if self._heartbeats is None:
             return
-        while True:
-            try:
-                self._heartbeats.beat(*decode_beat(self._beats.recv(zmq.NOBLOCK)))
-            except zmq.Again:
-                break
+        drain_beats(self._beats, self._heartbeats)
         silent = self._heartbeats.silent_ranks(time.monotonic())
         if not silent:
             return

@@ -301,7 +301,7 @@ def test_a_silent_ray_actor_fails_the_engine_naming_its_rank(monkeypatch, same_n
     failed_at = None
     for t in range(1, 12):
         clock[0] = float(t)
-        executor._beats = _Beats([encode_beat(0, t - 0.5)] +
+        executor._beats = _Beats([b"not a beat", encode_beat(0, t - 0.5)] +  # stray: dropped
                                  ([encode_beat(1, t - 0.5)] if t <= 2 else []))
         try:
             executor.check_health()
@@ -316,6 +316,40 @@ def test_a_silent_ray_actor_fails_the_engine_naming_its_rank(monkeypatch, same_n
     else:
         assert message.startswith(f"{expected}; the engine's workers were shut down")
         assert killed == []
+
+
+class _PolledBeats(_Beats):
+    """A heartbeat socket that can be polled."""
+
+    def poll(self, timeout_ms: int) -> int:
+        return len(self.messages)
+
+
+def test_ray_start_up_waits_for_every_actors_first_heartbeat(monkeypatch):
+    """The Ray executor's start-up waits for a first heartbeat from every actor (sent before
+    the wait began: still counted); one whose heartbeats never arrive (an actor on a node
+    that cannot reach this one's port) fails the start-up within the timeout naming the rank
+    and the address, instead of failing the running engine later as a silent rank. Socket
+    faked, real clock (0.3 s timeout)."""
+    from kvflow.executor.heartbeat import encode_beat
+    from kvflow.executor.ray import RayExecutor
+
+    executor = RayExecutor.__new__(RayExecutor)
+    executor._failed, executor.world_size = None, 2
+    executor._heartbeat_timeout_s, executor._heartbeat_addr = 0.3, "tcp://10.0.0.1:5555"
+    monkeypatch.setattr(executor, "shutdown", lambda: None)
+    before = time.monotonic() - 1.0
+    executor._beats = _PolledBeats([encode_beat(1, before), b"stray", encode_beat(0, before)])
+    executor._await_first_beats()
+    assert executor._heartbeats.silent_ranks(time.monotonic()) == []
+
+    executor._heartbeats = None
+    executor._beats = _PolledBeats([encode_beat(0, before), encode_beat(7, before)])
+    start = time.monotonic()
+    with pytest.raises(ExecutorError, match=r"^worker rank\(s\) \[1\] started but sent no "
+                                            r"heartbeat to tcp://10\.0\.0\.1:5555 within 0\.3 s"):
+        executor._await_first_beats()
+    assert 0.3 <= time.monotonic() - start < 2.0
 
 
 def test_heartbeat_monitor_forgives_a_gap_in_its_own_checks():
