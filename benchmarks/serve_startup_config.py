@@ -44,7 +44,7 @@ def time_core(model: str) -> float:
     """Seconds of an engine core's config load of ``model`` after its start gate."""
     import zmq
 
-    from kvflow.engine.core_proc import wait_for_go
+    from kvflow.engine.core_process_setup import wait_for_go
     from kvflow.models.loader import load_hf_config
     from kvflow.models.model_resolver import resolve_model
 

@@ -8,7 +8,7 @@ import threading
 
 import zmq
 
-from kvflow.engine.core_proc import wait_for_go
+from kvflow.engine.core_process_setup import wait_for_go
 from kvflow.engine.messages import Shutdown
 
 
@@ -50,7 +50,7 @@ def test_shutdown_before_go_ends_the_wait_without_loading(tmp_path):
 _WAITS = """
 import sys, threading, zmq
 from pathlib import Path
-from kvflow.engine.core_proc import wait_for_go
+from kvflow.engine.core_process_setup import wait_for_go
 AUTO = "transformers.models.auto.configuration_auto"
 go = Path(sys.argv[1])
 ctx = zmq.Context(); pull = ctx.socket(zmq.PULL); pull.bind("inproc://gate")

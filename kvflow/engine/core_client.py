@@ -194,7 +194,7 @@ class CoreProcess:
         ``Shutdown`` between steps: one still running a step after ``STEP_GRACE_S`` (a long
         prefill: seconds on a CPU) or once ``hurry()`` is true (a second Ctrl-C), or still
         loading the model (it reads no message until loaded: at once), gets SIGTERM, which
-        unwinds it between two Python operations (``core_proc._unwind_on_sigterm``; its
+        unwinds it between two Python operations (``core_process_setup.unwind_on_sigterm``; its
         clean-up still runs); SIGKILL 5 s later (was: SIGKILL after 5 s, so Ctrl-C during a
         long step waited that long and left a tensor-parallel core's workers to their death
         pipe)."""

@@ -30,7 +30,7 @@ from kvflow.engine.core_client import (
     stop_ray,
     wait_ready,
 )
-from kvflow.engine.core_proc import import_config_modules
+from kvflow.engine.core_process_setup import import_config_modules
 from kvflow.engine.messages import EngineReady, Shutdown, output_decoder
 from kvflow.engine.start_method import core_start_method, method_now, restart_method
 

@@ -607,7 +607,7 @@ def test_a_loading_engine_core_is_terminated_at_once_and_unwinds(monkeypatch):
     with that status. Faked: the process and the core's loop."""
     import zmq
 
-    from kvflow.engine import core_client, core_proc
+    from kvflow.engine import core_client, core_proc, core_process_setup
 
     calls: list = []
 
@@ -630,7 +630,7 @@ def test_a_loading_engine_core_is_terminated_at_once_and_unwinds(monkeypatch):
     assert calls == ["terminate", ("join", 5)]
 
     with pytest.raises(SystemExit) as unwound:
-        core_proc._unwind_on_sigterm(signal.SIGTERM, None)
+        core_process_setup.unwind_on_sigterm(signal.SIGTERM, None)
     assert unwound.value.code == 128 + signal.SIGTERM
 
     def run(*args: object) -> None:
