@@ -111,3 +111,18 @@ def test_length_beside_ignored_format_accepted_and_enforced(fmt):
     validate(StructuredOutputsParams(json=text))
     grammar = json_schema_grammar(text)
     assert _accepts(grammar, '"ab"') and not _accepts(grammar, '"aba"')
+
+
+def test_costly_pattern_advice_is_a_schema_that_is_taken():
+    """The refusal of a pattern's long count pointed to minLength / maxLength, which beside
+    that pattern is refused in turn ("write the length into the pattern"): its advice now says
+    they go without a pattern, and that schema is taken."""
+    pattern = {"type": "string", "pattern": "^[a-z]{1,50000}$"}
+    with pytest.raises(ValueError) as e:
+        validate(StructuredOutputsParams(json=pattern))
+    assert str(e.value).endswith("a length limit alone belongs in minLength / maxLength with no "
+                                 "pattern (beside a pattern they are refused, not enforced)")
+    with pytest.raises(ValueError, match="'maxLength': not enforced together with 'pattern'"):
+        validate(StructuredOutputsParams(json={"type": "string", "pattern": "^[a-z]*$",
+                                               "maxLength": 50000}))
+    validate(StructuredOutputsParams(json={"type": "string", "maxLength": 50000}))

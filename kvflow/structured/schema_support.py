@@ -349,7 +349,8 @@ def costly_pattern(schema: Any) -> str | None:
             return (f"the pattern {shown!r} at {path} repeats up to {largest} times: the "
                     "grammar engine's conversion time grows with the square of a count, and "
                     "this schema's patterns together pass kvflow's budget (about one "
-                    "[a-z]{1,3000}); for a length limit use minLength / maxLength")
+                    "[a-z]{1,3000}); a length limit alone belongs in minLength / maxLength with "
+                    "no pattern (beside a pattern they are refused, not enforced)")
     return None
 
 
