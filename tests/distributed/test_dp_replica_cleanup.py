@@ -6,16 +6,13 @@ of the core processes read before the LLM is dropped."""
 from __future__ import annotations
 
 import gc
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 import time
 
 import psutil
 
 from kvflow import LLM, SamplingParams
+from tests.distributed.test_worker_orphans import kill_script_and_check_cleanup
 
 
 def _running(pid: int) -> bool:
@@ -61,26 +58,4 @@ def test_replicas_of_a_killed_process_exit_and_remove_its_folder(tiny_llama, tmp
             print(*[core.pid for core in llm.engine.core.cores], flush=True)
             time.sleep(600)
     """))
-    temp = tmp_path / "tmp"
-    temp.mkdir()
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(temp)})
-    pids: list[int] = []
-    try:
-        pids = [int(x) for x in proc.stdout.readline().split()]
-        assert len(pids) == 2 and all(_running(pid) for pid in pids)
-        assert list(temp.glob("kvflow-dp-*"))  # the script's, while it runs
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(_running(pid) for pid in pids):
-            time.sleep(0.1)
-        assert not [pid for pid in pids if _running(pid)]
-        assert not list(temp.glob("kvflow-dp-*"))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stdout.close()
-        for pid in pids:
-            if _running(pid):
-                psutil.Process(pid).kill()
+    kill_script_and_check_cleanup(script, tmp_path, "kvflow-dp-*")

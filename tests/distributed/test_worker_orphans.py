@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,36 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def kill_script_and_check_cleanup(script: Path, tmp_path: Path, folder_glob: str) -> None:
+    """Run ``script`` (it prints its two child processes' pids on one line, then sleeps) with
+    a private TMPDIR; once it printed, check both children run and a ``folder_glob`` folder
+    is there, SIGKILL the script, and assert that within 15 s both children exited and the
+    folder is gone. Whatever is left is killed."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(temp)})
+    pids: list[int] = []
+    try:
+        pids = [int(x) for x in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(_running(pid) for pid in pids)
+        assert list(temp.glob(folder_glob))  # the script's, while it runs
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+            time.sleep(0.1)
+        assert not [pid for pid in pids if _running(pid)]
+        assert not list(temp.glob(folder_glob))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+        for pid in pids:  # a failed run leaves no child behind either
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_workers_exit_when_the_engine_process_is_killed(tiny_model_factory, tmp_path):
@@ -40,26 +71,4 @@ def test_workers_exit_when_the_engine_process_is_killed(tiny_model_factory, tmp_
         print(*[p.pid for p in llm.engine.core.executor._procs], flush=True)
         time.sleep(600)
     """))
-    temp = tmp_path / "tmp"
-    temp.mkdir()
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(temp)})
-    pids: list[int] = []
-    try:
-        pids = [int(x) for x in proc.stdout.readline().split()]
-        assert len(pids) == 2 and all(_running(pid) for pid in pids)
-        assert [p.name for p in temp.glob("kvflow-mp-*")]  # the executor's, while it runs
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(_running(pid) for pid in pids):
-            time.sleep(0.1)
-        assert not [pid for pid in pids if _running(pid)]
-        assert not list(temp.glob("kvflow-mp-*"))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stdout.close()
-        for pid in pids:  # a failed run leaves no worker behind either
-            if _running(pid):
-                os.kill(pid, signal.SIGKILL)
+    kill_script_and_check_cleanup(script, tmp_path, "kvflow-mp-*")
