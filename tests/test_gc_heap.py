@@ -10,17 +10,20 @@ import textwrap
 
 import pytest
 
-SEMANTICS = textwrap.dedent("""
+CYCLES = textwrap.dedent("""
     import gc, weakref
-    from kvflow.gc_heap import freeze_startup_heap, unfreeze_heap
 
     class Node:
         pass
 
-    def cycle():
+    def cycle():  # a reference cycle: only the cyclic collector frees it
         a, b = Node(), Node()
         a.other, b.other = b, a
         return a
+""")
+
+SEMANTICS = CYCLES + textwrap.dedent("""
+    from kvflow.gc_heap import freeze_startup_heap, unfreeze_heap
 
     keep = [cycle()]                      # alive at start-up, garbage later
     old = weakref.ref(keep[0])
@@ -53,17 +56,8 @@ def test_freezing_hides_the_startup_heap_and_later_garbage_is_still_collected():
     assert done.stdout.strip() == "ok"
 
 
-IMPORT_FREEZE = textwrap.dedent("""
-    import gc, weakref
+IMPORT_FREEZE = CYCLES + textwrap.dedent("""
     from kvflow.gc_heap import freeze_import_heap, freeze_startup_heap
-
-    class Node:
-        pass
-
-    def cycle():
-        a, b = Node(), Node()
-        a.other, b.other = b, a
-        return a
 
     keep = [cycle()]                      # an import's object: alive, frozen
     young = weakref.ref(cycle())          # young garbage: collected, not frozen
