@@ -162,9 +162,8 @@ int kvflow_lora(void *y, int64_t y_stride, int ydt, const void *x, int64_t x_str
     const int threads = adapted * rank * (in + out) < PARALLEL_MACS || tiles < 2 ? 1
                                                                               : num_threads;
     const size_t scratch = ((size_t)TILE * (in + rank + out) + out) * sizeof(float);
-    if (threads == 1) { /* no parallel region: entering one of another team size than the
-                         * last makes the caller wait for the idle threads to dock, a whole
-                         * time slice when one is descheduled on a busy machine */
+    if (threads == 1) { /* no parallel region: a 1-thread one costs a fraction of a
+                         * microsecond more (benchmarks/cpu_omp_regions.c) */
         float *work = malloc(scratch);
         if (!work) {
             status = 1;
