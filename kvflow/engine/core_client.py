@@ -76,9 +76,9 @@ def start_ray_for_replicas(config: EngineConfig) -> bool:
     if pc.executor_backend != "ray" or pc.data_parallel_size == 1 \
             or os.environ.get("RAY_ADDRESS"):
         return False
-    from kvflow.executor.ray import _import_ray, check_cluster_fits, worker_bundle
+    from kvflow.executor.ray_cluster import check_cluster_fits, import_ray, worker_bundle
 
-    ray = _import_ray()
+    ray = import_ray()
     if ray.is_initialized():
         return False
     ray.init(log_to_driver=True)

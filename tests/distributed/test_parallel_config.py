@@ -343,7 +343,8 @@ def test_a_local_ray_cluster_too_small_is_an_error_at_once(caplog):
     group is made (was: the placement group waited 120 s, then the same shortfall). A
     cluster named in RAY_ADDRESS may grow (an autoscaler): a warning, and the placement
     waits. No Ray: its calls are faked."""
-    from kvflow.executor.ray import RayExecutor, check_cluster_fits
+    from kvflow.executor.ray import RayExecutor
+    from kvflow.executor.ray_cluster import check_cluster_fits
 
     executor = RayExecutor.__new__(RayExecutor)
     executor.config = EngineConfig.from_kwargs(model="x", device="cpu")
@@ -353,7 +354,7 @@ def test_a_local_ray_cluster_too_small_is_an_error_at_once(caplog):
                                          r"4 workers of \{'CPU': 1\} need; .*ray start --head "
                                          r"--num-cpus 4\) and name it in RAY_ADDRESS$"):
         executor._init_placement_group(120.0)
-    with caplog.at_level("WARNING", logger="kvflow.executor.ray"):
+    with caplog.at_level("WARNING", logger="kvflow.executor.ray_cluster"):
         check_cluster_fits(executor.ray, {"CPU": 1}, 4, local=False, timeout_s=120)
     executor.ray.cpus = 4
     check_cluster_fits(executor.ray, {"CPU": 1}, 4, local=True, timeout_s=120)  # fits
