@@ -239,13 +239,31 @@ class _Beats:
         return self.messages.pop(0)
 
 
+def _first_failure(executor, check, clock: list[float], stray: list[bytes] = ()
+                   ) -> tuple[int | None, str]:
+    """Step the faked ``clock`` through t = 1..11 s: at each, ``executor``'s heartbeat socket
+    holds ``stray`` messages, rank 0's beat of t - 0.5 and rank 1's until t = 2; returns the
+    first t at which ``check()`` raised ExecutorError and its message (None, "" if none)."""
+    from kvflow.executor.heartbeat import encode_beat
+
+    for t in range(1, 12):
+        clock[0] = float(t)
+        executor._beats = _Beats([*stray, encode_beat(0, t - 0.5)] +
+                                 ([encode_beat(1, t - 0.5)] if t <= 2 else []))
+        try:
+            check()
+        except ExecutorError as e:
+            return t, str(e)
+    return None, ""
+
+
 def test_a_silent_worker_fails_the_engine_naming_its_rank(monkeypatch):
     """A worker that is alive but sends no heartbeat (SIGSTOP: no exit status, its peers
     wait in a collective) fails the engine after ``worker_heartbeat_timeout`` naming the rank
     and pid (was: a hang until gloo's 600 s timeout); ranks that beat do not. The clock,
     sockets and processes are faked: rank 0 beats every second, rank 1 stops after t=2."""
     from kvflow.executor import heartbeat
-    from kvflow.executor.heartbeat import HeartbeatMonitor, encode_beat
+    from kvflow.executor.heartbeat import HeartbeatMonitor
     from kvflow.executor.multiproc import MultiprocExecutor
 
     executor = MultiprocExecutor.__new__(MultiprocExecutor)
@@ -258,16 +276,7 @@ def test_a_silent_worker_fails_the_engine_naming_its_rank(monkeypatch):
     assert heartbeat.process_state(os.getpid()) is None  # this process runs
     clock = [0.0]
     monkeypatch.setattr("kvflow.executor.multiproc.time.monotonic", lambda: clock[0])
-    failed_at = None
-    for t in range(1, 12):
-        clock[0] = float(t)
-        executor._beats = _Beats([encode_beat(0, t - 0.5)] +
-                                 ([encode_beat(1, t - 0.5)] if t <= 2 else []))
-        try:
-            executor._check_alive()
-        except ExecutorError as e:
-            failed_at, message = t, str(e)
-            break
+    failed_at, message = _first_failure(executor, executor._check_alive, clock)
     assert failed_at == 7  # last beat at 1.5 s: silent for more than 5 s at t = 7
     assert message.startswith("worker rank 1 (pid 4101) sent no heartbeat for 5.5 s "
                               "(worker_heartbeat_timeout=5): the process is stopped")
@@ -281,7 +290,7 @@ def test_a_silent_ray_actor_fails_the_engine_naming_its_rank(monkeypatch, same_n
     torch.distributed's 600 s). On the executor's node it is SIGKILLed and its state named;
     elsewhere ``/proc`` says nothing about it. Clock, socket and Ray faked: rank 0 beats every
     second, rank 1 stops after t=2 (the real SIGSTOP: test_slow_ray_and_real_models)."""
-    from kvflow.executor.heartbeat import HeartbeatMonitor, encode_beat
+    from kvflow.executor.heartbeat import HeartbeatMonitor
     from kvflow.executor.ray import RayExecutor
 
     executor = RayExecutor.__new__(RayExecutor)
@@ -298,16 +307,8 @@ def test_a_silent_ray_actor_fails_the_engine_naming_its_rank(monkeypatch, same_n
     monkeypatch.setattr("kvflow.executor.ray.os.kill", lambda pid, sig: killed.append((pid, sig)))
     clock = [0.0]
     monkeypatch.setattr("kvflow.executor.ray.time.monotonic", lambda: clock[0])
-    failed_at = None
-    for t in range(1, 12):
-        clock[0] = float(t)
-        executor._beats = _Beats([b"not a beat", encode_beat(0, t - 0.5)] +  # stray: dropped
-                                 ([encode_beat(1, t - 0.5)] if t <= 2 else []))
-        try:
-            executor.check_health()
-        except ExecutorError as e:
-            failed_at, message = t, str(e)
-            break
+    failed_at, message = _first_failure(executor, executor.check_health, clock,
+                                        stray=[b"not a beat"])  # dropped
     assert failed_at == 7  # last beat at 1.5 s: silent for more than 5 s at t = 7
     expected = "worker rank 1 (pid 4101) sent no heartbeat for 5.5 s (worker_heartbeat_timeout=5)"
     if same_node:
