@@ -23,7 +23,8 @@ IDS = [40, 41, 42, 43]
 
 class BreakOnce(AdapterLogitsProcessor):
     """A batched processor that raises for the whole step once the file named by
-    ``$KVFLOW_TEST_BREAK_STEP_MARKER`` exists (deleting it: once)."""
+    ``$KVFLOW_TEST_BREAK_STEP_MARKER`` exists (deleting it: once, and only in the one process
+    whose delete succeeds when data-parallel replicas race for it)."""
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -33,10 +34,13 @@ class BreakOnce(AdapterLogitsProcessor):
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         marker = os.environ.get(MARKER_ENV, "")
-        if marker and os.path.exists(marker):
-            os.remove(marker)
-            raise RuntimeError("simulated runner failure")
-        return logits
+        if not marker:
+            return logits
+        try:
+            os.remove(marker)  # claims the marker: one process of several raises
+        except FileNotFoundError:
+            return logits
+        raise RuntimeError("simulated runner failure")
 
 
 @pytest.mark.timeout(180)
