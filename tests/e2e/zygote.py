@@ -22,6 +22,7 @@ runs; negative: killed by that signal, as ``subprocess``); ``{"op": "exit"}``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import json
 import os
@@ -188,6 +189,7 @@ def _run_kvflow(argv: list[str], env: dict[str, str], log: str) -> None:
     returns."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _end_with_the_zygote()
     os.environ.clear()
     os.environ.update(env)
     null, out = os.open(os.devnull, os.O_RDONLY), os.open(log, os.O_WRONLY | os.O_APPEND)
@@ -210,3 +212,12 @@ def _run_kvflow(argv: list[str], env: dict[str, str], log: str) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _end_with_the_zygote() -> None:
+    """Ask Linux to send this forked server SIGTERM when the zygote ends (``prctl``'s
+    ``PR_SET_PDEATHSIG``), so a test run killed mid-way leaves no server behind; elsewhere a
+    no-op."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
