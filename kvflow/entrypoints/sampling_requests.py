@@ -109,11 +109,49 @@ def sampling_params(engine: AsyncLLM, req: SamplingRequest, max_tokens: int,
             ``thinking_token_budget`` without ``reasoning`` markers (code
             ``unsupported_parameter``).
     """
+    _check_logit_bias(engine, req)
+    fields = _request_fields(req, max_tokens, logprobs, structured_outputs)
+    if req.repetition_detection is not None:
+        fields["repetition_detection"] = repetition_detection(req)
+    fields.update(_extra_args(engine, req))
+    fields.update(_thinking_budget(req, reasoning))
+    if reasoning is not None and fields["structured_outputs"] is not None and \
+            not grammar_in_reasoning:
+        # the grammar starts after the reasoning (vLLM's rule: structured/reasoning_gate.py)
+        fields["reasoning_token_ids"] = reasoning
+    try:
+        params = SamplingParams(**fields)
+        engine.processor.validate_params(params)
+    except ValueError as e:
+        raise _params_error(e, req, structured_outputs) from None
+    return params
+
+
+def _check_logit_bias(engine: AsyncLLM, req: SamplingRequest) -> None:
+    """Refuse a ``logit_bias`` of more entries than the model's vocabulary has tokens before
+    any entry is read (they cannot all name a token).
+
+    Raises:
+        OpenAIError: 400 naming ``logit_bias`` (code ``array_above_max_length``).
+    """
     if req.logit_bias and len(req.logit_bias) > engine.processor.vocab_size:
         raise OpenAIError(f"logit_bias holds {len(req.logit_bias)} entries, more than this "
                           f"model's vocabulary of {engine.processor.vocab_size} tokens (each "
                           "names a different token id)", param="logit_bias",
                           code="array_above_max_length")
+
+
+def _request_fields(req: SamplingRequest, max_tokens: int, logprobs: int | None,
+                    structured_outputs: StructuredOutputsParams | None) -> dict[str, object]:
+    """The SamplingParams fields the request's own fields give: its output constraint (or
+    ``structured_outputs``, the tool grammar), the fields copied 1:1 (the optional ones only
+    when set), ``max_tokens``, ``logprobs``, ``stop`` and ``stop_token_ids`` as lists.
+
+    Raises:
+        OpenAIError: 400 naming the field for two constraints at once (code
+            ``invalid_value``); ``logprob_token_ids`` without logprobs (code
+            ``invalid_parameter_combination``).
+    """
     try:
         fields = {"structured_outputs": request_constraint(req, structured_outputs)}
     except RequestFieldError as e:
@@ -129,26 +167,25 @@ def sampling_params(engine: AsyncLLM, req: SamplingRequest, max_tokens: int,
                           "count on /v1/completions): the listed tokens' logprobs are given "
                           "in place of the top ones", param="logprob_token_ids",
                           code="invalid_parameter_combination")
-    if req.repetition_detection is not None:
-        fields["repetition_detection"] = repetition_detection(req)
-    if req.vllm_xargs:
-        if not engine.processor.logits_processors:  # nothing would read them
-            raise OpenAIError("vllm_xargs is read only by custom logits processors, and this "
-                              "server runs none (start it with --logits-processors), so it "
-                              "would be ignored: leave it out", param="vllm_xargs",
-                              code="unsupported_parameter")
-        fields["extra_args"] = dict(req.vllm_xargs)
-    fields.update(_thinking_budget(req, reasoning))
-    if reasoning is not None and fields["structured_outputs"] is not None and \
-            not grammar_in_reasoning:
-        # the grammar starts after the reasoning (vLLM's rule: structured/reasoning_gate.py)
-        fields["reasoning_token_ids"] = reasoning
-    try:
-        params = SamplingParams(**fields)
-        engine.processor.validate_params(params)
-    except ValueError as e:
-        raise _params_error(e, req, structured_outputs) from None
-    return params
+    return fields
+
+
+def _extra_args(engine: AsyncLLM, req: SamplingRequest) -> dict[str, object]:
+    """The SamplingParams ``extra_args`` of the request's ``vllm_xargs`` (none when unset or
+    empty), which only custom logits processors read.
+
+    Raises:
+        OpenAIError: 400 naming ``vllm_xargs`` (code ``unsupported_parameter``) when the
+            server runs no custom logits processors (nothing would read them).
+    """
+    if not req.vllm_xargs:
+        return {}
+    if not engine.processor.logits_processors:  # nothing would read them
+        raise OpenAIError("vllm_xargs is read only by custom logits processors, and this "
+                          "server runs none (start it with --logits-processors), so it "
+                          "would be ignored: leave it out", param="vllm_xargs",
+                          code="unsupported_parameter")
+    return {"extra_args": dict(req.vllm_xargs)}
 
 
 def _thinking_budget(req: SamplingRequest, reasoning: ReasoningTokenIds | None
@@ -171,6 +208,8 @@ def _thinking_budget(req: SamplingRequest, reasoning: ReasoningTokenIds | None
                           "send -1 or leave it out", param="thinking_token_budget",
                           code="unsupported_parameter")
     return {"thinking_token_budget": budget, "reasoning_token_ids": reasoning}
+
+
 def repetition_detection(req: SamplingRequest) -> RepetitionDetectionParams:
     """The request's ``repetition_detection`` as SamplingParams takes it.
 
