@@ -104,9 +104,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     tag = set_up_core_process(config, log_level, env, parent)
     freeze_import_heap()  # kvflow/gc_heap.py: the collection before ready skips the imports
     ctx = zmq.Context()
-    inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    inp.connect(input_addr)
-    out.connect(output_addr)
+    inp, out = _connect(ctx, input_addr, output_addr)
     encoder = msgspec.msgpack.Encoder()
     index = config.parallel_config.data_parallel_rank
     core = None
@@ -114,13 +112,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     heartbeat = start_core_heartbeat(index, output_addr,
                                      config.parallel_config.engine_heartbeat_timeout)
     try:
-        if go is not None and not wait_for_go(go, inp):
-            return
-        try:
-            core = EngineCore(config)
-        except ValueError as e:  # bad input: one line, no traceback (the caller re-raises it)
-            logger.debug("engine core: %s", e)  # the API process prints it
-            out.send(encoder.encode(EngineFailed(str(e), index, bad_input=True)))
+        core = _build_core(config, inp, out, encoder, index, go)
+        if core is None:
             return
         if generation > 0:
             core.mark_restarted()
@@ -138,6 +131,33 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         inp.close(linger=0)
         out.close(linger=2000)
         ctx.term()
+
+
+def _connect(ctx: zmq.Context, input_addr: str, output_addr: str
+             ) -> tuple[zmq.Socket, zmq.Socket]:
+    """The core's two sockets, connected to the API process's: (PULL from ``input_addr``,
+    PUSH to ``output_addr``)."""
+    inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inp.connect(input_addr)
+    out.connect(output_addr)
+    return inp, out
+
+
+def _build_core(config: EngineConfig, inp: zmq.Socket, out: zmq.Socket,
+                encoder: msgspec.msgpack.Encoder, index: int, go: str | None
+                ) -> EngineCore | None:
+    """The EngineCore, once the API process lets it start (``go``: :func:`wait_for_go`);
+    None when it was told to shut down first, or when ``config`` was refused as bad input
+    (then reported on ``out`` as ``EngineFailed(bad_input=True)``: one line, no traceback,
+    which the API process prints and re-raises). Any other error propagates."""
+    if go is not None and not wait_for_go(go, inp):
+        return None
+    try:
+        return EngineCore(config)
+    except ValueError as e:  # bad input: one line, no traceback (the caller re-raises it)
+        logger.debug("engine core: %s", e)  # the API process prints it
+        out.send(encoder.encode(EngineFailed(str(e), index, bad_input=True)))
+        return None
 
 
 def engine_core_process(*args: Any) -> NoReturn:
