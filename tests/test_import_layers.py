@@ -50,6 +50,7 @@ LAYERS: dict[str, int] = {
     "kvflow.chat_tools_text": 8,  # tools as text for a template without them (LLM.chat, server)
     "kvflow.multimodal": 8, "kvflow.multimodal.processor_files": 8,  # its processor configs read
     "kvflow.core": 7, "kvflow.structured": 7, "kvflow.spec_decode": 7,
+    "kvflow.core.sched_stops": 7,  # the stop rule on one request after a step (sched_update)
     "kvflow.core.sched_arrivals": 7,  # the scheduler's admission verdict, TTFT forecast
     "kvflow.core.kv_connector_startup": 7,  # the KV connector's scheduler half at start-up
     "kvflow.structured.xgrammar_convert": 7,  # a constraint as xgrammar's grammar
