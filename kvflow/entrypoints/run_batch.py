@@ -325,7 +325,8 @@ def _run(engine_config: EngineConfig, server_config: ServerConfig, source: Batch
     from kvflow.chat_template_source import load_chat_template, warn_if_model_template_broken
     from kvflow.engine.async_llm import AsyncLLM
     from kvflow.engine.start_method import core_start_method
-    from kvflow.entrypoints.api_server import build_app, check_lora_modules
+    from kvflow.entrypoints.api_server import build_app
+    from kvflow.entrypoints.preload_checks import check_lora_modules
     from kvflow.metrics import ServerMetrics
 
     names = server_config.model_names(engine_config.model_config.model)
