@@ -80,6 +80,7 @@ LAYERS: dict[str, int] = {
     "kvflow.distributed.kv_transfer.storage_layouts": 2,  # its producers' layout records
     "kvflow.distributed.kv_transfer.storage_paths": 2,  # its block files' paths, its folder
     "kvflow.distributed.kv_transfer.storage_writes": 2,  # its atomic writes, orphan sweep
+    "kvflow.distributed.kv_transfer.storage_worker": 2,  # its worker half (block loads, saves)
     "kvflow.platforms": 1,
     # foundation: configuration and pure data that crosses a boundary
     "kvflow.config": 0, "kvflow.openmp_env": 0, "kvflow.malloc_env": 0, "kvflow.gc_heap": 0,

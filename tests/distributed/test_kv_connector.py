@@ -22,12 +22,10 @@ from safetensors.torch import load_file, save_file
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import EngineConfig, KVTransferConfig
-from kvflow.distributed.kv_transfer.shared_storage import (
-    SharedStorageScheduler,
-    SharedStorageWorker,
-)
+from kvflow.distributed.kv_transfer.shared_storage import SharedStorageScheduler
 from kvflow.distributed.kv_transfer.storage_keys import block_keys
 from kvflow.distributed.kv_transfer.storage_paths import block_path
+from kvflow.distributed.kv_transfer.storage_worker import SharedStorageWorker
 from kvflow.lora.request import LoRARequest
 from tests.conftest import build_tiny_model
 from tests.distributed.conftest import SLOW
@@ -830,7 +828,7 @@ def test_two_writers_of_one_block_in_one_process_both_succeed(tmp_path, monkeypa
     """Two engines (or two containers whose processes share a pid) saving the same block at
     once: each writes its own temporary file, so the slower one's rename still finds its file
     and the block holds the K/V both computed. Oracle: the tensors written, by hand."""
-    import kvflow.distributed.kv_transfer.shared_storage as ss
+    import kvflow.distributed.kv_transfer.storage_worker as ss
     from kvflow.kv_connector_meta import BlockTransfer, KVConnectorMetadata
 
     kv = torch.arange(2 * 3 * BLOCK_SIZE * 2 * 8, dtype=torch.float32).reshape(2, 3, BLOCK_SIZE,
@@ -861,7 +859,7 @@ def test_a_save_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
     """A block whose file cannot be written (a full disk: the writer wrote part of it, then
     raised) fails the save with the OS error, as vLLM's does, and leaves nothing in the
     folder: no partial temporary file piles up with each failed step."""
-    import kvflow.distributed.kv_transfer.shared_storage as ss
+    import kvflow.distributed.kv_transfer.storage_worker as ss
     from kvflow.kv_connector_meta import BlockTransfer, KVConnectorMetadata
 
     kv = torch.zeros(2, 2, BLOCK_SIZE, 2, 8)

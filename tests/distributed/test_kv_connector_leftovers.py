@@ -19,11 +19,9 @@ import pytest
 import torch
 
 from kvflow.config import KVTransferConfig
-from kvflow.distributed.kv_transfer.shared_storage import (
-    SharedStorageScheduler,
-    SharedStorageWorker,
-)
+from kvflow.distributed.kv_transfer.shared_storage import SharedStorageScheduler
 from kvflow.distributed.kv_transfer.storage_keys import block_keys
+from kvflow.distributed.kv_transfer.storage_worker import SharedStorageWorker
 from kvflow.kv_connector_meta import BlockTransfer, KVConnectorMetadata
 from tests.distributed.test_kv_connector import (
     BLOCK_SIZE,
@@ -38,7 +36,7 @@ from tests.distributed.test_kv_connector import (
 KILLED_MID_SAVE = textwrap.dedent("""
     import os, signal, sys
     import torch
-    import kvflow.distributed.kv_transfer.shared_storage as ss
+    import kvflow.distributed.kv_transfer.storage_worker as ss
     from kvflow.config import KVTransferConfig
     from kvflow.kv_connector_meta import BlockTransfer, KVConnectorMetadata
 
@@ -97,7 +95,7 @@ def test_a_writer_whose_temporary_file_was_removed_stores_nothing_and_goes_on(
     """A writer stalled past the orphan age, whose temporary file another engine's start
     removed meanwhile: its save stores nothing and warns, the step goes on (was: the rename's
     FileNotFoundError failed the step), and the next save of the block stores it."""
-    import kvflow.distributed.kv_transfer.shared_storage as ss
+    import kvflow.distributed.kv_transfer.storage_worker as ss
 
     kv = torch.arange(2 * 2 * BLOCK_SIZE * 2 * 8, dtype=torch.float32).reshape(
         2, 2, BLOCK_SIZE, 2, 8)

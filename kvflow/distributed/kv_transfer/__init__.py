@@ -1,6 +1,6 @@
 """KV transfer between engines (disaggregated prefill, ``--kv-transfer-config``): the
 connector interface (``base``) and vLLM's example connector, SharedStorageConnector
-(``shared_storage``)."""
+(``shared_storage``; its worker half ``storage_worker``)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,9 @@ from kvflow.distributed.kv_transfer.base import (
     KVConnectorWorker,
     KVTensors,
 )
-from kvflow.distributed.kv_transfer.shared_storage import (
-    ExtraKeys,
-    SharedStorageScheduler,
-    SharedStorageWorker,
-)
+from kvflow.distributed.kv_transfer.shared_storage import ExtraKeys, SharedStorageScheduler
 from kvflow.distributed.kv_transfer.storage_layouts import StorageLayout
+from kvflow.distributed.kv_transfer.storage_worker import SharedStorageWorker
 
 __all__ = ["KVConnectorScheduler", "KVConnectorWorker", "KVTensors",
            "make_kv_connector_scheduler", "make_kv_connector_worker"]
