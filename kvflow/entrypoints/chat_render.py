@@ -2,7 +2,8 @@
 /tokenize: the server's chat template (``--chat-template``, read once), the request's own
 (under ``--trust-request-chat-template``), the tools given to the template or written into the
 system message as the tool parser's instructions, long conversations rendered off the event
-loop, and a vision-language model's images attached after rendering.
+loop, a vision-language model's images attached after rendering, and (chat only) the rendered
+prompt cut to ``truncate_prompt_tokens``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any
+
+from fastapi import Request
 
 from kvflow.chat_messages import image_urls, video_urls
 from kvflow.chat_template import ChatTemplateError, NoChatTemplateError, template_text
@@ -19,13 +22,16 @@ from kvflow.entrypoints.chat_conversation import check_messages, no_template_err
 from kvflow.entrypoints.chat_options import ChatOptions
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.preprocess import INLINE_CHARS, PromptTooLong, encode_checked, off_loop
-from kvflow.entrypoints.protocol import ChatMessage
+from kvflow.entrypoints.protocol import ChatCompletionRequest, ChatMessage
+from kvflow.entrypoints.sampling_requests import prompt_truncation
+from kvflow.entrypoints.serving_base import body_size
 from kvflow.entrypoints.structured_requests import tools_for_template
 from kvflow.entrypoints.tool_parsers import make_tool_parser
 from kvflow.input_processor import InputProcessor
 from kvflow.multimodal import MediaError
 from kvflow.multimodal.video import VideoError
 from kvflow.prompt_inputs import ProcessedPrompt
+from kvflow.tokenization_options import cut_generation_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +221,28 @@ class ChatRendering:
             raise OpenAIError(str(e), param=param,
                               code=getattr(e, "code", None) or "invalid_value") from None
 
+    async def render_prompt(self, req: ChatCompletionRequest, raw: Request, mode: str | None
+                            ) -> tuple[str, ProcessedPrompt, str | None, list[int]]:
+        """The request's conversation rendered (off the event loop when large), its images
+        attached and the prompt cut to ``truncate_prompt_tokens``: (the rendered text, the
+        processed prompt with its images, the prompt's text (None once cut) and token ids after
+        the cut). ``mode``: the request's tool-choice mode (None: no tools).
+
+        Raises:
+            OpenAIError: 400 for a conversation, image or truncation that cannot be used,
+                or a prompt longer than the context (when not truncated).
+        """
+        limit = prompt_truncation(self.engine, req)
+        text, ids = await self.render(req.messages, ChatOptions.of(req), self.template_tools(
+            req, mode), check_length=limit is None, size=body_size(raw),
+            tool_instructions=mode is not None)
+        rendered = text
+        prompt = await self.attach_images(req.messages, text, ids, req.mm_processor_kwargs)
+        special = req.add_special_tokens and "truncation_side" not in req.unknown_values
+        text, ids = await off_loop(len(text), _truncated, self.tokenizer, text,
+                                   prompt.token_ids, limit, prompt.mm_features, special)
+        return rendered, prompt, text, ids
+
 
 def _with_images(processor: InputProcessor, conversation: list[dict[str, Any]], text: str,
                  ids: list[int], mm_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
@@ -231,3 +259,24 @@ def _with_images(processor: InputProcessor, conversation: list[dict[str, Any]], 
         if e.image_index is not None and e.image_index < len(urls):
             e.param = urls[e.image_index][0]
         raise
+
+
+def _truncated(tokenizer: Any, text: str, ids: list[int], limit: int | None,
+               images: list | None, special: bool) -> tuple[str | None, list[int]]:
+    """The rendered prompt cut to its last ``limit`` tokens (``truncate_prompt_tokens``; its
+    text is then None: no longer the prompt); as it is when it fits or ``limit`` is None.
+    ``special``: ``ids`` hold the special tokens the tokenizer adds (``add_special_tokens``,
+    no ``truncation_side``): they stay, as vLLM 0.32 cuts the text
+    (``tokenization_options.cut_generation_prompt``).
+
+    Raises:
+        OpenAIError: 400 naming ``truncate_prompt_tokens`` for a cut through a prompt with
+            images (their placeholder tokens would be cut from their features).
+    """
+    if limit is None or len(ids) <= limit:
+        return text, ids
+    if images:
+        raise OpenAIError(f"truncate_prompt_tokens={limit} would cut the rendered prompt of "
+                          f"{len(ids)} tokens, which holds images: send a larger value or "
+                          "leave it out", param="truncate_prompt_tokens", code="invalid_value")
+    return None, cut_generation_prompt(tokenizer, text, ids, limit, special)

@@ -16,12 +16,10 @@ from kvflow.config import ServerConfig
 from kvflow.engine.async_llm import AsyncLLM, RequestStream, collect
 from kvflow.entrypoints.beam_requests import beam_params
 from kvflow.entrypoints.chat_logprobs import chat_logprobs
-from kvflow.entrypoints.chat_options import ChatOptions
 from kvflow.entrypoints.chat_output import ChatOutputParser, make_reasoning_parser
 from kvflow.entrypoints.chat_render import ChatRendering
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.platform_fields import refuse_platform_options, served_tier
-from kvflow.entrypoints.preprocess import off_loop
 from kvflow.entrypoints.prompt_logprobs import vllm_prompt_logprobs
 from kvflow.entrypoints.protocol import (
     ChatChoice,
@@ -38,7 +36,6 @@ from kvflow.entrypoints.sampling_requests import (
     check_max_tokens,
     default_max_tokens,
     grammar_param,
-    prompt_truncation,
     sampling_params,
 )
 from kvflow.entrypoints.serving_base import OpenAIServing, body_size, request_ids
@@ -53,10 +50,11 @@ from kvflow.entrypoints.structured_requests import (
     tool_parser_for,
 )
 from kvflow.entrypoints.unknown_fields import UnknownFields
+from kvflow.lora.request import LoRARequest
+from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.outputs import CompletionOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import StructuredOutputsParams
-from kvflow.tokenization_options import cut_generation_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -134,15 +132,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         mode, parser = await self._tools(req)
         tool_grammar = tool_constraint(req, mode)
         await check_constraint(self.engine, req, tool_grammar, body_size(raw))
-        limit = prompt_truncation(self.engine, req)
-        text, ids = await self.render(req.messages, ChatOptions.of(req), self.template_tools(
-            req, mode), check_length=limit is None, size=body_size(raw),
-            tool_instructions=mode is not None)
-        rendered = text
-        prompt = await self.attach_images(req.messages, text, ids, req.mm_processor_kwargs)
-        special = req.add_special_tokens and "truncation_side" not in req.unknown_values
-        text, ids = await off_loop(len(text), _truncated, self.tokenizer, text,
-                                   prompt.token_ids, limit, prompt.mm_features, special)
+        rendered, prompt, text, ids = await self.render_prompt(req, raw, mode)
         params = self._params(req, ids, tool_grammar)
         # a template that opens the think block itself; under a grammar applied from the
         # first token on (no reasoning markers known) the reply is what the grammar forces,
@@ -152,24 +142,41 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         if parser.keeps_special_tokens:  # the call markers are special tokens
             params.skip_special_tokens = False
         self.check_admission(1, n=req.n or 1)
+        reply_id, streams = await self._queue(req, raw, prefix, lora, (text, ids), params,
+                                              prompt.mm_features, tool_grammar)
+        return ChatRun(reply_id, ids, streams, parser, grammar_param(req, tool_grammar), text)
+
+    async def _queue(self, req: ChatCompletionRequest, raw: Request, prefix: str,
+                     lora: LoRARequest | None, prompt: tuple[str, list[int]],
+                     params: SamplingParams, mm_features: list[MultiModalFeature] | None,
+                     tool_grammar: StructuredOutputsParams | None
+                     ) -> tuple[str, list[RequestStream]]:
+        """Queue the request's prompt (``(text, token ids)``): a beam search under
+        ``use_beam_search``, else the engine's requests; returns (the reply's id, its
+        streams).
+
+        Raises:
+            OpenAIError: 400 for a ``data_parallel_rank`` out of range or a beam search with
+                a tool grammar or images; 503 when overloaded.
+        """
         dp_rank = self.data_parallel_rank(raw)
         reply_id, request_id = request_ids(prefix, req.request_id,
                                           raw if prefix != "resp" else None)
         self.note_request(req, request_id)
         if req.use_beam_search:
-            _refuse_for_beam_search(tool_grammar, prompt.mm_features)
+            _refuse_for_beam_search(tool_grammar, mm_features)
             streams = self.start_beam_searches(
-                request_id, [(text, ids)], [params], [beam_params(req, params)],
+                request_id, [prompt], [params], [beam_params(req, params)],
                 req.priority, self.client_id(req, raw), lora, params.skip_special_tokens,
                 req.cache_salt, self.session_id(req, raw))
         else:
-            streams = await self.add_requests(request_id, [(text, ids)], [params],
-                                              req.priority, prompt.mm_features,
+            streams = await self.add_requests(request_id, [prompt], [params],
+                                              req.priority, mm_features,
                                               self.client_id(req, raw), lora_request=lora,
                                               cache_salt=req.cache_salt,
                                               data_parallel_rank=dp_rank,
                                               session_id=self.session_id(req, raw))
-        return ChatRun(reply_id, ids, streams, parser, grammar_param(req, tool_grammar), text)
+        return reply_id, streams
 
     async def _tools(self, req: ChatCompletionRequest) -> tuple[str | None, ChatOutputParser]:
         """The tool-choice mode and the parser that reads the reply back.
@@ -363,27 +370,6 @@ def _prompt_logprobs(req: ChatCompletionRequest) -> int | None:
     if req.echo and not req.stream and not req.use_beam_search:
         return req.top_logprobs or 0
     return None
-
-
-def _truncated(tokenizer: Any, text: str, ids: list[int], limit: int | None,
-               images: list | None, special: bool) -> tuple[str | None, list[int]]:
-    """The rendered prompt cut to its last ``limit`` tokens (``truncate_prompt_tokens``; its
-    text is then None: no longer the prompt); as it is when it fits or ``limit`` is None.
-    ``special``: ``ids`` hold the special tokens the tokenizer adds (``add_special_tokens``,
-    no ``truncation_side``): they stay, as vLLM 0.32 cuts the text
-    (``tokenization_options.cut_generation_prompt``).
-
-    Raises:
-        OpenAIError: 400 naming ``truncate_prompt_tokens`` for a cut through a prompt with
-            images (their placeholder tokens would be cut from their features).
-    """
-    if limit is None or len(ids) <= limit:
-        return text, ids
-    if images:
-        raise OpenAIError(f"truncate_prompt_tokens={limit} would cut the rendered prompt of "
-                          f"{len(ids)} tokens, which holds images: send a larger value or "
-                          "leave it out", param="truncate_prompt_tokens", code="invalid_value")
-    return None, cut_generation_prompt(tokenizer, text, ids, limit, special)
 
 
 def _refuse_for_beam_search(tool_grammar: StructuredOutputsParams | None,
