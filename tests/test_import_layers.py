@@ -23,6 +23,7 @@ LAYERS: dict[str, int] = {
     "kvflow.entrypoints": 10, "kvflow.bench": 10, "kvflow.__main__": 10,
     "kvflow.entrypoints.completion_embeds": 10,  # /v1/completions' prompt_embeds
     "kvflow.entrypoints.preload_checks": 10,  # serve's --host/--port, --uds, --lora-modules
+    "kvflow.entrypoints.completion_prompts": 10,  # /v1/completions' prompt field read
     "kvflow.entrypoints.completion_echo": 10,  # /v1/completions' echo with max_tokens 0
     "kvflow.llm": 9, "kvflow.llm_ops": 9,
     "kvflow.engine": 8, "kvflow.input_processor": 8, "kvflow.output_processor": 8,

@@ -22,6 +22,7 @@ from kvflow.entrypoints.completion_logprobs import (
     prompt_logprobs_legacy,
     with_prompt,
 )
+from kvflow.entrypoints.completion_prompts import prompt_items, refuse_placeholders
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.preprocess import off_loop
 from kvflow.entrypoints.prompt_logprobs import cut_prompt_logprobs, vllm_prompt_logprobs
@@ -135,23 +136,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 ``context_length_exceeded``) a text prompt whose prefix alone is longer than
                 the context (not with ``truncate_prompt_tokens``).
         """
-        prompt = req.prompt
-        if prompt is None:  # prompt_embeds only
+        if req.prompt is None:  # prompt_embeds only
             return []
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            items = [prompt]
-        elif not prompt:
-            raise OpenAIError("the prompt is empty", param="prompt", code="empty_array")
-        else:
-            items = list(prompt)
-        for i, item in enumerate(items):
-            if len(item) == 0:  # in a list of prompts, name the empty one
-                listed = items[0] is not prompt
-                raise OpenAIError(f"prompt {i} of the list is empty" if listed
-                                  else "the prompt is empty",
-                                  param=f"prompt.{i}" if listed else "prompt",
-                                  code="empty_string" if isinstance(item, str)
-                                  else "empty_array")
+        items = prompt_items(req.prompt)
         limit = prompt_truncation(self.engine, req)
         texts = [item for item in items if isinstance(item, str)]
         tokenizer = self.tokenizer if texts else None
@@ -167,19 +154,8 @@ class OpenAIServingCompletion(OpenAIServing):
                    for text, ids in out]
         if self.engine.processor.mm_processor is not None:
             for text, ids in out:
-                self._refuse_placeholders(text, ids)
+                refuse_placeholders(self.engine.processor, text, ids)
         return out
-
-    def _refuse_placeholders(self, text: str | None, ids: list[int]) -> None:
-        """A vision-language model's completion prompt carries no images or videos: a
-        placeholder token in it would stand for nothing (they go in /v1/chat/completions
-        image_url / video_url parts). Raises OpenAIError 400."""
-        try:
-            self.engine.processor.attach_images(text, ids, [])
-        except ValueError as e:
-            raise OpenAIError(f"{e} (images and videos go in /v1/chat/completions image_url "
-                              "and video_url parts)", param="prompt",
-                              code="invalid_value") from None
 
     def _params(self, req: CompletionRequest, prompt: Prompt,
                 index: int | None, field: str = "prompt") -> SamplingParams:
