@@ -29,10 +29,10 @@ from kvflow.prompt_inputs import (
 from kvflow.prompt_media import attach_media, chat_media, checked_mm_kwargs
 from kvflow.prompt_truncation import SAMPLING_FIELD, keep_last_tokens, truncation_length
 from kvflow.request import Request
+from kvflow.request_samples import bad_words_ids_checked, sample_params
 from kvflow.sampling_checks import check_extra_args, check_sampling_params
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import CheckedConstraints, StructuredOutputsParams
-from kvflow.token_masks import bad_words_token_ids, check_masks_leave_a_token
 from kvflow.tokenization_options import TokenizationOptions
 
 
@@ -263,7 +263,8 @@ class InputProcessor(PoolingInputs):
                                                    prompt_embeds)
         self.validate(token_ids)
         self.validate_params(params)
-        bad_words_ids = self._bad_words_ids(params)
+        bad_words_ids = bad_words_ids_checked(self.tokenizer, params, self.vocab_size,
+                                              self.eos_token_id, self.extra_eos_ids)
         if prompt_embeds is not None:
             self._check_embeds_request(token_ids, params, prompt_embeds)
         if params.max_tokens is None:  # as many as the context leaves (at least min_tokens:
@@ -272,7 +273,8 @@ class InputProcessor(PoolingInputs):
             params = dataclasses.replace(params, max_tokens=max(room, params.min_tokens))
         requests = []
         for i in range(params.n):
-            child = self._sample_params(params, i, bad_words_ids)
+            child = sample_params(params, i, bad_words_ids, self.extra_eos_ids,
+                                  self.vocab_size)
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
             requests.append(Request(rid, token_ids, child, self.eos_token_id, arrival_time,
                                     priority, parent_id=request_id, sample_index=i,
@@ -280,26 +282,6 @@ class InputProcessor(PoolingInputs):
                                     lora_request=lora_request, cache_salt=cache_salt,
                                     prompt_embeds=prompt_embeds, session_id=session_id))
         return requests
-
-    def _sample_params(self, params: SamplingParams, i: int,
-                       bad_words_ids: list[list[int]] | None) -> SamplingParams:
-        """Sample ``i``'s copy of ``params``: ``n=1``, the engine's stop ids added, the
-        tokenized ``bad_words_ids``, -1 logprobs as the vocabulary size, and seed + i
-        (wrapped into the signed 64-bit range) when seeded."""
-        seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
-        child = dataclasses.replace(params, n=1,
-                                    stop_token_ids=self._stop_token_ids(params),
-                                    bad_words_token_ids=bad_words_ids,
-                                    **self._whole_vocab_logprobs(params))
-        child.seed = seed  # set after the copy: its checks would read a seed + i of -1
-        # as "unseeded" (SamplingParams.seed)
-        return child
-
-    def _whole_vocab_logprobs(self, params: SamplingParams) -> dict[str, int]:
-        """``logprobs`` / ``prompt_logprobs`` of -1 (vLLM's "every token") as the vocabulary
-        size, by field name (the fields that are -1 only)."""
-        return {name: self.vocab_size for name in ("logprobs", "prompt_logprobs")
-                if getattr(params, name) == -1}
 
     def _truncated(self, token_ids: list[int], params: SamplingParams,
                    mm_features: list[MultiModalFeature] | None,
@@ -325,23 +307,6 @@ class InputProcessor(PoolingInputs):
             prompt_embeds = pack_prompt_embeds(prompt_embeds.tensor()[-limit:])
         return keep_last_tokens(token_ids, limit), prompt_embeds
 
-    def _bad_words_ids(self, params: SamplingParams) -> list[list[int]] | None:
-        """``params.bad_words`` tokenized (vLLM's variants; None without bad words), after
-        checking that ``allowed_token_ids`` keep a token the bad words, ``min_tokens`` and
-        the stop tokens leave sampleable (``check_masks_leave_a_token``).
-
-        Raises:
-            ValueError: for bad words without a tokenizer, or masks that leave no token.
-        """
-        bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size) \
-            if params.bad_words else None
-        if params.allowed_token_ids:
-            stop_ids = self._stop_token_ids(params)
-            if self.eos_token_id is not None and not params.ignore_eos:
-                stop_ids.append(self.eos_token_id)
-            check_masks_leave_a_token(params, bad_words_ids or [], stop_ids)
-        return bad_words_ids
-
     def _check_embeds_request(self, token_ids: list[int], params: SamplingParams,
                               prompt_embeds: PromptEmbeds) -> None:
         """Raises ValueError for what a prompt given as embeddings cannot do (see
@@ -353,14 +318,6 @@ class InputProcessor(PoolingInputs):
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs cannot be computed for prompt_embeds: the prompt "
                              "has no token ids")
-
-    def _stop_token_ids(self, params: SamplingParams) -> list[int]:
-        """The request's ``stop_token_ids`` plus the model's further EOS ids (none with
-        ``ignore_eos``)."""
-        ids = list(params.stop_token_ids)
-        if not params.ignore_eos:
-            ids += [t for t in self.extra_eos_ids if t not in ids]
-        return ids
 
     def load_chat_images(self, messages: list[dict]) -> list[Any]:
         """The images of a conversation's ``image_url`` parts (``load_chat_media``'s)."""

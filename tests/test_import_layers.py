@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
     "kvflow.sampling_checks": 8,  # InputProcessor's SamplingParams checks against the model
     "kvflow.prompt_inputs": 8,  # the prompt forms, a dict prompt's parsing, its token ids
     "kvflow.prompt_media": 8,  # InputProcessor's multimodal half (images, videos, kwargs)
+    "kvflow.request_samples": 8,  # InputProcessor's per-sample SamplingParams (n fan-out)
     "kvflow.tokenization_options": 8,  # LLM's tokenization_kwargs for a prompt's tokenizer call
     "kvflow.detokenizer": 8, "kvflow.detokenizer_tokens": 8, "kvflow.detokenizer_stops": 8, "kvflow.logprob_tokens": 8, "kvflow.metrics": 8, "kvflow.chat_template": 8,
     "kvflow.metrics_buckets": 8, "kvflow.request_stats": 8,  # /metrics' boundaries, requests
