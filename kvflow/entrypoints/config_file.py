@@ -255,31 +255,13 @@ def _words(parser: argparse.ArgumentParser, action: argparse.Action, value: Any,
     flag = action.option_strings[0]
     if value is None:
         return []
-    if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)):
-        if not isinstance(value, bool):
-            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
-                f"{where}: {flag} is an on/off flag; give true or false")
-        if isinstance(action, argparse.BooleanOptionalAction):
-            return [flag if value else "--no-" + flag[2:]]
-        return [flag] if value else []
-    if _optional_value(action) and isinstance(value, bool):
-        return [flag] if value else []
+    switch = _switch_words(action, flag, value, where)
+    if switch is not None:
+        return switch
     raw = value if isinstance(value, list) else [value]
-    repeated = isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*") \
-        or isinstance(action.nargs, int)
-    if repeated and None in raw:  # its text would be the word None
-        raise ValueError(f"{where}: {flag} takes text values; item {raw.index(None)} of the "
-                         "list is null")
-    if repeated and value == []:  # no words would leave the flag at its default, silently
-        raise ValueError(f"{where}: {flag} takes at least one value, not an empty list (leave "
-                         "the key out, or set it to null, for the default)")
-    if repeated and flag not in _JSON_ITEM_FLAGS:
-        nested = next((item for item in raw if isinstance(item, (dict, list))), None)
-        if nested is not None:
-            raise ValueError(
-                f"{where}: {flag} takes text values (a value or a list of them), not "
-                f"{'a mapping' if isinstance(nested, dict) else 'a nested list'}: "
-                f"{json.dumps(nested)}")
+    if isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*") \
+            or isinstance(action.nargs, int):  # repeated: a list of values
+        _check_list(flag, raw, where)
     items = [_text(item) for item in raw]
     if isinstance(action, argparse._AppendAction):  # --flag=value: values may start with "-"
         _check_items(parser, action, items, where)
@@ -295,6 +277,50 @@ def _words(parser: argparse.ArgumentParser, action: argparse.Action, value: Any,
             f"{where}: {flag} takes one value, not a mapping: {json.dumps(value)}")
     _check_items(parser, action, items, where)
     return [f"{flag}={items[0]}"]
+
+
+def _switch_words(action: argparse.Action, flag: str, value: Any, where: str
+                  ) -> list[str] | None:
+    """The words of an on/off flag's value (``--flag``, ``--no-flag`` or none), or of a bool
+    given to a flag whose value is optional; None for any other flag or value.
+
+    Raises:
+        ValueError: naming ``where``, for an on/off flag given something other than a bool.
+    """
+    if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)):
+        if not isinstance(value, bool):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+                f"{where}: {flag} is an on/off flag; give true or false")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return [flag if value else "--no-" + flag[2:]]
+        return [flag] if value else []
+    if _optional_value(action) and isinstance(value, bool):
+        return [flag] if value else []
+    return None
+
+
+def _check_list(flag: str, raw: list[Any], where: str) -> None:
+    """Refuse values a repeated flag (a list of values; ``raw``: the file's value as a
+    list) cannot take as command-line words.
+
+    Raises:
+        ValueError: naming ``where``, for a null item (its text would be the word None), an
+            empty list (no words would leave the flag at its default, silently), or a
+            mapping or nested list (unless the flag's items are JSON).
+    """
+    if None in raw:  # its text would be the word None
+        raise ValueError(f"{where}: {flag} takes text values; item {raw.index(None)} of the "
+                         "list is null")
+    if raw == []:  # no words would leave the flag at its default, silently
+        raise ValueError(f"{where}: {flag} takes at least one value, not an empty list (leave "
+                         "the key out, or set it to null, for the default)")
+    if flag not in _JSON_ITEM_FLAGS:
+        nested = next((item for item in raw if isinstance(item, (dict, list))), None)
+        if nested is not None:
+            raise ValueError(
+                f"{where}: {flag} takes text values (a value or a list of them), not "
+                f"{'a mapping' if isinstance(nested, dict) else 'a nested list'}: "
+                f"{json.dumps(nested)}")
 
 
 def _check_items(parser: argparse.ArgumentParser, action: argparse.Action, items: list[str],
