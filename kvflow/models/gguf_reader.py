@@ -198,6 +198,14 @@ def _read_header(path: str, dev: int, ino: int, size: int, mtime_ns: int) -> GGU
 
 
 def _parse_header(path: str, buf, size: int) -> GGUFMetadata:
+    """The metadata of the GGUF file ``path`` (its bytes ``buf``, ``size`` bytes long):
+    version, key-value fields and each tensor's type, shape and byte range.
+
+    Raises:
+        ValueError: for a big-endian or unsupported version, implausible counts, a tensor
+            of more than 8 dimensions, a bad ``general.alignment``, or a tensor whose type
+            is unknown, whose rows do not fill whole blocks or whose data runs past the end.
+    """
     p = _HeaderParser(buf, size)
     p.pos = 4  # magic, checked by _check_gguf_file
     version = p.unpack("I")
@@ -212,20 +220,50 @@ def _parse_header(path: str, buf, size: int) -> GGUFMetadata:
     for _ in range(n_kv):
         key = p.string()
         fields[key] = p.value(p.unpack("I"))
-    infos = []
-    for _ in range(n_tensors):
-        name = p.string()
-        n_dims = p.unpack("I")
-        if n_dims > 8:
-            raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
-        dims = [p.unpack("Q") for _ in range(n_dims)]
-        infos.append((name, dims, p.unpack("I"), p.unpack("Q")))
+    infos = [_tensor_entry(p) for _ in range(n_tensors)]
+    data_start = _data_start(fields, p.pos)
+    tensors = _tensor_table(infos, data_start, size)
+    return GGUFMetadata(path, version, fields, tuple(tensors))
+
+
+def _tensor_entry(p: _HeaderParser) -> tuple[str, list[int], int, int]:
+    """The next tensor entry of the header: (name, dims (GGUF order, innermost first), ggml
+    type, its data's offset in bytes from the data section's start).
+
+    Raises:
+        ValueError: for more than 8 dimensions.
+    """
+    name = p.string()
+    n_dims = p.unpack("I")
+    if n_dims > 8:
+        raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
+    dims = [p.unpack("Q") for _ in range(n_dims)]
+    return name, dims, p.unpack("I"), p.unpack("Q")
+
+
+def _data_start(fields: dict[str, Any], header_end: int) -> int:
+    """The data section's first byte: the header's end rounded up to ``general.alignment``
+    (32 when unset).
+
+    Raises:
+        ValueError: for an alignment that is not a positive power of two.
+    """
     alignment = fields.get("general.alignment", _DEFAULT_ALIGNMENT)
     if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 \
             or alignment & (alignment - 1):
         raise ValueError(f"invalid general.alignment {alignment!r:.80}")
-    data_start = -(-p.pos // alignment) * alignment
+    return -(-header_end // alignment) * alignment
 
+
+def _tensor_table(infos: list[tuple[str, list[int], int, int]], data_start: int,
+                  size: int) -> list[GGUFTensorInfo]:
+    """Each tensor entry (:func:`_tensor_entry`) with its shape (outermost first) and its
+    data's byte range in the file (``size`` bytes long).
+
+    Raises:
+        ValueError: for an unknown ggml type, a row that is not a whole number of blocks,
+            or data past the end of the file.
+    """
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     tensors = []
@@ -244,4 +282,4 @@ def _parse_header(path: str, buf, size: int) -> GGUFMetadata:
             raise ValueError(f"tensor {name!r} data runs past the end of the file (truncated?)")
         shape = tuple(int(d) for d in reversed(dims))
         tensors.append(GGUFTensorInfo(name, shape, int(ggml_type), start, n_bytes))
-    return GGUFMetadata(path, version, fields, tuple(tensors))
+    return tensors
