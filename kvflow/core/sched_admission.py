@@ -96,12 +96,7 @@ def _allocate_admitted(sched: Scheduler, request: Request, budget: int,
     num_external = 0 if sched.connector is None else \
         sched.connector.get_num_new_matched_tokens(request, num_hit_tokens)
     num_computed = num_hit_tokens + num_external
-    num_new = min(request.num_tokens - num_computed, _request_budget(sched, budget))
-    if num_new > 1 and step_budget is not None:
-        num_new = step_budget.take_prefill(num_computed, num_new)
-    encodes = None
-    if request.mm_features is not None:  # images: the encoder may cut the chunk
-        num_new, encodes = sched.encoder.plan(request, num_computed, num_new)
+    num_new, encodes = _first_chunk(sched, request, num_computed, budget, step_budget)
     if sched.whole_prompts and num_new < request.num_tokens - num_computed:
         return 0  # a whole prompt next step, when the budget allows
     if num_new <= 0:
@@ -118,16 +113,40 @@ def _allocate_admitted(sched: Scheduler, request: Request, budget: int,
     if request.mm_features is not None:
         sched.encoder.commit(request, num_computed, num_new, encodes, out)
     request.num_computed_tokens = num_computed
-    if request.num_cached_tokens < 0:  # its first admission: counted once (as vLLM, loaded
-        request.num_cached_tokens = num_computed  # tokens too; the hit rate counts local hits)
-        request.num_external_cached_tokens = num_external
-        sched.kv.count_prefix_query(request, num_hit_tokens)
-        if sched.connector is not None:  # vLLM's external_prefix_cache_queries / hits
-            sched.prompt_token_stats.external_queries += request.num_tokens - num_hit_tokens
-            sched.prompt_token_stats.external_hits += num_external
+    if request.num_cached_tokens < 0:  # its first admission: counted once
+        _count_cached(sched, request, num_hit_tokens, num_external)
     if request.times.scheduled is None:
         request.times.scheduled = sched.clock()
     return num_new
+
+
+def _first_chunk(sched: Scheduler, request: Request, num_computed: int, budget: int,
+                 step_budget: StepBudget | None) -> tuple[int, list[int] | None]:
+    """(tokens, encoder plan) of an admitted request's first step after its
+    ``num_computed`` cached tokens: within ``budget`` (and the chunk cap), a prefill chunk
+    within ``step_budget``, and cut where the encoder's budget ends for a request with
+    images (its plan then; None without images). Reserves nothing."""
+    num_new = min(request.num_tokens - num_computed, _request_budget(sched, budget))
+    if num_new > 1 and step_budget is not None:
+        num_new = step_budget.take_prefill(num_computed, num_new)
+    encodes = None
+    if request.mm_features is not None:  # images: the encoder may cut the chunk
+        num_new, encodes = sched.encoder.plan(request, num_computed, num_new)
+    return num_new, encodes
+
+
+def _count_cached(sched: Scheduler, request: Request, num_hit_tokens: int,
+                  num_external: int) -> None:
+    """Record a request's cached prompt tokens at its first admission: local prefix-cache
+    hits and a KV connector's loaded tokens both count as cached (as vLLM's
+    ``num_cached_tokens``); the prefix-cache hit rate counts the local hits, and with a
+    connector vLLM's external_prefix_cache_queries / hits count the rest."""
+    request.num_cached_tokens = num_hit_tokens + num_external
+    request.num_external_cached_tokens = num_external
+    sched.kv.count_prefix_query(request, num_hit_tokens)
+    if sched.connector is not None:  # vLLM's external_prefix_cache_queries / hits
+        sched.prompt_token_stats.external_queries += request.num_tokens - num_hit_tokens
+        sched.prompt_token_stats.external_hits += num_external
 
 
 def _request_budget(sched: Scheduler, budget: int) -> int:
