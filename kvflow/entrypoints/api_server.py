@@ -185,6 +185,30 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
     app.state.engine = engine
     app.state.config = config
     app.state.engine_died = False
+    _add_handlers(app, engine, config, model_name, chat_template)
+    _add_request_middleware(app, config)
+    add_http_middleware(app, config)  # CORS outermost: preflights before the key check
+    add_error_handlers(app)
+    add_openai_routes(app)
+    add_lora_routes(app, config.allow_runtime_lora_updating)  # VLLM_ALLOW_RUNTIME_LORA_UPDATING
+    add_status_routes(app)
+    add_token_routes(app)
+    add_invocations_route(app)
+    add_ops_routes(app, health)
+    add_sleep_routes(app, config.dev_mode)  # KVFLOW_SERVER_DEV_MODE=1 only
+    add_profile_routes(app, config.profiling)  # KVFLOW_TORCH_PROFILER_DIR set only
+    return app
+
+
+def _add_handlers(app: FastAPI, engine: AsyncLLM, config: ServerConfig, model_name: str,
+                  chat_template: str | None) -> None:
+    """The endpoints' handlers on ``app.state`` (``completion``, ``chat``, ``responses``,
+    ``embedding``, ``score``, ``classify``, ``pooling``), with the served models and the
+    server's one UnknownFields.
+
+    Raises:
+        ValueError: for a ``config.chat_template`` that cannot be used (``OpenAIServingChat``).
+    """
     app.state.model_name = model_name
     app.state.models = models = ServingModels(
         engine, model_name, enable_lora=engine.config.lora_config.enable_lora,
@@ -203,23 +227,17 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
                                                      unknown, app.state.chat)
     app.state.pooling = OpenAIServingPooling(engine, config, model_name, models, unknown,
                                              app.state.chat)
+
+
+def _add_request_middleware(app: FastAPI, config: ServerConfig) -> None:
+    """The server-load, body-size and API-key middleware, innermost first (CORS goes on
+    last, outermost: ``add_http_middleware``)."""
     app.state.server_load = ServerLoad()
     if config.enable_server_load_tracking:  # innermost: refused requests are not counted
         app.add_middleware(ServerLoadMiddleware, load=app.state.server_load)
     app.add_middleware(BodySizeLimitMiddleware, limit=config.max_request_body_bytes)
     if config.api_key:  # outermost: a request without the key is refused before its body
         app.add_middleware(ApiKeyMiddleware, api_keys=config.api_key)
-    add_http_middleware(app, config)  # CORS outermost: preflights before the key check
-    add_error_handlers(app)
-    add_openai_routes(app)
-    add_lora_routes(app, config.allow_runtime_lora_updating)  # VLLM_ALLOW_RUNTIME_LORA_UPDATING
-    add_status_routes(app)
-    add_token_routes(app)
-    add_invocations_route(app)
-    add_ops_routes(app, health)
-    add_sleep_routes(app, config.dev_mode)  # KVFLOW_SERVER_DEV_MODE=1 only
-    add_profile_routes(app, config.profiling)  # KVFLOW_TORCH_PROFILER_DIR set only
-    return app
 
 
 def freeze_after(check_tokenizer: Callable[[Any], None] | None) -> Callable[[Any], None]:
