@@ -153,7 +153,7 @@ def test_a_served_model_name_is_refused_as_the_served_model(name, replace):
     base alias``) was refused as "the LoRA adapter 'alias' has already been loaded", naming
     an adapter that does not exist (/v1/models lists none, unloading it is a 404); the
     refusal now says it is the served model's name, as ``--lora-modules`` does at start-up
-    (api_server.check_lora_modules); over HTTP its ``param`` is ``lora_name`` (the route
+    (preload_checks.check_lora_modules); over HTTP its ``param`` is ``lora_name`` (the route
     named ``lora_path`` for any message but "already been loaded"). Nothing reaches the
     engine, with or without ``load_inplace``."""
     from types import SimpleNamespace
