@@ -36,7 +36,7 @@ def check_field_types(params: SamplingParams) -> None:
 
     _check_numbers(params)
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                 "spaces_between_special_tokens", "detokenize"):
+                 "spaces_between_special_tokens", "detokenize", "grammar_in_reasoning"):
         if not isinstance(getattr(params, name), bool):
             raise _bad_type(name, getattr(params, name), "True or False")
     if not (params.output_kind is None or isinstance(params.output_kind, RequestOutputKind)):

@@ -144,6 +144,14 @@ class SamplingParams:
             from its ``--reasoning-parser``; offline, pass it with the budget. With
             ``structured_outputs`` too, the grammar starts after the reasoning (vLLM's rule:
             ``kvflow/structured/reasoning_gate.py``); without it, from the first token.
+            Offline, ``LLM(reasoning_parser=...)`` (or vLLM's ``reasoning_config``) fills it
+            for budgeted and constrained requests.
+        grammar_in_reasoning: vLLM's ``structured_outputs_config.enable_in_reasoning`` for
+            this request: with ``structured_outputs`` and :attr:`reasoning_token_ids` (the
+            budget's markers), the grammar still applies from the first token, reasoning
+            included (False: it starts after the reasoning). The server sets it under
+            ``--structured-outputs-config '{"enable_in_reasoning": true}'``, the offline
+            ``LLM`` under ``structured_outputs_config={"enable_in_reasoning": True}``.
         stream_interval: vLLM 0.32's per-request ``stream_interval``: an ``AsyncLLM``
             stream of deltas (``output_kind`` ``DELTA``, the server's streamed replies) sends
             this many new tokens per output, its first and last output at once
@@ -201,6 +209,7 @@ class SamplingParams:
     reasoning_token_ids: ReasoningTokenIds | None = field(default=None, repr=False)
     stream_interval: int | None = None
     repetition_detection: RepetitionDetectionParams | None = None
+    grammar_in_reasoning: bool = field(default=False, repr=False)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         self = super().__new__(cls)

@@ -224,7 +224,10 @@ class EngineCore(EngineCoreStartup):
             if self.config.model_config.skip_tokenizer_init:
                 raise RequestError("structured outputs need a tokenizer (skip_tokenizer_init "
                                    "is set)", STRUCTURED_OUTPUTS)
-            markers = request.sampling_params.reasoning_token_ids
+            params = request.sampling_params
+            # the grammar starts after the reasoning unless it applies in it too (vLLM's
+            # enable_in_reasoning), where the markers serve the thinking_token_budget alone
+            markers = None if params.grammar_in_reasoning else params.reasoning_token_ids
             gate = None if markers is None else \
                 ReasoningGate(markers, [] if request.prompt_embeds is not None
                               else request.prompt_token_ids)  # embeds: placeholder ids

@@ -99,7 +99,9 @@ def sampling_params(engine: AsyncLLM, req: SamplingRequest, max_tokens: int,
     server's ``--reasoning-parser`` markers, which a ``thinking_token_budget`` needs; a
     constrained request carries them too (its grammar then starts after the reasoning end
     marker, as vLLM's does with a reasoning parser), unless ``grammar_in_reasoning``
-    (``--structured-outputs-config '{"enable_in_reasoning": true}'``).
+    (``--structured-outputs-config '{"enable_in_reasoning": true}'``): the grammar then
+    applies from the first token, and a budget still forces the end marker where the
+    grammar allows it (``SamplingParams.grammar_in_reasoning``).
 
     Raises:
         OpenAIError: 400 when invalid (a malformed schema or regex too; ``logprob_token_ids``
@@ -115,10 +117,11 @@ def sampling_params(engine: AsyncLLM, req: SamplingRequest, max_tokens: int,
         fields["repetition_detection"] = repetition_detection(req)
     fields.update(_extra_args(engine, req))
     fields.update(_thinking_budget(req, reasoning))
-    if reasoning is not None and fields["structured_outputs"] is not None and \
-            not grammar_in_reasoning:
-        # the grammar starts after the reasoning (vLLM's rule: structured/reasoning_gate.py)
-        fields["reasoning_token_ids"] = reasoning
+    if reasoning is not None and fields["structured_outputs"] is not None:
+        if grammar_in_reasoning:  # the grammar from the first token; markers: the budget's
+            fields["grammar_in_reasoning"] = "reasoning_token_ids" in fields
+        else:  # the grammar starts after the reasoning (structured/reasoning_gate.py)
+            fields["reasoning_token_ids"] = reasoning
     try:
         params = SamplingParams(**fields)
         engine.processor.validate_params(params)

@@ -138,7 +138,8 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         # first token on (no reasoning markers known) the reply is what the grammar forces,
         # with no reasoning before it; with the markers the grammar starts after the block
         parser.note_prompt(rendered, grammar=params.structured_outputs is not None
-                           and params.reasoning_token_ids is None)
+                           and (params.reasoning_token_ids is None
+                                or params.grammar_in_reasoning))
         if parser.keeps_special_tokens:  # the call markers are special tokens
             params.skip_special_tokens = False
         self.check_admission(1, n=req.n or 1)
