@@ -30,6 +30,7 @@ from kvflow.llm_inputs import (
 from kvflow.llm_ops import LLMOps
 from kvflow.llm_pooling import LLMPooling
 from kvflow.llm_queue import EnqueuedRequests, LLMQueue, _progress_bar
+from kvflow.llm_reasoning import OfflineReasoning, ReasoningOptions
 from kvflow.llm_score import LLMScore
 from kvflow.llm_stats import OfflineStats
 from kvflow.lora.request import LoRARequest
@@ -55,10 +56,18 @@ class LLM(LLMChat, LLMQueue, LLMScore, LLMPooling, LLMOps):
             paths (``kvflow.logits_process``), whose per-request arguments come in
             ``SamplingParams.extra_args``; vLLM's ``disable_log_stats``: False keeps the
             metrics ``get_metrics`` reads (vLLM's rule; kvflow writes no periodic stats log
-            line either way), True or unset (vLLM's offline default) keeps none.
+            line either way), True or unset (vLLM's offline default) keeps none;
+            vLLM's ``reasoning_parser`` (the server's ``--reasoning-parser`` names),
+            ``reasoning_config`` (``{"reasoning_start_str": "<think>",
+            "reasoning_end_str": "</think>"}``, its strings winning over the parser's) and
+            ``structured_outputs_config`` (``{"enable_in_reasoning": True}``): the markers a
+            ``thinking_token_budget`` is counted and ended with and a grammar starts after
+            (``kvflow.llm_reasoning``), tokenized once here.
 
     Raises:
         ValueError: for an unknown option, model or impossible configuration, or
+            an unknown ``reasoning_parser`` (listing the choices) or a reasoning marker that
+            tokenizes to nothing, or
             ``admission_control`` or ``idle_batch_window_ms`` (server options: offline
             requests are never refused, nor waited for), or ``data_parallel_rank`` (kvflow
             sets each replica's; vLLM's one-LLM-per-rank mode is not available).
@@ -69,7 +78,9 @@ class LLM(LLMChat, LLMQueue, LLMScore, LLMPooling, LLMOps):
                               kwargs.get("idle_batch_window_ms") or 0.0)
         refuse_data_parallel_rank(kwargs)
         log_stats = kwargs.pop("disable_log_stats", None) is False  # vLLM's offline default
+        reasoning = ReasoningOptions.pop(kwargs)
         self._attach(LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs)), log_stats)
+        self._reasoning = OfflineReasoning.of(reasoning, self.engine.tokenizer)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> LLM:
@@ -89,6 +100,7 @@ class LLM(LLMChat, LLMQueue, LLMScore, LLMPooling, LLMOps):
         """Run on ``engine``, with an empty ``enqueue`` queue; ``log_stats``: keep the
         metrics ``get_metrics`` reads."""
         self.engine = engine
+        self._reasoning = OfflineReasoning()
         self._enqueued = EnqueuedRequests()
         self._stats = OfflineStats(engine.config.model_config.model,
                                    engine.processor.max_model_len) if log_stats else None
@@ -180,7 +192,8 @@ class LLM(LLMChat, LLMQueue, LLMScore, LLMPooling, LLMOps):
         prompts = as_prompt_list(prompts)
         if not prompts:
             return []
-        params = broadcast_params(sampling_params, len(prompts))
+        params = [self._reasoning.apply(p)
+                  for p in broadcast_params(sampling_params, len(prompts))]
         policy = self.engine.config.scheduler_config.policy
         priorities = check_priorities(priority, len(prompts), policy)
         users = check_users(user, len(prompts), policy)

@@ -44,6 +44,7 @@ LAYERS: dict[str, int] = {
     "kvflow.llm_inputs": 8,  # LLM's per-call argument checks (prompts, one SamplingParams each)
     "kvflow.llm_pooling": 8,  # LLM's pooling half (embed, encode, classify, score), mixed into LLM
     "kvflow.llm_score": 8,  # LLM.score (cross-encoder pairs, embedding cosine), mixed into LLM
+    "kvflow.llm_reasoning": 8,  # LLM's reasoning_parser: markers on budgeted / constrained params
     "kvflow.llm_chat": 8,  # LLM.chat (and enqueue_chat's rendering), mixed into LLM
     "kvflow.llm_queue": 8,  # LLM.enqueue / wait_for_completion and the steps every call runs
     "kvflow.llm_stats": 8,  # LLM.get_metrics's metrics, fed by the offline steps
@@ -94,6 +95,7 @@ LAYERS: dict[str, int] = {
     "kvflow.engine_outputs": 0, "kvflow.kv_cache_interface": 0, "kvflow.structured.params": 0,
     "kvflow.text_checks": 0, "kvflow.multimodal_inputs": 0, "kvflow.lora.request": 0,
     "kvflow.thinking_budget": 0,  # thinking_token_budget: the markers (SamplingParams) and rule
+    "kvflow.reasoning_markers": 0,  # a reasoning parser's / reasoning_config's markers as ids
     "kvflow.pooling_params": 0, "kvflow.validation_words": 0, "kvflow.prompt_truncation": 0,
     "kvflow.prompt_embeds": 0, "kvflow.token_masks": 0,
     "kvflow.close_names": 0,  # the closest valid name to a misspelled one (CLI, LLM, params)
