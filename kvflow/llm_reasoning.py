@@ -18,13 +18,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from kvflow.config.reasoning import check_reasoning_parser, marker_strings, reasoning_config
 from kvflow.config.server_values import structured_outputs_config
-from kvflow.reasoning_markers import (
-    check_reasoning_parser,
-    marker_strings,
-    marker_token_ids,
-    reasoning_config,
-)
+from kvflow.reasoning_markers import marker_token_ids
 from kvflow.sampling_params import SamplingParams
 from kvflow.thinking_budget import ReasoningTokenIds
 

@@ -1,6 +1,6 @@
 """The offline ``LLM``'s reasoning options (vLLM's engine arguments ``reasoning_parser``,
 ``reasoning_config``, ``structured_outputs_config``: ``kvflow/llm_reasoning.py``,
-``kvflow/reasoning_markers.py``).
+``kvflow/config/reasoning.py``, ``kvflow/reasoning_markers.py``).
 
 Oracles: hand-written marker strings and choices; the tiny byte-level tokenizer's own
 ``encode`` of the marker strings (what vLLM's ``ReasoningConfig`` tokenizes); transformers'
@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
 
 from kvflow import LLM, SamplingParams
-from kvflow.entrypoints.tool_parsers.reasoning import REASONING_PARSERS
-from kvflow.llm_reasoning import OfflineReasoning, ReasoningOptions
-from kvflow.reasoning_markers import (
+from kvflow.config.reasoning import (
     PARSER_MARKERS,
     check_reasoning_parser,
     marker_strings,
-    marker_token_ids,
     reasoning_config,
 )
+from kvflow.entrypoints.tool_parsers.reasoning import REASONING_PARSERS
+from kvflow.llm_reasoning import OfflineReasoning, ReasoningOptions
+from kvflow.reasoning_markers import marker_token_ids
 from kvflow.structured import StructuredOutputsParams
 from kvflow.thinking_budget import ReasoningTokenIds
 from tests.test_budget_grammar_in_reasoning import PROMPT, REGEX, _budgeted
@@ -182,3 +183,34 @@ def test_enable_in_reasoning_applies_the_grammar_with_a_budget(tiny_llama, tiny_
     gated = _llm(tiny_llama.path, reasoning_parser="think")  # default: after the reasoning
     [after] = gated.generate([prompt], _budgeted(), use_tqdm=False)
     assert after.outputs[0].token_ids != out.outputs[0].token_ids
+
+
+# ---- the server's --reasoning-config -------------------------------------------------------
+def test_server_reasoning_config_flag(tiny_tokenizer):
+    """``kvflow serve --reasoning-config JSON`` (vLLM's flag): parsed and checked at start;
+    its strings give the budget's markers, winning over the parser's; without a parser a
+    grammar applies from the first token (the markers serve the budget alone)."""
+    from kvflow.config import ServerConfig
+    from kvflow.entrypoints.cli import build_parser
+    from kvflow.entrypoints.serving_base import OpenAIServing
+
+    def config(*argv: str) -> ServerConfig:
+        args = build_parser().parse_args(["serve", "--model", "M", *argv])
+        return ServerConfig.from_cli_args(args, env={})
+
+    def serving(c: ServerConfig):
+        return SimpleNamespace(config=c, engine=SimpleNamespace(tokenizer=tiny_tokenizer))
+
+    alone = config("--reasoning-config", json.dumps(THINK))
+    assert alone.reasoning_config == THINK
+    ids = OpenAIServing.reasoning_token_ids.func(serving(alone))
+    assert ids == _markers(tiny_tokenizer)
+    assert OpenAIServing.grammar_in_reasoning.fget(serving(alone)) is True
+    mixed = config("--reasoning-parser", "mistral", "--reasoning-config",
+                   '{"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}')
+    assert OpenAIServing.reasoning_token_ids.func(serving(mixed)) == ids
+    assert OpenAIServing.grammar_in_reasoning.fget(serving(mixed)) is False
+    with pytest.raises(ValueError, match="reasoning_config needs reasoning_end_str too"):
+        config("--reasoning-config", '{"reasoning_start_str": "<think>"}')
+    with pytest.raises(ValueError, match="reasoning_config key 'x'"):
+        config("--reasoning-config", '{"x": "<think>"}')

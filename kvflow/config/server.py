@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from kvflow.config.api_key_env import api_key_from_env
 from kvflow.config.options import add_field_arg, check_choices, json_object, opt, parse_bytes
 from kvflow.config.profiler import profiler_options
+from kvflow.config.reasoning import marker_strings, reasoning_config
 from kvflow.config.runtime_lora import runtime_lora_updating
 from kvflow.config.server_checks import check_values, check_vllm_flags
 from kvflow.config.server_values import (
@@ -116,6 +117,13 @@ class ServerConfig:
         "enable_in_reasoning: true applies a grammar (response_format, structured_outputs, "
         "forced tool calls) from the first token, reasoning included; default (false): with "
         "a --reasoning-parser the grammar starts after the reasoning end marker, as vLLM's")
+    reasoning_config: str | dict | None = opt(  # noqa: RUF009 (a dict, once parsed)
+        None, "vLLM's reasoning markers as a JSON object, e.g. '{\"reasoning_start_str\": "
+        "\"<think>\", \"reasoning_end_str\": \"</think>\"}': the strings a request's "
+        "thinking_token_budget is counted from and forces (tokenized once, without special "
+        "tokens; several tokens are forced one by one), winning over the --reasoning-parser's "
+        "markers; without a parser they serve the budget alone (a grammar then applies from "
+        "the first token, as vLLM's)")
     chat_template: str | None = opt(None, "the Jinja chat template of every conversation "
                                     "(/v1/chat/completions, /tokenize messages), replacing "
                                     "the model's: a file, or the template itself (a value "
@@ -273,6 +281,8 @@ class ServerConfig:
             '{"enable_thinking": false}')
         self.structured_outputs_config = structured_outputs_config(
             self.structured_outputs_config)
+        self.reasoning_config = reasoning_config(self.reasoning_config)
+        marker_strings(self.reasoning_parser, self.reasoning_config)  # one marker: refused
 
     def _normalize_one_or_many(self) -> None:
         """A config file's (or a caller's) one adapter / key / name as a tuple of one;

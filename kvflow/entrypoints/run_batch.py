@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 BATCH_SERVER_FIELDS = ("served_model_name", "max_n", "max_logprobs", "max_request_body_size",
                        "engine_start_timeout", "tool_call_parser",
                        "exclude_tools_when_tool_choice_none", "reasoning_parser",
-                       "structured_outputs_config",
+                       "reasoning_config", "structured_outputs_config",
                        "chat_template", "trust_request_chat_template",
                        "ignore_unknown_fields", "lora_modules",
                        "enable_prompt_tokens_details", "response_role",

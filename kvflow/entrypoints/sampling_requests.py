@@ -207,8 +207,8 @@ def _thinking_budget(req: SamplingRequest, reasoning: ReasoningTokenIds | None
     if reasoning is None:
         raise OpenAIError("thinking_token_budget needs the model's reasoning markers: start "
                           "the server with a --reasoning-parser that names them (think, "
-                          "qwen3, deepseek_r1, ...; granite and hunyuan_a13b name none), or "
-                          "send -1 or leave it out", param="thinking_token_budget",
+                          "qwen3, deepseek_r1, ...; granite and hunyuan_a13b name none) or "
+                          "--reasoning-config, or send -1 or leave it out", param="thinking_token_budget",
                           code="unsupported_parameter")
     return {"thinking_token_budget": budget, "reasoning_token_ids": reasoning}
 

@@ -130,15 +130,20 @@ class OpenAIServing(OpenAIServingChecks):
 
     @functools.cached_property
     def reasoning_token_ids(self) -> ReasoningTokenIds | None:
-        """The ``--reasoning-parser``'s markers as token ids (``thinking_token_budget``
-        needs them), None without a parser, markers or tokenizer; tokenized once."""
-        return reasoning_token_ids(self.config.reasoning_parser, self.engine.tokenizer)
+        """The ``--reasoning-parser``'s markers, or ``--reasoning-config``'s, as token ids
+        (``thinking_token_budget`` needs them), None without markers or a tokenizer;
+        tokenized once."""
+        return reasoning_token_ids(self.config.reasoning_parser, self.engine.tokenizer,
+                                   self.config.reasoning_config)
 
     @property
     def grammar_in_reasoning(self) -> bool:
         """``--structured-outputs-config '{"enable_in_reasoning": true}'`` (vLLM's): a grammar
-        applies from the first token, reasoning included (default: after it)."""
-        return bool((self.config.structured_outputs_config or {}).get("enable_in_reasoning"))
+        applies from the first token, reasoning included (default: after it); so it does
+        without a ``--reasoning-parser`` (markers from ``--reasoning-config`` alone serve the
+        budget only: vLLM's grammar waits for a parser's end of reasoning)."""
+        return self.config.reasoning_parser is None or \
+            bool((self.config.structured_outputs_config or {}).get("enable_in_reasoning"))
 
     def check_fields(self, req: RequestBody, endpoint: str) -> None:
         """Refuse (or, under ``--ignore-unknown-fields``, log) the body fields kvflow does not

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvflow.config.reasoning import marker_strings
 from kvflow.entrypoints.tool_parsers.base import held_back
 from kvflow.thinking_budget import ReasoningTokenIds
 
@@ -220,24 +221,24 @@ def make_reasoning_parser(name: str | None, template_kwargs: dict[str, Any] | No
     return cls()
 
 
-def reasoning_token_ids(name: str | None, tokenizer: Any) -> ReasoningTokenIds | None:
+def reasoning_token_ids(name: str | None, tokenizer: Any,
+                        config: dict[str, str] | None = None) -> ReasoningTokenIds | None:
     """The token ids of the ``--reasoning-parser`` named ``name``'s markers
-    (``reasoning_start_str`` / ``reasoning_end_str``, tokenized without special tokens, as
-    vLLM's ``ReasoningConfig.initialize_token_ids`` does; the end marker is also the natural
+    (``reasoning_start_str`` / ``reasoning_end_str``), or of ``--reasoning-config``'s strings
+    (``config``, winning over the parser's), tokenized without special tokens, as
+    vLLM's ``ReasoningConfig.initialize_token_ids`` does (the end marker is also the natural
     end), which a request's ``thinking_token_budget`` is counted and ended with; None without
-    a parser, a tokenizer, or markers (``granite``, ``hunyuan_a13b``: vLLM's name none).
+    a tokenizer or markers (``granite``, ``hunyuan_a13b``: vLLM's name none), or when one
+    tokenizes to nothing.
 
     Raises:
         ValueError: for an unknown name, listing the choices.
     """
-    if name is None or tokenizer is None:
-        return None
-    if name not in REASONING_PARSERS:
+    if name is not None and name not in REASONING_PARSERS:
         raise ValueError(f"unknown reasoning parser {name!r}; choose one of "
                          f"{sorted(REASONING_PARSERS)}")
-    cls = REASONING_PARSERS[name]
-    if cls.reasoning_start_str is None or cls.reasoning_end_str is None:
+    strings = marker_strings(name, config)
+    if strings is None or tokenizer is None:
         return None
-    start = tokenizer.encode(cls.reasoning_start_str, add_special_tokens=False)
-    end = tokenizer.encode(cls.reasoning_end_str, add_special_tokens=False)
+    start, end = (tokenizer.encode(s, add_special_tokens=False) for s in strings)
     return ReasoningTokenIds(list(start), list(end)) if start and end else None
