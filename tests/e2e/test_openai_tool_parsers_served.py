@@ -7,6 +7,7 @@ the EOS token's text must not reach ``content`` (vLLM never outputs a stop token
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -222,3 +223,32 @@ def test_responses_include_reasoning_false_drops_the_reasoning_items(r1_client):
     done = events[-1].response
     assert [item.type for item in done.output] == ["message"]
     assert done.usage.model_dump() == shown.usage.model_dump()
+
+
+def test_a_budget_under_a_grammar_in_the_reasoning(client, tiny_tokenizer):
+    """``thinking_token_budget`` with enable_in_reasoning: the grammar applies from the first
+    token (a regex that closes the block the template opened), and the budget still forces
+    ``</think>`` once 4 tokens follow ``<think>`` (the prompt's ``\n`` after it included,
+    vLLM's count), which the regex allows. Before, the budget's markers made the grammar
+    wait for the end of the reasoning: the first tokens were free."""
+    regex = r"[a-z ]{1,30}</think>Sure\."
+    start = tiny_tokenizer.encode("<think>", add_special_tokens=False)
+    end = tiny_tokenizer.encode("</think>", add_special_tokens=False)
+
+    def ask(**extra):
+        return client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, temperature=0, max_tokens=60,
+            extra_body={"structured_outputs": {"regex": regex}, "return_token_ids": True,
+                        "chat_template_kwargs": {"open_think": True}, **extra})
+
+    head = ask(max_tokens=4)  # the grammar's own first tokens
+    prompt = head.model_extra["prompt_token_ids"]
+    after = next(len(prompt) - i - len(start) for i in range(len(prompt) - len(start), -1, -1)
+                 if prompt[i:i + len(start)] == start)  # prompt tokens after <think>
+    assert 0 < after < 4
+    free = 4 - after
+    reply = ask(thinking_token_budget=4).choices[0]
+    tokens = reply.model_extra["token_ids"]
+    assert tokens[:free + len(end)] == head.choices[0].model_extra["token_ids"][:free] + end
+    text = tiny_tokenizer.decode(tokens, skip_special_tokens=True)
+    assert re.fullmatch(regex, text), text
