@@ -31,7 +31,8 @@ OPTIONS = ("reasoning_parser", "reasoning_config", "structured_outputs_config")
 @dataclass(frozen=True)
 class ReasoningOptions:
     """The options read, before the model loads: the marker strings (start, end; None: none
-    named) and ``enable_in_reasoning``."""
+    named) and whether a grammar applies from the first token (``enable_in_reasoning``, or
+    markers from ``reasoning_config`` without a parser, as the server reads them)."""
 
     markers: tuple[str, str] | None
     grammar_in_reasoning: bool
@@ -47,8 +48,11 @@ class ReasoningOptions:
         parser = check_reasoning_parser(kwargs.pop("reasoning_parser", None))
         config = reasoning_config(kwargs.pop("reasoning_config", None))
         outputs = structured_outputs_config(kwargs.pop("structured_outputs_config", None))
-        return cls(marker_strings(parser, config),
-                   bool((outputs or {}).get("enable_in_reasoning")))
+        markers = marker_strings(parser, config)
+        # markers from reasoning_config alone serve the budget: vLLM's grammar waits only
+        # for a parser's end of reasoning
+        alone = parser is None and markers is not None
+        return cls(markers, alone or bool((outputs or {}).get("enable_in_reasoning")))
 
 
 @dataclass(frozen=True)
@@ -76,10 +80,11 @@ class OfflineReasoning:
         ``enable_in_reasoning``."""
         ids = params.reasoning_token_ids or self.ids
         constrained = params.structured_outputs is not None
-        if ids is None or not (constrained or params.thinking_token_budget is not None):
+        budget = params.thinking_token_budget is not None
+        if ids is None or not (constrained or budget):
             return params
         changes: dict[str, Any] = {}
-        if params.reasoning_token_ids is None:
+        if params.reasoning_token_ids is None and (budget or not self.grammar_in_reasoning):
             changes["reasoning_token_ids"] = ids
         if constrained and self.grammar_in_reasoning and not params.grammar_in_reasoning:
             changes["grammar_in_reasoning"] = True

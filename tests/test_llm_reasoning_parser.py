@@ -106,14 +106,18 @@ def test_apply_gives_markers_only_where_needed():
     assert constrained.reasoning_token_ids == ids and not constrained.grammar_in_reasoning
     mine = SamplingParams(structured_outputs=grammar, reasoning_token_ids=own)
     assert reasoning.apply(mine) is mine
-    inside = OfflineReasoning(ids, grammar_in_reasoning=True).apply(mine)
-    assert inside.reasoning_token_ids == own and inside.grammar_in_reasoning
+    inside = OfflineReasoning(ids, grammar_in_reasoning=True)
+    assert inside.apply(mine).reasoning_token_ids == own and inside.apply(mine).grammar_in_reasoning
+    free = inside.apply(SamplingParams(structured_outputs=grammar))  # no budget: no markers
+    assert free.reasoning_token_ids is None and free.grammar_in_reasoning
     assert OfflineReasoning().apply(SamplingParams(structured_outputs=grammar)) \
         .reasoning_token_ids is None
     options = {"reasoning_parser": "think", "structured_outputs_config":
                '{"enable_in_reasoning": true}', "dtype": "float32"}
     assert ReasoningOptions.pop(options) == ReasoningOptions(("<think>", "</think>"), True)
     assert options == {"dtype": "float32"}
+    alone = {"reasoning_config": THINK}  # no parser: the markers serve the budget alone
+    assert ReasoningOptions.pop(alone) == ReasoningOptions(("<think>", "</think>"), True)
 
 
 def test_llm_refuses_an_unknown_parser_before_loading():
