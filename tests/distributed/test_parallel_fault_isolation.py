@@ -61,12 +61,15 @@ def _on_fault_rank() -> bool:
 
 class RankFaults(AdapterLogitsProcessor):
     """Per request with ``extra_args={"fail_at": n}``: raises once it has n output tokens, on
-    the fault rank only (a ValueError; a RuntimeError with ``"kind": "runtime"``). Built in a
-    worker process of a multi-rank engine, it also wraps the vision encoder and the LoRA
-    manager of that process (``_inject_worker_faults``)."""
+    the fault rank only (a ValueError; a RuntimeError with ``"kind": "runtime"``). Once a
+    request with ``extra_args={"break_batch": True}`` was added, the batched ``apply`` itself
+    raises on the fault rank (ZeroDivisionError: no request to blame). Built in a worker
+    process of a multi-rank engine, it also wraps the vision encoder and the LoRA manager of
+    that process (``_inject_worker_faults``)."""
 
     def __init__(self, config, device, is_pin_memory) -> None:
         super().__init__(config, device, is_pin_memory)
+        self.broken = False
         if dist.is_available() and dist.is_initialized():
             _inject_worker_faults()
 
@@ -75,13 +78,20 @@ class RankFaults(AdapterLogitsProcessor):
 
     def new_req_logits_processor(self, params: SamplingParams):
         args = params.extra_args or {}
-        if "fail_at" not in args or not _on_fault_rank():
+        if not _on_fault_rank():
             return None
-        return fail_at(args)
+        self.broken = self.broken or bool(args.get("break_batch"))
+        return fail_at(args) if "fail_at" in args else None
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.broken:
+            raise ZeroDivisionError("broken processor")
+        return super().apply(logits)
 
 
 class BrokenOnRank(RankFaults):
-    """A batched processor whose ``apply`` raises on the fault rank: no request to blame."""
+    """A batched processor whose ``apply`` raises on the fault rank from the first step, with
+    no request asking (the Ray executor's case in test_slow_ray_and_real_models.py)."""
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if _on_fault_rank():
@@ -132,11 +142,16 @@ def start(path: str, fault_rank: int | None, **kwargs) -> LLM:
 
 @pytest.fixture(scope="module")
 def tp_llama(tiny_llama):
-    """TP=2, LoRA on, faults on rank 1."""
+    """TP=2, LoRA on, faults on rank 1; failed for good by the module's last engine test
+    (``test_a_failure_no_request_owns_on_one_rank_fails_the_engine_loudly``), which shuts it
+    down itself."""
     llm = start(tiny_llama.path, 1, tensor_parallel_size=2, enable_lora=True, max_loras=1,
                 max_lora_rank=8)
     yield llm
-    shutdown_and_check(llm)
+    if llm.engine.core.executor._failed is None:
+        shutdown_and_check(llm)
+    else:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize(("kind", "error_type", "match"), [
@@ -202,18 +217,14 @@ def test_an_adapter_failing_on_one_rank_ends_only_its_request(tp_llama, tiny_lla
 
 
 @pytest.mark.timeout(120)
-def test_a_failure_no_request_owns_on_one_rank_fails_the_engine_loudly(tiny_llama):
+def test_a_failure_no_request_owns_on_one_rank_fails_the_engine_loudly(tp_llama):
     """A batched processor raising on rank 1 only cannot be charged to a request: rank 1's
     worker fails, and the executor stops rank 0 (waiting for it in a collective) and raises
-    ``ExecutorError`` naming rank 1, within seconds; never a hang."""
-    llm = start(tiny_llama.path, 1, tensor_parallel_size=2,
-                logits_processors=[f"{HERE}:BrokenOnRank"])
-    try:
-        with pytest.raises(ExecutorError, match="worker rank 1.*ZeroDivisionError: broken"):
-            llm.generate([{"prompt_token_ids": GOOD}, {"prompt_token_ids": BAD}], greedy(3),
-                         use_tqdm=False)
-    finally:
-        llm.shutdown()
+    ``ExecutorError`` naming rank 1, within seconds; never a hang. (The module engine's last
+    use: it stays failed.)"""
+    with pytest.raises(ExecutorError, match="worker rank 1.*ZeroDivisionError: broken"):
+        tp_llama.generate([{"prompt_token_ids": GOOD}, {"prompt_token_ids": BAD}],
+                          greedy(3, break_batch=True), use_tqdm=False)
 
 
 def test_failures_cross_ranks_as_bytes_unchanged():
