@@ -4,8 +4,9 @@ peer waits in a collective) under ``AsyncLLM`` (the server's engine; ``mp`` exec
 check period), mid-stream and while the engine is idle; the stream ends with an
 ``EngineDeadError`` naming the rank, its pid and "the process is stopped (SIGSTOP or
 SIGTSTP)", the stopped worker is killed, and a restart (``--engine-failure restart``) serves
-again. A step that runs longer than the timeout (rank 1 computing for 3 timeouts) is not
-taken for frozen.
+again (after the mid-stream case; the idle case runs last and leaves the engine failed). A
+step that runs longer than the timeout (rank 1 computing for 2 timeouts) is not taken for
+frozen.
 
 Was (idle): never found while the timeout was under about 2 s: the idle core checked its
 workers once a second, and the heartbeat monitor forgives every check that comes more than
@@ -126,41 +127,15 @@ async def _long_step(engine: AsyncLLM):
                                    60)
     start = time.monotonic()
     busy = await asyncio.wait_for(collect(engine.add_request(
-        "busy", None, IDS, _short(busy_s=3 * TIMEOUT_S))), 60)
+        "busy", None, IDS, _short(busy_s=2 * TIMEOUT_S))), 60)
     return workers, plain, busy, time.monotonic() - start
 
 
 def test_a_step_longer_than_the_timeout_is_not_taken_for_frozen(tp_engine):
     workers, plain, busy, took = asyncio.run(_long_step(tp_engine))
-    assert took >= 3 * TIMEOUT_S  # the step did run that long on rank 1
+    assert took >= 2 * TIMEOUT_S  # the step did run that long on rank 1
     assert busy.outputs[0].token_ids == plain.outputs[0].token_ids
     assert tp_engine.is_healthy and _workers(tp_engine.core_pid) == workers
-
-
-async def _stop_while_idle(engine: AsyncLLM):
-    await engine.start()
-    dead: list[BaseException] = []
-    engine.on_dead = dead.append
-    victim = _workers(engine.core_pid)[1]
-    os.kill(victim, signal.SIGSTOP)
-    stopped_at = time.monotonic()
-    while not dead and time.monotonic() - stopped_at < 3 * TIMEOUT_S + 5:
-        await asyncio.sleep(0.05)
-    waited, healthy = time.monotonic() - stopped_at, engine.is_healthy
-    gone = _gone(victim)
-    if dead:
-        await _restart_and_serve(engine)
-    else:
-        os.kill(victim, signal.SIGKILL)  # leave nothing stopped behind
-    return victim, dead, waited, healthy, gone
-
-
-def test_a_worker_stopped_while_idle_fails_the_engine_naming_it(tp_engine):
-    victim, dead, waited, healthy, gone = asyncio.run(_stop_while_idle(tp_engine))
-    assert len(dead) == 1, f"not found within {waited:.1f} s"
-    _assert_named(dead[0], victim)
-    assert TIMEOUT_S - 0.5 <= waited < TIMEOUT_S + 3, waited
-    assert not healthy and gone  # the stopped worker was killed, not left holding memory
 
 
 async def _stop_mid_stream(engine: AsyncLLM):
@@ -188,6 +163,31 @@ def test_a_worker_stopped_mid_stream_ends_the_stream_naming_it(tp_engine):
     _assert_named(error, victim)
     assert TIMEOUT_S - 0.5 <= waited < TIMEOUT_S + 3, waited
     assert not healthy and gone
+
+
+async def _stop_while_idle(engine: AsyncLLM):
+    await engine.start()
+    dead: list[BaseException] = []
+    engine.on_dead = dead.append
+    victim = _workers(engine.core_pid)[1]
+    os.kill(victim, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    while not dead and time.monotonic() - stopped_at < 3 * TIMEOUT_S + 5:
+        await asyncio.sleep(0.05)
+    waited, healthy = time.monotonic() - stopped_at, engine.is_healthy
+    gone = _gone(victim)
+    if not dead:
+        os.kill(victim, signal.SIGKILL)  # leave nothing stopped behind
+    return victim, dead, waited, healthy, gone
+
+
+def test_a_worker_stopped_while_idle_fails_the_engine_naming_it(tp_engine):
+    """The module engine's last use: it stays failed (the restart is the mid-stream case's)."""
+    victim, dead, waited, healthy, gone = asyncio.run(_stop_while_idle(tp_engine))
+    assert len(dead) == 1, f"not found within {waited:.1f} s"
+    _assert_named(dead[0], victim)
+    assert TIMEOUT_S - 0.5 <= waited < TIMEOUT_S + 3, waited
+    assert not healthy and gone  # the stopped worker was killed, not left holding memory
 
 
 @pytest.mark.parametrize("timeout_s, poll_ms", [(2.0, 500), (30.0, 1000), (0.002, 1)])
