@@ -78,7 +78,7 @@ class RankFaults(AdapterLogitsProcessor):
 
     def new_req_logits_processor(self, params: SamplingParams):
         args = params.extra_args or {}
-        if not _on_fault_rank():
+        if not ("fail_at" in args or args.get("break_batch")) or not _on_fault_rank():
             return None
         self.broken = self.broken or bool(args.get("break_batch"))
         return fail_at(args) if "fail_at" in args else None
