@@ -205,7 +205,7 @@ class IncrementalDetokenizer:
             return DetokenizerDelta("")
         if stop_terminated and not self._include_stop and new_token_ids:
             new_token_ids = new_token_ids[:-1]
-        before_min = self._min_tokens - self._num_generated
+        before_min = self._min_tokens - (len(self._ids) - self._num_context)
         if 0 < before_min < len(new_token_ids):  # stops start counting inside these ids
             first = self._update(new_token_ids[:before_min], finished=False)
             rest = self._update(new_token_ids[before_min:], finished)
@@ -214,8 +214,11 @@ class IncrementalDetokenizer:
 
     def _update(self, new_token_ids: Sequence[int], finished: bool) -> DetokenizerDelta:
         decoded = self._decode_step(new_token_ids, finished)
-        search = self._num_generated > self._min_tokens
-        text, stop_str = self._apply_stops(decoded, finished, search)
+        if self._stops:
+            search = len(self._ids) - self._num_context > self._min_tokens
+            text, stop_str = self._apply_stops(decoded, finished, search)
+        else:
+            text, stop_str = decoded, None
         if text:
             self._chunks.append(text)
         self._done = finished or stop_str is not None
@@ -241,8 +244,19 @@ class IncrementalDetokenizer:
 
     def _decode_step(self, new_token_ids: Sequence[int], flush: bool) -> str:
         """Append ids, return the newly stable text (all remaining text when ``flush``)."""
-        self._ids.extend(new_token_ids)
-        text = self._decode(self._start)
+        ids = self._ids
+        ids.extend(new_token_ids)
+        text = self._decode_ids(ids[self._start:]) if not self._glued else \
+            self._decode(self._start)
+        released = self._released
+        if not self._cleanup and text.startswith(released) and \
+                not text.endswith(_REPLACEMENT_CHAR):
+            # The common step, in one call: nothing held back (no split character, no
+            # clean-up pattern), so all of the window's text past the released part goes.
+            self._released = text
+            if not flush and len(ids) - self._start > 2 * _CONTEXT_TOKENS:
+                self._narrow_window(text)
+            return text[len(released):]
         split = self._before_split_character(text, flush)
         if split is not None:
             before, num_split = split

@@ -67,7 +67,12 @@ class _RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.output.finished for s in self.samples.values())
+        """Whether every sample finished (a loop, not ``all()`` of a generator: read for
+        every request every step)."""
+        for sample in self.samples.values():
+            if sample.output.finish_reason is None:
+                return False
+        return True
 
 
 class OutputProcessor:
@@ -176,7 +181,8 @@ class OutputProcessor:
                 continue
             state = self._states[parent]
             sample = state.samples[eco.request_id]
-            if sample.output.finished:  # a stop string ended it; its abort is in flight
+            if sample.output.finish_reason is not None:  # a stop string ended it; its
+                # abort is in flight
                 continue
             if eco.pooling_output is not None:
                 state.embedding = eco.pooling_output
@@ -196,10 +202,11 @@ class OutputProcessor:
             changed[parent] = state
         results = []
         for parent, state in changed.items():
-            if state.finished:
+            finished = state.finished
+            if finished:
                 state.metrics.finished_time = now
                 self.abort(parent)
-            results.append(self._request_output(parent, state))
+            results.append(self._request_output(parent, state, finished))
         return results, to_abort
 
     def _update_sample(self, sample: _SampleState, eco: EngineCoreOutput,
@@ -293,13 +300,19 @@ class OutputProcessor:
         return self._token_texts.texts(token_ids, context)
 
     @staticmethod
-    def _request_output(parent: str, state: _RequestState
+    def _request_output(parent: str, state: _RequestState, finished: bool | None = None
                         ) -> RequestOutput | EmbeddingRequestOutput:
+        """The request's output now (``finished``: ``state.finished`` when the caller read
+        it already; None: read here)."""
+        if finished is None:
+            finished = state.finished
         if state.pooling:
             return EmbeddingRequestOutput(parent, state.prompt, state.prompt_token_ids,
                                           EmbeddingOutput(state.embedding or []),
-                                          state.finished, state.metrics)
-        samples = sorted(state.samples.values(), key=lambda s: s.output.index)
+                                          finished, state.metrics)
+        samples = list(state.samples.values())
+        if len(samples) > 1:
+            samples.sort(key=lambda s: s.output.index)
         if state.delta:
             outputs = [s.take_delta() for s in samples if s.changed]
         else:
@@ -312,4 +325,4 @@ class OutputProcessor:
         elif state.delta and prompt_logprobs is not None:
             state.prompt_logprobs_sent = True
         return RequestOutput(parent, state.prompt, state.prompt_token_ids, outputs,
-                             state.finished, state.metrics, prompt_logprobs)
+                             finished, state.metrics, prompt_logprobs)
