@@ -212,9 +212,10 @@ class OutputProcessor:
     def _update_sample(self, sample: _SampleState, eco: EngineCoreOutput,
                        keep_text: bool) -> bool:
         """Fold new tokens into a sample; returns True if a stop string ended it here.
-        ``keep_text``: maintain ``output.text`` (cumulative mode; delta mode skips the join).
-        Several new tokens (speculative decoding) are cut after the one that completed a stop
-        string, as one token per step would have been."""
+        ``keep_text``: maintain ``output.text`` (cumulative mode; delta mode skips the join
+        and keeps the delta instead, which cumulative mode never reads). Several new tokens
+        (speculative decoding) are cut after the one that completed a stop string, as one
+        token per step would have been."""
         out = sample.output
         new_token_ids = eco.new_token_ids
         finish = (eco.finish_reason, eco.stop_reason) if eco.finish_reason else None
@@ -229,12 +230,14 @@ class OutputProcessor:
                 stopped_by_string = finish is None or used < len(new_token_ids)
                 finish = ("stop", delta.stop_str)
                 new_token_ids = new_token_ids[:used]
-            sample.delta_text += delta.text
             if keep_text:
                 out.text = sample.detokenizer.output_text
+            else:
+                sample.delta_text += delta.text
         out.token_ids.extend(new_token_ids)
-        sample.delta_token_ids.extend(new_token_ids)
-        sample.changed = True
+        if not keep_text:
+            sample.delta_token_ids.extend(new_token_ids)
+            sample.changed = True
         if sample.want_logprobs and eco.new_logprobs:
             self._add_logprobs(out, new_token_ids, eco.new_logprobs, sample.decode)
         if finish is not None:
@@ -315,10 +318,8 @@ class OutputProcessor:
             samples.sort(key=lambda s: s.output.index)
         if state.delta:
             outputs = [s.take_delta() for s in samples if s.changed]
-        else:
+        else:  # (no delta kept: see _update_sample)
             outputs = [s.output for s in samples]
-            for s in samples:
-                s.clear_delta()
         prompt_logprobs = state.prompt_logprobs
         if state.delta and state.prompt_logprobs_sent:
             prompt_logprobs = None
