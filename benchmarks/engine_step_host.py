@@ -7,7 +7,9 @@ after 8 warm-up steps (the prefill among them) ``--steps`` decode steps are time
 host time is its thread CPU time minus that spent inside the model's forward, the replay of
 its recorded CPU step graph, ``compute_logits`` and the sampler
 (``benchmarks/host_overhead.py``'s ``Stopwatch``). Prints the median host ms per step and
-the median step wall ms; ``--profile N`` prints cProfile's top N functions by own time too.
+the median step wall ms; ``--profile N`` prints cProfile's top N functions by own time too;
+``--phases`` the median host ms of each phase of the step (schedule, the runner's three
+calls, update_from_output, the output processor; device time subtracted from each).
 
     .venv/bin/python benchmarks/engine_step_host.py --model out/smollm2-hf --batch 64 --steps 30
 
@@ -35,7 +37,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--profile", type=int, default=0, help="print cProfile's top N")
+    p.add_argument("--phases", action="store_true", help="print each phase's host ms")
     return p.parse_args(argv)
+
+
+# (module, class, method) -> phase name: the calls timed by --phases
+PHASES = {
+    ("kvflow.core.scheduler", "Scheduler", "schedule"): "schedule",
+    ("kvflow.worker.model_runner", "ModelRunner", "launch_forward"): "runner.launch_forward",
+    ("kvflow.worker.model_runner", "ModelRunner", "launch_sampling"): "runner.launch_sampling",
+    ("kvflow.worker.model_runner", "ModelRunner", "collect_output"): "runner.collect_output",
+    ("kvflow.core.scheduler", "Scheduler", "update_from_output"): "update_from_output",
+    ("kvflow.output_processor", "OutputProcessor", "process"): "output_processor",
+}
+
+
+class PhaseTimer:
+    """Host CPU seconds per phase of the current step: each wrapped method's thread CPU
+    time less the device time (``device``, a Stopwatch) spent inside it."""
+
+    def __init__(self, device) -> None:
+        self.device, self.cpu = device, {}
+
+    def install(self) -> None:
+        import importlib
+
+        for (module, cls, method), name in PHASES.items():
+            owner = getattr(importlib.import_module(module), cls)
+            setattr(owner, method, self._wrap(name, getattr(owner, method)))
+
+    def _wrap(self, name, fn):
+        def timed(*args, **kwargs):
+            d0, c0 = self.device.cpu, time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.cpu[name] = self.cpu.get(name, 0.0) + time.thread_time() - c0 - \
+                    (self.device.cpu - d0)
+        return timed
 
 
 def build_engine(args: argparse.Namespace):
@@ -66,6 +105,10 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     llm, device = build_engine(args)
+    phases = PhaseTimer(device) if args.phases else None
+    if phases:
+        phases.install()
+    per_phase: dict[str, list[float]] = {name: [] for name in PHASES.values()}
     engine = llm.engine
     prompts = np.random.default_rng(0).integers(100, 20000, (args.batch, args.input_len))
     params = SamplingParams(max_tokens=args.steps + 20, ignore_eos=True, temperature=0)
@@ -77,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     host_ms, wall_ms = [], []
     for _ in range(args.steps):
         device.cpu = device.wall = 0.0
+        if phases:
+            phases.cpu = {}
         if profile:
             profile.enable()
         c0, w0 = time.thread_time(), time.perf_counter()
@@ -87,8 +132,14 @@ def main(argv: list[str] | None = None) -> None:
         assert len(outputs) == args.batch, "every request must decode in every timed step"
         host_ms.append((cpu - device.cpu) * 1e3)
         wall_ms.append(wall * 1e3)
+        if phases:
+            for name, times in per_phase.items():
+                times.append(phases.cpu.get(name, 0.0) * 1e3)
     print(f"{kvflow.__file__}: batch {args.batch}: host {statistics.median(host_ms):.3f} "
           f"ms/step (median of {args.steps}), step wall {statistics.median(wall_ms):.3f} ms")
+    if phases:
+        for name, times in per_phase.items():
+            print(f"  {name}: {statistics.median(times):.3f} ms")
     if profile:
         pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
 
