@@ -58,12 +58,16 @@ def _schema_text(spec: str) -> str:
     raise ValueError("a JSON schema must be an object (or true/false)")
 
 
-# xgrammar (0.2.9) writes a string with minLength / maxLength as repetitions of this character
-# class, which lets the raw control characters U+0000-U+001F (but CR and LF) through: a tab or
-# \x0b inside a JSON string, which JSON parsers refuse. Its other strings use the second class.
-# Both classes also match the UTF-16 surrogates U+D800-U+DFFF, whose UTF-8 spellings (ED A0-BF
-# xx) are not UTF-8: the text decodes to three U+FFFD per surrogate (so a maxLength string came
-# out longer than its bound). Both are rewritten to ``_JSON_STRING_CHARS``.
+# xgrammar (0.2.9) writes a string with minLength / maxLength (and a ``propertyNames`` length)
+# as repetitions of one character of this class, which lets the raw control characters
+# U+0000-U+001F (but CR and LF) through: a tab or \x01 inside a JSON string, which JSON (RFC
+# 8259 s.7) forbids. Its other strings use the second class. Both classes also match the UTF-16
+# surrogates U+D800-U+DFFF, whose UTF-8 spellings (ED A0-BF xx) are not UTF-8: the text decodes
+# to three U+FFFD per surrogate (so a maxLength string came out longer than its bound). Both
+# are rewritten to ``_JSON_STRING_CHARS``. A length-limited string takes no escape (``\n``,
+# ``\u0001``), as in xgrammar: one character class repeated is xgrammar's fast case, and a
+# class-or-escape rule repeated filled a mask in 40 ms (maxLength 30) to 1 s (maxLength 200)
+# instead of 0.05 ms (49k vocabulary; docs/structured-output.md).
 # (as ``utf8_grammar.printed_ebnf`` writes them: \x1f is \u001f)
 _LENGTH_STRING_CHARS = r'[^\"\\\r\n]'
 _XGRAMMAR_STRING_CHARS = r'[^\0-\u001f\"\\\r\n]'
@@ -71,8 +75,9 @@ _JSON_STRING_CHARS = r'[^\0-\u001f\"\\\r\n\uD800-\uDFFF]'
 
 
 def json_only_strings(grammar: xgr.Grammar) -> xgr.Grammar:
-    """``grammar`` (xgrammar's conversion of a JSON schema) with its string characters kept to
-    what a JSON string may hold as UTF-8 text: no raw control characters, no surrogates."""
+    """``grammar`` (xgrammar's conversion of a JSON schema, or of a structural tag's JSON
+    schemas) with its string characters kept to what a JSON string may hold as UTF-8 text:
+    no raw control characters, no surrogates."""
     ebnf = printed_ebnf(grammar)
     if _LENGTH_STRING_CHARS not in ebnf and _XGRAMMAR_STRING_CHARS not in ebnf:
         return grammar
@@ -165,8 +170,10 @@ def structural_tag_grammar(text: str) -> xgr.Grammar:
     its JSON-style ``json_schema`` formats converted by kvflow as a ``json`` constraint's are
     (``json_pattern``: xgrammar wrote a literal quote of ``^a"b$`` raw inside the string, and
     gave a count past 32 its own JSON-string regex, which let overlong UTF-8 through), and
-    ``ipv4`` written as JSON Schema's (``json_pattern.strict_formats``). XML styles write
-    their strings raw, so their patterns are left to xgrammar.
+    ``ipv4`` written as JSON Schema's (``json_pattern.strict_formats``), and its JSON
+    strings' characters as :func:`json_only_strings` writes them (a ``minLength`` string
+    took a raw \x01). XML styles write their strings raw, so their patterns and the
+    characters of their top-level strings are left to xgrammar.
 
     Raises:
         RuntimeError: from xgrammar, for a tag it cannot convert (``NEEDS_TOKENIZER`` in the
@@ -180,9 +187,10 @@ def structural_tag_grammar(text: str) -> xgr.Grammar:
             node["json_schema"], found = placeholder_patterns(
                 strict_formats(node["json_schema"]), first=len(patterns))
             patterns.update(found)
-    grammar = utf8_grammar(xgr.Grammar.from_structural_tag(json.dumps(tag)), patterns)
+    grammar = utf8_grammar(json_only_strings(xgr.Grammar.from_structural_tag(json.dumps(tag))),
+                           patterns)
     if any(name in str(grammar) for name in patterns):  # a placeholder converted as text
-        return utf8_grammar(xgr.Grammar.from_structural_tag(text))
+        return utf8_grammar(json_only_strings(xgr.Grammar.from_structural_tag(text)))
     return grammar
 
 
