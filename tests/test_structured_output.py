@@ -317,6 +317,18 @@ _OBJ_AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"typ
      "'multipleOf': enforced with no bounds, or with both within 10,000"),
     ({"type": "integer", "minimum": 0, "exclusiveMaximum": 10_001, "multipleOf": 3}, 4,
      "'multipleOf'"),
+    # a keyword of one type in a schema that names no type (nor one xgrammar reads from
+    # properties / items): xgrammar writes any value and drops it
+    ({"minimum": 3}, 1, "'minimum': enforced only with a 'type'"),
+    ({**_OBJ_AB, "properties": {"a": {"exclusiveMaximum": 3}}}, {"a": 3},
+     "'exclusiveMaximum' at properties.a: enforced only with a 'type'"),
+    ({"maxLength": 2}, "abc", "'maxLength': enforced only with a 'type'"),
+    ({"type": "array", "items": {"pattern": "^a$"}}, ["b"], "'pattern' at items"),
+    ({"maxItems": 1}, [1, 2], "'maxItems'"),
+    ({"minProperties": 1}, {}, "'minProperties'"),
+    ({"patternProperties": {"^a": {"type": "integer"}}}, {"a": "x"}, "'patternProperties'"),
+    ({"anyOf": [{"propertyNames": {"maxLength": 1}}, {"type": "string"}]}, {"ab": 1},
+     "'propertyNames' at anyOf.0"),
 ])
 def test_schema_keywords_the_grammar_ignores_are_refused(schema, violating, keyword):
     """Keywords xgrammar compiles but does not enforce: its grammar takes an instance that
@@ -347,6 +359,30 @@ def test_schema_keywords_the_grammar_ignores_are_refused(schema, violating, keyw
     validate(StructuredOutputsParams(json={  # properties named like keywords; empty ones
         "type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}},
         "dependentRequired": {}}))
+    # no type, but one xgrammar reads from properties / items and enforces the keyword in
+    validate(StructuredOutputsParams(json={"properties": {}, "maxProperties": 1}))
+    validate(StructuredOutputsParams(json={"items": {}, "maxItems": 1, "minLength": 0}))
+
+
+@pytest.mark.parametrize("schema, violating", [
+    ({"properties": {}, "maxProperties": 1}, {"a": 1, "b": 2}),
+    ({"additionalProperties": {"type": "integer"}, "patternProperties": {"^x": {}},
+      "maxProperties": 1}, {"a": 1, "b": 2}),
+    ({"items": {"type": "integer"}, "maxItems": 1}, [1, 2]),
+    ({"prefixItems": [{"type": "integer"}], "minItems": 1}, []),
+])
+def test_keywords_of_a_type_xgrammar_reads_from_the_schema_are_enforced(schema, violating):
+    """Without a ``type``, xgrammar reads one from ``properties`` / ``items`` (and the like)
+    and enforces that type's keywords: such a schema is taken, and its grammar refuses what
+    jsonschema refuses."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from kvflow.structured.xgrammar_convert import json_schema_grammar
+
+    assert not jsonschema.Draft202012Validator(schema).is_valid(violating)
+    validate(StructuredOutputsParams(json=schema))
+    grammar = json_schema_grammar(json.dumps(schema))
+    assert not _is_grammar_accept_string(grammar, json.dumps(violating))
 
 
 def test_min_properties_met_by_repeated_names_is_refused():

@@ -20,7 +20,10 @@ it is, rather than served as a looser one. So is a schema that asks what xgramma
 - a ``pattern`` beside a ``format`` xgrammar enforces (the format alone applies);
 - a ``minProperties`` that repeated unlisted names could meet (``{"x": 1, "x": 2}`` passes 2);
 - a fractional ``multipleOf`` (``2`` passes 2.5), or one beside a single bound or bounds
-  ``_MULTIPLE_SPAN`` or more integers apart (``4`` passes 3 with ``"minimum": 0``).
+  ``_MULTIPLE_SPAN`` or more integers apart (``4`` passes 3 with ``"minimum": 0``);
+- a keyword of one type (``_ONE_TYPE``: ``minimum``, ``maxLength``, ``maxItems``, ...) in a
+  schema object that names no ``type`` and none xgrammar reads from ``properties`` /
+  ``items`` (and the like): ``1`` passes ``{"minimum": 3}``.
 
 Not refused: ``oneOf`` (enforced as ``anyOf``: an
 output matching several branches passes) and ``format`` (an annotation in JSON Schema
@@ -143,6 +146,9 @@ def _own_keyword(schema: dict[str, Any]) -> tuple[str, str] | None:
     if length is not None and schema.get("format") in LENGTHLESS_FORMATS:
         return length, (f"not enforced together with format {schema['format']!r} (write the "
                         "format and the length as one pattern instead)")
+    untyped = _untyped_keyword(schema)
+    if untyped is not None:
+        return untyped
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         return "$ref", f"{ref!r} is not in the schema (only '#...' references resolve)"
@@ -157,6 +163,33 @@ def _own_keyword(schema: dict[str, Any]) -> tuple[str, str] | None:
             return "propertyNames", ("beside additionalProperties false, the grammar lets "
                                      "properties through that it allows, with any value")
     return _dropped_sibling(schema) or _unlisted_required(schema)
+
+
+# keywords that assert something of one JSON type only. xgrammar (0.2.9) applies them where
+# the schema names a type, or where it reads one from _TYPE_READ_FROM (it then writes only
+# values of that type); else it writes any value and drops them: 1 passed {"minimum": 3},
+# "abc" {"maxLength": 2}, [1, 2] {"maxItems": 1}, {} {"minProperties": 1}
+_ONE_TYPE = {"minimum": "number", "maximum": "number", "exclusiveMinimum": "number",
+             "exclusiveMaximum": "number", "minLength": "string", "maxLength": "string",
+             "pattern": "string", "minItems": "array", "maxItems": "array",
+             "minProperties": "object", "maxProperties": "object",
+             "patternProperties": "object", "propertyNames": "object"}
+_TYPE_READ_FROM = ("properties", "additionalProperties", "unevaluatedProperties", "items",
+                   "prefixItems", "unevaluatedItems")
+
+
+def _untyped_keyword(schema: dict[str, Any]) -> tuple[str, str] | None:
+    """(keyword, why) for a keyword of ``_ONE_TYPE`` in a schema object that names no type
+    and from which xgrammar reads none (one with a ``_ALONE`` keyword is
+    :func:`_dropped_sibling`'s), else None."""
+    if "type" in schema or any(key in schema for key in _ALONE + _TYPE_READ_FROM):
+        return None
+    for key, value in schema.items():
+        if key in _ONE_TYPE and not _asserts_nothing(key, value):
+            kind = _ONE_TYPE[key]
+            return key, (f"enforced only with a 'type' (the schema names none, so the grammar "
+                         f"writes any value): add \"type\": \"{kind}\"")
+    return None
 
 
 def _dropped_sibling(schema: dict[str, Any]) -> tuple[str, str] | None:
