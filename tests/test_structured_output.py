@@ -362,6 +362,9 @@ def test_schema_keywords_the_grammar_ignores_are_refused(schema, violating, keyw
     # no type, but one xgrammar reads from properties / items and enforces the keyword in
     validate(StructuredOutputsParams(json={"properties": {}, "maxProperties": 1}))
     validate(StructuredOutputsParams(json={"items": {}, "maxItems": 1, "minLength": 0}))
+    # a propertyNames schema needs no type: names are strings, and their lengths are kept
+    validate(StructuredOutputsParams(json={"type": "object",
+                                           "propertyNames": {"maxLength": 3}}))
 
 
 @pytest.mark.parametrize("schema, violating", [

@@ -94,27 +94,29 @@ _LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def unenforced_keyword(schema: Any, path: str = "") -> str | None:
+def unenforced_keyword(schema: Any, path: str = "", names: bool = False) -> str | None:
     """The first keyword of ``schema`` (a parsed JSON schema) and its subschemas that the
     grammar would not enforce, as ``"'uniqueItems' at properties.tags: repeated items are
-    not prevented"``; None when there is none. ``path``: where ``schema`` sits (dotted)."""
+    not prevented"``; None when there is none. ``path``: where ``schema`` sits (dotted);
+    ``names``: ``schema`` is a ``propertyNames`` one (its values are strings, typed or not)."""
     if not isinstance(schema, dict):
         return None
-    found = _own_keyword(schema)
+    found = _own_keyword(schema, names)
     if found is not None:
         at = f" at {path}" if path else ""
         return f"{found[0]!r}{at}: {found[1]}"
     for key, value in schema.items():
         for sub_path, sub in _subschemas(key, value):
             where = f"{path}.{sub_path}" if path else sub_path
-            found_below = unenforced_keyword(sub, where)
+            found_below = unenforced_keyword(sub, where, key == "propertyNames")
             if found_below is not None:
                 return found_below
     return None
 
 
-def _own_keyword(schema: dict[str, Any]) -> tuple[str, str] | None:
-    """(keyword, why) for a keyword of this schema object itself, else None."""
+def _own_keyword(schema: dict[str, Any], names: bool = False) -> tuple[str, str] | None:
+    """(keyword, why) for a keyword of this schema object itself (``names``: a
+    ``propertyNames`` schema), else None."""
     for key, why in _UNENFORCED.items():
         value = schema.get(key)
         if value is None or value is False or (not value and key in _EMPTY_IS_NOTHING):
@@ -146,7 +148,7 @@ def _own_keyword(schema: dict[str, Any]) -> tuple[str, str] | None:
     if length is not None and schema.get("format") in LENGTHLESS_FORMATS:
         return length, (f"not enforced together with format {schema['format']!r} (write the "
                         "format and the length as one pattern instead)")
-    untyped = _untyped_keyword(schema)
+    untyped = None if names else _untyped_keyword(schema)
     if untyped is not None:
         return untyped
     ref = schema.get("$ref")
