@@ -1,8 +1,10 @@
 """Compile time and mask time of JSON-schema string patterns with counted repetitions, three
 ways in one run: xgrammar's own JSON-schema conversion (its JSON-string regex, what kvflow
 used for a count past 32 before ``repeat_counts``), xgrammar's repetition as rules
-(``x{m,n}`` of its regex converter, what kvflow uses up to a count of 32) and kvflow's
-conversion (``xgrammar_convert.json_schema_grammar``: ``json_pattern`` + ``repeat_counts``).
+(``x{m,n}`` of its regex converter on ``json_pattern``'s text, in a rule of its own between
+the quotes) and kvflow's conversion (``xgrammar_convert.json_schema_grammar``:
+``json_pattern``'s negated classes, ``repeat_counts`` past 128 for what is not one class, the
+pattern's root written between the quotes by ``utf8_grammar``).
 
 Mask time: the mean (and worst) ``fill_next_token_bitmask`` over a random walk of up to 60
 tokens through the string. Usage::
@@ -28,7 +30,7 @@ from kvflow.structured.utf8_grammar import printed_ebnf
 from kvflow.structured.xgrammar_convert import json_schema_grammar
 
 PATTERNS = ["^[a-z]{30}$", "^.{1,30}$", "^[a-z\u00e9]{40,60}$", "^\\d{100}$", "^.{1,100}$",
-            "^.{1,300}$", "^.{1,3000}$"]
+            "^.{1,300}$", "^.{1,3000}$", "^.{1,300}\\d$", "^(ab|c){1,300}$"]
 
 
 def mask_times(compiled: xgr.CompiledGrammar, vocab_size: int, steps: int = 60,

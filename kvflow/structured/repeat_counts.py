@@ -13,7 +13,10 @@ grammar holds about ``2 K`` character positions whatever the count. ``x{m,}`` is
 then ``x*``. A token that runs past a block's or chain's end is checked when the mask is
 filled (xgrammar cannot tell from the rule alone what follows it), so up to
 :data:`INLINE_COUNT` xgrammar's own repetition is kept: it fills masks faster there
-(``benchmarks/pattern_counts.py``).
+(``benchmarks/pattern_counts.py``). A repetition of one character class is never written
+here (``utf8_grammar._pattern_rules``): ``json_pattern`` writes the class negated, which
+xgrammar repeats cheaply at any count (``.{1,3000}`` right before the closing quote: 0.02 s
+to compile, 0.1 ms a mask, against 2-3 s and 5-15 ms as blocks and chains).
 """
 
 from __future__ import annotations
