@@ -125,3 +125,15 @@ def test_format_tag_length_limited_outputs_parse(llm):
     for o in stopped:
         assert o.text.startswith("<t>") and o.text.endswith("</t>"), o.text
         jsonschema.validate(json.loads(o.text[len("<t>"):-len("</t>")]), schema)
+
+
+@pytest.mark.parametrize("style", [None, "qwen_xml"])
+def test_format_tag_arrays_without_items_take_any_items(backend, style):
+    """A ``format`` tag's schema gets the same ``"items": true`` as a ``json`` constraint's
+    (``xgrammar_convert.open_arrays``): xgrammar took only ``[]`` for ``maxItems`` 3."""
+    schema = _object({"type": "array", "maxItems": 3})
+    params = StructuredOutputsParams(structural_tag=_format_tag(schema, style))
+    text = (b'<t>{"s": ' + b"%s" + b"}</t>") if style is None else \
+        b"<t><parameter=s>\n%s\n</parameter>\n</t>"
+    assert _accepts(backend, params, text % b'[1, "a"]')
+    assert not _accepts(backend, params, text % b"[1, 2, 3, 4]")

@@ -388,6 +388,32 @@ def test_keywords_of_a_type_xgrammar_reads_from_the_schema_are_enforced(schema, 
     assert not _is_grammar_accept_string(grammar, json.dumps(violating))
 
 
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"type": "array", "maxItems": 3}, [[1, "a"], []], [[1, 2, 3, 4]]),
+    ({"type": "array", "minItems": 2}, [[1, "a"], [None, {}, 3]], [[1], []]),
+    ({"type": "object", "properties": {"a": {"type": ["array", "null"], "minItems": 1}},
+      "required": ["a"]}, [{"a": [True]}, {"a": None}], [{"a": []}]),
+    ({"type": "array", "prefixItems": [{"type": "integer"}]}, [[1, "x"], []], [["x"]]),
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "unevaluatedItems": False},
+     [[1]], [[1, "x"]]),
+])
+def test_arrays_without_items_take_any_items(schema, good, bad):
+    """JSON Schema reads an array without ``items`` as one of any items; xgrammar 0.2.9 read
+    it beside ``maxItems`` / ``prefixItems`` as one of none (``{"type": "array", "maxItems":
+    3}`` took only ``[]``) and refused ``minItems`` ("additional items are not allowed").
+    Oracle: jsonschema."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from kvflow.structured.xgrammar_convert import json_schema_grammar
+
+    grammar = json_schema_grammar(json.dumps(schema))
+    for value in good + bad:
+        expected = jsonschema.Draft202012Validator(schema).is_valid(value)
+        assert expected == (value in good), value
+        text = json.dumps(value, separators=(", ", ": "))
+        assert _is_grammar_accept_string(grammar, text) == expected, text
+
+
 def test_min_properties_met_by_repeated_names_is_refused():
     """xgrammar keeps the names of unlisted properties apart from the listed ones but not
     from each other: ``{"x": 1, "x": 2}`` passed ``minProperties: 2``, and parses to one

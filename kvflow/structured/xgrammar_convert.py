@@ -13,7 +13,12 @@ from kvflow.structured.json_pattern import placeholder_patterns, strict_formats
 from kvflow.structured.lark_grammar import lark_to_gbnf, looks_like_lark
 from kvflow.structured.params import StructuredOutputsParams
 from kvflow.structured.regex_dialect import xgrammar_regex
-from kvflow.structured.schema_support import costly_pattern, string_patterns, unenforced_keyword
+from kvflow.structured.schema_support import (
+    costly_pattern,
+    map_schemas,
+    string_patterns,
+    unenforced_keyword,
+)
 from kvflow.structured.structural_tag import (
     StructuralTagError,
     check_format,
@@ -109,13 +114,34 @@ def json_schema_grammar(spec: str) -> xgr.Grammar:
         raise ValueError(problem)
     # patterns converted by utf8_grammar in place of placeholders (json_pattern: xgrammar's
     # own conversion wrote their quotes raw and let overlong UTF-8 through)
-    converted, patterns = placeholder_patterns(strict_formats(schema))
+    converted, patterns = placeholder_patterns(strict_formats(open_arrays(schema)))
     grammar = xgr.Grammar.from_json_schema(json.dumps(converted), any_whitespace=False)
     fixed = utf8_grammar(json_only_strings(grammar), patterns)
     if any(name in str(fixed) for name in patterns):  # a placeholder converted as text
         fixed = utf8_grammar(json_only_strings(xgr.Grammar.from_json_schema(
-            text, any_whitespace=False)))
+            json.dumps(open_arrays(schema)), any_whitespace=False)))
     return fixed
+
+
+# what may follow an array's prefixItems: without one of these JSON Schema allows any items
+_MORE_ITEMS = ("items", "additionalItems", "unevaluatedItems")
+
+
+def open_arrays(schema: Any) -> Any:
+    """A copy of ``schema`` (a parsed JSON schema) whose arrays without ``items`` (nor
+    ``additionalItems`` / ``unevaluatedItems``) say ``"items": true``, as JSON Schema reads
+    them. xgrammar (0.2.9) read such an array beside ``minItems`` / ``maxItems`` /
+    ``prefixItems`` as one that allows no more items: ``{"type": "array", "maxItems": 3}``
+    took only ``[]``, and ``"minItems": 1`` was refused ("additional items are not
+    allowed")."""
+    def one(sub: dict[str, Any]) -> dict[str, Any]:
+        types = sub.get("type") if isinstance(sub.get("type"), list) else [sub.get("type")]
+        array = "array" in types if "type" in sub else \
+            any(key in sub for key in ("prefixItems", "minItems", "maxItems"))
+        if array and not any(key in sub for key in _MORE_ITEMS):
+            return {**sub, "items": True}
+        return sub
+    return map_schemas(schema, one)
 
 
 def structural_tag_text(spec: str) -> str:
@@ -183,6 +209,8 @@ def structural_tag_grammar(text: str) -> xgr.Grammar:
     tag = json.loads(text)
     patterns: dict[str, str] = {}
     for _, node in format_schemas(tag):
+        if node.get("type") == "json_schema":
+            node["json_schema"] = open_arrays(node["json_schema"])
         if node.get("type") == "json_schema" and node.get("style", "json") == "json":
             node["json_schema"], found = placeholder_patterns(
                 strict_formats(node["json_schema"]), first=len(patterns))
