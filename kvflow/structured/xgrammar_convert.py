@@ -123,22 +123,22 @@ def json_schema_grammar(spec: str) -> xgr.Grammar:
     return fixed
 
 
-# what may follow an array's prefixItems: without one of these JSON Schema allows any items
-_MORE_ITEMS = ("items", "additionalItems", "unevaluatedItems")
+# an array schema with one of these says what its items are (prefixItems alone: a closed
+# tuple, as xgrammar's strict mode reads it, like an object's listed properties)
+_ITEMS = ("items", "prefixItems", "additionalItems", "unevaluatedItems")
 
 
 def open_arrays(schema: Any) -> Any:
-    """A copy of ``schema`` (a parsed JSON schema) whose arrays without ``items`` (nor
-    ``additionalItems`` / ``unevaluatedItems``) say ``"items": true``, as JSON Schema reads
-    them. xgrammar (0.2.9) read such an array beside ``minItems`` / ``maxItems`` /
-    ``prefixItems`` as one that allows no more items: ``{"type": "array", "maxItems": 3}``
-    took only ``[]``, and ``"minItems": 1`` was refused ("additional items are not
-    allowed")."""
+    """A copy of ``schema`` (a parsed JSON schema) whose arrays that say nothing of their
+    items (none of ``_ITEMS``) say ``"items": true``, as JSON Schema reads them and as
+    xgrammar (0.2.9) reads ``{"type": "array"}`` alone; beside ``minItems`` / ``maxItems``
+    it read them as arrays of no items: ``{"type": "array", "maxItems": 3}`` took only
+    ``[]``, and ``"minItems": 1`` was refused ("additional items are not allowed")."""
     def one(sub: dict[str, Any]) -> dict[str, Any]:
         types = sub.get("type") if isinstance(sub.get("type"), list) else [sub.get("type")]
         array = "array" in types if "type" in sub else \
-            any(key in sub for key in ("prefixItems", "minItems", "maxItems"))
-        if array and not any(key in sub for key in _MORE_ITEMS):
+            any(key in sub for key in ("minItems", "maxItems"))
+        if array and not any(key in sub for key in _ITEMS):
             return {**sub, "items": True}
         return sub
     return map_schemas(schema, one)
