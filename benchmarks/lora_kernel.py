@@ -2,17 +2,23 @@
 grouped LoRA (``kvflow.lora.layers.grouped_lora``, one matmul pair per adapter) on SmolLM2-135M's
 LoRA layer shapes at max rank 16 (qkv 576->960 with 48 rank rows, gate_up 576->3072 with 32,
 down 1536->576 with 16), bf16 activations, fp32 slots, rows on one adapter or round-robin over
-four. CPU time of the calling thread (``time.thread_time``) with one torch thread, so other
-processes on a loaded machine change the figures less than wall time; the best of 5 rounds of
-``--calls`` calls::
+four. Each of B's two layouts: ``[max_loras, out, R]`` contiguous (``rows``: the kernel's
+dot-product expand, the layout before session 50) and the transpose of a contiguous
+``[max_loras, R, out]`` (``cols``: what :class:`kvflow.lora.layers.LoRALinear` keeps on CPU;
+the kernel's vector expand), torch too in both. CPU time of the calling thread
+(``time.thread_time``) with one torch thread, so other processes on a loaded machine change the
+figures less than wall time; ``--rounds`` rounds of ``--calls`` calls, the candidates
+alternating round by round (A, B, C, D, A, B, ...), the median round of each::
 
-    .venv/bin/python benchmarks/lora_kernel.py [--batches 1,16,64] [--calls 100]
+    .venv/bin/python benchmarks/lora_kernel.py [--batches 1,16,64] [--calls 100] [--rounds 7]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from collections.abc import Callable
 from functools import partial
 
 import numpy as np
@@ -24,42 +30,54 @@ from kvflow.lora.layers import grouped_lora, make_mapping
 SHAPES = [("qkv", 576, 960, 48), ("gate_up", 576, 3072, 32), ("down", 1536, 576, 16)]
 
 
-def best_us(fn, calls: int) -> float:
-    """The best of 5 rounds of ``calls`` calls of ``fn``, microseconds of thread CPU time each."""
-    fn()
-    rounds = []
-    for _ in range(5):
-        start = time.thread_time()
-        for _ in range(calls):
-            fn()
-        rounds.append((time.thread_time() - start) / calls * 1e6)
-    return min(rounds)
+def median_us(fns: dict[str, Callable[[], object]], calls: int, rounds: int) -> dict[str, float]:
+    """The median over ``rounds`` rounds of ``calls`` calls of each of ``fns`` (alternating round
+    by round), microseconds of thread CPU time per call."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.thread_time()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.thread_time() - start) / calls * 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--calls", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args()
     kernels = native_cpu_kernels()
     if kernels is None:
         raise SystemExit("the native CPU kernels could not be built")
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
+    print(f"ISA level {kernels.isa}; us per call, medians of {args.rounds} alternating rounds")
     for rows in (int(b) for b in args.batches.split(",")):
         for name, inp, out, rank in SHAPES:
             x = torch.randn(rows, inp, generator=gen).bfloat16()
             y = torch.randn(rows, out, generator=gen).bfloat16()
             a = torch.randn(4, rank, inp, generator=gen) * 0.01
-            b = torch.randn(4, out, rank, generator=gen) * 0.01
+            b_rows = torch.randn(4, out, rank, generator=gen) * 0.01
+            b_cols = b_rows.transpose(1, 2).contiguous().transpose(1, 2)
             for mix, count in (("one", 1), ("four", 4)):
                 slots = np.arange(rows) % count
-                native = best_us(partial(kernels.lora, y, x, a, b,
-                                         torch.from_numpy(slots.astype(np.int32))), args.calls)
-                torch_us = best_us(partial(grouped_lora, y, x, a, b,
-                                           make_mapping(slots, torch.device("cpu"))), args.calls)
-                print(f"{rows} rows, {name}, {mix}: native {native:.1f} us, torch "
-                      f"{torch_us:.1f} us, native / torch {native / torch_us:.2f}", flush=True)
+                row_slots = torch.from_numpy(slots.astype(np.int32))
+                mapping = make_mapping(slots, torch.device("cpu"))
+                us = median_us({
+                    "native rows": partial(kernels.lora, y, x, a, b_rows, row_slots),
+                    "native cols": partial(kernels.lora, y, x, a, b_cols, row_slots),
+                    "torch rows": partial(grouped_lora, y, x, a, b_rows, mapping),
+                    "torch cols": partial(grouped_lora, y, x, a, b_cols, mapping)},
+                    args.calls, args.rounds)
+                print(f"{rows} rows, {name}, {mix}: " + ", ".join(
+                    f"{k} {v:.1f}" for k, v in us.items())
+                    + f"; native/torch rows {us['native rows'] / us['torch rows']:.2f}, "
+                    f"cols {us['native cols'] / us['torch cols']:.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ class LoRAKernels:
 
     def _bind_lora(self, lib: ctypes.CDLL) -> None:
         self._lora = bind(lib, "kvflow_lora", c_int,
-                          [ptr, i64, c_int, ptr, i64, c_int, ptr, ptr, ptr, i64, i64, i64, i64,
-                           i64, c_int])
+                          [ptr, i64, c_int, ptr, i64, c_int, ptr, ptr, c_int, ptr, i64, i64, i64,
+                           i64, i64, c_int])
 
     def lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
              lora_b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -33,7 +33,10 @@ class LoRAKernels:
             y: [T, out] fp32/bf16/fp16, unit-stride rows (updated and returned).
             x: [T, in] fp32/bf16/fp16, unit-stride rows.
             lora_a: fp32 [max_loras, R, in], contiguous.
-            lora_b: fp32 [max_loras, out, R], contiguous (scaling folded in).
+            lora_b: fp32 [max_loras, out, R] (scaling folded in), contiguous or the
+                transpose of a contiguous [max_loras, R, out] (``lora_b.transpose(1, 2)``
+                contiguous: what :class:`kvflow.lora.layers.LoRALinear` keeps on CPU; the
+                expand then accumulates whole vectors of outputs, no horizontal sums).
             slots: int32 [T], contiguous: each row's slot, -1 for none.
 
         Raises:
@@ -45,7 +48,8 @@ class LoRAKernels:
         max_loras, rank, in_features = lora_a.shape
         status = self._lora(y.data_ptr(), y.stride(0), DTYPE_CODES[y.dtype], x.data_ptr(),
                             x.stride(0), DTYPE_CODES[x.dtype], lora_a.data_ptr(),
-                            lora_b.data_ptr(), slots.data_ptr(), y.shape[0], in_features,
+                            lora_b.data_ptr(), int(not lora_b.is_contiguous()),
+                            slots.data_ptr(), y.shape[0], in_features,
                             y.shape[1], rank, max_loras, torch.get_num_threads())
         if status == 2:
             raise ValueError(f"lora: a slot in slots is >= max_loras={max_loras}")
@@ -59,7 +63,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch
     """Raise ValueError unless the operands fit :meth:`LoRAKernels.lora` (one test on the
     hot path, the details only when it fails)."""
     if rows_ok(y, y.dtype) and rows_ok(x, x.dtype) and lora_a.dtype == lora_b.dtype \
-            == torch.float32 and lora_a.is_contiguous() and lora_b.is_contiguous() \
+            == torch.float32 and lora_a.is_contiguous() and _b_layout_ok(lora_b) \
             and lora_a.dim() == lora_b.dim() == 3 and slots.dtype == torch.int32 \
             and slots.is_contiguous() and slots.shape == (y.shape[0],) \
             and x.shape[0] == y.shape[0] and lora_a.shape[2] == x.shape[1] \
@@ -71,8 +75,10 @@ def _check(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch
                          f"unit-stride rows, got x {x.dtype} {tuple(x.shape)}, y {y.dtype} "
                          f"{tuple(y.shape)}")
     if lora_a.dtype != torch.float32 or lora_b.dtype != torch.float32 or lora_a.dim() != 3 \
-            or not (lora_a.is_contiguous() and lora_b.is_contiguous()):
-        raise ValueError(f"lora: lora_a and lora_b must be contiguous 3-D float32 tensors, got "
+            or not (lora_a.is_contiguous() and _b_layout_ok(lora_b)):
+        raise ValueError(f"lora: lora_a and lora_b must be 3-D float32 tensors, lora_a "
+                         f"contiguous, lora_b contiguous or the transpose (dims 1, 2) of a "
+                         f"contiguous tensor, got "
                          f"{lora_a.dtype} {tuple(lora_a.shape)}, {lora_b.dtype} "
                          f"{tuple(lora_b.shape)}")
     if slots.dtype != torch.int32 or not slots.is_contiguous() or slots.shape != (y.shape[0],):
@@ -80,3 +86,9 @@ def _check(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch
                          f"{y.shape[0]} rows of y, got {slots.dtype} {tuple(slots.shape)}")
     raise ValueError(f"lora: shapes do not chain: x {tuple(x.shape)}, lora_a "
                      f"{tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}, y {tuple(y.shape)}")
+
+
+def _b_layout_ok(lora_b: torch.Tensor) -> bool:
+    """Whether ``lora_b`` (3-D) is contiguous or the (1, 2)-transpose of a contiguous tensor."""
+    return lora_b.dim() == 3 and (lora_b.is_contiguous()
+                                  or lora_b.transpose(1, 2).is_contiguous())

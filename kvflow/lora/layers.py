@@ -23,7 +23,8 @@ torch (:func:`grouped_lora`) on CPU and elsewhere, two Triton launches on CUDA
 A CPU step graph's steps (:func:`graph_mapping`: each token's slot in a static int32 buffer)
 run kvflow's native kernel instead, one C call per layer for every adapter
 (``csrc/cpu_lora.c``, ``KVFLOW_CPU_LORA=native``, the default), which the graph records and
-replays whatever the step's mix of adapters.
+replays whatever the step's mix of adapters. On CPU ``lora_b`` is the transpose of a contiguous
+``[max_loras, R, out]`` (each rank row's outputs side by side, for the kernel's expand).
 """
 
 from __future__ import annotations
@@ -262,8 +263,8 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_a", torch.zeros(max_loras, rank_rows,
                                                    base.input_size_per_partition,
                                                    dtype=dtype, device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(max_loras, offset, rank_rows, dtype=dtype,
-                                                   device=device), persistent=False)
+        self.register_buffer("lora_b", _zeros_b(max_loras, offset, rank_rows, dtype, device),
+                             persistent=False)
 
     @property
     def target(self) -> LoRATarget:
@@ -303,6 +304,18 @@ class LoRALinear(nn.Module):
         if mapping is None:
             return y
         return self.grouped(y, x, self.lora_a, self.lora_b, mapping)
+
+
+def _zeros_b(max_loras: int, out: int, rank_rows: int, dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+    """Zero B slots, ``[max_loras, out, rank_rows]``: on CPU the transpose of a contiguous
+    ``[max_loras, rank_rows, out]`` (each rank row's outputs side by side: the native kernel's
+    expand adds whole vectors of them, 1.1-2.0x faster than dot products over an ``[out, R]``
+    B's rows, and torch's matmul takes ``B[s].T`` contiguous; docs/benchmarks.md, session 50),
+    contiguous elsewhere (the Triton kernel's layout)."""
+    if device.type == "cpu":
+        return torch.zeros(max_loras, rank_rows, out, dtype=dtype, device=device).transpose(1, 2)
+    return torch.zeros(max_loras, out, rank_rows, dtype=dtype, device=device)
 
 
 def _device_of(module: nn.Module) -> torch.device:

@@ -4,8 +4,9 @@ Oracle: the same LoRA in float64 from plain torch indexing, ``y[t] + (x[t] A[s]^
 per row. Error bound of the kernel's fp32 math (Higham, Accuracy and Stability of Numerical
 Algorithms, 3.1: a dot product of n terms errs by at most ~n u times the sum of its terms'
 magnitudes): the shrink's ``in`` terms and the expand's ``R`` give ``(in + R + 2) u`` times
-``(|x| |A|^T) |B|^T``; a 16-bit ``y`` adds the two roundings torch's ``y.add_(delta.to(y.dtype))``
-makes (the delta, then the sum: one unit roundoff each).
+``(|x| |A|^T) |B|^T``; the sum ``y + delta`` rounds once more (one unit roundoff of the
+result), a 16-bit ``y`` twice, as torch's ``y.add_(delta.to(y.dtype))`` does (the delta, then
+the sum).
 """
 
 from __future__ import annotations
@@ -21,13 +22,18 @@ SLOTS = [0, -1, 2, 2, 1, -1, 0, 2, 2, 2, 2, 1, 0]  # 13 rows: three adapters and
 
 
 def _operands(dtype: torch.dtype, rank: int, in_features: int = 97, out: int = 131,
-              max_loras: int = 3, seed: int = 0):
+              max_loras: int = 3, seed: int = 0, layout: str = "rows"):
+    """(y, x, lora_a, lora_b, slots) of SLOTS' rows; ``layout`` ``cols``: lora_b the transpose
+    of a contiguous [max_loras, R, out] (what LoRALinear keeps on CPU), ``rows``: contiguous."""
     gen = torch.Generator().manual_seed(seed)
     rows = len(SLOTS)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
     y = torch.randn(rows, out, generator=gen).to(dtype)
     a = torch.randn(max_loras, rank, in_features, generator=gen) / in_features**0.5
     b = torch.randn(max_loras, out, rank, generator=gen) / rank**0.5
+    if layout == "cols":
+        b = b.transpose(1, 2).contiguous().transpose(1, 2)
+        assert not b.is_contiguous() or rank == 1  # (rank 1: both layouts are one)
     return y, x, a, b, torch.tensor(SLOTS, dtype=torch.int32)
 
 
@@ -43,15 +49,17 @@ def _reference(y, x, a, b, slots):
         mags = (x[t].double().abs() @ a[s].double().abs().T) @ b[s].double().abs().T
         ref[t] += delta
         fp32 = (a.shape[2] + a.shape[1] + 2) * u32 * mags
-        bound[t] = fp32 if y.dtype == torch.float32 else \
+        # fp32 y: the sum y + delta rounds once more (u |result|: small deltas on large y)
+        bound[t] = fp32 + u32 * (ref[t].abs() + fp32) if y.dtype == torch.float32 else \
             fp32 + u * (delta.abs() + fp32) + u * (ref[t].abs() + u * delta.abs() + fp32)
     return ref, bound
 
 
+@pytest.mark.parametrize("layout", ["rows", "cols"])
 @pytest.mark.parametrize("rank", [8, 16, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_lora_rows_match_float64(kernels, dtype, rank):
-    y, x, a, b, slots = _operands(dtype, rank)
+def test_lora_rows_match_float64(kernels, dtype, rank, layout):
+    y, x, a, b, slots = _operands(dtype, rank, layout=layout)
     before = y.clone()
     assert kernels.lora(y, x, a, b, slots) is y
     ref, bound = _reference(before, x, a, b, slots)
@@ -61,10 +69,27 @@ def test_lora_rows_match_float64(kernels, dtype, rank):
     assert not torch.equal(y[~none], before[~none])
 
 
-def test_a_rows_result_does_not_depend_on_the_step_mix(kernels):
+# (rank, in, out): odd ranks and sizes; outputs 83 and 131 reach every path of the vector
+# expand (blocks of 4 or 2 vectors, single vectors, single outputs) at 8 and 16 lanes
+ODD_SHAPES = [(1, 5, 3), (5, 97, 83), (7, 33, 131), (3, 8, 16)]
+
+
+@pytest.mark.parametrize("layout", ["rows", "cols"])
+@pytest.mark.parametrize("rank,in_features,out", ODD_SHAPES)
+def test_odd_shapes_match_float64(kernels, rank, in_features, out, layout):
+    y, x, a, b, slots = _operands(torch.float32, rank, in_features, out, layout=layout)
+    before = y.clone()
+    kernels.lora(y, x, a, b, slots)
+    ref, bound = _reference(before, x, a, b, slots)
+    assert ((y.double() - ref).abs() <= bound).all(), (y.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("layout", ["rows", "cols"])
+def test_a_rows_result_does_not_depend_on_the_step_mix(kernels, layout):
     """A replayed step graph serves any mix of adapters: each row's bits are those it gets
-    alone (tiles of one slot, fixed summation order per row)."""
-    y, x, a, b, slots = _operands(torch.bfloat16, 16)
+    alone (tiles of one slot, fixed summation order per row; with ``cols`` a row alone runs
+    the one-row expand, in a tile of 2-4 rows the tile's)."""
+    y, x, a, b, slots = _operands(torch.bfloat16, 16, out=83, layout=layout)
     mixed = y.clone()
     kernels.lora(mixed, x, a, b, slots)
     for t, s in enumerate(SLOTS):
@@ -73,9 +98,10 @@ def test_a_rows_result_does_not_depend_on_the_step_mix(kernels):
         assert torch.equal(alone[0], mixed[t]), t
 
 
-def test_strided_rows(kernels):
+@pytest.mark.parametrize("layout", ["rows", "cols"])
+def test_strided_rows(kernels, layout):
     """x and y as column slices of wider rows (a fused layer's output, say)."""
-    y, x, a, b, slots = _operands(torch.float32, 8)
+    y, x, a, b, slots = _operands(torch.float32, 8, layout=layout)
     wide_x = torch.randn(len(SLOTS), 200)
     wide_x[:, 50:50 + x.shape[1]] = x
     wide_y = torch.randn(len(SLOTS), 300)
@@ -100,6 +126,9 @@ def test_slot_past_max_loras_raises_and_writes_nothing(kernels):
     (lambda ops: {**ops, "slots": ops["slots"].long()}, "slots must be"),
     (lambda ops: {**ops, "slots": ops["slots"][:-1]}, "slots must be"),
     (lambda ops: {**ops, "lora_a": ops["lora_a"].bfloat16()}, "lora_a and lora_b"),
+    (lambda ops: {**ops, "lora_b": ops["lora_b"][:, ::2]}, "lora_a and lora_b"),
+    (lambda ops: {**ops, "lora_b": ops["lora_b"].transpose(0, 1).contiguous().transpose(0, 1)},
+     "lora_a and lora_b"),
     (lambda ops: {**ops, "x": ops["x"][:, :-1]}, "shapes do not chain"),
     (lambda ops: {**ops, "y": ops["y"].t()}, "unit-stride rows"),
 ])

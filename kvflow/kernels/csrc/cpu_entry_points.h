@@ -49,7 +49,8 @@ int kvflow_int8_gemm_grouped(const void *x, int64_t xs, int xdt, const int8_t *q
                              int64_t ys, int ydt, int64_t m, int64_t n, int64_t k,
                              int num_threads);
 int kvflow_lora(void *y, int64_t y_stride, int ydt, const void *x, int64_t x_stride, int xdt,
-                const float *lora_a, const float *lora_b, const int32_t *slots, int64_t rows,
-                int64_t in, int64_t out, int64_t rank, int64_t max_loras, int num_threads);
+                const float *lora_a, const float *lora_b, int b_transposed,
+                const int32_t *slots, int64_t rows, int64_t in, int64_t out, int64_t rank,
+                int64_t max_loras, int num_threads);
 
 #endif

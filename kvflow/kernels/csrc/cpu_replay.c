@@ -75,8 +75,8 @@ static int int8_gemm_grouped(const int64_t *a) {
                                     I(10), a[11], a[12], a[13], I(14));
 }
 static int lora(const int64_t *a) {
-    return kvflow_lora(P(0), a[1], I(2), P(3), a[4], I(5), P(6), P(7), P(8), a[9], a[10], a[11],
-                       a[12], a[13], I(14));
+    return kvflow_lora(P(0), a[1], I(2), P(3), a[4], I(5), P(6), P(7), I(8), P(9), a[10],
+                       a[11], a[12], a[13], a[14], I(15));
 }
 
 typedef struct {
@@ -101,7 +101,7 @@ static const Entry ENTRIES[] = {
     {"kvflow_store_kv", 12, store_kv, (const void *)kvflow_store_kv},
     {"kvflow_int8_gemm", 14, int8_gemm, (const void *)kvflow_int8_gemm},
     {"kvflow_int8_gemm_grouped", 15, int8_gemm_grouped, (const void *)kvflow_int8_gemm_grouped},
-    {"kvflow_lora", 15, lora, (const void *)kvflow_lora},
+    {"kvflow_lora", 16, lora, (const void *)kvflow_lora},
 };
 enum { NUM_ENTRIES = sizeof ENTRIES / sizeof ENTRIES[0] };
 
