@@ -184,12 +184,18 @@ def cpu_quant_choice() -> str:
     return env_choice("KVFLOW_CPU_QUANT", "native", ("native", "torch"))
 
 
+CPU_LORA_CHOICES = ("auto", "native", "torch")
+
+
 def cpu_lora_choice() -> str:
-    """How LoRA layers' grouped matmul runs on CPU: ``KVFLOW_CPU_LORA`` = ``native`` (the
-    default: kvflow's C kernel, ``csrc/cpu_lora.c``, one call for every adapter of a step,
+    """How LoRA layers' grouped matmul runs on CPU: ``KVFLOW_CPU_LORA`` = ``auto`` (the
+    default: whichever of the two was timed faster on this CPU for the model's LoRA shapes,
+    ``torch`` charged for the step graphs it costs; :mod:`kvflow.lora.cpu_kernel_choice`),
+    ``native`` (kvflow's C kernel, ``csrc/cpu_lora.c``, one call for every adapter of a step,
     which lets decode steps replay as CPU step graphs) or ``torch`` (one torch matmul pair per
-    adapter of the step; the steps then run eagerly). Raises ValueError on any other value."""
-    return env_choice("KVFLOW_CPU_LORA", "native", ("native", "torch"))
+    adapter of the step; the steps then run eagerly). Raises ValueError on any other value,
+    naming ``KVFLOW_CPU_LORA``."""
+    return env_choice("KVFLOW_CPU_LORA", "auto", CPU_LORA_CHOICES)
 
 
 LORA_KERNEL_CHOICES = ("triton", "torch")

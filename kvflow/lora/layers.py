@@ -22,8 +22,9 @@ torch (:func:`grouped_lora`) on CPU and elsewhere, two Triton launches on CUDA
 (:func:`kvflow.kernels.lora.sgmv_lora`; ``KVFLOW_LORA_KERNEL=torch`` keeps torch there too).
 A CPU step graph's steps (:func:`graph_mapping`: each token's slot in a static int32 buffer)
 run kvflow's native kernel instead, one C call per layer for every adapter
-(``csrc/cpu_lora.c``, ``KVFLOW_CPU_LORA=native``, the default), which the graph records and
-replays whatever the step's mix of adapters. On CPU ``lora_b`` is the transpose of a contiguous
+(``csrc/cpu_lora.c``; ``KVFLOW_CPU_LORA=auto``, the default, times it against torch on this
+CPU: :mod:`kvflow.lora.cpu_kernel_choice`), which the graph records and replays whatever the
+step's mix of adapters. On CPU ``lora_b`` is the transpose of a contiguous
 ``[max_loras, R, out]`` (each rank row's outputs side by side, for the kernel's expand).
 """
 
@@ -310,9 +311,10 @@ def _zeros_b(max_loras: int, out: int, rank_rows: int, dtype: torch.dtype,
              device: torch.device) -> torch.Tensor:
     """Zero B slots, ``[max_loras, out, rank_rows]``: on CPU the transpose of a contiguous
     ``[max_loras, rank_rows, out]`` (each rank row's outputs side by side: the native kernel's
-    expand adds whole vectors of them, 1.1-2.0x faster than dot products over an ``[out, R]``
-    B's rows, and torch's matmul takes ``B[s].T`` contiguous; docs/benchmarks.md, session 50),
-    contiguous elsewhere (the Triton kernel's layout)."""
+    expand adds whole vectors of them, its calls taking 0.48-0.74x the time of dot products
+    over an ``[out, R]`` B's rows at 16-64 rows, and torch's matmul takes ``B[s].T``
+    contiguous; docs/benchmarks.md, session 50), contiguous elsewhere (the Triton kernel's
+    layout)."""
     if device.type == "cpu":
         return torch.zeros(max_loras, rank_rows, out, dtype=dtype, device=device).transpose(1, 2)
     return torch.zeros(max_loras, out, rank_rows, dtype=dtype, device=device)

@@ -109,8 +109,26 @@ class LoRAManager:
         self.slot_ids = [0] * config.max_loras  # lora_int_id held by each slot (0: none)
         # the adapter whose weights each slot holds (an id may stand for another folder later)
         self.slot_adapters: list[LoRAAdapter | None] = [None] * config.max_loras
+        self._cpu_kernel: str | None = None  # resolved by cpu_kernel
         logger.info("LoRA: %d layers adapted, %d slots of rank %d", len(self.layers),
                     config.max_loras, config.max_lora_rank)
+
+    def cpu_kernel(self, graphs: bool = True) -> str:
+        """The CPU LoRA kernel of this engine, ``native`` or ``torch``
+        (``KVFLOW_CPU_LORA``; under ``auto`` timed on this CPU for these layers' shapes,
+        :func:`kvflow.lora.cpu_kernel_choice.resolve_cpu_lora`), resolved on the first call
+        and kept. ``graphs``: whether ``native`` would let the decode steps replay.
+
+        Raises:
+            ValueError: when ``KVFLOW_CPU_LORA`` is not auto, native or torch.
+        """
+        if self._cpu_kernel is None:
+            from kvflow.kernels.cpu_native import native_cpu_kernels
+            from kvflow.lora.cpu_kernel_choice import resolve_cpu_lora
+
+            self._cpu_kernel = resolve_cpu_lora(self.layers.values(), self.dtype,
+                                                native_cpu_kernels(), graphs)
+        return self._cpu_kernel
 
     def add_lora(self, request: LoRARequest,
                  finished_ids: frozenset[str] = frozenset()) -> LoRAAdapter:

@@ -10,7 +10,8 @@ keeps hidden states across steps while a replayed step's live in a static buffer
 arena (CPU). CUDA graphs are also off for quantized MoE experts (``--quantization int8|fp8|gguf``
 on an MoE model): their grouped loop reads each expert's token count on the host, and with
 LoRA (its grouped matmul is sized on the host). The CPU runner replays LoRA steps with the
-native LoRA kernel (``KVFLOW_CPU_LORA=native``, the default; ``torch`` runs them eagerly), and
+native LoRA kernel (``KVFLOW_CPU_LORA=native``, or ``auto``, the default, where it was timed
+faster on this CPU, ``kvflow/lora/cpu_kernel_choice.py``; ``torch`` runs them eagerly), and
 also needs the native CPU attention backend with its
 work-sharing pool closed, an unquantized KV cache, one tensor-parallel rank and no draft model
 other than an EAGLE / EAGLE-3 / MTP head (whose passes run eagerly between the target's steps).
@@ -43,9 +44,9 @@ def _cpu_ok(runner) -> bool:
     return runner.device.type == "cpu" and runner.attn_ctx.backend.name == "cpu" \
         and kernels is not None and (kernels.pool is None or not kernels.pool.is_open) \
         and runner.parallel.tp.world_size == 1 \
-        and (runner.lora_manager is None or cpu_lora_choice() == "native") \
         and (runner.drafter is None or isinstance(runner.drafter, EagleDrafter)) \
-        and all(cache.dtype == runner.dtype for cache in runner.kv_caches)
+        and all(cache.dtype == runner.dtype for cache in runner.kv_caches) \
+        and (runner.lora_manager is None or runner.lora_manager.cpu_kernel() == "native")
 
 
 def _host_synced_moe(model: torch.nn.Module) -> str | None:
@@ -64,12 +65,14 @@ def cpu_step_graphs_expected(config) -> bool:
     """Whether a CPU engine of ``config`` (an EngineConfig) will replay its decode steps as CPU
     step graphs, as far as the config tells before the model loads (what
     ``--cpu-gemm auto`` weighs, ``kernels/gemm_select.py: graph_weighted``): no
-    ``--enforce-eager``, LoRA with ``KVFLOW_CPU_LORA=torch``, draft model (an EAGLE / EAGLE-3 / MTP head is fine), pipeline
+    ``--enforce-eager``, LoRA with ``KVFLOW_CPU_LORA=torch`` (``auto`` is counted as
+    ``native``: it picks ``torch`` only where the native kernel is timed more than 1.18x slower,
+    ``kvflow/lora/cpu_kernel_choice.py``), draft model (an EAGLE / EAGLE-3 / MTP head is fine), pipeline
     or tensor split, quantized KV cache or ``--cpu-gemm-pool``. (A multimodal or pooling
     model, known only once loaded, runs without graphs all the same.)"""
     pc = config.parallel_config
     return not config.device_config.enforce_eager \
-        and (not config.lora_config.enable_lora or cpu_lora_choice() == "native") \
+        and (not config.lora_config.enable_lora or cpu_lora_choice() != "torch") \
         and (config.speculative_config is None
              or config.speculative_config.method in ("eagle", "eagle3", "deepseek_mtp")) \
         and pc.pipeline_parallel_size == 1 \

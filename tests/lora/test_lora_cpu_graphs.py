@@ -43,7 +43,8 @@ def _engine(path: str) -> LLM:
                enable_lora=True, max_loras=2, max_lora_rank=8)
 
 
-def test_replayed_lora_steps_match_peft(tiny_llama, adapters, assert_no_leaks):
+def test_replayed_lora_steps_match_peft(tiny_llama, adapters, assert_no_leaks, monkeypatch):
+    monkeypatch.setenv("KVFLOW_CPU_LORA", "native")  # (auto's choice: test_auto_choice_...)
     llm = _engine(tiny_llama.path)
     graphs = llm.engine.core.executor.runner.graph_runner
     assert isinstance(graphs, CpuGraphRunner) and graphs.lora_ctx is not None
@@ -74,6 +75,22 @@ def test_torch_lora_kernel_keeps_steps_eager(tiny_llama, monkeypatch):
     assert not cpu_step_graphs_expected(llm.engine.config)
     monkeypatch.setenv("KVFLOW_CPU_LORA", "native")
     assert cpu_step_graphs_expected(llm.engine.config)
+    monkeypatch.setenv("KVFLOW_CPU_LORA", "auto")  # torch only where timed 1.18x faster
+    assert cpu_step_graphs_expected(llm.engine.config)
     monkeypatch.setenv("KVFLOW_CPU_LORA", "fast")
     with pytest.raises(ValueError, match="KVFLOW_CPU_LORA"):
         cpu_step_graphs_expected(llm.engine.config)
+
+
+def test_auto_choice_decides_the_step_graphs(tiny_llama, monkeypatch):
+    """``KVFLOW_CPU_LORA=auto`` (the default): the engine's choice, timed at start for its
+    LoRA layers, is what its runner does: graphs with ``native``, none with ``torch``; the
+    LoRA layers keep B as the transpose of a contiguous [L, R, out] (the kernel's vector
+    expand)."""
+    monkeypatch.delenv("KVFLOW_CPU_LORA", raising=False)
+    runner = _engine(tiny_llama.path).engine.core.executor.runner
+    picked = runner.lora_manager.cpu_kernel()
+    assert picked in ("native", "torch")
+    assert (runner.graph_runner is not None) == (picked == "native")
+    layer = next(iter(runner.lora_manager.layers.values()))
+    assert layer.lora_b.transpose(1, 2).is_contiguous() and not layer.lora_b.is_contiguous()

@@ -1,0 +1,227 @@
+"""Choosing the CPU LoRA kernel by timing it on this CPU (``KVFLOW_CPU_LORA=auto``, the default).
+
+Two kernels can run a LoRA layer's grouped matmul on CPU: kvflow's C kernel (``native``,
+``kernels/csrc/cpu_lora.c``: one call for every adapter of a step) and plain torch (``torch``,
+:func:`kvflow.lora.layers.grouped_lora`: a matmul pair per adapter). Only the native one can be
+recorded by a CPU step graph (its calls are ctypes calls), so choosing ``torch`` also runs the
+LoRA engine's decode steps eagerly. Which kernel is faster per call depends on the CPU: on a
+2-core Zen 5 EPYC session 49's kernel took 1.2-1.6x torch's time on 16-64 rows of one adapter,
+session 50's (B^T rows added as whole vectors) 0.6-0.9x (docs/benchmarks.md). So, as for the
+GEMMs (:mod:`kvflow.kernels.gemm_select`), each of the engine's LoRA layer shapes is timed with
+both at the decode row counts :data:`ROW_CLASSES` (the native kernel runs in replayed decode
+steps only), on one thread by process CPU time, the candidates' passes alternating, all rows on
+one adapter (torch's best case: a matmul pair and no gather), and the timings are cached in
+``<cache_dir>/cpu_lora/`` per CPU model and flags, torch, kernel sources, ISA level and thread
+count, so later starts measure nothing. SmolLM2-135M's four shapes took 0.16-0.24 s (wall) on a
+2-core Zen 5 EPYC at load average 17, once per CPU.
+
+The choice (:func:`choose`): the summed time of every LoRA layer of the model at each row class,
+relative to the faster candidate's, summed over the classes; where the engine's decode steps
+would replay, ``torch`` is charged ``1 + GRAPH_MARGIN`` (the margin a GEMM kernel that costs the
+step graph must beat, ``gemm_select.GRAPH_MARGIN``: 1.18x), since choosing it runs every decode
+step eagerly. A tie keeps ``native``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvflow.config import cache_dir, cpu_lora_choice
+from kvflow.kernels.cpu_native import NativeCpuKernels
+from kvflow.kernels.gemm_select import GRAPH_MARGIN
+from kvflow.kernels.gemm_timing import cache_key
+from kvflow.kernels.timings_file import read_timings, write_timings
+
+logger = logging.getLogger(__name__)
+
+CANDIDATES = ("native", "torch")
+ROW_CLASSES = (1, 16, 64)  # decode rows per call: one request, a small and a large batch
+REPEATS = 5  # alternating passes per candidate (the fastest kept)
+CALLS = 2  # calls per pass
+# part of the cache key: timings taken another way are redone
+TIMING_METHOD = (f"lora|cpu-time-1-thread|alternating-{REPEATS}x{CALLS}|rows {ROW_CLASSES}|"
+                 "one adapter|B^T rows")
+
+Measure = Callable[["LoRAShape", int, "NativeCpuKernels | None"], dict[str, float]]
+
+
+@dataclass(frozen=True)
+class LoRAShape:
+    """One LoRA layer's matmul: ``in_features`` -> ``rank`` -> ``out`` with activations of
+    ``dtype`` (fp32 slots)."""
+
+    in_features: int
+    out: int
+    rank: int
+    dtype: torch.dtype
+
+    def key(self, candidate: str, rows: int) -> str:
+        return (f"{str(self.dtype).removeprefix('torch.')}|{self.in_features}x{self.rank}x"
+                f"{self.out}|{candidate}|{rows}")
+
+
+def layer_shapes(layers: Iterable, dtype: torch.dtype) -> dict[LoRAShape, int]:
+    """Each distinct :class:`LoRAShape` of ``layers`` (LoRALinear modules, slots ``lora_a
+    [L, R, in]``, ``lora_b [L, out, R]``) with the number of layers of that shape."""
+    counts: dict[LoRAShape, int] = {}
+    for layer in layers:
+        _, rank, in_features = layer.lora_a.shape
+        shape = LoRAShape(in_features, layer.lora_b.shape[1], rank, dtype)
+        counts[shape] = counts.get(shape, 0) + 1
+    return counts
+
+
+def lora_calls(shape: LoRAShape, rows: int, kernels: NativeCpuKernels | None
+               ) -> dict[str, Callable[[], torch.Tensor]]:
+    """candidate -> a call of ``rows`` rows on one adapter of ``shape``, as a LoRA layer makes
+    it (B kept as the layer keeps it on CPU: the transpose of a contiguous ``[L, R, out]``);
+    ``native`` left out without kernels."""
+    from kvflow.lora.layers import grouped_lora, make_mapping
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, shape.in_features, generator=gen).to(shape.dtype)
+    y = torch.randn(rows, shape.out, generator=gen).to(shape.dtype)
+    a = torch.randn(2, shape.rank, shape.in_features, generator=gen) * 0.01
+    b = (torch.randn(2, shape.rank, shape.out, generator=gen) * 0.01).transpose(1, 2)
+    slots = np.zeros(rows, dtype=np.int64)
+    mapping = make_mapping(slots, torch.device("cpu"))
+    calls = {"torch": lambda: grouped_lora(y, x, a, b, mapping)}
+    if kernels is not None:
+        row_slots = torch.zeros(rows, dtype=torch.int32)
+        calls["native"] = lambda: kernels.lora(y, x, a, b, row_slots)
+    return calls
+
+
+def time_lora(shape: LoRAShape, rows: int, kernels: NativeCpuKernels | None
+              ) -> dict[str, float]:
+    """CPU seconds per call of each candidate of :func:`lora_calls` on one thread: the
+    fastest of REPEATS passes of CALLS calls, the candidates' passes alternating, after one
+    warm-up call each (as :func:`kvflow.kernels.gemm_timing.time_candidates`, whose reasons
+    hold here: timings are cached for good, and process CPU time on one thread is what other
+    processes on a shared machine change least)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        calls = lora_calls(shape, rows, kernels)
+        with torch.inference_mode():
+            for call in calls.values():
+                call()
+            best = dict.fromkeys(calls, math.inf)
+            for _ in range(REPEATS):
+                for name, call in calls.items():
+                    start = time.process_time()
+                    for _ in range(CALLS):
+                        call()
+                    best[name] = min(best[name], (time.process_time() - start) / CALLS)
+        # a pass faster than the clock's tick reads 0: count it as one tick
+        return {name: max(s, 1e-9) for name, s in best.items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+class LoRATimings:
+    """Seconds per call by (shape, candidate, row class), measured on demand by ``measure``
+    (default :func:`time_lora`) and cached in a JSON file (written by rename; entries another
+    process saved meanwhile are kept)."""
+
+    def __init__(self, path: Path, kernels: NativeCpuKernels | None,
+                 measure: Measure | None = None) -> None:
+        self.path, self.kernels = path, kernels
+        self.measure = measure or time_lora
+        self.seconds = read_timings(path)
+        self.measuring_s = 0.0  # spent timing in this process
+
+    def get(self, shape: LoRAShape) -> dict[str, dict[int, float]]:
+        """candidate -> row class -> seconds per call, timing the missing classes."""
+        missing = [n for n in ROW_CLASSES
+                   if any(shape.key(c, n) not in self.seconds for c in CANDIDATES)]
+        if missing:
+            start = time.perf_counter()
+            for rows in missing:
+                measured = self.measure(shape, rows, self.kernels)
+                self.seconds.update({shape.key(c, rows): measured[c] for c in CANDIDATES})
+            self.measuring_s += time.perf_counter() - start
+            write_timings(self.path, {**read_timings(self.path, warn=False), **self.seconds},
+                          "LoRA timings")
+        return {c: {n: self.seconds[shape.key(c, n)] for n in ROW_CLASSES} for c in CANDIDATES}
+
+
+def lora_timings(kernels: NativeCpuKernels) -> LoRATimings:
+    """The timings cache of this CPU, torch, kernel sources, ISA level and thread count, under
+    ``<cache_dir>/cpu_lora/``."""
+    key = cache_key(torch.get_num_threads(), kernels.isa, TIMING_METHOD)
+    return LoRATimings(Path(cache_dir()) / "cpu_lora" / f"{key}.json", kernels)
+
+
+def step_seconds(shapes: dict[LoRAShape, int], timings: LoRATimings
+                 ) -> dict[str, dict[int, float]]:
+    """candidate -> row class -> seconds of one forward pass's LoRA layers (each shape's time
+    times its layer count)."""
+    total = {c: dict.fromkeys(ROW_CLASSES, 0.0) for c in CANDIDATES}
+    for shape, count in shapes.items():
+        for c, by_rows in timings.get(shape).items():
+            for rows, seconds in by_rows.items():
+                total[c][rows] += count * seconds
+    return total
+
+
+def choose(times: dict[str, dict[int, float]], graphs: bool) -> str:
+    """``native`` or ``torch`` from ``times`` (candidate -> row class -> seconds): the lower
+    sum over row classes of time relative to the faster at that class, ``torch``'s times
+    charged ``1 + GRAPH_MARGIN`` when ``graphs`` (it would cost the decode steps' replay). A
+    tie keeps ``native``."""
+    charged = {"native": times["native"],
+               "torch": {n: s * (1 + GRAPH_MARGIN if graphs else 1)
+                         for n, s in times["torch"].items()}}
+    fastest = {n: min(t[n] for t in charged.values()) for n in ROW_CLASSES}
+    score = {c: sum(t[n] / fastest[n] for n in ROW_CLASSES) for c, t in charged.items()}
+    return "native" if score["native"] <= score["torch"] else "torch"
+
+
+def resolve_cpu_lora(layers: Iterable, dtype: torch.dtype, kernels: NativeCpuKernels | None,
+                     graphs: bool = True, timings: LoRATimings | None = None) -> str:
+    """The CPU LoRA kernel an engine runs, ``native`` or ``torch``: ``$KVFLOW_CPU_LORA`` when
+    it names one, else (``auto``) the one :func:`choose` picks from the timings of ``layers``
+    (the model's LoRALinear modules, activations of ``dtype``); ``torch`` without native
+    kernels. Logged once at INFO under ``auto`` (with the time spent timing, if any).
+
+    Args:
+        layers: the LoRA layers whose shapes are timed.
+        dtype: the model's activation dtype.
+        kernels: the native kernels (None: unavailable).
+        graphs: whether the engine's decode steps replay when ``native`` is chosen.
+        timings: the timings to decide by (None: :func:`lora_timings`).
+
+    Raises:
+        ValueError: when ``KVFLOW_CPU_LORA`` is not auto, native or torch.
+    """
+    choice = cpu_lora_choice()
+    if kernels is None:
+        return "torch"
+    if choice != "auto":
+        return choice
+    shapes = layer_shapes(layers, dtype)
+    if not shapes:
+        return "native"
+    timings = timings or lora_timings(kernels)
+    times = step_seconds(shapes, timings)
+    picked = choose(times, graphs)
+    measured = f"timed in {timings.measuring_s:.2f} s, cached in {timings.path}" \
+        if timings.measuring_s else f"timings cached in {timings.path}"
+    logger.info("LoRA kernel on CPU (KVFLOW_CPU_LORA=auto): %s; a forward pass's LoRA layers "
+                "at %s rows: native %s us, torch %s us (%s)", picked,
+                "/".join(map(str, ROW_CLASSES)), _us(times["native"]), _us(times["torch"]),
+                measured)
+    return picked
+
+
+def _us(by_rows: dict[int, float]) -> str:
+    return "/".join(f"{by_rows[n] * 1e6:.0f}" for n in ROW_CLASSES)

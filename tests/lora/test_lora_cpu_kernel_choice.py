@@ -1,0 +1,145 @@
+"""``KVFLOW_CPU_LORA=auto`` (kvflow/lora/cpu_kernel_choice.py): the CPU LoRA kernel timed per
+CPU and shape, the faster picked (``torch`` charged ``1 + GRAPH_MARGIN`` where it would cost the
+decode steps' replay), the timings cached per shape; ``native`` / ``torch`` forced by the
+variable without timing; any other value a ValueError naming it. The timer is injected (a fake
+``measure`` with set seconds), so the choice is checked against hand-computed sums.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvflow.kernels.cpu_native import native_cpu_kernels
+from kvflow.kernels.gemm_select import GRAPH_MARGIN
+from kvflow.lora import cpu_kernel_choice as choice_mod
+from kvflow.lora.cpu_kernel_choice import (
+    ROW_CLASSES,
+    LoRAShape,
+    LoRATimings,
+    choose,
+    layer_shapes,
+    resolve_cpu_lora,
+    time_lora,
+)
+
+KERNELS = object()  # stands for the native kernels: the fake timer never calls them
+
+
+def _layer(in_features: int, out: int, rank: int, max_loras: int = 2) -> SimpleNamespace:
+    """A LoRALinear's slots as the choice reads them (B as the CPU layer keeps it)."""
+    return SimpleNamespace(lora_a=torch.zeros(max_loras, rank, in_features),
+                           lora_b=torch.zeros(max_loras, rank, out).transpose(1, 2))
+
+
+LAYERS = [_layer(64, 96, 8), _layer(64, 96, 8), _layer(160, 64, 8)]  # two shapes, 2 + 1 layers
+
+
+class FakeTimer:
+    """``measure`` returning ``seconds[candidate] * rows`` per call, counting its calls."""
+
+    def __init__(self, native: float, torch_: float) -> None:
+        self.seconds, self.calls = {"native": native, "torch": torch_}, []
+
+    def __call__(self, shape: LoRAShape, rows: int, kernels) -> dict[str, float]:
+        self.calls.append((shape, rows))
+        return {c: s * rows for c, s in self.seconds.items()}
+
+
+def _resolve(tmp_path, timer: FakeTimer, graphs: bool) -> str:
+    timings = LoRATimings(tmp_path / "lora.json", None, timer)
+    return resolve_cpu_lora(LAYERS, torch.bfloat16, KERNELS, graphs, timings)
+
+
+def test_layer_shapes_count_layers_per_shape():
+    assert layer_shapes(LAYERS, torch.float32) == {
+        LoRAShape(64, 96, 8, torch.float32): 2, LoRAShape(160, 64, 8, torch.float32): 1}
+
+
+@pytest.mark.parametrize("native,torch_,graphs,picked", [
+    (1.0, 2.0, False, "native"),
+    (2.0, 1.0, False, "torch"),
+    (1.1, 1.0, True, "native"),  # torch 1.1x faster: not worth the step graphs (1.18x)
+    (1.5, 1.0, True, "torch"),  # 1.5x faster: worth them
+    (1.0, 1.0, False, "native"),  # a tie keeps native
+])
+def test_auto_picks_what_the_timer_says_is_faster(tmp_path, monkeypatch, native, torch_,
+                                                   graphs, picked):
+    monkeypatch.delenv("KVFLOW_CPU_LORA", raising=False)  # auto, the default
+    timer = FakeTimer(native, torch_)
+    assert _resolve(tmp_path, timer, graphs) == picked
+    # each shape timed once at every row class, nothing more
+    assert sorted(rows for _, rows in timer.calls) == sorted(ROW_CLASSES * 2)
+
+
+def test_choose_sums_relative_times_over_row_classes():
+    """Hand-computed: native wins at 1 row by 2x, loses at 16 and 64 rows by 1.25x each:
+    native 1 + 1.25 + 1.25 = 3.5, torch 2 + 1 + 1 = 4 -> native; at 1.6x it loses (4.2)."""
+    torch_times = {1: 2.0, 16: 4.0, 64: 8.0}
+    native = {1: 1.0, 16: 5.0, 64: 10.0}
+    assert choose({"native": native, "torch": torch_times}, graphs=False) == "native"
+    native = {1: 1.0, 16: 6.4, 64: 12.8}
+    assert choose({"native": native, "torch": torch_times}, graphs=False) == "torch"
+    # with graphs torch's times count 1 + GRAPH_MARGIN (1.18x): torch 2.36 + 1 + 1 = 4.36,
+    # native 1 + 2 * 6.4 / (4 * 1.18) = 3.71 -> native kept
+    assert round(GRAPH_MARGIN, 2) == 0.18
+    assert choose({"native": native, "torch": torch_times}, graphs=True) == "native"
+
+
+def test_timings_are_cached_per_shape(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVFLOW_CPU_LORA", raising=False)
+    first = FakeTimer(2.0, 1.0)
+    assert _resolve(tmp_path, first, graphs=False) == "torch"
+    again = FakeTimer(1.0, 2.0)  # another start on this CPU: read from the file, not timed
+    assert _resolve(tmp_path, again, graphs=False) == "torch" and again.calls == []
+    # a new shape is timed alone
+    timings = LoRATimings(tmp_path / "lora.json", None, again)
+    resolve_cpu_lora([*LAYERS, _layer(32, 32, 4)], torch.bfloat16, KERNELS, False, timings)
+    assert [shape for shape, _ in again.calls] == [LoRAShape(32, 32, 4, torch.bfloat16)] * 3
+    # another dtype is another shape
+    assert LoRAShape(32, 32, 4, torch.float32).key("native", 1) != \
+        LoRAShape(32, 32, 4, torch.bfloat16).key("native", 1)
+
+
+@pytest.mark.parametrize("forced", ["native", "torch"])
+def test_env_forces_a_kernel_without_timing(tmp_path, monkeypatch, forced):
+    monkeypatch.setenv("KVFLOW_CPU_LORA", forced)
+    timer = FakeTimer(1.0, 1.0)
+    assert _resolve(tmp_path, timer, graphs=True) == forced and timer.calls == []
+
+
+def test_bad_value_raises_naming_the_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVFLOW_CPU_LORA", "fastest")
+    with pytest.raises(ValueError, match="KVFLOW_CPU_LORA='fastest' is invalid"):
+        _resolve(tmp_path, FakeTimer(1.0, 1.0), graphs=True)
+
+
+def test_without_native_kernels_torch(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVFLOW_CPU_LORA", raising=False)
+    timer = FakeTimer(1.0, 9.0)
+    timings = LoRATimings(tmp_path / "lora.json", None, timer)
+    assert resolve_cpu_lora(LAYERS, torch.float32, None, True, timings) == "torch"
+    assert timer.calls == []
+
+
+def test_auto_logs_its_choice_once(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv("KVFLOW_CPU_LORA", raising=False)
+    with caplog.at_level(logging.INFO, logger=choice_mod.__name__):
+        _resolve(tmp_path, FakeTimer(1e-6, 2e-6), graphs=True)
+    lines = [r.getMessage() for r in caplog.records if r.name == choice_mod.__name__]
+    assert len(lines) == 1 and lines[0].startswith("LoRA kernel on CPU (KVFLOW_CPU_LORA=auto): "
+                                                   "native;"), lines
+
+
+def test_real_timer_times_both_kernels():
+    """The real measure on a small shape: a positive time per call for each candidate."""
+    kernels = native_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C compiler")
+    threads = torch.get_num_threads()
+    seconds = time_lora(LoRAShape(40, 24, 3, torch.bfloat16), 5, kernels)
+    assert set(seconds) == {"native", "torch"} and all(s > 0 for s in seconds.values())
+    assert torch.get_num_threads() == threads  # one thread while timing, restored after
