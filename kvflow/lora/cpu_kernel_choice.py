@@ -6,14 +6,14 @@ Two kernels can run a LoRA layer's grouped matmul on CPU: kvflow's C kernel (``n
 recorded by a CPU step graph (its calls are ctypes calls), so choosing ``torch`` also runs the
 LoRA engine's decode steps eagerly. Which kernel is faster per call depends on the CPU: on a
 2-core Zen 5 EPYC session 49's kernel took 1.2-1.6x torch's time on 16-64 rows of one adapter,
-session 50's (B^T rows added as whole vectors) 0.6-0.9x (docs/benchmarks.md). So, as for the
+session 50's (B^T rows added as whole vectors) 0.56-0.96x (docs/benchmarks.md). So, as for the
 GEMMs (:mod:`kvflow.kernels.gemm_select`), each of the engine's LoRA layer shapes is timed with
 both at the decode row counts :data:`ROW_CLASSES` (the native kernel runs in replayed decode
 steps only), on one thread by process CPU time, the candidates' passes alternating, all rows on
 one adapter (torch's best case: a matmul pair and no gather), and the timings are cached in
 ``<cache_dir>/cpu_lora/`` per CPU model and flags, torch, kernel sources, ISA level and thread
-count, so later starts measure nothing. SmolLM2-135M's four shapes took 0.16-0.24 s (wall) on a
-2-core Zen 5 EPYC at load average 17, once per CPU.
+count, so later starts measure nothing. SmolLM2-135M's four shapes took 0.04-0.05 s of CPU time
+(0.12-0.56 s of wall time) on a 2-core Zen 5 EPYC at load average 15-17, once per CPU.
 
 The choice (:func:`choose`): the summed time of every LoRA layer of the model at each row class,
 relative to the faster candidate's, summed over the classes; where the engine's decode steps

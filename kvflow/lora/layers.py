@@ -311,7 +311,7 @@ def _zeros_b(max_loras: int, out: int, rank_rows: int, dtype: torch.dtype,
              device: torch.device) -> torch.Tensor:
     """Zero B slots, ``[max_loras, out, rank_rows]``: on CPU the transpose of a contiguous
     ``[max_loras, rank_rows, out]`` (each rank row's outputs side by side: the native kernel's
-    expand adds whole vectors of them, its calls taking 0.48-0.74x the time of dot products
+    expand adds whole vectors of them, its calls taking 0.46-0.75x the time of dot products
     over an ``[out, R]`` B's rows at 16-64 rows, and torch's matmul takes ``B[s].T``
     contiguous; docs/benchmarks.md, session 50), contiguous elsewhere (the Triton kernel's
     layout)."""

@@ -84,12 +84,14 @@ def test_odd_shapes_match_float64(kernels, rank, in_features, out, layout):
     assert ((y.double() - ref).abs() <= bound).all(), (y.double() - ref).abs().max()
 
 
+@pytest.mark.parametrize("rank", [16, 7])
 @pytest.mark.parametrize("layout", ["rows", "cols"])
-def test_a_rows_result_does_not_depend_on_the_step_mix(kernels, layout):
+def test_a_rows_result_does_not_depend_on_the_step_mix(kernels, layout, rank):
     """A replayed step graph serves any mix of adapters: each row's bits are those it gets
-    alone (tiles of one slot, fixed summation order per row; with ``cols`` a row alone runs
-    the one-row expand, in a tile of 2-4 rows the tile's)."""
-    y, x, a, b, slots = _operands(torch.bfloat16, 16, out=83, layout=layout)
+    alone (tiles of one slot, fixed summation order per row; a row alone runs the one-row
+    shrink, 4 rank rows at a time, and with ``cols`` the one-row expand, in a tile of 2-4
+    rows the tile's)."""
+    y, x, a, b, slots = _operands(torch.bfloat16, rank, out=83, layout=layout)
     mixed = y.clone()
     kernels.lora(mixed, x, a, b, slots)
     for t, s in enumerate(SLOTS):

@@ -18,7 +18,7 @@
  * its rows (the segmented, "SGMV" form of Punica, Chen et al. 2023, arXiv:2310.18547, without
  * one matmul pair per adapter). The shrink is a dot product per rank row of A; the expand runs
  * over B^T's rows (b_transposed), each rank's output row scaled into vector accumulators of a
- * block of outputs (no horizontal sums: on 16-64 rows of one adapter the call takes 0.65-0.9x
+ * block of outputs (no horizontal sums: on 16-64 rows of one adapter the call takes 0.6-1.0x
  * torch's fp32 matmuls' time where with the dot-product expand it took 1.2-1.6x,
  * docs/benchmarks.md, session 50), or, for an [out, R] B, a dot product per output. Tiles are
  * split over OpenMP threads; a small call (a decode step's few rows) runs on the calling
@@ -199,9 +199,16 @@ static void lora_tile(const LoraArgs *p, const int32_t *rows, int count, int64_t
         load_row(p->xdt, (const char *)p->x + rows[i] * p->x_stride * xes, xs + i * in, in);
     const float *a = p->a + slot * rank * in, *b = p->b + slot * out * rank;
     float col[TILE];
-    for (int64_t r = 0; r < rank; ++r) { /* shrink: h[i][r] = A[r] . x_i */
-        dot_tile(a + r * in, xs, in, in, count, col);
-        for (int i = 0; i < count; ++i) h[i * rank + r] = col[i];
+    if (count == 1) { /* shrink of one row: TILE rank rows of A share each load of x. The
+                       * same sums as below, operands swapped (x_k A_rk = A_rk x_k exactly, and
+                       * sum8x4 reduces each lane alike), so a row's bits stay its tile's. */
+        for (int64_t r = 0; r < rank; r += TILE)
+            dot_tile(xs, a + r * in, in, in, rank - r < TILE ? (int)(rank - r) : TILE, h + r);
+    } else {
+        for (int64_t r = 0; r < rank; ++r) { /* shrink: h[i][r] = A[r] . x_i */
+            dot_tile(a + r * in, xs, in, in, count, col);
+            for (int i = 0; i < count; ++i) h[i * rank + r] = col[i];
+        }
     }
     if (p->b_transposed) { /* expand: d[i] = sum_r h_i[r] B^T[r] */
         expand_rows(b, out, h, rank, count, out, d);
