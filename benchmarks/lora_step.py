@@ -15,9 +15,10 @@ lines give each figure's median over the rounds and its ratio to ``base`` at the
 
     .venv/bin/python benchmarks/lora_step.py out/smollm2-hf [--rounds 3] [--batches 1,16]
 
-The engine's ``KVFLOW_CPU_LORA`` (``native``, the default: LoRA decode steps replay as CPU
-step graphs; ``torch``: eager steps, as before session 49) is inherited by the processes: run
-the script once with each, alternating, to compare the two.
+The engine's ``KVFLOW_CPU_LORA`` (``native``: LoRA decode steps replay as CPU step graphs;
+``torch``: eager steps, as before session 49; ``auto``, the default: whichever was timed faster
+on this CPU, ``kvflow/lora/cpu_kernel_choice.py``) is inherited by the processes: run the
+script once with ``native`` and once with ``torch``, alternating, to compare the two.
 
 ``--before-after RANK`` instead runs one LoRA engine whose steps alternate between the grouped
 LoRA of session 48 (fp32 slots on CPU) and the one before it (slots in the model dtype);
