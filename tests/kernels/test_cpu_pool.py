@@ -54,7 +54,8 @@ def test_pool_gemm_equals_openmp_gemm(pool, dtype, shape, bias, delay_us):
 
 
 def _items(m: int, n: int, k: int) -> int:
-    # cpu_gemm.c: row blocks of min(96, 65536 // k // 6 * 6) rows, panels of NR columns
+    # cpu_gemm.c: row blocks of min(96, 65536 // k // 6 * 6) rows for the fp32 weights here
+    # (k-paired bf16 on Zen 5 rounds to 8 rows), panels of NR columns
     rows = min(96, max(6, 65536 // max(k, 1) // 6 * 6))
     return math.ceil(m / rows) * math.ceil(n / KERNELS.lib.kvflow_gemm_panel_width())
 

@@ -10,6 +10,8 @@ logits, which stay fp32) must lie within the worst-case fp32 summation error of 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -264,6 +266,42 @@ def test_native_gemm_16_bit_weights_widen_exactly(dtype, m, n, k):
     packed = NativePackedWeight(w, kernels)
     assert packed.packed.dtype == dtype
     _fp32_oracle_check(packed(x, b), x.float(), w.float(), b)
+
+
+def _zen5_or_later_amd() -> bool:
+    """/proc/cpuinfo names an AMD CPU of family 26 (Zen 5) or later."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    fields = dict(line.split(":", 1) for line in info.split("\n\n")[0].splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    return fields.get("vendor_id") == "AuthenticAMD" and int(fields.get("cpu family", 0)) >= 26
+
+
+@native
+def test_rows_per_micro_kernel_follow_the_cpu():
+    """Blocks of more than 32 rows of k-paired bf16 weights run 8-row micro-kernels on Zen 5
+    and later AMD cores (AVX512-BF16 builds), 6-row ones elsewhere (cpu_gemm.c,
+    kvflow_gemm_full_rows)."""
+    kernels = native_cpu_kernels()
+    paired = kernels.gemm_x_dtype(torch.bfloat16) == torch.bfloat16
+    assert kernels.lib.kvflow_gemm_full_rows() == (8 if paired and _zen5_or_later_amd() else 6)
+
+
+# Blocks of more than 32 rows (AVX512 builds) split into 6- or 8-row micro-kernels (8 for
+# k-paired bf16 on Zen 5) and a shorter last one; k = 1536 makes 40- or 42-row blocks, 576 and
+# 257 blocks of 96.
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [33, 40, 42, 47, 64, 65, 96, 181])
+@pytest.mark.parametrize("k", [257, 576, 1536])
+def test_native_gemm_blocks_of_many_rows(dtype, m, k):
+    kernels = native_cpu_kernels()
+    gen = torch.Generator().manual_seed(m * 10 + k)
+    x = torch.randn(m, k, generator=gen).to(kernels.gemm_x_dtype(dtype))
+    w, b = torch.randn(70, k, generator=gen).to(dtype), torch.randn(70, generator=gen)
+    _fp32_oracle_check(NativePackedWeight(w, kernels)(x, b), x.float(), w.float(), b)
 
 
 HEAD_PATHS = [pytest.param("native", marks=native), pytest.param("onednn", marks=mkldnn),

@@ -46,6 +46,9 @@
 #include "cpu_pool.h"
 
 #include <omp.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -64,9 +67,11 @@ typedef uint32_t vhu32 __attribute__((vector_size(32)));
 typedef _Float16 vhh __attribute__((vector_size(16)));
 #endif
 /* MR: the most rows of one micro-kernel; MR_FULL: rows per micro-kernel in blocks of more than
- * MR_BALANCED rows (see kernel_rows); PF_ONE_PASS: whether a block of one micro-kernel
- * prefetches (block_panel). AVX512 has 32 vector registers: 8 rows x 2 accumulators. AVX2
- * builds keep the layout they were tuned with on a Zen 3 EPYC (not re-measured there). */
+ * MR_BALANCED rows (see kernel_rows), for k-paired bf16 MR instead where the core has two
+ * full-width 512-bit pipes (kvflow_gemm_full_rows); PF_ONE_PASS: whether a block of one
+ * micro-kernel prefetches (block_panel). AVX512 has 32 vector registers: 8 rows x 2
+ * accumulators. AVX2 builds keep the layout they were tuned with on a Zen 3 EPYC (not
+ * re-measured there). */
 #if defined(__AVX512F__)
 enum { MR = 8, MR_FULL = 6, MR_BALANCED = 32, PF_ONE_PASS = 0 };
 #else
@@ -301,18 +306,56 @@ int kvflow_gemm_amx(int64_t k) {
 #endif
 }
 
-/* Rows per micro-kernel in a block of mb rows. Up to MR rows: all of them, so the weight chunk
- * is read once, streamed from memory by the hardware prefetcher with the products computed as
- * it arrives. Up to MR_BALANCED rows (AVX512): equal shares of at most MR rows. Beyond that
- * (compute-bound: the chunk is re-read from L1 many times) MR_FULL rows, which ran faster
- * there. Measured on a Zen 4 EPYC (AVX512-BF16) on SmolLM2-135M's decode shapes, weights
- * streamed from memory, 2 threads, against 6-row micro-kernels that all prefetch: k-paired
+/* 1 on an AMD CPU of family 26 (0x1A, Zen 5) or later, else 0 (cpuid leaves 0 and 1; family =
+ * base family + extended family, AMD's CPUID specification). Zen 5 cores execute two 512-bit
+ * VDPBF16PS or FMA a cycle; Zen 4 splits each into two 256-bit halves. */
+static int amd_zen5_or_later(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
+    /* "AuthenticAMD" in ebx, edx, ecx */
+    if (b != 0x68747541u || d != 0x69746e65u || c != 0x444d4163u) return 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    unsigned family = (a >> 8) & 0xf;
+    if (family == 0xf) family += (a >> 20) & 0xff;
+    return family >= 0x1a;
+#else
+    return 0;
+#endif
+}
+
+/* Rows per micro-kernel of k-paired bf16 weights (VDPBF16PS) in the blocks of more than
+ * MR_BALANCED rows (compute-bound: 64-row decode steps, prefill tails): MR on Zen 5 and later
+ * AMD cores in AVX512-BF16 builds, MR_FULL elsewhere. Measured on a Zen 5 EPYC (one thread,
+ * weights streamed, SmolLM2-135M's decode shapes at 64 rows): 8 rows 1.04-1.14x faster than 6
+ * (the 16 accumulators of 8 rows cover VDPBF16PS's latency at two a cycle; 6 rows' 12 do not
+ * quite), while fp32 weights ran 0.94-0.98x with 8 (they keep MR_FULL); on Zen 4 8-row
+ * micro-kernels were 1.06x slower at 64 rows (docs/benchmarks.md, session 22), so other CPUs
+ * keep 6. cpuid runs once per process (it traps to the hypervisor in a VM). */
+int kvflow_gemm_full_rows(void) {
+    static int rows; /* 0 until detected; every thread computes the same value */
+    int r = __atomic_load_n(&rows, __ATOMIC_RELAXED);
+    if (!r) {
+        r = BF16_PAIRS && MR > MR_FULL && amd_zen5_or_later() ? MR : MR_FULL;
+        __atomic_store_n(&rows, r, __ATOMIC_RELAXED);
+    }
+    return r;
+}
+
+/* Rows per micro-kernel in a block of mb rows (full: kvflow_gemm_full_rows()). Up to MR rows:
+ * all of them, so the weight chunk is read once, streamed from memory by the hardware
+ * prefetcher with the products computed as it arrives. Up to MR_BALANCED rows (AVX512): equal
+ * shares of at most MR rows. Beyond that (compute-bound: the chunk is re-read from L1 many
+ * times) `full` rows (MR_FULL, which ran faster there on Zen 4; MR for k-paired bf16 on
+ * Zen 5). Measured on a
+ * Zen 4 EPYC (AVX512-BF16) on SmolLM2-135M's decode shapes, weights streamed from memory,
+ * 2 threads, against 6-row micro-kernels that all prefetch: k-paired
  * bf16 1.09-1.26x faster at 1-8 rows, 1.13x at 16, level at 12 and 24-64; fp32 1.14-1.35x at
  * 1-16 rows; at 64 rows 8-row micro-kernels were 1.06x slower than 6-row ones
  * (docs/benchmarks.md, session 22). */
-static inline int64_t kernel_rows(int64_t mb) {
+static inline int64_t kernel_rows(int64_t mb, int64_t full) {
     if (mb <= MR) return mb;
-    if (mb > MR_BALANCED) return MR_FULL;
+    if (mb > MR_BALANCED) return full;
     const int64_t passes = (mb + MR - 1) / MR;
     return (mb + passes - 1) / passes;
 }
@@ -343,7 +386,8 @@ static inline __attribute__((always_inline)) void block_panel(const Gemm *g, int
         for (int64_t j = 0; j < NR; ++j) bias_tile[j] = j < cols ? g->bias[p * NR + j] : 0.f;
         bias = bias_tile;
     }
-    const int64_t mr = kernel_rows(mb), kernels = (mb + mr - 1) / mr;
+    const int64_t full = paired ? kvflow_gemm_full_rows() : MR_FULL;
+    const int64_t mr = kernel_rows(mb, full), kernels = (mb + mr - 1) / mr;
     const int widened = wdt != DT_F32 && !paired; /* more work per weight byte */
     const int pf_l2 = !widened && mb >= MR && mb <= MR_BALANCED;
     const int64_t pf_lines = kernels > 1 || PF_ONE_PASS || widened || pf_l2
@@ -435,8 +479,9 @@ static int64_t block_rows(const Gemm *g) {
 #if AMX_TILES
     if (g->k > 0 && amx_applies(g)) return AMX_MB;
 #endif
-    const int64_t k = g->k, rows = (65536 / (k > 0 ? k : 1)) / MR_FULL * MR_FULL;
-    return rows < MR_FULL ? MR_FULL : rows > MC ? MC : rows;
+    const int64_t full = g->wdt == DT_BF16 && BF16_PAIRS ? kvflow_gemm_full_rows() : MR_FULL;
+    const int64_t k = g->k, rows = (65536 / (k > 0 ? k : 1)) / full * full;
+    return rows < full ? full : rows > MC ? MC : rows;
 }
 
 /* A thread's share of the items, [front, back) packed into one word (front in the high 32
