@@ -1,15 +1,18 @@
-"""The offline ``LLM``'s reasoning options, vLLM's engine arguments of the same names:
-``reasoning_parser`` (the server's ``--reasoning-parser`` names), ``reasoning_config``
-(``{"reasoning_start_str": ..., "reasoning_end_str": ...}``, whose strings win over the
-parser's) and ``structured_outputs_config`` (``{"enable_in_reasoning": bool}``).
+"""The reasoning options of the offline ``LLM`` and of ``AsyncLLM``, vLLM's engine arguments
+of the same names: ``reasoning_parser`` (the server's ``--reasoning-parser`` names),
+``reasoning_config`` (``{"reasoning_start_str": ..., "reasoning_end_str": ...}``, whose
+strings win over the parser's) and ``structured_outputs_config``
+(``{"enable_in_reasoning": bool}``).
 
-The markers are tokenized once, when the ``LLM`` is built (``kvflow.reasoning_markers``), and
-given to each request that needs them (:meth:`OfflineReasoning.apply`): one with a
-``thinking_token_budget`` (vLLM 0.32 refuses a budget without them), and one with
-``structured_outputs``, whose grammar then starts after the reasoning, as vLLM's does with a
-reasoning parser (``kvflow/structured/reasoning_gate.py``), unless ``enable_in_reasoning``.
-As in vLLM, the offline outputs carry no separate reasoning: ``CompletionOutput.text`` is
-the whole reply, think block included.
+The markers are tokenized once, when the ``LLM`` or ``AsyncLLM`` is built
+(``kvflow.reasoning_markers``), and given to each request that needs them
+(:meth:`OfflineReasoning.apply`): one with a ``thinking_token_budget`` (vLLM 0.32 refuses a
+budget without them), and one with ``structured_outputs``, whose grammar then starts after
+the reasoning, as vLLM's does with a reasoning parser
+(``kvflow/structured/reasoning_gate.py``), unless ``enable_in_reasoning``. As in vLLM, these
+outputs carry no separate reasoning: ``CompletionOutput.text`` is the whole reply, think
+block included. (The server reads its own ``--reasoning-parser`` and fills its requests'
+markers itself: its ``AsyncLLM`` gets none of these options.)
 """
 
 from __future__ import annotations
@@ -18,14 +21,19 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow.config.reasoning import check_reasoning_parser, marker_strings, reasoning_config
+from kvflow.config.reasoning import (
+    REASONING_OPTIONS,
+    check_reasoning_parser,
+    marker_strings,
+    reasoning_config,
+)
 from kvflow.config.server_values import structured_outputs_config
 from kvflow.reasoning_markers import marker_token_ids
 from kvflow.sampling_params import SamplingParams
 from kvflow.thinking_budget import ReasoningTokenIds
 
-#: the ``LLM(...)`` keywords this module reads
-OPTIONS = ("reasoning_parser", "reasoning_config", "structured_outputs_config")
+#: the ``LLM(...)`` and ``AsyncLLM(...)`` keywords this module reads
+OPTIONS = REASONING_OPTIONS
 
 
 @dataclass(frozen=True)
@@ -45,9 +53,20 @@ class ReasoningOptions:
             ValueError: for an unknown ``reasoning_parser`` (listing the choices), or a bad
                 ``reasoning_config`` or ``structured_outputs_config``, naming it.
         """
-        parser = check_reasoning_parser(kwargs.pop("reasoning_parser", None))
-        config = reasoning_config(kwargs.pop("reasoning_config", None))
-        outputs = structured_outputs_config(kwargs.pop("structured_outputs_config", None))
+        return cls.read(*(kwargs.pop(name, None) for name in OPTIONS))
+
+    @classmethod
+    def read(cls, parser: Any, config: Any, outputs: Any) -> ReasoningOptions:
+        """:data:`OPTIONS`' values (``reasoning_parser``, ``reasoning_config``,
+        ``structured_outputs_config``; None: not given) checked: ``AsyncLLM``'s keywords,
+        and ``LLM``'s through :meth:`pop`.
+
+        Raises:
+            ValueError: as :meth:`pop`.
+        """
+        parser = check_reasoning_parser(parser)
+        config = reasoning_config(config)
+        outputs = structured_outputs_config(outputs)
         markers = marker_strings(parser, config)
         # markers from reasoning_config alone serve the budget: vLLM's grammar waits only
         # for a parser's end of reasoning
@@ -57,8 +76,8 @@ class ReasoningOptions:
 
 @dataclass(frozen=True)
 class OfflineReasoning:
-    """An ``LLM``'s reasoning markers (None: none named) and whether a grammar applies in the
-    reasoning too (``enable_in_reasoning``)."""
+    """An ``LLM``'s or ``AsyncLLM``'s reasoning markers (None: none named) and whether a
+    grammar applies in the reasoning too (``enable_in_reasoning``)."""
 
     ids: ReasoningTokenIds | None = None
     grammar_in_reasoning: bool = False

@@ -63,7 +63,8 @@ def _check_thinking_budget(params: SamplingParams, vocab_size: int) -> None:
     ids = params.reasoning_token_ids
     if ids is None:
         raise ValueError("SamplingParams.thinking_token_budget needs the model's reasoning "
-                         "markers (SamplingParams.reasoning_token_ids; the server fills them "
+                         "markers (SamplingParams.reasoning_token_ids; LLM and AsyncLLM fill "
+                         "them from their reasoning_parser or reasoning_config, the server "
                          "from --reasoning-parser): without them there is no think block to "
                          "count or end")
     for name in ("reasoning_start_token_ids", "reasoning_end_token_ids",

@@ -22,6 +22,7 @@ from kvflow.config.model import ModelConfig
 from kvflow.config.multimodal import MultiModalConfig
 from kvflow.config.options import add_field_arg
 from kvflow.config.parallel import ParallelConfig
+from kvflow.config.reasoning import REASONING_OPTIONS
 from kvflow.config.scheduler import SchedulerConfig
 from kvflow.config.speculative import (
     HEAD_METHODS,
@@ -330,7 +331,11 @@ class EngineConfig:
 
 def _unknown_option(key: str, names: list[str]) -> str:
     """The refusal of ``LLM(key=...)`` (``from_kwargs``): the closest of ``names`` (the valid
-    keywords) if one is close, and where the whole list is, short of printing ~150 names."""
+    keywords) if one is close, and where the whole list is, short of printing ~150 names; for
+    a reasoning option, where it goes instead (``AsyncLLM``'s keyword)."""
+    if key in REASONING_OPTIONS:
+        return (f"{key} is not an engine option: give it to LLM(..., {key}=...) or "
+                f"AsyncLLM(config, {key}=...)")
     return (f"unknown engine option {key!r}{did_you_mean(key, names)}; `kvflow serve --help` "
             "lists them as the flags of its groups ModelConfig to KVTransferConfig "
             "(--max-model-len is max_model_len)")

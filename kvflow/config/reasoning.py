@@ -26,6 +26,10 @@ PARSER_MARKERS: dict[str, tuple[str, str] | None] = {
 #: vLLM's ``reasoning_config`` keys
 REASONING_CONFIG_KEYS = ("reasoning_start_str", "reasoning_end_str")
 
+#: the reasoning keywords of ``LLM(...)`` and ``AsyncLLM(...)`` (``kvflow.llm_reasoning``),
+#: which are not ``EngineConfig`` fields
+REASONING_OPTIONS = ("reasoning_parser", "reasoning_config", "structured_outputs_config")
+
 
 def check_reasoning_parser(name: Any) -> str | None:
     """``name`` as a reasoning parser's name (None: none).

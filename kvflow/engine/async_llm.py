@@ -58,6 +58,7 @@ from kvflow.engine.streams import (
 )
 from kvflow.engine.utility_calls import UtilityCalls
 from kvflow.engine_outputs import EngineStats
+from kvflow.llm_reasoning import OfflineReasoning, ReasoningOptions
 from kvflow.lora.request import LoRARequest
 from kvflow.metrics import ServerMetrics
 from kvflow.multimodal_inputs import MultiModalFeature
@@ -100,16 +101,32 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
             then, not minutes later); what it raises ends the start-up.
         start_method: how the core processes start, as ``ReplicaSet``'s argument (None:
             the rule of ``kvflow/engine/start_method.py``).
+        reasoning_parser, reasoning_config, structured_outputs_config: the offline
+            ``LLM``'s options of these names (vLLM's engine arguments,
+            ``kvflow.llm_reasoning``): the markers every request's
+            ``thinking_token_budget`` is counted and ended with and its grammar starts
+            after (``{"enable_in_reasoning": True}``: from the first token), checked before
+            the model loads and tokenized once; ``generate`` and ``add_request`` give them to
+            the requests that need them (a request's own ``reasoning_token_ids`` win). The
+            server passes none: it fills its requests' markers from its own flags.
 
     Raises:
         RuntimeError: if a core process fails to start or exceeds ``start_timeout``.
-        ValueError: for a bad model or tokenizer, or a bad ``KVFLOW_WORKER_MULTIPROC_METHOD``.
+        ValueError: for a bad model or tokenizer, or a bad ``KVFLOW_WORKER_MULTIPROC_METHOD``,
+            or an unknown ``reasoning_parser`` (listing the choices), a bad
+            ``reasoning_config`` or ``structured_outputs_config`` (naming it; before any
+            process starts), or a reasoning marker that tokenizes to nothing.
     """
 
     def __init__(self, config: EngineConfig, metrics: ServerMetrics | None = None,
                  start_timeout: float = 600.0,
                  on_tokenizer: Callable[[Any], None] | None = None,
-                 start_method: str | None = None) -> None:
+                 start_method: str | None = None, *, reasoning_parser: str | None = None,
+                 reasoning_config: dict[str, str] | str | None = None,
+                 structured_outputs_config: dict[str, Any] | str | None = None) -> None:
+        reasoning = ReasoningOptions.read(reasoning_parser, reasoning_config,
+                                          structured_outputs_config)
+        self._reasoning = OfflineReasoning()  # until the tokenizer is loaded
         self.config = config
         self.metrics = metrics or ServerMetrics(config.model_config.model)
         self.tracker = RequestStatsTracker(self.metrics)
@@ -129,6 +146,7 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
             self._front = load_front_end(config, self.replicas, on_tokenizer)
             self.tokenizer = self._front.tokenizer
             self.sampling_defaults = self._front.sampling_defaults
+            self._reasoning = OfflineReasoning.of(reasoning, self.tokenizer)
             self._init_processors(self._wait_ready(start_timeout))
         except BaseException:
             self.close()
@@ -240,6 +258,9 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
         it must run on (vLLM's; None: the balancer chooses). ``session_id``: its session
         (vLLM 0.32's), written into the ``BlockStored`` KV cache events of the blocks its
         samples store (None: none; checked by the caller: the server's ``session_id``).
+        A request with a ``thinking_token_budget`` or ``structured_outputs`` gets the
+        markers of the constructor's ``reasoning_parser`` / ``reasoning_config`` (on a copy;
+        its own ``reasoning_token_ids`` win).
 
         Raises:
             ValueError: for a bad prompt, parameters or ``cache_salt``, a request id in use
@@ -256,7 +277,7 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
         self.config.scheduler_config.check_priority(priority)
         self._check_serving()
         arrival = time.monotonic()
-        params = params.with_defaults(self.sampling_defaults)
+        params = self._reasoning.apply(params).with_defaults(self.sampling_defaults)
         requests = self.processor.make_requests(request_id, prompt_token_ids, params, arrival,
                                                 priority, mm_features, client_id,
                                                 lora_request, cache_salt, prompt_embeds,
