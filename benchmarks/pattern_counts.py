@@ -25,7 +25,7 @@ import time
 import xgrammar as xgr
 
 from kvflow.structured.json_pattern import json_pattern
-from kvflow.structured.schema_support import pattern_repeat_cost
+from kvflow.structured.schema_patterns import pattern_repeat_cost
 from kvflow.structured.utf8_grammar import printed_ebnf
 from kvflow.structured.xgrammar_convert import json_schema_grammar
 

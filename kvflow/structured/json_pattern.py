@@ -32,7 +32,7 @@ from kvflow.structured.regex_dialect import (
     merged_ranges,
     without_surrogates,
 )
-from kvflow.structured.schema_support import map_patterns, map_schemas
+from kvflow.structured.schema_patterns import map_patterns, map_schemas
 
 Ranges = list[tuple[int, int]]
 

@@ -13,12 +13,8 @@ from kvflow.structured.json_pattern import placeholder_patterns, strict_formats
 from kvflow.structured.lark_grammar import lark_to_gbnf, looks_like_lark
 from kvflow.structured.params import StructuredOutputsParams
 from kvflow.structured.regex_dialect import xgrammar_regex
-from kvflow.structured.schema_support import (
-    costly_pattern,
-    map_schemas,
-    string_patterns,
-    unenforced_keyword,
-)
+from kvflow.structured.schema_patterns import costly_pattern, map_schemas, string_patterns
+from kvflow.structured.schema_support import unenforced_keyword
 from kvflow.structured.structural_tag import (
     StructuralTagError,
     check_format,
@@ -99,7 +95,7 @@ def json_schema_grammar(spec: str) -> xgr.Grammar:
         ValueError: for text that is not a JSON schema object (or true/false), one using a
             keyword xgrammar would not enforce (``schema_support.unenforced_keyword``), or
             one whose string patterns repeat more than xgrammar converts in well under a
-            second (``schema_support.costly_pattern``), or one with a string pattern that is
+            second (``schema_patterns.costly_pattern``), or one with a string pattern that is
             not a valid regex (:func:`bad_pattern`, naming it and where it is).
         RuntimeError: from xgrammar, for a schema it cannot convert.
     """
