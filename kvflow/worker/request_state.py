@@ -54,7 +54,7 @@ class RequestState:
 def request_stop_ids(state: RequestState) -> list[int]:
     """The token ids that end the request: its ``stop_token_ids`` (the front end adds the
     model's further EOS ids from generation_config.json to them) and its EOS unless
-    ``ignore_eos``, the ids ``core/sched_update.check_stop`` finishes it on (as
+    ``ignore_eos``, the ids ``core/sched_stops.check_stop`` finishes it on (as
     ``Request.stop_eos_id`` and ``stop_token_ids``)."""
     p = state.sampling_params
     stop = list(p.stop_token_ids)
