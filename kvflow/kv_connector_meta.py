@@ -4,7 +4,7 @@ halves).
 
 A block is named by its storage key (a hex digest of the model and the prompt tokens and
 extra keys up to its end, see
-``distributed/kv_transfer/shared_storage.py``) and placed by its block id in the KV cache.
+``distributed/kv_transfer/storage_keys.py``) and placed by its block id in the KV cache.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The engine-core process's start gate (``engine/core_proc.py: wait_for_go``): the server
-starts its core processes before it has checked config.json, so that their imports overlap the
-check; a core loads nothing until it is let go, and gives up on ``Shutdown``."""
+"""The engine-core process's start gate (``engine/core_process_setup.py: wait_for_go``): the
+server starts its core processes before it has checked config.json, so that their imports overlap
+the check; a core loads nothing until it is let go, and gives up on ``Shutdown``."""
 
 from __future__ import annotations
 
