@@ -8,18 +8,23 @@ LoRA engine's decode steps eagerly. Which kernel is faster per call depends on t
 2-core Zen 5 EPYC session 49's kernel took 1.2-1.6x torch's time on 16-64 rows of one adapter,
 session 50's (B^T rows added as whole vectors) 0.56-0.96x (docs/benchmarks.md). So, as for the
 GEMMs (:mod:`kvflow.kernels.gemm_select`), each of the engine's LoRA layer shapes is timed with
-both at the decode row counts :data:`ROW_CLASSES` (the native kernel runs in replayed decode
-steps only), on one thread by process CPU time, the candidates' passes alternating, all rows on
-one adapter (torch's best case: a matmul pair and no gather), and the timings are cached in
+both at the decode row counts :data:`ROW_CLASSES` and at :data:`EAGER_ROWS` (a prefill's), on
+one thread by process CPU time, the candidates' passes alternating, all rows on one adapter
+(torch's best case: a matmul pair and no gather), and the timings are cached in
 ``<cache_dir>/cpu_lora/`` per CPU model and flags, torch, kernel sources, ISA level and thread
-count, so later starts measure nothing. SmolLM2-135M's four shapes took 0.04-0.05 s of CPU time
-(0.12-0.56 s of wall time) on a 2-core Zen 5 EPYC at load average 15-17, once per CPU.
+count, so later starts measure nothing. SmolLM2-135M's four shapes took 0.05-0.08 s of CPU time
+at rank 8-16, 0.14-0.18 s at rank 64 (0.08-0.43 s of wall time) on a 2-core Zen 5 EPYC at load
+average 7, once per CPU.
 
 The choice (:func:`choose`): the summed time of every LoRA layer of the model at each row class,
 relative to the faster candidate's, summed over the classes; where the engine's decode steps
 would replay, ``torch`` is charged ``1 + GRAPH_MARGIN`` (the margin a GEMM kernel that costs the
 step graph must beat, ``gemm_select.GRAPH_MARGIN``: 1.18x), since choosing it runs every decode
-step eagerly. A tie keeps ``native``.
+step eagerly. A tie keeps ``native``. Eager steps (prefills, and every step where none replays)
+run the native kernel at the row classes where it was timed no slower
+(:func:`resolve_eager_cpu_lora`; a step takes the class of the most rows at most its own): at
+SmolLM2's shapes it took 0.5-0.95x torch's time at 16-2048 rows, ranks 8-16, and 0.7-1.25x at
+rank 64 (docs/benchmarks.md, session 50, eager LoRA).
 """
 
 from __future__ import annotations
@@ -44,10 +49,16 @@ logger = logging.getLogger(__name__)
 
 CANDIDATES = ("native", "torch")
 ROW_CLASSES = (1, 16, 64)  # decode rows per call: one request, a small and a large batch
+EAGER_ROWS = 128  # a prefill's rows (timed too: an eager step of as many rows or more)
+TIMED_ROWS = (*ROW_CLASSES, EAGER_ROWS)
 REPEATS = 5  # alternating passes per candidate (the fastest kept)
 CALLS = 2  # calls per pass
+# at EAGER_ROWS: fewer, one call each (a call takes 0.4-4 ms at SmolLM2's shapes, ranks 8-64:
+# the first start's timing stays under 0.2 s of CPU time)
+EAGER_REPEATS, EAGER_CALLS = 3, 1
 # part of the cache key: timings taken another way are redone
-TIMING_METHOD = (f"lora|cpu-time-1-thread|alternating-{REPEATS}x{CALLS}|rows {ROW_CLASSES}|"
+TIMING_METHOD = (f"lora|cpu-time-1-thread|alternating-{REPEATS}x{CALLS}|"
+                 f"eager-{EAGER_REPEATS}x{EAGER_CALLS}|rows {TIMED_ROWS}|"
                  "one adapter|B^T rows")
 
 Measure = Callable[["LoRAShape", int, "NativeCpuKernels | None"], dict[str, float]]
@@ -103,10 +114,12 @@ def lora_calls(shape: LoRAShape, rows: int, kernels: NativeCpuKernels | None
 def time_lora(shape: LoRAShape, rows: int, kernels: NativeCpuKernels | None
               ) -> dict[str, float]:
     """CPU seconds per call of each candidate of :func:`lora_calls` on one thread: the
-    fastest of REPEATS passes of CALLS calls, the candidates' passes alternating, after one
+    fastest of REPEATS passes of CALLS calls (EAGER_REPEATS of EAGER_CALLS at EAGER_ROWS or
+    more), the candidates' passes alternating, after one
     warm-up call each (as :func:`kvflow.kernels.gemm_timing.time_candidates`, whose reasons
     hold here: timings are cached for good, and process CPU time on one thread is what other
     processes on a shared machine change least)."""
+    repeats, per_pass = (REPEATS, CALLS) if rows < EAGER_ROWS else (EAGER_REPEATS, EAGER_CALLS)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -115,12 +128,12 @@ def time_lora(shape: LoRAShape, rows: int, kernels: NativeCpuKernels | None
             for call in calls.values():
                 call()
             best = dict.fromkeys(calls, math.inf)
-            for _ in range(REPEATS):
+            for _ in range(repeats):
                 for name, call in calls.items():
                     start = time.process_time()
-                    for _ in range(CALLS):
+                    for _ in range(per_pass):
                         call()
-                    best[name] = min(best[name], (time.process_time() - start) / CALLS)
+                    best[name] = min(best[name], (time.process_time() - start) / per_pass)
         # a pass faster than the clock's tick reads 0: count it as one tick
         return {name: max(s, 1e-9) for name, s in best.items()}
     finally:
@@ -140,8 +153,9 @@ class LoRATimings:
         self.measuring_s = 0.0  # spent timing in this process
 
     def get(self, shape: LoRAShape) -> dict[str, dict[int, float]]:
-        """candidate -> row class -> seconds per call, timing the missing classes."""
-        missing = [n for n in ROW_CLASSES
+        """candidate -> row class (:data:`TIMED_ROWS`) -> seconds per call, timing the
+        missing classes."""
+        missing = [n for n in TIMED_ROWS
                    if any(shape.key(c, n) not in self.seconds for c in CANDIDATES)]
         if missing:
             start = time.perf_counter()
@@ -151,7 +165,7 @@ class LoRATimings:
             self.measuring_s += time.perf_counter() - start
             write_timings(self.path, {**read_timings(self.path, warn=False), **self.seconds},
                           "LoRA timings")
-        return {c: {n: self.seconds[shape.key(c, n)] for n in ROW_CLASSES} for c in CANDIDATES}
+        return {c: {n: self.seconds[shape.key(c, n)] for n in TIMED_ROWS} for c in CANDIDATES}
 
 
 def lora_timings(kernels: NativeCpuKernels) -> LoRATimings:
@@ -165,7 +179,7 @@ def step_seconds(shapes: dict[LoRAShape, int], timings: LoRATimings
                  ) -> dict[str, dict[int, float]]:
     """candidate -> row class -> seconds of one forward pass's LoRA layers (each shape's time
     times its layer count)."""
-    total = {c: dict.fromkeys(ROW_CLASSES, 0.0) for c in CANDIDATES}
+    total = {c: dict.fromkeys(TIMED_ROWS, 0.0) for c in CANDIDATES}
     for shape, count in shapes.items():
         for c, by_rows in timings.get(shape).items():
             for rows, seconds in by_rows.items():
@@ -184,6 +198,50 @@ def choose(times: dict[str, dict[int, float]], graphs: bool) -> str:
     fastest = {n: min(t[n] for t in charged.values()) for n in ROW_CLASSES}
     score = {c: sum(t[n] / fastest[n] for n in ROW_CLASSES) for c, t in charged.items()}
     return "native" if score["native"] <= score["torch"] else "torch"
+
+
+def choose_eager(times: dict[str, dict[int, float]]) -> dict[int, str]:
+    """Row class (:data:`TIMED_ROWS`) -> the kernel an eager step of that many rows runs:
+    ``native`` where its time in ``times`` (candidate -> row class -> seconds) is at most
+    ``torch``'s (no graph is at stake there)."""
+    return {n: "native" if times["native"][n] <= times["torch"][n] else "torch"
+            for n in TIMED_ROWS}
+
+
+def eager_kernel(by_rows: dict[int, str], rows: int) -> str:
+    """The kernel of an eager step of ``rows`` rows from :func:`choose_eager`'s classes: that
+    of the largest class at most ``rows`` (the smallest class below it)."""
+    return by_rows[max((n for n in by_rows if n <= rows), default=min(by_rows))]
+
+
+def resolve_eager_cpu_lora(layers: Iterable, dtype: torch.dtype,
+                           kernels: NativeCpuKernels | None,
+                           timings: LoRATimings | None = None) -> dict[int, str]:
+    """Row class -> the CPU LoRA kernel an eager (not replayed) step of that many rows runs,
+    ``native`` or ``torch`` (:func:`eager_kernel` reads it): every class
+    ``$KVFLOW_CPU_LORA`` when it names one, else (``auto``) :func:`choose_eager` of the
+    timings of ``layers`` (the ones :func:`resolve_cpu_lora` reads: nothing more is timed);
+    ``torch`` without native kernels.
+
+    Args:
+        layers: the LoRA layers whose shapes are timed.
+        dtype: the model's activation dtype.
+        kernels: the native kernels (None: unavailable).
+        timings: the timings to decide by (None: :func:`lora_timings`).
+
+    Raises:
+        ValueError: when ``KVFLOW_CPU_LORA`` is not auto, native or torch.
+    """
+    choice = cpu_lora_choice()
+    if kernels is None:
+        choice = "torch"
+    shapes = layer_shapes(layers, dtype) if choice == "auto" else {}
+    if choice != "auto" or not shapes:
+        return dict.fromkeys(TIMED_ROWS, "native" if choice == "auto" else choice)
+    picked = choose_eager(step_seconds(shapes, timings or lora_timings(kernels)))
+    logger.info("LoRA kernel on CPU in eager steps (KVFLOW_CPU_LORA=auto) from %s rows: %s",
+                "/".join(map(str, TIMED_ROWS)), "/".join(picked.values()))
+    return picked
 
 
 def resolve_cpu_lora(layers: Iterable, dtype: torch.dtype, kernels: NativeCpuKernels | None,

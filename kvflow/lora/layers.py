@@ -24,7 +24,8 @@ A CPU step graph's steps (:func:`graph_mapping`: each token's slot in a static i
 run kvflow's native kernel instead, one C call per layer for every adapter
 (``csrc/cpu_lora.c``; ``KVFLOW_CPU_LORA=auto``, the default, times it against torch on this
 CPU: :mod:`kvflow.lora.cpu_kernel_choice`), which the graph records and replays whatever the
-step's mix of adapters. On CPU ``lora_b`` is the transpose of a contiguous
+step's mix of adapters; so do eager steps (prefills) of a row count the choice gives the native
+kernel (the mapping then carries the tokens' slots as ``row_slots``). On CPU ``lora_b`` is the transpose of a contiguous
 ``[max_loras, R, out]`` (each rank row's outputs side by side, for the kernel's expand).
 """
 
@@ -60,7 +61,8 @@ class LoRAMapping:
             was made from (``select`` maps a subset of the tokens again).
         whole: every token of the step runs one slot (``token_index`` is ``0..T-1``).
         row_slots: int32 [T] (host) ``token_slots`` where the native CPU kernel reads them (a
-            CPU step graph's static buffer, :func:`graph_mapping`); None: the torch path.
+            CPU step graph's static buffer, :func:`graph_mapping`, or an eager step's copy);
+            None: the torch path.
     """
 
     token_index: torch.Tensor
@@ -210,10 +212,11 @@ class GroupedLoRA(CustomOp):
     def forward_cpu(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
                     lora_b: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
         """The native kernel (``csrc/cpu_lora.c``: one C call for every adapter of the step)
-        when the mapping carries per-row slots (a CPU step graph's step, :func:`graph_mapping`)
-        and the operands fit it; else plain torch."""
-        if mapping.row_slots is not None and x.stride(-1) == 1 and y.stride(-1) == 1 \
-                and lora_a.dtype == torch.float32:
+        when the mapping carries per-row slots (a CPU step graph's step, :func:`graph_mapping`,
+        or an eager step whose row count the CPU LoRA choice gives the native kernel,
+        ``LoRAManager.step_mapping``) and the operands fit it; else plain torch."""
+        if mapping.row_slots is not None and x.dim() == y.dim() == 2 and x.stride(-1) == 1 \
+                and y.stride(-1) == 1 and lora_a.dtype == torch.float32:
             kernels = native_kernels_for(y)
             if kernels is not None and x.dtype in DTYPE_CODES:
                 return kernels.lora(y, x, lora_a, lora_b, mapping.row_slots)

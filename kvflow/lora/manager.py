@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -110,6 +111,7 @@ class LoRAManager:
         # the adapter whose weights each slot holds (an id may stand for another folder later)
         self.slot_adapters: list[LoRAAdapter | None] = [None] * config.max_loras
         self._cpu_kernel: str | None = None  # resolved by cpu_kernel
+        self._eager_kernels: dict[int, str] | None = None  # resolved by eager_cpu_kernel
         logger.info("LoRA: %d layers adapted, %d slots of rank %d", len(self.layers),
                     config.max_loras, config.max_lora_rank)
 
@@ -129,6 +131,24 @@ class LoRAManager:
             self._cpu_kernel = resolve_cpu_lora(self.layers.values(), self.dtype,
                                                 native_cpu_kernels(), graphs)
         return self._cpu_kernel
+
+    def eager_cpu_kernel(self, rows: int) -> str:
+        """The CPU LoRA kernel of an eager (not replayed) step of ``rows`` rows, ``native`` or
+        ``torch`` (:func:`kvflow.lora.cpu_kernel_choice.resolve_eager_cpu_lora`, from the
+        timings :meth:`cpu_kernel` reads), resolved on the first call and kept.
+
+        Raises:
+            ValueError: when ``KVFLOW_CPU_LORA`` is not auto, native or torch.
+        """
+        if self._eager_kernels is None:
+            from kvflow.kernels.cpu_native import native_cpu_kernels
+            from kvflow.lora.cpu_kernel_choice import resolve_eager_cpu_lora
+
+            self._eager_kernels = resolve_eager_cpu_lora(self.layers.values(), self.dtype,
+                                                         native_cpu_kernels())
+        from kvflow.lora.cpu_kernel_choice import eager_kernel
+
+        return eager_kernel(self._eager_kernels, rows)
 
     def add_lora(self, request: LoRARequest,
                  finished_ids: frozenset[str] = frozenset()) -> LoRAAdapter:
@@ -249,7 +269,13 @@ class LoRAManager:
         row_slot = np.full(len(row_lora_ids), -1, np.int64)
         for lora_id, slot in slot_of_id.items():
             row_slot[row_lora_ids == lora_id] = slot
-        return make_mapping(row_slot[token_rows], self.device)
+        mapping = make_mapping(row_slot[token_rows], self.device)
+        if mapping is not None and self.device.type == "cpu" \
+                and self.eager_cpu_kernel(len(token_rows)) == "native":
+            # the native kernel's per-row slots (a step graph's steps put their own buffer's)
+            mapping = replace(mapping, row_slots=torch.from_numpy(
+                mapping.token_slots.astype(np.int32)))
+        return mapping
 
     def _activate(self, ids: list[int], adapter_of: dict[int, LoRAAdapter]) -> dict[int, int]:
         """Slots holding ``ids``: those already there (the same adapter, not only the same

@@ -17,12 +17,17 @@ from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.kernels.gemm_select import GRAPH_MARGIN
 from kvflow.lora import cpu_kernel_choice as choice_mod
 from kvflow.lora.cpu_kernel_choice import (
+    EAGER_ROWS,
     ROW_CLASSES,
+    TIMED_ROWS,
     LoRAShape,
     LoRATimings,
     choose,
+    choose_eager,
+    eager_kernel,
     layer_shapes,
     resolve_cpu_lora,
+    resolve_eager_cpu_lora,
     time_lora,
 )
 
@@ -71,8 +76,8 @@ def test_auto_picks_what_the_timer_says_is_faster(tmp_path, monkeypatch, native,
     monkeypatch.delenv("KVFLOW_CPU_LORA", raising=False)  # auto, the default
     timer = FakeTimer(native, torch_)
     assert _resolve(tmp_path, timer, graphs) == picked
-    # each shape timed once at every row class, nothing more
-    assert sorted(rows for _, rows in timer.calls) == sorted(ROW_CLASSES * 2)
+    # each shape timed once at every row class (the eager steps' too), nothing more
+    assert sorted(rows for _, rows in timer.calls) == sorted(TIMED_ROWS * 2)
 
 
 def test_choose_sums_relative_times_over_row_classes():
@@ -98,10 +103,56 @@ def test_timings_are_cached_per_shape(tmp_path, monkeypatch):
     # a new shape is timed alone
     timings = LoRATimings(tmp_path / "lora.json", None, again)
     resolve_cpu_lora([*LAYERS, _layer(32, 32, 4)], torch.bfloat16, KERNELS, False, timings)
-    assert [shape for shape, _ in again.calls] == [LoRAShape(32, 32, 4, torch.bfloat16)] * 3
+    assert [shape for shape, _ in again.calls] == [LoRAShape(32, 32, 4, torch.bfloat16)] * 4
     # another dtype is another shape
     assert LoRAShape(32, 32, 4, torch.float32).key("native", 1) != \
         LoRAShape(32, 32, 4, torch.bfloat16).key("native", 1)
+
+
+class RowsTimer(FakeTimer):
+    """``FakeTimer`` whose torch takes ``torch_at_eager`` seconds a row at ``EAGER_ROWS``."""
+
+    def __init__(self, native: float, torch_: float, torch_at_eager: float) -> None:
+        super().__init__(native, torch_)
+        self.torch_at_eager = torch_at_eager
+
+    def __call__(self, shape: LoRAShape, rows: int, kernels) -> dict[str, float]:
+        seconds = super().__call__(shape, rows, kernels)
+        return {**seconds, "torch": self.torch_at_eager * rows} if rows == EAGER_ROWS \
+            else seconds
+
+
+def test_eager_steps_pick_per_row_class_from_the_same_timings(tmp_path, monkeypatch):
+    """Native 1 s a row, torch 2 at decode rows but 0.5 at the eager class: decode (graphs
+    or not) keeps native, eager steps of EAGER_ROWS rows or more run torch, fewer native;
+    the eager choice times nothing the decode one did not."""
+    monkeypatch.delenv("KVFLOW_CPU_LORA", raising=False)
+    timer = RowsTimer(1.0, 2.0, 0.5)
+    timings = LoRATimings(tmp_path / "lora.json", None, timer)
+    assert resolve_cpu_lora(LAYERS, torch.bfloat16, KERNELS, False, timings) == "native"
+    calls = len(timer.calls)
+    by_rows = resolve_eager_cpu_lora(LAYERS, torch.bfloat16, KERNELS, timings)
+    assert len(timer.calls) == calls == 2 * len(TIMED_ROWS)
+    assert by_rows == {**dict.fromkeys(ROW_CLASSES, "native"), EAGER_ROWS: "torch"}
+    assert [eager_kernel(by_rows, n) for n in (1, 15, 16, 127, 128, 2048)] == \
+        ["native"] * 4 + ["torch"] * 2
+    # a tie keeps native; below the smallest class, the smallest class's
+    times = {"native": dict.fromkeys(TIMED_ROWS, 1.0), "torch": dict.fromkeys(TIMED_ROWS, 1.0)}
+    assert set(choose_eager(times).values()) == {"native"}
+    assert eager_kernel({4: "torch", 8: "native"}, 0) == "torch"
+
+
+@pytest.mark.parametrize("forced", ["native", "torch"])
+def test_env_forces_the_eager_kernel_too(tmp_path, monkeypatch, forced):
+    monkeypatch.setenv("KVFLOW_CPU_LORA", forced)
+    timer = FakeTimer(1.0, 1.0)
+    timings = LoRATimings(tmp_path / "lora.json", None, timer)
+    assert resolve_eager_cpu_lora(LAYERS, torch.bfloat16, KERNELS, timings) == \
+        dict.fromkeys(TIMED_ROWS, forced)
+    assert timer.calls == []
+    # without native kernels torch, whatever the variable says
+    assert set(resolve_eager_cpu_lora(LAYERS, torch.bfloat16, None, timings).values()) == \
+        {"torch"}
 
 
 @pytest.mark.parametrize("forced", ["native", "torch"])
