@@ -1,7 +1,7 @@
 """Microseconds per call of the native LoRA kernel (``kernels/csrc/cpu_lora.c``) against the torch
 grouped LoRA (``kvflow.lora.layers.grouped_lora``, one matmul pair per adapter) on SmolLM2-135M's
-LoRA layer shapes at max rank 16 (qkv 576->960 with 48 rank rows, gate_up 576->3072 with 32,
-down 1536->576 with 16), bf16 activations, fp32 slots, rows on one adapter or round-robin over
+LoRA layer shapes at max rank 16 or ``--ranks`` (qkv 576->960 with 3 x rank rank rows, gate_up
+576->3072 with 2 x rank, down 1536->576 with 1 x rank), bf16 activations, fp32 slots, rows on one adapter or round-robin over
 four. Each of B's two layouts: ``[max_loras, out, R]`` contiguous (``rows``: the kernel's
 dot-product expand, the layout before session 50) and the transpose of a contiguous
 ``[max_loras, R, out]`` (``cols``: what :class:`kvflow.lora.layers.LoRALinear` keeps on CPU;
@@ -10,12 +10,13 @@ the kernel's vector expand), torch too in both. CPU time of the calling thread
 figures less than wall time; ``--rounds`` rounds of ``--calls`` calls, the candidates
 alternating round by round (A, B, C, D, A, B, ...), the median round of each::
 
-    .venv/bin/python benchmarks/lora_kernel.py [--batches 1,16,64] [--calls 100] [--rounds 7]
+    .venv/bin/python benchmarks/lora_kernel.py [--batches 1,16,64] [--ranks 16] [--calls 100] [--rounds 7]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -27,7 +28,8 @@ import torch
 from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.lora.layers import grouped_lora, make_mapping
 
-SHAPES = [("qkv", 576, 960, 48), ("gate_up", 576, 3072, 32), ("down", 1536, 576, 16)]
+# (name, in, out, shards fused): the rank rows are shards x max rank
+SHAPES = [("qkv", 576, 960, 3), ("gate_up", 576, 3072, 2), ("down", 1536, 576, 1)]
 
 
 def median_us(fns: dict[str, Callable[[], object]], calls: int, rounds: int) -> dict[str, float]:
@@ -50,6 +52,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--calls", type=int, default=100)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--ranks", default="16", help="max ranks per shard, comma-separated")
     args = p.parse_args()
     kernels = native_cpu_kernels()
     if kernels is None:
@@ -57,27 +60,28 @@ def main() -> None:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     print(f"ISA level {kernels.isa}; us per call, medians of {args.rounds} alternating rounds")
-    for rows in (int(b) for b in args.batches.split(",")):
-        for name, inp, out, rank in SHAPES:
-            x = torch.randn(rows, inp, generator=gen).bfloat16()
-            y = torch.randn(rows, out, generator=gen).bfloat16()
-            a = torch.randn(4, rank, inp, generator=gen) * 0.01
-            b_rows = torch.randn(4, out, rank, generator=gen) * 0.01
-            b_cols = b_rows.transpose(1, 2).contiguous().transpose(1, 2)
-            for mix, count in (("one", 1), ("four", 4)):
-                slots = np.arange(rows) % count
-                row_slots = torch.from_numpy(slots.astype(np.int32))
-                mapping = make_mapping(slots, torch.device("cpu"))
-                us = median_us({
-                    "native rows": partial(kernels.lora, y, x, a, b_rows, row_slots),
-                    "native cols": partial(kernels.lora, y, x, a, b_cols, row_slots),
-                    "torch rows": partial(grouped_lora, y, x, a, b_rows, mapping),
-                    "torch cols": partial(grouped_lora, y, x, a, b_cols, mapping)},
-                    args.calls, args.rounds)
-                print(f"{rows} rows, {name}, {mix}: " + ", ".join(
-                    f"{k} {v:.1f}" for k, v in us.items())
-                    + f"; native/torch rows {us['native rows'] / us['torch rows']:.2f}, "
-                    f"cols {us['native cols'] / us['torch cols']:.2f}", flush=True)
+    for rows, max_rank, (name, inp, out, shards) in itertools.product(
+            map(int, args.batches.split(",")), map(int, args.ranks.split(",")), SHAPES):
+        rank = shards * max_rank
+        x = torch.randn(rows, inp, generator=gen).bfloat16()
+        y = torch.randn(rows, out, generator=gen).bfloat16()
+        a = torch.randn(4, rank, inp, generator=gen) * 0.01
+        b_rows = torch.randn(4, out, rank, generator=gen) * 0.01
+        b_cols = b_rows.transpose(1, 2).contiguous().transpose(1, 2)
+        for mix, count in (("one", 1), ("four", 4)):
+            slots = np.arange(rows) % count
+            row_slots = torch.from_numpy(slots.astype(np.int32))
+            mapping = make_mapping(slots, torch.device("cpu"))
+            us = median_us({
+                "native rows": partial(kernels.lora, y, x, a, b_rows, row_slots),
+                "native cols": partial(kernels.lora, y, x, a, b_cols, row_slots),
+                "torch rows": partial(grouped_lora, y, x, a, b_rows, mapping),
+                "torch cols": partial(grouped_lora, y, x, a, b_cols, mapping)},
+                args.calls, args.rounds)
+            print(f"{rows} rows, rank {max_rank}, {name}, {mix}: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in us.items())
+                + f"; native/torch rows {us['native rows'] / us['torch rows']:.2f}, "
+                f"cols {us['native cols'] / us['torch cols']:.2f}", flush=True)
 
 
 if __name__ == "__main__":
