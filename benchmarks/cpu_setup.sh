@@ -6,6 +6,11 @@
 # variable is unset or empty is skipped; one set to a folder without bin/EXECUTABLE (a typo,
 # a venv not made yet) stops the script here, exit status 2, before any engine runs or any
 # earlier result is removed: skipping it would end minutes later in a table without it.
+# -h / --help: the calling script's header (its leading comment lines), then exit 0, before
+# any peer check, export or run.
+case "${1:-}" in
+    -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
+esac
 for PEER in ${PEER_VENVS:-}; do
     PEER_VAR=${PEER%%:*} PEER_EXE=${PEER#*:}
     PEER_DIR=${!PEER_VAR:-}

