@@ -63,10 +63,11 @@ def _check_thinking_budget(params: SamplingParams, vocab_size: int) -> None:
     ids = params.reasoning_token_ids
     if ids is None:
         raise ValueError("SamplingParams.thinking_token_budget needs the model's reasoning "
-                         "markers (SamplingParams.reasoning_token_ids; LLM and AsyncLLM fill "
-                         "them from their reasoning_parser or reasoning_config, the server "
-                         "from --reasoning-parser): without them there is no think block to "
-                         "count or end")
+                         "markers: build the LLM or AsyncLLM with reasoning_parser=... or "
+                         "reasoning_config={'reasoning_start_str': ..., 'reasoning_end_str': "
+                         "...} (the server's --reasoning-parser / --reasoning-config), or set "
+                         "SamplingParams.reasoning_token_ids; without them there is no think "
+                         "block to count or end")
     for name in ("reasoning_start_token_ids", "reasoning_end_token_ids",
                  "natural_reasoning_end_token_ids"):
         bad = [t for t in getattr(ids, name) if t >= vocab_size]

@@ -167,8 +167,11 @@ def test_reasoning_config_strings_end_the_budget(tiny_llama, tiny_tokenizer):
     llm = _llm(tiny_llama.path, reasoning_config=json.dumps(THINK))
     [out] = llm.generate([prompt], params, use_tqdm=False)
     assert list(out.outputs[0].token_ids) == think + end
-    with pytest.raises(ValueError, match="thinking_token_budget needs the model's reasoning"):
+    with pytest.raises(ValueError, match="thinking_token_budget needs the model's reasoning") \
+            as err:
         _llm(tiny_llama.path).generate([prompt], params, use_tqdm=False)
+    # the offline way to give the markers, not only the server's flag
+    assert "build the LLM with reasoning_parser=... or reasoning_config=" in str(err.value)
 
 
 def test_enable_in_reasoning_applies_the_grammar_with_a_budget(tiny_llama, tiny_tokenizer):
