@@ -171,7 +171,7 @@ def test_reasoning_config_strings_end_the_budget(tiny_llama, tiny_tokenizer):
             as err:
         _llm(tiny_llama.path).generate([prompt], params, use_tqdm=False)
     # the offline way to give the markers, not only the server's flag
-    assert "build the LLM with reasoning_parser=... or reasoning_config=" in str(err.value)
+    assert "build the LLM or AsyncLLM with reasoning_parser=... or reasoning_config=" in str(err.value)
 
 
 def test_enable_in_reasoning_applies_the_grammar_with_a_budget(tiny_llama, tiny_tokenizer):
