@@ -21,7 +21,7 @@ VOCAB = ['"', "a", "b", "</s>"] + list("0123456789-:.@/TZPD")
 STOP = 3
 SUFFIX = ("not enforced together with 'pattern' (write the length into the pattern, e.g. "
           "^[a-z]{3,8}$) (xgrammar, kvflow's grammar engine, accepts this keyword but does not "
-          "enforce it; leave it out)")
+          "enforce it)")  # the reason's own fix, not "leave it out" beside it
 
 
 def _accepts(grammar: xgr.Grammar, text: str) -> bool:

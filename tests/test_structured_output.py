@@ -367,6 +367,24 @@ def test_schema_keywords_the_grammar_ignores_are_refused(schema, violating, keyw
                                            "propertyNames": {"maxLength": 3}}))
 
 
+@pytest.mark.parametrize("schema, ending", [
+    # the reason says how to write it instead: no "leave it out" beside that advice
+    ({"minimum": 3}, ('add "type": "number" (xgrammar, kvflow\'s grammar engine, accepts '
+                      "this keyword but does not enforce it)")),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 3},
+     "(xgrammar, kvflow's grammar engine, accepts this keyword but does not enforce it)"),
+    # no other way to write it: leave it out
+    ({"type": "array", "uniqueItems": True},
+     "accepts this keyword but does not enforce it; leave it out)"),
+])
+def test_a_refused_keyword_gets_one_piece_of_advice(schema, ending):
+    """A refusal whose reason gives the fix (add a type, write the length into the pattern) does
+    not also say "leave it out" (was both: 'add "type": "number" (... leave it out)')."""
+    with pytest.raises(ValueError) as err:
+        validate(StructuredOutputsParams(json=schema))
+    assert str(err.value).endswith(ending), str(err.value)
+
+
 @pytest.mark.parametrize("schema, violating", [
     ({"properties": {}, "maxProperties": 1}, {"a": 1, "b": 2}),
     ({"additionalProperties": {"type": "integer"}, "patternProperties": {"^x": {}},

@@ -5,6 +5,7 @@ kept to JSON's and UTF-8's characters, and a structural tag as xgrammar's ``form
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import xgrammar as xgr
@@ -103,8 +104,7 @@ def json_schema_grammar(spec: str) -> xgr.Grammar:
     schema = json.loads(text)
     problem = unenforced_keyword(schema)
     if problem is not None:
-        raise ValueError(f"{problem} (xgrammar, kvflow's grammar engine, accepts this keyword "
-                         "but does not enforce it; leave it out)")
+        raise ValueError(unenforced_refusal(problem))
     problem = costly_pattern(schema) or bad_pattern(schema)  # costly: before xgrammar spends
     if problem is not None:  # minutes on it; bad: xgrammar converts placeholders (below)
         raise ValueError(problem)
@@ -218,13 +218,26 @@ def structural_tag_grammar(text: str) -> xgr.Grammar:
     return grammar
 
 
+# a refusal reason that already says how to write the schema instead ('add "type": ...',
+# '(write the length into the pattern ...)'): "leave it out" would contradict it
+_GIVES_A_FIX = re.compile(r": add |\(write ")
+
+
+def unenforced_refusal(problem: str) -> str:
+    """The refusal of a keyword xgrammar accepts but would not enforce: ``problem`` (from
+    :func:`unenforced_keyword`) and why, advising to leave the keyword out only where
+    ``problem`` gives no other way to write the schema."""
+    advice = "" if _GIVES_A_FIX.search(problem) else "; leave it out"
+    return (f"{problem} (xgrammar, kvflow's grammar engine, accepts this keyword but does not "
+            f"enforce it{advice})")
+
+
 def _schema_problem(schema: Any) -> str | None:
     """Why kvflow refuses a schema inside a ``format`` structural tag (a keyword xgrammar
     would not enforce, a costly pattern), or None."""
     problem = unenforced_keyword(schema)
     if problem is not None:
-        return (f"{problem} (xgrammar, kvflow's grammar engine, accepts this keyword but does "
-                "not enforce it; leave it out)")
+        return unenforced_refusal(problem)
     return costly_pattern(schema)
 
 
