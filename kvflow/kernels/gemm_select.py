@@ -4,8 +4,9 @@ Which kernel is fastest depends on the CPU (AVX2 or AVX512, bf16 dot products or
 sizes), on the weight's shape and on the rows per call. On a 2-core AVX512 EPYC kvflow's C GEMM
 beat oneDNN at batch 1 and lost to it at batch 64 (issue 23), so no fixed choice is right
 everywhere. At engine start every GEMM shape class of the model is timed with each candidate
-kernel, at a decode-sized, a batch-sized and a prefill-sized row count, and each module gets the
-kernel with the lowest summed relative time. (On a 2-core Xeon with AMX kvflow's C GEMM on AMX
+kernel, at a decode-sized, a batch-sized and a prefill-sized row count (the engine's step budget,
+``max_num_batched_tokens``, capped at 2,048: :func:`~kvflow.kernels.gemm_timing.row_classes`),
+and each module gets the kernel with the lowest summed relative time. (On a 2-core Xeon with AMX kvflow's C GEMM on AMX
 tiles beat oneDNN at one row and lost to it 2-4x at 2,048 prefill rows: a choice timed at 1 and
 64 rows alone gave it the prefill GEMMs too.) Timings are cached in ``<cache_dir>/cpu_gemm/`` per CPU model and
 flags, torch version, kernel sources and thread count, so the next start measures nothing
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from kvflow.kernels.cpu_native import NativeCpuKernels
-from kvflow.kernels.gemm_timing import ROW_CLASSES, GemmShape, GemmTimings, gemm_timings
+from kvflow.kernels.gemm_timing import GemmShape, GemmTimings, gemm_timings
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +64,19 @@ GRAPH_MARGIN = 1 / (1 - GRAPH_STEP_SAVING / (GEMM_STEP_SHARE * (1 + GRAPH_STEP_S
 REPLAYABLE = frozenset({"native"})  # kernels a CPU step graph records (kvflow's ctypes calls)
 SPLIT_MAX_BYTES = 512 << 20  # GEMM weights (one copy) up to which a shape may be packed twice
 
+def timed_rows(times: dict[str, dict[int, float]]) -> tuple[int, ...]:
+    """The row classes of ``times`` (seconds by candidate, then rows), ascending: the
+    timings' own (``GemmTimings.rows``), e.g. (1, 64, 2048) for an engine whose prefill calls
+    have 2,048 rows."""
+    return tuple(sorted(next(iter(times.values()))))
+
+
 def best_candidate(times: dict[str, dict[int, float]]) -> str:
     """The candidate with the lowest sum over row classes of its time relative to the fastest
     at that row count (each row class weighs the same, whatever its absolute time)."""
-    fastest = {rows: min(t[rows] for t in times.values()) for rows in ROW_CLASSES}
-    return min(times, key=lambda c: sum(times[c][r] / fastest[r] for r in ROW_CLASSES))
+    row_classes = timed_rows(times)
+    fastest = {rows: min(t[rows] for t in times.values()) for rows in row_classes}
+    return min(times, key=lambda c: sum(times[c][r] / fastest[r] for r in row_classes))
 
 
 def candidates_for(dtype: torch.dtype, choice: str, kernels: NativeCpuKernels | None,
@@ -96,21 +105,22 @@ class KernelSplit:
 
 
 def split_candidate(times: dict[str, dict[int, float]]) -> KernelSplit | None:
-    """A :class:`KernelSplit` when the fastest candidate changes exactly once along
-    ROW_CLASSES (e.g. native at 1 and 64 rows, oneDNN at 512), split at the geometric midpoint
-    of the two row classes around the change (181 rows between 64 and 512); else None. At a
+    """A :class:`KernelSplit` when the fastest candidate changes exactly once along the row
+    classes (e.g. native at 1 and 64 rows, oneDNN at 512), split at the geometric midpoint
+    of the two row classes around the change (181 rows between 64 and 512, 362 between 64 and
+    2,048); else None. At a
     decode row class the winner of the class below keeps it when within
     :data:`SPLIT_TIE_MARGIN` of the fastest (:func:`row_class_winners`)."""
     winners = row_class_winners(times)
     changes = [i for i in range(1, len(winners)) if winners[i] != winners[i - 1]]
     if len(changes) != 1:
         return None
-    i = changes[0]
-    return KernelSplit(winners[0], winners[-1], math.isqrt(ROW_CLASSES[i - 1] * ROW_CLASSES[i]))
+    i, row_classes = changes[0], timed_rows(times)
+    return KernelSplit(winners[0], winners[-1], math.isqrt(row_classes[i - 1] * row_classes[i]))
 
 
 def row_class_winners(times: dict[str, dict[int, float]]) -> list[str]:
-    """The fastest candidate at each row class of ROW_CLASSES, except that at a decode class
+    """The fastest candidate at each row class of ``times`` (ascending), except that at a decode class
     (up to :data:`SPLIT_TIE_MAX_ROWS` rows) the winner of the class below keeps it when within
     :data:`SPLIT_TIE_MARGIN` of the fastest.
 
@@ -123,7 +133,7 @@ def row_class_winners(times: dict[str, dict[int, float]]) -> list[str]:
     percent that do hold at two threads.
     """
     winners: list[str] = []
-    for rows in ROW_CLASSES:
+    for rows in timed_rows(times):
         fastest = min(times, key=lambda c: times[c][rows])
         keep = winners[-1] if winners and rows <= SPLIT_TIE_MAX_ROWS else fastest
         if times[keep][rows] <= times[fastest][rows] * (1 + SPLIT_TIE_MARGIN):
@@ -183,12 +193,12 @@ def transformer_gemm_shapes(hf_config) -> list[tuple[int, int, int]] | None:
 
 def estimated_step_seconds(shapes: list[tuple[int, int, int]], dtype: torch.dtype,
                            candidates: tuple[str, ...], timings: GemmTimings) -> dict[int, float]:
-    """Seconds of a forward pass's GEMMs at each row class of ROW_CLASSES with the fastest
+    """Seconds of a forward pass's GEMMs at each row class of ``timings.rows`` with the fastest
     candidate per shape (what :func:`choose_dtype` compares)."""
-    total = dict.fromkeys(ROW_CLASSES, 0.0)
+    total = dict.fromkeys(timings.rows, 0.0)
     for n, k, count in shapes:
         per = list(timings.get_all(GemmShape(n, k, dtype), candidates).values())
-        for rows in ROW_CLASSES:
+        for rows in timings.rows:
             total[rows] += count * min(t[rows] for t in per)
     return total
 
@@ -200,8 +210,8 @@ def choose_dtype(shapes: list[tuple[int, int, int]],
     forward pass of ``shapes`` fastest: lowest sum over row classes of its time relative to the
     fastest dtype's. Ties keep the first key."""
     step = {d: estimated_step_seconds(shapes, d, c, timings) for d, c in candidates.items()}
-    fastest = {rows: min(s[rows] for s in step.values()) for rows in ROW_CLASSES}
-    return min(step, key=lambda d: sum(step[d][r] / fastest[r] for r in ROW_CLASSES))
+    fastest = {rows: min(s[rows] for s in step.values()) for rows in timings.rows}
+    return min(step, key=lambda d: sum(step[d][r] / fastest[r] for r in timings.rows))
 
 
 def measure_cpu_dtype(hf_config, half: torch.dtype, choice: str,

@@ -27,6 +27,8 @@ from kvflow.platforms.cpu_memory import HugePageArena
 logger = logging.getLogger(__name__)
 
 ROW_CLASSES = (1, 64, 512)  # rows per call: decode of one request, a batch of decodes, prefill
+# The prefill class of an engine (row_classes): its step budget's rows, within these bounds
+PREFILL_ROWS_MIN, PREFILL_ROWS_MAX = 128, 2048
 LARGE_N = 8192  # wider weights (LM heads) are timed on a LARGE_N-column slice, scaled up
 # weights cycled per one-row timing, as in a model whose weights stream from memory: twice the
 # last-level cache (timing_pool_bytes), within these bounds; POOL_BYTES where sysfs does not say
@@ -53,6 +55,22 @@ class GemmShape:
         return f"{str(self.dtype).removeprefix('torch.')}|{self.timed_n}x{self.k}|{candidate}|{rows}"
 
 
+def row_classes(max_num_batched_tokens: int | None) -> tuple[int, int, int]:
+    """The row classes an engine's GEMMs are timed at: :data:`ROW_CLASSES` with the prefill
+    class at the rows of the engine's prefill calls, ``max_num_batched_tokens`` (a step's
+    token budget: long prompts run in chunks of that many rows) within [PREFILL_ROWS_MIN,
+    PREFILL_ROWS_MAX]; ROW_CLASSES when None (not known). Why: on Zen 5 (bf16, 8-row
+    micro-kernels) kvflow's GEMM beat oneDNN at 512 rows on q/k/v and o while oneDNN was
+    6-10% faster at the 2,048 rows of CPU-W1's prefill calls (docs/benchmarks.md, session
+    50), so a class timed at 512 rows could give prefill the slower kernel. The cap bounds the
+    first start's timing (a 2,048-row call costs 4x a 512-row one); the floor keeps the class
+    above the 64-row decode class."""
+    if max_num_batched_tokens is None:
+        return ROW_CLASSES
+    prefill = min(PREFILL_ROWS_MAX, max(PREFILL_ROWS_MIN, max_num_batched_tokens))
+    return (ROW_CLASSES[0], ROW_CLASSES[1], prefill)
+
+
 def timing_pool_bytes(sysfs: str = CPU_CACHE_SYSFS) -> int:
     """Bytes of distinct weight copies a one-row timing cycles through: twice the largest
     cache Linux lists for CPU 0 (``index*/size``, e.g. ``32768K``: the last-level cache), so
@@ -73,10 +91,10 @@ def timing_pool_bytes(sysfs: str = CPU_CACHE_SYSFS) -> int:
     return min(POOL_MAX_BYTES, max(POOL_MIN_BYTES, 2 * max(sizes)))
 
 
-def timing_method(pool_bytes: int) -> str:
+def timing_method(pool_bytes: int, rows: tuple[int, ...] = ROW_CLASSES) -> str:
     """How GEMM timings are measured, part of their cache key: timings of another method,
-    other row classes or another pool are redone."""
-    return f"cpu-time-1-thread|alternating-{REPEATS}|rows {ROW_CLASSES}|pool {pool_bytes}" \
+    other row classes (``rows``, :func:`row_classes`) or another pool are redone."""
+    return f"cpu-time-1-thread|alternating-{REPEATS}|rows {tuple(rows)}|pool {pool_bytes}" \
         "|native on huge pages"
 
 
@@ -174,19 +192,21 @@ def cache_key(num_threads: int, isa: str = "", method: str | None = None) -> str
 
 
 class GemmTimings:
-    """Seconds per GEMM call by (shape class, candidate, rows), measured on demand and cached
-    in a JSON file. One engine start at a time writes it (rename into place)."""
+    """Seconds per GEMM call by (shape class, candidate, rows), measured on demand at the row
+    classes ``rows`` (default :data:`ROW_CLASSES`; an engine's: :func:`row_classes`) and
+    cached in a JSON file. One engine start at a time writes it (rename into place)."""
 
-    def __init__(self, path: Path, kernels: NativeCpuKernels | None) -> None:
-        self.path, self.kernels = path, kernels
+    def __init__(self, path: Path, kernels: NativeCpuKernels | None,
+                 rows: tuple[int, ...] = ROW_CLASSES) -> None:
+        self.path, self.kernels, self.rows = path, kernels, tuple(rows)
         self.seconds: dict[str, float] = read_timings(path)
         self._dirty = False
         self.measuring_s = 0.0  # spent timing kernels in this process
 
     def get(self, shape: GemmShape, candidate: str) -> dict[int, float]:
-        """Seconds per call of ``candidate`` on ``shape`` at each of ROW_CLASSES, scaled to
-        the full ``n`` of a sliced (wide) shape."""
-        keys = {rows: shape.key(candidate, rows) for rows in ROW_CLASSES}
+        """Seconds per call of ``candidate`` on ``shape`` at each row class of ``self.rows``,
+        scaled to the full ``n`` of a sliced (wide) shape."""
+        keys = {rows: shape.key(candidate, rows) for rows in self.rows}
         missing = [rows for rows, key in keys.items() if key not in self.seconds]
         if missing:
             start = time.perf_counter()
@@ -202,10 +222,10 @@ class GemmTimings:
         passes alternating (:func:`time_candidates`)."""
         candidates = tuple(candidates)
         missing = [c for c in candidates
-                   if any(shape.key(c, rows) not in self.seconds for rows in ROW_CLASSES)]
+                   if any(shape.key(c, rows) not in self.seconds for rows in self.rows)]
         if len(missing) > 1:
             start = time.perf_counter()
-            measured = time_candidates(shape, missing, ROW_CLASSES, self.kernels)
+            measured = time_candidates(shape, missing, self.rows, self.kernels)
             self.measuring_s += time.perf_counter() - start
             for c, secs in measured.items():
                 self.seconds.update({shape.key(c, rows): s for rows, s in secs.items()})
@@ -222,8 +242,10 @@ class GemmTimings:
             self._dirty = False
 
 
-def gemm_timings(kernels: NativeCpuKernels | None) -> GemmTimings:
-    """The timings cache of this CPU, torch, kernel sources and thread count, under
-    ``<cache_dir>/cpu_gemm/``."""
-    name = f"{cache_key(torch.get_num_threads(), kernels.isa if kernels else '')}.json"
-    return GemmTimings(Path(cache_dir()) / "cpu_gemm" / name, kernels)
+def gemm_timings(kernels: NativeCpuKernels | None,
+                 rows: tuple[int, ...] = ROW_CLASSES) -> GemmTimings:
+    """The timings cache of this CPU, torch, kernel sources, thread count and row classes
+    (``rows``: an engine's, :func:`row_classes`), under ``<cache_dir>/cpu_gemm/``."""
+    method = timing_method(timing_pool_bytes(), rows)
+    name = f"{cache_key(torch.get_num_threads(), kernels.isa if kernels else '', method)}.json"
+    return GemmTimings(Path(cache_dir()) / "cpu_gemm" / name, kernels, rows)

@@ -26,7 +26,7 @@ from kvflow.kernels.gemm import (
     widen_half_gemms,
 )
 from kvflow.kernels.gemm_select import SPLIT_MAX_BYTES, candidates_for, choose
-from kvflow.kernels.gemm_timing import GemmShape, gemm_timings
+from kvflow.kernels.gemm_timing import GemmShape, gemm_timings, row_classes
 from kvflow.layers.embedding import VocabParallelEmbedding
 from kvflow.layers.linear import LinearBase
 from kvflow.platforms import Platform
@@ -112,7 +112,9 @@ def _pack_cpu_gemms(model: torch.nn.Module, config: EngineConfig, kernels, choic
     weight for the kernel ``choose`` picks (timed under ``auto``), dropping the head's plain
     table where its packed copy serves the lookups. Returns the modules per kernel and the
     arena (for its advised bytes)."""
-    timings = gemm_timings(kernels) if choice == "auto" and len(candidates) > 1 else None
+    # the prefill class timed at the rows of this engine's prefill calls (its step budget)
+    rows = row_classes(config.scheduler_config.max_num_batched_tokens)
+    timings = gemm_timings(kernels, rows) if choice == "auto" and len(candidates) > 1 else None
     head = getattr(model, "lm_head", None)
     arena = HugePageArena()  # kvflow's packed weights side by side on huge pages
     if dtype != torch.float32:

@@ -32,7 +32,14 @@ from kvflow.kernels.gemm_select import (
     split_candidate,
     transformer_gemm_shapes,
 )
-from kvflow.kernels.gemm_timing import ROW_CLASSES, GemmShape, GemmTimings, time_candidate
+from kvflow.kernels.gemm_timing import (
+    ROW_CLASSES,
+    GemmShape,
+    GemmTimings,
+    gemm_timings,
+    row_classes,
+    time_candidate,
+)
 
 native = pytest.mark.skipif(native_cpu_kernels() is None, reason="no C compiler")
 
@@ -126,6 +133,53 @@ def test_a_clear_decode_win_still_goes_to_onednn():
     clear = {"native": {1: 0.074, 64: 0.354 * 1.4, 512: 3.1}, "onednn": onednn}
     assert row_class_winners(graph_weighted(clear)) == ["native", "onednn", "onednn"]
     assert split_candidate(graph_weighted(clear)) == KernelSplit("native", "onednn", 8)
+
+
+def test_prefill_class_is_timed_at_the_engines_prefill_rows():
+    """The prefill class is the step budget (max_num_batched_tokens, the rows of a prefill
+    chunk) within [128, 2048]; unknown: the default 512."""
+    assert row_classes(2048) == (1, 64, 2048)
+    assert row_classes(1024) == (1, 64, 1024)
+    assert row_classes(8192) == (1, 64, gemm_timing.PREFILL_ROWS_MAX) == (1, 64, 2048)
+    assert row_classes(16) == (1, 64, gemm_timing.PREFILL_ROWS_MIN) == (1, 64, 128)
+    assert row_classes(None) == ROW_CLASSES == (1, 64, 512)
+
+
+# Session 50's Zen 5 bf16 q/k/v (960 x 576, 8-row micro-kernels, ms, one thread): the C GEMM
+# 1.43 at 512 rows against oneDNN's 1.46, oneDNN 5.26 at 2,048 against the C GEMM's 5.69
+ZEN5_QKV_BF16 = {"native": {1: 0.012, 64: 0.187, 512: 1.43, 2048: 5.69},
+                 "onednn": {1: 0.015, 64: 0.205, 512: 1.46, 2048: 5.26}}
+
+
+def test_prefill_class_goes_to_the_kernel_faster_at_the_engines_rows(tmp_path, monkeypatch):
+    """With an injected timer holding ZEN5_QKV_BF16: timed at 512 rows the C GEMM wins every
+    class (prefill too); timed at the engine's 2,048 rows oneDNN takes the prefill class, a
+    split at sqrt(64 * 2048) = 362 rows. Only the engine's row classes are timed."""
+    timed = []
+
+    def fake(shape, cands, rows, kernels):
+        timed.extend(rows)
+        return {c: {r: ZEN5_QKV_BF16[c][r] for r in rows} for c in cands}
+
+    monkeypatch.setattr(gemm_timing, "time_candidates", fake)
+    shape, cands = GemmShape(960, 576, torch.bfloat16), ("native", "onednn")
+    at_512 = GemmTimings(tmp_path / "a.json", None, row_classes(None))
+    assert choose(shape, cands, at_512, split=True) == "native"
+    at_engine = GemmTimings(tmp_path / "b.json", None, row_classes(2048))
+    assert choose(shape, cands, at_engine, split=True) == KernelSplit("native", "onednn", 362)
+    assert choose(shape, cands, at_engine, split=True, graphs=True) == \
+        KernelSplit("native", "onednn", 362)
+    assert timed == [1, 64, 512, 1, 64, 2048]
+
+
+def test_timings_cache_key_changes_with_the_prefill_rows(tmp_path, monkeypatch):
+    """Timings at another prefill class live in another file (and its own row classes)."""
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    paths = {rows: gemm_timings(None, row_classes(rows)).path for rows in (None, 1024, 2048)}
+    assert len(set(paths.values())) == 3
+    assert all(p.parent == tmp_path / "cpu_gemm" for p in paths.values())
+    assert gemm_timings(None, row_classes(2048)).path == paths[2048]  # stable
+    assert gemm_timings(None, row_classes(2048)).rows == (1, 64, 2048)
 
 
 def test_step_graphs_expected_follows_the_config(monkeypatch):
@@ -392,12 +446,13 @@ def test_engine_with_timed_kernel_choice_matches_hf(tiny_llama, tmp_path, monkey
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
 def test_engine_keeps_native_decode_gemms_where_step_graphs_replay(tiny_llama, tmp_path,
                                                                    monkeypatch):
-    """Timings faked: oneDNN 1.12x faster at 1 and 64 rows, 1.05x at 512. With step graphs
-    (the default) decode rows weigh oneDNN at 1.1786 against native's 1.12: every GEMM is
-    split native<=181/oneDNN and decode steps replay; with ``enforce_eager`` oneDNN wins
-    every class (no split) and takes every GEMM."""
+    """Timings faked: oneDNN 1.12x faster at 1 and 64 rows, 1.05x at the prefill class (the
+    CPU's 2,048-token step budget). With step graphs (the default) decode rows weigh oneDNN at
+    1.1786 against native's 1.12: every GEMM is split native<=362/oneDNN (sqrt(64 * 2048))
+    and decode steps replay; with ``enforce_eager`` oneDNN wins every class (no split) and
+    takes every GEMM."""
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
-    secs = {"native": {1: 1.12, 64: 1.12, 512: 1.05}, "onednn": {1: 1.0, 64: 1.0, 512: 1.0}}
+    secs = {"native": {1: 1.12, 64: 1.12, 2048: 1.05}, "onednn": {1: 1.0, 64: 1.0, 2048: 1.0}}
     fake = lambda shape, cands, rows, kernels: {c: {r: secs[c][r] for r in rows} for c in cands}
     monkeypatch.setattr(gemm_timing, "time_candidates", fake)
     monkeypatch.setattr(gemm_timing, "time_candidate",
@@ -414,7 +469,7 @@ def test_engine_keeps_native_decode_gemms_where_step_graphs_replay(tiny_llama, t
             assert all(isinstance(p, OneDnnPackedWeight) for p in packed)
             assert runner.graph_runner is None
             continue
-        assert all(isinstance(p, RowSplitWeight) and p.max_small_rows == 181
+        assert all(isinstance(p, RowSplitWeight) and p.max_small_rows == 362
                    and isinstance(p.small, NativePackedWeight) for p in packed)
         llm.generate([[5, 9, 23], [7, 41]], params, use_tqdm=False)
         assert runner.graph_runner.replayed_steps > 0
