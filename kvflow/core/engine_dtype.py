@@ -12,6 +12,7 @@ from kvflow.config import DeviceConfig, cpu_gemm_choice
 from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.kernels.cpu_threads import cpu_thread_count
 from kvflow.kernels.gemm_select import measure_cpu_dtype
+from kvflow.kernels.gemm_timing import row_classes
 from kvflow.platforms import Platform
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,10 +42,13 @@ def resolve_dtype(requested: str, hf_config, platform,
     return measure(dtype) if measure is not None and dtype != torch.float32 else dtype
 
 
-def cpu_dtype_measure(platform: Platform, device_config: DeviceConfig,
-                      hf_config: Any) -> Callable[[torch.dtype], torch.dtype] | None:
+def cpu_dtype_measure(platform: Platform, device_config: DeviceConfig, hf_config: Any,
+                      max_num_batched_tokens: int | None = None
+                      ) -> Callable[[torch.dtype], torch.dtype] | None:
     """On CPU, ``--dtype auto`` picks between the 16-bit dtype and fp32 by timing the
-    model's GEMMs at the engine's thread count (kernels/gemm_select.py); None elsewhere."""
+    model's GEMMs at the engine's thread count and row classes (the prefill class from
+    ``max_num_batched_tokens``, as ``--cpu-gemm auto`` times it, so both read one timings
+    file; kernels/gemm_select.py); None elsewhere."""
     if platform.name != "cpu":
         return None
     choice = cpu_gemm_choice(device_config.cpu_gemm)
@@ -52,6 +56,7 @@ def cpu_dtype_measure(platform: Platform, device_config: DeviceConfig,
     def measure(half: torch.dtype) -> torch.dtype:
         native_cpu_kernels(device_config.native_kernel_flags())  # a failure names them
         with cpu_thread_count(device_config.cpu_threads):
-            return measure_cpu_dtype(hf_config, half, choice, platform.prepacks_gemm_weights)
+            return measure_cpu_dtype(hf_config, half, choice, platform.prepacks_gemm_weights,
+                                     row_classes(max_num_batched_tokens))
 
     return measure

@@ -98,9 +98,10 @@ class EngineCoreStartup:
                                   load_tokenizer(source, tokenizer_source(mc),
                                                  mc.download_dir, mc.tokenizer_options,
                                                  mc.hf_token))
+        sc = self.config.scheduler_config  # its step budget: set by _init_platform
         self.dtype = resolve_dtype(self.config.model_config.dtype, self.hf_config, self.platform,
                                    cpu_dtype_measure(self.platform, self.config.device_config,
-                                                     self.hf_config))
+                                                     self.hf_config, sc.max_num_batched_tokens))
         pc = self.config.parallel_config
         pc.verify_with_model(self.hf_config)
         if self.config.model_config.quantization == "gguf" and source.kind == "gguf":

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from kvflow.kernels.cpu_native import NativeCpuKernels
-from kvflow.kernels.gemm_timing import GemmShape, GemmTimings, gemm_timings
+from kvflow.kernels.gemm_timing import ROW_CLASSES, GemmShape, GemmTimings, gemm_timings
 
 logger = logging.getLogger(__name__)
 
@@ -215,11 +215,14 @@ def choose_dtype(shapes: list[tuple[int, int, int]],
 
 
 def measure_cpu_dtype(hf_config, half: torch.dtype, choice: str,
-                      onednn_packs: Callable[[torch.dtype], bool]) -> torch.dtype:
+                      onednn_packs: Callable[[torch.dtype], bool],
+                      rows: tuple[int, ...] = ROW_CLASSES) -> torch.dtype:
     """``--dtype auto`` on a CPU with native ``half`` (bf16/fp16) matmul units: ``half`` or
     float32, whichever runs the model's GEMMs (:func:`transformer_gemm_shapes`) faster with
-    the kernels ``choice`` allows (:func:`choose_dtype`; timings cached). ``half`` when the
-    model's shapes are unknown. ``onednn_packs(dtype)``: whether oneDNN may pack ``dtype``."""
+    the kernels ``choice`` allows (:func:`choose_dtype`; timings cached) at the row classes
+    ``rows`` (the engine's: :func:`~kvflow.kernels.gemm_timing.row_classes`). ``half`` when
+    the model's shapes are unknown. ``onednn_packs(dtype)``: whether oneDNN may pack
+    ``dtype``."""
     from kvflow.kernels.cpu_native import native_cpu_kernels
 
     shapes = transformer_gemm_shapes(hf_config)
@@ -231,7 +234,7 @@ def measure_cpu_dtype(hf_config, half: torch.dtype, choice: str,
     candidates = {d: c for d, c in candidates.items() if c}
     if len(candidates) < 2:
         return half
-    timings = gemm_timings(kernels)
+    timings = gemm_timings(kernels, rows)
     dtype = choose_dtype(shapes, candidates, timings)
     timings.save()
     logger.info("--dtype auto: %s (GEMMs timed in %s)", dtype,

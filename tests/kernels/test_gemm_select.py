@@ -504,6 +504,35 @@ def test_auto_dtype_is_the_faster_one_by_timing(faster, tmp_path, monkeypatch):
     assert resolve_dtype("auto", cfg, CpuPlatform(), measure) == torch.float32 and not asked
 
 
+@native
+def test_auto_dtype_times_at_the_engines_rows_into_the_gemm_choices_file(tmp_path, monkeypatch):
+    """--dtype auto times the engine's row classes (prefill at its step budget) into the very
+    file --cpu-gemm auto then reads: timed at 1, 64 and 1,024 rows, never 512, and the file is
+    gemm_timings(kernels, row_classes(1024))'s."""
+    from kvflow.config import DeviceConfig
+    from kvflow.core.engine_dtype import cpu_dtype_measure
+    from kvflow.platforms.cpu import CpuPlatform
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    timed = set()
+
+    def fake(shape, cands, rows, kernels):
+        timed.update(rows)
+        return {c: {r: float(r) for r in rows} for c in cands}
+
+    monkeypatch.setattr(gemm_timing, "time_candidates", fake)
+    monkeypatch.setattr(gemm_timing, "time_candidate",
+                        lambda shape, cand, rows, kernels: fake(shape, (cand,), rows, kernels)[cand])
+    monkeypatch.setattr(CpuPlatform, "has_native_matmul", lambda self, dtype: True)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, vocab_size=300)
+    measure = cpu_dtype_measure(CpuPlatform(), DeviceConfig(device="cpu"), cfg, 1024)
+    measure(torch.bfloat16)
+    assert timed == {1, 64, 1024}
+    (cache,) = (tmp_path / "cpu_gemm").glob("*.json")
+    assert cache == gemm_timings(native_cpu_kernels(), row_classes(1024)).path
+
+
 def test_cpu_gemm_that_takes_no_layer_is_warned_about(tiny_llama, caplog):
     """With every linear quantized no layer is packed for kvflow's GEMM: an explicit
     ``--cpu-gemm`` is then said to take no layer (``auto`` is not)."""
