@@ -36,6 +36,9 @@ POOL_BYTES, POOL_MIN_BYTES, POOL_MAX_BYTES = 160 << 20, 32 << 20, 256 << 20
 CPU_CACHE_SYSFS = "/sys/devices/system/cpu/cpu0/cache"
 MAX_COPIES = 256
 REPEATS = 4
+# calls of at least this many rows time one weight copy per pass (fewer rows: two); see
+# pass_copies
+ONE_COPY_MIN_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,19 @@ def timing_method(pool_bytes: int, rows: tuple[int, ...] = ROW_CLASSES) -> str:
     """How GEMM timings are measured, part of their cache key: timings of another method,
     other row classes (``rows``, :func:`row_classes`) or another pool are redone."""
     return f"cpu-time-1-thread|alternating-{REPEATS}|rows {tuple(rows)}|pool {pool_bytes}" \
-        "|native on huge pages"
+        f"|native on huge pages|one copy from {ONE_COPY_MIN_ROWS} rows"
+
+
+def pass_copies(rows: int, pool: int) -> int:
+    """Weight copies one timing pass of a ``rows``-row call runs (of a ``pool``-copy pool):
+    all of them at one row (read from memory, as decode reads its weights), one from
+    :data:`ONE_COPY_MIN_ROWS` rows, two between. A call that large is compute-bound (SmolLM2's
+    960 x 576 bf16 weight at 2,048 rows: ~5.5 ms, 2,048 uses of each weight byte), so a second
+    copy adds time, not a different measurement: it made the 2,048-row prefill class most of
+    a first start's timing (session 50: 1.20-1.28 CPU s for SmolLM2 bf16's four shapes)."""
+    if rows == 1:
+        return pool
+    return 1 if rows >= ONE_COPY_MIN_ROWS else min(2, pool)
 
 
 def _pack(candidate: str, weight: torch.Tensor, kernels: NativeCpuKernels | None,
@@ -134,7 +149,8 @@ def time_candidates(shape: GemmShape, candidates: Iterable[str], rows_list: Iter
     one thread ranks them as the engine's threads would. One-row calls cycle through a pool of
     distinct weights twice the last-level cache (:func:`timing_pool_bytes`), so they read
     their weight from memory as decode does in a model; larger calls, which are
-    compute-bound, use two of them."""
+    compute-bound, use two of them, and one from :data:`ONE_COPY_MIN_ROWS` rows
+    (:func:`pass_copies`)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -155,7 +171,7 @@ def _time_on_this_thread(shape: GemmShape, candidates: tuple[str, ...],
     result: dict[str, dict[int, float]] = {c: {} for c in fns}
     for rows in rows_list:
         x = torch.randn(rows, k, generator=gen).to(shape.dtype)
-        pools = {c: pool if rows == 1 else pool[:2] for c, pool in fns.items()}
+        pools = {c: pool[:pass_copies(rows, len(pool))] for c, pool in fns.items()}
         for pool in pools.values():
             pool[0](x)  # warm-up (first-call allocations)
         best = dict.fromkeys(pools, float("inf"))

@@ -371,6 +371,30 @@ def test_candidates_are_timed_alternately(tmp_path, monkeypatch):
     assert len(json.loads(json.dumps(timings.seconds))) == 2 * len(ROW_CLASSES)
 
 
+def test_prefill_rows_from_1024_time_one_weight_copy_per_pass(tmp_path, monkeypatch):
+    """A 2,048-row pass ran two weight copies, as a 64-row one does: compute-bound, the
+    second copy only doubled the prefill class's cost (most of a first start's timing, 1.20-
+    1.28 CPU s for SmolLM2 bf16 in session 50). Now each pass from 1,024 rows runs one copy:
+    one call per candidate per pass (after its warm-up), two at 64 rows, the whole pool at one
+    row; the timing method (cache key) names the rule."""
+    calls = []
+    monkeypatch.setattr(gemm_timing, "_pack", lambda cand, weight, kernels, copies: [
+        lambda x: calls.append((cand, x.shape[0]))] * copies)
+    monkeypatch.setattr(gemm_timing, "timing_pool_bytes", lambda *a: 5 * 64 * 32 * 4)
+    rows = (1, 64, 1024, 2048)
+    GemmTimings(tmp_path / "t.json", None, rows).get_all(GemmShape(64, 32, torch.float32),
+                                                          ("native", "onednn"))
+    per_candidate = {r: sum(1 for c, n in calls if n == r and c == "native") for r in rows}
+    warm_up = 1
+    assert per_candidate == {1: warm_up + 5 * gemm_timing.REPEATS,
+                             64: warm_up + 2 * gemm_timing.REPEATS,
+                             1024: warm_up + gemm_timing.REPEATS,
+                             2048: warm_up + gemm_timing.REPEATS}
+    assert [gemm_timing.pass_copies(r, 5) for r in (1, 64, 512, 1023, 1024, 2048)] == \
+        [5, 2, 2, 2, 1, 1]
+    assert "one copy from 1024 rows" in gemm_timing.timing_method(1 << 20, rows)
+
+
 def test_damaged_timings_are_measured_again_not_a_crash(tmp_path, monkeypatch, caplog):
     """A cache file whose times are 0 (or null, or a string) made ``choose`` divide by zero
     (or fail on the type) and the engine start die with a traceback. Now those entries are
