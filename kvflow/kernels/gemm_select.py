@@ -161,15 +161,17 @@ def graph_weighted(times: dict[str, dict[int, float]]) -> dict[str, dict[int, fl
 
 
 def choose(shape: GemmShape, candidates: tuple[str, ...], timings: GemmTimings | None,
-           split: bool = False, graphs: bool = False) -> str | KernelSplit:
+           split: bool = False, graphs: bool = False,
+           rows: tuple[int, ...] | None = None) -> str | KernelSplit:
     """The kernel for ``shape``: the only candidate, or with ``split`` (both packings
     affordable) a :class:`KernelSplit` where the fastest changes along the row classes
     (:func:`split_candidate`), else the fastest by :func:`best_candidate`. With ``graphs``
     (the engine's decode steps would replay as CPU step graphs) the times compared are
-    :func:`graph_weighted`'s."""
+    :func:`graph_weighted`'s. ``rows``: the row classes timed (default ``timings.rows``; an
+    LM head's: :func:`~kvflow.kernels.gemm_timing.head_row_classes`)."""
     if len(candidates) == 1 or timings is None:
         return candidates[0]
-    times = timings.get_all(shape, candidates)
+    times = timings.get_all(shape, candidates, rows)
     if graphs:
         times = graph_weighted(times)
     return (split and split_candidate(times)) or best_candidate(times)

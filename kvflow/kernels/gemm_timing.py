@@ -74,6 +74,15 @@ def row_classes(max_num_batched_tokens: int | None) -> tuple[int, int, int]:
     return (ROW_CLASSES[0], ROW_CLASSES[1], prefill)
 
 
+def head_row_classes(rows: tuple[int, ...], max_num_seqs: int) -> tuple[int, ...]:
+    """The row classes of ``rows`` an LM head is timed at: those of at most ``max_num_seqs``
+    rows (the head only gets each sequence's sampled row, never a prefill chunk's), the
+    smallest class at least. Timing a wide fp32 head at 2,048 rows (an 8,192-column slice:
+    ~19 GFLOP a call) cost a first start more than all the other shapes together and weighed
+    a row count the head never runs."""
+    return tuple(r for r in rows if r <= max_num_seqs) or tuple(rows[:1])
+
+
 def timing_pool_bytes(sysfs: str = CPU_CACHE_SYSFS) -> int:
     """Bytes of distinct weight copies a one-row timing cycles through: twice the largest
     cache Linux lists for CPU 0 (``index*/size``, e.g. ``32768K``: the last-level cache), so
@@ -219,34 +228,37 @@ class GemmTimings:
         self._dirty = False
         self.measuring_s = 0.0  # spent timing kernels in this process
 
-    def get(self, shape: GemmShape, candidate: str) -> dict[int, float]:
-        """Seconds per call of ``candidate`` on ``shape`` at each row class of ``self.rows``,
-        scaled to the full ``n`` of a sliced (wide) shape."""
-        keys = {rows: shape.key(candidate, rows) for rows in self.rows}
-        missing = [rows for rows, key in keys.items() if key not in self.seconds]
+    def get(self, shape: GemmShape, candidate: str,
+            rows: tuple[int, ...] | None = None) -> dict[int, float]:
+        """Seconds per call of ``candidate`` on ``shape`` at each row class of ``rows``
+        (default ``self.rows``; e.g. an LM head's, which only gets the sampled rows), scaled
+        to the full ``n`` of a sliced (wide) shape."""
+        keys = {r: shape.key(candidate, r) for r in (self.rows if rows is None else rows)}
+        missing = [r for r, key in keys.items() if key not in self.seconds]
         if missing:
             start = time.perf_counter()
             measured = time_candidate(shape, candidate, missing, self.kernels)
             self.measuring_s += time.perf_counter() - start
-            self.seconds.update({keys[rows]: s for rows, s in measured.items()})
+            self.seconds.update({keys[r]: s for r, s in measured.items()})
             self._dirty = True
         scale = shape.n / shape.timed_n
-        return {rows: self.seconds[key] * scale for rows, key in keys.items()}
+        return {r: self.seconds[key] * scale for r, key in keys.items()}
 
-    def get_all(self, shape: GemmShape, candidates: Iterable[str]) -> dict[str, dict[int, float]]:
-        """:meth:`get` of each candidate; those not cached yet are timed together, their
-        passes alternating (:func:`time_candidates`)."""
-        candidates = tuple(candidates)
+    def get_all(self, shape: GemmShape, candidates: Iterable[str],
+                rows: tuple[int, ...] | None = None) -> dict[str, dict[int, float]]:
+        """:meth:`get` of each candidate at ``rows`` (default ``self.rows``); those not cached
+        yet are timed together, their passes alternating (:func:`time_candidates`)."""
+        candidates, rows = tuple(candidates), self.rows if rows is None else tuple(rows)
         missing = [c for c in candidates
-                   if any(shape.key(c, rows) not in self.seconds for rows in self.rows)]
+                   if any(shape.key(c, r) not in self.seconds for r in rows)]
         if len(missing) > 1:
             start = time.perf_counter()
-            measured = time_candidates(shape, missing, self.rows, self.kernels)
+            measured = time_candidates(shape, missing, rows, self.kernels)
             self.measuring_s += time.perf_counter() - start
             for c, secs in measured.items():
-                self.seconds.update({shape.key(c, rows): s for rows, s in secs.items()})
+                self.seconds.update({shape.key(c, r): s for r, s in secs.items()})
             self._dirty = True
-        return {c: self.get(shape, c) for c in candidates}
+        return {c: self.get(shape, c, rows) for c in candidates}
 
     def save(self) -> None:
         """Write new timings (atomically); a failure to write is logged, not raised."""

@@ -26,7 +26,7 @@ from kvflow.kernels.gemm import (
     widen_half_gemms,
 )
 from kvflow.kernels.gemm_select import SPLIT_MAX_BYTES, candidates_for, choose
-from kvflow.kernels.gemm_timing import GemmShape, gemm_timings, row_classes
+from kvflow.kernels.gemm_timing import GemmShape, gemm_timings, head_row_classes, row_classes
 from kvflow.layers.embedding import VocabParallelEmbedding
 from kvflow.layers.linear import LinearBase
 from kvflow.platforms import Platform
@@ -124,10 +124,13 @@ def _pack_cpu_gemms(model: torch.nn.Module, config: EngineConfig, kernels, choic
     split = timings is not None and _gemm_weight_bytes(model, dtype) <= SPLIT_MAX_BYTES
     # a oneDNN decode GEMM would cost the step graph: near-ties go to kvflow's GEMM
     graphs = timings is not None and cpu_step_graphs_expected(config)
+    # an fp32 LM head only gets the sampled rows (<= max_num_seqs): timed at those classes
+    head_weight = getattr(head, "weight", None)
+    head_rows = head_row_classes(rows, config.scheduler_config.max_num_seqs)
     counts = prepack_gemm_weights(
         model, config.scheduler_config.max_num_seqs, kernels,
         lambda w: choose(GemmShape(w.shape[0], w.shape[1], dtype), candidates, timings, split,
-                         graphs),
+                         graphs, head_rows if w is head_weight else None),
         dtype, arena)
     if timings is not None:
         timings.save()

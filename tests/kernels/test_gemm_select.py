@@ -473,7 +473,8 @@ def test_engine_keeps_native_decode_gemms_where_step_graphs_replay(tiny_llama, t
     """Timings faked: oneDNN 1.12x faster at 1 and 64 rows, 1.05x at the prefill class (the
     CPU's 2,048-token step budget). With step graphs (the default) decode rows weigh oneDNN at
     1.1786 against native's 1.12: every GEMM is split native<=362/oneDNN (sqrt(64 * 2048))
-    and decode steps replay; with ``enforce_eager`` oneDNN wins every class (no split) and
+    but the fp32 LM head (timed at its sampled rows, 1 and 64: native) and decode steps
+    replay; with ``enforce_eager`` oneDNN wins every class (no split) and
     takes every GEMM."""
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
     secs = {"native": {1: 1.12, 64: 1.12, 2048: 1.05}, "onednn": {1: 1.0, 64: 1.0, 2048: 1.0}}
@@ -493,10 +494,41 @@ def test_engine_keeps_native_decode_gemms_where_step_graphs_replay(tiny_llama, t
             assert all(isinstance(p, OneDnnPackedWeight) for p in packed)
             assert runner.graph_runner is None
             continue
+        head = runner.model.lm_head.packed_weight
+        assert isinstance(head, NativePackedWeight)  # timed at 1 and 64 rows only: native
         assert all(isinstance(p, RowSplitWeight) and p.max_small_rows == 362
-                   and isinstance(p.small, NativePackedWeight) for p in packed)
+                   and isinstance(p.small, NativePackedWeight) for p in packed if p is not head)
         llm.generate([[5, 9, 23], [7, 41]], params, use_tqdm=False)
         assert runner.graph_runner.replayed_steps > 0
+
+
+@native
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+@pytest.mark.parametrize("max_num_seqs", [8, 256])
+def test_fp32_lm_head_is_timed_at_the_rows_it_gets(tiny_llama, tmp_path, monkeypatch,
+                                                   max_num_seqs):
+    """An fp32 LM head only gets the sampled rows (at most max_num_seqs), yet it was timed at
+    the prefill class too (2,048 rows of a LARGE_N-column slice: more than all the other
+    shapes together). Now an injected timer sees the head's shape at the row classes up to
+    max_num_seqs (1 for 8 sequences, 1 and 64 for 256) and every other shape at 1, 64 and
+    the 2,048-row step budget."""
+    from transformers import AutoConfig
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    timed: dict[int, set[int]] = {}
+
+    def fake(shape, cands, rows, kernels):
+        timed.setdefault(shape.n, set()).update(rows)
+        return {c: {r: float(r) for r in rows} for c in cands}
+
+    monkeypatch.setattr(gemm_timing, "time_candidates", fake)
+    monkeypatch.setattr(gemm_timing, "time_candidate",
+                        lambda shape, cand, rows, kernels: fake(shape, (cand,), rows, kernels)[cand])
+    LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64,
+        cpu_gemm="auto", max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
+    vocab = AutoConfig.from_pretrained(tiny_llama.path).vocab_size
+    assert timed.pop(vocab) == ({1} if max_num_seqs == 8 else {1, 64})
+    assert timed and all(rows == {1, 64, 2048} for rows in timed.values())
 
 
 @native
