@@ -36,8 +36,8 @@ from tree_kernels import tree_kernels
 
 from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.kernels.cpu_pool import CpuPool
-from kvflow.malloc_env import keep_freed_memory
 from kvflow.platforms.cpu_memory import zeros_on_huge_pages
+from kvflow.runtime.malloc_env import keep_freed_memory
 
 H, HKV, D, BLOCK = 9, 3, 64, 16
 

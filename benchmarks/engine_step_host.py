@@ -48,7 +48,7 @@ PHASES = {
     ("kvflow.worker.model_runner", "ModelRunner", "launch_sampling"): "runner.launch_sampling",
     ("kvflow.worker.model_runner", "ModelRunner", "collect_output"): "runner.collect_output",
     ("kvflow.core.scheduler", "Scheduler", "update_from_output"): "update_from_output",
-    ("kvflow.output_processor", "OutputProcessor", "process"): "output_processor",
+    ("kvflow.engine.output_processor", "OutputProcessor", "process"): "output_processor",
 }
 
 

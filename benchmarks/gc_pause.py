@@ -1,5 +1,5 @@
 """What one full collection of CPython's cyclic garbage collector costs a process that holds a
-model, with and without the start-up heap frozen (``kvflow/gc_heap.py``).
+model, with and without the start-up heap frozen (``kvflow/runtime/gc_heap.py``).
 
     .venv/bin/python benchmarks/gc_pause.py out/smollm2-hf [--dtype bfloat16]
 
@@ -18,7 +18,7 @@ import gc
 import time
 
 from kvflow import LLM, SamplingParams
-from kvflow.gc_heap import freeze_startup_heap
+from kvflow.runtime.gc_heap import freeze_startup_heap
 
 
 def full_collections_ms(count: int = 3) -> list[float]:

@@ -1,6 +1,6 @@
 """kvflow: a paged-KV LLM inference and serving engine."""
 
-from kvflow.openmp_env import set_openmp_defaults
+from kvflow.runtime.openmp_env import set_openmp_defaults
 
 set_openmp_defaults()  # before anything imports torch (which loads the OpenMP runtime)
 
@@ -44,7 +44,7 @@ _INPUTS = ("PromptType", "TextPrompt", "TokensPrompt")
 def __getattr__(name: str):
     """Import the engine lazily, so ``import kvflow`` stays cheap for light users and tests."""
     if name == "LLM":
-        from kvflow import llm
+        from kvflow.offline import llm
 
         return llm.LLM
     if name == "LLMEngine":

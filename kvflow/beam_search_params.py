@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow.close_names import guess_unknown_keywords
+from kvflow.utils.close_names import guess_unknown_keywords
 
 # Widest beam accepted: each step asks for 2 * beam_width logprobs per beam, and
 # beam_width ** 2 candidates are ranked per prompt per step.

@@ -155,7 +155,7 @@ def model_template_warning(tokenizer: Any) -> str | None:
     request would get a 400 saying so; completions are unaffected), None when it compiles,
     or the model has none, or there is no tokenizer. A tokenizer holding named templates (a
     dict) has each checked."""
-    from kvflow.chat_template import syntax_error_message
+    from kvflow.chat.template import syntax_error_message
 
     templates = getattr(tokenizer, "chat_template", None)
     named = templates.items() if isinstance(templates, dict) else [(None, templates)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow.close_names import guess_unknown_keywords
+from kvflow.utils.close_names import guess_unknown_keywords
 
 POOLING_TASKS = ("embed", "score", "classify", "token_embed", "token_classify")
 # vLLM's per-token tasks: one row per prompt token instead of one vector per prompt

@@ -5,10 +5,10 @@ from __future__ import annotations
 import enum
 import time
 
+from kvflow.inputs.embeds import PromptEmbeds
+from kvflow.inputs.multimodal import MultiModalFeature
 from kvflow.lora.request import LoRARequest
-from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.pooling_params import PoolingParams
-from kvflow.prompt_embeds import PromptEmbeds
 from kvflow.sampling_params import SamplingParams
 
 

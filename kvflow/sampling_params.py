@@ -9,15 +9,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvflow.beam_search_params import BeamSearchParams  # noqa: F401 (vLLM's path of it)
-from kvflow.close_names import guess_unknown_keywords
-from kvflow.repetition_detection import RepetitionDetectionParams
-from kvflow.sampling_fields import (
+from kvflow.sampling.fields import (
     check_extra_args_encodable,
     check_field_types,
     check_field_values,
     normalize_logit_bias,
 )
-from kvflow.stop_limits import (  # noqa: F401 (re-exports: defined here before)
+from kvflow.sampling.repetition_detection import RepetitionDetectionParams
+from kvflow.sampling.stop_limits import (  # noqa: F401 (re-exports: defined here before)
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     LimitError,
@@ -25,6 +24,7 @@ from kvflow.stop_limits import (  # noqa: F401 (re-exports: defined here before)
 )
 from kvflow.structured.params import StructuredOutputsParams
 from kvflow.thinking_budget import ReasoningTokenIds, check_thinking_token_budget
+from kvflow.utils.close_names import guess_unknown_keywords
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -161,7 +161,7 @@ class SamplingParams:
         repetition_detection: vLLM 0.32's: finish the request with reason ``repetition``
             (stop reason ``"repetition_detected"``) once its generated tokens end with an
             n-gram repeated ``min_count`` times in a row
-            (:class:`~kvflow.repetition_detection.RepetitionDetectionParams`; a dict of its
+            (:class:`~kvflow.sampling.repetition_detection.RepetitionDetectionParams`; a dict of its
             fields is accepted); None or ``max_pattern_size`` 0: off.
 
     The constructor records which fields it was given (:attr:`fields_set`, like pydantic's

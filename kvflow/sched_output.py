@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvflow.inputs.embeds import PromptEmbeds
+from kvflow.inputs.multimodal import MultiModalFeature
 from kvflow.kv_connector_meta import KVConnectorMetadata
 from kvflow.lora.request import LoRARequest
-from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.pooling_params import PoolingParams
-from kvflow.prompt_embeds import PromptEmbeds
 from kvflow.sampling_params import SamplingParams
 
 # One block-id list per KV-cache group.

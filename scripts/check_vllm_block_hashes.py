@@ -31,9 +31,9 @@ from vllm.v1.request import Request as VllmRequest
 from kvflow.core.block_hashing import BlockHasher, cbor_canonical, event_extra_keys
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.kv_events import external_block_hash
+from kvflow.inputs.multimodal import MultiModalFeature
 from kvflow.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from kvflow.lora.request import LoRARequest
-from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 

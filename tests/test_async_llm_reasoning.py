@@ -1,6 +1,6 @@
 """``AsyncLLM``'s reasoning options, the offline ``LLM``'s (vLLM's engine arguments
 ``reasoning_parser``, ``reasoning_config``, ``structured_outputs_config``; shared code:
-``kvflow/llm_reasoning.py``). Before, ``AsyncLLM`` took none of them (a TypeError), so a
+``kvflow/inputs/reasoning.py``). Before, ``AsyncLLM`` took none of them (a TypeError), so a
 budgeted or constrained request there got no markers.
 
 Oracles, as ``tests/test_llm_reasoning_parser.py``'s: the tiny byte-level tokenizer's own

@@ -1,5 +1,5 @@
 """The offline API's arguments of the wrong type or shape (``LLM`` methods, ``SamplingParams``,
-the argument checks of ``kvflow.llm_inputs``): each is refused with a ValueError naming the
+the argument checks of ``kvflow.offline.arguments``): each is refused with a ValueError naming the
 argument, what it got and what is accepted (before, some said less, or raised a TypeError /
 AttributeError from deep inside, or were accepted wrongly), what vLLM takes is taken, and the
 LLM keeps working after a refusal."""
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from kvflow import LLM, PoolingParams, RequestOutput, SamplingParams
-from kvflow.llm_inputs import broadcast_params, broadcast_pooling_params, check_users
-from kvflow.prompt_embeds import check_prompt_embeds
-from kvflow.prompt_truncation import truncation_length
-from kvflow.score_inputs import score_use_activation
+from kvflow.inputs.embeds import check_prompt_embeds
+from kvflow.inputs.score import score_use_activation
+from kvflow.inputs.truncation import truncation_length
+from kvflow.offline.arguments import broadcast_params, broadcast_pooling_params, check_users
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 HI = [{"role": "user", "content": "hi"}]

@@ -103,8 +103,8 @@ def test_the_check_finds_a_moved_name(tmp_path: Path) -> None:
                       "from tests.conftest import TINY_CHAT_TEMPLATE\n"
                       "from kvflow import config\n"
                       "import kvflow.no_such_module\n"
-                      "from kvflow.gc_heap import freeze_startup_heap, no_such_name\n")
-    assert sorted(missing_imports(script)) == ["kvflow.gc_heap.no_such_name",
+                      "from kvflow.runtime.gc_heap import freeze_startup_heap, no_such_name\n")
+    assert sorted(missing_imports(script)) == ["kvflow.runtime.gc_heap.no_such_name",
                                                "kvflow.no_such_module",
                                                "tests.e2e.conftest.TINY_CHAT_TEMPLATE"]
     module = tmp_path / "m.py"

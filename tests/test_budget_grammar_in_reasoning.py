@@ -72,7 +72,7 @@ def test_server_params_keep_enable_in_reasoning_with_a_budget(tiny_tokenizer, bu
     reasoning gate (before, the budget's markers gated the grammar anyway)."""
     from kvflow.entrypoints.protocol import CompletionRequest
     from kvflow.entrypoints.sampling_requests import sampling_params
-    from kvflow.input_processor import InputProcessor
+    from kvflow.inputs.processor import InputProcessor
 
     engine = SimpleNamespace(processor=InputProcessor(tiny_tokenizer, 256, 320, 0))
     ids = _markers(tiny_tokenizer)

@@ -22,11 +22,11 @@ def test_partial_character_tokens_carry_their_own_bytes(tiny_tokenizer):
 
 
 def test_own_bytes_with_the_logprob_texts_the_engine_writes(tiny_tokenizer):
-    """The engine's logprob texts (kvflow.logprob_tokens, vLLM's rule) are "" for a token
+    """The engine's logprob texts (kvflow.engine.logprob_tokens, vLLM's rule) are "" for a token
     holding part of a character and the whole character for the one completing it; each
     token's bytes are still its own (they were [] and the whole character's 4 bytes), and
     joined they are the text's UTF-8."""
-    from kvflow.logprob_tokens import LogprobTokenTexts
+    from kvflow.engine.logprob_tokens import LogprobTokenTexts
 
     text = "東京🙂 ok"
     ids = tiny_tokenizer.encode(text, add_special_tokens=False)

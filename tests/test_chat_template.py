@@ -1,4 +1,4 @@
-"""Conversation rendering (kvflow/chat_template.py; its message checks: kvflow/chat_messages.py),
+"""Conversation rendering (kvflow/chat/template.py; its message checks: kvflow/chat/messages.py),
 the offline ``LLM.chat`` options and ``LLM.generate(priority=...)``. Oracles: the HF tokenizer's
 own ``apply_chat_template`` on hand-normalized messages, hand-written templates, and the
 scheduler's documented order."""
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from kvflow import LLM, SamplingParams
-from kvflow.chat_messages import normalize_conversation
-from kvflow.chat_template import ChatTemplateError, NoChatTemplateError, render_chat
+from kvflow.chat.messages import normalize_conversation
+from kvflow.chat.template import ChatTemplateError, NoChatTemplateError, render_chat
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -148,7 +148,7 @@ def test_no_chat_template_http_message(tiny_tokenizer):
     from kvflow.entrypoints.openai_errors import OpenAIError
     from kvflow.entrypoints.protocol import ChatCompletionRequest
     from kvflow.entrypoints.serving_chat import OpenAIServingChat
-    from kvflow.input_processor import InputProcessor
+    from kvflow.inputs.processor import InputProcessor
 
     plain = tiny_tokenizer.__class__(tokenizer_object=tiny_tokenizer.backend_tokenizer)
     assert not plain.chat_template
@@ -365,7 +365,7 @@ def test_served_tool_call_index_checked_before_calls_become_text(tiny_tokenizer,
     from kvflow.entrypoints.openai_errors import OpenAIError
     from kvflow.entrypoints.protocol import ChatCompletionRequest
     from kvflow.entrypoints.serving_chat import OpenAIServingChat
-    from kvflow.input_processor import InputProcessor
+    from kvflow.inputs.processor import InputProcessor
 
     plain = copy.deepcopy(tiny_tokenizer)
     plain.chat_template = TEMPLATE  # reads neither tools nor tool_calls
@@ -397,7 +397,7 @@ def test_template_syntax_error_blames_the_template(tiny_tokenizer):
     from kvflow.entrypoints.openai_errors import OpenAIError
     from kvflow.entrypoints.protocol import ChatCompletionRequest
     from kvflow.entrypoints.serving_chat import OpenAIServingChat
-    from kvflow.input_processor import InputProcessor
+    from kvflow.inputs.processor import InputProcessor
 
     broken = copy.deepcopy(tiny_tokenizer)
     broken.chat_template = BROKEN_TEMPLATE
@@ -429,7 +429,7 @@ def served_chat(tok):
     nor tool_calls, so an assistant's calls become the tool parser's text)."""
     from kvflow.config import ServerConfig
     from kvflow.entrypoints.serving_chat import OpenAIServingChat
-    from kvflow.input_processor import InputProcessor
+    from kvflow.inputs.processor import InputProcessor
 
     engine = SimpleNamespace(tokenizer=tok, processor=InputProcessor(tok, 64, 320, 0),
                              max_model_len=4096)
@@ -568,7 +568,7 @@ def test_offline_roles_are_the_servers():
     message is a 400 at messages.N.role there and a ChatTemplateError here)."""
     import typing
 
-    from kvflow.chat_messages import ROLES
+    from kvflow.chat.messages import ROLES
     from kvflow.entrypoints.protocol.chat import ChatMessage
     assert set(typing.get_args(ChatMessage.model_fields["role"].annotation)) == set(ROLES)
 

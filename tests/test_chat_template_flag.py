@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvflow import chat_template_source
-from kvflow.chat_template import ChatTemplateError, render_chat
+from kvflow.chat.template import ChatTemplateError, render_chat
 from kvflow.chat_template_source import (
     load_chat_template,
     model_template_warning,
@@ -148,7 +148,7 @@ def test_default_template_errors_are_the_conversations(tok):
 # ---- the server --------------------------------------------------------------------------------
 def _engine(tokenizer):
     """What the chat handler and /tokenize use of an AsyncLLM (no model)."""
-    from kvflow.input_processor import InputProcessor
+    from kvflow.inputs.processor import InputProcessor
 
     return SimpleNamespace(tokenizer=tokenizer, processor=InputProcessor(tokenizer, 256, 320, 0),
                            max_model_len=256, vocab_size=320, task="generate",
@@ -406,7 +406,7 @@ def test_load_chat_template_refuses_what_is_no_path_or_text(value):
 def test_generate_refuses_the_flag_before_the_model_loads(tiny_llama, monkeypatch, capsys,
                                                           flags, needle):
     from kvflow.entrypoints.cli import main
-    from kvflow.llm import LLM
+    from kvflow.offline.llm import LLM
 
     def no_model(*args, **kw):
         raise AssertionError("the model was loaded")

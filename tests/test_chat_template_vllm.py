@@ -1,5 +1,5 @@
 """Conversations rendered as vLLM 0.32 renders them where it differs from passing the messages
-to ``apply_chat_template`` unchanged (kvflow/chat_template.py, kvflow/chat_messages.py):
+to ``apply_chat_template`` unchanged (kvflow/chat/template.py, kvflow/chat/messages.py):
 developer messages for a template without that role, the Responses API's text parts (and an
 assistant's ``reasoning``, which transformers aliases as vLLM does). Oracle: the HF tokenizer's own ``apply_chat_template`` on the
 messages vLLM hands it, written by hand (vllm/renderers/hf.py, chat_utils.py)."""
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvflow.chat_template import render_chat
+from kvflow.chat.template import render_chat
 
 # SmolLM2-135M-Instruct's template (ChatML with a default system message), which names no
 # developer role
@@ -112,7 +112,7 @@ def served_chat(tok):
     """The server's chat handler (rendering only) on ``tok``."""
     from kvflow.config import ServerConfig
     from kvflow.entrypoints.serving_chat import OpenAIServingChat
-    from kvflow.input_processor import InputProcessor
+    from kvflow.inputs.processor import InputProcessor
 
     engine = SimpleNamespace(tokenizer=tok, processor=InputProcessor(tok, 64, 320, 0),
                              max_model_len=4096)
@@ -229,7 +229,7 @@ def test_named_templates_earlier_calls_without_tools(named_tok, tiny_tokenizer):
     from kvflow.entrypoints.chat_options import ChatOptions
     from kvflow.entrypoints.protocol import ChatCompletionRequest
     from kvflow.entrypoints.serving_chat import OpenAIServingChat
-    from kvflow.input_processor import InputProcessor
+    from kvflow.inputs.processor import InputProcessor
 
     plain = copy.deepcopy(tiny_tokenizer)
     plain.chat_template = NAMED_DEFAULT
@@ -264,7 +264,7 @@ def _served_with(tiny_tokenizer, template: str, body: dict, ignore: bool = False
     from kvflow.entrypoints.chat_options import ChatOptions
     from kvflow.entrypoints.protocol import ChatCompletionRequest
     from kvflow.entrypoints.serving_chat import OpenAIServingChat
-    from kvflow.input_processor import InputProcessor
+    from kvflow.inputs.processor import InputProcessor
 
     tok = copy.deepcopy(tiny_tokenizer)
     tok.chat_template = template
@@ -310,7 +310,7 @@ def test_reasoning_effort_a_template_does_not_read(tiny_tokenizer):
 def test_developer_merge_keeps_the_fields_named_as_sent(tok):
     """Errors name a message by its index as sent, not as merged (the system message moves
     to the front): an unread key, an assistant's tool_calls the template does not render."""
-    from kvflow.chat_template import ChatTemplateError
+    from kvflow.chat.template import ChatTemplateError
 
     sent = [_user("hi"), _sys("s"), DEV, {"role": "user", "content": "x", "foo": 1}]
     with pytest.raises(ChatTemplateError) as info:

@@ -19,7 +19,7 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
 def chat(tiny_tokenizer):
     from kvflow.config import ServerConfig
     from kvflow.entrypoints.serving_chat import OpenAIServingChat
-    from kvflow.input_processor import InputProcessor
+    from kvflow.inputs.processor import InputProcessor
 
     tok = copy.deepcopy(tiny_tokenizer)
     tok.chat_template = TEMPLATE  # reads neither tools nor tool_calls
@@ -64,7 +64,7 @@ SHORT_SYSTEM = ("{% for m in messages %}{% if m.role == 'system' and m.content |
 def _served(tiny_tokenizer, template: str):
     from kvflow.config import ServerConfig
     from kvflow.entrypoints.serving_chat import OpenAIServingChat
-    from kvflow.input_processor import InputProcessor
+    from kvflow.inputs.processor import InputProcessor
 
     tok = copy.deepcopy(tiny_tokenizer)
     tok.chat_template = template

@@ -1,4 +1,4 @@
-"""Tools and tool calls for a chat template that reads neither (kvflow/chat_tools_text.py):
+"""Tools and tool calls for a chat template that reads neither (kvflow/chat/tools_text.py):
 ``LLM.chat`` renders them as ``/v1/chat/completions`` (and ``/tokenize``) does. Oracle: the
 prompt token ids the server's own render builds for the same request (``ChatRendering.render``,
 what /v1/chat/completions and /tokenize call), on the packaged SmolLM2-135M-Instruct's
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvflow import LLM, SamplingParams
-from kvflow.chat_template import ChatTemplateError
+from kvflow.chat.template import ChatTemplateError
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
@@ -30,7 +30,7 @@ def _served(tokenizer, body: dict) -> tuple[str, list[int]]:
     from kvflow.entrypoints.protocol import ChatCompletionRequest
     from kvflow.entrypoints.serving_chat import OpenAIServingChat
     from kvflow.entrypoints.structured_requests import tool_choice_mode
-    from kvflow.input_processor import InputProcessor
+    from kvflow.inputs.processor import InputProcessor
 
     engine = SimpleNamespace(tokenizer=tokenizer,
                              processor=InputProcessor(tokenizer, 4096, len(tokenizer), 0),
@@ -46,7 +46,7 @@ def _served(tokenizer, body: dict) -> tuple[str, list[int]]:
 def _offline(tokenizer, messages: list[dict], **kwargs) -> tuple[str, list[int]]:
     """(text, token ids) ``LLM.chat`` queues for ``messages`` (its engine stubbed: the
     rendering is the real one, generation is not run)."""
-    from kvflow.input_processor import InputProcessor
+    from kvflow.inputs.processor import InputProcessor
 
     queued = []
     llm = LLM.__new__(LLM)  # no engine loaded: chat's own rendering over a stub engine

@@ -15,7 +15,7 @@ import pytest
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.protocol import ChatCompletionRequest
 from kvflow.entrypoints.sampling_requests import check_constraint
-from kvflow.input_processor import InputProcessor
+from kvflow.inputs.processor import InputProcessor
 from kvflow.structured import StructuredOutputsParams, validate
 
 HI = [{"role": "user", "content": "hi"}]

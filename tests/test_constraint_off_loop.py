@@ -21,7 +21,7 @@ from kvflow.entrypoints.preprocess import INLINE_CHARS
 from kvflow.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from kvflow.entrypoints.sampling_requests import check_constraint, sampling_params
 from kvflow.entrypoints.structured_requests import tool_choice_mode, tool_constraint
-from kvflow.input_processor import InputProcessor
+from kvflow.inputs.processor import InputProcessor
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import CheckedConstraints, StructuredOutputsParams
 

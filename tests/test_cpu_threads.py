@@ -23,7 +23,7 @@ from kvflow.config.cpu_limits import (
 )
 from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.kernels.cpu_threads import resolve_threads
-from kvflow.openmp_env import DEFAULT_SPINCOUNT, set_openmp_defaults
+from kvflow.runtime.openmp_env import DEFAULT_SPINCOUNT, set_openmp_defaults
 
 
 def test_parse_cpu_list():
@@ -269,9 +269,9 @@ def test_too_many_threads_is_one_line_before_any_model_loads(tiny_llama, monkeyp
     raises ValueError (it used to warn, then start N OpenMP threads). Likewise a CPU number
     no machine has in ``--cpu-threads-bind``, or one outside the affinity mask (it used to be
     found only once the engine started: for ``serve``, in the engine-core process)."""
-    from kvflow import llm as llm_module
     from kvflow.engine import async_llm
     from kvflow.entrypoints.cli import main
+    from kvflow.offline import llm as llm_module
 
     def no_engine(*args, **kw):
         raise AssertionError("the engine was started")

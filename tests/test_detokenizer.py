@@ -1,4 +1,4 @@
-"""Tests for kvflow.detokenizer (incremental detokenization and stop strings).
+"""Tests for kvflow.engine.detokenizer (incremental detokenization and stop strings).
 
 Oracles are ``tokenizer.decode`` of the full id list and hand-written strings. Tokenizers are
 trained here with the ``tokenizers`` library (no network); the real SmolLM2 tokenizer is used
@@ -17,7 +17,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from kvflow.detokenizer import DetokenizerDelta, IncrementalDetokenizer
+from kvflow.engine.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 WORDS = "alpha beta gamma delta epsilon"
@@ -544,13 +544,13 @@ def test_spaces_between_special_tokens_reaches_the_output_and_the_server(wordpie
     that is not a bool is a ValueError naming it."""
     from types import SimpleNamespace
 
+    from kvflow.engine.output_processor import OutputProcessor
     from kvflow.engine_outputs import EngineCoreOutput
     from kvflow.entrypoints.beam_requests import check_beam_request
     from kvflow.entrypoints.openai_errors import OpenAIError
     from kvflow.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
     from kvflow.entrypoints.sampling_requests import sampling_params
-    from kvflow.input_processor import InputProcessor
-    from kvflow.output_processor import OutputProcessor
+    from kvflow.inputs.processor import InputProcessor
     from kvflow.sampling_params import SamplingParams
 
     ids = token_ids(wordpiece, *["hello", "[SEP]", "[CLS]", "world"])
@@ -624,7 +624,7 @@ def test_prompt_ending_in_special_tokens(metaspace, llama_style):
 def test_prompt_context_tail(metaspace, llama_style, wordpiece, byte_bpe):
     """vLLM's tail: the whole prompt up to 4 ids, else the fewest last ids (4 to 23) whose
     decode has no U+FFFD; none for an empty prompt or a WordPiece decoder."""
-    from kvflow.detokenizer import prompt_context
+    from kvflow.engine.detokenizer import prompt_context
 
     words = metaspace.encode("alpha beta gamma delta epsilon", add_special_tokens=False)
     assert len(words) > 4 and prompt_context(metaspace, words) == words[-4:]
@@ -654,9 +654,9 @@ def test_byte_level_text_unchanged_by_the_prompt(byte_bpe):
 def test_every_sample_decoded_in_the_prompts_context(metaspace):
     """OutputProcessor: each of n samples gets the prompt's context; a prompt given as
     embeddings (its ids are placeholders) gets none."""
+    from kvflow.engine.output_processor import OutputProcessor
     from kvflow.engine_outputs import EngineCoreOutput
-    from kvflow.input_processor import InputProcessor
-    from kvflow.output_processor import OutputProcessor
+    from kvflow.inputs.processor import InputProcessor
     from kvflow.sampling_params import SamplingParams
 
     prompt = metaspace.encode("The quick brown", add_special_tokens=False)

@@ -1,5 +1,5 @@
 """The detokenizer's per-step decode goes straight to a fast tokenizer's ``tokenizers``
-backend when that gives the same text as ``tokenizer.decode`` (kvflow.detokenizer_tokens.
+backend when that gives the same text as ``tokenizer.decode`` (kvflow.engine.detokenizer_tokens.
 id_decoder), and keeps ``tokenizer.decode`` otherwise. Oracle: transformers' own
 ``tokenizer.decode`` of the same ids."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from kvflow import SamplingParams
-from kvflow.detokenizer import IncrementalDetokenizer
-from kvflow.detokenizer_tokens import id_decoder
+from kvflow.engine.detokenizer import IncrementalDetokenizer
+from kvflow.engine.detokenizer_tokens import id_decoder
 
 
 @pytest.fixture

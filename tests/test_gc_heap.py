@@ -1,5 +1,5 @@
 """kvflow's own processes freeze their start-up heap out of the cyclic garbage collector's reach
-(kvflow/gc_heap.py): what freezing does, and who freezes (the engine-core process, workers of
+(kvflow/runtime/gc_heap.py): what freezing does, and who freezes (the engine-core process, workers of
 multi-process executors, the API server) and who does not (the offline LLM's process)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ CYCLES = textwrap.dedent("""
 """)
 
 SEMANTICS = CYCLES + textwrap.dedent("""
-    from kvflow.gc_heap import freeze_startup_heap, unfreeze_heap
+    from kvflow.runtime.gc_heap import freeze_startup_heap, unfreeze_heap
 
     keep = [cycle()]                      # alive at start-up, garbage later
     old = weakref.ref(keep[0])
@@ -57,7 +57,7 @@ def test_freezing_hides_the_startup_heap_and_later_garbage_is_still_collected():
 
 
 IMPORT_FREEZE = CYCLES + textwrap.dedent("""
-    from kvflow.gc_heap import freeze_import_heap, freeze_startup_heap
+    from kvflow.runtime.gc_heap import freeze_import_heap, freeze_startup_heap
 
     keep = [cycle()]                      # an import's object: alive, frozen
     young = weakref.ref(cycle())          # young garbage: collected, not frozen
@@ -192,7 +192,7 @@ def test_worker_freeze_returns_the_frozen_count(monkeypatch):
     41 and 45)."""
     import gc
 
-    from kvflow import gc_heap
+    from kvflow.runtime import gc_heap
     from kvflow.worker.worker import Worker
 
     calls, real_freeze, real_count = [], gc.freeze, gc.get_freeze_count
@@ -220,7 +220,7 @@ def test_worker_freeze_returns_the_frozen_count(monkeypatch):
 
 FROZEN_CALL = textwrap.dedent("""
     import gc, sys
-    from kvflow.gc_heap import caller_heap_frozen
+    from kvflow.runtime.gc_heap import caller_heap_frozen
 
     gc.disable()                  # a model load: 500,000 tracked objects made since the
     startup = [[i] for i in range(500_000)]  # process's last full collection

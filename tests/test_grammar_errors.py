@@ -59,7 +59,7 @@ def test_served_guided_grammar_400_is_complete(tiny_tokenizer):
     from kvflow.entrypoints.openai_errors import OpenAIError
     from kvflow.entrypoints.protocol import ChatCompletionRequest
     from kvflow.entrypoints.sampling_requests import sampling_params
-    from kvflow.input_processor import InputProcessor
+    from kvflow.inputs.processor import InputProcessor
 
     engine = SimpleNamespace(processor=InputProcessor(tiny_tokenizer, 64, 320, 0))
     req = ChatCompletionRequest.model_validate({

@@ -20,38 +20,44 @@ ROOT = Path(__file__).resolve().parents[1] / "kvflow"
 
 # Longest matching prefix wins. Rank: higher runs above lower.
 LAYERS: dict[str, int] = {
+    "kvflow.chat": 8,  # the package: its __init__, a module not listed
+    "kvflow.metrics": 8,  # the package: its __init__, a module not listed
+    "kvflow.offline": 8,  # the package: its __init__, a module not listed
+    "kvflow.runtime": 0,  # the package: its __init__, a module not listed
+    "kvflow.sampling": 0,  # the package: its __init__, a module not listed
+    "kvflow.utils": 0,  # the package: its __init__, a module not listed
     "kvflow.entrypoints": 10, "kvflow.bench": 10, "kvflow.__main__": 10,
     "kvflow.entrypoints.completion_embeds": 10,  # /v1/completions' prompt_embeds
     "kvflow.entrypoints.preload_checks": 10,  # serve's --host/--port, --uds, --lora-modules
     "kvflow.entrypoints.completion_prompts": 10,  # /v1/completions' prompt field read
     "kvflow.entrypoints.completion_echo": 10,  # /v1/completions' echo with max_tokens 0
-    "kvflow.llm": 9, "kvflow.llm_ops": 9,
-    "kvflow.engine": 8, "kvflow.input_processor": 8, "kvflow.output_processor": 8,
+    "kvflow.offline.llm": 9, "kvflow.offline.ops": 9,
+    "kvflow.engine": 8, "kvflow.inputs.processor": 8, "kvflow.engine.output_processor": 8,
     "kvflow.engine.front_end": 8,  # AsyncLLM's tokenizer, defaults, InputProcessor
-    "kvflow.pooling_inputs": 8,  # InputProcessor's pooling half (its base class)
-    "kvflow.sampling_checks": 8,  # InputProcessor's SamplingParams checks against the model
-    "kvflow.prompt_inputs": 8,  # the prompt forms, a dict prompt's parsing, its token ids
-    "kvflow.prompt_media": 8,  # InputProcessor's multimodal half (images, videos, kwargs)
-    "kvflow.request_samples": 8,  # InputProcessor's per-sample SamplingParams (n fan-out)
-    "kvflow.tokenization_options": 8,  # LLM's tokenization_kwargs for a prompt's tokenizer call
-    "kvflow.detokenizer": 8, "kvflow.detokenizer_tokens": 8, "kvflow.detokenizer_stops": 8, "kvflow.logprob_tokens": 8, "kvflow.metrics": 8, "kvflow.chat_template": 8,
-    "kvflow.metrics_buckets": 8, "kvflow.request_stats": 8,  # /metrics' boundaries, requests
-    "kvflow.metrics_prompt_sources": 8,  # /metrics' prompt tokens by source (vLLM's)
-    "kvflow.metrics_cache_config": 8,  # /metrics' cache_config_info (vLLM's)
-    "kvflow.metrics_spec_decode": 8,  # /metrics' speculative decoding series (vLLM's)
-    "kvflow.metrics_lora": 8,  # /metrics' lora_requests_info (vLLM's)
+    "kvflow.inputs.pooling": 8,  # InputProcessor's pooling half (its base class)
+    "kvflow.inputs.sampling_checks": 8,  # InputProcessor's SamplingParams checks against the model
+    "kvflow.inputs.prompts": 8,  # the prompt forms, a dict prompt's parsing, its token ids
+    "kvflow.inputs.media": 8,  # InputProcessor's multimodal half (images, videos, kwargs)
+    "kvflow.inputs.samples": 8,  # InputProcessor's per-sample SamplingParams (n fan-out)
+    "kvflow.inputs.tokenization": 8,  # LLM's tokenization_kwargs for a prompt's tokenizer call
+    "kvflow.engine.detokenizer": 8, "kvflow.engine.detokenizer_tokens": 8, "kvflow.engine.detokenizer_stops": 8, "kvflow.engine.logprob_tokens": 8, "kvflow.metrics.server": 8, "kvflow.chat.template": 8,
+    "kvflow.metrics.buckets": 8, "kvflow.metrics.request_stats": 8,  # /metrics' boundaries, requests
+    "kvflow.metrics.prompt_sources": 8,  # /metrics' prompt tokens by source (vLLM's)
+    "kvflow.metrics.cache_config": 8,  # /metrics' cache_config_info (vLLM's)
+    "kvflow.metrics.spec_decode": 8,  # /metrics' speculative decoding series (vLLM's)
+    "kvflow.metrics.lora": 8,  # /metrics' lora_requests_info (vLLM's)
     "kvflow.beam_search": 8,  # beam search above the engine (LLM.beam_search, the server)
-    "kvflow.llm_inputs": 8,  # LLM's per-call argument checks (prompts, one SamplingParams each)
-    "kvflow.llm_pooling": 8,  # LLM's pooling half (embed, encode, classify, score), mixed into LLM
-    "kvflow.llm_score": 8,  # LLM.score (cross-encoder pairs, embedding cosine), mixed into LLM
-    "kvflow.llm_reasoning": 8,  # LLM's reasoning_parser: markers on budgeted / constrained params
-    "kvflow.llm_chat": 8,  # LLM.chat (and enqueue_chat's rendering), mixed into LLM
-    "kvflow.llm_queue": 8,  # LLM.enqueue / wait_for_completion and the steps every call runs
-    "kvflow.llm_stats": 8,  # LLM.get_metrics's metrics, fed by the offline steps
+    "kvflow.offline.arguments": 8,  # LLM's per-call argument checks (prompts, one SamplingParams each)
+    "kvflow.offline.pooling": 8,  # LLM's pooling half (embed, encode, classify, score), mixed into LLM
+    "kvflow.offline.score": 8,  # LLM.score (cross-encoder pairs, embedding cosine), mixed into LLM
+    "kvflow.inputs.reasoning": 8,  # LLM's reasoning_parser: markers on budgeted / constrained params
+    "kvflow.offline.chat": 8,  # LLM.chat (and enqueue_chat's rendering), mixed into LLM
+    "kvflow.offline.queue": 8,  # LLM.enqueue / wait_for_completion and the steps every call runs
+    "kvflow.offline.stats": 8,  # LLM.get_metrics's metrics, fed by the offline steps
     "kvflow.metrics_reader": 8,  # a Prometheus registry read as vLLM's metrics reader reads it
-    "kvflow.score_inputs": 8,  # text pairs -> cross-encoder prompts (LLM.score, /v1/score)
-    "kvflow.chat_template_source": 8, "kvflow.chat_messages": 8, "kvflow.chat_tool_calls": 8,
-    "kvflow.chat_tools_text": 8,  # tools as text for a template without them (LLM.chat, server)
+    "kvflow.inputs.score": 8,  # text pairs -> cross-encoder prompts (LLM.score, /v1/score)
+    "kvflow.chat_template_source": 8, "kvflow.chat.messages": 8, "kvflow.chat.tool_calls": 8,
+    "kvflow.chat.tools_text": 8,  # tools as text for a template without them (LLM.chat, server)
     "kvflow.multimodal": 8, "kvflow.multimodal.processor_files": 8,  # its processor configs read
     "kvflow.core": 7, "kvflow.structured": 7, "kvflow.spec_decode": 7,
     "kvflow.core.sched_stops": 7,  # the stop rule on one request after a step (sched_update)
@@ -86,19 +92,19 @@ LAYERS: dict[str, int] = {
     "kvflow.distributed.kv_transfer.storage_worker": 2,  # its worker half (block loads, saves)
     "kvflow.platforms": 1,
     # foundation: configuration and pure data that crosses a boundary
-    "kvflow.config": 0, "kvflow.openmp_env": 0, "kvflow.malloc_env": 0, "kvflow.gc_heap": 0,
-    "kvflow.exit_threads": 0,
-    "kvflow.sampling_params": 0, "kvflow.stop_limits": 0, "kvflow.request": 0,
-    "kvflow.repetition_detection": 0,  # SamplingParams.repetition_detection
-    "kvflow.sampling_fields": 0,  # SamplingParams' own field checks (types, ranges)
+    "kvflow.config": 0, "kvflow.runtime.openmp_env": 0, "kvflow.runtime.malloc_env": 0, "kvflow.runtime.gc_heap": 0,
+    "kvflow.runtime.exit_threads": 0,
+    "kvflow.sampling_params": 0, "kvflow.sampling.stop_limits": 0, "kvflow.request": 0,
+    "kvflow.sampling.repetition_detection": 0,  # SamplingParams.repetition_detection
+    "kvflow.sampling.fields": 0,  # SamplingParams' own field checks (types, ranges)
     "kvflow.outputs": 0, "kvflow.sched_output": 0, "kvflow.runner_output": 0,
     "kvflow.engine_outputs": 0, "kvflow.kv_cache_interface": 0, "kvflow.structured.params": 0,
-    "kvflow.text_checks": 0, "kvflow.multimodal_inputs": 0, "kvflow.lora.request": 0,
+    "kvflow.utils.text_checks": 0, "kvflow.inputs.multimodal": 0, "kvflow.lora.request": 0,
     "kvflow.thinking_budget": 0,  # thinking_token_budget: the markers (SamplingParams) and rule
-    "kvflow.reasoning_markers": 0,  # a reasoning parser's / reasoning_config's markers as ids
-    "kvflow.pooling_params": 0, "kvflow.validation_words": 0, "kvflow.prompt_truncation": 0,
-    "kvflow.prompt_embeds": 0, "kvflow.token_masks": 0,
-    "kvflow.close_names": 0,  # the closest valid name to a misspelled one (CLI, LLM, params)
+    "kvflow.sampling.reasoning_markers": 0,  # a reasoning parser's / reasoning_config's markers as ids
+    "kvflow.pooling_params": 0, "kvflow.utils.validation_words": 0, "kvflow.inputs.truncation": 0,
+    "kvflow.inputs.embeds": 0, "kvflow.sampling.token_masks": 0,
+    "kvflow.utils.close_names": 0,  # the closest valid name to a misspelled one (CLI, LLM, params)
     "kvflow.beam_search_params": 0,  # BeamSearchParams (also kvflow.sampling_params', vLLM's path)
     "kvflow.inputs": 0,  # vLLM's vllm.inputs: the prompt forms as TypedDicts
     "kvflow.kv_connector_meta": 0,  # a KV connector's per-step loads and saves

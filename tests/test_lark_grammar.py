@@ -184,7 +184,7 @@ def test_served_lark_grammar_refusal_is_a_400_naming_the_construct(tiny_tokenize
     from kvflow.entrypoints.openai_errors import OpenAIError
     from kvflow.entrypoints.protocol import ChatCompletionRequest
     from kvflow.entrypoints.sampling_requests import sampling_params
-    from kvflow.input_processor import InputProcessor
+    from kvflow.inputs.processor import InputProcessor
 
     engine = SimpleNamespace(processor=InputProcessor(tiny_tokenizer, 64, 320, 0))
     grammar = 'start: NAME+\nNAME: /[a-z]+(?=;)/ ";"\n%ignore " "'

@@ -11,7 +11,7 @@ import pytest
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import EngineConfig, SchedulerConfig
-from kvflow.llm_inputs import check_priorities, check_users
+from kvflow.offline.arguments import check_priorities, check_users
 
 
 def test_priorities_kept_per_prompt_and_defaulted():

@@ -1,6 +1,6 @@
 """The offline ``LLM``'s reasoning options (vLLM's engine arguments ``reasoning_parser``,
-``reasoning_config``, ``structured_outputs_config``: ``kvflow/llm_reasoning.py``,
-``kvflow/config/reasoning.py``, ``kvflow/reasoning_markers.py``).
+``reasoning_config``, ``structured_outputs_config``: ``kvflow/inputs/reasoning.py``,
+``kvflow/config/reasoning.py``, ``kvflow/sampling/reasoning_markers.py``).
 
 Oracles: hand-written marker strings and choices; the tiny byte-level tokenizer's own
 ``encode`` of the marker strings (what vLLM's ``ReasoningConfig`` tokenizes); transformers'
@@ -25,8 +25,8 @@ from kvflow.config.reasoning import (
     reasoning_config,
 )
 from kvflow.entrypoints.tool_parsers.reasoning import REASONING_PARSERS
-from kvflow.llm_reasoning import OfflineReasoning, ReasoningOptions
-from kvflow.reasoning_markers import marker_token_ids
+from kvflow.inputs.reasoning import OfflineReasoning, ReasoningOptions
+from kvflow.sampling.reasoning_markers import marker_token_ids
 from kvflow.structured import StructuredOutputsParams
 from kvflow.thinking_budget import ReasoningTokenIds
 from tests.test_budget_grammar_in_reasoning import PROMPT, REGEX, _budgeted

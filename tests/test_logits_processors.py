@@ -291,7 +291,7 @@ def test_the_cli_flag_and_config_file_take_class_paths(tmp_path):
         [f"{HERE}:BanToken", f"{HERE}:ForceEvery"]
     with pytest.raises(ValueError, match=r"^--logits-processors \(logits_processors\): "):
         EngineConfig.from_cli_args(build_parser().parse_args(
-            ["serve", "--logits-processors", "kvflow.llm:LLM"]))
+            ["serve", "--logits-processors", "kvflow.offline.llm:LLM"]))
 
 
 def test_speculative_decoding_is_refused_with_processors():

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvflow.engine.logprob_tokens import LogprobTokenTexts, leading_space_marker
+from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine_outputs import EngineCoreOutput
-from kvflow.input_processor import InputProcessor
-from kvflow.logprob_tokens import LogprobTokenTexts, leading_space_marker
-from kvflow.output_processor import OutputProcessor
+from kvflow.inputs.processor import InputProcessor
 from kvflow.sampling_params import SamplingParams
 from tests import test_detokenizer as tokenizers_here
 from tests.test_detokenizer import _byte_level_char, token_ids

@@ -1,4 +1,4 @@
-"""glibc malloc thresholds (kvflow/malloc_env.py): the calls made, the user's settings winning,
+"""glibc malloc thresholds (kvflow/runtime/malloc_env.py): the calls made, the user's settings winning,
 and the effect itself: a freed 12 MiB tensor's pages are reused by the next allocation (minor
 page faults read from ``getrusage`` in a fresh process) instead of being faulted in again."""
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kvflow.malloc_env import (
+from kvflow.runtime.malloc_env import (
     M_MMAP_THRESHOLD,
     M_TRIM_THRESHOLD,
     MMAP_THRESHOLD,
@@ -49,7 +49,7 @@ def test_a_refused_value_is_reported():
 
 _FAULTS = """
 import json, resource, sys, torch
-from kvflow.malloc_env import keep_freed_memory
+from kvflow.runtime.malloc_env import keep_freed_memory
 applied = keep_freed_memory({}) if sys.argv[1] == "keep" else False
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -13,13 +13,13 @@ from types import SimpleNamespace
 import pytest
 
 from kvflow.config import ServerConfig
+from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.entrypoints.cli import build_parser, main
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.serving_checks import OpenAIServingChecks
-from kvflow.input_processor import InputProcessor
-from kvflow.metrics import ServerMetrics
-from kvflow.output_processor import OutputProcessor
+from kvflow.inputs.processor import InputProcessor
+from kvflow.metrics.server import ServerMetrics
 from kvflow.sampling_params import SamplingParams
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvflow import LLM
 from kvflow.config import CacheConfig
-from kvflow.metrics import ServerMetrics
+from kvflow.metrics.server import ServerMetrics
 from kvflow.metrics_reader import Gauge, Metric
 
 

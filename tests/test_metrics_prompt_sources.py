@@ -1,5 +1,5 @@
 """vLLM 0.32's prompt-token sources in ``LLM.get_metrics()`` (the server's /metrics ones,
-``kvflow/metrics_prompt_sources.py``) on the tiny Llama, block size 4, hand-counted:
+``kvflow/metrics/prompt_sources.py``) on the tiny Llama, block size 4, hand-counted:
 
 - a prompt of 14 tokens, then the same prompt again: the second finds its first
   ``(14 - 1) // 4 = 3`` blocks (12 tokens; never the last token) in the prefix cache. By

@@ -139,7 +139,7 @@ def test_top_level_unknown_fields_are_kept_for_the_server():
 def test_other_part_types_are_refused_for_their_type():
     """An ``input_audio`` part with its payload passes the schema (its payload dropped) so that
     the renderer refuses it for its type, naming the part, not its payload key."""
-    from kvflow.chat_messages import ChatTemplateError, normalize_conversation
+    from kvflow.chat.messages import ChatTemplateError, normalize_conversation
 
     req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": "AA", "format": "wav"}}]}]})
@@ -227,7 +227,7 @@ def test_a_streamed_tool_call_index_echoed_back_must_be_its_position(index):
     """Clients that build the assistant message from the stream echo each call's ``index``:
     the call's own position (0 here) is accepted and kept from the template, which sees
     OpenAI's shape (``arguments`` parsed); another position is refused naming the key."""
-    from kvflow.chat_messages import ChatTemplateError, normalize_conversation
+    from kvflow.chat.messages import ChatTemplateError, normalize_conversation
 
     call = CALL if index is None else {**CALL, "index": index}
     req = ChatCompletionRequest.model_validate(

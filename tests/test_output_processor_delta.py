@@ -4,9 +4,9 @@ outputs that arrive after a stop string ended a sample are ignored."""
 
 from __future__ import annotations
 
+from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine_outputs import EngineCoreOutput
-from kvflow.input_processor import InputProcessor
-from kvflow.output_processor import OutputProcessor
+from kvflow.inputs.processor import InputProcessor
 from kvflow.sampling_params import SamplingParams
 
 PROMPT = [5, 6, 7]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvflow import LLM
-from kvflow.input_processor import InputProcessor
+from kvflow.inputs.processor import InputProcessor
 from kvflow.layers.sampler import Sampler, apply_penalties
 from kvflow.layers.sampling_metadata import PenaltyMetadata, SamplingMetadata
 from kvflow.sampling_params import SamplingParams

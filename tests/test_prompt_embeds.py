@@ -17,7 +17,7 @@ import torch
 from kvflow import LLM, SamplingParams
 from kvflow.beam_search import BeamSearchParams
 from kvflow.config import EngineConfig
-from kvflow.prompt_embeds import PromptEmbeds, check_prompt_embeds
+from kvflow.inputs.embeds import PromptEmbeds, check_prompt_embeds
 from kvflow.request import Request
 
 MAX_TOKENS = 8
@@ -261,7 +261,7 @@ def test_packed_rows_the_model_cannot_take_are_refused_before_they_run(tiny_llam
     the core's queue) is checked like a tensor: was accepted, and its step raised in the
     model (``index_copy_``), aborting every request in it."""
     from kvflow.core.request_errors import PROMPT_EMBEDS, RequestError
-    from kvflow.prompt_inputs import ProcessedPrompt
+    from kvflow.inputs.prompts import ProcessedPrompt
 
     engine = llm.engine
     with pytest.raises(ValueError, match=match):

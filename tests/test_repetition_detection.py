@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from kvflow.repetition_detection import RepetitionDetectionParams, ends_with_repetition
+from kvflow.sampling.repetition_detection import RepetitionDetectionParams, ends_with_repetition
 from kvflow.sampling_params import SamplingParams
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvflow.metrics import ServerMetrics
+from kvflow.metrics.request_stats import RequestStatsTracker
+from kvflow.metrics.server import ServerMetrics
 from kvflow.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvflow.request_stats import RequestStatsTracker
 from kvflow.sampling_params import RequestOutputKind
 
 
@@ -76,8 +76,8 @@ def open_requests_of(tokenizer, n: int, admission_control: bool = False, output_
     requests, the stream, the sample ids)."""
     from kvflow.engine.dp_balancer import DPLoadBalancer
     from kvflow.engine.open_requests import OpenRequests
-    from kvflow.input_processor import InputProcessor
-    from kvflow.output_processor import OutputProcessor
+    from kvflow.engine.output_processor import OutputProcessor
+    from kvflow.inputs.processor import InputProcessor
     from kvflow.sampling_params import SamplingParams
 
     metrics = ServerMetrics("m")
@@ -414,7 +414,7 @@ def test_lora_requests_info_keeps_the_newest_series_only():
     server loading adapters under new names made new ones without end (vLLM keeps them all).
     The newest ``LORA_INFO_SERIES`` are kept, the current state among them."""
     from kvflow.engine_outputs import EngineStats
-    from kvflow.metrics_lora import LORA_INFO_SERIES
+    from kvflow.metrics.lora import LORA_INFO_SERIES
 
     metrics = ServerMetrics("m")
     metrics.enable_lora_info(2)

@@ -259,7 +259,7 @@ def _serve_in_thread(model: str, *argv: str):
     from kvflow.engine.async_llm import AsyncLLM
     from kvflow.entrypoints.api_server import build_app, start_app
     from kvflow.entrypoints.cli import build_parser
-    from kvflow.metrics import ServerMetrics
+    from kvflow.metrics.server import ServerMetrics
     from tests.e2e.conftest import free_port
 
     port = free_port()

@@ -139,7 +139,7 @@ def test_wrong_task_names_vllms_runner_and_convert(runs, asked, serve):
 
 def test_offline_embed_on_a_generation_model_names_runner_and_convert():
     """LLM.embed on a generation model named --task embed only."""
-    from kvflow.pooling_inputs import PoolingInputs
+    from kvflow.inputs.pooling import PoolingInputs
 
     processor = SimpleNamespace(pooler=None)
     with pytest.raises(ValueError) as err:

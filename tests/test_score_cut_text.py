@@ -1,4 +1,4 @@
-"""``kvflow.score_inputs.cut_text``: /v1/score's and /v1/rerank's ``max_tokens_per_query`` /
+"""``kvflow.inputs.score.cut_text``: /v1/score's and /v1/rerank's ``max_tokens_per_query`` /
 ``max_tokens_per_doc`` cut (vLLM 0.32's ``truncate_text_to_tokens``): a text cut to its first
 N tokens at a character boundary. Oracles: the tokenizer's own ids of the whole text (the cut
 text tokenizes to their first N) and its character offsets; a slow tokenizer's decode of the
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.score_inputs import cut_text
+from kvflow.inputs.score import cut_text
 from tests.models.cross_encoder_models import bert_tokenizer
 
 TEXT = "the quick brown fox jumps over a lazy dog"

@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from kvflow.detokenizer import IncrementalDetokenizer
+from kvflow.engine.detokenizer import IncrementalDetokenizer
 
 PROMPTS = ["The quick brown fox", "1, 2, 3, 4,", "Once upon a time, in a small village,",
            "def fibonacci(n):"]

@@ -14,12 +14,12 @@ from kvflow.config import EngineConfig
 from kvflow.engine.dp_balancer import DPLoadBalancer
 from kvflow.engine.messages import EngineOutputs
 from kvflow.engine.open_requests import OpenRequests
+from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine_outputs import EngineCoreOutput, EngineStats
 from kvflow.entrypoints.cli import build_parser
-from kvflow.input_processor import InputProcessor
-from kvflow.metrics import ServerMetrics
-from kvflow.output_processor import OutputProcessor
-from kvflow.request_stats import RequestStatsTracker
+from kvflow.inputs.processor import InputProcessor
+from kvflow.metrics.request_stats import RequestStatsTracker
+from kvflow.metrics.server import ServerMetrics
 from kvflow.sampling_params import SamplingParams
 
 PROMPT = [5, 6, 7]

@@ -1,4 +1,4 @@
-"""Lone-surrogate detection (kvflow/text_checks.py) over request bodies: the path of the first
+"""Lone-surrogate detection (kvflow/utils/text_checks.py) over request bodies: the path of the first
 string holding one, whatever containers and token-id lists surround it; lists of numbers
 alone (token ids, skipped at C speed) hold none. Oracle: hand-built bodies."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.text_checks import find_lone_surrogate
+from kvflow.utils.text_checks import find_lone_surrogate
 
 
 @pytest.mark.parametrize("body,path", [

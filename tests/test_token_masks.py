@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from kvflow.input_processor import InputProcessor
+from kvflow.inputs.processor import InputProcessor
 from kvflow.layers.sampler import apply_allowed_token_ids
-from kvflow.token_masks import bad_words_token_ids
+from kvflow.sampling.token_masks import bad_words_token_ids
 from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.request_state import RequestState
 from kvflow.worker.sampling_inputs import SamplingInputs

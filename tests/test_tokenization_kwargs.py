@@ -15,7 +15,7 @@ import shutil
 import pytest
 
 from kvflow import LLM, SamplingParams
-from kvflow.tokenization_options import parse_tokenization_kwargs
+from kvflow.inputs.tokenization import parse_tokenization_kwargs
 
 TEXT = "Prefix caching reuses them, chunked prefill splits long prompts"
 GREEDY = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)

@@ -76,7 +76,7 @@ def _served(tokenizer, messages: list[dict]) -> str:
     from kvflow.entrypoints.chat_options import ChatOptions
     from kvflow.entrypoints.protocol import ChatCompletionRequest
     from kvflow.entrypoints.serving_chat import OpenAIServingChat
-    from kvflow.input_processor import InputProcessor
+    from kvflow.inputs.processor import InputProcessor
 
     engine = SimpleNamespace(tokenizer=tokenizer,
                              processor=InputProcessor(tokenizer, 4096, len(tokenizer), 0),
@@ -88,7 +88,7 @@ def _served(tokenizer, messages: list[dict]) -> str:
 
 def _offline(tokenizer, messages: list[dict]) -> str:
     """The prompt ``LLM.chat`` renders (its engine stubbed: generation is not run)."""
-    from kvflow.input_processor import InputProcessor
+    from kvflow.inputs.processor import InputProcessor
 
     llm = LLM.__new__(LLM)
     llm.engine = SimpleNamespace(processor=InputProcessor(tokenizer, 4096, len(tokenizer), 0),

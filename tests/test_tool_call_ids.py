@@ -2,7 +2,7 @@
 call's ``id``), as OpenAI requires: one answering no call was rendered (HTTP 200, and offline);
 now a 400 naming ``messages.N.tool_call_id`` and the id, and the same ValueError from
 ``LLM.chat``. LLM.chat also checks an assistant's ``tool_calls`` with the server's schema
-(kvflow/chat_tool_calls.py): the same message, param and code as the server's 400 (the
+(kvflow/chat/tool_calls.py): the same message, param and code as the server's 400 (the
 message was pydantic's wording offline). Expectations are hand-written."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from kvflow import LLM, SamplingParams
-from kvflow.chat_messages import ChatTemplateError
+from kvflow.chat.messages import ChatTemplateError
 from kvflow.entrypoints.chat_options import ChatOptions
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.protocol import ChatCompletionRequest

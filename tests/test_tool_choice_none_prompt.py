@@ -28,7 +28,7 @@ def _prompt(tiny_tokenizer, template: str, tool_choice: str | None, exclude: boo
     from kvflow.entrypoints.protocol import TokenizeRequest
     from kvflow.entrypoints.serving_chat import OpenAIServingChat
     from kvflow.entrypoints.token_routes import _tokenize_ids
-    from kvflow.input_processor import InputProcessor
+    from kvflow.inputs.processor import InputProcessor
 
     tok = copy.deepcopy(tiny_tokenizer)
     tok.chat_template = template

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from kvflow import LLM, SamplingParams
-from kvflow.prompt_truncation import truncation_length
-from kvflow.tokenization_options import parse_tokenization_kwargs
+from kvflow.inputs.tokenization import parse_tokenization_kwargs
+from kvflow.inputs.truncation import truncation_length
 from tests.serving_client import served_client
 
 MAX_MODEL_LEN = 32

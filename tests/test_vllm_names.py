@@ -129,7 +129,7 @@ def test_vllm_top_level_names():
     ("kvflow.inputs:TextPrompt", "kvflow:TextPrompt"),
     ("kvflow.inputs:TokensPrompt", "kvflow:TokensPrompt"),
     ("kvflow.inputs:PromptType", "kvflow:PromptType"),
-    ("kvflow.inputs:PromptType", "kvflow.prompt_inputs:PromptType"),
+    ("kvflow.inputs:PromptType", "kvflow.inputs.prompts:PromptType"),
     ("kvflow.outputs:EmbeddingOutput", "kvflow:EmbeddingOutput"),
     ("kvflow.outputs:EmbeddingRequestOutput", "kvflow:EmbeddingRequestOutput"),
     ("kvflow.outputs:PoolingOutput", "kvflow:PoolingOutput"),
@@ -152,7 +152,7 @@ def test_prompt_typeddicts_are_the_dicts_kvflow_parses():
     """vLLM's TypedDicts build plain dicts; every key they declare is one kvflow's parser
     reads (``unpack_prompt`` for text and token ids, ``InputProcessor`` for embeddings)."""
     from kvflow.inputs import EmbedsPrompt, TextPrompt, TokensPrompt
-    from kvflow.prompt_inputs import tokenize_prompt, unpack_prompt
+    from kvflow.inputs.prompts import tokenize_prompt, unpack_prompt
 
     options = {"cache_salt", "multi_modal_data", "mm_processor_kwargs"}
     assert (TextPrompt.__required_keys__, TextPrompt.__optional_keys__) == ({"prompt"}, options)

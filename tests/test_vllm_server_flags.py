@@ -181,7 +181,7 @@ PARTS = [{"role": "user", "content": [{"type": "text", "text": "a"},
 
 
 def test_default_template_kwargs_under_the_request(tiny_tokenizer):
-    from kvflow.chat_template import render_chat
+    from kvflow.chat.template import render_chat
 
     hi = [{"role": "user", "content": "hi"}]
     defaults = {"greeting": "hello", "enable_thinking": False}  # the template reads no 2nd
@@ -199,7 +199,7 @@ def test_default_template_kwargs_under_the_request(tiny_tokenizer):
     ("auto", "a\nb"),  # this template does not loop over content: one string
 ])
 def test_content_format(tiny_tokenizer, content_format, rendered):
-    from kvflow.chat_template import render_chat
+    from kvflow.chat.template import render_chat
 
     out = render_chat(tiny_tokenizer, PARTS, chat_template=GREETING,
                       content_format=content_format)

@@ -55,7 +55,7 @@ def measure_batch(llm: Any, prompts: list[list[int]], output_len: int,
 
 
 def _cmd_latency(args: argparse.Namespace) -> int:
-    from kvflow.llm import LLM
+    from kvflow.offline.llm import LLM
 
     sizes = parse_positive_ints(args.batch_sizes, "--batch-sizes")
     require_positive(input_len=args.input_len, num_iters=args.num_iters)

@@ -142,7 +142,7 @@ def load_compare(path: str) -> dict[str, Any]:
 
 
 def _cmd_perplexity(args: argparse.Namespace) -> int:
-    from kvflow.llm import LLM
+    from kvflow.offline.llm import LLM
 
     require_positive(window=args.window, greedy_tokens=args.greedy_tokens)
     if args.window is not None and args.window < 2:

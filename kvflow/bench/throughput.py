@@ -140,7 +140,7 @@ def _print(result: ThroughputResult) -> None:
 
 
 def _cmd_throughput(args: argparse.Namespace) -> int:
-    from kvflow.llm import LLM
+    from kvflow.offline.llm import LLM
 
     require_positive(num_prompts=args.num_prompts, input_len=args.input_len,
                      output_len=args.output_len, hf_batch_size=args.hf_batch_size)

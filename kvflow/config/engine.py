@@ -10,7 +10,6 @@ import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvflow.close_names import did_you_mean
 from kvflow.config import cpu_limits
 from kvflow.config.cache import CacheConfig
 from kvflow.config.deterministic import check_config as check_deterministic
@@ -32,6 +31,7 @@ from kvflow.config.speculative import (
 )
 from kvflow.config.structured import StructuredOutputConfig
 from kvflow.logits_process import LOGITS_PROCESSORS_GROUP, plugin_logits_processors
+from kvflow.utils.close_names import did_you_mean
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 (:data:`PARSER_MARKERS`, the table the server's ``--reasoning-parser`` classes in
 ``kvflow/entrypoints/tool_parsers/reasoning.py`` agree with) and vLLM's ``reasoning_config``
 (``{"reasoning_start_str": ..., "reasoning_end_str": ...}``), whose strings win over the
-parser's (``ReasoningConfig.initialize_token_ids``). ``kvflow.reasoning_markers`` tokenizes
+parser's (``ReasoningConfig.initialize_token_ids``). ``kvflow.sampling.reasoning_markers`` tokenizes
 them.
 """
 
@@ -26,7 +26,7 @@ PARSER_MARKERS: dict[str, tuple[str, str] | None] = {
 #: vLLM's ``reasoning_config`` keys
 REASONING_CONFIG_KEYS = ("reasoning_start_str", "reasoning_end_str")
 
-#: the reasoning keywords of ``LLM(...)`` and ``AsyncLLM(...)`` (``kvflow.llm_reasoning``),
+#: the reasoning keywords of ``LLM(...)`` and ``AsyncLLM(...)`` (``kvflow.inputs.reasoning``),
 #: which are not ``EngineConfig`` fields
 REASONING_OPTIONS = ("reasoning_parser", "reasoning_config", "structured_outputs_config")
 

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvflow.core.block_pool import hash_block_tokens
-from kvflow.multimodal_inputs import overlapping_features
+from kvflow.inputs.multimodal import overlapping_features
 from kvflow.request import Request
 
 PREFIX_CACHING_HASH_ALGOS = ("blake2b", "sha256", "sha256_cbor")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvflow.multimodal_inputs import MultiModalFeature
+from kvflow.inputs.multimodal import MultiModalFeature
 from kvflow.request import Request
 from kvflow.sched_output import SchedulerOutput
 

@@ -32,11 +32,11 @@ from kvflow.core.request_errors import (
 from kvflow.core.sleep_mode import EngineSleep
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor.base import ExecutorError
+from kvflow.inputs.embeds import check_packed_prompt_embeds
+from kvflow.inputs.multimodal import check_mm_features
 from kvflow.lora.request import LoRARequest, already_loaded
 from kvflow.models.model_resolver import ModelSource, resolve_model
 from kvflow.models.pooling_config import task_mismatch
-from kvflow.multimodal_inputs import check_mm_features
-from kvflow.prompt_embeds import check_packed_prompt_embeds
 from kvflow.request import Request, RequestStatus
 from kvflow.structured.reasoning_gate import ReasoningGate
 from kvflow.worker.worker import RpcRefusal
@@ -68,7 +68,7 @@ class EngineCore(EngineCoreStartup):
         self._init_structured_output()
         self._init_kv_events()
         self.sleep_mode = EngineSleep(config.model_config.enable_sleep_mode)
-        self.executor.freeze_worker_heaps()  # worker processes only (kvflow/gc_heap.py)
+        self.executor.freeze_worker_heaps()  # worker processes only (kvflow/runtime/gc_heap.py)
 
     def publish_kv_events(self) -> None:
         """Send the KV cache events recorded since the last batch (none: nothing sent)."""

@@ -26,7 +26,7 @@ import zmq
 
 from kvflow.config.kv_events import KVEventsConfig
 from kvflow.core.kv_events import EventBatch
-from kvflow.exit_threads import ExitJoinedThread
+from kvflow.runtime.exit_threads import ExitJoinedThread
 
 logger = logging.getLogger(__name__)
 

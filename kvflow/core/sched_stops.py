@@ -5,8 +5,8 @@ its grammar rejects or one that terminates the grammar). Used by ``sched_update`
 
 from __future__ import annotations
 
-from kvflow.repetition_detection import REPETITION_STOP_REASON, ends_with_repetition
 from kvflow.request import Request, RequestStatus
+from kvflow.sampling.repetition_detection import REPETITION_STOP_REASON, ends_with_repetition
 
 
 def append_tokens(request: Request, token_ids: list[int]) -> list[int]:

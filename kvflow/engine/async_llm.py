@@ -43,6 +43,7 @@ from kvflow.engine.messages import (
 )
 from kvflow.engine.open_requests import OpenRequests
 from kvflow.engine.output_loop import OutputLoop
+from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine.replica_restarts import ReplicaRestarts
 from kvflow.engine.replica_set import ReplicaSet
 from kvflow.engine.request_args import check_request_args
@@ -58,15 +59,14 @@ from kvflow.engine.streams import (
 )
 from kvflow.engine.utility_calls import UtilityCalls
 from kvflow.engine_outputs import EngineStats
-from kvflow.llm_reasoning import OfflineReasoning, ReasoningOptions
+from kvflow.inputs.embeds import PromptEmbeds
+from kvflow.inputs.multimodal import MultiModalFeature
+from kvflow.inputs.reasoning import OfflineReasoning, ReasoningOptions
 from kvflow.lora.request import LoRARequest
-from kvflow.metrics import ServerMetrics
-from kvflow.multimodal_inputs import MultiModalFeature
-from kvflow.output_processor import OutputProcessor
+from kvflow.metrics.request_stats import RequestStatsTracker
+from kvflow.metrics.server import ServerMetrics
 from kvflow.pooling_params import PoolingParams
-from kvflow.prompt_embeds import PromptEmbeds
 from kvflow.request import Request
-from kvflow.request_stats import RequestStatsTracker
 from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
             the rule of ``kvflow/engine/start_method.py``).
         reasoning_parser, reasoning_config, structured_outputs_config: the offline
             ``LLM``'s options of these names (vLLM's engine arguments,
-            ``kvflow.llm_reasoning``): the markers every request's
+            ``kvflow.inputs.reasoning``): the markers every request's
             ``thinking_token_budget`` is counted and ended with and its grammar starts
             after (``{"enable_in_reasoning": True}``: from the first token), checked before
             the model loads and tokenized once; ``generate`` and ``add_request`` give them to

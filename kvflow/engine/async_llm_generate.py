@@ -11,8 +11,8 @@ from typing import Any
 
 from kvflow.engine.request_args import check_request_args
 from kvflow.inputs import PromptType
-from kvflow.llm_inputs import processed_prompts
 from kvflow.lora.request import LoRARequest
+from kvflow.offline.arguments import processed_prompts
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import RequestOutputKind, SamplingParams
 

@@ -11,7 +11,7 @@ to nobody), and then only once its output socket's queue (1000 steps) had room. 
 scheduler's window is open (``Scheduler.batch_wait_s``). Aborts are
 therefore applied (and their KV blocks freed) before the next step. Before it reports ready,
 the process freezes its start-up heap (model, tokenizer) out of the garbage collector's reach
-(``kvflow.gc_heap``; its imports' objects first thing, so that the collection before ready
+(``kvflow.runtime.gc_heap``; its imports' objects first thing, so that the collection before ready
 walks only what loading made); from its start (before the model loads), a thread of its own
 sends the API process a heartbeat every second (``kvflow/engine/core_heartbeat.py``), so that
 a stopped or frozen core is found, while it starts too.
@@ -64,9 +64,9 @@ from kvflow.engine.messages import (
 )
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor.base import ExecutorError
-from kvflow.gc_heap import freeze_import_heap, freeze_startup_heap
 from kvflow.models.loader import resolve_eos_token_id
 from kvflow.request import Request
+from kvflow.runtime.gc_heap import freeze_import_heap, freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
             core's blocks are gone (``EngineCore.mark_restarted``).
     """
     tag = set_up_core_process(config, log_level, env, parent)
-    freeze_import_heap()  # kvflow/gc_heap.py: the collection before ready skips the imports
+    freeze_import_heap()  # kvflow/runtime/gc_heap.py: the collection before ready skips the imports
     ctx = zmq.Context()
     inp, out = _connect(ctx, input_addr, output_addr)
     encoder = msgspec.msgpack.Encoder()
@@ -117,7 +117,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
             return
         if generation > 0:
             core.mark_restarted()
-        freeze_startup_heap(f"engine {tag}")  # kvflow/gc_heap.py: no 0.2 s pauses in steps
+        freeze_startup_heap(f"engine {tag}")  # kvflow/runtime/gc_heap.py: no 0.2 s pauses in steps
         out.send(encoder.encode(_ready(core, index)))
         EngineCoreProc(core, inp, out, index).run()
     except Exception as e:  # noqa: BLE001 - report anything fatal to the API process

@@ -46,8 +46,8 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvflow.multimodal_inputs import MultiModalFeature
-    from kvflow.prompt_embeds import PromptEmbeds
+    from kvflow.inputs.embeds import PromptEmbeds
+    from kvflow.inputs.multimodal import MultiModalFeature
     from kvflow.request import Request
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from kvflow.config import EngineConfig
 from kvflow.engine.messages import EngineReady
 from kvflow.engine.replica_set import ReplicaSet
-from kvflow.input_processor import InputProcessor
+from kvflow.inputs.processor import InputProcessor
 from kvflow.logits_process import load_logits_processors
 from kvflow.models.generation_config import load_eos_token_ids, load_sampling_defaults
 from kvflow.models.loader import load_hf_config, load_tokenizer, resolve_eos_token_id

@@ -1,6 +1,6 @@
 """LLMEngine: EngineCore plus input and output processing, all in the caller's process.
 
-The offline ``LLM`` (kvflow/llm.py) drives it; the server uses ``AsyncLLM`` instead, which runs
+The offline ``LLM`` (kvflow/offline/llm.py) drives it; the server uses ``AsyncLLM`` instead, which runs
 the core in a process of its own. With ``data_parallel_size`` N > 1 the core is a
 :class:`~kvflow.engine.dp_client.DPCoreClient`: N engine-core processes, each prompt sent to
 one of them by the data-parallel load balancer.
@@ -14,9 +14,12 @@ from typing import Any
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
 from kvflow.engine.dp_client import DPCoreClient
+from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine.start_method import core_start_method
 from kvflow.engine.streams import request_error
-from kvflow.input_processor import InputProcessor
+from kvflow.inputs.processor import InputProcessor
+from kvflow.inputs.prompts import ProcessedPrompt, PromptType
+from kvflow.inputs.truncation import SAMPLING_FIELD, truncation_length
 from kvflow.logits_process import load_logits_processors
 from kvflow.lora.request import LoRARequest
 from kvflow.models.generation_config import load_eos_token_ids, load_sampling_defaults
@@ -24,11 +27,8 @@ from kvflow.models.loader import load_hf_config, load_tokenizer, resolve_eos_tok
 from kvflow.models.model_resolver import ModelSource, resolve_model
 from kvflow.models.tokenizer_source import tokenizer_source
 from kvflow.multimodal import MultiModalProcessor, make_mm_processor
-from kvflow.output_processor import OutputProcessor
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
 from kvflow.pooling_params import PoolingParams
-from kvflow.prompt_inputs import ProcessedPrompt, PromptType
-from kvflow.prompt_truncation import SAMPLING_FIELD, truncation_length
 from kvflow.quant import get_quant_config
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.draft_tokenizer import check_draft_tokenizer

@@ -20,11 +20,11 @@ from typing import Any
 import msgspec
 
 from kvflow.engine_outputs import EngineCoreOutput, EngineStats
+from kvflow.inputs.embeds import PromptEmbeds
+from kvflow.inputs.multimodal import MultiModalFeature
 from kvflow.lora.request import LoRARequest
 from kvflow.models.pooling_config import PoolerConfig
-from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.pooling_params import PoolingParams
-from kvflow.prompt_embeds import PromptEmbeds
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
@@ -46,7 +46,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
     cache_salt: str | None = None  # salts the prompt's first prefix-cache block
-    # a prompt given as embedding rows (raw bytes): see kvflow/prompt_embeds.py
+    # a prompt given as embedding rows (raw bytes): see kvflow/inputs/embeds.py
     prompt_embeds: PromptEmbeds | None = None
     session_id: str | None = None  # vLLM 0.32's: written into its BlockStored events
 

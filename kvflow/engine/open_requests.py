@@ -13,13 +13,13 @@ import time
 
 from kvflow.engine.dp_balancer import DPLoadBalancer
 from kvflow.engine.messages import AdmissionVerdicts, EngineOutputs
+from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine.stream_interval import StreamInterval
 from kvflow.engine.streams import AdmissionRejected, RequestStream, request_error
-from kvflow.metrics import ServerMetrics
-from kvflow.output_processor import OutputProcessor
+from kvflow.metrics.request_stats import RequestStatsTracker
+from kvflow.metrics.server import ServerMetrics
 from kvflow.outputs import RequestOutput
 from kvflow.request import Request
-from kvflow.request_stats import RequestStatsTracker
 from kvflow.sampling_params import RequestOutputKind
 
 

@@ -38,7 +38,7 @@ from kvflow.engine.replica_set import ReplicaSet
 from kvflow.engine.streams import EngineDeadError
 from kvflow.engine.utility_calls import UtilityCalls
 from kvflow.engine_outputs import EngineStats
-from kvflow.metrics import ServerMetrics
+from kvflow.metrics.server import ServerMetrics
 
 logger = logging.getLogger(__name__)
 

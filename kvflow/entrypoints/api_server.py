@@ -28,7 +28,7 @@ import uvicorn
 from fastapi import Depends, FastAPI
 
 from kvflow import __version__
-from kvflow.chat_template import check_default_template_kwargs
+from kvflow.chat.template import check_default_template_kwargs
 from kvflow.chat_template_source import load_chat_template, warn_if_model_template_broken
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.engine.async_llm import AsyncLLM
@@ -73,8 +73,8 @@ from kvflow.entrypoints.serving_score import OpenAIServingScore
 from kvflow.entrypoints.sleep_routes import add_sleep_routes
 from kvflow.entrypoints.token_routes import add_token_routes
 from kvflow.entrypoints.unknown_fields import UnknownFields
-from kvflow.gc_heap import freeze_startup_heap, unfreeze_heap
-from kvflow.metrics import ServerMetrics
+from kvflow.metrics.server import ServerMetrics
+from kvflow.runtime.gc_heap import freeze_startup_heap, unfreeze_heap
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ def _add_request_middleware(app: FastAPI, config: ServerConfig) -> None:
 
 def freeze_after(check_tokenizer: Callable[[Any], None] | None) -> Callable[[Any], None]:
     """The server's ``on_tokenizer`` for ``AsyncLLM``: ``check_tokenizer`` (if any), then the
-    API process's heap so far collected and frozen (``kvflow/gc_heap.py``) while the core
+    API process's heap so far collected and frozen (``kvflow/runtime/gc_heap.py``) while the core
     processes still load the model, so that the freeze before serving walks only what was
     made since (was: all of it, 0.6-0.8 s on 2 busy cores between the engine's ready and
     ``/health``). What ``check_tokenizer`` raises is raised, nothing frozen. Logged at DEBUG:
@@ -292,7 +292,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
         app = build_app(engine, server_config, model_name, template)
         server = _uvicorn_server(app, server_config, model_name)
         app.state.uvicorn_server = server
-        freeze_startup_heap("API server")  # kvflow/gc_heap.py: no 0.2 s stalls of the streams
+        freeze_startup_heap("API server")  # kvflow/runtime/gc_heap.py: no 0.2 s stalls of the streams
         server.run()
         server.end_as_signalled()
     finally:

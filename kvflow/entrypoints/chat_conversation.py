@@ -1,12 +1,12 @@
 """A chat request's conversation before the template renders it: the fields of its
 messages checked (the tools and tool calls written as text for a template that cannot read
-them: ``kvflow.chat_tools_text``, shared with ``LLM.chat``); and the 400 for a model without a
+them: ``kvflow.chat.tools_text``, shared with ``LLM.chat``); and the 400 for a model without a
 template."""
 
 from __future__ import annotations
 
-from kvflow.chat_messages import ChatTemplateError, check_call_index, check_message_fields
-from kvflow.chat_tool_calls import check_tool_call_ids
+from kvflow.chat.messages import ChatTemplateError, check_call_index, check_message_fields
+from kvflow.chat.tool_calls import check_tool_call_ids
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.protocol import ChatMessage
 

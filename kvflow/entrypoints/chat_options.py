@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvflow.chat_template import ChatTemplateError, template_variables
+from kvflow.chat.template import ChatTemplateError, template_variables
 from kvflow.entrypoints.protocol import ChatCompletionRequest, TokenizeRequest
 
 

@@ -14,10 +14,10 @@ from typing import Any
 
 from fastapi import Request
 
-from kvflow.chat_messages import image_urls, video_urls
-from kvflow.chat_template import ChatTemplateError, NoChatTemplateError, template_text
+from kvflow.chat.messages import image_urls, video_urls
+from kvflow.chat.template import ChatTemplateError, NoChatTemplateError, template_text
+from kvflow.chat.tools_text import ToolsAsText, apply_with_tools_prompt, tools_as_text
 from kvflow.chat_template_source import load_chat_template, template_name
-from kvflow.chat_tools_text import ToolsAsText, apply_with_tools_prompt, tools_as_text
 from kvflow.entrypoints.chat_conversation import check_messages, no_template_error
 from kvflow.entrypoints.chat_options import ChatOptions
 from kvflow.entrypoints.openai_errors import OpenAIError
@@ -27,11 +27,11 @@ from kvflow.entrypoints.sampling_requests import prompt_truncation
 from kvflow.entrypoints.serving_base import body_size
 from kvflow.entrypoints.structured_requests import tools_for_template
 from kvflow.entrypoints.tool_parsers import make_tool_parser
-from kvflow.input_processor import InputProcessor
+from kvflow.inputs.processor import InputProcessor
+from kvflow.inputs.prompts import ProcessedPrompt
+from kvflow.inputs.tokenization import cut_generation_prompt
 from kvflow.multimodal import MediaError
 from kvflow.multimodal.video import VideoError
-from kvflow.prompt_inputs import ProcessedPrompt
-from kvflow.tokenization_options import cut_generation_prompt
 
 logger = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ import sys
 from typing import NoReturn
 
 from kvflow import __version__
-from kvflow.close_names import closest_name
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.entrypoints.cli_generate import add_generate_parser
 from kvflow.entrypoints.config_file import add_config_arg, leaf_parsers, read_config_file
+from kvflow.utils.close_names import closest_name
 
 
 def flag_names(message: str, flags: dict[str, str]) -> str:

@@ -103,7 +103,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     Raises:
         ValueError: for a bad flag or file (naming it), or a prompt the engine refuses.
     """
-    from kvflow.llm import LLM
+    from kvflow.offline.llm import LLM
 
     params = sampling_params_from_args(args)
     config = EngineConfig.from_cli_args(args)

@@ -13,7 +13,7 @@ from kvflow.entrypoints.preprocess import off_loop
 from kvflow.entrypoints.protocol import CompletionRequest
 from kvflow.entrypoints.sampling_requests import prompt_truncation
 from kvflow.entrypoints.serving_checks import prompt_error_code
-from kvflow.prompt_embeds import PromptEmbeds, decode_prompt_embeds
+from kvflow.inputs.embeds import PromptEmbeds, decode_prompt_embeds
 
 __all__ = ["check_embeds_request", "embeds_prompts"]
 

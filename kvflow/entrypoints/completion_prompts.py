@@ -6,7 +6,7 @@ vision-language model's placeholder tokens refused in them (images go in chat's 
 from __future__ import annotations
 
 from kvflow.entrypoints.openai_errors import OpenAIError
-from kvflow.input_processor import InputProcessor
+from kvflow.inputs.processor import InputProcessor
 
 
 def prompt_items(prompt: str | list[int] | list[str] | list[list[int]]

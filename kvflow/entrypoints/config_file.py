@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.close_names import closest_name
+from kvflow.utils.close_names import closest_name
 
 CONFIG_FLAG = "--config"
 # Repeated (list) flags whose items may be JSON (vLLM's forms): a mapping or list item of the

@@ -32,7 +32,7 @@ from kvflow.entrypoints.protocol import (
 from kvflow.entrypoints.responses_routes import add_responses_routes
 from kvflow.entrypoints.serving_models import ModelNotFound
 from kvflow.lora.request import LoRANameError
-from kvflow.metrics import CONTENT_TYPE
+from kvflow.metrics.server import CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
 LORA_ROUTES_SWITCH = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"

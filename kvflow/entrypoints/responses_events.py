@@ -36,7 +36,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from kvflow.chat_tool_calls import is_object_text
+from kvflow.chat.tool_calls import is_object_text
 from kvflow.entrypoints.tool_parsers import StreamDelta
 
 Event = dict[str, Any]

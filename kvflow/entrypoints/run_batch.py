@@ -327,7 +327,7 @@ def _run(engine_config: EngineConfig, server_config: ServerConfig, source: Batch
     from kvflow.engine.start_method import core_start_method
     from kvflow.entrypoints.api_server import build_app
     from kvflow.entrypoints.preload_checks import check_lora_modules
-    from kvflow.metrics import ServerMetrics
+    from kvflow.metrics.server import ServerMetrics
 
     names = server_config.model_names(engine_config.model_config.model)
     model_name = names[0]

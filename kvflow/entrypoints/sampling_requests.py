@@ -16,8 +16,8 @@ from kvflow.entrypoints.structured_requests import (
     constraint_param,
     request_constraint,
 )
-from kvflow.prompt_truncation import truncation_length
-from kvflow.repetition_detection import RepetitionDetectionParams
+from kvflow.inputs.truncation import truncation_length
+from kvflow.sampling.repetition_detection import RepetitionDetectionParams
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import StructuredOutputsParams
 from kvflow.thinking_budget import ReasoningTokenIds

@@ -34,9 +34,9 @@ from kvflow.entrypoints.serving_checks import OpenAIServingChecks
 from kvflow.entrypoints.serving_models import ServingModels
 from kvflow.entrypoints.tool_parsers.reasoning import reasoning_token_ids
 from kvflow.entrypoints.unknown_fields import UnknownFields
+from kvflow.inputs.embeds import PromptEmbeds
+from kvflow.inputs.multimodal import MultiModalFeature
 from kvflow.lora.request import LoRARequest
-from kvflow.multimodal_inputs import MultiModalFeature
-from kvflow.prompt_embeds import PromptEmbeds
 from kvflow.sampling_params import SamplingParams
 from kvflow.thinking_budget import ReasoningTokenIds
 

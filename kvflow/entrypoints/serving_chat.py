@@ -50,8 +50,8 @@ from kvflow.entrypoints.structured_requests import (
     tool_parser_for,
 )
 from kvflow.entrypoints.unknown_fields import UnknownFields
+from kvflow.inputs.multimodal import MultiModalFeature
 from kvflow.lora.request import LoRARequest
-from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.outputs import CompletionOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import StructuredOutputsParams

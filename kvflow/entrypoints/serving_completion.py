@@ -45,10 +45,10 @@ from kvflow.entrypoints.serving_checks import check_token_ids
 from kvflow.entrypoints.sse_keep_alive import with_keep_alive
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.entrypoints.text_offsets import StreamedTokenOffsets, TokenTextOffsets
+from kvflow.inputs.tokenization import cut_generation_prompt
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
-from kvflow.tokenization_options import cut_generation_prompt
 
 Prompt = tuple[str | None, list[int]]  # (text if given as text, token ids)
 

@@ -38,9 +38,9 @@ from kvflow.entrypoints.serving_chat import OpenAIServingChat
 from kvflow.entrypoints.serving_checks import check_token_ids
 from kvflow.entrypoints.serving_models import ServingModels
 from kvflow.entrypoints.unknown_fields import UnknownFields
+from kvflow.inputs.tokenization import pooling_cut
+from kvflow.inputs.truncation import truncation_length
 from kvflow.pooling_params import PoolingParams
-from kvflow.prompt_truncation import truncation_length
-from kvflow.tokenization_options import pooling_cut
 
 Prompt = tuple[str | None, list[int]]
 
@@ -196,7 +196,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                           limit: int, add_special_tokens: bool = True,
                           truncation_side: str | None = None) -> list[Prompt]:
         """The inputs cut to ``limit`` tokens as vLLM's pooling requests cut them
-        (:func:`~kvflow.tokenization_options.pooling_cut`): by default a text (as the model
+        (:func:`~kvflow.inputs.tokenization.pooling_cut`): by default a text (as the model
         tokenizes it, ``pooling_text``) as the tokenizer truncates it on the right (its
         special tokens kept unless ``add_special_tokens`` is false), token ids to their
         first ``limit``; ``truncation_side`` ``"left"`` / ``"right"``: the whole encoding's

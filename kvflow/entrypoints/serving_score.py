@@ -1,7 +1,7 @@
 """POST /v1/score (vLLM's shape) and /v1/rerank, /rerank (Jina / Cohere's shape): text pairs
 scored by a cross-encoder (``--task score``), one engine request per pair, batched by the
 scheduler like any prompts; a pair is tokenized as ``LLM.score`` does
-(``kvflow.score_inputs.pair_prompt``). An embedding model (``--task embed``) scores a pair
+(``kvflow.inputs.score.pair_prompt``). An embedding model (``--task embed``) scores a pair
 with the cosine similarity of its two texts' embeddings, as vLLM does."""
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ from kvflow.entrypoints.protocol import (
     ScoreUsage,
 )
 from kvflow.entrypoints.serving_base import OpenAIServing, request_activation, request_ids
-from kvflow.pooling_params import PoolingParams
-from kvflow.prompt_truncation import truncation_length
-from kvflow.score_inputs import (
+from kvflow.inputs.score import (
     cosine_similarity,
     cut_pairs,
     pair_prompt,
     score_pairs,
     score_value,
 )
-from kvflow.tokenization_options import pooling_cut
+from kvflow.inputs.tokenization import pooling_cut
+from kvflow.inputs.truncation import truncation_length
+from kvflow.pooling_params import PoolingParams
 
 Pair = tuple[list[int], PoolingParams]
 # /v1/score's two fields: kvflow's and vLLM 0.10's text_1 / text_2, and vLLM 0.32's names
@@ -201,7 +201,7 @@ class OpenAIServingScore(OpenAIServing):
         /v1/embeddings tokenizes them).
 
         ``truncate_prompt_tokens`` cuts each text on its own (on ``truncation_side``), as
-        /v1/embeddings cuts an input (:func:`~kvflow.tokenization_options.pooling_cut`).
+        /v1/embeddings cuts an input (:func:`~kvflow.inputs.tokenization.pooling_cut`).
 
         Raises:
             OpenAIError: 400 for a bad ``truncate_prompt_tokens`` or a text longer than the

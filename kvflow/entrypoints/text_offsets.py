@@ -16,7 +16,7 @@ import bisect
 from collections.abc import Sequence
 from typing import Any
 
-from kvflow.detokenizer import IncrementalDetokenizer
+from kvflow.engine.detokenizer import IncrementalDetokenizer
 
 
 class TokenTextOffsets:

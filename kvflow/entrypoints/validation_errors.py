@@ -11,13 +11,13 @@ from fastapi.exceptions import RequestValidationError
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.protocol import RequestModel
 from kvflow.entrypoints.unknown_fields import UNSUPPORTED, UnknownFields
-from kvflow.validation_words import TYPE_WORDS, error_code, field_message, sent_value
+from kvflow.utils.validation_words import TYPE_WORDS, error_code, field_message, sent_value
 
 
 def validation_error(exc: RequestValidationError, unknown: UnknownFields | None = None,
                      endpoint: str = "") -> OpenAIError:
     """A 400 naming the first offending field (or the JSON syntax error), with a message
-    that says the field's limit and what was sent (see ``kvflow.validation_words``). A body
+    that says the field's limit and what was sent (see ``kvflow.utils.validation_words``). A body
     that misses a required field and sends undeclared ones (``{"inptu": "x"}``) is answered
     as ``unknown`` (the server's ``UnknownFields``; default: refuse them) answers those
     fields, sent to ``endpoint``, and names the missing field too."""

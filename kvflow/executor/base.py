@@ -241,7 +241,7 @@ class Executor(ABC):
 
     def freeze_worker_heaps(self) -> None:
         """Freeze each worker process's start-up heap out of the garbage collector's reach
-        (:mod:`kvflow.gc_heap`), once the engine is set up. Executors whose worker runs in the
+        (:mod:`kvflow.runtime.gc_heap`), once the engine is set up. Executors whose worker runs in the
         caller's process (uniproc) leave it alone.
 
         Raises:

@@ -30,12 +30,12 @@ import torch
 from kvflow.attention.layer import AttentionContext
 from kvflow.distributed.comm import IntermediateTensors
 from kvflow.distributed.parallel_state import ParallelState
+from kvflow.inputs.multimodal import MultiModalFeature
 from kvflow.layers.mrotary import MRotaryEmbedding
 from kvflow.layers.rope_parameters import get_rope_parameters, rope_max_positions
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.models.llama import Qwen2ForCausalLM, get_head_dim
 from kvflow.models.qwen2_vl_vision import Qwen2VisionTransformer
-from kvflow.multimodal_inputs import MultiModalFeature
 
 _RENAMES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 

@@ -73,7 +73,7 @@ def load_chat_media(messages: list[dict], config: MultiModalConfig
             ``max_videos_per_prompt`` (checked before anything is decoded; ``param``
             ``messages``).
     """
-    from kvflow.chat_messages import image_urls, video_urls
+    from kvflow.chat.messages import image_urls, video_urls
 
     parts = {"image": (image_urls(messages), load_image_url, MediaError),
              "video": (video_urls(messages), load_video_url, VideoError)}

@@ -19,6 +19,7 @@ import numpy as np
 from PIL import Image
 
 from kvflow.config import MultiModalConfig
+from kvflow.inputs.multimodal import MultiModalFeature
 from kvflow.multimodal.media import MediaError, check_image
 from kvflow.multimodal.processor_files import (  # noqa: F401 (re-exports: read here before)
     load_image_processor,
@@ -36,7 +37,6 @@ from kvflow.multimodal.video import (
     frames_to_video_patches,
     video_frames,
 )
-from kvflow.multimodal_inputs import MultiModalFeature
 
 
 class VideoNotSupported(ValueError):

@@ -7,8 +7,8 @@ import os
 
 import torch
 
-from kvflow.malloc_env import release_freed_memory
 from kvflow.platforms.base import Platform
+from kvflow.runtime.malloc_env import release_freed_memory
 
 
 class CpuPlatform(Platform):

@@ -47,7 +47,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kvflow.exit_threads import ExitJoinedThread
+from kvflow.runtime.exit_threads import ExitJoinedThread
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +260,7 @@ def prefault_in_background(tensors: list[torch.Tensor], chunk_bytes: int = PREFA
                for t in tensors for plane in _planes(t)):
         return None
     # stopped and joined at exit: ended by the interpreter inside a torch call, the process
-    # aborted (status 134) in about half of the short runs (kvflow/exit_threads.py)
+    # aborted (status 134) in about half of the short runs (kvflow/runtime/exit_threads.py)
     stop = threading.Event()
     thread = ExitJoinedThread(_prefault, ([weakref.ref(t) for t in tensors], chunk_bytes,
                                           first_bytes, gate, stop),

@@ -22,7 +22,7 @@ per round trip vs 21 us on a ThreadPoolExecutor), next to compiles of a millisec
 At interpreter exit every compile thread, abandoned ones included, is waited for until it
 ends (logged after a second; Ctrl-C stops the wait) and no queued compile starts: a compile
 thread that returned from xgrammar while the interpreter finalized aborted the process
-(``terminate called without an active exception``, status 134; ``kvflow/exit_threads.py``),
+(``terminate called without an active exception``, status 134; ``kvflow/runtime/exit_threads.py``),
 and one cannot be stopped; vLLM's compile threads (a ``ThreadPoolExecutor``'s) are waited for
 at exit too.
 """
@@ -36,7 +36,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from kvflow.exit_threads import ExitJoinedThread
+from kvflow.runtime.exit_threads import ExitJoinedThread
 
 
 class CompileTimeoutError(RuntimeError):

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow.close_names import guess_unknown_keywords
+from kvflow.utils.close_names import guess_unknown_keywords
 
 # the constraint fields other than json_object (a flag), in the order ``kind`` reads them
 _SPEC_FIELDS = ("json", "regex", "choice", "grammar", "structural_tag")

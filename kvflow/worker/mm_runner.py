@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvflow.core.request_errors import MULTI_MODAL_DATA
-from kvflow.multimodal_inputs import MultiModalFeature
+from kvflow.inputs.multimodal import MultiModalFeature
 from kvflow.sched_output import SchedulerOutput
 from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.model_inputs import ModelInputs

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvflow.inputs.multimodal import MultiModalFeature
 from kvflow.lora.request import LoRARequest
-from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 

@@ -10,7 +10,7 @@ import torch
 from kvflow.config import parse_bytes
 from kvflow.distributed.kv_transfer import make_kv_connector_worker
 from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
-from kvflow.malloc_env import keep_freed_memory
+from kvflow.runtime.malloc_env import keep_freed_memory
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.draft_timing import time_draft_passes
 from kvflow.worker.forward_pass import split_aux_hidden

@@ -23,11 +23,11 @@ from kvflow.distributed.parallel_state import (
     destroy_parallel_state,
     init_parallel_state,
 )
-from kvflow.gc_heap import freeze_startup_heap
 from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 from kvflow.lora.request import LoRARequest
 from kvflow.models.model_resolver import ModelSource
 from kvflow.platforms import get_platform
+from kvflow.runtime.gc_heap import freeze_startup_heap
 from kvflow.sched_output import DraftGrammar, GrammarBitmask, SchedulerOutput
 from kvflow.worker.model_runner import ModelRunner
 from kvflow.worker.profiler import RankProfiler
@@ -111,7 +111,7 @@ class Worker:
         return self.runner.weight_bytes
 
     def freeze_startup_heap(self) -> int:
-        """Freeze this worker process's heap (:func:`kvflow.gc_heap.freeze_startup_heap`);
+        """Freeze this worker process's heap (:func:`kvflow.runtime.gc_heap.freeze_startup_heap`);
         called by multi-process executors once the engine is set up. Returns the number of
         frozen objects."""
         return freeze_startup_heap(f"rank {self.rank}")

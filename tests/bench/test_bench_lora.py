@@ -12,7 +12,7 @@ import torch
 
 from kvflow.bench.perplexity import windows
 from kvflow.entrypoints.cli import main
-from kvflow.llm import LLM
+from kvflow.offline.llm import LLM
 
 _LORA = ["--enable-lora", "--max-lora-rank", "4"]
 

@@ -18,7 +18,7 @@ from kvflow.config import EngineConfig, SchedulerConfig
 from kvflow.engine import core_proc
 from kvflow.engine.core_proc import EngineCoreProc
 from kvflow.engine.messages import Shutdown
-from kvflow.llm import LLM
+from kvflow.offline.llm import LLM
 from kvflow.request import RequestStatus
 from kvflow.runner_output import ModelRunnerOutput
 from tests.core.sim import FakeClock, SimRequest, assert_idle, make_sim_scheduler, to_request

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvflow.engine_outputs import EngineStats
 from kvflow.lora.request import LoRARequest
-from kvflow.metrics import ServerMetrics
+from kvflow.metrics.server import ServerMetrics
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 
 from kvflow.engine.dp_balancer import DPLoadBalancer, cache_key
+from kvflow.inputs.embeds import PromptEmbeds
+from kvflow.inputs.multimodal import MultiModalFeature
 from kvflow.lora.request import LoRARequest
 from kvflow.models.loader import load_tokenizer
 from kvflow.models.model_resolver import resolve_model
-from kvflow.multimodal_inputs import MultiModalFeature
-from kvflow.prompt_embeds import PromptEmbeds
 
 BS = 4
 LIVE2 = [True, True]

@@ -14,7 +14,7 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.executor.step_codec import StepCodec
-from kvflow.prompt_embeds import check_prompt_embeds
+from kvflow.inputs.embeds import check_prompt_embeds
 from kvflow.sampling_params import SamplingParams as Params
 from kvflow.sched_output import NewRequestData, SchedulerOutput
 from tests.distributed.conftest import SLOW, shutdown_and_check

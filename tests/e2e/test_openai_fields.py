@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
+from kvflow.engine.logprob_tokens import LogprobTokenTexts
 from kvflow.entrypoints import protocol
-from kvflow.logprob_tokens import LogprobTokenTexts
 from tests.conftest import TINY_CHAT_TEMPLATE
 from tests.e2e.conftest import RUNTIME_LORA_ENV, post_at_once, ready_side_by_side
 from tests.lora.adapters import make_adapter

@@ -16,8 +16,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kvflow.chat_messages import ChatTemplateError
-from kvflow.chat_template import render_chat
+from kvflow.chat.messages import ChatTemplateError
+from kvflow.chat.template import render_chat
 from kvflow.models.gguf_tokenizer import load_gguf_tokenizer
 from tests.models.test_gguf_add_bos import MERGES, VOCAB
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvflow import LLM
-from kvflow.score_inputs import pair_prompt
+from kvflow.inputs.score import pair_prompt
 from tests.models.cross_encoder_models import DOCUMENTS, QUERY, build_cross_encoder
 
 TEXT = "the quick brown fox jumps over a lazy dog"

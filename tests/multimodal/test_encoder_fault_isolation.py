@@ -88,7 +88,7 @@ def test_preprocessed_images_that_do_not_hold_what_they_say_are_refused(llm, cha
     """Images handed over preprocessed (``AsyncLLM.add_request``'s ``mm_features``, a
     ``ProcessedPrompt``, the core's queue) are checked before they are queued: was accepted,
     and the step they were encoded in raised (every request of it failed)."""
-    from kvflow.prompt_inputs import ProcessedPrompt
+    from kvflow.inputs.prompts import ProcessedPrompt
     from kvflow.request import Request
 
     engine = llm.engine

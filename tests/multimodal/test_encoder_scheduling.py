@@ -8,7 +8,7 @@ from kvflow.config import SchedulerConfig
 from kvflow.core.encoder_cache_manager import EncoderCacheManager
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.scheduler import Scheduler
-from kvflow.multimodal_inputs import MultiModalFeature
+from kvflow.inputs.multimodal import MultiModalFeature
 from kvflow.request import Request
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sampling_params import SamplingParams

@@ -218,7 +218,7 @@ def test_llava_hf_template_gets_content_parts():
     ``{% generation %}`` tag: it is given the parts (images as ``{"type": "image"}``), as
     vLLM's "openai" content format detection finds it; a template that only prints the
     content is given text."""
-    from kvflow.chat_template import loops_over_content
+    from kvflow.chat.template import loops_over_content
     from tests.multimodal.conftest import LLAVA_CHAT_TEMPLATE
 
     assert loops_over_content(LLAVA_CHAT_TEMPLATE)

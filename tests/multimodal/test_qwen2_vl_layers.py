@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from kvflow.inputs.multimodal import MultiModalFeature
 from kvflow.layers.mrotary import MRotaryEmbedding
 from kvflow.models.qwen2_vl import mrope_input_positions
 from kvflow.models.qwen2_vl_vision import Qwen2VisionTransformer
-from kvflow.multimodal_inputs import MultiModalFeature
 from tests.multimodal.conftest import random_image
 
 

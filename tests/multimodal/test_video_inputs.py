@@ -22,9 +22,9 @@ from PIL import Image
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import MultiModalConfig
+from kvflow.inputs.multimodal import MultiModalFeature
 from kvflow.models.qwen2_vl import mrope_input_positions
 from kvflow.multimodal.video import VideoError, load_video_url
-from kvflow.multimodal_inputs import MultiModalFeature
 from tests.multimodal.conftest import (
     PLACEHOLDER,
     VIDEO_PLACEHOLDER,

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from kvflow.chat_tool_calls import ToolCalls
+from kvflow.chat.tool_calls import ToolCalls
 from kvflow.entrypoints.protocol.base import INT32_MAX, RequestModel, request_limit
 from kvflow.entrypoints.protocol.sampling import SamplingRequest
 
@@ -100,7 +100,7 @@ class ContentPart(RequestModel):
     ``input_text`` / ``output_text`` parts' ``text``, as vLLM takes them) is rendered; ``image_url``
     and ``video_url`` parts are images and videos for a vision-language model (a 400 for a
     text-only one); other types
-    (audio, files) are a 400 naming the part (kvflow/chat_messages.py). A key other than
+    (audio, files) are a 400 naming the part (kvflow/chat/messages.py). A key other than
     ``type`` and the declared ones is a 400 naming it (``messages.0.content.0.foo``), except
     the payload of an undeclared type (``input_audio`` of an ``input_audio`` part), which is
     dropped so that the part is refused for its type. A part carries only its own type's
@@ -133,7 +133,7 @@ class ContentPart(RequestModel):
 
 
 # An earlier assistant turn's calls (ToolCalls: CalledFunction, MessageToolCall) are defined with
-# the conversation's other tool-call checks in kvflow/chat_tool_calls.py, which LLM.chat runs too.
+# the conversation's other tool-call checks in kvflow/chat/tool_calls.py, which LLM.chat runs too.
 
 
 class ChatMessage(RequestModel):
@@ -142,7 +142,7 @@ class ChatMessage(RequestModel):
     ``chat_messages.check_message_fields``). ``tool_calls`` (assistant turns only) and a tool
     turn's ``tool_call_id`` (required on tool turns, as OpenAI requires it) reach the
     template; OpenAI's and vLLM's other keys (``name``, ...) reach it unchecked, any other key
-    only when the template reads it (kvflow/chat_template.py). ``parsed`` (assistant turns
+    only when the template reads it (kvflow/chat/template.py). ``parsed`` (assistant turns
     only) is the official ``openai`` client's reading of a reply's ``content``
     (``chat.completions.parse``), which it sends back with the message: any value is taken,
     and left out of the template's conversation (``content`` is the turn)."""

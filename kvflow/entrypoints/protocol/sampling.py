@@ -97,7 +97,7 @@ class RepetitionDetection(RequestModel):
     """vLLM 0.32's ``repetition_detection``: the request finishes with reason
     ``repetition`` (stop reason ``"repetition_detected"``) once its generated tokens end with
     an n-gram of ``min_pattern_size`` (0: 1) to ``max_pattern_size`` tokens repeated
-    ``min_count`` times in a row (``kvflow/repetition_detection.py``); ``max_pattern_size``
+    ``min_count`` times in a row (``kvflow/sampling/repetition_detection.py``); ``max_pattern_size``
     0 turns it off. A key it does not declare is a 400 naming
     ``repetition_detection.<key>``; the rules between the fields (``min_pattern_size`` <=
     ``max_pattern_size``, ``min_count`` >= 2 while on) a 400 naming the field."""

@@ -24,10 +24,10 @@ class ScoreRequest(RequestBody):
     ``score_fields``); ``truncate_prompt_tokens`` cuts each pair to that many tokens (the
     longer text first, each keeping its first tokens; vLLM's ``truncation_side``
     ``"left"`` / ``"right"`` cuts the whole encoding to its last / first N:
-    ``kvflow.score_inputs.pair_prompt``; an embedding model cuts each text as
+    ``kvflow.inputs.score.pair_prompt``; an embedding model cuts each text as
     /v1/embeddings does) instead of refusing a pair longer than the context; vLLM 0.32's
     ``max_tokens_per_query`` / ``max_tokens_per_doc`` (0: no cut) first cut each first /
-    second text to that many tokens (``kvflow.score_inputs.cut_text``); vLLM's
+    second text to that many tokens (``kvflow.inputs.score.cut_text``); vLLM's
     ``request_id`` names the reply (``id``: ``score-{request_id}``) and ``priority``
     orders the waiting queue (needs ``--policy priority`` or ``fair``); vLLM 0.32's
     ``padding`` ``"max_length"`` pads each pair's ids (an embedding model's: each text's)

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.chat_messages import arguments_object
-from kvflow.chat_tools_text import tools_listing
+from kvflow.chat.messages import arguments_object
+from kvflow.chat.tools_text import tools_listing
 from kvflow.entrypoints.json_spans import object_members, skip_ws
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvflow.chat_tools_text import arguments_text, tools_listing
+from kvflow.chat.tools_text import arguments_text, tools_listing
 from kvflow.entrypoints.json_spans import skip_ws
 from kvflow.entrypoints.tool_parsers.marked_blocks import FUNCTION_NAME, MarkedBlocksToolParser
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvflow.chat_tools_text import HermesToolText
+from kvflow.chat.tools_text import HermesToolText
 from kvflow.entrypoints.json_spans import skip_ws
 from kvflow.entrypoints.tool_parsers.base import (
     ParsedCall,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvflow.chat_tools_text import call_json, tools_listing
+from kvflow.chat.tools_text import call_json, tools_listing
 from kvflow.entrypoints.tool_parsers.base import (
     ParsedOutput,
     ToolParser,

@@ -20,7 +20,7 @@ import re
 import uuid
 from typing import Any
 
-from kvflow.chat_tools_text import call_json
+from kvflow.chat.tools_text import call_json
 from kvflow.entrypoints.json_spans import object_members, skip_ws
 from kvflow.entrypoints.tool_parsers.base import (
     ParsedCall,

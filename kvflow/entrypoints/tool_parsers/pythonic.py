@@ -20,7 +20,7 @@ import json
 import re
 from typing import Any
 
-from kvflow.chat_messages import arguments_object
+from kvflow.chat.messages import arguments_object
 from kvflow.entrypoints.tool_parsers.base import ParsedCall, ParsedOutput, ToolParser
 
 # every prefix of "[ name (" followed by anything: what a call list may still become

@@ -18,7 +18,7 @@ import math
 import re
 from typing import Any
 
-from kvflow.chat_tools_text import tools_listing
+from kvflow.chat.tools_text import tools_listing
 from kvflow.entrypoints.json_spans import skip_ws
 from kvflow.entrypoints.tool_parsers.base import (
     ParsedCall,
