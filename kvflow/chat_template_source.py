@@ -1,7 +1,7 @@
 """Where a chat template comes from, checked before it is used: a ``--chat-template`` value
 (a Jinja file, or the template itself, as vLLM's flag takes it) read and compiled at start-up,
 and the model's own template compiled at start-up so that a broken one is reported then, not
-on the first chat request. Rendering lives in ``chat_template.py``.
+on the first chat request. Rendering lives in ``kvflow/chat/template.py``.
 """
 
 from __future__ import annotations

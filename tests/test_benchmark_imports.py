@@ -104,8 +104,8 @@ def test_the_check_finds_a_moved_name(tmp_path: Path) -> None:
                       "from kvflow import config\n"
                       "import kvflow.no_such_module\n"
                       "from kvflow.runtime.gc_heap import freeze_startup_heap, no_such_name\n")
-    assert sorted(missing_imports(script)) == ["kvflow.runtime.gc_heap.no_such_name",
-                                               "kvflow.no_such_module",
+    assert sorted(missing_imports(script)) == ["kvflow.no_such_module",
+                                               "kvflow.runtime.gc_heap.no_such_name",
                                                "tests.e2e.conftest.TINY_CHAT_TEMPLATE"]
     module = tmp_path / "m.py"
     module.write_text("try:\n    import numpy as np\nexcept ImportError:\n    fast = None\n")

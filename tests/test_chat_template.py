@@ -358,7 +358,7 @@ def test_llm_chat_part_keys_are_checked(tok, part, key):
 def test_served_tool_call_index_checked_before_calls_become_text(tiny_tokenizer, index,
                                                                    param):
     """Over HTTP, a template that never reads tool_calls gets them as the tool parser's text
-    (``chat_tools_text.with_calls_as_text``) before the conversation is normalized: a call's echoed
+    (``chat.tools_text.with_calls_as_text``) before the conversation is normalized: a call's echoed
     ``index`` is still checked (a wrong one was accepted, HTTP 200) and a right one renders."""
     from kvflow.config import ServerConfig
     from kvflow.entrypoints.chat_options import ChatOptions

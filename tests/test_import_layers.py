@@ -1,7 +1,7 @@
 """The layering rule, checked on the source: no module imports one that runs above it.
 
 Layers, top to bottom (docs/architecture.md, "Where things live"): entrypoints and bench ->
-the offline API (llm.py) -> engine (processes, input/output processing, metrics) -> core
+the offline API (offline/) -> engine (processes, input/output processing, metrics) -> core
 (scheduler, KV-cache manager, structured output) -> executor -> worker -> models ->
 layers/attention -> kernels and distributed (process groups, collectives) -> platforms ->
 foundation (config and the pure-data modules that cross boundaries). A module may import its

@@ -1,7 +1,7 @@
 """A conversation's messages checked and normalized as a chat template sees them.
 
 Messages are normalized as OpenAI clients send them and as vLLM renders them ("string" content
-format); rendering them is ``chat_template.py``'s job:
+format); rendering them is ``template.py``'s job:
 
 * ``content`` must be sent, except on an assistant turn that calls tools, and a tool turn
   needs ``tool_call_id``, a non-empty string (OpenAI's rules, ``check_message_fields``);

@@ -1,7 +1,7 @@
 """Conversations -> prompt text through the model's (or the caller's) chat template.
 
 Shared by ``LLM.chat``, ``/v1/chat/completions`` and ``/tokenize``, so a conversation renders
-the same everywhere. The messages are checked and normalized first (``chat_messages.py``:
+the same everywhere. The messages are checked and normalized first (``messages.py``:
 ``content`` required and null as ``""``, content parts joined, or kept as parts for a template
 that loops over a message's content, images as the model's placeholder, tool-call arguments
 parsed); ``ChatTemplateError``, defined there, is every error of both. A developer message

@@ -242,7 +242,7 @@ def chat_response_format(fmt: Any) -> dict[str, Any] | None:
 
 
 def input_items(input_: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``input`` (already read by ``chat_messages``) as OpenAI lists it back (GET
+    """``input`` (already read by ``kvflow.chat.messages``) as OpenAI lists it back (GET
     /v1/responses/{id}/input_items): each item with an ``id`` (its own, else a new
     ``msg_`` / ``fc_`` / ``fco_`` / ``rs_`` one) and ``status`` ``completed``; a string is
     one user message; message content as parts (``input_text`` for user / system /

@@ -170,7 +170,7 @@ class ServerMetrics:
 
     def enable_lora_info(self, max_loras: int) -> None:
         """LoRA serving is on (``--enable-lora``, ``max_loras`` adapters a step): export vLLM's
-        ``lora_requests_info`` gauge, set by each engine report (``metrics_lora.py``)."""
+        ``lora_requests_info`` gauge, set by each engine report (``metrics/lora.py``)."""
         if self.lora_info is None:
             self.lora_info = LoraInfoMetrics(self.registry, self.model_name, max_loras)
         self.lora_info.max_loras = max_loras

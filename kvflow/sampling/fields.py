@@ -1,4 +1,4 @@
-"""``SamplingParams``' own checks of its fields, which need no model (``sampling_checks.py``
+"""``SamplingParams``' own checks of its fields, which need no model (``inputs/sampling_checks.py``
 checks a request's parameters against the model): their types, values and ranges,
 ``logit_bias`` and ``extra_args``. Each error names the field (``SamplingParams.NAME=VALUE is
 invalid: ...``)."""
