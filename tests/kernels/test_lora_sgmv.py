@@ -100,7 +100,10 @@ def test_fused_qkv_slices_through_the_dispatching_op():
     x = torch.randn(len(slots), 32, generator=gen).to(DEVICE)
     y = torch.randn(len(slots), 64, generator=gen).to(DEVICE)
     mapping = make_mapping(slots, DEVICE)
-    out = GroupedLoRA("triton").forward_cuda(y.clone(), x, layer.lora_a, layer.lora_b, mapping)
+    # contiguous: on CPU the layer keeps B as the transpose of [L, R, out] (its native kernel's
+    # layout); the CUDA path's kernel takes [L, out, R] with unit-stride rows, as on CUDA
+    out = GroupedLoRA("triton").forward_cuda(y.clone(), x, layer.lora_a,
+                                             layer.lora_b.contiguous(), mapping)
     exact = y.double().cpu()
     for t, slot in enumerate(slots):
         for shard, (a, b) in weights.get(int(slot), {}).items():
