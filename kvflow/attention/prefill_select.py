@@ -38,6 +38,7 @@ import torch
 from kvflow.attention.backend import AttentionMetadata
 from kvflow.config import cache_dir, cpu_attention_choice
 from kvflow.kernels.cpu_native import NativeCpuKernels
+from kvflow.kernels.cpu_timing import alternating_cpu_seconds
 from kvflow.kernels.gemm_timing import cache_key
 from kvflow.kernels.timings_file import read_timings, write_timings
 
@@ -127,22 +128,7 @@ def time_prefill(shape: PrefillShape, length: int, kernels: NativeCpuKernels
                  ) -> dict[str, float]:
     """CPU seconds per call of each candidate of :func:`prefill_calls` on one thread: the
     minimum over REPEATS passes, the candidates alternating, after one warm-up call each."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        calls = prefill_calls(shape, length, kernels)
-        with torch.inference_mode():
-            for call in calls.values():
-                call()
-            best = dict.fromkeys(calls, math.inf)
-            for _ in range(REPEATS):
-                for name, call in calls.items():
-                    start = time.process_time()
-                    call()
-                    best[name] = min(best[name], time.process_time() - start)
-        return best
-    finally:
-        torch.set_num_threads(threads)
+    return alternating_cpu_seconds(lambda: prefill_calls(shape, length, kernels), REPEATS)
 
 
 class PrefillTimings:

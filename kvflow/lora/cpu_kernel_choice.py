@@ -30,7 +30,6 @@ rank 64 (docs/benchmarks.md, session 50, eager LoRA).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ import torch
 
 from kvflow.config import cache_dir, cpu_lora_choice
 from kvflow.kernels.cpu_native import NativeCpuKernels
+from kvflow.kernels.cpu_timing import alternating_cpu_seconds
 from kvflow.kernels.gemm_select import GRAPH_MARGIN
 from kvflow.kernels.gemm_timing import cache_key
 from kvflow.kernels.timings_file import read_timings, write_timings
@@ -120,24 +120,7 @@ def time_lora(shape: LoRAShape, rows: int, kernels: NativeCpuKernels | None
     hold here: timings are cached for good, and process CPU time on one thread is what other
     processes on a shared machine change least)."""
     repeats, per_pass = (REPEATS, CALLS) if rows < EAGER_ROWS else (EAGER_REPEATS, EAGER_CALLS)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        calls = lora_calls(shape, rows, kernels)
-        with torch.inference_mode():
-            for call in calls.values():
-                call()
-            best = dict.fromkeys(calls, math.inf)
-            for _ in range(repeats):
-                for name, call in calls.items():
-                    start = time.process_time()
-                    for _ in range(per_pass):
-                        call()
-                    best[name] = min(best[name], (time.process_time() - start) / per_pass)
-        # a pass faster than the clock's tick reads 0: count it as one tick
-        return {name: max(s, 1e-9) for name, s in best.items()}
-    finally:
-        torch.set_num_threads(threads)
+    return alternating_cpu_seconds(lambda: lora_calls(shape, rows, kernels), repeats, per_pass)
 
 
 class LoRATimings:
