@@ -20,6 +20,7 @@ import xgrammar as xgr
 
 from kvflow import LLM, SamplingParams
 from kvflow.structured import StructuredOutputsParams
+from tests.test_structured_counts import _tag as format_tag
 
 LENGTH = {"type": "string", "minLength": 1, "maxLength": 8}
 
@@ -38,14 +39,6 @@ def _object(value: dict) -> dict:
     return {"type": "object", "properties": {"s": value}, "required": ["s"]}
 
 
-def _format_tag(schema: dict, style: str | None = None) -> str:
-    content = {"type": "json_schema", "json_schema": schema}
-    if style is not None:
-        content["style"] = style
-    return json.dumps({"type": "structural_tag", "format": {
-        "type": "tag", "begin": "<t>", "content": content, "end": "</t>"}})
-
-
 def _legacy_tag(schema: dict) -> str:
     return json.dumps({"structures": [{"begin": "<t>", "schema": schema, "end": "</t>"}],
                        "triggers": ["<t>"]})
@@ -56,9 +49,9 @@ PATHS = [
     ("json", lambda s: StructuredOutputsParams(json=_object(s)), lambda b: b'{"s": ' + b + b"}"),
     ("legacy_tag", lambda s: StructuredOutputsParams(structural_tag=_legacy_tag(_object(s))),
      lambda b: b'<t>{"s": ' + b + b"}</t>"),
-    ("format_tag", lambda s: StructuredOutputsParams(structural_tag=_format_tag(_object(s))),
+    ("format_tag", lambda s: StructuredOutputsParams(structural_tag=format_tag(_object(s))),
      lambda b: b'<t>{"s": ' + b + b"}</t>"),
-    ("format_tag_xml_nested", lambda s: StructuredOutputsParams(structural_tag=_format_tag(
+    ("format_tag_xml_nested", lambda s: StructuredOutputsParams(structural_tag=format_tag(
         _object({"type": "array", "items": s}), "qwen_xml")),
      lambda b: b"<t><parameter=s>\n[" + b + b"]\n</parameter>\n</t>"),
 ]
@@ -115,7 +108,7 @@ def test_format_tag_length_limited_outputs_parse(llm):
     characters; a ``format`` tag's JSON takes any whitespace, so some run to ``max_tokens``),
     every finished structure's JSON loads and meets the schema."""
     schema = _object({"type": "string", "minLength": 3, "maxLength": 5})
-    tag = _format_tag(schema)
+    tag = format_tag(schema)
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=64,
                              structured_outputs=StructuredOutputsParams(structural_tag=tag))
               for i in range(12)]
@@ -132,7 +125,7 @@ def test_format_tag_arrays_without_items_take_any_items(backend, style):
     """A ``format`` tag's schema gets the same ``"items": true`` as a ``json`` constraint's
     (``xgrammar_convert.open_arrays``): xgrammar took only ``[]`` for ``maxItems`` 3."""
     schema = _object({"type": "array", "maxItems": 3})
-    params = StructuredOutputsParams(structural_tag=_format_tag(schema, style))
+    params = StructuredOutputsParams(structural_tag=format_tag(schema, style))
     text = (b'<t>{"s": ' + b"%s" + b"}</t>") if style is None else \
         b"<t><parameter=s>\n%s\n</parameter>\n</t>"
     assert _accepts(backend, params, text % b'[1, "a"]')
