@@ -28,7 +28,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,9 +37,8 @@ import torch
 from kvflow.attention.backend import AttentionMetadata
 from kvflow.config import cache_dir, cpu_attention_choice
 from kvflow.kernels.cpu_native import NativeCpuKernels
-from kvflow.kernels.cpu_timing import alternating_cpu_seconds
+from kvflow.kernels.cpu_timing import CachedTimings, alternating_cpu_seconds
 from kvflow.kernels.gemm_timing import cache_key
-from kvflow.kernels.timings_file import read_timings, write_timings
 
 logger = logging.getLogger(__name__)
 
@@ -131,38 +129,24 @@ def time_prefill(shape: PrefillShape, length: int, kernels: NativeCpuKernels
     return alternating_cpu_seconds(lambda: prefill_calls(shape, length, kernels), REPEATS)
 
 
-class PrefillTimings:
+class PrefillTimings(CachedTimings):
     """Seconds per timed call by (shape, candidate, length class), measured on demand by
-    ``measure`` (default :func:`time_prefill`) and cached in a JSON file (written by rename;
-    entries another process saved meanwhile are kept)."""
+    ``measure`` (default :func:`time_prefill`) and cached
+    (:class:`kvflow.kernels.cpu_timing.CachedTimings`)."""
 
     def __init__(self, path: Path, kernels: NativeCpuKernels | None,
                  measure: Callable[[PrefillShape, int, NativeCpuKernels | None],
                                    dict[str, float]] | None = None) -> None:
-        self.path, self.kernels = path, kernels
-        self.measure = measure or time_prefill
-        self.seconds = read_timings(path)
-        self.measuring_s = 0.0  # spent timing in this process
+        super().__init__(path, kernels, measure or time_prefill, CANDIDATES, LENGTH_CLASSES,
+                         "attention timings")
 
     def get(self, shape: PrefillShape) -> dict[int, dict[str, float]]:
         """length class -> candidate -> seconds per call, timing the missing classes."""
-        missing = [n for n in LENGTH_CLASSES
-                   if any(shape.key(c, n) not in self.seconds for c in CANDIDATES)]
-        if missing:
-            start = time.perf_counter()
-            for length in missing:
-                measured = self.measure(shape, length, self.kernels)
-                self.seconds.update({shape.key(c, length): measured[c] for c in CANDIDATES})
-            self.measuring_s += time.perf_counter() - start
-            self._save()
+        if self.measure_missing(shape):
+            logger.info("timed CPU prefill attention in %.2f s (cached in %s)",
+                        self.measuring_s, self.path)
         return {n: {c: self.seconds[shape.key(c, n)] for c in CANDIDATES}
                 for n in LENGTH_CLASSES}
-
-    def _save(self) -> None:
-        logger.info("timed CPU prefill attention in %.2f s (cached in %s)", self.measuring_s,
-                    self.path)
-        write_timings(self.path, {**read_timings(self.path, warn=False), **self.seconds},
-                      "attention timings")
 
 
 def prefill_timings(kernels: NativeCpuKernels) -> PrefillTimings:

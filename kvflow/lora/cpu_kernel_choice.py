@@ -30,7 +30,6 @@ rank 64 (docs/benchmarks.md, session 50, eager LoRA).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,10 +39,9 @@ import torch
 
 from kvflow.config import cache_dir, cpu_lora_choice
 from kvflow.kernels.cpu_native import NativeCpuKernels
-from kvflow.kernels.cpu_timing import alternating_cpu_seconds
+from kvflow.kernels.cpu_timing import CachedTimings, alternating_cpu_seconds
 from kvflow.kernels.gemm_select import GRAPH_MARGIN
 from kvflow.kernels.gemm_timing import cache_key
-from kvflow.kernels.timings_file import read_timings, write_timings
 
 logger = logging.getLogger(__name__)
 
@@ -123,31 +121,19 @@ def time_lora(shape: LoRAShape, rows: int, kernels: NativeCpuKernels | None
     return alternating_cpu_seconds(lambda: lora_calls(shape, rows, kernels), repeats, per_pass)
 
 
-class LoRATimings:
+class LoRATimings(CachedTimings):
     """Seconds per call by (shape, candidate, row class), measured on demand by ``measure``
-    (default :func:`time_lora`) and cached in a JSON file (written by rename; entries another
-    process saved meanwhile are kept)."""
+    (default :func:`time_lora`) and cached (:class:`kvflow.kernels.cpu_timing.CachedTimings`)."""
 
     def __init__(self, path: Path, kernels: NativeCpuKernels | None,
                  measure: Measure | None = None) -> None:
-        self.path, self.kernels = path, kernels
-        self.measure = measure or time_lora
-        self.seconds = read_timings(path)
-        self.measuring_s = 0.0  # spent timing in this process
+        super().__init__(path, kernels, measure or time_lora, CANDIDATES, TIMED_ROWS,
+                         "LoRA timings")
 
     def get(self, shape: LoRAShape) -> dict[str, dict[int, float]]:
         """candidate -> row class (:data:`TIMED_ROWS`) -> seconds per call, timing the
         missing classes."""
-        missing = [n for n in TIMED_ROWS
-                   if any(shape.key(c, n) not in self.seconds for c in CANDIDATES)]
-        if missing:
-            start = time.perf_counter()
-            for rows in missing:
-                measured = self.measure(shape, rows, self.kernels)
-                self.seconds.update({shape.key(c, rows): measured[c] for c in CANDIDATES})
-            self.measuring_s += time.perf_counter() - start
-            write_timings(self.path, {**read_timings(self.path, warn=False), **self.seconds},
-                          "LoRA timings")
+        self.measure_missing(shape)
         return {c: {n: self.seconds[shape.key(c, n)] for n in TIMED_ROWS} for c in CANDIDATES}
 
 
