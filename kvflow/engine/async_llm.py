@@ -30,6 +30,7 @@ from kvflow.config import EngineConfig
 from kvflow.core.sleep_mode import EngineSleep
 from kvflow.engine.async_llm_calls import AsyncLLMCalls
 from kvflow.engine.async_llm_generate import AsyncLLMGenerate
+from kvflow.engine.async_llm_pooling import AsyncLLMPooling
 from kvflow.engine.async_llm_shutdown import AsyncLLMShutdown
 from kvflow.engine.completed import COMPLETED, Completed
 from kvflow.engine.core_client import CoreProcess, ReplicaState
@@ -65,7 +66,6 @@ from kvflow.inputs.reasoning import OfflineReasoning, ReasoningOptions
 from kvflow.lora.request import LoRARequest
 from kvflow.metrics.request_stats import RequestStatsTracker
 from kvflow.metrics.server import ServerMetrics
-from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
@@ -76,7 +76,7 @@ __all__ = ["AdmissionRejected", "AsyncLLM", "EngineDeadError", "EngineShutdownEr
            "collect"]
 
 
-class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
+class AsyncLLM(AsyncLLMGenerate, AsyncLLMPooling, AsyncLLMCalls, AsyncLLMShutdown):
     """Engine client for the server: starts the engine-core process(es) and streams outputs.
 
     With ``data_parallel_size = N`` it runs N engine-core processes (replicas, each a whole
@@ -344,33 +344,6 @@ class AsyncLLM(AsyncLLMGenerate, AsyncLLMCalls, AsyncLLMShutdown):
         """
         if stream.admitted is not None:
             await stream.admitted
-
-    def add_pooling_request(self, request_id: str, prompt: str | None,
-                            prompt_token_ids: list[int], params: PoolingParams | None = None,
-                            client_id: str = "", priority: int = 0,
-                            data_parallel_rank: int | None = None) -> RequestStream:
-        """Validate and queue one embedding request; its stream ends with one
-        ``EmbeddingRequestOutput``. ``client_id`` names the sender for the fair policy,
-        ``priority`` its place under the priority policy (lower first),
-        ``data_parallel_rank`` the replica it must run on (None: the balancer chooses).
-
-        Raises:
-            ValueError: on a generation model, for a bad prompt, ``params`` or
-                ``dimensions``, a request id that is not a string, a ``priority`` that is not
-                an integer or is nonzero under a policy that does not read it, or a
-                ``data_parallel_rank`` that is not an integer or is outside the replicas.
-            EngineDeadError: if no replica is running, or the pinned one is not.
-        """
-        check_request_args(request_id, priority, None, data_parallel_rank)
-        if params is not None and not isinstance(params, PoolingParams):
-            raise ValueError(
-                f"params must be a PoolingParams or None, got {type(params).__name__}")
-        self.config.scheduler_config.check_priority(priority)
-        self._check_serving()
-        arrival = time.monotonic()
-        request = self.processor.make_pooling_request(request_id, prompt_token_ids, params,
-                                                      arrival, client_id, priority)
-        return self._queue(request_id, prompt, [request], arrival, data_parallel_rank)
 
     def abort(self, request_id: str | Iterable[str]) -> Completed:
         """Stop a request now, or each of several ids (vLLM's ``str | Iterable[str]``):
