@@ -4,9 +4,11 @@ native bf16 matmuls."""
 from __future__ import annotations
 
 import os
+import platform
 
 import torch
 
+from kvflow.config.cpu_isa import cpu_features
 from kvflow.platforms.base import Platform
 from kvflow.runtime.malloc_env import release_freed_memory
 
@@ -34,13 +36,15 @@ class CpuPlatform(Platform):
         return torch.bfloat16 if self.has_native_matmul(torch.bfloat16) else torch.float32
 
     def has_native_matmul(self, dtype: torch.dtype) -> bool:
-        """bf16 needs AVX512-BF16 or AMX, fp16 AVX512-FP16 or AMX-FP16 (as oneDNN reports)."""
+        """bf16 needs AVX512-BF16 or AMX, fp16 AVX512-FP16 or AMX-FP16 (as oneDNN reports;
+        for bf16 on x86 also the CPU's own flags: :func:`x86_lacks_bf16_units`)."""
         if dtype == torch.float32:
             return True
         if not torch.backends.mkldnn.is_available():
             return False
         if dtype == torch.bfloat16:
-            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) \
+                and not x86_lacks_bf16_units(cpu_features(), platform.machine())
         if dtype == torch.float16:
             return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
         return False
@@ -66,6 +70,24 @@ class CpuPlatform(Platform):
 
 
 MEMINFO = "/proc/meminfo"
+# /proc/cpuinfo flags of x86 bf16 dot-product units (AVX512-BF16: Zen 4/5, Cooper Lake and
+# later Xeons; AMX-BF16: Sapphire Rapids and later)
+X86_BF16_UNIT_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def x86_lacks_bf16_units(features: frozenset[str], machine: str) -> bool:
+    """Whether an x86 CPU (``machine``: ``platform.machine()``, e.g. ``x86_64``) with the
+    ``/proc/cpuinfo`` flags ``features`` has no bf16 matmul units (none of
+    :data:`X86_BF16_UNIT_FLAGS`); False off x86 and where the flags are unknown (empty).
+
+    Why: oneDNN (torch's ``_is_mkldnn_bf16_supported``) reports bf16 on any AVX512 core and
+    emulates it there. On a 2-core Ice Lake Xeon (avx512f, no avx512_bf16) oneDNN's bf16
+    GEMMs ran 2.4-2.7x slower than kvflow's bf16 GEMM at 64 and 2,048 rows (SmolLM2's four
+    layer shapes), and ``--dtype auto`` spent ~18 CPU s of a first start timing bf16 against
+    fp32 to pick fp32 anyway (docs/benchmarks.md, session 51)."""
+    if machine.lower() not in ("x86_64", "amd64") or not features:
+        return False
+    return not features & X86_BF16_UNIT_FLAGS
 
 
 def host_memory_bytes() -> int:
