@@ -43,12 +43,14 @@ def resolve_dtype(requested: str, hf_config, platform,
 
 
 def cpu_dtype_measure(platform: Platform, device_config: DeviceConfig, hf_config: Any,
-                      max_num_batched_tokens: int | None = None
+                      max_num_batched_tokens: int | None = None,
+                      max_num_seqs: int | None = None
                       ) -> Callable[[torch.dtype], torch.dtype] | None:
     """On CPU, ``--dtype auto`` picks between the 16-bit dtype and fp32 by timing the
     model's GEMMs at the engine's thread count and row classes (the prefill class from
-    ``max_num_batched_tokens``, as ``--cpu-gemm auto`` times it, so both read one timings
-    file; kernels/gemm_select.py); None elsewhere."""
+    ``max_num_batched_tokens``, the LM head's up to ``max_num_seqs`` rows, as ``--cpu-gemm
+    auto`` times them, so both read one timings file; kernels/gemm_select.py); None
+    elsewhere."""
     if platform.name != "cpu":
         return None
     choice = cpu_gemm_choice(device_config.cpu_gemm)
@@ -57,6 +59,6 @@ def cpu_dtype_measure(platform: Platform, device_config: DeviceConfig, hf_config
         native_cpu_kernels(device_config.native_kernel_flags())  # a failure names them
         with cpu_thread_count(device_config.cpu_threads):
             return measure_cpu_dtype(hf_config, half, choice, platform.prepacks_gemm_weights,
-                                     row_classes(max_num_batched_tokens))
+                                     row_classes(max_num_batched_tokens), max_num_seqs)
 
     return measure

@@ -101,7 +101,8 @@ class EngineCoreStartup:
         sc = self.config.scheduler_config  # its step budget: set by _init_platform
         self.dtype = resolve_dtype(self.config.model_config.dtype, self.hf_config, self.platform,
                                    cpu_dtype_measure(self.platform, self.config.device_config,
-                                                     self.hf_config, sc.max_num_batched_tokens))
+                                                     self.hf_config, sc.max_num_batched_tokens,
+                                                     sc.max_num_seqs))
         pc = self.config.parallel_config
         pc.verify_with_model(self.hf_config)
         if self.config.model_config.quantization == "gguf" and source.kind == "gguf":

@@ -40,7 +40,13 @@ from dataclasses import dataclass
 import torch
 
 from kvflow.kernels.cpu_native import NativeCpuKernels
-from kvflow.kernels.gemm_timing import ROW_CLASSES, GemmShape, GemmTimings, gemm_timings
+from kvflow.kernels.gemm_timing import (
+    ROW_CLASSES,
+    GemmShape,
+    GemmTimings,
+    gemm_timings,
+    head_row_classes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -179,8 +185,8 @@ def choose(shape: GemmShape, candidates: tuple[str, ...], timings: GemmTimings |
 
 def transformer_gemm_shapes(hf_config) -> list[tuple[int, int, int]] | None:
     """(n, k, count) of each GEMM of a dense decoder (q/k/v, o, gate/up, down per layer, the LM
-    head once) from its HF config, or None when the config is not of that kind (MoE, missing
-    sizes)."""
+    head once, last) from its HF config, or None when the config is not of that kind (MoE,
+    missing sizes)."""
     get = lambda name: getattr(hf_config, name, None)
     hidden, inter, layers = get("hidden_size"), get("intermediate_size"), get("num_hidden_layers")
     heads, vocab = get("num_attention_heads"), get("vocab_size")
@@ -193,38 +199,58 @@ def transformer_gemm_shapes(hf_config) -> list[tuple[int, int, int]] | None:
             (2 * inter, hidden, layers), (hidden, inter, layers), (vocab, hidden, 1)]
 
 
+def head_candidates(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[str, ...]:
+    """The kernels an LM head of ``dtype`` may run, of ``candidates`` (its layers'): a 16-bit
+    head only ``native`` where that is one (its logits stay the fp32 accumulation; oneDNN's
+    16-bit GEMM rounds them: ``pack_logits_head``), an fp32 head any."""
+    return ("native",) if dtype != torch.float32 and "native" in candidates else candidates
+
+
 def estimated_step_seconds(shapes: list[tuple[int, int, int]], dtype: torch.dtype,
-                           candidates: tuple[str, ...], timings: GemmTimings) -> dict[int, float]:
+                           candidates: tuple[str, ...], timings: GemmTimings,
+                           head_rows: tuple[int, ...] | None = None) -> dict[int, float]:
     """Seconds of a forward pass's GEMMs at each row class of ``timings.rows`` with the fastest
-    candidate per shape (what :func:`choose_dtype` compares)."""
+    candidate per shape (what :func:`choose_dtype` compares). With ``head_rows`` the last of
+    ``shapes`` is the LM head (:func:`transformer_gemm_shapes`): it counts only at those row
+    classes (the sampled rows it gets, :func:`~kvflow.kernels.gemm_timing.head_row_classes`;
+    a prefill chunk's head call has a few rows, not the chunk's) and with
+    :func:`head_candidates`' kernels."""
     total = dict.fromkeys(timings.rows, 0.0)
-    for n, k, count in shapes:
-        per = list(timings.get_all(GemmShape(n, k, dtype), candidates).values())
-        for rows in timings.rows:
-            total[rows] += count * min(t[rows] for t in per)
+    for i, (n, k, count) in enumerate(shapes):
+        head = head_rows is not None and i == len(shapes) - 1
+        rows = head_rows if head else timings.rows
+        kernels = head_candidates(dtype, candidates) if head else candidates
+        per = list(timings.get_all(GemmShape(n, k, dtype), kernels, rows).values())
+        for r in rows:
+            total[r] += count * min(t[r] for t in per)
     return total
 
 
 def choose_dtype(shapes: list[tuple[int, int, int]],
-                 candidates: dict[torch.dtype, tuple[str, ...]], timings: GemmTimings
-                 ) -> torch.dtype:
+                 candidates: dict[torch.dtype, tuple[str, ...]], timings: GemmTimings,
+                 head_rows: tuple[int, ...] | None = None) -> torch.dtype:
     """The dtype (a key of ``candidates``, which maps each to its kernels) whose GEMMs run a
     forward pass of ``shapes`` fastest: lowest sum over row classes of its time relative to the
-    fastest dtype's. Ties keep the first key."""
-    step = {d: estimated_step_seconds(shapes, d, c, timings) for d, c in candidates.items()}
+    fastest dtype's. Ties keep the first key. ``head_rows``: the LM head's row classes
+    (:func:`estimated_step_seconds`; None: the head counts as a layer shape)."""
+    step = {d: estimated_step_seconds(shapes, d, c, timings, head_rows)
+            for d, c in candidates.items()}
     fastest = {rows: min(s[rows] for s in step.values()) for rows in timings.rows}
     return min(step, key=lambda d: sum(step[d][r] / fastest[r] for r in timings.rows))
 
 
 def measure_cpu_dtype(hf_config, half: torch.dtype, choice: str,
                       onednn_packs: Callable[[torch.dtype], bool],
-                      rows: tuple[int, ...] = ROW_CLASSES) -> torch.dtype:
+                      rows: tuple[int, ...] = ROW_CLASSES,
+                      max_num_seqs: int | None = None) -> torch.dtype:
     """``--dtype auto`` on a CPU with native ``half`` (bf16/fp16) matmul units: ``half`` or
     float32, whichever runs the model's GEMMs (:func:`transformer_gemm_shapes`) faster with
     the kernels ``choice`` allows (:func:`choose_dtype`; timings cached) at the row classes
-    ``rows`` (the engine's: :func:`~kvflow.kernels.gemm_timing.row_classes`). ``half`` when
-    the model's shapes are unknown. ``onednn_packs(dtype)``: whether oneDNN may pack
-    ``dtype``."""
+    ``rows`` (the engine's: :func:`~kvflow.kernels.gemm_timing.row_classes`), the LM head at
+    those up to ``max_num_seqs`` rows (:func:`~kvflow.kernels.gemm_timing.head_row_classes`,
+    as ``--cpu-gemm auto`` times it; None: at every class) with the kernels it would run
+    (:func:`head_candidates`). ``half`` when the model's shapes are unknown.
+    ``onednn_packs(dtype)``: whether oneDNN may pack ``dtype``."""
     from kvflow.kernels.cpu_native import native_cpu_kernels
 
     shapes = transformer_gemm_shapes(hf_config)
@@ -237,7 +263,8 @@ def measure_cpu_dtype(hf_config, half: torch.dtype, choice: str,
     if len(candidates) < 2:
         return half
     timings = gemm_timings(kernels, rows)
-    dtype = choose_dtype(shapes, candidates, timings)
+    head_rows = None if max_num_seqs is None else head_row_classes(rows, max_num_seqs)
+    dtype = choose_dtype(shapes, candidates, timings, head_rows)
     timings.save()
     logger.info("--dtype auto: %s (GEMMs timed in %s)", dtype,
                 " and ".join(str(d) for d in candidates))
