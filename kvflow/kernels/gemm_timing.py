@@ -1,7 +1,7 @@
 """Timing the CPU GEMM kernels on this CPU for ``--cpu-gemm auto`` (the choice itself:
 :mod:`kvflow.kernels.gemm_select`): each GEMM shape class (:class:`GemmShape`) with each
 candidate kernel at :data:`ROW_CLASSES` rows, on one thread by process CPU time, the candidates'
-passes alternating, and the results cached in ``<cache_dir>/cpu_gemm/`` per CPU model and
+passes alternating (stopping early on a clear leader), and the results cached in ``<cache_dir>/cpu_gemm/`` per CPU model and
 flags, torch version, kernel sources, thread count and timing method (:func:`cache_key`), so
 the next start measures nothing.
 """
@@ -39,12 +39,18 @@ REPEATS = 4
 # calls of at least this many rows time one weight copy per pass (fewer rows: two); see
 # pass_copies
 ONE_COPY_MIN_ROWS = 1024
+# ... and on a slice of at most this many output columns, scaled up (GemmShape.timed_cols):
+# such a call is compute-bound, its time per column the same on a slice
+COMPUTE_N = 512
+# the passes stop early once, after EARLY_STOP_PASSES, one candidate is CLEAR_RATIO times
+# faster than every other (clear_leader)
+EARLY_STOP_PASSES, CLEAR_RATIO = 2, 1.3
 
 
 @dataclass(frozen=True)
 class GemmShape:
-    """A weight [n, k] of dtype ``dtype`` (one shape class; ``n`` above LARGE_N is timed on a
-    slice)."""
+    """A weight [n, k] of dtype ``dtype`` (one shape class; ``n`` above LARGE_N, or above
+    COMPUTE_N from ONE_COPY_MIN_ROWS rows, is timed on a slice: :meth:`timed_cols`)."""
 
     n: int
     k: int
@@ -54,8 +60,20 @@ class GemmShape:
     def timed_n(self) -> int:
         return min(self.n, LARGE_N)
 
+    def timed_cols(self, rows: int) -> int:
+        """Output columns a ``rows``-row call is timed on (its time is scaled by ``n`` over
+        them): at most :data:`LARGE_N`, and from :data:`ONE_COPY_MIN_ROWS` rows at most
+        :data:`COMPUTE_N`. Why the second: such a call is compute-bound and both kernels split
+        it over output columns, so its time per column is the same on a slice; on a 2-core
+        Ice Lake Xeon (fp32, 2,048 rows) SmolLM2's 512-column slices timed within 5% of the
+        full weights per column and ranked the kernels as they do (oneDNN / kvflow 0.79-0.85
+        against 0.78-0.83), for 47% of the prefill class's calls (gate/up 3,072 columns: a
+        sixth; docs/benchmarks.md, session 51)."""
+        return min(self.timed_n, COMPUTE_N) if rows >= ONE_COPY_MIN_ROWS else self.timed_n
+
     def key(self, candidate: str, rows: int) -> str:
-        return f"{str(self.dtype).removeprefix('torch.')}|{self.timed_n}x{self.k}|{candidate}|{rows}"
+        return f"{str(self.dtype).removeprefix('torch.')}|{self.timed_cols(rows)}x{self.k}" \
+            f"|{candidate}|{rows}"
 
 
 def row_classes(max_num_batched_tokens: int | None) -> tuple[int, int, int]:
@@ -107,7 +125,27 @@ def timing_method(pool_bytes: int, rows: tuple[int, ...] = ROW_CLASSES) -> str:
     """How GEMM timings are measured, part of their cache key: timings of another method,
     other row classes (``rows``, :func:`row_classes`) or another pool are redone."""
     return f"cpu-time-1-thread|alternating-{REPEATS}|rows {tuple(rows)}|pool {pool_bytes}" \
-        f"|native on huge pages|one copy from {ONE_COPY_MIN_ROWS} rows"
+        f"|native on huge pages|one copy from {ONE_COPY_MIN_ROWS} rows" \
+        f"|{COMPUTE_N} columns from {ONE_COPY_MIN_ROWS} rows" \
+        f"|stop after {EARLY_STOP_PASSES} at {CLEAR_RATIO}x"
+
+
+def clear_leader(best: dict[str, float], ratio: float = CLEAR_RATIO) -> bool:
+    """Whether one of ``best`` (candidate -> its fastest pass so far, seconds) is more than
+    ``ratio`` times faster than every other: its lead is then no timing noise, and more passes
+    (which only lower each candidate's minimum) would not change which kernel wins. E.g.
+    {native: 1.0, onednn: 1.4} at 1.3: yes; {native: 1.0, onednn: 1.2}: no; one candidate:
+    no (nothing to decide early; its REPEATS passes are its measurement); a pass read as 0
+    seconds (under the clock's tick): no.
+
+    Why 1.3: above every margin the choice itself applies (a decode-row tie within 10%,
+    ``gemm_select.SPLIT_TIE_MARGIN``; oneDNN's 1.18x handicap where step graphs replay,
+    ``gemm_select.GRAPH_MARGIN``), so a lead this size decides the kernel whatever the later
+    passes would have measured."""
+    if len(best) < 2:
+        return False
+    fastest, second = sorted(best.values())[:2]
+    return 0 < fastest * ratio < second
 
 
 def pass_copies(rows: int, pool: int) -> int:
@@ -159,7 +197,10 @@ def time_candidates(shape: GemmShape, candidates: Iterable[str], rows_list: Iter
     distinct weights twice the last-level cache (:func:`timing_pool_bytes`), so they read
     their weight from memory as decode does in a model; larger calls, which are
     compute-bound, use two of them, and one from :data:`ONE_COPY_MIN_ROWS` rows
-    (:func:`pass_copies`)."""
+    (:func:`pass_copies`), on a :data:`COMPUTE_N`-column slice (:meth:`GemmShape.timed_cols`;
+    the seconds returned are the slice's). The passes at a row count stop after
+    :data:`EARLY_STOP_PASSES` once one candidate leads every other by :data:`CLEAR_RATIO`
+    (:func:`clear_leader`)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -176,20 +217,26 @@ def _time_on_this_thread(shape: GemmShape, candidates: tuple[str, ...],
     copies = max(2, min(MAX_COPIES, timing_pool_bytes() // weight_bytes))
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(n, k, generator=gen).to(shape.dtype)
-    fns = {c: _pack(c, weight, kernels, copies) for c in candidates}
-    result: dict[str, dict[int, float]] = {c: {} for c in fns}
+    packed: dict[int, dict[str, list]] = {}  # by the columns timed (GemmShape.timed_cols)
+    result: dict[str, dict[int, float]] = {c: {} for c in candidates}
     for rows in rows_list:
+        cols = shape.timed_cols(rows)
+        if cols not in packed:
+            packed[cols] = {c: _pack(c, weight[:cols], kernels, copies if cols == n else 1)
+                            for c in candidates}
         x = torch.randn(rows, k, generator=gen).to(shape.dtype)
-        pools = {c: pool[:pass_copies(rows, len(pool))] for c, pool in fns.items()}
+        pools = {c: pool[:pass_copies(rows, len(pool))] for c, pool in packed[cols].items()}
         for pool in pools.values():
             pool[0](x)  # warm-up (first-call allocations)
         best = dict.fromkeys(pools, float("inf"))
-        for _ in range(REPEATS):
+        for i in range(REPEATS):
             for c, pool in pools.items():
                 start = time.process_time()
                 for fn in pool:
                     fn(x)
                 best[c] = min(best[c], (time.process_time() - start) / len(pool))
+            if i + 1 >= EARLY_STOP_PASSES and clear_leader(best):
+                break
         for c in pools:
             result[c][rows] = best[c]
     return result
@@ -241,8 +288,7 @@ class GemmTimings:
             self.measuring_s += time.perf_counter() - start
             self.seconds.update({keys[r]: s for r, s in measured.items()})
             self._dirty = True
-        scale = shape.n / shape.timed_n
-        return {r: self.seconds[key] * scale for r, key in keys.items()}
+        return {r: self.seconds[key] * shape.n / shape.timed_cols(r) for r, key in keys.items()}
 
     def get_all(self, shape: GemmShape, candidates: Iterable[str],
                 rows: tuple[int, ...] | None = None) -> dict[str, dict[int, float]]:

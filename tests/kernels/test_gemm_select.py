@@ -361,6 +361,8 @@ def test_candidates_are_timed_alternately(tmp_path, monkeypatch):
     order = []
     monkeypatch.setattr(gemm_timing, "_pack", lambda cand, weight, kernels, copies: [
         lambda x: order.append((cand, x.shape[0]))] * copies)
+    # the fake calls' times are noise: no early stop on a "clear leader" among them
+    monkeypatch.setattr(gemm_timing, "EARLY_STOP_PASSES", gemm_timing.REPEATS + 1)
     timings = GemmTimings(tmp_path / "t.json", None)
     shape = GemmShape(64, 32, torch.float32)
     got = timings.get_all(shape, ("native", "onednn"))
@@ -381,6 +383,7 @@ def test_prefill_rows_from_1024_time_one_weight_copy_per_pass(tmp_path, monkeypa
     monkeypatch.setattr(gemm_timing, "_pack", lambda cand, weight, kernels, copies: [
         lambda x: calls.append((cand, x.shape[0]))] * copies)
     monkeypatch.setattr(gemm_timing, "timing_pool_bytes", lambda *a: 5 * 64 * 32 * 4)
+    monkeypatch.setattr(gemm_timing, "EARLY_STOP_PASSES", gemm_timing.REPEATS + 1)  # as above
     rows = (1, 64, 1024, 2048)
     GemmTimings(tmp_path / "t.json", None, rows).get_all(GemmShape(64, 32, torch.float32),
                                                           ("native", "onednn"))
