@@ -43,8 +43,9 @@ ONE_COPY_MIN_ROWS = 1024
 # such a call is compute-bound, its time per column the same on a slice
 COMPUTE_N = 512
 # the passes stop early once, after EARLY_STOP_PASSES, one candidate is CLEAR_RATIO times
-# faster than every other (clear_leader)
-EARLY_STOP_PASSES, CLEAR_RATIO = 2, 1.3
+# faster than every other (clear_leader) or every candidate's two fastest passes lie within
+# SETTLED_SPREAD of each other (settled)
+EARLY_STOP_PASSES, CLEAR_RATIO, SETTLED_SPREAD = 2, 1.3, 1.03
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,28 @@ def timing_method(pool_bytes: int, rows: tuple[int, ...] = ROW_CLASSES) -> str:
     return f"cpu-time-1-thread|alternating-{REPEATS}|rows {tuple(rows)}|pool {pool_bytes}" \
         f"|native on huge pages|one copy from {ONE_COPY_MIN_ROWS} rows" \
         f"|{COMPUTE_N} columns from {ONE_COPY_MIN_ROWS} rows" \
-        f"|stop after {EARLY_STOP_PASSES} at {CLEAR_RATIO}x"
+        f"|stop after {EARLY_STOP_PASSES} at {CLEAR_RATIO}x or within {SETTLED_SPREAD}"
+
+
+def settled(passes: dict[str, list[float]], spread: float = SETTLED_SPREAD) -> bool:
+    """Whether each candidate's two fastest passes so far (``passes``: candidate -> seconds
+    per call of each pass) lie within ``spread`` of each other: its minimum is then measured
+    (another pass would lower it by less than that), e.g. [20.0, 20.4] at 1.03: yes;
+    [20.0, 21.0]: no; a single pass, or one read as 0 seconds: no.
+
+    Why: each pass of a one-row call already averages a pool of calls (5-75 for SmolLM2's
+    shapes) and a 2,048-row call runs 10-75 ms, so on a quiet core the passes agree within a
+    few percent and the last two of REPEATS cost as much again as the first two for a minimum
+    that can move by about that much; on a 2-core Ice Lake Xeon at load ~19 SmolLM2's fp32
+    passes spread by 1-10% at one row and 0.2-16% at 2,048 rows, so a pass that a busy moment
+    slowed keeps the passes going (docs/benchmarks.md, session 51)."""
+    for times in passes.values():
+        if len(times) < 2:
+            return False
+        fastest, second = sorted(times)[:2]
+        if fastest <= 0 or second > fastest * spread:
+            return False
+    return True
 
 
 def clear_leader(best: dict[str, float], ratio: float = CLEAR_RATIO) -> bool:
@@ -200,7 +222,8 @@ def time_candidates(shape: GemmShape, candidates: Iterable[str], rows_list: Iter
     (:func:`pass_copies`), on a :data:`COMPUTE_N`-column slice (:meth:`GemmShape.timed_cols`;
     the seconds returned are the slice's). The passes at a row count stop after
     :data:`EARLY_STOP_PASSES` once one candidate leads every other by :data:`CLEAR_RATIO`
-    (:func:`clear_leader`)."""
+    (:func:`clear_leader`) or every candidate's passes agree within :data:`SETTLED_SPREAD`
+    (:func:`settled`)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -228,14 +251,15 @@ def _time_on_this_thread(shape: GemmShape, candidates: tuple[str, ...],
         pools = {c: pool[:pass_copies(rows, len(pool))] for c, pool in packed[cols].items()}
         for pool in pools.values():
             pool[0](x)  # warm-up (first-call allocations)
-        best = dict.fromkeys(pools, float("inf"))
+        passes: dict[str, list[float]] = {c: [] for c in pools}
         for i in range(REPEATS):
             for c, pool in pools.items():
                 start = time.process_time()
                 for fn in pool:
                     fn(x)
-                best[c] = min(best[c], (time.process_time() - start) / len(pool))
-            if i + 1 >= EARLY_STOP_PASSES and clear_leader(best):
+                passes[c].append((time.process_time() - start) / len(pool))
+            best = {c: min(times) for c, times in passes.items()}
+            if i + 1 >= EARLY_STOP_PASSES and (clear_leader(best) or settled(passes)):
                 break
         for c in pools:
             result[c][rows] = best[c]
