@@ -10,6 +10,10 @@ GEMM timing goes through it) with ``time.process_time`` and ``time.perf_counter`
 it prints one JSON line: the timing's CPU and wall seconds, the engine's dtype and the
 kernels. Runs alternate the trees (their order flips each round, as a shared machine drifts);
 medians per (tree, dtype) at the end, with the CPU model and load average.
+``--assume-bf16-units`` makes a tree that reads the CPU's flags for bf16 units
+(``platforms/cpu.py: cpu_features``) see AVX512-BF16, so ``--dtype auto`` times bf16 against
+fp32 as on a CPU with bf16 units (on a CPU without them oneDNN's bf16 is emulated: its times
+are not such a CPU's, the timing's cost roughly is).
 
     PYTHONPATH=. .venv/bin/python benchmarks/dtype_auto_startup.py out/smollm2-hf \\
         --trees /tmp/base . --dtypes auto,bfloat16,float32 --rounds 3
@@ -58,6 +62,12 @@ def resolve_dtype(*args, **kwargs):
     return engine["dtype"]
 engine_startup.resolve_dtype = resolve_dtype
 
+if sys.argv[3] == "1":  # --assume-bf16-units: the CPU flags claim AVX512-BF16
+    from kvflow.platforms import cpu
+    if hasattr(cpu, "cpu_features"):
+        flags = cpu.cpu_features()
+        cpu.cpu_features = lambda: flags | {"avx512_bf16"}
+
 from kvflow import LLM
 llm = LLM(sys.argv[1], dtype=sys.argv[2], cpu_gemm="auto", kv_cache_memory="64MiB")
 print(json.dumps({"timing_cpu_s": round(spent["cpu"], 3), "timing_wall_s": round(spent["wall"], 3),
@@ -72,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trees", nargs="+", default=["."], help="kvflow source trees")
     p.add_argument("--dtypes", default="auto,bfloat16,float32")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--assume-bf16-units", action="store_true",
+                   help="the child's CPU flags claim avx512_bf16 (where the tree reads them), "
+                        "so --dtype auto times bf16 against fp32 as on a CPU with bf16 units")
     return p.parse_args(argv)
 
 
@@ -84,11 +97,12 @@ def fresh_cache_dir() -> str:
     return path
 
 
-def run_once(tree: str, model: str, dtype: str) -> dict:
+def run_once(tree: str, model: str, dtype: str, assume_bf16: bool = False) -> dict:
     """One first start in a fresh process; its JSON line, with the load average at its start."""
     env = {**os.environ, "PYTHONPATH": os.path.abspath(tree), "KVFLOW_CACHE_DIR": fresh_cache_dir()}
     load = os.getloadavg()[0]
-    out = subprocess.run([sys.executable, "-c", CHILD, os.path.abspath(model), dtype],
+    out = subprocess.run([sys.executable, "-c", CHILD, os.path.abspath(model), dtype,
+                          "1" if assume_bf16 else "0"],
                          cwd=tree, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{tree} {dtype}: exit {out.returncode}\n{out.stderr[-3000:]}")
@@ -118,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         trees = args.trees if rnd % 2 == 0 else args.trees[::-1]
         for dtype in args.dtypes.split(","):
             for tree in trees:
-                row = run_once(tree, args.model_dir, dtype)
+                row = run_once(tree, args.model_dir, dtype, args.assume_bf16_units)
                 results.append(row)
                 print(json.dumps(row), flush=True)
     print("\nmedians (tree, --dtype): timing CPU s, wall s; engine dtype and kernels per run")
