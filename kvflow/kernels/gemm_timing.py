@@ -66,7 +66,7 @@ class GemmShape:
         them): at most :data:`LARGE_N`, and from :data:`ONE_COPY_MIN_ROWS` rows at most
         :data:`COMPUTE_N`. Why the second: such a call is compute-bound and both kernels split
         it over output columns, so its time per column is the same on a slice; on a 2-core
-        Ice Lake Xeon (fp32, 2,048 rows) SmolLM2's 512-column slices timed within 5% of the
+        Ice Lake Xeon (fp32, 2,048 rows) SmolLM2's 512-column slices timed within 6% of the
         full weights per column and ranked the kernels as they do (oneDNN / kvflow 0.79-0.85
         against 0.78-0.83), for 47% of the prefill class's calls (gate/up 3,072 columns: a
         sixth; docs/benchmarks.md, session 51)."""
@@ -133,16 +133,16 @@ def timing_method(pool_bytes: int, rows: tuple[int, ...] = ROW_CLASSES) -> str:
 
 def settled(passes: dict[str, list[float]], spread: float = SETTLED_SPREAD) -> bool:
     """Whether each candidate's two fastest passes so far (``passes``: candidate -> seconds
-    per call of each pass) lie within ``spread`` of each other: its minimum is then measured
-    (another pass would lower it by less than that), e.g. [20.0, 20.4] at 1.03: yes;
-    [20.0, 21.0]: no; a single pass, or one read as 0 seconds: no.
+    per call of each pass) lie within ``spread`` of each other, its minimum then taken as
+    measured: e.g. [20.0, 20.4] at 1.03: yes; [20.0, 21.0]: no; a single pass, or one read
+    as 0 seconds: no.
 
     Why: each pass of a one-row call already averages a pool of calls (5-75 for SmolLM2's
-    shapes) and a 2,048-row call runs 10-75 ms, so on a quiet core the passes agree within a
-    few percent and the last two of REPEATS cost as much again as the first two for a minimum
-    that can move by about that much; on a 2-core Ice Lake Xeon at load ~19 SmolLM2's fp32
-    passes spread by 1-10% at one row and 0.2-16% at 2,048 rows, so a pass that a busy moment
-    slowed keeps the passes going (docs/benchmarks.md, session 51)."""
+    shapes) and a 2,048-row call runs 10-75 ms, so two passes that agree leave little for
+    the last two of REPEATS (which cost as much again) to find; a pass that a busy moment
+    slowed keeps the passes going. On a 2-core Ice Lake Xeon at load ~19 SmolLM2's fp32
+    passes spread (slowest / fastest of 4) by 0-10% at one row and 0.5-22% at 2,048 rows
+    (docs/benchmarks.md, session 51)."""
     for times in passes.values():
         if len(times) < 2:
             return False
