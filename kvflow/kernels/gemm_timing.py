@@ -1,9 +1,9 @@
 """Timing the CPU GEMM kernels on this CPU for ``--cpu-gemm auto`` (the choice itself:
 :mod:`kvflow.kernels.gemm_select`): each GEMM shape class (:class:`GemmShape`) with each
 candidate kernel at :data:`ROW_CLASSES` rows, on one thread by process CPU time, the candidates'
-passes alternating (stopping early on a clear leader), and the results cached in ``<cache_dir>/cpu_gemm/`` per CPU model and
-flags, torch version, kernel sources, thread count and timing method (:func:`cache_key`), so
-the next start measures nothing.
+passes alternating (stopping early on a clear leader or settled passes), and the results
+cached in ``<cache_dir>/cpu_gemm/`` per CPU model and flags, torch version, kernel sources,
+thread count and timing method (:func:`cache_key`), so the next start measures nothing.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ class GemmShape:
         it over output columns, so its time per column is the same on a slice; on a 2-core
         Ice Lake Xeon (fp32, 2,048 rows) SmolLM2's 512-column slices timed within 6% of the
         full weights per column and ranked the kernels as they do (oneDNN / kvflow 0.79-0.85
-        against 0.78-0.83), for 47% of the prefill class's calls (gate/up 3,072 columns: a
-        sixth; docs/benchmarks.md, session 51)."""
+        against 0.78-0.83), at 47% of the prefill class's timed work (gate/up's 3,072
+        columns: a sixth; docs/benchmarks.md, session 51)."""
         return min(self.timed_n, COMPUTE_N) if rows >= ONE_COPY_MIN_ROWS else self.timed_n
 
     def key(self, candidate: str, rows: int) -> str:
@@ -154,8 +154,9 @@ def settled(passes: dict[str, list[float]], spread: float = SETTLED_SPREAD) -> b
 
 def clear_leader(best: dict[str, float], ratio: float = CLEAR_RATIO) -> bool:
     """Whether one of ``best`` (candidate -> its fastest pass so far, seconds) is more than
-    ``ratio`` times faster than every other: its lead is then no timing noise, and more passes
-    (which only lower each candidate's minimum) would not change which kernel wins. E.g.
+    ``ratio`` times faster than every other: a lead that size is more than the passes' noise
+    (0-10% at one row on a loaded 2-core Xeon, :func:`settled`), so more passes, which only
+    lower each candidate's minimum, are not expected to change which kernel wins. E.g.
     {native: 1.0, onednn: 1.4} at 1.3: yes; {native: 1.0, onednn: 1.2}: no; one candidate:
     no (nothing to decide early; its REPEATS passes are its measurement); a pass read as 0
     seconds (under the clock's tick): no.
