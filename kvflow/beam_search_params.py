@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvflow.utils.close_names import guess_unknown_keywords
+from kvflow.utils.int_limits import INT32_MAX
 
 # Widest beam accepted: each step asks for 2 * beam_width logprobs per beam, and
 # beam_width ** 2 candidates are ranked per prompt per step.
@@ -23,7 +24,7 @@ class BeamSearchParams:
     Attributes:
         beam_width: beams kept per prompt, and sequences returned per prompt (>= 1, at most
             ``MAX_BEAM_WIDTH``).
-        max_tokens: tokens generated at most per beam (>= 1).
+        max_tokens: tokens generated at most per beam (>= 1, at most 2**31 - 1).
         ignore_eos: keep beams going past an EOS id (every beam then has ``max_tokens``
             tokens).
         temperature: must be 0: kvflow ranks beams by the model's own logprobs (vLLM's
@@ -61,6 +62,10 @@ class BeamSearchParams:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"BeamSearchParams.{name}={value!r} is invalid: it must be an "
                                  "integer >= 1")
+        if self.max_tokens > INT32_MAX:
+            raise ValueError(f"BeamSearchParams.max_tokens={self.max_tokens} is invalid: it "
+                             f"must be <= {INT32_MAX} (a signed 32-bit integer, the server's "
+                             "limit too)")
         if self.beam_width > MAX_BEAM_WIDTH:
             raise ValueError(f"BeamSearchParams.beam_width={self.beam_width} is above the "
                              f"limit of {MAX_BEAM_WIDTH}")

@@ -169,9 +169,15 @@ class SamplingParams:
     the others: ``SamplingParams(temperature=1.0)`` keeps 1.0 even where the model's
     ``generation_config.json`` says 0.7.
 
+    The count fields (``n``, ``top_k``, ``max_tokens``, ``min_tokens``, ``logprobs``,
+    ``prompt_logprobs``, ``stream_interval``) are at most 2**31 - 1, and ``seed`` and
+    ``truncate_prompt_tokens`` fit a signed 64-bit integer: the OpenAI server's bounds
+    (``kvflow/utils/int_limits.py``), past which a value would overflow a C long / int64 on
+    its way to the engine's tensors.
+
     Raises:
         ValueError: on a value of the wrong type or out of range, naming the field and what it
-            must be.
+            must be (the bound, for one past it).
     """
 
     n: int = 1

@@ -104,6 +104,7 @@ LAYERS: dict[str, int] = {
     "kvflow.sampling.reasoning_markers": 0,  # a reasoning parser's / reasoning_config's markers as ids
     "kvflow.pooling_params": 0, "kvflow.utils.validation_words": 0, "kvflow.inputs.truncation": 0,
     "kvflow.inputs.embeds": 0, "kvflow.sampling.token_masks": 0,
+    "kvflow.utils.int_limits": 0,  # the 32/64-bit bounds of request integers (offline and server)
     "kvflow.utils.close_names": 0,  # the closest valid name to a misspelled one (CLI, LLM, params)
     "kvflow.beam_search_params": 0,  # BeamSearchParams (also kvflow.sampling_params', vLLM's path)
     "kvflow.inputs": 0,  # vLLM's vllm.inputs: the prompt forms as TypedDicts

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvflow.config.options import check_choices, human_readable_int, opt
+from kvflow.utils.int_limits import INT32_MAX
 
 # the waiting-queue orders that read a request's priority
 PRIORITY_POLICIES = ("priority", "fair")
@@ -18,9 +19,13 @@ def check_priority(priority: int, policy: str) -> None:
     check (``llm_inputs.check_priorities``) and the server's (``serving_checks``) apply it.
 
     Raises:
-        ValueError: for a nonzero ``priority`` under another policy, naming the policies
-            that read it.
+        ValueError: for a ``priority`` outside ``[-INT32_MAX, INT32_MAX]`` (the server's
+            bounds too), or a nonzero one under another policy, naming the policies that
+            read it.
     """
+    if not -INT32_MAX <= priority <= INT32_MAX:
+        raise ValueError(f"priority={priority} is invalid: it must be in [{-INT32_MAX}, "
+                         f"{INT32_MAX}] (a signed 32-bit integer, the server's limit too)")
     if priority and policy not in PRIORITY_POLICIES:
         raise ValueError(f"priority={priority} needs the priority or fair scheduling "
                          f"policy (policy='priority' or 'fair'); this engine runs "

@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 
 from kvflow.sampling.stop_limits import check_stop_limits
+from kvflow.utils.int_limits import INT32_MAX, INT64_MAX, INT64_MIN
 from kvflow.utils.text_checks import find_lone_surrogate
 
 if TYPE_CHECKING:
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
 
 # (holds, field name, its value, what it must be)
 Check = tuple[bool, str, Any, str]
+# the upper bound of the count fields (utils/int_limits.py), as the server's request models
+# hold them: past it a count overflows a C long / int64 on its way to the engine's tensors
+_INT32 = f"must be <= {INT32_MAX} (a signed 32-bit integer, the server's limit too)"
 
 
 def check_field_types(params: SamplingParams) -> None:
@@ -117,12 +121,14 @@ def _sampling_checks(p: SamplingParams) -> list[Check]:
     """How a token is drawn: n, temperature, seed, top-p, top-k, min-p."""
     return [
         (p.n >= 1, "n", p.n, "must be >= 1"),
+        (p.n <= INT32_MAX, "n", p.n, _INT32),
         (math.isfinite(p.temperature) and p.temperature >= 0.0, "temperature",
          p.temperature, "must be a finite number >= 0"),
-        (p.seed is None or -2**63 <= p.seed < 2**63, "seed", p.seed,
-         "must fit in a signed 64-bit integer"),
+        (p.seed is None or INT64_MIN <= p.seed <= INT64_MAX, "seed", p.seed,
+         f"must fit in a signed 64-bit integer [{INT64_MIN}, {INT64_MAX}]"),
         (0.0 < p.top_p <= 1.0, "top_p", p.top_p, "must be in (0, 1]"),
         (p.top_k >= 0, "top_k", p.top_k, "must be >= 0 (0 or -1 disables)"),
+        (p.top_k <= INT32_MAX, "top_k", p.top_k, _INT32),
         (0.0 <= p.min_p <= 1.0, "min_p", p.min_p, "must be in [0, 1]"),
     ]
 
@@ -132,13 +138,19 @@ def _length_checks(p: SamplingParams) -> list[Check]:
     max_tokens = p.max_tokens if p.max_tokens is not None else math.inf
     return [
         (max_tokens >= 1, "max_tokens", p.max_tokens, "must be >= 1"),
+        (p.max_tokens is None or p.max_tokens <= INT32_MAX, "max_tokens", p.max_tokens,
+         _INT32),
         (p.min_tokens >= 0, "min_tokens", p.min_tokens, "must be >= 0"),
+        (p.min_tokens <= INT32_MAX, "min_tokens", p.min_tokens, _INT32),
         (p.min_tokens <= max_tokens, "min_tokens", p.min_tokens,
          f"must be <= max_tokens ({p.max_tokens})"),
         (p.logprobs is None or p.logprobs >= -1, "logprobs", p.logprobs,
          "must be >= 0, or -1 (the whole vocabulary)"),
+        (p.logprobs is None or p.logprobs <= INT32_MAX, "logprobs", p.logprobs, _INT32),
         (p.prompt_logprobs is None or p.prompt_logprobs >= -1, "prompt_logprobs",
          p.prompt_logprobs, "must be >= 0, or -1 (the whole vocabulary)"),
+        (p.prompt_logprobs is None or p.prompt_logprobs <= INT32_MAX, "prompt_logprobs",
+         p.prompt_logprobs, _INT32),
     ]
 
 
@@ -192,8 +204,13 @@ def _request_checks(p: SamplingParams) -> list[Check]:
         (p.truncate_prompt_tokens is None or p.truncate_prompt_tokens >= 1
          or p.truncate_prompt_tokens == -1, "truncate_prompt_tokens",
          p.truncate_prompt_tokens, "must be an integer >= 1, or -1 (max_model_len)"),
+        (p.truncate_prompt_tokens is None or p.truncate_prompt_tokens <= INT64_MAX,
+         "truncate_prompt_tokens", p.truncate_prompt_tokens,
+         f"must be <= {INT64_MAX} (a signed 64-bit integer, the server's limit too)"),
         (p.stream_interval is None or p.stream_interval >= 1, "stream_interval",
          p.stream_interval, "must be an integer >= 1 (tokens per streamed output)"),
+        (p.stream_interval is None or p.stream_interval <= INT32_MAX, "stream_interval",
+         p.stream_interval, _INT32),
     ]
 
 

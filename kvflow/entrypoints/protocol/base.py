@@ -17,10 +17,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from kvflow.utils.int_limits import INT32_MAX, INT64_MAX, INT64_MIN  # noqa: F401 (re-exports)
 from kvflow.utils.text_checks import find_lone_surrogate
-
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-INT32_MAX = 2**31 - 1
 
 
 class OpenAIBaseModel(BaseModel):

@@ -203,7 +203,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(None, le=INT32_MAX)
     max_completion_tokens: int | None = Field(None, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False

@@ -171,7 +171,7 @@ class SamplingRequest(RequestBody):
     best_of: int | None = Field(None, ge=1, le=INT32_MAX)
     use_beam_search: bool = False
     length_penalty: float = Field(1.0, allow_inf_nan=False)
-    prompt_logprobs: int | None = Field(None, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
     cache_salt: str | None = Field(None, min_length=1)
     session_id: str | None = Field(None, max_length=MAX_SESSION_ID_CHARS)
     allowed_token_ids: list[int] | None = None
@@ -218,6 +218,6 @@ class CompletionRequest(SamplingRequest):
     # unset or null: the model's generation-config max_new_tokens, else 16
     max_tokens: int | None = Field(None, le=INT32_MAX)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
     add_special_tokens: bool = True
     suffix: str | None = None
