@@ -14,6 +14,7 @@ from annotated_types import Ge, Le
 
 from kvflow.config.scheduler import check_priority
 from kvflow.entrypoints import protocol
+from kvflow.entrypoints.protocol.responses_api import ResponsesRequest
 from kvflow.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -69,11 +70,13 @@ def test_seed_low_bound_is_the_servers():
         SamplingParams(seed=low - 1)
 
 
-def test_chat_bounds_the_same_fields():
-    """Chat's ``top_logprobs`` (offline ``logprobs``) carries the bound of the field it
-    becomes."""
+def test_chat_and_responses_bound_the_same_fields():
+    """Chat's ``top_logprobs`` (offline ``logprobs``) and the Responses request's ``top_k``
+    carry the bounds of the fields they become."""
     assert schema_bound(protocol.ChatCompletionRequest, "top_logprobs") == \
         schema_bound(protocol.CompletionRequest, "logprobs") == 2**31 - 1
+    assert schema_bound(ResponsesRequest, "top_k") == \
+        schema_bound(protocol.CompletionRequest, "top_k")
 
 
 def test_priority_bounds_are_the_servers():

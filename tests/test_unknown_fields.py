@@ -8,6 +8,7 @@ blocks) are in tests/e2e/test_unknown_fields_served.py."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
@@ -117,13 +118,19 @@ def test_openai_client_chat_fields_are_refused_as_on_responses(name):
 def test_thinking_token_budget_is_declared_on_both_endpoints(endpoint):
     """vLLM 0.32's ``thinking_token_budget`` is a declared field of completions and chat
     (honoured: tests/e2e/test_thinking_budget_served.py), not an unknown one; elsewhere it is
-    unknown (vLLM declares it on those two only). ``include_reasoning`` is declared on chat."""
+    refused, saying so, also under ``--ignore-unknown-fields`` (vLLM declares it on those two
+    only: its /v1/responses drops it unread, a budget not kept). ``include_reasoning`` is
+    declared on chat."""
     for value in (16, -1, None):
         body = _parsed(endpoint, {"thinking_token_budget": value})
         assert body.thinking_token_budget == value and not body.unknown_fields
         UnknownFields().check(body, endpoint)
-    error = _refusal("/v1/embeddings", {"thinking_token_budget": 16}, False)
-    assert (error.param, error.code) == ("thinking_token_budget", "unknown_parameter")
+    for other, ignore in itertools.product(("/v1/embeddings", "/v1/responses"), (False, True)):
+        error = _refusal(other, {"thinking_token_budget": 16}, ignore)
+        assert (error.param, error.code) == ("thinking_token_budget", "unsupported_parameter")
+        assert "vLLM 0.32's /v1/responses does not read it" in str(error)
+    UnknownFields().check(_parsed("/v1/responses", {"thinking_token_budget": None}),
+                          "/v1/responses")
     assert protocol.ChatCompletionRequest.model_validate(
         {"messages": HI, "include_reasoning": False}).include_reasoning is False
 

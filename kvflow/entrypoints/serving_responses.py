@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from kvflow.engine.async_llm import EngineDeadError, RequestFailed, RequestRefused
 from kvflow.entrypoints.chat_logprobs import chat_logprobs
@@ -28,6 +28,7 @@ from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead
 from kvflow.entrypoints.protocol import ChatCompletionRequest
 from kvflow.entrypoints.protocol.base import now
 from kvflow.entrypoints.protocol.responses_api import (
+    CHAT_FIELDS,
     InputTokensDetails,
     OutputTokensDetails,
     ResponseDeleted,
@@ -212,7 +213,7 @@ class OpenAIServingResponses:
                     "session_id": req.session_id, "safety_identifier": req.safety_identifier,
                     "reasoning_effort": req.reasoning and req.reasoning.effort,
                     "include_reasoning": req.include_reasoning,
-                    "vllm_xargs": req.vllm_xargs}
+                    "vllm_xargs": req.vllm_xargs, **_chat_fields(req)}
         except RequestFieldError as e:
             raise OpenAIError(str(e), param=e.param, code=e.code) from None
         try:
@@ -366,6 +367,14 @@ class OpenAIServingResponses:
         finally:
             self.chat.abort(run.streams)
             await events.aclose()
+
+
+def _chat_fields(req: ResponsesRequest) -> dict[str, Any]:
+    """The request's ``CHAT_FIELDS`` as the chat request takes them (a nested request model
+    as the JSON it came as)."""
+    fields = {name: getattr(req, name) for name in CHAT_FIELDS}
+    return {name: value.model_dump(by_alias=True, exclude_unset=True)
+            if isinstance(value, BaseModel) else value for name, value in fields.items()}
 
 
 def _turns(conv: Conversation) -> list[dict[str, Any]]:

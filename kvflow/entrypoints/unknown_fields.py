@@ -61,8 +61,8 @@ UNSUPPORTED = {
                    "or bytes)",
     "endianness": "only /v1/embeddings and /pooling take it (with encoding_format base64 "
                   "or bytes)",
-    "priority": "only /v1/completions, /v1/chat/completions, /v1/embeddings, /pooling, "
-                "/classify, /v1/score and /v1/rerank take a priority (other requests are "
+    "priority": "only /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, "
+                "/pooling, /classify, /v1/score and /v1/rerank take a priority (other requests are "
                 "queued at priority 0, by client under --policy fair)",
     # vLLM 0.32's pooling requests declare it (and kvflow's honour it)
     "padding": "only /v1/embeddings, /pooling, /classify, /v1/score and /v1/rerank take it "
@@ -80,6 +80,11 @@ UNSUPPORTED = {
                               "take it",
     "spaces_between_special_tokens": "only /v1/completions and /v1/chat/completions take "
                                      "it",
+    # vLLM 0.32 declares it on these two only: its /v1/responses drops it unread (its
+    # ResponsesRequest has no such field), which here would be a budget silently not kept
+    "thinking_token_budget": "only /v1/completions and /v1/chat/completions take it (vLLM "
+                             "0.32's /v1/responses does not read it either): send the "
+                             "conversation to /v1/chat/completions for a think-token budget",
     # vLLM's pooling and generation requests declare it; kvflow's pooling ones honour it
     "truncation_side": "only /v1/embeddings, /pooling, /classify (/v1/classify), /v1/score "
                        "and /v1/rerank take it (a generation prompt cut by "

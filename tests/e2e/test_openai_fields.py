@@ -37,12 +37,14 @@ ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256", "--bl
 C, CH, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 EMB = "/v1/embeddings"
+R = "/v1/responses"
 PROMPT = "the quick brown fox"
 HI = [{"role": "user", "content": "hi"}]
 BASE = {C: {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "return_token_ids": True},
         CH: {"messages": HI, "max_tokens": 8, "temperature": 0, "return_token_ids": True},
         TOK: {"prompt": PROMPT}, DETOK: {"tokens": [5, 6, 7]},
-        LOAD: {"lora_name": "base-lora"}, UNLOAD: {}, EMB: {"input": PROMPT}}
+        LOAD: {"lora_name": "base-lora"}, UNLOAD: {}, EMB: {"input": PROMPT},
+        R: {"input": "hi", "max_output_tokens": 8, "temperature": 0}}
 HOT = {"temperature": 5.0, "seed": 0, "max_tokens": 16}  # sampling far from greedy
 
 
@@ -1182,6 +1184,148 @@ def embedding_cases() -> dict[str, Callable]:
             "messages": messages, "add_generation_prompt": add_generation_prompt,
             "continue_final_message": continue_final_message, "chat_template": chat_template,
             "chat_template_kwargs": chat_template_kwargs}
+
+
+# ---- /v1/responses: vLLM 0.32's sampling and template fields (CHAT_FIELDS) -----------------
+def output_text(reply: dict[str, Any]) -> str:
+    """A /v1/responses reply's message text (its output_text parts, joined)."""
+    return "".join(part["text"] for item in reply["output"] if item["type"] == "message"
+                   for part in item["content"] if part["type"] == "output_text")
+
+
+def responses_cases() -> dict[str, Callable]:
+    """One check per ``responses_api.CHAT_FIELDS`` field (each was an unknown field, a 400
+    naming it, before vLLM 0.32's Responses request was compared), against a hand-computed
+    value (forced tokens, the tokenizer) or a baseline reply, as the chat cases above; and
+    ``thinking_token_budget``, which vLLM 0.32's Responses request does not declare."""
+    hot = {"temperature": 2.0, "seed": 0, "max_output_tokens": 16}  # far from greedy
+    forced = {"max_output_tokens": 16,
+              "structured_outputs": {"regex": "the quick brown fox jumps"}}
+    eos_bias = {"logit_bias": {"0": 100}}  # <eos> is id 0
+
+    def reply(server, body: dict[str, Any]) -> str:
+        return output_text(ok(server, R, body))
+
+    def greedy(server) -> str:
+        return reply(server, {"max_output_tokens": 16})
+
+    def filter_restores_greedy(field: str, value: Any) -> Callable:
+        def check(server, tokenizer):
+            assert reply(server, hot) != greedy(server)
+            assert reply(server, {**hot, field: value}) == greedy(server)
+            rejected(R, {field: -5}, field)(server, tokenizer)
+        return check
+
+    def penalty(field: str, value: float) -> Callable:
+        def check(server, tokenizer):
+            plain = ok(server, R, {"max_output_tokens": 32})
+            assert reply(server, {"max_output_tokens": 32, field: value}) != output_text(plain)
+            rejected(R, {field: -3.0}, field)(server, tokenizer)
+        return check
+
+    def seed(server, tokenizer):
+        a, b = (reply(server, {**hot, "seed": s}) for s in (0, 1))
+        assert a != b and a == reply(server, hot)
+
+    def stop(server, tokenizer):
+        out = ok(server, R, {**forced, "stop": ["brown"]})
+        assert (output_text(out), out["status"]) == ("the quick ", "completed")
+
+    def include_stop_str_in_output(server, tokenizer):
+        body = {**forced, "stop": "brown", "include_stop_str_in_output": True}
+        assert reply(server, body) == "the quick brown"
+
+    def structured_outputs(server, tokenizer):
+        assert reply(server, {**hot, **forced, "max_output_tokens": 32}) == \
+            "the quick brown fox jumps"
+        both = {**forced, "text": {"format": {"type": "json_object"}}}
+        assert post(server, R, both).status_code == 400
+
+    def logit_bias(server, tokenizer):
+        assert reply(server, {"logit_bias": {"7": 100}}) == tokenizer.decode([7] * 8)
+
+    def stop_token_ids(server, tokenizer):
+        out = ok(server, R, {"logit_bias": {"7": 100}, "stop_token_ids": [7]})
+        assert (out["status"], out["usage"]["output_tokens"]) == ("completed", 1)
+
+    def ignore_eos(server, tokenizer):
+        plain = ok(server, R, eos_bias)
+        assert (plain["status"], plain["usage"]["output_tokens"]) == ("completed", 1)
+        kept = ok(server, R, {**eos_bias, "ignore_eos": True})
+        assert (kept["status"], kept["usage"]["output_tokens"]) == ("incomplete", 8)
+
+    def skip_special_tokens(server, tokenizer):
+        body = {**eos_bias, "ignore_eos": True, "max_output_tokens": 2}
+        assert reply(server, body) == ""
+        assert reply(server, {**body, "skip_special_tokens": False}) == "<eos><eos>"
+
+    def chat_template_kwargs(server, tokenizer):
+        """Checked by the chat path's template rules, each key named (it was an unknown
+        field, named whole): a variable the model's template never reads, and one of the
+        renderer's own parameters, are each a 400 naming the key; an empty dict renders the
+        plain prompt. (The model's template reads no other variable: the chat case above
+        shows one read.)"""
+        rejected(R, {"chat_template_kwargs": {"enable_thinking": False}},
+                 "chat_template_kwargs.enable_thinking")(server, tokenizer)
+        rejected(R, {"chat_template_kwargs": {"add_generation_prompt": False}},
+                 "chat_template_kwargs.add_generation_prompt")(server, tokenizer)
+        def counts(body):
+            usage = ok(server, R, body)["usage"]
+            return usage["input_tokens"], usage["output_tokens"]
+        assert counts({"chat_template_kwargs": {}}) == counts({})
+
+    def priority(server, tokenizer):
+        """Passed to the engine under --policy priority (the same greedy text at any
+        priority; the queue order: test_field_is_used_or_rejected's chat case)."""
+        for prio in (-9, 9):
+            assert reply(server, {"priority": prio}) == reply(server, {})
+        rejected(R, {"priority": "high"}, "priority")(server, tokenizer)
+
+    def kv_transfer_params(server, tokenizer):
+        """This server has no --kv-transfer-config: a 400 naming it, as on chat."""
+        rejected(R, {"kv_transfer_params": {"do_remote_prefill": True}},
+                 "kv_transfer_params")(server, tokenizer)
+
+    def thinking_token_budget(server, tokenizer):
+        """Not a field of vLLM 0.32's Responses request (its chat and completions only): a
+        400 naming it that says so, not an unnamed unknown field (null asks for nothing)."""
+        resp = post(server, R, {"thinking_token_budget": 4})
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert (error["param"], error["code"]) == ("thinking_token_budget",
+                                                   "unsupported_parameter"), error
+        assert "vLLM 0.32's /v1/responses does not read it" in error["message"], error
+        assert reply(server, {"thinking_token_budget": None}) == reply(server, {})
+
+    return {"top_k": filter_restores_greedy("top_k", 1),
+            "min_p": filter_restores_greedy("min_p", 1.0),
+            "presence_penalty": penalty("presence_penalty", 2.0),
+            "frequency_penalty": penalty("frequency_penalty", 2.0),
+            "repetition_penalty": penalty("repetition_penalty", 3.0),
+            "seed": seed, "stop": stop, "stop_token_ids": stop_token_ids,
+            "ignore_eos": ignore_eos, "logit_bias": logit_bias,
+            "skip_special_tokens": skip_special_tokens,
+            "include_stop_str_in_output": include_stop_str_in_output,
+            "structured_outputs": structured_outputs,
+            "chat_template_kwargs": chat_template_kwargs, "priority": priority,
+            "kv_transfer_params": kv_transfer_params,
+            "thinking_token_budget": thinking_token_budget}
+
+
+RESPONSES_CASES = responses_cases()
+
+
+def test_every_responses_chat_field_has_a_case():
+    from kvflow.entrypoints.protocol.responses_api import CHAT_FIELDS, ResponsesRequest
+
+    assert set(RESPONSES_CASES) == {*CHAT_FIELDS, "thinking_token_budget"}
+    assert set(CHAT_FIELDS) <= set(ResponsesRequest.model_fields)
+
+
+@pytest.mark.parametrize("field", RESPONSES_CASES)
+def test_responses_field_is_used_or_rejected(server, tokenizer, field):
+    failure = oracle_failure(RESPONSES_CASES[field], server, tokenizer)
+    assert failure is None, f"{R} {field!r}: neither honoured nor rejected: {failure}"
 
 
 CASES = {C: (protocol.CompletionRequest, completion_cases()),

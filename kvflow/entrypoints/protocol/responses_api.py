@@ -14,15 +14,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from kvflow.entrypoints.protocol.base import (
     INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
     OpenAIBaseModel,
     RequestBody,
     RequestModel,
 )
-from kvflow.entrypoints.protocol.sampling import MAX_SESSION_ID_CHARS, XargValue
+from kvflow.entrypoints.protocol.sampling import (
+    MAX_SESSION_ID_CHARS,
+    StructuredOutputsField,
+    XargValue,
+    cap_logit_bias,
+)
+
+# vLLM 0.32's ResponsesRequest fields that its to_sampling_params / build_chat_params read,
+# and that kvflow's chat request declares under the same name and honours: each goes to the
+# chat request as it came (serving_responses._chat_request), so it means what it means there
+CHAT_FIELDS = ("top_k", "min_p", "presence_penalty", "frequency_penalty",
+               "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
+               "logit_bias", "skip_special_tokens", "include_stop_str_in_output",
+               "structured_outputs", "chat_template_kwargs", "priority",
+               "kv_transfer_params")
 
 
 class TextFormat(RequestModel):
@@ -84,6 +100,13 @@ class ResponsesRequest(RequestBody):
     ``include_reasoning`` (vLLM 0.32's, as on chat): ``false`` on a server with a reasoning
     parser leaves the reasoning items out, streamed or not, and the output text's logprobs
     (which would show the reasoning's tokens); ``usage`` still counts its tokens.
+    vLLM 0.32's sampling and template fields (``CHAT_FIELDS``: ``top_k``, ``min_p``, the
+    penalties, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``logit_bias``,
+    ``skip_special_tokens``, ``include_stop_str_in_output``, ``structured_outputs``,
+    ``chat_template_kwargs``, ``priority``, ``kv_transfer_params``) go to the chat request
+    unchanged and are honoured (or refused) there. vLLM 0.32's chat and completion fields
+    that its Responses request does not declare (``thinking_token_budget``, ``n``, ...) are
+    unknown fields here, refused with a 400 naming them.
     The fields after ``user`` are OpenAI's that kvflow does not honour, each marked
     ``Unhonoured`` (its harmless value and what kvflow does instead): declared so that a set
     value is a 400 naming it (``responses_checks.refuse_unhonoured`` reads
@@ -121,6 +144,23 @@ class ResponsesRequest(RequestBody):
     vllm_xargs: dict[str, XargValue | list[XargValue]] | None = None
     # vLLM 0.32's: false leaves the reasoning items (and output logprobs) out
     include_reasoning: bool = True
+    # vLLM 0.32's sampling and template fields (CHAT_FIELDS): as on chat/completions
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsField | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
+    kv_transfer_params: dict[str, Any] | None = None
     # OpenAI's, not honoured: a value other than null (or the harmless one) is a 400
     conversation: Annotated[Any, Unhonoured(
         None, "use previous_response_id to continue a stored reply")] = None
@@ -139,6 +179,15 @@ class ResponsesRequest(RequestBody):
     access_programs: Annotated[Any, Unhonoured(None, "kvflow has no access programs")] = None
     background_options: Annotated[Any, Unhonoured(
         None, "a background response runs until it ends or is cancelled")] = None
+
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _cap_logit_bias(cls, data: Any, handler: Any) -> Any:
+        """Refuse more ``logit_bias`` entries than any vocabulary has before the body is
+        validated (``sampling.cap_logit_bias``: a 400 at ``logit_bias``)."""
+        cap_logit_bias(data)
+        return handler(data)
 
 
 def unhonoured_fields() -> dict[str, Unhonoured]:

@@ -196,13 +196,24 @@ class SamplingRequest(RequestBody):
     @classmethod
     def _cap_logit_bias(cls, data: Any, handler: Any) -> Any:
         """Refuse more than :data:`MAX_LOGIT_BIAS` ``logit_bias`` entries before the body is
-        validated (``base.request_limit``: a 400 at ``logit_bias``)."""
-        bias = data.get("logit_bias") if isinstance(data, dict) else None
-        if isinstance(bias, dict) and len(bias) > MAX_LOGIT_BIAS:
-            raise request_limit("logit_bias", f"a request holds at most {MAX_LOGIT_BIAS} "
-                                f"entries (more than any model's vocabulary); this one holds "
-                                f"{len(bias)}")
+        validated (:func:`cap_logit_bias`)."""
+        cap_logit_bias(data)
         return handler(data)
+
+
+def cap_logit_bias(data: Any) -> None:
+    """Refuse a raw request body (``data``, before validation) holding more than
+    :data:`MAX_LOGIT_BIAS` ``logit_bias`` entries.
+
+    Raises:
+        PydanticCustomError: ``base.request_limit``'s, answered as a 400 at ``logit_bias``
+            (code ``array_above_max_length``).
+    """
+    bias = data.get("logit_bias") if isinstance(data, dict) else None
+    if isinstance(bias, dict) and len(bias) > MAX_LOGIT_BIAS:
+        raise request_limit("logit_bias", f"a request holds at most {MAX_LOGIT_BIAS} "
+                            f"entries (more than any model's vocabulary); this one holds "
+                            f"{len(bias)}")
 
 
 class CompletionRequest(SamplingRequest):
