@@ -1282,9 +1282,15 @@ def responses_cases() -> dict[str, Callable]:
         rejected(R, {"priority": "high"}, "priority")(server, tokenizer)
 
     def kv_transfer_params(server, tokenizer):
-        """This server has no --kv-transfer-config: a 400 naming it, as on chat."""
-        rejected(R, {"kv_transfer_params": {"do_remote_prefill": True}},
-                 "kv_transfer_params")(server, tokenizer)
+        """This server has no --kv-transfer-config: chat's 400 naming it, saying why (not
+        the unknown field's); null asks for nothing."""
+        resp = post(server, R, {"kv_transfer_params": {"do_remote_prefill": True}})
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert (error["param"], error["code"]) == ("kv_transfer_params",
+                                                   "unsupported_parameter"), error
+        assert "runs no KV connector" in error["message"], error
+        assert reply(server, {"kv_transfer_params": None}) == reply(server, {})
 
     def thinking_token_budget(server, tokenizer):
         """Not a field of vLLM 0.32's Responses request (its chat and completions only): a
