@@ -54,12 +54,12 @@ SENT = [
                               {"type": "input_text", "text": "keys"}]}],
                           "max_output_tokens": 6, "temperature": 0}),
     ("resp-truncation", RESP, {"model": MODEL, "input": "x", "truncation": "auto"}),
-    ("resp-seed", RESP, {"model": MODEL, "input": "x", "seed": 1}),  # chat's, not a field here
+    ("resp-n", RESP, {"model": MODEL, "input": "x", "n": 2}),  # chat's, not a field here
 ]
 STATUS = {"chat-1": 200, "cmpl-logprobs": 200, "cmpl-two-prompts": 200, "chat-n2": 200,
           "bad-temperature": 400, "misspelled": 400, "other-model": 404,
           "embed-text-model": 400, "too-long": 400, "resp-1": 200, "resp-items": 200,
-          "resp-truncation": 400, "resp-seed": 400}
+          "resp-truncation": 400, "resp-n": 400}
 PREFIX = {CHAT: "chatcmpl-", CMPL: "cmpl-", RESP: "resp_"}
 
 
