@@ -19,7 +19,7 @@ OUTPUT_LOGPROBS = "message.output_text.logprobs"
 
 def refuse_unhonoured(req: ResponsesRequest) -> None:
     """Raises OpenAIError 400 naming the first OpenAI field set to something kvflow does
-    not do: ``truncation: auto``, an ``include`` value other than
+    not do: an ``include`` value other than
     ``message.output_text.logprobs`` (``include.N``), ``top_logprobs`` above 0 without that
     value, a ``reasoning`` key, ``text.verbosity``,
     a ``service_tier`` other than auto / default, ``stream_options`` other than
@@ -29,9 +29,6 @@ def refuse_unhonoured(req: ResponsesRequest) -> None:
         value = getattr(req, name)
         if value is not None and value != mark.harmless:
             raise _unsupported(name, f"{name} is not supported by kvflow: {mark.instead}")
-    if req.truncation == "auto":
-        raise _unsupported("truncation", "truncation=auto is not supported: a conversation "
-                           "longer than the context is a 400 (send disabled)")
     _check_include(req)
     if req.reasoning is not None:
         for key in ("summary", "generate_summary"):  # effort: chat's reasoning_effort

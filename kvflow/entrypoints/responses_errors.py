@@ -17,7 +17,7 @@ _RENAMED = {"logprobs": "include", "max_completion_tokens": "max_output_tokens",
             "max_tokens": "max_output_tokens",
             "response_format.json_schema": "text.format", "response_format": "text.format",
             "tool_choice.function": "tool_choice", "messages": "input",
-            "reasoning_effort": "reasoning.effort"}
+            "reasoning_effort": "reasoning.effort", "truncate_prompt_tokens": "truncation"}
 # the chat fields a Responses request cannot have: wherever a message names one, it means
 # the Responses field it came from (longest first)
 _CHAT_ONLY = ("max_completion_tokens", "max_tokens", "response_format.json_schema",

@@ -213,7 +213,9 @@ class OpenAIServingResponses:
                     "session_id": req.session_id, "safety_identifier": req.safety_identifier,
                     "reasoning_effort": req.reasoning and req.reasoning.effort,
                     "include_reasoning": req.include_reasoning,
-                    "vllm_xargs": req.vllm_xargs, **_chat_fields(req)}
+                    "vllm_xargs": req.vllm_xargs, **_chat_fields(req),
+                    # vLLM 0.32's: auto keeps the prompt's last max_model_len - 1 tokens
+                    "truncate_prompt_tokens": -1 if req.truncation == "auto" else None}
         except RequestFieldError as e:
             raise OpenAIError(str(e), param=e.param, code=e.code) from None
         try:

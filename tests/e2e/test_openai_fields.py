@@ -1196,7 +1196,8 @@ def output_text(reply: dict[str, Any]) -> str:
 def responses_cases() -> dict[str, Callable]:
     """One check per ``responses_api.CHAT_FIELDS`` field (each was an unknown field, a 400
     naming it, before vLLM 0.32's Responses request was compared), against a hand-computed
-    value (forced tokens, the tokenizer) or a baseline reply, as the chat cases above; and
+    value (forced tokens, the tokenizer) or a baseline reply, as the chat cases above;
+    ``truncation: auto`` (a 400 before, vLLM 0.32 honours it); and
     ``thinking_token_budget``, which vLLM 0.32's Responses request does not declare."""
     hot = {"temperature": 2.0, "seed": 0, "max_output_tokens": 16}  # far from greedy
     forced = {"max_output_tokens": 16,
@@ -1303,6 +1304,20 @@ def responses_cases() -> dict[str, Callable]:
         assert "vLLM 0.32's /v1/responses does not read it" in error["message"], error
         assert reply(server, {"thinking_token_budget": None}) == reply(server, {})
 
+    def truncation(server, tokenizer):
+        """vLLM 0.32's reading of ``auto``: a conversation longer than the context keeps its
+        last ``max_model_len - 1`` tokens (the context from /v1/models), one left for the
+        reply (cut there: ``incomplete``); ``disabled`` (the default) refuses it."""
+        models = httpx.get(f"{server.url}/v1/models", timeout=60).json()
+        max_model_len = models["data"][0]["max_model_len"]
+        long = {"input": "the quick brown fox " * max_model_len}
+        assert post(server, R, long).status_code == 400
+        assert post(server, R, {**long, "truncation": "disabled"}).status_code == 400
+        out = ok(server, R, {**long, "truncation": "auto"})
+        assert (out["usage"]["input_tokens"], out["usage"]["output_tokens"], out["status"],
+                out["truncation"]) == (max_model_len - 1, 1, "incomplete", "auto")
+        rejected(R, {"truncation": "sometimes"}, "truncation")(server, tokenizer)
+
     return {"top_k": filter_restores_greedy("top_k", 1),
             "min_p": filter_restores_greedy("min_p", 1.0),
             "presence_penalty": penalty("presence_penalty", 2.0),
@@ -1315,7 +1330,7 @@ def responses_cases() -> dict[str, Callable]:
             "structured_outputs": structured_outputs,
             "chat_template_kwargs": chat_template_kwargs, "priority": priority,
             "kv_transfer_params": kv_transfer_params,
-            "thinking_token_budget": thinking_token_budget}
+            "thinking_token_budget": thinking_token_budget, "truncation": truncation}
 
 
 RESPONSES_CASES = responses_cases()
@@ -1324,7 +1339,7 @@ RESPONSES_CASES = responses_cases()
 def test_every_responses_chat_field_has_a_case():
     from kvflow.entrypoints.protocol.responses_api import CHAT_FIELDS, ResponsesRequest
 
-    assert set(RESPONSES_CASES) == {*CHAT_FIELDS, "thinking_token_budget"}
+    assert set(RESPONSES_CASES) == {*CHAT_FIELDS, "thinking_token_budget", "truncation"}
     assert set(CHAT_FIELDS) <= set(ResponsesRequest.model_fields)
 
 

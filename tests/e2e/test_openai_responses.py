@@ -17,6 +17,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from kvflow.entrypoints.protocol.responses_api import CHAT_FIELDS
 from tests.e2e.test_openai_structured import ARGS, MODEL, SCHEMA
 
 # test_openai_structured's template (tools named first), plus each assistant turn's calls
@@ -335,7 +336,7 @@ BAD = [
     ({"input": "hi", "tools": [{**TOOLS[1], "parameters": {"type": 3}}]}, 400,
      "tools.0.parameters"),
     ({"input": "hi", "reasoning": {"effort": "low"}}, 400, "reasoning.effort"),
-    ({"input": "hi", "truncation": "auto"}, 400, "truncation"),
+    ({"input": "hi", "truncation": "sometimes"}, 400, "truncation"),
     ({"input": "hi", "include": ["reasoning.encrypted_content"]}, 400, "include.0"),
     # vLLM 0.32's chat fields its Responses request does not declare (seed, stop, ... it
     # does: tests/e2e/test_openai_fields.py's responses cases)
@@ -423,7 +424,6 @@ REFUSED = {"conversation": ("conv_1", "conversation"),
            "moderation": ({"model": "m"}, "moderation"), "image": ({"x": 1}, "image"),
            "access_programs": ({"x": 1}, "access_programs"),
            "background_options": ({"x": 1}, "background_options"),
-           "truncation": ("auto", "truncation"),
            "reasoning": ({"summary": "auto"}, "reasoning.summary"),
            "service_tier": ("flex", "service_tier"),
            "stream_options": ({"include_obfuscation": True}, "stream_options.include_obfuscation")}
@@ -435,7 +435,9 @@ USED = {"model", "input", "instructions", "max_output_tokens", "temperature", "t
         "cache_salt", "session_id",  # session_id: tests/test_kv_events_session.py
         "background",  # background: test_openai_responses_background
         "vllm_xargs",  # below without processors; with them: test_openai_logits_processors
-        "include_reasoning"}  # test_openai_tool_parsers_served (a reasoning parser's server)
+        "include_reasoning",  # test_openai_tool_parsers_served (a reasoning parser's server)
+        "truncation",  # tests/e2e/test_openai_fields.py's responses cases, as CHAT_FIELDS
+        *CHAT_FIELDS}
 
 
 def test_vllm_xargs_without_processors_is_a_400_naming_it(server):

@@ -97,6 +97,9 @@ class ResponsesRequest(RequestBody):
     ``top_logprobs`` alternatives, 0-20); other values are refused by ``serving_responses``.
     ``vllm_xargs`` (vLLM's, as on chat/completions) goes to the chat request: the arguments
     of the server's custom logits processors (``SamplingParams.extra_args``).
+    ``truncation`` ``auto`` (vLLM 0.32's reading) keeps the rendered conversation's last
+    ``max_model_len - 1`` tokens (chat's ``truncate_prompt_tokens: -1``); ``disabled`` (the
+    default) refuses one longer than the context.
     ``include_reasoning`` (vLLM 0.32's, as on chat): ``false`` on a server with a reasoning
     parser leaves the reasoning items out, streamed or not, and the output text's logprobs
     (which would show the reasoning's tokens); ``usage`` still counts its tokens.
