@@ -90,6 +90,14 @@ def test_priority_bounds_are_the_servers():
             check_priority(value, "priority")
 
 
+@pytest.mark.parametrize("value", [None, "1", 1.5, True])
+def test_priority_of_another_type_is_named(value):
+    """The engine's add_request checks a priority with this rule alone: a non-integer is a
+    ValueError naming it, not a TypeError from the bound's comparison."""
+    with pytest.raises(ValueError, match=r"priority=.* is invalid: it must be an integer"):
+        check_priority(value, "priority")
+
+
 def test_beam_search_max_tokens_bound_is_the_servers():
     bound = schema_bound(protocol.CompletionRequest, "max_tokens")
     assert BeamSearchParams(beam_width=2, max_tokens=bound).max_tokens == bound

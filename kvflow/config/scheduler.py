@@ -3,6 +3,7 @@ preemption and async scheduling."""
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from kvflow.config.options import check_choices, human_readable_int, opt
@@ -19,10 +20,13 @@ def check_priority(priority: int, policy: str) -> None:
     check (``llm_inputs.check_priorities``) and the server's (``serving_checks``) apply it.
 
     Raises:
-        ValueError: for a ``priority`` outside ``[-INT32_MAX, INT32_MAX]`` (the server's
-            bounds too), or a nonzero one under another policy, naming the policies that
-            read it.
+        ValueError: for a ``priority`` that is not an integer, one outside
+            ``[-INT32_MAX, INT32_MAX]`` (the server's bounds too), or a nonzero one under
+            another policy, naming the policies that read it.
     """
+    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"priority={priority!r} is invalid: it must be an integer")
     if not -INT32_MAX <= priority <= INT32_MAX:
         raise ValueError(f"priority={priority} is invalid: it must be in [{-INT32_MAX}, "
                          f"{INT32_MAX}] (a signed 32-bit integer, the server's limit too)")
