@@ -22,8 +22,8 @@ from collections.abc import Mapping
 import xgrammar as xgr
 
 from kvflow.structured.json_pattern import json_pattern
-from kvflow.structured.regex_dialect import utf8_regex
-from kvflow.structured.repeat_counts import compact_repeat
+from kvflow.structured.regex_dialect import complement, merged_ranges, utf8_regex
+from kvflow.structured.repeat_counts import compact_repeat, literal_followers
 
 _SURROGATES = (0xD800, 0xDFFF)
 _NO_SURROGATES = r"\ud800-\udfff"
@@ -136,7 +136,9 @@ def _pattern_rules(pattern: str, prefix: str) -> str:
     ``repeat_counts.INLINE_COUNT`` written as rules shared by every count
     (``repeat_counts.compact_repeat``). A class repeated stays xgrammar's repetition at any
     count: ``json_pattern`` writes it negated, which xgrammar repeats cheaply (``.{1,3000}``:
-    0.02 s to compile and 0.1 ms a mask, where the shared rules took 2 s and 7 ms).
+    0.02 s to compile and 0.1 ms a mask, where the shared rules took 2 s and 7 ms); a class
+    right after such a count becomes literal alternatives where they are disjoint
+    (``repeat_counts.literal_followers``).
 
     Raises:
         ValueError: for a pattern xgrammar's regex converter refuses once rewritten (kvflow
@@ -166,7 +168,8 @@ def _pattern_rules(pattern: str, prefix: str) -> str:
             else:
                 end = count.end()
                 if name.group() in classes:
-                    out.append(prefix + text[name.start():end])
+                    text_out, end = _class_count(text, prefix, name, count, classes)
+                    out.append(text_out)
                 else:
                     out.append(compact_repeat(prefix + name.group(), int(count.group(1)),
                                               int(count.group(2)), extra))
@@ -177,16 +180,46 @@ def _pattern_rules(pattern: str, prefix: str) -> str:
     return "".join(out) + "".join(f"\n{name} ::= {body}" for name, body in extra.items())
 
 
-def _class_rules(ebnf: str) -> set[str]:
-    """The names of the rules of xgrammar's printing ``ebnf`` that are one character class
-    (``name ::= (([^a-z]))``)."""
-    names = set()
+def _class_count(text: str, prefix: str, name: re.Match, count: re.Match,
+                 classes: dict[str, list[tuple[int, int]]]) -> tuple[str, int]:
+    """The count ``name{m, n}`` of a one-class rule (``text[name.start():count.end()]``),
+    its name prefixed, and the position after what was written: a class right after it
+    (``name{1, 300} [0-9]``) is taken in as literal alternatives where
+    ``repeat_counts.literal_followers`` says so."""
+    repeat, end = prefix + text[name.start():count.end()], count.end()
+    if not text.startswith(" [", end):
+        return repeat, end
+    follower, after = _class_ranges(text, end + 1)
+    written = literal_followers(repeat, int(count.group(2)), classes[name.group()], follower)
+    return (repeat, end) if written is None else (written, after)
+
+
+def _class_rules(ebnf: str) -> dict[str, list[tuple[int, int]]]:
+    """The rules of xgrammar's printing ``ebnf`` that are one character class
+    (``name ::= (([^a-z]))``), each with the code point ranges its class matches."""
+    names = {}
     for line in ebnf.splitlines():
         name, _, body = line.partition(" ::= ")
         if body.startswith("(([") and body.endswith("]))") and \
                 _character_class(body, 2)[1] == len(body) - 2:
-            names.add(name)
+            names[name] = _class_ranges(body, 2)[0]
     return names
+
+
+def _class_ranges(ebnf: str, start: int) -> tuple[list[tuple[int, int]], int]:
+    """The code point ranges (sorted, disjoint) the class at ``ebnf[start] == "["`` matches,
+    and the position after it."""
+    negated = ebnf.startswith("^", start + 1)
+    i, ranges = start + 2 if negated else start + 1, []
+    while i < len(ebnf) and ebnf[i] != "]":
+        low, i = _code_point(ebnf, i)
+        high = low
+        if ebnf.startswith("-", i) and not ebnf.startswith("-]", i):
+            high, i = _code_point(ebnf, i + 1)
+        ranges.append((low, high))
+    merged = merged_ranges(ranges)
+    ranges = list(complement(merged)) if negated else list(merged)
+    return [(low, high) for low, high in ranges if low <= high], i + 1
 
 
 def _string_end(text: str, start: int) -> int:
