@@ -12,7 +12,11 @@ tokens through the string. Usage::
     python benchmarks/pattern_counts.py [--tokenizer out/smollm2-hf] [PATTERN ...]
 
 ``--skip-rules-over N`` leaves out xgrammar's repetition as rules past a count of N (it
-compiles in time growing with the count).
+compiles in time growing with the count). ``--grid`` instead times kvflow's way alone over
+``GRID``: each atom (a class, ``.``, a literal, a group) counted ``{1,n}`` for each ``n`` at
+the pattern's end, before a literal and before a class; ``convert s`` is what runs in the API
+server's event loop (``json_schema_grammar`` with the repetition budget lifted), ``cost``
+what ``schema_patterns.pattern_repeat_cost`` says of the pattern.
 """
 
 from __future__ import annotations
@@ -31,6 +35,17 @@ from kvflow.structured.xgrammar_convert import json_schema_grammar
 
 PATTERNS = ["^[a-z]{30}$", "^.{1,30}$", "^[a-z\u00e9]{40,60}$", "^\\d{100}$", "^.{1,100}$",
             "^.{1,300}$", "^.{1,3000}$", "^.{1,300}\\d$", "^(ab|c){1,300}$"]
+
+
+GRID_ATOMS = ["[a-z]", ".", "a", "(ab)"]
+GRID_COUNTS = [10, 100, 1000, 10000]
+GRID_ENDS = ["$", "@$", "\\d$"]
+
+
+def grid() -> list[str]:
+    """The patterns ``--grid`` times: every atom, count and ending of ``GRID_*``."""
+    return [f"^{atom}{{1,{n}}}{end}" for end in GRID_ENDS for atom in GRID_ATOMS
+            for n in GRID_COUNTS]
 
 
 def mask_times(compiled: xgr.CompiledGrammar, vocab_size: int, steps: int = 60,
@@ -67,11 +82,14 @@ def main() -> None:
     parser.add_argument("--tokenizer", default="out/smollm2-hf")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-rules-over", type=int, default=300)
+    parser.add_argument("--grid", action="store_true")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
     info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(args.tokenizer))
     compiler = xgr.GrammarCompiler(info, max_threads=args.threads, cache_enabled=False)
+    if args.grid:
+        return grid_times(compiler, info.vocab_size)
     print(f"{'pattern':24s} {'way':9s} {'compile s':>9s} {'mask ms':>8s} {'worst':>8s}")
     for pattern in args.patterns:
         for way, grammar in grammars(pattern, args.skip_rules_over).items():
@@ -80,6 +98,29 @@ def main() -> None:
             seconds = time.perf_counter() - start
             mean, worst = mask_times(compiled, info.vocab_size)
             print(f"{pattern:24s} {way:9s} {seconds:9.2f} {mean:8.2f} {worst:8.2f}", flush=True)
+
+
+def grid_times(compiler: xgr.GrammarCompiler, vocab_size: int) -> None:
+    """Prints convert and compile seconds and mean / worst mask ms of each ``grid()``
+    pattern as kvflow converts it, the repetition budget lifted."""
+    from unittest import mock
+
+    import kvflow.structured.xgrammar_convert as convert
+
+    print(f"{'pattern':22s} {'cost':>12s} {'convert s':>9s} {'compile s':>9s} {'mask ms':>8s} "
+          f"{'worst':>8s}")
+    for pattern in grid():
+        text = json.dumps({"type": "string", "pattern": pattern})
+        with mock.patch.object(convert, "costly_pattern", lambda schema: None):
+            start = time.perf_counter()
+            grammar = json_schema_grammar(text)
+            converted = time.perf_counter() - start
+        start = time.perf_counter()
+        compiled = compiler.compile_grammar(grammar)
+        seconds = time.perf_counter() - start
+        mean, worst = mask_times(compiled, vocab_size, steps=30)
+        print(f"{pattern:22s} {pattern_repeat_cost(pattern)[0]:12,d} {converted:9.2f} "
+              f"{seconds:9.2f} {mean:8.2f} {worst:8.2f}", flush=True)
 
 
 if __name__ == "__main__":

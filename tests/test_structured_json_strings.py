@@ -91,6 +91,35 @@ def test_plain_strings_take_escapes_not_raw_control_characters(backend, path, pa
     assert not _accepts(backend, params({"type": "string"}), text(b'"a\x01b"'))
 
 
+def test_length_limited_strings_take_valid_values_without_escapes(backend):
+    """minLength / maxLength strings take no JSON escape (a documented limitation: written
+    with escapes, xgrammar filled masks 1,000-20,000 times slower; docs/structured-output.md),
+    so a value holding ``"``, ``\\`` or a control character cannot be written, and one
+    spelled with an escape (``\\u0041``) is refused; every string taken validates against
+    the schema (jsonschema, the oracle: lengths in code points, a non-BMP character one).
+    Checked over every string of up to 5 characters of a small alphabet."""
+    import itertools
+
+    import jsonschema
+
+    schema = {"type": "string", "minLength": 2, "maxLength": 4}
+    compiled = backend.compile(StructuredOutputsParams(json=schema))
+
+    def takes(data: bytes) -> bool:
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        return matcher.accept_string(data) and matcher.is_terminated()
+    for n in range(6):
+        for chars in itertools.product('a"\\\né😀', repeat=n):
+            value = "".join(chars)
+            data = json.dumps(value, ensure_ascii=False).encode()
+            needs_escape = any(c in value for c in '"\\\n')
+            assert takes(data) == (2 <= n <= 4 and not needs_escape), value
+            if takes(data):
+                jsonschema.validate(json.loads(data), schema)
+    assert jsonschema.Draft202012Validator(schema).is_valid("Abc")
+    assert takes(b'"Abc"') and not takes(b'"\\u0041bc"')
+
+
 def test_property_name_lengths_refuse_raw_control_characters(backend):
     schema = {"type": "object", "propertyNames": {"maxLength": 3}}
     params = StructuredOutputsParams(json=schema)

@@ -624,27 +624,37 @@ def test_required_tool_calls_resolve_each_tools_references(llm):
 
 
 @pytest.mark.parametrize("schema, where", [
-    ({"type": "string", "pattern": "^[a-z]{1,6000}$"}, "pattern"),
-    ({"type": "string", "pattern": "^(abcdefghij){1,1000}$"}, "pattern"),  # 12 chars repeated
-    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x{2500,}"},
-                                       "b": {"type": "string", "pattern": "y{2500}"}}},
+    ({"type": "string", "pattern": "^[a-z]{1,2000000}$"}, "pattern"),  # past MAX_COUNT
+    ({"type": "string", "pattern": "^(abcdefghij){1,100000}$"}, "pattern"),  # 12 chars repeated
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x{150000,}"},
+                                       "b": {"type": "string", "pattern": "y{150000}"}}},
      "properties.b"),  # neither alone, both together
     ({"type": "object", "patternProperties": {"^k{1,5000}$": {"type": "integer"}}},
-     "patternProperties"),
+     "patternProperties"),  # xgrammar converts these: the quadratic budget
 ])
 def test_patterns_too_costly_to_convert_are_refused(schema, where):
-    """xgrammar converts a schema's string ``pattern`` in time that grows with the square of
-    each counted repetition: "^[a-z]{1,50000}$" took ~95 s here, during which the API
+    """xgrammar converted a schema's string ``pattern`` in time that grows with the square
+    of each counted repetition: "^[a-z]{1,50000}$" took ~95 s here, during which the API
     server's event loop (it validates the schema) and then the engine core (it validates it
-    again when the request is added) served nobody. Costly patterns are now a ValueError
-    naming the pattern's place, before xgrammar sees them; the ones below the budget pass
-    (each of these takes xgrammar under 0.4 s)."""
+    again when the request is added) served nobody. kvflow now converts ``pattern`` strings
+    itself, in time linear in the counts of groups and literals and constant in a class's
+    (``benchmarks/pattern_counts.py --grid``); ``patternProperties`` names, which xgrammar
+    still converts, keep the quadratic budget. Costly patterns are a ValueError naming the
+    pattern's place, before anything converts them; the ones below the budgets pass."""
     with pytest.raises(ValueError, match="repeat") as err:
         validate(StructuredOutputsParams(json=schema))
     assert where in str(err.value) and "maxLength" in str(err.value)
-    for fine in ({"type": "string", "pattern": "^[a-z]{1,3000}$"},
+
+
+def test_patterns_within_the_budgets_are_taken():
+    """The patterns below the budgets of ``test_patterns_too_costly_to_convert_are_refused``
+    convert (each in well under a second here)."""
+    for fine in ({"type": "string", "pattern": "^[a-z]{1,6000}$"},  # refused before
+                 {"type": "string", "pattern": "^.{1,1000000}$"},
+                 {"type": "string", "pattern": "^(ab){1,50000}$"},
                  {"type": "string", "pattern": "^" + "a{1,1000}" * 9 + "$"},
                  {"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}\{1000000\}$"},  # literal
+                 {"type": "object", "patternProperties": {"^k{1,3000}$": {"type": "integer"}}},
                  {"type": "string", "maxLength": 10**6}):
         validate(StructuredOutputsParams(json=fine))
 

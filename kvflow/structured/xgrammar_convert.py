@@ -95,7 +95,7 @@ def json_schema_grammar(spec: str) -> xgr.Grammar:
     Raises:
         ValueError: for text that is not a JSON schema object (or true/false), one using a
             keyword xgrammar would not enforce (``schema_support.unenforced_keyword``), or
-            one whose string patterns repeat more than xgrammar converts in well under a
+            one whose string patterns repeat more than kvflow or xgrammar converts in well under a
             second (``schema_patterns.costly_pattern``), or one with a string pattern that is
             not a valid regex (:func:`bad_pattern`, naming it and where it is).
         RuntimeError: from xgrammar, for a schema it cannot convert.
@@ -113,7 +113,10 @@ def json_schema_grammar(spec: str) -> xgr.Grammar:
     converted, patterns = placeholder_patterns(strict_formats(open_arrays(schema)))
     grammar = xgr.Grammar.from_json_schema(json.dumps(converted), any_whitespace=False)
     fixed = utf8_grammar(json_only_strings(grammar), patterns)
-    if any(name in str(fixed) for name in patterns):  # a placeholder converted as text
+    if any(name in str(fixed) for name in patterns):  # a placeholder converted as text:
+        problem = costly_pattern(schema, kvflow_converts=False)  # xgrammar converts them all
+        if problem is not None:
+            raise ValueError(problem)
         fixed = utf8_grammar(json_only_strings(xgr.Grammar.from_json_schema(
             json.dumps(open_arrays(schema)), any_whitespace=False)))
     return fixed
@@ -234,11 +237,12 @@ def unenforced_refusal(problem: str) -> str:
 
 def _schema_problem(schema: Any) -> str | None:
     """Why kvflow refuses a schema inside a ``format`` structural tag (a keyword xgrammar
-    would not enforce, a costly pattern), or None."""
+    would not enforce, a costly pattern: xgrammar converts the tag's patterns when it is
+    validated), or None."""
     problem = unenforced_keyword(schema)
     if problem is not None:
         return unenforced_refusal(problem)
-    return costly_pattern(schema)
+    return costly_pattern(schema, kvflow_converts=False)
 
 
 def bad_pattern(schema: Any) -> str | None:
