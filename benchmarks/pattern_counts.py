@@ -4,7 +4,9 @@ used for a count past 32 before ``repeat_counts``), xgrammar's repetition as rul
 (``x{m,n}`` of its regex converter on ``json_pattern``'s text, in a rule of its own between
 the quotes) and kvflow's conversion (``xgrammar_convert.json_schema_grammar``:
 ``json_pattern``'s negated classes, ``repeat_counts`` past 128 for what is not one class, the
-pattern's root written between the quotes by ``utf8_grammar``).
+pattern's root written between the quotes by ``utf8_grammar``); where kvflow writes a class
+after a class's count as literal alternatives (``repeat_counts.literal_followers``), also
+``kvflow-0``, its conversion without them (what it was before), and the two's ratios.
 
 Mask time: the mean (and worst) ``fill_next_token_bitmask`` over a random walk of up to 60
 tokens through the string. Usage::
@@ -25,16 +27,19 @@ import argparse
 import json
 import random
 import time
+from unittest import mock
 
 import xgrammar as xgr
 
+from kvflow.structured import utf8_grammar
 from kvflow.structured.json_pattern import json_pattern
 from kvflow.structured.schema_patterns import pattern_repeat_cost
 from kvflow.structured.utf8_grammar import printed_ebnf
 from kvflow.structured.xgrammar_convert import json_schema_grammar
 
 PATTERNS = ["^[a-z]{30}$", "^.{1,30}$", "^[a-z\u00e9]{40,60}$", "^\\d{100}$", "^.{1,100}$",
-            "^.{1,300}$", "^.{1,3000}$", "^.{1,300}\\d$", "^(ab|c){1,300}$"]
+            "^.{1,300}$", "^.{1,3000}$", "^.{1,300}\\d$", "^(ab|c){1,300}$", "^[a-z]{1,300}\\d$",
+            "^[^0-9]{2,40}[0-9]$", "^[0-9]{1,300}[a-zA-Z]$"]
 
 
 GRID_ATOMS = ["[a-z]", ".", "a", "(ab)"]
@@ -72,7 +77,11 @@ def grammars(pattern: str, skip_rules_over: int) -> dict[str, xgr.Grammar]:
         rules = printed_ebnf(xgr.Grammar.from_regex(json_pattern(pattern)))
         out["rules"] = xgr.Grammar.from_ebnf(rules.replace("root", "pattern") +
                                              '\nroot ::= "\\"" pattern "\\""')
+    with mock.patch.object(utf8_grammar, "literal_followers", lambda *args: None):
+        before = json_schema_grammar(json.dumps(schema))
     out["kvflow"] = json_schema_grammar(json.dumps(schema))
+    if str(before) != str(out["kvflow"]):  # the class after a count written as literals
+        out["kvflow-0"] = before
     return out
 
 
@@ -92,19 +101,23 @@ def main() -> None:
         return grid_times(compiler, info.vocab_size)
     print(f"{'pattern':24s} {'way':9s} {'compile s':>9s} {'mask ms':>8s} {'worst':>8s}")
     for pattern in args.patterns:
+        timed = {}
         for way, grammar in grammars(pattern, args.skip_rules_over).items():
             start = time.perf_counter()
             compiled = compiler.compile_grammar(grammar)
             seconds = time.perf_counter() - start
             mean, worst = mask_times(compiled, info.vocab_size)
+            timed[way] = seconds, mean
             print(f"{pattern:24s} {way:9s} {seconds:9.2f} {mean:8.2f} {worst:8.2f}", flush=True)
+        if "kvflow-0" in timed:
+            (after_s, after_ms), (before_s, before_ms) = timed["kvflow"], timed["kvflow-0"]
+            print(f"{pattern:24s} kvflow-0 / kvflow: compile {before_s / after_s:.0f}x, "
+                  f"mask {before_ms / after_ms:.1f}x", flush=True)
 
 
 def grid_times(compiler: xgr.GrammarCompiler, vocab_size: int) -> None:
     """Prints convert and compile seconds and mean / worst mask ms of each ``grid()``
     pattern as kvflow converts it, the repetition budget lifted."""
-    from unittest import mock
-
     import kvflow.structured.xgrammar_convert as convert
 
     print(f"{'pattern':22s} {'cost':>12s} {'convert s':>9s} {'compile s':>9s} {'mask ms':>8s} "
