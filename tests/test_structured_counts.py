@@ -160,6 +160,29 @@ def test_count_followed_by_a_class_takes_the_patterns_strings(backend, pattern):
         assert got == (re.search(pattern, value) is not None), (pattern, value)
 
 
+REGEX_FOLLOWED = [r"^[^0-9]{2,20}[0-9]$", r"^x[^a-c]{0,9}[abc]\d{0,2}$", r"^[^5]{1,12}5$",
+                  r"^[a-z]{1,20}\d$"]
+
+
+@pytest.mark.parametrize("pattern", REGEX_FOLLOWED)
+def test_regex_count_followed_by_a_class_takes_the_regexs_strings(backend, pattern):
+    """A ``regex`` constraint's negated class counted before a class it does not overlap
+    (``[^0-9]{2,20}[0-9]``) is written as literal alternatives too
+    (``utf8_grammar.regex_grammar``); a positive class's count (the last) is not. The strings
+    taken are ``re.fullmatch``'s (the oracle), over edge and random strings."""
+    compiled = backend.compile(StructuredOutputsParams(regex=pattern))
+    for value in _random_values(seed=len(pattern), count=300) + ["x5", "55", "x\n5"]:
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        got = matcher.accept_string(value.encode()) and matcher.is_terminated()
+        assert got == (re.fullmatch(pattern[1:-1], value) is not None), (pattern, value)
+
+
+def test_regex_negated_class_count_before_a_class_compiles_to_few_rules(backend):
+    """As ``test_count_followed_by_a_disjoint_class_compiles_to_few_rules``, for a regex."""
+    compiled = backend.compile(StructuredOutputsParams(regex=r"[^0-9]{1,300}[0-9]"))
+    assert str(compiled.grammar).count("::=") < 40
+
+
 def test_count_followed_by_a_disjoint_class_compiles_to_few_rules(backend):
     """xgrammar wrote ``[a-z]{1,300}`` followed by ``\\d`` as 130 nested rules, each one's
     mask filled for the whole vocabulary at compile time (6-12 s for a 49k vocabulary);

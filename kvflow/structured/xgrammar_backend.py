@@ -18,7 +18,7 @@ import xgrammar as xgr
 from kvflow.structured.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvflow.structured.params import StructuredOutputsParams
 from kvflow.structured.text_tokens import special_token_ids, text_tokenizer_info
-from kvflow.structured.utf8_grammar import utf8_grammar
+from kvflow.structured.utf8_grammar import regex_grammar, utf8_grammar
 from kvflow.structured.xgrammar_convert import (
     NEEDS_TOKENIZER,
     grammar_text,
@@ -110,7 +110,7 @@ class XgrammarBackend(StructuredOutputBackend):
                 xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False,
                                              strict_mode=False))))
         if kind == "regex":
-            return self._compiler.compile_grammar(utf8_grammar(xgr.Grammar.from_regex(spec)))
+            return self._compiler.compile_grammar(regex_grammar(xgr.Grammar.from_regex(spec)))
         if kind == "structural_tag":  # what validate could not check: token names and ids
             try:
                 return self._compile_structural_tag(structural_tag_text(spec))
