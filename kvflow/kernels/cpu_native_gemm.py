@@ -134,7 +134,9 @@ class GemmKernels:
 
     def gemm_x_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
         """The activation dtype :meth:`gemm` takes with packed weights of ``weight_dtype``:
-        bf16 for bf16 weights where the CPU multiplies bf16 pairs (AVX512-BF16), else fp32."""
+        bf16 for bf16 weights (multiplied as bf16 pairs on AVX512-BF16; elsewhere widened to
+        fp32 inside the call, exactly, so a bf16 model's activations need no torch conversion
+        between the native calls of a step), fp32 for fp32 and fp16 weights."""
         return DTYPES[self._gemm_x_dtype(DTYPE_CODES[weight_dtype])]
 
     def gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int,
@@ -142,8 +144,9 @@ class GemmKernels:
              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``x @ weight.T + bias`` against ``packed`` = :meth:`gemm_pack` (``weight`` [n, K]).
 
-        A 16-bit weight is widened to fp32 in registers (exact) or, for bf16 on AVX512-BF16 or
-        AMX, multiplied with bf16 ``x`` by bf16 dot-product instructions or tiles; either way
+        A 16-bit weight is widened to fp32 in registers (exact; bf16 ``x`` is widened once per
+        call too) or, for bf16 on AVX512-BF16 or AMX, multiplied with bf16 ``x`` by bf16
+        dot-product instructions or tiles; either way
         the product accumulates in fp32 and is returned in fp32, never rounded to 16 bits, or
         (``out_dtype`` 16-bit) rounded once to nearest even inside the kernel, as
         ``.to(out_dtype)`` of the fp32 result would give without its extra pass over memory.

@@ -26,7 +26,12 @@
  * (__AVX512BF16__), bf16 weights are instead packed in k-pairs ([panel][k/2][32][2], the
  * operand layout of VDPBF16PS, Intel SDM vol. 2) and multiplied with bf16 x by VDPBF16PS,
  * which adds two bf16 products to each fp32 lane per instruction: twice the multiply rate of
- * fp32 FMA and half the weight bytes. kvflow_gemm_x_dtype says which x a weight dtype takes.
+ * fp32 FMA and half the weight bytes. kvflow_gemm_x_dtype says which x a weight dtype takes:
+ * bf16 weights take bf16 x in every build. Where they are widened (no AVX512-BF16: Ice Lake,
+ * AVX2), x is widened to fp32 once per call (exact), into scratch, before the products: a bf16
+ * model's activations then reach the GEMM as they are, with no conversion between the native
+ * calls of a decode step (a torch conversion there made every step unreplayable as a CPU step
+ * graph, kvflow/worker/cpu_graphs.py).
  * In builds with AMX-BF16 (__AMX_BF16__) the same k-paired panels are multiplied by AMX tiles
  * instead (cpu_gemm_amx.h) where k is a multiple of 32, in x blocks of 256 rows walked in k
  * chunks, x packed in tile order from 48 rows.
@@ -87,9 +92,19 @@ enum { HALF = NR / 2, KC = 256, MC = 96 };
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* The dtype of x a weight of dtype wdt is multiplied with: bf16 for k-paired bf16 panels
- * (AVX512-BF16 builds), else fp32. */
-int kvflow_gemm_x_dtype(int wdt) { return wdt == DT_BF16 && BF16_PAIRS ? DT_BF16 : DT_F32; }
+/* The dtype of x a weight of dtype wdt is multiplied with: bf16 for bf16 weights (k-paired
+ * panels take it as it is, widened panels widen it once per call: widen_x), else fp32. */
+int kvflow_gemm_x_dtype(int wdt) { return wdt == DT_BF16 ? DT_BF16 : DT_F32; }
+
+/* Whether x of dtype xdt is widened to fp32 before the products (bf16 x of widened panels). */
+static inline int widens_x(int xdt) { return xdt == DT_BF16 && !BF16_PAIRS; }
+
+/* Rows [r0, r1) of bf16 x [m, k] (row stride xs elements) widened into fp32 x32 [m, k]
+ * (row stride k): exact, bf16 being the top half of fp32. */
+static void widen_x(const uint16_t *x, int64_t xs, float *x32, int64_t k, int64_t r0,
+                    int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) load_row(DT_BF16, x + i * xs, x32 + i * k, k);
+}
 
 /* Columns per panel of this build (16 or 32). */
 int kvflow_gemm_panel_width(void) { return NR; }
@@ -521,8 +536,25 @@ int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, in
     const int64_t blocks = (m + mb_max - 1) / mb_max;
     const int nt = num_threads < 1 ? 1 : (int64_t)num_threads > panels ? (int)panels : num_threads;
     if (blocks * panels >= ((int64_t)1 << 32)) return 1;
+    /* widened x: up to X_STACK values (a decode row or a few) on the stack, more in scratch;
+     * widened here, or past X_TEAM values (prefill) by the team before the products (a
+     * barrier more, which a decode-sized x does not pay for) */
+    enum { X_STACK = 4096, X_TEAM = 1 << 16 };
+    float x_stack[X_STACK], *x32 = NULL;
+    const int widen = widens_x(xdt) && k > 0, widen_team = widen && m * k > X_TEAM;
+    const int x_heap = widen && m * k > X_STACK;
+    if (widen) {
+        x32 = x_heap ? aligned_alloc(64, (size_t)((m * k + 15) / 16 * 16) * sizeof(float))
+                     : x_stack;
+        if (!x32) return 1;
+        if (!widen_team) widen_x(x, x_stride, x32, k, 0, m);
+        g.x = x32, g.x_stride = k, g.xdt = DT_F32;
+    }
     Share *shares = aligned_alloc(64, sizeof(Share) * nt);
-    if (!shares) return 1;
+    if (!shares) {
+        if (x_heap) free(x32);
+        return 1;
+    }
 #if AMX_TILES
     if (m >= AMX_PACK_ROWS && panels > 1 && k > 0 && amx_applies(&g)) {
         /* whole 16-row strips; without memory, x is read in place */
@@ -540,6 +572,10 @@ int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, in
 #pragma omp parallel num_threads(nt)
     {
         const int self = omp_get_thread_num();
+        if (widen_team) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < m; ++i) widen_x(x, x_stride, x32, k, i, i + 1);
+        }
         for (int i = 0; i < nt; ++i) {
             const int t = (self + i) % nt; /* own share first, then the others' */
             const int64_t p0 = panels * t / nt, width = panels * (t + 1) / nt - p0;
@@ -553,6 +589,7 @@ int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, in
         }
     }
     free(shares);
+    if (x_heap) free(x32);
     free(g.xtiles);
     free(g.xstate);
     return 0;
@@ -596,17 +633,23 @@ int kvflow_gemm_pooled(KvflowPool *pool, const void *x, int64_t x_stride, int xd
     if (!kvflow_pool_begin(pool))
         return kvflow_gemm(x, x_stride, xdt, packed, wdt, bias, y, y_stride, ydt, m, n, k,
                            num_threads);
+    const int widen = widens_x(xdt); /* the pool's copy of x is then fp32 */
     const size_t xes = elem_size(xdt), row = (size_t)k * xes;
-    char *xc = kvflow_pool_buffer(pool, 0, (size_t)m * row + 64);
+    const size_t row_c = widen ? (size_t)k * sizeof(float) : row;
+    char *xc = kvflow_pool_buffer(pool, 0, (size_t)m * row_c + 64);
     float *bc = bias ? kvflow_pool_buffer(pool, 1, (size_t)n * sizeof(float)) : NULL;
     if (!xc || (bias && !bc)) {
         kvflow_pool_end(pool);
         return kvflow_gemm(x, x_stride, xdt, packed, wdt, bias, y, y_stride, ydt, m, n, k,
                            num_threads);
     }
-    for (int64_t i = 0; i < m; ++i) memcpy(xc + i * row, (const char *)x + i * x_stride * xes, row);
+    if (widen) widen_x(x, x_stride, (float *)xc, k, 0, m);
+    else
+        for (int64_t i = 0; i < m; ++i)
+            memcpy(xc + i * row, (const char *)x + i * x_stride * xes, row);
     if (bias) memcpy(bc, bias, (size_t)n * sizeof(float));
-    const Gemm g = {xc, k, packed, wdt, xdt, bc, y, y_stride, m, n, k, ydt, NULL, NULL};
+    const Gemm g = {xc, k, packed, wdt, widen ? DT_F32 : xdt, bc, y, y_stride, m, n, k, ydt,
+                    NULL, NULL};
     const int64_t panels = (n + NR - 1) / NR, mb_max = block_rows(&g);
     const PooledGemm pg = {g, mb_max, panels};
     kvflow_pool_run(pool, pooled_item, pooled_commit, &pg, sizeof pg, mb_max * NR,
