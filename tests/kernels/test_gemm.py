@@ -268,6 +268,35 @@ def test_native_gemm_16_bit_weights_widen_exactly(dtype, m, n, k):
     _fp32_oracle_check(packed(x, b), x.float(), w.float(), b)
 
 
+
+# rows x 576: 1 and 7 rows widen x on the stack, 64 into scratch, 200 by the thread team
+@native
+@pytest.mark.parametrize("m", [1, 7, 64, 200])
+def test_native_gemm_takes_bf16_activations_on_every_build(m):
+    """bf16 weights take bf16 x on every build (kvflow_gemm_x_dtype): widened panels (no
+    AVX512-BF16) widen x inside the call, so a bf16 model's GEMMs run with no torch conversion
+    between native calls (which made its decode steps unreplayable as CPU step graphs). Rows
+    of a wider tensor (x row stride > K): the fp32 result is within the fp32 bound of the
+    float64 product, bit for bit the same on 1 and 2 threads."""
+    kernels = native_cpu_kernels()
+    assert kernels.gemm_x_dtype(torch.bfloat16) == torch.bfloat16
+    assert kernels.gemm_x_dtype(torch.float32) == torch.float32
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 600, generator=gen).to(torch.bfloat16)[:, :576]
+    w = torch.randn(70, 576, generator=gen).to(torch.bfloat16)
+    packed = NativePackedWeight(w, kernels)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = packed(x, None)
+        torch.set_num_threads(2)
+        two = packed(x, None)
+    finally:
+        torch.set_num_threads(threads)
+    _fp32_oracle_check(one, x.float(), w.float(), None)
+    assert torch.equal(one, two)
+
+
 def _zen5_or_later_amd() -> bool:
     """/proc/cpuinfo names an AMD CPU of family 26 (Zen 5) or later."""
     try:
