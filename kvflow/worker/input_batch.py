@@ -56,6 +56,8 @@ class InputBatch:
         # when they are configured: worker/logits_procs.py takes it each step)
         self.added_ids: set[str] | None = None
         self._pending_rows: tuple[int, np.ndarray | slice] = (-1, slice(0, 0))
+        # rows_of's last answer: (version, the ids asked, their rows)
+        self._rows_memo: tuple[int, list[str], np.ndarray] = (-1, [], np.zeros(0, np.int64))
         self.token_ids = np.zeros((n, 64), np.int64)
         self.num_tokens = np.zeros(n, np.int64)  # prompt + sampled (pending included)
         self.num_prompt_tokens = np.zeros(n, np.int64)
@@ -250,15 +252,34 @@ class InputBatch:
                 if rid not in resumed:
                     self.write_tokens(index[rid], cached.num_computed_tokens[position[rid]],
                                       tokens)
-        self.num_computed_tokens[[index[rid] for rid in cached.req_ids]] = \
-            cached.num_computed_tokens
+        self.num_computed_tokens[self.rows_of(cached.req_ids)] = cached.num_computed_tokens
 
     def num_scheduled_per_row(self, sched: SchedulerOutput) -> np.ndarray:
         """Tokens each row computes in ``sched`` (int64 [num_reqs], 0 = not scheduled)."""
         num = np.zeros(self.num_reqs, np.int64)
-        rows = [self.req_id_to_index[rid] for rid in sched.num_scheduled_tokens]
-        num[rows] = list(sched.num_scheduled_tokens.values())
+        num[self.rows_of(list(sched.num_scheduled_tokens))] = \
+            list(sched.num_scheduled_tokens.values())
         return num
+
+    def rows_of(self, req_ids: list[str]) -> np.ndarray:
+        """The rows of ``req_ids``, in their order (int64 [len(req_ids)], read-only).
+
+        A decode step schedules the previous step's requests over the same rows, so the last
+        answer is kept and given again while no row was added, removed or moved
+        (``version``) and the ids are equal: one list comparison instead of a dict lookup
+        per request and a new array.
+
+        Raises:
+            KeyError: for an id without a row.
+        """
+        version, ids, rows = self._rows_memo
+        if version == self.version and ids == req_ids:
+            return rows
+        rows = np.fromiter(map(self.req_id_to_index.__getitem__, req_ids), np.int64,
+                           len(req_ids))
+        rows.flags.writeable = False
+        self._rows_memo = (self.version, list(req_ids), rows)
+        return rows
 
     # ---- in-place updates --------------------------------------------------------------------
     def append_block_ids(self, row: int, group: int, block_ids: list[int]) -> None:
