@@ -116,7 +116,7 @@ class Request:
     # session 47). Slots keep every attribute at a fixed offset whatever their number.
     __slots__ = (
         "all_token_ids", "arrival_time", "block_hashes", "cache_salt", "client_id",
-        "eos_token_id", "lora_request", "max_num_tokens", "min_stop_len", "mm_features",
+        "eos_token_id", "kv_steady_until", "lora_request", "max_num_tokens", "min_stop_len", "mm_features",
         "num_cached_tokens", "num_computed_tokens", "num_external_cached_tokens",
         "num_output_placeholders", "num_preemptions", "parent_id", "pooling_params", "priority",
         "prompt_embeds", "prompt_logprobs", "prompt_token_ids", "request_id", "sample_index",
@@ -169,6 +169,10 @@ class Request:
         self.num_preemptions = 0
         self.times = RequestTimes()  # vLLM's phases, for /metrics
         self.block_hashes: list[int] = []  # hash chain over this request's full blocks
+        # Kept by the KV cache manager: while num_computed_tokens plus a step's new tokens
+        # stay at or below this, allocating their slots has nothing to do (no new block, no
+        # full block to index), so the scheduler skips the call; 0: no such promise.
+        self.kv_steady_until = 0
         # kvflow.structured.request_state.RequestStructuredOutput when the output is constrained
         self.structured_output = None
         # Stop rules as token counts, read on every step (the scheduler caps

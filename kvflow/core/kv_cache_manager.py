@@ -202,6 +202,7 @@ class KVCacheManager:
             known = min(total, len(request.all_token_ids))
             if known // self.block_size > self._num_hashed.get(rid, 0):  # a block filled up
                 self._cache_full_blocks(request, known)  # index it
+            self._note_steady(request)
             return self.empty_blocks
         if not self.can_allocate(request, num_new_tokens, new_computed):
             return None
@@ -214,7 +215,24 @@ class KVCacheManager:
         total_tokens = computed + num_new_tokens
         new = tuple(tuple(m.allocate_new_blocks(rid, total_tokens)) for m in self.managers)
         self._cache_full_blocks(request, min(total_tokens, request.num_tokens))
+        self._note_steady(request)
         return KVCacheBlocks(new)
+
+    def _note_steady(self, request: Request) -> None:
+        """Set ``request.kv_steady_until``: the most tokens (computed + new) for which
+        ``try_allocate_slots`` would do nothing but return ``empty_blocks``: those its group-0
+        table holds, less one block's worth past the blocks indexed so far (its next full
+        block is indexed when it fills); 0 with a sliding-window group (its leading blocks are
+        released every step). Only blocks being freed (``_release``, ``free_tail``) can break
+        the promise, and they reset it to 0; everything else only makes it conservative."""
+        rid = request.request_id
+        if self._windowed:
+            request.kv_steady_until = 0
+            return
+        room = len(self._group0_blocks.get(rid, ())) * self.block_size
+        if self._uses_hashing(request) and rid not in self._stale:
+            room = min(room, (self._num_hashed.get(rid, 0) + 1) * self.block_size - 1)
+        request.kv_steady_until = room
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         rid = request.request_id
@@ -266,6 +284,7 @@ class KVCacheManager:
         rid, keep = request.request_id, -(-num_tokens // self.block_size)
         if len(self._group0_blocks.get(rid, ())) <= keep:
             return None
+        request.kv_steady_until = 0
         for m in reversed(self.managers):
             m.free_tail(rid, keep)
         return keep
@@ -278,6 +297,7 @@ class KVCacheManager:
         self._release(request)
 
     def _release(self, request: Request) -> None:
+        request.kv_steady_until = 0
         self._num_hashed.pop(request.request_id, None)
         for m in reversed(self.managers):
             m.free(request.request_id)

@@ -42,11 +42,14 @@ def schedule_running(sched: Scheduler, budget: int, cap: int, out: SchedulerOutp
         if num_tokens - computed == 1 and not extra and not request.num_output_placeholders \
                 and request.mm_features is None:  # a plain decode step: its next token
             num_new, encodes = 1, None
+            # its slot is usually in a block it holds already (KVCacheManager's promise)
+            new_blocks = empty if computed < request.kv_steady_until else \
+                try_allocate(request, 1)
         else:
             num_new, encodes = _tokens_wanted(sched, request, num_tokens, extra,
                                               min(budget, chunk_cap) if chunk_cap else budget,
                                               step_budget)
-        new_blocks = try_allocate(request, num_new) if num_new > 0 else None
+            new_blocks = try_allocate(request, num_new) if num_new > 0 else None
         if new_blocks is None and num_new > 0:  # no room: drop the drafts, then preempt
             new_blocks, extra, num_new = _make_room(sched, request, num_new,
                                                     num_tokens - computed, extra, out)
