@@ -78,6 +78,39 @@ def test_pending_tokens_are_filled_in_their_rows():
     assert (batch.pending_sample[:2] == -1).all()
 
 
+def test_rows_of_follows_rows_moved_between_equal_lookups():
+    """``rows_of`` keeps its last answer only while no row moved: the same ids asked again
+    after a removal condensed the rows get the new rows (hand-computed), and the per-step
+    updates that use it write each request's own row."""
+    batch = InputBatch(4, [FULL])
+    for rid in "abcd":
+        batch.add_request(_state(rid, [1, 2, 3]), [], ([1],), 1)
+    ids = ["d", "b", "c"]
+    first = batch.rows_of(ids)
+    assert first.tolist() == [3, 1, 2] and batch.rows_of(list(ids)) is first  # kept
+    assert not first.flags.writeable
+    assert batch.rows_of(["b", "d", "c"]).tolist() == [1, 3, 2]  # other ids: looked up
+    assert batch.rows_of(ids).tolist() == [3, 1, 2]
+    batch.remove_request("a")  # d moves from row 3 to row 0
+    assert batch.rows_of(ids).tolist() == [0, 1, 2]
+    with pytest.raises(KeyError):
+        batch.rows_of(["a"])
+    sched = SchedulerOutput(num_scheduled_tokens={"d": 1, "b": 1, "c": 1})
+    sched.scheduled_cached_reqs.req_ids = ids
+    sched.scheduled_cached_reqs.num_computed_tokens = [7, 5, 6]
+    for _ in range(2):  # the second step's lookups are the kept ones
+        batch.apply_scheduler_output(sched, {})
+        assert batch.num_computed_tokens[:3].tolist() == [7, 5, 6]  # rows d, b, c
+        assert batch.num_scheduled_per_row(sched).tolist() == [1, 1, 1]
+    batch.remove_request("b")  # d stays at row 0, c moves to row 1
+    sched.num_scheduled_tokens = {"c": 2}
+    sched.scheduled_cached_reqs.req_ids, sched.scheduled_cached_reqs.num_computed_tokens = \
+        ["c"], [9]
+    batch.apply_scheduler_output(sched, {})
+    assert batch.num_computed_tokens[:2].tolist() == [7, 9]
+    assert batch.num_scheduled_per_row(sched).tolist() == [0, 2]
+
+
 def test_prompt_and_output_ids_are_padded():
     batch = InputBatch(2, [FULL])
     batch.add_request(_state("a", [5, 6, 7]), [8], ([1],), 0)
