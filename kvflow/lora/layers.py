@@ -31,7 +31,7 @@ kernel (the mapping then carries the tokens' slots as ``row_slots``). On CPU ``l
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -77,12 +77,17 @@ class LoRAMapping:
         """Adapted tokens of the busiest slot."""
         return max(end - start for _, start, end in self.segments)
 
-    def select(self, tokens: torch.Tensor) -> LoRAMapping | None:
+    def select(self, tokens: torch.Tensor, native: bool | None = None) -> LoRAMapping | None:
         """The mapping of the step tokens ``tokens`` (int64 [T_local], ascending: a
         context-parallel rank's share of a prefill, ``kvflow.attention.cp_split``) when only
-        they run, renumbered 0..T_local-1 in that order; None when none of them is adapted."""
+        they run, renumbered 0..T_local-1 in that order; None when none of them is adapted.
+        ``native``: whether it carries its tokens' slots as ``row_slots`` (the native CPU
+        kernel runs it, :func:`with_row_slots`); None: as this mapping does."""
         picked = self.token_slots[tokens.cpu().numpy()]
-        return make_mapping(picked, self.segment_table.device)
+        mapping = make_mapping(picked, self.segment_table.device)
+        if native is None:
+            native = self.row_slots is not None
+        return with_row_slots(mapping) if native and mapping is not None else mapping
 
 
 def make_mapping(token_slots: np.ndarray, device: torch.device) -> LoRAMapping | None:
@@ -98,6 +103,13 @@ def make_mapping(token_slots: np.ndarray, device: torch.device) -> LoRAMapping |
     whole = len(segments) == 1 and len(adapted) == len(token_slots)  # stable sort: 0..T-1
     return LoRAMapping(torch.from_numpy(order).to(device), segments, table,
                        np.asarray(token_slots, dtype=np.int64), whole)
+
+
+def with_row_slots(mapping: LoRAMapping) -> LoRAMapping:
+    """``mapping`` carrying its tokens' slots as ``row_slots`` (int32 [T], a fresh host copy of
+    ``token_slots``): an eager CPU step's mapping that the native kernel (``csrc/cpu_lora.c``)
+    runs (a step graph's steps put their own buffer's, :func:`graph_mapping`)."""
+    return replace(mapping, row_slots=torch.from_numpy(mapping.token_slots.astype(np.int32)))
 
 
 def graph_mapping(mapping: LoRAMapping | None, row_slots: torch.Tensor) -> LoRAMapping:
@@ -118,11 +130,19 @@ def graph_mapping(mapping: LoRAMapping | None, row_slots: torch.Tensor) -> LoRAM
 
 class LoRAContext:
     """The step's :class:`LoRAMapping`, shared by every LoRA layer of one model (per engine,
-    not a module global; ``bind`` refuses nesting and always clears)."""
+    not a module global; ``bind`` refuses nesting and always clears).
 
-    def __init__(self) -> None:
+    Args:
+        eager_kernel: rows -> the CPU LoRA kernel (``native`` or ``torch``) an eager step of
+            that many rows runs (``LoRAManager.eager_cpu_kernel`` on CPU), what :meth:`select`
+            decides a context-parallel rank's share by; None (CUDA, tests): a selected
+            mapping takes the bound one's path.
+    """
+
+    def __init__(self, eager_kernel: Callable[[int], str] | None = None) -> None:
         self.mapping: LoRAMapping | None = None
         self._bound = False
+        self._eager_kernel = eager_kernel
 
     @contextmanager
     def bind(self, mapping: LoRAMapping | None) -> Iterator[None]:
@@ -153,9 +173,13 @@ class LoRAContext:
     def select(self, tokens: torch.Tensor) -> None:
         """Inside ``bind``: keep only the step tokens ``tokens`` (int64 [T_local], ascending)
         of the bound mapping, renumbered, for a forward pass that runs only them (a
-        context-parallel rank's token split); nothing to do without a mapping."""
+        context-parallel rank's token split); nothing to do without a mapping. The native CPU
+        kernel runs them where ``eager_kernel`` gives it ``T_local`` rows, as it would a
+        single-process eager step of as many rows."""
         if self.mapping is not None:
-            self.mapping = self.mapping.select(tokens)
+            native = None if self._eager_kernel is None \
+                else self._eager_kernel(int(tokens.shape[0])) == "native"
+            self.mapping = self.mapping.select(tokens, native)
 
 
 def grouped_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,

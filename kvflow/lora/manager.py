@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -26,7 +25,13 @@ from torch import nn
 from kvflow.config import LoRAConfig
 from kvflow.layers.linear import LinearBase
 from kvflow.lora.adapter import LoRAAdapter, load_adapter
-from kvflow.lora.layers import LoRAContext, LoRALinear, LoRAMapping, make_mapping
+from kvflow.lora.layers import (
+    LoRAContext,
+    LoRALinear,
+    LoRAMapping,
+    make_mapping,
+    with_row_slots,
+)
 from kvflow.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -94,7 +99,8 @@ class LoRAManager:
                  ) -> None:
         self.config, self.dtype, self.device = config, dtype, device
         self.model_type = model_type
-        self.ctx = LoRAContext()
+        # a context-parallel rank's share of a CPU step runs the kernel its row count picks
+        self.ctx = LoRAContext(self.eager_cpu_kernel if device.type == "cpu" else None)
         self.layers = wrap_lora_layers(model, config.max_loras, config.max_lora_rank, self.ctx)
         self.targets = {name: layer.target for name, layer in self.layers.items()}
         self.packed: dict[str, tuple[str, Any]] = dict(getattr(model, "packed_modules_mapping",
@@ -273,8 +279,7 @@ class LoRAManager:
         if mapping is not None and self.device.type == "cpu" \
                 and self.eager_cpu_kernel(len(token_rows)) == "native":
             # the native kernel's per-row slots (a step graph's steps put their own buffer's)
-            mapping = replace(mapping, row_slots=torch.from_numpy(
-                mapping.token_slots.astype(np.int32)))
+            mapping = with_row_slots(mapping)
         return mapping
 
     def _activate(self, ids: list[int], adapter_of: dict[int, LoRAAdapter]) -> dict[int, int]:

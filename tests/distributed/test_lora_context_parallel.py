@@ -7,7 +7,10 @@ and a refused adapter that leaves both ranks serving.
 
 A rank that applied the whole step's mapping to its share of the tokens (the adapter of
 another row, or the delta of the wrong token) moves logprobs by > 0.1; the oracle is peft run
-on the engine's own tokens (teacher forcing, fp32: ``tests.lora.adapters``).
+on the engine's own tokens (teacher forcing, fp32: ``tests.lora.adapters``). Run with each CPU
+LoRA kernel forced (``KVFLOW_CPU_LORA``, inherited by the ranks): ``native`` runs every rank's
+share of a split prefill through ``csrc/cpu_lora.c`` too (its tokens' slots renumbered,
+``LoRAContext.select``), ``torch`` the grouped torch matmuls.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ def adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
             "late": make_late_adapter(tiny_llama.path, root)}
 
 
-def test_two_adapters_and_base_at_cp2_match_peft(tiny_llama, adapters):
+@pytest.mark.parametrize("cpu_lora", ["native", "torch"])
+def test_two_adapters_and_base_at_cp2_match_peft(tiny_llama, adapters, cpu_lora, monkeypatch):
+    monkeypatch.setenv("KVFLOW_CPU_LORA", cpu_lora)
     llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64,
               block_size=4, max_num_batched_tokens=8, enable_lora=True, max_loras=2,
               max_lora_rank=8, context_parallel_size=2, distributed_executor_backend="mp")

@@ -86,6 +86,49 @@ def test_mapping_of_a_token_subset_renumbers_its_tokens():
         assert ctx.mapping is None
 
 
+def test_token_subset_runs_the_native_kernel_as_its_row_count_picks():
+    """A context-parallel rank's share (``LoRAContext.select``) carries its own tokens' slots
+    as ``row_slots`` (the native CPU kernel's) where the context's eager choice gives its row
+    count ``native``, and none where it gives ``torch``; without a choice (CUDA) it keeps the
+    bound mapping's path. The native kernel over the share adds each kept token's own adapter
+    (the per-token loop)."""
+    from kvflow.kernels.cpu_native import native_cpu_kernels
+    from kvflow.lora.layers import GroupedLoRA, with_row_slots
+
+    gen = torch.Generator().manual_seed(6)
+    slots = np.array([1, -1, 0, 1, 0, -1, 1])
+    keep = torch.tensor([0, 1, 3, 4, 6])  # slots 1, -1, 1, 0, 1
+    picked = []
+    ctx = LoRAContext(lambda rows: picked.append(rows) or ("native" if rows < 6 else "torch"))
+    with ctx.bind(make_mapping(slots, torch.device("cpu"))):
+        ctx.select(keep)
+        assert picked == [5]
+        assert ctx.mapping.row_slots.dtype == torch.int32
+        assert ctx.mapping.row_slots.tolist() == [1, -1, 1, 0, 1]
+        mapping = ctx.mapping
+    with ctx.bind(make_mapping(slots, torch.device("cpu"))):
+        ctx.select(torch.arange(7))  # 7 rows: torch
+        assert ctx.mapping.row_slots is None
+    plain = LoRAContext()
+    for bound in (make_mapping(slots, torch.device("cpu")),
+                  with_row_slots(make_mapping(slots, torch.device("cpu")))):
+        with plain.bind(bound):
+            plain.select(keep)
+            assert (plain.mapping.row_slots is None) == (bound.row_slots is None)
+    if native_cpu_kernels() is None:
+        return
+    x = torch.randn(len(keep), 24, generator=gen)
+    a = torch.randn(2, 8, 24, generator=gen)
+    b = torch.randn(2, 8, 40, generator=gen).transpose(1, 2)
+    y = torch.randn(len(keep), 40, generator=gen)
+    expected = y.double().clone()
+    for t, s in enumerate(slots[keep.numpy()]):
+        if s >= 0:
+            expected[t] += b[s].double() @ (a[s].double() @ x[t].double())
+    got = GroupedLoRA()(y.clone(), x, a, b, mapping)
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-4)
+
+
 def test_fused_qkv_slot_is_block_diagonal():
     """An adapter on q and v only (ranks 2 and 3 in slots of rank 4) adds exactly
     ``B_q A_q x`` to the q rows and ``B_v A_v x`` to the v rows; k rows are untouched."""
