@@ -100,6 +100,54 @@ def test_a_rows_result_does_not_depend_on_the_step_mix(kernels, layout, rank):
         assert torch.equal(alone[0], mixed[t]), t
 
 
+# rank 64 on a fused layer of two shards (128 rank rows, as SmolLM2's gate_up at
+# --max-lora-rank 64), 70 rows: 67 of one slot (a block of 64 rows, then 3: the blocked
+# shrink's 8-rank-row groups over pairs of rows and a row alone, the expand's chunks of B
+# packed for several tiles), 2 of another, 1 without; in = 600 (a k tail of 8 past the
+# 16-lane loads), out = 1000 (7 chunks of 64 outputs, then 104: a block of 4 vectors, 2,
+# single outputs)
+BIG_SLOTS = [1] * 40 + [0, -1] + [1] * 27 + [0]
+
+
+def _big_operands(dtype: torch.dtype, layout: str):
+    gen = torch.Generator().manual_seed(5)
+    rows, rank, in_features, out = len(BIG_SLOTS), 128, 600, 1000
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    y = torch.randn(rows, out, generator=gen).to(dtype)
+    a = torch.randn(2, rank, in_features, generator=gen) / in_features**0.5
+    b = torch.randn(2, out, rank, generator=gen) / rank**0.5
+    if layout == "cols":
+        b = b.transpose(1, 2).contiguous().transpose(1, 2)
+    return y, x, a, b, torch.tensor(BIG_SLOTS, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("layout", ["rows", "cols"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rank_64_blocks_match_float64(kernels, dtype, layout):
+    """Many rows of one adapter at rank 64 (the blocked shrink and chunked expand), against
+    float64 within the bound of the module docstring: (in + R + 2) u = 730 u of fp32 times
+    the magnitudes' sum, plus y's roundings."""
+    y, x, a, b, slots = _big_operands(dtype, layout)
+    before = y.clone()
+    kernels.lora(y, x, a, b, slots)
+    ref, bound = _reference(before, x, a, b, slots)
+    assert ((y.double() - ref).abs() <= bound).all(), (y.double() - ref).abs().max()
+    assert torch.equal(y[1 + 40], before[1 + 40])  # the row without an adapter
+
+
+@pytest.mark.parametrize("layout", ["rows", "cols"])
+def test_rank_64_rows_do_not_depend_on_their_block(kernels, layout):
+    """Each row's bits in a 70-row call (blocks of up to 64 rows, pairs, a row alone) are
+    those it gets alone: the shrink's and the expand's sums per row run in one order."""
+    y, x, a, b, slots = _big_operands(torch.bfloat16, layout)
+    mixed = y.clone()
+    kernels.lora(mixed, x, a, b, slots)
+    for t, s in enumerate(BIG_SLOTS):
+        alone = y[t:t + 1].clone()
+        kernels.lora(alone, x[t:t + 1], a, b, torch.tensor([s], dtype=torch.int32))
+        assert torch.equal(alone[0], mixed[t]), t
+
+
 @pytest.mark.parametrize("layout", ["rows", "cols"])
 def test_strided_rows(kernels, layout):
     """x and y as column slices of wider rows (a fused layer's output, say)."""
