@@ -22,8 +22,10 @@ script once with ``native`` and once with ``torch``, alternating, to compare the
 
 ``--before-after RANK`` instead runs one LoRA engine whose steps alternate between the grouped
 LoRA of session 48 (fp32 slots on CPU) and the one before it (slots in the model dtype);
-``--graphs RANK`` runs one LoRA engine whose steps alternate between eager (the torch grouped
-LoRA, no step graphs: before session 49) and replayed CPU step graphs (the native LoRA kernel);
+``--graphs RANK`` runs one LoRA engine (``KVFLOW_CPU_LORA=native``) whose steps alternate
+between eager and replayed CPU step graphs; since session 50 eager steps run the native LoRA
+kernel too, so the ratio is the replay's own saving (what ``cpu_kernel_choice.GRAPH_MARGIN``
+prices), not the kernel's;
 ``--layers`` times one SmolLM2 layer's four LoRA matmuls the ``--before-after`` two ways,
 without an engine.
 """
@@ -70,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "session 48's grouped LoRA and the one before it (bf16 slots)")
     p.add_argument("--graphs", type=int, default=None, metavar="RANK",
                    help="instead: one LoRA engine of this rank, steps alternating between "
-                        "eager (torch grouped LoRA) and CPU step graphs (native LoRA kernel)")
+                        "eager and CPU step graphs (the native LoRA kernel in both)")
     p.add_argument("--layers", action="store_true",
                    help="instead: one SmolLM2-135M layer's four LoRA matmuls (qkv, o, gate_up, "
                         "down at max_rank 16), session 48's grouped LoRA against the one "
@@ -213,8 +215,8 @@ def before_after(args: argparse.Namespace) -> None:
 
 def graphs_on_off(args: argparse.Namespace) -> None:
     """One LoRA engine with rank ``--graphs`` adapters (``KVFLOW_CPU_LORA=native``); each
-    figure alternates steps without its CPU step graph runner (eager, the torch grouped LoRA:
-    the engine as before session 49) and with it (replayed, the native LoRA kernel),
+    figure alternates steps without its CPU step graph runner (eager; the native LoRA kernel
+    there too since session 50) and with it (replayed),
     ``--runs`` times each, and prints the medians and graphs / eager."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import offline_engine
