@@ -27,6 +27,7 @@ from kvflow.engine.core_client import wait_ready
 from kvflow.engine.core_heartbeat import start_core_heartbeat
 from kvflow.engine.messages import EngineFailed, EngineHeartbeat, output_decoder
 from tests.e2e.conftest import free_port
+from tests.e2e.parent_death import with_parent_death
 from tests.e2e.test_engine_faults import core_pid
 
 BUSY = [sys.executable, "-c", "while True: pass"]
@@ -151,9 +152,9 @@ def test_a_core_that_runs_without_heartbeats_is_waited_for(output, sleeper):
 def _serve(model: str, port: int) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
                HF_HUB_OFFLINE="1")
-    return subprocess.Popen(
+    return subprocess.Popen(with_parent_death(
         [sys.executable, "-m", "kvflow", "serve", model, "--port", str(port), "--dtype",
-         "float32", "--num-kv-blocks", "32", "--engine-heartbeat-timeout", "2"],
+         "float32", "--num-kv-blocks", "32", "--engine-heartbeat-timeout", "2"]),
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
 

@@ -35,6 +35,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.e2e.parent_death import with_parent_death
 from tests.e2e.zygote import Zygote
 
 START_TIMEOUT_S = 180
@@ -87,6 +88,10 @@ class ServerProcess:
         threads: torch intra-op threads of both server processes (OMP_NUM_THREADS).
         zygote: where to fork the server from (``tests/e2e/zygote.py``), when its
             environment allows; else (and without one) a new interpreter.
+
+    Either way the server gets SIGTERM when the test process ends (the zygote's children
+    when the zygote does, which ends with the test process): a run killed mid-way leaves no
+    server behind (tests/e2e/parent_death.py; construct it on pytest's main thread).
     """
 
     def __init__(self, model: str, args: list[str], log_path: Path,
@@ -102,9 +107,9 @@ class ServerProcess:
         if zygote is not None and zygote.usable_for(full_env):
             self.proc = zygote.start(argv, full_env, str(log_path))
         else:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvflow.entrypoints.cli", *argv],
-                                         stdout=self._log, stderr=subprocess.STDOUT,
-                                         env=full_env)
+            self.proc = subprocess.Popen(
+                with_parent_death([sys.executable, "-m", "kvflow.entrypoints.cli", *argv]),
+                stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
         self._terminated = False
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:

@@ -22,7 +22,6 @@ runs; negative: killed by that signal, as ``subprocess``); ``{"op": "exit"}``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
 import json
 import os
@@ -34,6 +33,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+from tests.e2e.parent_death import die_with_parent
 
 PRELOAD = ("kvflow.entrypoints.cli", "kvflow.entrypoints.api_server", "kvflow.engine.core_proc",
            "transformers.activations", "kvflow.models.llama")
@@ -162,10 +163,11 @@ def serve(path: str) -> None:
             if request["op"] == "start":
                 sys.stdout.flush()
                 sys.stderr.flush()
+                zygote = os.getpid()
                 pid = os.fork()
                 if pid == 0:
                     listener.close()
-                    _run_kvflow(request["argv"], request["env"], request["log"])
+                    _run_kvflow(request["argv"], request["env"], request["log"], zygote)
                 statuses[pid] = None
                 reply = {"pid": pid}
             else:
@@ -184,12 +186,13 @@ def _reap(statuses: dict[int, int | None]) -> None:
                     statuses[pid] = os.waitstatus_to_exitcode(status)
 
 
-def _run_kvflow(argv: list[str], env: dict[str, str], log: str) -> None:
+def _run_kvflow(argv: list[str], env: dict[str, str], log: str, zygote: int) -> None:
     """In the forked child: become ``kvflow <argv>`` with ``env``, output to ``log``; never
-    returns."""
+    returns. It gets SIGTERM when the zygote (pid ``zygote``) ends, so a test run killed
+    mid-way leaves no server behind (:func:`die_with_parent`)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _end_with_the_zygote()
+    die_with_parent(zygote)
     os.environ.clear()
     os.environ.update(env)
     null, out = os.open(os.devnull, os.O_RDONLY), os.open(log, os.O_WRONLY | os.O_APPEND)
@@ -212,12 +215,3 @@ def _run_kvflow(argv: list[str], env: dict[str, str], log: str) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-
-
-def _end_with_the_zygote() -> None:
-    """Ask Linux to send this forked server SIGTERM when the zygote ends (``prctl``'s
-    ``PR_SET_PDEATHSIG``), so a test run killed mid-way leaves no server behind; elsewhere a
-    no-op."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
