@@ -8,7 +8,9 @@ log-sum-exp (kvflow/attention/cp_paged.py, cp_ring.py).
   checked against HF transformers in tests/models/test_parity.py), over chunked prefills,
   prefix-cache hits and decodes, with each rank's cache holding block_size / 2 tokens of every
   block; with CP=2 and CP=3 each rank runs exactly its own prompt tokens (position mod N)
-  through the model, and with ``context_parallel_prefill="replicated"`` every token;
+  through the model, and with ``context_parallel_prefill="replicated"`` every token (those
+  exact counts in scripts/test_distributed_slow.sh; the default run's Gemma 3 case checks that
+  no rank ran every token);
 * the configurations it does not cover are refused in one line.
 """
 
@@ -142,6 +144,13 @@ def test_context_parallel_greedy_equals_one_process(tiny_model_factory, single_p
         shapes = llm.engine.core.executor.collective_rpc("kv_cache_shapes")
         block_size = llm.engine.core.config.cache_config.block_size
         assert all(s[2] == block_size // 2 for rank in shapes for s in rank), shapes
+        # the ring split ran: each rank ran its own prompt tokens (about half) and every
+        # decode token, not all of them (test_ring_prefill_runs_each_token_on_its_owner_only,
+        # in the slow script, counts them exactly for one long prompt)
+        prompt, decodes = sum(map(len, PROMPTS)), len(PROMPTS) * (GREEDY.max_tokens - 1)
+        dense = [s["dense_tokens"] for s in llm.engine.core.executor.collective_rpc(
+            "step_stats")]
+        assert max(dense) < prompt + decodes and sum(dense) >= prompt + 2 * decodes, dense
         # each rank holds half of every block: the CPU's 2 GiB budget counts twice
         core = llm.engine.core
         budgets = core.executor.collective_rpc("determine_available_memory",
@@ -177,8 +186,10 @@ def _long_prompt_run(path: str, **kwargs) -> tuple[list, list, list[dict]]:
     return [list(zip(out.token_ids, out.logprobs))], prompt, stats
 
 
+# a 40-token prompt's exact token counts per rank, and prompt logprobs under CP: in the slow
+# script (the default run's Gemma 3 CP=2 case above checks the split's bounds)
 @pytest.mark.parametrize("cp, prefill, block_size", [
-    (2, "ring", 16), pytest.param(3, "ring", 24, marks=SLOW),
+    pytest.param(2, "ring", 16, marks=SLOW), pytest.param(3, "ring", 24, marks=SLOW),
     pytest.param(2, "replicated", 16, marks=SLOW)])
 def test_ring_prefill_runs_each_token_on_its_owner_only(tiny_llama, cp, prefill, block_size):
     """One 40-token prompt in two chunks (32 + 8 tokens) then 2 decode steps: with the ring,

@@ -1,7 +1,11 @@
 """An offline ``LLM(model, data_parallel_size=2)`` dropped without ``shutdown()`` stops its
 replicas' engine-core processes, as vLLM's LLM does (its core client's finalizer) and as
 kvflow's multiprocess executor stops its tensor-parallel workers. Oracle: psutil, for the pids
-of the core processes read before the LLM is dropped."""
+of the core processes read before the LLM is dropped.
+
+The replicas of a SIGKILLed script (a new interpreter and two core processes: the slowest
+case) run in scripts/test_distributed_slow.sh; the default run kills such a script's
+tensor-parallel workers (tests/distributed/test_worker_orphans.py, the same clean-up check)."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import time
 import psutil
 
 from kvflow import LLM, SamplingParams
+from tests.distributed.conftest import slow
 from tests.distributed.test_worker_orphans import kill_script_and_check_cleanup
 
 
@@ -43,6 +48,7 @@ def test_a_dropped_data_parallel_llm_stops_its_replicas(tiny_llama):
                 psutil.Process(pid).kill()
 
 
+@slow
 def test_replicas_of_a_killed_process_exit_and_remove_its_folder(tiny_llama, tmp_path):
     """A script (main guard: its cores come from the forkserver) whose ``LLM`` has two
     replicas is SIGKILLed (SIGTERM's default action is the same: no clean-up): both core

@@ -28,7 +28,7 @@ from kvflow.distributed.kv_transfer.storage_paths import block_path
 from kvflow.distributed.kv_transfer.storage_worker import SharedStorageWorker
 from kvflow.lora.request import LoRARequest
 from tests.conftest import build_tiny_model
-from tests.distributed.conftest import SLOW
+from tests.distributed.conftest import slow
 from tests.lora.adapters import MAX_TOKENS as LORA_MAX_TOKENS
 from tests.lora.adapters import make_adapter, peft_greedy
 from tests.test_prompt_embeds import MAX_TOKENS as EMBEDS_MAX_TOKENS
@@ -140,6 +140,7 @@ def test_stored_blocks_are_transformers_kv(tiny_llama, tmp_path):
             torch.testing.assert_close(stored[name], want, atol=1e-5, rtol=1e-5)
 
 
+@slow  # the TP=2 layout of this file's one-process cases: scripts/test_distributed_slow.sh
 def test_tensor_parallel_ranks_store_and_load_their_heads(tiny_llama, tmp_path, plain,
                                                          assert_no_leaks):
     """TP=2 (two CPU worker processes): each rank stores its own KV heads' file of every
@@ -182,14 +183,15 @@ def test_tensor_parallel_ranks_store_and_load_their_heads(tiny_llama, tmp_path, 
 
 
 @pytest.mark.parametrize("prefix_caching, backend", [
-    (True, "uni"), (False, "uni"), pytest.param(True, "mp", marks=SLOW)])
+    (True, "uni"), (False, "uni"), (True, "mp")])
 def test_consumer_loads_and_computes_the_tail(tiny_llama, tmp_path, plain, prefix_caching,
                                               backend, assert_no_leaks):
     """A fresh consumer (its worker in the engine's process, or in a process of its own:
     the loads cross the step message) loads each prompt's whole blocks but the last
-    token's. The ``mp`` case runs in scripts/test_distributed_slow.sh: the loads cross the
-    same step message (kvflow/executor/step_codec.py) to both TP=2 worker processes in
-    test_tensor_parallel_ranks_store_and_load_their_heads."""
+    token's. The ``mp`` case (one worker process) is the default run's check that the loads
+    cross the step message (kvflow/executor/step_codec.py); its TP=2 sibling,
+    test_tensor_parallel_ranks_store_and_load_their_heads, runs in
+    scripts/test_distributed_slow.sh."""
     prompts = _prompts(tiny_llama.vocab_size)
     _produce(tiny_llama.path, str(tmp_path), prompts)
     consumer = _llm(tiny_llama.path, str(tmp_path), "kv_consumer",

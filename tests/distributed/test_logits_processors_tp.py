@@ -2,16 +2,19 @@
 its own instances (from class paths it imports) and tells them its own batch's changes, and
 the greedy tokens still equal a plain torch loop over transformers' logits with the same
 ban / forced tokens (tests/test_logits_processors.py's cases: rows moved by requests of
-different lengths, chunked prompts). About 15 s on 2 busy cores (2 worker processes).
+different lengths, chunked prompts). About 15 s on 2 busy cores (2 worker processes): a
+tensor-parallel variant of tests/test_logits_processors.py's default-run cases, so it runs in
+scripts/test_distributed_slow.sh.
 """
 
 from __future__ import annotations
 
 from kvflow import LLM, SamplingParams
-from tests.distributed.conftest import shutdown_and_check
+from tests.distributed.conftest import shutdown_and_check, slow
 from tests.test_logits_processors import HERE, _cases, _expected
 
 
+@slow
 def test_tensor_parallel_ranks_apply_the_processors(tiny_llama, tiny_tokenizer):
     cases = _cases(tiny_llama, tiny_tokenizer)
     llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64,

@@ -6,6 +6,11 @@ that leaves both ranks running; Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` ta
 The oracle is peft run on the engine's own tokens (teacher forcing, fp32; the tolerance's
 derivation is ``tests.lora.adapters.check_tokens_against_peft``'s): adding the row-parallel
 delta after the all-reduce, or keeping a removed adapter's slot, fails here.
+
+Phi-3's fused targets and the one-KV-head Llama run in scripts/test_distributed_slow.sh: each
+rank's slices of fused and replicated-KV-head pairs are checked in one process by
+tests/lora/test_lora_tp_sharding.py (against the base layers' own weight loaders), and the
+default run keeps the mixed batch, the MLA model and ``max_cpu_loras`` at TP=2 here.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import pytest
 
 from kvflow import LLM, SamplingParams
 from kvflow.lora.request import LoRARequest
-from tests.distributed.conftest import shutdown_and_check
+from tests.distributed.conftest import SLOW, shutdown_and_check, slow
 from tests.lora.adapters import (
     ALL_LINEAR,
     LOGPROB_ATOL,
@@ -56,6 +61,7 @@ def test_two_adapters_and_base_at_tp2_match_peft(tiny_llama, adapters):
         shutdown_and_check(llm)
 
 
+@slow
 def test_phi3_fused_targets_at_tp2_match_peft(tiny_model_factory, tmp_path):
     """Phi-3's adapters target the fused ``qkv_proj`` and ``gate_up_proj`` whole: each rank
     keeps each slice's (q, k, v; gate, up) rows of the one B."""
@@ -78,7 +84,7 @@ def test_phi3_fused_targets_at_tp2_match_peft(tiny_model_factory, tmp_path):
 
 @pytest.mark.parametrize("name, targets", [
     # one KV head for 4 query heads: both ranks hold it, so both keep all of k's / v's B
-    ("llama_mqa", ALL_LINEAR),
+    pytest.param("llama_mqa", ALL_LINEAR, marks=SLOW),
     # MLA: q_a_proj / kv_a_proj_with_mqa replicated (whole pairs), q_b_proj split by head,
     # o_proj row-parallel (peft would target the MoE experts' fused parameters by the MLP
     # names, which kvflow refuses)

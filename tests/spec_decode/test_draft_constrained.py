@@ -5,7 +5,9 @@ greedy decoding with xgrammar's bitmask applied to its logits; the draft model d
 them (drafted > 0); logprobs are those of every position masked; sampled tokens follow the
 masked target's distribution (chi-square against transformers + xgrammar); a seeded request
 gives the same output twice and matches its constraint; an executor that cannot split a step
-leaves constrained requests undrafted.
+leaves constrained requests undrafted. The TP=2 case (two worker processes) runs in
+scripts/test_distributed_slow.sh: speculation over two ranks runs by default in
+tests/spec_decode/test_eagle_tp.py, the draft model's constrained steps here in one process.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kvflow import LLM, SamplingParams
 from kvflow.config import SpeculativeConfig
 from kvflow.spec_decode.speculator import Speculator
 from kvflow.structured import StructuredOutputsParams
+from tests.distributed.conftest import slow
 from tests.spec_decode.test_draft_model_engine import _count_draft_passes
 from tests.spec_decode.test_ngram_engine import PROMPTS, _drafted, _same_outputs
 
@@ -288,6 +291,7 @@ def test_split_steps_count_in_the_worker_step_statistics(self_drafts, monkeypatc
     assert after["step_s"] - before["step_s"] >= after["forward_s"] - before["forward_s"] > 0
 
 
+@slow
 def test_tensor_parallel_split_steps_equal_plain_decoding(tiny_llama, plain, self_draft,
                                                           monkeypatch, assert_no_leaks):
     """TP=2 (mp, gloo): every rank holds the whole draft and both verify TP rank 0's

@@ -5,7 +5,9 @@ token budget, preemption by recompute or swap, prefix-cache hits, batched with o
 or alone, ``n`` > 1, async scheduling. The oracle is the plain engine (no speculation, one
 request at a time). Before, a seeded request drew one uniform per draft it verified from its
 own generator, so speculation changed its tokens, and so did every cut of its drafts.
-On the tiny random Llama (float32).
+On the tiny random Llama (float32). The pipeline-parallel case (two worker processes, no
+speculation) runs in scripts/test_distributed_slow.sh; pipeline parallelism runs by default in
+tests/distributed (test_tp_pp_ep.py, test_pipeline_*.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
+from tests.distributed.conftest import shutdown_and_check, slow
 from tests.spec_decode.test_draft_model_engine import _noisy_copy, second_token_marginal
 from tests.spec_decode.test_ngram_engine import NGRAM, PROMPTS, _drafted
 from tests.spec_decode.test_rejection_sampler import assert_sampled_token_follows
@@ -157,12 +160,11 @@ def test_seeded_tokens_keep_the_target_distribution(tiny_llama, noisy_draft):
     assert drafted >= n and 0 < accepted < drafted
 
 
+@slow
 @pytest.mark.timeout(300)
 def test_pipeline_parallel_keeps_the_plain_seeded_tokens(tiny_llama, plain):
     """Two pipeline stages (two worker processes, micro-batches in flight, no speculation):
     the last stage samples each token with the numbers of its output position."""
-    from tests.distributed.conftest import shutdown_and_check
-
     llm = _engine(tiny_llama.path, pipeline_parallel_size=2, max_num_batched_tokens=32)
     try:
         assert _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == plain
