@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The slow multi-process checks kept out of the default test run (about 5 minutes on 2 cores):
+# The slow multi-process checks kept out of the default test run (about 6-7 minutes on 2 quiet
+# cores; session 51 added about 75 s of CPU time, 9 cases):
 # the Ray executor on a local Ray cluster (TP=2, PP=2, TP=2+EP, CP=2, DP=2), and the real packaged Qwen2.5-Coder-0.5B-Instruct
 # (TP=2, PP=2) and gemma-3-270m (TP=2) against one process, and a data-parallel server whose
 # replica dies under --engine-failure exit, TP=2 x CP=2 (4 ranks) on the tiny Llama, and the
 # sibling variants of default-run cases marked tests/distributed/conftest.py: SLOW (among them,
 # since session 51, the killed script's DP=2 replicas, logits processors at TP=2, the CP=2
 # ring-prefill token counts, the KV connector's TP=2 store and load, Phi-3's and the one-KV-head
-# Llama's LoRA at TP=2, the draft model's constrained steps at TP=2 and seeded sampling at PP=2;
+# Llama's LoRA and max_cpu_loras at TP=2, the draft model's constrained steps at TP=2 and seeded sampling at PP=2;
 # and the Qwen3, Gemma 3 and FP8 fused-kernel engine runs of
 # tests/kernels/test_fused_kernels_engine.py, the two-replica KV-event publishers of
 # tests/test_kv_events.py, and the second pipeline-parallel engine of

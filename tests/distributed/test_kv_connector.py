@@ -28,7 +28,7 @@ from kvflow.distributed.kv_transfer.storage_paths import block_path
 from kvflow.distributed.kv_transfer.storage_worker import SharedStorageWorker
 from kvflow.lora.request import LoRARequest
 from tests.conftest import build_tiny_model
-from tests.distributed.conftest import slow
+from tests.distributed.conftest import SLOW, slow
 from tests.lora.adapters import MAX_TOKENS as LORA_MAX_TOKENS
 from tests.lora.adapters import make_adapter, peft_greedy
 from tests.test_prompt_embeds import MAX_TOKENS as EMBEDS_MAX_TOKENS
@@ -183,15 +183,14 @@ def test_tensor_parallel_ranks_store_and_load_their_heads(tiny_llama, tmp_path, 
 
 
 @pytest.mark.parametrize("prefix_caching, backend", [
-    (True, "uni"), (False, "uni"), (True, "mp")])
+    (True, "uni"), (False, "uni"), pytest.param(True, "mp", marks=SLOW)])
 def test_consumer_loads_and_computes_the_tail(tiny_llama, tmp_path, plain, prefix_caching,
                                               backend, assert_no_leaks):
     """A fresh consumer (its worker in the engine's process, or in a process of its own:
     the loads cross the step message) loads each prompt's whole blocks but the last
-    token's. The ``mp`` case (one worker process) is the default run's check that the loads
-    cross the step message (kvflow/executor/step_codec.py); its TP=2 sibling,
-    test_tensor_parallel_ranks_store_and_load_their_heads, runs in
-    scripts/test_distributed_slow.sh."""
+    token's. The ``mp`` case runs in scripts/test_distributed_slow.sh, as does its TP=2
+    sibling test_tensor_parallel_ranks_store_and_load_their_heads (the loads cross the step
+    message, kvflow/executor/step_codec.py, to the worker processes)."""
     prompts = _prompts(tiny_llama.vocab_size)
     _produce(tiny_llama.path, str(tmp_path), prompts)
     consumer = _llm(tiny_llama.path, str(tmp_path), "kv_consumer",

@@ -10,7 +10,9 @@ delta after the all-reduce, or keeping a removed adapter's slot, fails here.
 Phi-3's fused targets and the one-KV-head Llama run in scripts/test_distributed_slow.sh: each
 rank's slices of fused and replicated-KV-head pairs are checked in one process by
 tests/lora/test_lora_tp_sharding.py (against the base layers' own weight loaders), and the
-default run keeps the mixed batch, the MLA model and ``max_cpu_loras`` at TP=2 here.
+default run keeps the mixed batch (adapters loaded, removed and refused on both ranks) and the
+MLA model at TP=2 here; ``max_cpu_loras`` at TP=2 runs in the slow script too (its one-process
+cases: tests/lora/test_lora_cpu_cache.py).
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ def test_prompt_logprobs_at_tp2_match_peft(tiny_model_factory, tmp_path, name, t
     assert (ref - base).abs().max().item() > 1e-1  # the adapter changes the logprobs
 
 
+@slow
 def test_max_cpu_loras_drops_the_same_adapters_on_both_ranks(tiny_llama, adapters):
     """max_loras=1, max_cpu_loras=2 at TP=2: three adapters used in turn, then the first
     again (dropped meanwhile: read again on both ranks). After each request both ranks hold
