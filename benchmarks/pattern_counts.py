@@ -18,7 +18,12 @@ compiles in time growing with the count). ``--grid`` instead times kvflow's way 
 ``GRID``: each atom (a class, ``.``, a literal, a group) counted ``{1,n}`` for each ``n`` at
 the pattern's end, before a literal and before a class; ``convert s`` is what runs in the API
 server's event loop (``json_schema_grammar`` with the repetition budget lifted), ``cost``
-what ``schema_patterns.pattern_repeat_cost`` says of the pattern.
+what ``schema_patterns.pattern_repeat_cost`` says of the pattern. ``--regex`` instead times
+each pattern (default ``REGEX_PATTERNS``) as a ``regex`` constraint: ``regex-0`` as kvflow
+wrote it before (``regex_dialect.xgrammar_regex``, its classes as written), ``regex`` as it
+does now (``xgrammar_convert.regex_text``: classes written negated by ``regex_classes``),
+both through ``utf8_grammar.regex_grammar``; ``json`` the same pattern (``^...$``) as a
+JSON-schema string's; and ``regex-0 / regex`` ratios.
 """
 
 from __future__ import annotations
@@ -33,13 +38,18 @@ import xgrammar as xgr
 
 from kvflow.structured import utf8_grammar
 from kvflow.structured.json_pattern import json_pattern
+from kvflow.structured.regex_dialect import xgrammar_regex
 from kvflow.structured.schema_patterns import pattern_repeat_cost
-from kvflow.structured.utf8_grammar import printed_ebnf
-from kvflow.structured.xgrammar_convert import json_schema_grammar
+from kvflow.structured.utf8_grammar import printed_ebnf, regex_grammar
+from kvflow.structured.xgrammar_convert import json_schema_grammar, regex_text
 
 PATTERNS = ["^[a-z]{30}$", "^.{1,30}$", "^[a-z\u00e9]{40,60}$", "^\\d{100}$", "^.{1,100}$",
             "^.{1,300}$", "^.{1,3000}$", "^.{1,300}\\d$", "^(ab|c){1,300}$", "^[a-z]{1,300}\\d$",
             "^[^0-9]{2,40}[0-9]$", "^[0-9]{1,300}[a-zA-Z]$"]
+
+REGEX_PATTERNS = ["[a-z]{30}", "[a-z]{1,300}", "[a-z\u00e9]{40,60}", "\\d{100}", ".{1,300}",
+                  "[a-z]{1,300}\\d", "[0-9]{1,300}[a-zA-Z]", "[^0-9]{2,40}[0-9]",
+                  "\\w{1,100}@[a-z]{1,50}\\.com"]
 
 
 GRID_ATOMS = ["[a-z]", ".", "a", "(ab)"]
@@ -85,13 +95,23 @@ def grammars(pattern: str, skip_rules_over: int) -> dict[str, xgr.Grammar]:
     return out
 
 
+def regex_grammars(pattern: str) -> dict[str, xgr.Grammar]:
+    """``pattern`` as a ``regex`` constraint before (``regex-0``) and now (``regex``), and
+    as a JSON-schema string's ``pattern`` (``json``)."""
+    schema = {"type": "string", "pattern": f"^{pattern}$"}
+    return {"regex-0": regex_grammar(xgr.Grammar.from_regex(xgrammar_regex(pattern))),
+            "regex": regex_grammar(xgr.Grammar.from_regex(regex_text(pattern))),
+            "json": json_schema_grammar(json.dumps(schema))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("patterns", nargs="*", default=PATTERNS)
+    parser.add_argument("patterns", nargs="*")
     parser.add_argument("--tokenizer", default="out/smollm2-hf")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-rules-over", type=int, default=300)
     parser.add_argument("--grid", action="store_true")
+    parser.add_argument("--regex", action="store_true")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -100,9 +120,11 @@ def main() -> None:
     if args.grid:
         return grid_times(compiler, info.vocab_size)
     print(f"{'pattern':24s} {'way':9s} {'compile s':>9s} {'mask ms':>8s} {'worst':>8s}")
-    for pattern in args.patterns:
+    patterns = args.patterns or (REGEX_PATTERNS if args.regex else PATTERNS)
+    for pattern in patterns:
         timed = {}
-        for way, grammar in grammars(pattern, args.skip_rules_over).items():
+        ways = regex_grammars(pattern) if args.regex else grammars(pattern, args.skip_rules_over)
+        for way, grammar in ways.items():
             start = time.perf_counter()
             compiled = compiler.compile_grammar(grammar)
             seconds = time.perf_counter() - start
@@ -112,6 +134,10 @@ def main() -> None:
         if "kvflow-0" in timed:
             (after_s, after_ms), (before_s, before_ms) = timed["kvflow"], timed["kvflow-0"]
             print(f"{pattern:24s} kvflow-0 / kvflow: compile {before_s / after_s:.0f}x, "
+                  f"mask {before_ms / after_ms:.1f}x", flush=True)
+        if "regex-0" in timed:
+            (after_s, after_ms), (before_s, before_ms) = timed["regex"], timed["regex-0"]
+            print(f"{pattern:24s} regex-0 / regex: compile {before_s / after_s:.1f}x, "
                   f"mask {before_ms / after_ms:.1f}x", flush=True)
 
 

@@ -168,8 +168,9 @@ REGEX_FOLLOWED = [r"^[^0-9]{2,20}[0-9]$", r"^x[^a-c]{0,9}[abc]\d{0,2}$", r"^[^5]
 def test_regex_count_followed_by_a_class_takes_the_regexs_strings(backend, pattern):
     """A ``regex`` constraint's negated class counted before a class it does not overlap
     (``[^0-9]{2,20}[0-9]``) is written as literal alternatives too
-    (``utf8_grammar.regex_grammar``); a positive class's count (the last) is not. The strings
-    taken are ``re.fullmatch``'s (the oracle), over edge and random strings."""
+    (``utf8_grammar.regex_grammar``), and so is a positive class's (the last: written negated
+    by ``regex_classes.negated_regex``). The strings taken are ``re.fullmatch``'s (the
+    oracle), over edge and random strings."""
     compiled = backend.compile(StructuredOutputsParams(regex=pattern))
     for value in _random_values(seed=len(pattern), count=300) + ["x5", "55", "x\n5"]:
         matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)

@@ -3,14 +3,15 @@ xgrammar (0.2.9) repeats cheaply; shared by JSON-schema ``pattern`` strings (``j
 and ``regex`` constraints (:func:`negated_regex`).
 
 xgrammar compiles a counted positive class in time growing with the count and fills its
-masks slowly: ``[a-z]{1,100}`` compiled in 0.8 s for a 49k vocabulary, written
-``[^\0-`{-\U0010ffff]`` in 0.01 s; ``.{1,100}`` in 3.6 s against 0.01 s, its masks 0.9 ms
-against 0.05 ms a token; a ``regex`` constraint ``[a-z]{1,300}\d`` 1.6 s against 0.1 s once
-its count is followed by literal alternatives (``utf8_grammar.regex_grammar``;
+masks slowly: ``[a-z]{1,100}`` before a JSON string's closing quote compiled in 0.8 s for a
+49k vocabulary, written ``[^\0-`{-\U0010ffff]`` in 0.01 s; ``.{1,100}`` in 3.6 s against 0.01 s, its masks 0.9 ms
+against 0.05 ms a token; a ``regex`` constraint ``[a-z]{1,300}\d`` 0.8-1.6 s against
+0.06-0.1 s once its count is followed by literal alternatives (``utf8_grammar.regex_grammar``;
 ``benchmarks/pattern_counts.py``). :func:`rewrite_classes` reads each class (``[...]``,
 ``[^...]``, ``.``, ``\d`` ... ``\S``) as code point ranges and hands them to a writer of the
 caller's: ``json_pattern`` keeps only what a JSON string holds raw, :func:`negated_regex`
-every character but the UTF-16 surrogates. A class holding an escape not read here
+every character but the UTF-16 surrogates. A count with nothing after it (at a regex's end)
+gains nothing reliable (``docs/benchmarks.md``). A class holding an escape not read here
 (``\p{L}``, ``\b``) is left as written, as is an unterminated one.
 """
 
