@@ -54,10 +54,11 @@ class GpuKernelSpec:
     num_stages: int = 2
 
 
-def compile_for_gpu(specs: list[GpuKernelSpec], timeout_s: float = 120.0) -> list[dict]:
+def compile_for_gpu(specs: list[GpuKernelSpec], timeout_s: float = 600.0) -> list[dict]:
     """Each spec compiled (in one child process): ``{"ptx": PTX text, "shared": bytes of
     shared memory a launch needs}`` per spec, in order. Skips the calling test where triton
-    is missing or has no NVIDIA backend.
+    is missing or has no NVIDIA backend. ``timeout_s`` only catches a hung child: three
+    builds took over 120 s on 2 cores at load average 20 (session 51), ~10-20 s quiet.
 
     Raises:
         AssertionError: with the child's error output when a kernel fails to compile.
