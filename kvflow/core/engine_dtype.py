@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,8 @@ from kvflow.platforms import Platform
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+logger = logging.getLogger(__name__)
+
 
 def resolve_dtype(requested: str, hf_config, platform,
                   measure: Callable[[torch.dtype], torch.dtype] | None = None) -> torch.dtype:
@@ -25,6 +28,8 @@ def resolve_dtype(requested: str, hf_config, platform,
     16-bit dtype and ``measure`` is given, ``measure(dtype)`` has the last word (on CPU: that
     dtype or float32, whichever the timed GEMMs favour). A checkpoint dtype the platform
     cannot compute in (bf16 on a GPU older than Ampere) gives the platform default instead.
+    A 16-bit checkpoint run in float32 without timing (a CPU without bf16 units) is logged at
+    INFO, ``--dtype auto: torch.float32 (...)``, as a timed choice is.
 
     Raises:
         ValueError: for an explicit ``requested`` dtype the platform cannot compute in.
@@ -39,6 +44,11 @@ def resolve_dtype(requested: str, hf_config, platform,
     dtype = native
     if cfg in (torch.float32, torch.bfloat16, torch.float16) and platform.supports_dtype(cfg):
         dtype = torch.float32 if native == torch.float32 else cfg
+    if dtype == torch.float32 and cfg in (torch.bfloat16, torch.float16):
+        # Said here, as the timed choice is (gemm_select.measure_cpu_dtype): otherwise the
+        # fallback from a 16-bit checkpoint is silent.
+        logger.info("--dtype auto: torch.float32 (the checkpoint's %s has no native matmul "
+                    "on this %s; nothing timed)", cfg, platform.name)
     return measure(dtype) if measure is not None and dtype != torch.float32 else dtype
 
 

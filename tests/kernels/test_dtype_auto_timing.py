@@ -5,6 +5,8 @@ clock: the expected choices and call counts are worked out in each test."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -30,9 +32,10 @@ def test_bf16_units_from_the_cpu_flags():
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
-def test_auto_dtype_skips_bf16_timing_on_a_cpu_without_bf16_units(monkeypatch):
+def test_auto_dtype_skips_bf16_timing_on_a_cpu_without_bf16_units(monkeypatch, caplog):
     """oneDNN says bf16 (it does on any AVX512 core); the flags say no units: ``--dtype auto``
-    of a bf16 checkpoint is fp32 without timing anything, and oneDNN packs no bf16 weight.
+    of a bf16 checkpoint is fp32 without timing anything (one INFO line says so), and oneDNN
+    packs no bf16 weight.
     With AVX512-BF16 in the flags the timing decides, as before."""
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
     monkeypatch.setattr(cpu_platform.platform, "machine", lambda: "x86_64")
@@ -47,7 +50,11 @@ def test_auto_dtype_skips_bf16_timing_on_a_cpu_without_bf16_units(monkeypatch):
     platform = CpuPlatform()
     assert platform.default_dtype() == torch.float32
     assert not platform.prepacks_gemm_weights(torch.bfloat16)
-    assert resolve_dtype("auto", cfg, platform, measure) == torch.float32 and not asked
+    with caplog.at_level(logging.INFO, logger="kvflow.core.engine_dtype"):
+        assert resolve_dtype("auto", cfg, platform, measure) == torch.float32 and not asked
+    said = ("--dtype auto: torch.float32 (the checkpoint's torch.bfloat16 has no native matmul "
+            "on this cpu; nothing timed)")
+    assert [r.getMessage() for r in caplog.records] == [said]
     monkeypatch.setattr(cpu_platform, "cpu_features", lambda: ICE_LAKE | {"avx512_bf16"})
     assert platform.default_dtype() == torch.bfloat16
     assert resolve_dtype("auto", cfg, platform, measure) == torch.bfloat16
