@@ -318,13 +318,36 @@ def test_rows_per_micro_kernel_follow_the_cpu():
     assert kernels.lib.kvflow_gemm_full_rows() == (8 if paired and _zen5_or_later_amd() else 6)
 
 
+def _intel_icelake_server() -> bool:
+    """/proc/cpuinfo names an Intel CPU of family 6, model 106 or 108 (Ice Lake server)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    fields = dict(line.split(":", 1) for line in info.split("\n\n")[0].splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    return (fields.get("vendor_id") == "GenuineIntel" and fields.get("cpu family") == "6"
+            and fields.get("model") in ("106", "108"))
+
+
+@native
+def test_x_packing_follows_the_cpu():
+    """Blocks of more than 8 rows of fp32 x are packed k-major for micro-kernels of up to 12
+    rows on Ice Lake server cores in AVX512 builds only (cpu_gemm.c, kvflow_gemm_x_packed)."""
+    kernels = native_cpu_kernels()
+    avx512 = kernels.lib.kvflow_gemm_panel_width() == 32
+    assert kernels.lib.kvflow_gemm_x_packed() == int(avx512 and _intel_icelake_server())
+
+
 # Blocks of more than 32 rows (AVX512 builds) split into 6- or 8-row micro-kernels (8 for
 # k-paired bf16 on Zen 5) and a shorter last one; k = 1536 makes 40- or 42-row blocks, 576 and
-# 257 blocks of 96.
+# 257 blocks of 96. Where fp32 x is packed (kvflow_gemm_x_packed), blocks of 9 to 96 rows split
+# into equal shares of at most 12 rows (9: one of 9; 13: 7 + 6; 23: 12 + 11; 65: 6 x 11 - 1),
+# k in chunks of 128 (129 and 257: one element past a chunk).
 @native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [33, 40, 42, 47, 64, 65, 96, 181])
-@pytest.mark.parametrize("k", [257, 576, 1536])
+@pytest.mark.parametrize("m", [9, 13, 23, 33, 40, 42, 47, 64, 65, 96, 181])
+@pytest.mark.parametrize("k", [129, 257, 576, 1536])
 def test_native_gemm_blocks_of_many_rows(dtype, m, k):
     kernels = native_cpu_kernels()
     gen = torch.Generator().manual_seed(m * 10 + k)

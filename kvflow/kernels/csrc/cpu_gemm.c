@@ -11,7 +11,11 @@
  *   - x is read in place, in blocks of up to MC = 96 rows (at most 256 KB, so a block stays in
  *     L2 while every panel of the weight passes over it). Goto packs x as well, to make its
  *     reads unit-stride; here the micro-kernel reads its row streams in place instead, which
- *     measured equal or faster and leaves no per-call packing or scratch memory;
+ *     measured equal or faster (on AMD Zen) and leaves no per-call packing or scratch memory.
+ *     On Ice Lake server cores (kvflow_gemm_x_packed) blocks of more than MR rows of fp32 x
+ *     are packed after all, k-major per micro-kernel, each thread packing a block once into
+ *     its own scratch, for micro-kernels of up to MR_PACKED = 12 rows in k chunks of
+ *     KC_PACKED = 128: 1.1-1.2x faster there from 64 rows up (docs/benchmarks.md, session 51);
  *   - the micro-kernel multiplies up to MR rows x KC of x by a KC x NR micro-panel of the
  *     weight (kept in L1 across the micro-kernels of a block) into rows x NR accumulators held
  *     in registers (2 vectors per row), two weight loads and one broadcast per row per k. How
@@ -54,7 +58,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -78,11 +82,13 @@ typedef _Float16 vhh __attribute__((vector_size(16)));
  * accumulators. AVX2 builds keep the layout they were tuned with on a Zen 3 EPYC (not
  * re-measured there). */
 #if defined(__AVX512F__)
-enum { MR = 8, MR_FULL = 6, MR_BALANCED = 32, PF_ONE_PASS = 0 };
+enum { MR = 8, MR_FULL = 6, MR_BALANCED = 32, PF_ONE_PASS = 0, MR_PACKED = 12 };
 #else
-enum { MR = 6, MR_FULL = 6, MR_BALANCED = 0, PF_ONE_PASS = 1 };
+enum { MR = 6, MR_FULL = 6, MR_BALANCED = 0, PF_ONE_PASS = 1, MR_PACKED = 0 };
 #endif
-enum { HALF = NR / 2, KC = 256, MC = 96 };
+/* MR_PACKED: the most rows of a micro-kernel that reads fp32 x packed k-major (x_pack_rows). */
+enum { MR_MAX = MR_PACKED > MR ? MR_PACKED : MR };
+enum { HALF = NR / 2, KC = 256, MC = 96, KC_PACKED = 128, PF_PACKED_L2 = 0 };
 
 #if defined(__AVX512BF16__)
 #define BF16_PAIRS 1
@@ -170,6 +176,14 @@ static inline __attribute__((always_inline)) vhf load_w(const void *wp, int64_t 
         memcpy(&f, (const float *)wp + i, sizeof f);
         return f;
     }
+#if defined(__AVX512F__)
+    if (wdt == DT_BF16) { /* one VPMOVZXWD from memory and a shift: bf16 = the top half of fp32 */
+        const __m512i u = _mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)((const uint16_t *)wp + i))), 16);
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+#endif
     vhu16 h;
     memcpy(&h, (const uint16_t *)wp + i, sizeof h);
     if (wdt == DT_F16) {
@@ -212,22 +226,23 @@ static inline __attribute__((always_inline)) void prefetch_lines(const char *pf,
 }
 
 /* c[R][NR] (row stride ldc) = init + x[R rows (stride xs)][kc] @ wp[kc][NR] for R (a
- * compile-time constant wherever this is inlined) rows of fp32 x; init is c itself
+ * compile-time constant wherever this is inlined) rows of fp32 x (xpacked: x packed k-major,
+ * x[kc][R], xs unused); init is c itself
  * (accumulate), bias (NR values) or zero (bias NULL). Meanwhile prefetches pf_lines cache lines
  * (64 bytes each) from pf, the weight chunk the next micro-kernels will read: into L1, or into
  * L2 only when pf_l2 (block_panel says when). */
 static inline __attribute__((always_inline)) void micro_kernel(
         int R, int64_t kc, const float *x, int64_t xs, const void *wp, int wdt, float *c,
         int64_t ldc, int accumulate, const float *bias, const char *pf, int64_t pf_lines,
-        int pf_l2) {
-    vhf acc[MR][2];
+        int pf_l2, int xpacked) {
+    vhf acc[MR_MAX][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = (vhf){0};
     const int64_t pf_per_k = kc > 0 ? (pf_lines + kc - 1) / kc : 0; /* lines per k step */
     for (int64_t kk = 0; kk < kc; ++kk) {
         prefetch_lines(pf, kk * pf_per_k, min64((kk + 1) * pf_per_k, pf_lines), pf_l2);
         const vhf w0 = load_w(wp, kk * NR, wdt), w1 = load_w(wp, kk * NR + HALF, wdt);
         for (int r = 0; r < R; ++r) {
-            const vhf a = splat(x[r * xs + kk]);
+            const vhf a = splat(xpacked ? x[kk * R + r] : x[r * xs + kk]);
             acc[r][0] += a * w0;
             acc[r][1] += a * w1;
         }
@@ -289,6 +304,23 @@ static inline __attribute__((always_inline)) void micro_kernel_dp(
     default: CALL(MR >= 8 ? 8 : MR); break;                                                 \
     }
 
+/* The same for R = 1..MR_PACKED (micro-kernels reading x packed k-major). */
+#define FOR_PACKED_ROWS(R, CALL)                                                            \
+    switch (R) {                                                                            \
+    case 1: CALL(1); break;                                                                 \
+    case 2: CALL(2); break;                                                                 \
+    case 3: CALL(3); break;                                                                 \
+    case 4: CALL(4); break;                                                                 \
+    case 5: CALL(5); break;                                                                 \
+    case 6: CALL(6); break;                                                                 \
+    case 7: CALL(7); break;                                                                 \
+    case 8: CALL(8); break;                                                                 \
+    case 9: CALL(MR_PACKED >= 9 ? 9 : MR); break;                                           \
+    case 10: CALL(MR_PACKED >= 10 ? 10 : MR); break;                                        \
+    case 11: CALL(MR_PACKED >= 11 ? 11 : MR); break;                                        \
+    default: CALL(MR_PACKED >= 12 ? 12 : MR); break;                                        \
+    }
+
 typedef struct {
     const void *x;
     int64_t x_stride;
@@ -300,6 +332,7 @@ typedef struct {
     int ydt; /* y's dtype: fp32, or bf16/fp16 (each item summed in fp32 scratch, rounded once) */
     uint16_t *xtiles; /* AMX: x packed in tile order, block by block (cpu_gemm_amx.h), or NULL */
     uint32_t *xstate; /* per x block: whether xtiles holds it yet */
+    const float *xpack; /* fp32 x of the block being computed, packed by pack_x_block, or NULL */
 } Gemm;
 
 #if defined(__AMX_BF16__)
@@ -339,6 +372,39 @@ static int amd_zen5_or_later(void) {
 #endif
 }
 
+/* 1 on an Intel Ice Lake server core (family 6, model 106 or 108: Xeon 3rd generation, two
+ * 512-bit FMA pipes, no AVX512-BF16), else 0 (cpuid leaves 0 and 1). */
+static int intel_icelake_server(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
+    /* "GenuineIntel" in ebx, edx, ecx */
+    if (b != 0x756e6547u || d != 0x49656e69u || c != 0x6c65746eu) return 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    const unsigned family = (a >> 8) & 0xf, model = ((a >> 4) & 0xf) | (((a >> 16) & 0xf) << 4);
+    return family == 6 && (model == 106 || model == 108);
+#else
+    return 0;
+#endif
+}
+
+/* 1 when blocks of more than MR rows of fp32 x are packed k-major (pack_x_block) and run
+ * micro-kernels of up to MR_PACKED rows, else 0 (x read in place). On Ice Lake server cores
+ * (AVX512 builds) packing pays: the in-place micro-kernel needs a general register per row
+ * stream (8 rows spill them) and its 6-row tile issues 8 loads per 12 FMAs; packed, 12 rows
+ * read one stream at constant offsets, 14 loads per 24 FMAs, which two FMA pipes keep busy.
+ * Measured there (docs/benchmarks.md, session 51); other CPUs keep the layout they were
+ * measured with. cpuid runs once per process. */
+int kvflow_gemm_x_packed(void) {
+    static int packed; /* 0 until detected, then 1 (yes) or 2 (no) */
+    int r = __atomic_load_n(&packed, __ATOMIC_RELAXED);
+    if (!r) {
+        r = MR_PACKED > MR && intel_icelake_server() ? 1 : 2;
+        __atomic_store_n(&packed, r, __ATOMIC_RELAXED);
+    }
+    return r == 1;
+}
+
 /* Rows per micro-kernel of k-paired bf16 weights (VDPBF16PS) in the blocks of more than
  * MR_BALANCED rows (compute-bound: 64-row decode steps, prefill tails): MR on Zen 5 and later
  * AMD cores in AVX512-BF16 builds, MR_FULL elsewhere. Measured on a Zen 5 EPYC (one thread,
@@ -370,6 +436,10 @@ int kvflow_gemm_full_rows(void) {
  * (docs/benchmarks.md, session 22). */
 static inline int64_t kernel_rows(int64_t mb, int64_t full) {
     if (mb <= MR) return mb;
+    if (full > MR) { /* x packed: equal shares of at most `full` (MR_PACKED) rows */
+        const int64_t passes = (mb + full - 1) / full;
+        return (mb + passes - 1) / passes;
+    }
     if (mb > MR_BALANCED) return full;
     const int64_t passes = (mb + MR - 1) / MR;
     return (mb + passes - 1) / passes;
@@ -395,25 +465,28 @@ static inline __attribute__((always_inline)) void block_panel(const Gemm *g, int
     const int64_t cols = min64(g->n - p * NR, NR), es = (int64_t)elem_size(wdt);
     const int64_t kk_n = paired ? (g->k + 1) / 2 * 2 : g->k, xes = paired ? 2 : 4;
     const char *panel = (const char *)g->packed + p * kk_n * NR * es;
-    float tile[MR * NR], bias_tile[NR];
+    float tile[MR_MAX * NR], bias_tile[NR];
     const float *bias = NULL;
     if (g->bias) {
         for (int64_t j = 0; j < NR; ++j) bias_tile[j] = j < cols ? g->bias[p * NR + j] : 0.f;
         bias = bias_tile;
     }
-    const int64_t full = paired ? kvflow_gemm_full_rows() : MR_FULL;
+    const int xpacked = g->xpack != NULL;
+    const int64_t full = xpacked ? MR_PACKED : paired ? kvflow_gemm_full_rows() : MR_FULL;
     const int64_t mr = kernel_rows(mb, full), kernels = (mb + mr - 1) / mr;
     const int widened = wdt != DT_F32 && !paired; /* more work per weight byte */
-    const int pf_l2 = !widened && mb >= MR && mb <= MR_BALANCED;
+    const int64_t kc_max = xpacked ? KC_PACKED : KC;
+    const int pf_l2 = xpacked ? PF_PACKED_L2 : !widened && mb >= MR && mb <= MR_BALANCED;
     const int64_t pf_lines = kernels > 1 || PF_ONE_PASS || widened || pf_l2
-                                 ? (KC * NR * es / 64 + kernels - 1) / kernels : 0;
-    for (int64_t pc = 0; pc < g->k; pc += KC) {
-        const int64_t kc = min64(g->k - pc, KC);
+                                 ? (kc_max * NR * es / 64 + kernels - 1) / kernels : 0;
+    for (int64_t pc = 0; pc < g->k; pc += kc_max) {
+        const int64_t kc = min64(g->k - pc, kc_max);
         const char *wp = panel + pc * NR * es, *next = wp + kc * NR * es;
         const float *init = pc == 0 ? bias : NULL;
         for (int64_t ir = 0; ir < mb; ir += mr) {
             const int64_t rows = min64(mb - ir, mr);
-            const char *xm = (const char *)g->x + ((ic + ir) * g->x_stride + pc) * xes;
+            const char *xm = xpacked ? (const char *)(g->xpack + ir * g->k + pc * rows)
+                                     : (const char *)g->x + ((ic + ir) * g->x_stride + pc) * xes;
             const char *pf = next + ir / mr * pf_lines * 64;
             const int direct = cols == NR;
             float *c = direct ? y + ir * ldy : tile;
@@ -429,8 +502,12 @@ static inline __attribute__((always_inline)) void block_panel(const Gemm *g, int
 #endif
             {
 #define MK(R) micro_kernel(R, kc, (const float *)xm, g->x_stride, wp, wdt, c, ldc, acc, init, \
-                           pf, pf_lines, pf_l2)
-                FOR_ROWS(rows, MK)
+                           pf, pf_lines, pf_l2, 0)
+#define MKP(R) micro_kernel(R, kc, (const float *)xm, 0, wp, wdt, c, ldc, acc, init, pf, \
+                            pf_lines, pf_l2, 1)
+                if (xpacked) FOR_PACKED_ROWS(rows, MKP)
+                else FOR_ROWS(rows, MK)
+#undef MKP
 #undef MK
             }
             if (!direct)
@@ -499,6 +576,21 @@ static int64_t block_rows(const Gemm *g) {
     return rows < full ? full : rows > MC ? MC : rows;
 }
 
+/* Rows [ic, ic + mb) of fp32 x packed into xp for packed micro-kernels: chunk by chunk of
+ * kernel_rows(mb, MR_PACKED) rows, the chunk starting at row ir (R rows) at xp + ir * k laid
+ * out [k][R], so a micro-kernel broadcasts its R values of one k from consecutive floats. */
+static void pack_x_block(const Gemm *g, int64_t ic, int64_t mb, float *xp) {
+    const int64_t mr = kernel_rows(mb, MR_PACKED), k = g->k;
+    for (int64_t ir = 0; ir < mb; ir += mr) {
+        const int64_t rows = min64(mb - ir, mr);
+        float *dst = xp + ir * k;
+        for (int64_t r = 0; r < rows; ++r) {
+            const float *src = (const float *)g->x + (ic + ir + r) * g->x_stride;
+            for (int64_t kk = 0; kk < k; ++kk) dst[kk * rows + r] = src[kk];
+        }
+    }
+}
+
 /* A thread's share of the items, [front, back) packed into one word (front in the high 32
  * bits) so the owner (taking from the front) and a thief (taking from the back) claim items
  * with one compare-and-swap each and never take the same one. */
@@ -531,7 +623,7 @@ int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, in
                 int64_t k, int num_threads) {
     if (xdt != kvflow_gemm_x_dtype(wdt)) return 1;
     if (m <= 0 || n <= 0) return 0;
-    Gemm g = {x, x_stride, packed, wdt, xdt, bias, y, y_stride, m, n, k, ydt, NULL, NULL};
+    Gemm g = {x, x_stride, packed, wdt, xdt, bias, y, y_stride, m, n, k, ydt, NULL, NULL, NULL};
     const int64_t panels = (n + NR - 1) / NR, mb_max = block_rows(&g);
     const int64_t blocks = (m + mb_max - 1) / mb_max;
     const int nt = num_threads < 1 ? 1 : (int64_t)num_threads > panels ? (int)panels : num_threads;
@@ -569,6 +661,9 @@ int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, in
     /* Thread t's share: panels [p0, p1) for every x block, item = block * (p1 - p0) + p - p0. */
     for (int t = 0; t < nt; ++t)
         shares[t].range = (uint64_t)(blocks * (panels * (t + 1) / nt - panels * t / nt));
+    /* fp32 x packed per thread, block by block, where kvflow_gemm_x_packed (blocks of more
+     * than MR rows; a thread repacks when it moves to another block) */
+    const int xpack = xdt == DT_F32 && k > 0 && m > MR && kvflow_gemm_x_packed();
 #pragma omp parallel num_threads(nt)
     {
         const int self = omp_get_thread_num();
@@ -576,6 +671,9 @@ int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, in
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < m; ++i) widen_x(x, x_stride, x32, k, i, i + 1);
         }
+        Gemm gt = g;
+        float *xp = xpack ? aligned_alloc(64, (size_t)((mb_max * k * 4 + 63) / 64 * 64)) : NULL;
+        int64_t xp_block = -1;
         for (int i = 0; i < nt; ++i) {
             const int t = (self + i) % nt; /* own share first, then the others' */
             const int64_t p0 = panels * t / nt, width = panels * (t + 1) / nt - p0;
@@ -584,9 +682,16 @@ int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, in
 #if AMX_TILES
                 amx_pack_block_once(&g, item / width, ic, mb);
 #endif
-                block_times_panel(&g, ic, mb, p0 + item % width);
+                gt.xpack = NULL;
+                if (xp && mb > MR) {
+                    if (xp_block != ic) pack_x_block(&g, ic, mb, xp);
+                    xp_block = ic;
+                    gt.xpack = xp;
+                }
+                block_times_panel(&gt, ic, mb, p0 + item % width);
             }
         }
+        free(xp);
     }
     free(shares);
     if (x_heap) free(x32);
@@ -649,7 +754,7 @@ int kvflow_gemm_pooled(KvflowPool *pool, const void *x, int64_t x_stride, int xd
             memcpy(xc + i * row, (const char *)x + i * x_stride * xes, row);
     if (bias) memcpy(bc, bias, (size_t)n * sizeof(float));
     const Gemm g = {xc, k, packed, wdt, widen ? DT_F32 : xdt, bc, y, y_stride, m, n, k, ydt,
-                    NULL, NULL};
+                    NULL, NULL, NULL};
     const int64_t panels = (n + NR - 1) / NR, mb_max = block_rows(&g);
     const PooledGemm pg = {g, mb_max, panels};
     kvflow_pool_run(pool, pooled_item, pooled_commit, &pg, sizeof pg, mb_max * NR,
