@@ -14,8 +14,9 @@
  *     measured equal or faster (on AMD Zen) and leaves no per-call packing or scratch memory.
  *     On Ice Lake server cores (kvflow_gemm_x_packed) blocks of more than MR rows of fp32 x
  *     are packed after all, k-major per micro-kernel, each thread packing a block once into
- *     its own scratch, for micro-kernels of up to MR_PACKED = 12 rows in k chunks of
- *     KC_PACKED = 128: 1.1-1.2x faster there from 64 rows up (docs/benchmarks.md, session 51);
+ *     its own scratch, for micro-kernels of up to MR_PACKED = 12 rows, over the same k chunks
+ *     (so each output is the same sum, bit for bit, packed or not, whatever the row count):
+ *     1.1-1.2x faster there from 64 rows up (docs/benchmarks.md, session 51);
  *   - the micro-kernel multiplies up to MR rows x KC of x by a KC x NR micro-panel of the
  *     weight (kept in L1 across the micro-kernels of a block) into rows x NR accumulators held
  *     in registers (2 vectors per row), two weight loads and one broadcast per row per k. How
@@ -86,9 +87,10 @@ enum { MR = 8, MR_FULL = 6, MR_BALANCED = 32, PF_ONE_PASS = 0, MR_PACKED = 12 };
 #else
 enum { MR = 6, MR_FULL = 6, MR_BALANCED = 0, PF_ONE_PASS = 1, MR_PACKED = 0 };
 #endif
-/* MR_PACKED: the most rows of a micro-kernel that reads fp32 x packed k-major (x_pack_rows). */
+/* MR_PACKED: the most rows of a micro-kernel that reads fp32 x packed k-major
+ * (kvflow_gemm_x_packed). */
 enum { MR_MAX = MR_PACKED > MR ? MR_PACKED : MR };
-enum { HALF = NR / 2, KC = 256, MC = 96, KC_PACKED = 128, PF_PACKED_L2 = 0 };
+enum { HALF = NR / 2, KC = 256, MC = 96 };
 
 #if defined(__AVX512BF16__)
 #define BF16_PAIRS 1
@@ -475,12 +477,11 @@ static inline __attribute__((always_inline)) void block_panel(const Gemm *g, int
     const int64_t full = xpacked ? MR_PACKED : paired ? kvflow_gemm_full_rows() : MR_FULL;
     const int64_t mr = kernel_rows(mb, full), kernels = (mb + mr - 1) / mr;
     const int widened = wdt != DT_F32 && !paired; /* more work per weight byte */
-    const int64_t kc_max = xpacked ? KC_PACKED : KC;
-    const int pf_l2 = xpacked ? PF_PACKED_L2 : !widened && mb >= MR && mb <= MR_BALANCED;
+    const int pf_l2 = !xpacked && !widened && mb >= MR && mb <= MR_BALANCED;
     const int64_t pf_lines = kernels > 1 || PF_ONE_PASS || widened || pf_l2
-                                 ? (kc_max * NR * es / 64 + kernels - 1) / kernels : 0;
-    for (int64_t pc = 0; pc < g->k; pc += kc_max) {
-        const int64_t kc = min64(g->k - pc, kc_max);
+                                 ? (KC * NR * es / 64 + kernels - 1) / kernels : 0;
+    for (int64_t pc = 0; pc < g->k; pc += KC) {
+        const int64_t kc = min64(g->k - pc, KC);
         const char *wp = panel + pc * NR * es, *next = wp + kc * NR * es;
         const float *init = pc == 0 ? bias : NULL;
         for (int64_t ir = 0; ir < mb; ir += mr) {
