@@ -332,8 +332,8 @@ def _intel_icelake_server() -> bool:
 
 @native
 def test_x_packing_follows_the_cpu():
-    """Blocks of more than 8 rows of fp32 x are packed k-major for micro-kernels of up to 12
-    rows on Ice Lake server cores in AVX512 builds only (cpu_gemm.c, kvflow_gemm_x_packed)."""
+    """Blocks of more than 8 (16-bit weights) or 32 (fp32 weights) rows of fp32 x are packed
+    k-major for micro-kernels of up to 12 rows on Ice Lake server cores in AVX512 builds only (cpu_gemm.c, kvflow_gemm_x_packed)."""
     kernels = native_cpu_kernels()
     avx512 = kernels.lib.kvflow_gemm_panel_width() == 32
     assert kernels.lib.kvflow_gemm_x_packed() == int(avx512 and _intel_icelake_server())
@@ -359,8 +359,8 @@ def test_native_gemm_rows_do_not_depend_on_the_row_count(dtype):
 
 # Blocks of more than 32 rows (AVX512 builds) split into 6- or 8-row micro-kernels (8 for
 # k-paired bf16 on Zen 5) and a shorter last one; k = 1536 makes 40- or 42-row blocks, 576 and
-# 257 blocks of 96. Where fp32 x is packed (kvflow_gemm_x_packed), blocks of 9 to 96 rows split
-# into equal shares of at most 12 rows (9: one of 9; 13: 7 + 6; 23: 12 + 11; 65: five of 11
+# 257 blocks of 96. Where fp32 x is packed (kvflow_gemm_x_packed; fp32 weights from 33 rows,
+# widened bf16 from 9), blocks split into equal shares of at most 12 rows (9: one of 9; 13: 7 + 6; 23: 12 + 11; 65: five of 11
 # and one of 10).
 @native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -12,8 +12,8 @@
  *     L2 while every panel of the weight passes over it). Goto packs x as well, to make its
  *     reads unit-stride; here the micro-kernel reads its row streams in place instead, which
  *     measured equal or faster (on AMD Zen) and leaves no per-call packing or scratch memory.
- *     On Ice Lake server cores (kvflow_gemm_x_packed) blocks of more than MR rows of fp32 x
- *     are packed after all, k-major per micro-kernel, each thread packing a block once into
+ *     On Ice Lake server cores (kvflow_gemm_x_packed) blocks of more than MR (16-bit weights)
+ *     or MR_BALANCED (fp32 weights) rows of fp32 x are packed after all, k-major per micro-kernel, each thread packing a block once into
  *     its own scratch, for micro-kernels of up to MR_PACKED = 12 rows, over the same k chunks
  *     (so each output is the same sum, bit for bit, packed or not, whatever the row count):
  *     1.1-1.2x faster there from 64 rows up (docs/benchmarks.md, session 51);
@@ -662,9 +662,13 @@ int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, in
     /* Thread t's share: panels [p0, p1) for every x block, item = block * (p1 - p0) + p - p0. */
     for (int t = 0; t < nt; ++t)
         shares[t].range = (uint64_t)(blocks * (panels * (t + 1) / nt - panels * t / nt));
-    /* fp32 x packed per thread, block by block, where kvflow_gemm_x_packed (blocks of more
-     * than MR rows; a thread repacks when it moves to another block) */
-    const int xpack = xdt == DT_F32 && k > 0 && m > MR && kvflow_gemm_x_packed();
+    /* fp32 x packed per thread, block by block, where kvflow_gemm_x_packed (a thread repacks
+     * when it moves to another block): blocks of more than MR rows for 16-bit weights widened
+     * in registers (1.13x at 16 rows), of more than MR_BALANCED for fp32 weights (at 16 rows
+     * the in-place 8-row micro-kernels, their next chunk prefetched into L2, ran 0.85-1.0x
+     * against packed ones; docs/benchmarks.md, session 51) */
+    const int64_t pack_above = wdt == DT_F32 ? MR_BALANCED : MR;
+    const int xpack = xdt == DT_F32 && k > 0 && m > pack_above && kvflow_gemm_x_packed();
 #pragma omp parallel num_threads(nt)
     {
         const int self = omp_get_thread_num();
@@ -684,7 +688,7 @@ int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, in
                 amx_pack_block_once(&g, item / width, ic, mb);
 #endif
                 gt.xpack = NULL;
-                if (xp && mb > MR) {
+                if (xp && mb > pack_above) {
                     if (xp_block != ic) pack_x_block(&g, ic, mb, xp);
                     xp_block = ic;
                     gt.xpack = xp;
