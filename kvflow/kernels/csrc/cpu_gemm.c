@@ -662,13 +662,13 @@ int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, in
     /* Thread t's share: panels [p0, p1) for every x block, item = block * (p1 - p0) + p - p0. */
     for (int t = 0; t < nt; ++t)
         shares[t].range = (uint64_t)(blocks * (panels * (t + 1) / nt - panels * t / nt));
-    /* fp32 x packed per thread, block by block, where kvflow_gemm_x_packed (a thread repacks
-     * when it moves to another block): blocks of more than MR rows for 16-bit weights widened
+    /* fp32 x (bf16 x widened above included) packed per thread, block by block, where
+     * kvflow_gemm_x_packed (a thread repacks when it moves to another block): blocks of more than MR rows for 16-bit weights widened
      * in registers (1.13x at 16 rows), of more than MR_BALANCED for fp32 weights (at 16 rows
      * the in-place 8-row micro-kernels, their next chunk prefetched into L2, ran 0.85-1.0x
      * against packed ones; docs/benchmarks.md, session 51) */
     const int64_t pack_above = wdt == DT_F32 ? MR_BALANCED : MR;
-    const int xpack = xdt == DT_F32 && k > 0 && m > pack_above && kvflow_gemm_x_packed();
+    const int xpack = g.xdt == DT_F32 && k > 0 && m > pack_above && kvflow_gemm_x_packed();
 #pragma omp parallel num_threads(nt)
     {
         const int self = omp_get_thread_num();
