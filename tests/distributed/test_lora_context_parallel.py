@@ -10,7 +10,8 @@ another row, or the delta of the wrong token) moves logprobs by > 0.1; the oracl
 on the engine's own tokens (teacher forcing, fp32: ``tests.lora.adapters``). Run with each CPU
 LoRA kernel forced (``KVFLOW_CPU_LORA``, inherited by the ranks): ``native`` runs every rank's
 share of a split prefill through ``csrc/cpu_lora.c`` too (its tokens' slots renumbered,
-``LoRAContext.select``), ``torch`` the grouped torch matmuls.
+``LoRAContext.select``), ``torch`` the grouped torch matmuls (a second CP=2 engine, so in
+scripts/test_distributed_slow.sh: the torch path is the single-process tests' default).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import pytest
 
 from kvflow import LLM, SamplingParams
-from tests.distributed.conftest import shutdown_and_check
+from tests.distributed.conftest import SLOW, shutdown_and_check
 from tests.lora.adapters import (
     MAX_TOKENS,
     PROMPTS,
@@ -38,7 +39,7 @@ def adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
             "late": make_late_adapter(tiny_llama.path, root)}
 
 
-@pytest.mark.parametrize("cpu_lora", ["native", "torch"])
+@pytest.mark.parametrize("cpu_lora", ["native", pytest.param("torch", marks=SLOW)])
 def test_two_adapters_and_base_at_cp2_match_peft(tiny_llama, adapters, cpu_lora, monkeypatch):
     monkeypatch.setenv("KVFLOW_CPU_LORA", cpu_lora)
     llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64,
