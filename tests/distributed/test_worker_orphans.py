@@ -13,16 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.parent_death import process_running
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc")
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a live (not zombie) process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def kill_script_and_check_cleanup(script: Path, tmp_path: Path, folder_glob: str) -> None:
@@ -37,21 +30,21 @@ def kill_script_and_check_cleanup(script: Path, tmp_path: Path, folder_glob: str
     pids: list[int] = []
     try:
         pids = [int(x) for x in proc.stdout.readline().split()]
-        assert len(pids) == 2 and all(_running(pid) for pid in pids)
+        assert len(pids) == 2 and all(process_running(pid) for pid in pids)
         assert list(temp.glob(folder_glob))  # the script's, while it runs
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+        while time.monotonic() < deadline and any(process_running(pid) for pid in pids):
             time.sleep(0.1)
-        assert not [pid for pid in pids if _running(pid)]
+        assert not [pid for pid in pids if process_running(pid)]
         assert not list(temp.glob(folder_glob))
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.stdout.close()
         for pid in pids:  # a failed run leaves no child behind either
-            if _running(pid):
+            if process_running(pid):
                 os.kill(pid, signal.SIGKILL)
 
 

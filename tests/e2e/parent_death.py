@@ -22,6 +22,15 @@ import sys
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
+def process_running(pid: int) -> bool:
+    """Whether ``pid`` is a live (not zombie) process (Linux ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
     """In a freshly forked child: have the kernel send ``sig`` when the thread that forked it
     ends; if ``parent`` (the pid that forked it) is already gone, the signal the kernel could

@@ -15,19 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.parent_death import process_running
 from tests.e2e.test_engine_faults import core_pid
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux prctl")
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a live (not zombie) process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_a_popen_server_ends_with_its_killed_test_process(tiny_llama, tmp_path):
@@ -49,18 +41,18 @@ def test_a_popen_server_ends_with_its_killed_test_process(tiny_llama, tmp_path):
     try:
         server = int(proc.stdout.readline())
         pids = [server, core_pid(server)]
-        assert all(_running(pid) for pid in pids)
+        assert all(process_running(pid) for pid in pids)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+        while time.monotonic() < deadline and any(process_running(pid) for pid in pids):
             time.sleep(0.1)
-        assert [pid for pid in pids if _running(pid)] == []  # was: both served on
+        assert [pid for pid in pids if process_running(pid)] == []  # was: both served on
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         proc.stdout.close()
         for pid in pids:
-            if _running(pid):
+            if process_running(pid):
                 os.kill(pid, signal.SIGKILL)
