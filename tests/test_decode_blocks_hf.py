@@ -9,21 +9,12 @@ preemptions (checked)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvflow import LLM, SamplingParams
+from tests.test_prefix_cache_copies import hf_greedy
 
 PROMPTS = [[5, 9, 13, 17, 21], [30, 31, 32, 33, 34, 35, 36], [40, 41, 42], [50, 51, 52, 53, 54, 55]]
 MAX_TOKENS = 20
-
-
-def hf_greedy(tiny, prompt: list[int], n: int) -> list[int]:
-    """HF transformers' greedy continuation of ``prompt``: ``n`` tokens, EOS ignored."""
-    with torch.no_grad():
-        out = tiny.hf_model.generate(torch.tensor([prompt]), do_sample=False,
-                                     max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
-                                     pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("caching", [True, False])

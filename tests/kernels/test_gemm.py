@@ -297,14 +297,19 @@ def test_native_gemm_takes_bf16_activations_on_every_build(m):
     assert torch.equal(one, two)
 
 
-def _zen5_or_later_amd() -> bool:
-    """/proc/cpuinfo names an AMD CPU of family 26 (Zen 5) or later."""
+def _cpuinfo_fields() -> dict[str, str]:
+    """The first CPU's ``key: value`` lines of /proc/cpuinfo (empty where it cannot be read)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return {}
     fields = dict(line.split(":", 1) for line in info.split("\n\n")[0].splitlines() if ":" in line)
-    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    return {key.strip(): value.strip() for key, value in fields.items()}
+
+
+def _zen5_or_later_amd() -> bool:
+    """/proc/cpuinfo names an AMD CPU of family 26 (Zen 5) or later."""
+    fields = _cpuinfo_fields()
     return fields.get("vendor_id") == "AuthenticAMD" and int(fields.get("cpu family", 0)) >= 26
 
 
@@ -320,12 +325,7 @@ def test_rows_per_micro_kernel_follow_the_cpu():
 
 def _intel_icelake_server() -> bool:
     """/proc/cpuinfo names an Intel CPU of family 6, model 106 or 108 (Ice Lake server)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    fields = dict(line.split(":", 1) for line in info.split("\n\n")[0].splitlines() if ":" in line)
-    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    fields = _cpuinfo_fields()
     return (fields.get("vendor_id") == "GenuineIntel" and fields.get("cpu family") == "6"
             and fields.get("model") in ("106", "108"))
 
