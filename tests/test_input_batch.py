@@ -26,6 +26,7 @@ from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import SchedulerOutput
 from kvflow.worker.input_batch import InputBatch
+from kvflow.worker.input_batch_diffs import apply_scheduler_output, num_scheduled_per_row
 from kvflow.worker.model_inputs import InputStager, build_model_inputs
 from kvflow.worker.request_state import RequestState
 from tests.core.fake_kv import fake_kv_cache_config
@@ -99,16 +100,16 @@ def test_rows_of_follows_rows_moved_between_equal_lookups():
     sched.scheduled_cached_reqs.req_ids = ids
     sched.scheduled_cached_reqs.num_computed_tokens = [7, 5, 6]
     for _ in range(2):  # the second step's lookups are the kept ones
-        batch.apply_scheduler_output(sched, {})
+        apply_scheduler_output(batch, sched, {})
         assert batch.num_computed_tokens[:3].tolist() == [7, 5, 6]  # rows d, b, c
-        assert batch.num_scheduled_per_row(sched).tolist() == [1, 1, 1]
+        assert num_scheduled_per_row(batch, sched).tolist() == [1, 1, 1]
     batch.remove_request("b")  # d stays at row 0, c moves to row 1
     sched.num_scheduled_tokens = {"c": 2}
     sched.scheduled_cached_reqs.req_ids, sched.scheduled_cached_reqs.num_computed_tokens = \
         ["c"], [9]
-    batch.apply_scheduler_output(sched, {})
+    apply_scheduler_output(batch, sched, {})
     assert batch.num_computed_tokens[:2].tolist() == [7, 9]
-    assert batch.num_scheduled_per_row(sched).tolist() == [0, 2]
+    assert num_scheduled_per_row(batch, sched).tolist() == [0, 2]
 
 
 def test_prompt_and_output_ids_are_padded():
@@ -152,7 +153,7 @@ def _reference_inputs(sched: Scheduler, sched_out: SchedulerOutput, computed_bef
 
 def _check_inputs(batch: InputBatch, sched: Scheduler, sched_out: SchedulerOutput,
                   computed_before: dict) -> np.ndarray:
-    inputs = build_model_inputs(batch, batch.num_scheduled_per_row(sched_out), BS,
+    inputs = build_model_inputs(batch, num_scheduled_per_row(batch, sched_out), BS,
                                 InputStager(torch.device("cpu")))
     order = [rid for rid in batch.req_ids if rid in sched_out.num_scheduled_tokens]
     ref = _reference_inputs(sched, sched_out, computed_before, order)
@@ -197,7 +198,7 @@ def test_diffs_rebuild_the_scheduler_state(seed, send_token_ids):
                                               new.sampling_params, new.eos_token_id)
         for rid in sched_out.finished_ids:
             states.pop(rid, None)
-        batch.apply_scheduler_output(sched_out, states)
+        apply_scheduler_output(batch, sched_out, states)
         computed_before.update({n.req_id: n.num_computed_tokens
                                 for n in sched_out.scheduled_new_reqs})
         computed_before.update(zip(sched_out.scheduled_cached_reqs.req_ids,

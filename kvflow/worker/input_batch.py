@@ -1,8 +1,8 @@
 """The model runner's persistent input batch: one row per request it computes, kept in place.
 
 The scheduler sends each request whole once and then only what changed (see
-``kvflow/sched_output.py``); the runner applies those changes here, to numpy rows, instead of
-rebuilding every request's state each step. Rows ``[0, num_reqs)`` are dense: removing a
+``kvflow/sched_output.py``); the runner applies those changes to these numpy rows
+(``worker/input_batch_diffs.py``) instead of rebuilding every request's state each step. Rows ``[0, num_reqs)`` are dense: removing a
 request moves the last row into its place, so a step's arrays are slices and fancy indexes of
 these columns, never Python loops over tokens.
 
@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from kvflow.kv_cache_interface import KVCacheSpec
-from kvflow.sched_output import SchedulerOutput
 from kvflow.thinking_budget import ThinkingBudgetScan
 from kvflow.worker.request_state import RequestState, request_stop_ids
 
@@ -206,60 +205,6 @@ class InputBatch:
         moved = self.req_ids[src]
         self.req_ids[dst] = moved
         self.req_id_to_index[moved] = dst
-
-    def apply_scheduler_output(self, sched: SchedulerOutput,
-                               states: dict[str, RequestState]) -> None:
-        """Apply a step's changes: drop finished and preempted rows, add rows for new and
-        resumed requests (``states`` holds them), and update the others in place (computed
-        counts, appended blocks, tokens sent). Ids without a row are ignored.
-
-        Raises:
-            KeyError: for a cached request that has neither a row nor a state.
-        """
-        # sorted: a set's order follows the process's string hashing, which differs between
-        # worker processes, and the order of removals decides which row moves where; every
-        # rank must lay out the same rows (TP all-reduces and PP stages pair rows by index)
-        for rid in sorted(sched.finished_ids):
-            self.remove_request(rid)
-        for rid in sched.preempted_ids:
-            if (row := self.req_id_to_index.get(rid)) is not None and rid in states:
-                states[rid].draft_kv_tokens = int(self.num_draft_computed[row])
-            self.remove_request(rid)
-        for new in sched.scheduled_new_reqs:
-            self.add_request(states[new.req_id], [], new.block_ids, new.num_computed_tokens)
-        for rid, num_blocks in sched.truncated_block_tables.items():
-            if (row := self.req_id_to_index.get(rid)) is not None:
-                self.truncate_block_ids(row, num_blocks)
-        cached = sched.scheduled_cached_reqs
-        resumed = cached.resumed_req_ids
-        swapped_in = {d for _, d in sched.blocks_to_swap_in}  # blocks of swapped-in requests
-        for i, rid in enumerate(cached.req_ids) if resumed else ():
-            if rid in resumed:  # whole tables and generated tokens come with it
-                self.remove_request(rid)  # still there if its preemption step failed
-                block_ids, computed = cached.new_block_ids[rid], cached.num_computed_tokens[i]
-                row = self.add_request(states[rid], cached.new_token_ids[rid], block_ids,
-                                       computed)
-                if swapped_in and not swapped_in.isdisjoint(block_ids[0]):  # its draft K/V too
-                    self.num_draft_computed[row] = min(states[rid].draft_kv_tokens, computed)
-        index = self.req_id_to_index
-        for rid, block_ids in cached.new_block_ids.items():
-            if rid not in resumed:
-                for g, ids in enumerate(block_ids):
-                    self.append_block_ids(index[rid], g, ids)
-        if cached.new_token_ids:
-            position = {rid: i for i, rid in enumerate(cached.req_ids)}
-            for rid, tokens in cached.new_token_ids.items():
-                if rid not in resumed:
-                    self.write_tokens(index[rid], cached.num_computed_tokens[position[rid]],
-                                      tokens)
-        self.num_computed_tokens[self.rows_of(cached.req_ids)] = cached.num_computed_tokens
-
-    def num_scheduled_per_row(self, sched: SchedulerOutput) -> np.ndarray:
-        """Tokens each row computes in ``sched`` (int64 [num_reqs], 0 = not scheduled)."""
-        num = np.zeros(self.num_reqs, np.int64)
-        num[self.rows_of(list(sched.num_scheduled_tokens))] = \
-            list(sched.num_scheduled_tokens.values())
-        return num
 
     def rows_of(self, req_ids: list[str]) -> np.ndarray:
         """The rows of ``req_ids``, in their order (int64 [len(req_ids)], read-only).

@@ -14,6 +14,7 @@ from kvflow.spec_decode.draft_model import DraftModel
 from kvflow.spec_decode.draft_proposal import DraftProposal
 from kvflow.spec_decode.verification import place_drafts
 from kvflow.worker.input_batch import InputBatch
+from kvflow.worker.input_batch_diffs import num_scheduled_per_row
 from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
 from kvflow.worker.step_inputs import fill_pending
 from kvflow.worker.step_sampling import PendingOutput
@@ -48,7 +49,7 @@ def draft_and_build_inputs(sched: SchedulerOutput, batch: InputBatch, drafter: D
         (inputs, draft token ids by request id, the proposal or None).
     """
     spec_tokens = sched.scheduled_spec_decode_tokens
-    num_scheduled = batch.num_scheduled_per_row(sched)
+    num_scheduled = num_scheduled_per_row(batch, sched)
     fill = functools.partial(fill_pending, pending=pending)
     proposal = None
     if drafter is not None and spec_tokens:

@@ -14,6 +14,7 @@ from kvflow.lora.layers import LoRAMapping
 from kvflow.lora.manager import LoRAManager
 from kvflow.sched_output import NewRequestData, SchedulerOutput
 from kvflow.worker.input_batch import InputBatch
+from kvflow.worker.input_batch_diffs import apply_scheduler_output
 from kvflow.worker.mm_runner import MultiModalRunner
 from kvflow.worker.model_inputs import ModelInputs
 from kvflow.worker.pooling import PoolingState
@@ -49,7 +50,7 @@ def update_states(sched: SchedulerOutput, requests: dict[str, RequestState], bat
             _add_mm_request(mm_runner, state, failures)
     if mm_runner is not None:  # encoder-cache drops, then this step's images
         mm_runner.run_encoders(sched, requests, failures)
-    batch.apply_scheduler_output(sched, requests)
+    apply_scheduler_output(batch, sched, requests)
 
 
 def _request_lora(lora_manager: LoRAManager | None, new: NewRequestData,

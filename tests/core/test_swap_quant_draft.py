@@ -21,7 +21,7 @@ from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_sizing import num_host_blocks
 from kvflow.core.kv_swap import SwapManager
 from kvflow.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from kvflow.worker.input_batch import InputBatch
+from kvflow.worker import step_inputs
 from tests.core.swap_checks import always_swap
 from tests.spec_decode.test_ngram_engine import PROMPTS as DRAFT_PROMPTS
 from tests.spec_decode.test_ngram_engine import _drafted
@@ -80,17 +80,17 @@ def _restored_draft_counts(monkeypatch) -> list[int]:
     """Record, for each request swapped back in, the draft K/V positions its new row starts
     with (0 would mean the draft recomputes its whole context)."""
     restored: list[int] = []
-    original = InputBatch.apply_scheduler_output
+    original = step_inputs.apply_scheduler_output
 
-    def spy(self, sched, states):
-        original(self, sched, states)
+    def spy(batch, sched, states):
+        original(batch, sched, states)
         swapped_in = {d for _, d in sched.blocks_to_swap_in}
         for rid in sched.scheduled_cached_reqs.resumed_req_ids:
-            row = self.req_id_to_index[rid]
-            if swapped_in & set(self.block_tables[0][row, :self.num_blocks[0][row]].tolist()):
-                restored.append(int(self.num_draft_computed[row]))
+            row = batch.req_id_to_index[rid]
+            if swapped_in & set(batch.block_tables[0][row, :batch.num_blocks[0][row]].tolist()):
+                restored.append(int(batch.num_draft_computed[row]))
 
-    monkeypatch.setattr(InputBatch, "apply_scheduler_output", spy)
+    monkeypatch.setattr(step_inputs, "apply_scheduler_output", spy)
     return restored
 
 

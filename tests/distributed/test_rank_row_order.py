@@ -23,6 +23,7 @@ from kvflow.kv_cache_interface import FullAttentionSpec
 from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import SchedulerOutput
 from kvflow.worker.input_batch import InputBatch
+from kvflow.worker.input_batch_diffs import apply_scheduler_output
 from kvflow.worker.request_state import RequestState
 
 IDS = [str(i) for i in range(12)]
@@ -41,7 +42,7 @@ def _rows_after_finishing(order: list[str]) -> list[str]:
     for i, rid in enumerate("abcd"):
         batch.add_request(RequestState(rid, [i + 1], SamplingParams(), 2), [], ([i + 1],), 0)
     # a list stands in for the set a worker decodes: its iteration order is the one under test
-    batch.apply_scheduler_output(SchedulerOutput(finished_ids=order), {})  # type: ignore[arg-type]
+    apply_scheduler_output(batch, SchedulerOutput(finished_ids=order), {})  # type: ignore[arg-type]
     return list(batch.req_ids)
 
 
