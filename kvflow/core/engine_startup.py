@@ -59,6 +59,7 @@ from kvflow.sched_output import SchedulerOutput
 from kvflow.spec_decode.draft_positions import draft_positions
 from kvflow.spec_decode.speculator import Speculator
 from kvflow.structured.manager import StructuredOutputManager
+from kvflow.worker.step_graphs import cpu_step_graphs_expected
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,8 @@ class EngineCoreStartup:
         self.dtype = resolve_dtype(self.config.model_config.dtype, self.hf_config, self.platform,
                                    cpu_dtype_measure(self.platform, self.config.device_config,
                                                      self.hf_config, sc.max_num_batched_tokens,
-                                                     sc.max_num_seqs))
+                                                     sc.max_num_seqs, self.platform.name == "cpu"
+                                                     and cpu_step_graphs_expected(self.config)))
         pc = self.config.parallel_config
         pc.verify_with_model(self.hf_config)
         if self.config.model_config.quantization == "gguf" and source.kind == "gguf":

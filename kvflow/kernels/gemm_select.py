@@ -206,34 +206,60 @@ def head_candidates(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[st
     return ("native",) if dtype != torch.float32 and "native" in candidates else candidates
 
 
+def head_proxy(shapes: list[tuple[int, int, int]]) -> tuple[int, int] | None:
+    """(n, k) of the layer shape (all of ``shapes`` but the last, the LM head:
+    :func:`transformer_gemm_shapes`) whose GEMM time per output column stands for the head's:
+    the widest with the head's ``k`` (a dense decoder's gate/up); None when none has it.
+
+    Why: both read ``k``-long rows of the weight per output column, so at one row (memory
+    bound: bytes per column) and at a few dozen rows (the same micro-kernels per column) a
+    call's time is proportional to its columns. On a 2-core Ice Lake Xeon SmolLM2's head
+    (49,152 x 576, timed on an 8,192-column slice) against gate/up (3,072 x 576), time per
+    column at 1 / 64 rows: bf16 kvflow 0.103 / 0.610 against 0.108 / 0.639 us, fp32 kvflow
+    0.222 / 0.618 against 0.206 / 0.607 (within 7%; docs/benchmarks.md, session 52). The
+    head's own timing cost a first start 0.2 CPU s per dtype there."""
+    k = shapes[-1][1]
+    layers = [(n, kk) for n, kk, _ in shapes[:-1] if kk == k]
+    return max(layers) if layers else None
+
+
 def estimated_step_seconds(shapes: list[tuple[int, int, int]], dtype: torch.dtype,
                            candidates: tuple[str, ...], timings: GemmTimings,
-                           head_rows: tuple[int, ...] | None = None) -> dict[int, float]:
+                           head_rows: tuple[int, ...] | None = None,
+                           graphs: bool = False) -> dict[int, float]:
     """Seconds of a forward pass's GEMMs at each row class of ``timings.rows`` with the fastest
     candidate per shape (what :func:`choose_dtype` compares). With ``head_rows`` the last of
     ``shapes`` is the LM head (:func:`transformer_gemm_shapes`): it counts only at those row
     classes (the sampled rows it gets, :func:`~kvflow.kernels.gemm_timing.head_row_classes`;
     a prefill chunk's head call has a few rows, not the chunk's) and with
-    :func:`head_candidates`' kernels."""
+    :func:`head_candidates`' kernels, its time estimated per column from
+    :func:`head_proxy`'s layer shape (timed anyway; the head itself only where no layer
+    shares its ``k``). With ``graphs`` each shape's times are :func:`graph_weighted`'s, as
+    :func:`choose` weighs them when decode steps replay as CPU step graphs."""
     total = dict.fromkeys(timings.rows, 0.0)
+    proxy = head_proxy(shapes) if head_rows is not None else None
     for i, (n, k, count) in enumerate(shapes):
         head = head_rows is not None and i == len(shapes) - 1
         rows = head_rows if head else timings.rows
         kernels = head_candidates(dtype, candidates) if head else candidates
-        per = list(timings.get_all(GemmShape(n, k, dtype), kernels, rows).values())
+        timed_n, timed_k = proxy if head and proxy is not None else (n, k)
+        per = timings.get_all(GemmShape(timed_n, timed_k, dtype), kernels, rows)
+        if graphs:
+            per = graph_weighted(per)
         for r in rows:
-            total[r] += count * min(t[r] for t in per)
+            total[r] += count * n / timed_n * min(t[r] for t in per.values())
     return total
 
 
 def choose_dtype(shapes: list[tuple[int, int, int]],
                  candidates: dict[torch.dtype, tuple[str, ...]], timings: GemmTimings,
-                 head_rows: tuple[int, ...] | None = None) -> torch.dtype:
+                 head_rows: tuple[int, ...] | None = None, graphs: bool = False) -> torch.dtype:
     """The dtype (a key of ``candidates``, which maps each to its kernels) whose GEMMs run a
     forward pass of ``shapes`` fastest: lowest sum over row classes of its time relative to the
     fastest dtype's. Ties keep the first key. ``head_rows``: the LM head's row classes
-    (:func:`estimated_step_seconds`; None: the head counts as a layer shape)."""
-    step = {d: estimated_step_seconds(shapes, d, c, timings, head_rows)
+    (:func:`estimated_step_seconds`; None: the head counts as a layer shape); ``graphs``:
+    decode steps replay as CPU step graphs (:func:`graph_weighted`)."""
+    step = {d: estimated_step_seconds(shapes, d, c, timings, head_rows, graphs)
             for d, c in candidates.items()}
     fastest = {rows: min(s[rows] for s in step.values()) for rows in timings.rows}
     return min(step, key=lambda d: sum(step[d][r] / fastest[r] for r in timings.rows))
@@ -242,10 +268,12 @@ def choose_dtype(shapes: list[tuple[int, int, int]],
 def measure_cpu_dtype(hf_config, half: torch.dtype, choice: str,
                       onednn_packs: Callable[[torch.dtype], bool],
                       rows: tuple[int, ...] = ROW_CLASSES,
-                      max_num_seqs: int | None = None) -> torch.dtype:
-    """``--dtype auto`` on a CPU with native ``half`` (bf16/fp16) matmul units: ``half`` or
-    float32, whichever runs the model's GEMMs (:func:`transformer_gemm_shapes`) faster with
-    the kernels ``choice`` allows (:func:`choose_dtype`; timings cached) at the row classes
+                      max_num_seqs: int | None = None, graphs: bool = False) -> torch.dtype:
+    """``--dtype auto`` on a CPU: ``half`` (bf16/fp16) or float32, whichever runs the model's
+    GEMMs (:func:`transformer_gemm_shapes`) faster with the kernels ``choice`` allows
+    (:func:`candidates_for`: on a CPU without ``half`` matmul units, where ``onednn_packs(half)``
+    is False, kvflow's own GEMM only, its weights widened in registers) (:func:`choose_dtype`,
+    with ``graphs``: decode steps replay as CPU step graphs; timings cached) at the row classes
     ``rows`` (the engine's: :func:`~kvflow.kernels.gemm_timing.row_classes`), the LM head at
     those up to ``max_num_seqs`` rows (:func:`~kvflow.kernels.gemm_timing.head_row_classes`,
     as ``--cpu-gemm auto`` times it; None: at every class) with the kernels it would run
@@ -264,7 +292,7 @@ def measure_cpu_dtype(hf_config, half: torch.dtype, choice: str,
         return half
     timings = gemm_timings(kernels, rows)
     head_rows = None if max_num_seqs is None else head_row_classes(rows, max_num_seqs)
-    dtype = choose_dtype(shapes, candidates, timings, head_rows)
+    dtype = choose_dtype(shapes, candidates, timings, head_rows, graphs)
     timings.save()
     logger.info("--dtype auto: %s (GEMMs timed in %s)", dtype,
                 " and ".join(str(d) for d in candidates))

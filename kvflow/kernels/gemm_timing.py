@@ -318,13 +318,18 @@ class GemmTimings:
     def get_all(self, shape: GemmShape, candidates: Iterable[str],
                 rows: tuple[int, ...] | None = None) -> dict[str, dict[int, float]]:
         """:meth:`get` of each candidate at ``rows`` (default ``self.rows``); those not cached
-        yet are timed together, their passes alternating (:func:`time_candidates`)."""
+        yet are timed together, their passes alternating (:func:`time_candidates`), at the
+        rows some of them lacks."""
         candidates, rows = tuple(candidates), self.rows if rows is None else tuple(rows)
         missing = [c for c in candidates
                    if any(shape.key(c, r) not in self.seconds for r in rows)]
         if len(missing) > 1:
             start = time.perf_counter()
-            measured = time_candidates(shape, missing, rows, self.kernels)
+            # only the rows some candidate lacks: a 2,048-row class is timed on a column slice
+            # (GemmShape.timed_cols) that shapes of one k share, so another shape has it already
+            measured = time_candidates(shape, missing, [
+                r for r in rows if any(shape.key(c, r) not in self.seconds for c in missing)],
+                self.kernels)
             self.measuring_s += time.perf_counter() - start
             for c, secs in measured.items():
                 self.seconds.update({shape.key(c, r): s for r, s in secs.items()})
