@@ -12,12 +12,14 @@ import torch
 from transformers import LlamaConfig
 
 from kvflow.kernels import gemm_timing
-from kvflow.kernels.gemm_select import choose_dtype, head_candidates
+from kvflow.kernels.cpu_native import native_cpu_kernels
+from kvflow.kernels.gemm_select import choose_dtype, head_candidates, head_proxy
 from kvflow.kernels.gemm_timing import GemmShape, GemmTimings, clear_leader, settled
 from kvflow.platforms import cpu as cpu_platform
 from kvflow.platforms.cpu import CpuPlatform, x86_lacks_bf16_units
 
 ICE_LAKE = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+native = pytest.mark.skipif(native_cpu_kernels() is None, reason="no C compiler")
 
 
 def test_bf16_units_from_the_cpu_flags():
@@ -31,34 +33,144 @@ def test_bf16_units_from_the_cpu_flags():
     assert not x86_lacks_bf16_units(frozenset(), "x86_64")
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
-def test_auto_dtype_skips_bf16_timing_on_a_cpu_without_bf16_units(monkeypatch, caplog):
-    """oneDNN says bf16 (it does on any AVX512 core); the flags say no units: ``--dtype auto``
-    of a bf16 checkpoint is fp32 without timing anything (one INFO line says so), and oneDNN
-    packs no bf16 weight.
-    With AVX512-BF16 in the flags the timing decides, as before."""
+def _no_bf16_units(monkeypatch, flags: frozenset[str] = ICE_LAKE) -> CpuPlatform:
+    """A CPU platform whose oneDNN says bf16 (it does on any AVX512 core) and whose
+    ``/proc/cpuinfo`` flags are ``flags`` (default Ice Lake's: no bf16 units)."""
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
     monkeypatch.setattr(cpu_platform.platform, "machine", lambda: "x86_64")
-    from kvflow.core.engine_dtype import resolve_dtype
+    monkeypatch.setattr(cpu_platform, "cpu_features", lambda: flags)
+    return CpuPlatform()
 
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, vocab_size=300)
+
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "vocab_size": 300}
+
+
+def _timed(monkeypatch, factor: dict[int, float]) -> list[tuple[int, str, tuple[str, ...]]]:
+    """``time_candidates`` faked: fp32 takes 1 s x rows per column with either kernel, bf16
+    ``factor[rows]`` times that (kvflow's kernel; oneDNN's bf16, were it timed, 100x). Returns
+    the (n, dtype, candidates) of each timing."""
+    calls = []
+
+    def fake(shape, cands, rows, kernels):
+        calls.append((shape.n, str(shape.dtype).removeprefix("torch."), tuple(cands)))
+        per = lambda c, r: (1.0 if shape.dtype == torch.float32 else
+                            factor[r] * (100 if c == "onednn" else 1)) * r * shape.n
+        return {c: {r: per(c, r) for r in rows} for c in cands}
+
+    monkeypatch.setattr(gemm_timing, "time_candidates", fake)
+    monkeypatch.setattr(gemm_timing, "time_candidate",
+                        lambda shape, cand, rows, kernels: fake(shape, (cand,), rows, kernels)[cand])
+    return calls
+
+
+@native
+@pytest.mark.parametrize("factor, expected", [
+    ({1: 0.5, 64: 0.5, 2048: 0.5}, torch.bfloat16),  # bf16 faster at every class
+    ({1: 2.0, 64: 2.0, 2048: 2.0}, torch.float32),  # bf16 slower at every class
+    # relative sums bf16 1 + 1.1 + 1.3 = 3.4 against fp32 2 + 1 + 1 = 4: bf16
+    ({1: 0.5, 64: 1.1, 2048: 1.3}, torch.bfloat16),
+    # bf16 1 + 1.3 + 1.3 = 3.6 against fp32 1.5 + 1 + 1 = 3.5: fp32
+    ({1: 1 / 1.5, 64: 1.3, 2048: 1.3}, torch.float32),
+])
+def test_auto_dtype_times_kvflows_bf16_on_a_cpu_without_bf16_units(tmp_path, monkeypatch,
+                                                                    caplog, factor, expected):
+    """Ice Lake (no bf16 units), kvflow's kernels built: ``--dtype auto`` of a bf16 checkpoint
+    times kvflow's bf16 GEMM (never oneDNN's emulated bf16, which would lose 100x here) against
+    fp32 with both kernels, at the engine's rows (1, 64, 2,048), and takes the faster, logged as
+    any timed choice. Every shape scales alike, so each row class's step ratio is ``factor``'s
+    (the expected dtypes worked out beside the cases). The LM head (300 columns) is estimated
+    from gate/up, never timed."""
+    from kvflow.config import DeviceConfig
+    from kvflow.core.engine_dtype import cpu_dtype_measure, resolve_dtype
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    platform = _no_bf16_units(monkeypatch)
+    calls = _timed(monkeypatch, factor)
+    cfg = LlamaConfig(**SMALL)
     cfg.dtype = "bfloat16"
-    asked = []
-    measure = lambda d: asked.append(d) or torch.bfloat16
-    monkeypatch.setattr(cpu_platform, "cpu_features", lambda: ICE_LAKE)
-    platform = CpuPlatform()
-    assert platform.default_dtype() == torch.float32
-    assert not platform.prepacks_gemm_weights(torch.bfloat16)
-    with caplog.at_level(logging.INFO, logger="kvflow.core.engine_dtype"):
-        assert resolve_dtype("auto", cfg, platform, measure) == torch.float32 and not asked
+    measure = cpu_dtype_measure(platform, DeviceConfig(device="cpu"), cfg, 2048, 64)
+    with caplog.at_level(logging.INFO, logger="kvflow.kernels.gemm_select"):
+        assert resolve_dtype("auto", cfg, platform, measure) == expected
+    assert {(d, c) for _, d, c in calls} == {("bfloat16", ("native",)),
+                                            ("float32", ("native", "onednn"))}
+    # o, down, q/k/v, gate/up; not the head's 300
+    assert sorted(n for n, d, _ in calls if d == "bfloat16") == [64, 64, 192, 256]
+    said = [r.getMessage() for r in caplog.records if r.name == "kvflow.kernels.gemm_select"]
+    assert said == [f"--dtype auto: {expected} (GEMMs timed in torch.bfloat16 and torch.float32)"]
+
+
+@native
+@pytest.mark.parametrize("how", ["KVFLOW_NATIVE_CPU=0", "--cpu-gemm onednn"])
+def test_auto_dtype_without_kvflows_gemm_is_fp32_untimed(monkeypatch, caplog, how):
+    """No bf16 units and kvflow's GEMM off (its kernels disabled, or oneDNN asked for): bf16
+    would run oneDNN's emulation, so ``--dtype auto`` is fp32 with nothing timed, one INFO line
+    saying so."""
+    from kvflow.config import DeviceConfig
+    from kvflow.core.engine_dtype import cpu_dtype_measure, resolve_dtype
+    from kvflow.kernels import cpu_native
+
+    platform = _no_bf16_units(monkeypatch)
+    calls = _timed(monkeypatch, {1: 0.5, 64: 0.5, 2048: 0.5})  # bf16 would win if timed
+    cfg = LlamaConfig(**SMALL)
+    cfg.dtype = "bfloat16"
+    device = DeviceConfig(device="cpu", cpu_gemm="onednn" if how.startswith("--") else None)
+    try:
+        if how.startswith("KVFLOW"):
+            cpu_native.native_cpu_kernels.cache_clear()
+            monkeypatch.setenv("KVFLOW_NATIVE_CPU", "0")
+        measure = cpu_dtype_measure(platform, device, cfg, 2048, 64)
+        with caplog.at_level(logging.INFO, logger="kvflow.core.engine_dtype"):
+            assert resolve_dtype("auto", cfg, platform, measure) == torch.float32
+    finally:  # the kernels loaded again from the usual cache, for the tests after this one
+        monkeypatch.delenv("KVFLOW_NATIVE_CPU", raising=False)
+        cpu_native.native_cpu_kernels.cache_clear()
+        cpu_native.native_cpu_kernels()
+    assert calls == []
     said = ("--dtype auto: torch.float32 (the checkpoint's torch.bfloat16 has no native matmul "
-            "on this cpu; nothing timed)")
-    assert [r.getMessage() for r in caplog.records] == [said]
-    monkeypatch.setattr(cpu_platform, "cpu_features", lambda: ICE_LAKE | {"avx512_bf16"})
+            "on this cpu, nor kvflow's own GEMM for it; nothing timed)")
+    assert [r.getMessage() for r in caplog.records if r.name == "kvflow.core.engine_dtype"] \
+        == [said]
+
+
+@native
+def test_auto_dtype_with_bf16_units_times_both_kernels(tmp_path, monkeypatch):
+    """AVX512-BF16 in the flags: bf16 is native, so it is timed with oneDNN too (here 100x
+    slower than kvflow's, so kvflow's bf16 times decide: 0.5x fp32's, bf16), as before."""
+    from kvflow.config import DeviceConfig
+    from kvflow.core.engine_dtype import cpu_dtype_measure, resolve_dtype
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    platform = _no_bf16_units(monkeypatch, ICE_LAKE | {"avx512_bf16"})
+    calls = _timed(monkeypatch, {1: 0.5, 64: 0.5, 2048: 0.5})
+    cfg = LlamaConfig(**SMALL)
+    cfg.dtype = "bfloat16"
     assert platform.default_dtype() == torch.bfloat16
+    measure = cpu_dtype_measure(platform, DeviceConfig(device="cpu"), cfg, 2048, 64)
     assert resolve_dtype("auto", cfg, platform, measure) == torch.bfloat16
-    assert asked == [torch.bfloat16]
+    assert {(d, c) for _, d, c in calls} == {("bfloat16", ("native", "onednn")),
+                                            ("float32", ("native", "onednn"))}
+
+
+@native
+def test_auto_dtype_cache_hit_times_nothing(tmp_path, monkeypatch):
+    """The second start (timings cached in ``<cache_dir>/cpu_gemm``) times nothing and
+    chooses the same; so does ``--cpu-gemm auto`` then, its bf16 layers having one kernel."""
+    from kvflow.config import DeviceConfig
+    from kvflow.core.engine_dtype import cpu_dtype_measure, resolve_dtype
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    platform = _no_bf16_units(monkeypatch)
+    calls = _timed(monkeypatch, {1: 0.5, 64: 1.1, 2048: 1.3})
+    cfg = LlamaConfig(**SMALL)
+    cfg.dtype = "bfloat16"
+    first = resolve_dtype("auto", cfg, platform,
+                          cpu_dtype_measure(platform, DeviceConfig(device="cpu"), cfg, 2048, 64))
+    assert first == torch.bfloat16 and len(calls) == 8  # 4 layer shapes x 2 dtypes
+    calls.clear()
+    again = resolve_dtype("auto", cfg, platform,
+                          cpu_dtype_measure(platform, DeviceConfig(device="cpu"), cfg, 2048, 64))
+    assert again == torch.bfloat16 and calls == []
 
 
 def test_clear_leader():
@@ -166,30 +278,82 @@ def _timings(tmp_path, seconds: dict[str, float]) -> GemmTimings:
     return timings
 
 
-def test_dtype_choice_counts_the_lm_head_at_its_rows(tmp_path):
-    """Layers (32 x 16, 2 of them): bf16 1 / 3 / 5 s at 1 / 64 / 512 rows, fp32 2 / 1 / 5.
-    The head (20,000 x 16, timed on 8,192 columns: x 2.44140625): bf16 native 1 s at 1 and 64
-    rows, 100 s at 512 (a row count it never runs); fp32 3 s at 1 and 64, 1 s at 512.
+def test_dtype_choice_counts_the_lm_head_at_its_rows_per_gate_up_column(tmp_path):
+    """Layers (32 x 16, 2 of them): bf16 1 / 1.5 / 5 s at 1 / 64 / 512 rows, fp32 2 / 1 / 5.
+    The head (20,000 x 16) has timings of its own (8,192-column slice, x 2.44140625): bf16
+    1,000 s everywhere, fp32 1 s.
 
-    At the head's rows (1, 64): bf16 steps 4.44 / 8.44 / 10, fp32 11.32 / 9.32 / 10; relative
-    sums 3 vs 2.55 + 1.10 + 1 = 4.65: bf16. Counting the head at 512 rows as well (the old
-    estimate): bf16's 512-row step is 10 + 244 = 254 against fp32's 12.4, sums 22.4 vs 4.65:
-    fp32. bf16's oneDNN head is never asked for (a 16-bit head runs native)."""
+    At the head's rows (1, 64) its time is the layer's per column (same k: head_proxy) x 625:
+    bf16 steps 2 + 625 = 627 / 3 + 937.5 = 940.5 / 10, fp32 4 + 1,250 = 1,254 / 2 + 625 = 627
+    / 10; relative sums 1 + 1.5 + 1 = 3.5 against 2 + 1 + 1 = 4: bf16. Its own timings, were
+    they read, give bf16 2 + 2,441 against fp32 4 + 2.44 at one row: fp32. Without head rows
+    the head counts as a layer, with its own timings, at every class: bf16's 512-row step
+    10 + 2,441 against fp32's 12.4, fp32 (per gate/up column it would be 3,135 both, and bf16
+    3.5 against 4)."""
     secs = {}
-    for dtype, times in {"bfloat16": (1.0, 3.0, 5.0), "float32": (2.0, 1.0, 5.0)}.items():
+    for dtype, times in {"bfloat16": (1.0, 1.5, 5.0), "float32": (2.0, 1.0, 5.0)}.items():
         secs.update({f"{dtype}|32x16|{c}|{r}": t for r, t in zip((1, 64, 512), times)
                      for c in ("native", "onednn")})
-    secs.update({"bfloat16|8192x16|native|1": 1.0, "bfloat16|8192x16|native|64": 1.0,
-                 "bfloat16|8192x16|native|512": 100.0})
-    secs.update({f"float32|8192x16|{c}|{r}": t for r, t in ((1, 3.0), (64, 3.0), (512, 1.0))
-                 for c in ("native", "onednn")})
+        secs.update({f"{dtype}|8192x16|{c}|{r}": 1000.0 if dtype == "bfloat16" else 1.0
+                     for r in (1, 64, 512) for c in ("native", "onednn")})
     shapes = [(32, 16, 2), (20000, 16, 1)]
+    assert head_proxy(shapes) == (32, 16)
     both = ("native", "onednn")
     cands = {torch.bfloat16: both, torch.float32: both}
-    assert choose_dtype(shapes, cands, _timings(tmp_path, secs), head_rows=(1, 64)) \
-        == torch.bfloat16
-    secs.update({f"bfloat16|8192x16|onednn|{r}": 1000.0 for r in (1, 64, 512)})
+    timings = _timings(tmp_path, secs)
+    asked = []
+    get_all = timings.get_all
+    timings.get_all = lambda shape, *a: asked.append(shape.n) or get_all(shape, *a)
+    assert choose_dtype(shapes, cands, timings, head_rows=(1, 64)) == torch.bfloat16
+    assert set(asked) == {32}  # the head's own timings never read
     assert choose_dtype(shapes, cands, _timings(tmp_path, secs)) == torch.float32
+
+
+def test_head_proxy_is_the_widest_layer_of_the_heads_k():
+    """gate/up (3,072 x 576) for SmolLM2's head (k 576), not down (k 1,536); none of the k:
+    None (the head is then timed itself)."""
+    smollm2 = [(960, 576, 30), (576, 576, 30), (3072, 576, 30), (576, 1536, 30),
+               (49152, 576, 1)]
+    assert head_proxy(smollm2) == (3072, 576)
+    assert head_proxy([(576, 1536, 30), (49152, 576, 1)]) is None
+
+
+def test_dtype_choice_weighs_step_graphs_as_the_kernel_choice_does(tmp_path):
+    """One layer (32 x 16; the head 64 x 16 at one row, per layer column: x 2). fp32: kvflow
+    1.1 s at 1 and 64 rows, oneDNN 0.98 (1.12x faster, under GRAPH_MARGIN's 1.18x), both 1.0 at
+    512; bf16 (kvflow only) 1.05 / 1.05 / 1.0.
+
+    Without graphs fp32 takes oneDNN's 0.98: steps fp32 2.94 / 0.98 / 1 against bf16 3.15 /
+    1.05 / 1, relative sums 3 against 3.14: fp32. With graphs oneDNN counts 0.98 x 1.179 =
+    1.156 > 1.1 at decode rows (--cpu-gemm auto would give fp32 kvflow's GEMM): fp32 3.3 /
+    1.1 / 1 against bf16 3.15 / 1.05 / 1, sums 3.095 against 3: bf16."""
+    secs = {"float32|32x16|native|1": 1.1, "float32|32x16|native|64": 1.1,
+            "float32|32x16|onednn|1": 0.98, "float32|32x16|onednn|64": 0.98,
+            "float32|32x16|native|512": 1.0, "float32|32x16|onednn|512": 1.0,
+            "bfloat16|32x16|native|1": 1.05, "bfloat16|32x16|native|64": 1.05,
+            "bfloat16|32x16|native|512": 1.0}
+    shapes = [(32, 16, 1), (64, 16, 1)]
+    cands = {torch.bfloat16: ("native",), torch.float32: ("native", "onednn")}
+    assert choose_dtype(shapes, cands, _timings(tmp_path, secs), (1,)) == torch.float32
+    assert choose_dtype(shapes, cands, _timings(tmp_path, secs), (1,), graphs=True) \
+        == torch.bfloat16
+
+
+def test_get_all_times_only_the_rows_missing(tmp_path, monkeypatch):
+    """At 1,024 rows 2,048 x 32 and 1,024 x 32 are both timed on the same 512-column slice
+    (one key): the second shape is timed at 64 rows only."""
+    timed = []
+
+    def fake(shape, cands, rows, kernels):
+        timed.append((shape.n, tuple(rows)))
+        return {c: {r: 1.0 for r in rows} for c in cands}
+
+    monkeypatch.setattr(gemm_timing, "time_candidates", fake)
+    timings = GemmTimings(tmp_path / "t.json", None, (64, 1024))
+    for n in (2048, 1024):
+        got = timings.get_all(GemmShape(n, 32, torch.float32), ("native", "onednn"))
+        assert got == {c: {64: 1.0, 1024: n / 512} for c in ("native", "onednn")}
+    assert timed == [(2048, (64, 1024)), (1024, (64,))]
 
 
 def test_head_candidates():
