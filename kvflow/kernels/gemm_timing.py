@@ -126,7 +126,7 @@ def timing_method(pool_bytes: int, rows: tuple[int, ...] = ROW_CLASSES) -> str:
     """How GEMM timings are measured, part of their cache key: timings of another method,
     other row classes (``rows``, :func:`row_classes`) or another pool are redone."""
     return f"cpu-time-1-thread|alternating-{REPEATS}|rows {tuple(rows)}|pool {pool_bytes}" \
-        f"|native on huge pages|one copy from {ONE_COPY_MIN_ROWS} rows" \
+        f"|native on huge pages|one copy from {ONE_COPY_MIN_ROWS} rows|pool shared" \
         f"|{COMPUTE_N} columns from {ONE_COPY_MIN_ROWS} rows" \
         f"|stop after {EARLY_STOP_PASSES} at {CLEAR_RATIO}x or within {SETTLED_SPREAD}"
 
@@ -183,6 +183,20 @@ def pass_copies(rows: int, pool: int) -> int:
     return 1 if rows >= ONE_COPY_MIN_ROWS else min(2, pool)
 
 
+def pool_copies(pool_bytes: int, weight_bytes: int, candidates: int) -> int:
+    """Distinct copies of a ``weight_bytes`` weight each of ``candidates`` kernels timed
+    together cycles through at one row: their pools together fill ``pool_bytes``
+    (:func:`timing_pool_bytes`, twice the last-level cache), 2 to :data:`MAX_COPIES` each.
+
+    Why shared: the candidates' passes alternate (A, B, A, B), so between two reads of a copy of
+    A's pool every other copy of it and all of B's pool are read: the same ``pool_bytes`` of
+    other data as one candidate cycling a pool of its own that size, so each call still reads
+    its weight from memory. Each pool of its own cost a first start two ~96 MiB packings per
+    shape on a 48 MiB-L3 Ice Lake Xeon, and their passes twice the memory streamed (the one-row
+    class was ~half of ``--dtype auto``'s timing there: docs/benchmarks.md, session 52)."""
+    return max(2, min(MAX_COPIES, pool_bytes // (weight_bytes * max(1, candidates))))
+
+
 def _pack(candidate: str, weight: torch.Tensor, kernels: NativeCpuKernels | None,
           copies: int) -> list[Callable[[torch.Tensor], torch.Tensor]]:
     """``copies`` distinct packed copies of ``weight`` for ``candidate``: packed once, the
@@ -216,9 +230,10 @@ def time_candidates(shape: GemmShape, candidates: Iterable[str], rows_list: Iter
     call (a 2-core Xeon at load 6 timed a one-row 960 x 576 bf16 GEMM at 15 ms, ~100x its
     cost). So each call runs on one thread and counts the process's CPU time, which other
     processes barely change; both kernels split a call over output columns the same way, so
-    one thread ranks them as the engine's threads would. One-row calls cycle through a pool of
-    distinct weights twice the last-level cache (:func:`timing_pool_bytes`), so they read
-    their weight from memory as decode does in a model; larger calls, which are
+    one thread ranks them as the engine's threads would. One-row calls cycle through pools of
+    distinct weights, the candidates' pools together twice the last-level cache
+    (:func:`timing_pool_bytes`, :func:`pool_copies`), so they read their weight from memory as
+    decode does in a model; larger calls, which are
     compute-bound, use two of them, and one from :data:`ONE_COPY_MIN_ROWS` rows
     (:func:`pass_copies`), on a :data:`COMPUTE_N`-column slice (:meth:`GemmShape.timed_cols`;
     the seconds returned are the slice's). The passes at a row count stop after
@@ -238,7 +253,7 @@ def _time_on_this_thread(shape: GemmShape, candidates: tuple[str, ...],
                          ) -> dict[str, dict[int, float]]:
     n, k = shape.timed_n, shape.k
     weight_bytes = max(1, n * k * shape.dtype.itemsize)
-    copies = max(2, min(MAX_COPIES, timing_pool_bytes() // weight_bytes))
+    copies = pool_copies(timing_pool_bytes(), weight_bytes, len(candidates))
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(n, k, generator=gen).to(shape.dtype)
     packed: dict[int, dict[str, list]] = {}  # by the columns timed (GemmShape.timed_cols)

@@ -339,6 +339,18 @@ def test_dtype_choice_weighs_step_graphs_as_the_kernel_choice_does(tmp_path):
         == torch.bfloat16
 
 
+def test_candidates_timed_together_share_the_one_row_pool():
+    """A 96 MiB pool (twice a 48 MiB L3): SmolLM2's 960 x 576 fp32 weight (2,211,840 bytes)
+    has 45 copies for one kernel, 22 each for two (their passes alternate, so a copy's reuse
+    distance is still 96 MiB), 15 for three; 2 at least, MAX_COPIES at most; the timing method
+    (the cache key) says so."""
+    pool, weight = 96 << 20, 960 * 576 * 4
+    assert [gemm_timing.pool_copies(pool, weight, c) for c in (1, 2, 3)] == [45, 22, 15]
+    assert gemm_timing.pool_copies(pool, 60 << 20, 2) == 2
+    assert gemm_timing.pool_copies(pool, 1024, 1) == gemm_timing.MAX_COPIES
+    assert "pool shared" in gemm_timing.timing_method(pool)
+
+
 def test_get_all_times_only_the_rows_missing(tmp_path, monkeypatch):
     """At 1,024 rows 2,048 x 32 and 1,024 x 32 are both timed on the same 512-column slice
     (one key): the second shape is timed at 64 rows only."""

@@ -382,7 +382,8 @@ def test_prefill_rows_from_1024_time_one_weight_copy_per_pass(tmp_path, monkeypa
     calls = []
     monkeypatch.setattr(gemm_timing, "_pack", lambda cand, weight, kernels, copies: [
         lambda x: calls.append((cand, x.shape[0]))] * copies)
-    monkeypatch.setattr(gemm_timing, "timing_pool_bytes", lambda *a: 5 * 64 * 32 * 4)
+    # two candidates' pools of 5 copies of the 64 x 32 fp32 weight each (pool_copies)
+    monkeypatch.setattr(gemm_timing, "timing_pool_bytes", lambda *a: 2 * 5 * 64 * 32 * 4)
     monkeypatch.setattr(gemm_timing, "EARLY_STOP_PASSES", gemm_timing.REPEATS + 1)  # as above
     rows = (1, 64, 1024, 2048)
     GemmTimings(tmp_path / "t.json", None, rows).get_all(GemmShape(64, 32, torch.float32),
