@@ -84,7 +84,9 @@ def x86_lacks_bf16_units(features: frozenset[str], machine: str) -> bool:
     emulates it there. On a 2-core Ice Lake Xeon (avx512f, no avx512_bf16) oneDNN's bf16
     GEMMs ran 2.4-2.8x slower than kvflow's bf16 GEMM at 64 and 2,048 rows (SmolLM2's four
     layer shapes), and ``--dtype auto`` spent 15-18 CPU s of a first start timing bf16 against
-    fp32 to pick fp32 anyway (docs/benchmarks.md, session 51)."""
+    fp32 to pick fp32 anyway (docs/benchmarks.md, session 51). Without units ``--dtype auto``
+    times kvflow's own bf16 GEMM (weights widened in registers) against fp32 instead
+    (``core/engine_dtype.py: cpu_dtype_measure``)."""
     if machine.lower() not in ("x86_64", "amd64") or not features:
         return False
     return not features & X86_BF16_UNIT_FLAGS
