@@ -120,8 +120,9 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         """Check ``req`` (its unknown fields were checked by the caller), render the
         conversation and queue it; the reply's id is ``{prefix}-...`` (``X-Request-Id`` or
         ``request_id`` after the prefix, as vLLM names chat replies). /v1/responses runs its
-        requests through here too (``serving_responses``, prefix ``resp``): their ids stay
-        random, as vLLM's, since a response is stored under its id.
+        requests through here too (``serving_responses``, prefix ``resp``): the
+        ``X-Request-Id`` header does not name them, as vLLM's, since a response is stored
+        under its id (their body's ``request_id`` is the response's id).
 
         Raises:
             OpenAIError: 400 for bad input, 404 for another model, 503 when overloaded.

@@ -84,7 +84,8 @@ class OpenAIServingResponses:
         Raises:
             OpenAIError: 400 for bad input or a field kvflow does not honour (``param`` its
                 path in this request; ``background`` without ``store``), 404 for another
-                model or an unknown ``previous_response_id``, 429 when
+                model or an unknown ``previous_response_id``, 400 naming ``request_id`` for
+                the id of a background response still running, 429 when
                 ``--responses-store-size`` background responses run already, 503 when
                 overloaded.
         """
@@ -92,13 +93,20 @@ class OpenAIServingResponses:
         refuse_unhonoured(req)
         self._check_store(req)
         self.background.check(req)
+        self._check_request_id(req)
         conv, chat_req = self._chat_request(req)
         try:
             run = await self.chat.start(chat_req, raw, "resp")
         except OpenAIError as e:
             raise renamed_error(e, conv) from None
-        skeleton = self._skeleton(req, run.reply_id.replace("resp-", "resp_", 1))
+        skeleton = self._skeleton(req, req.request_id or
+                                  run.reply_id.replace("resp-", "resp_", 1))
         if req.background:
+            try:  # another one of this id may have started while this one was rendered
+                self._check_request_id(req)
+            except OpenAIError:
+                self.chat.abort(run.streams)
+                raise
             events = ResponseEvents()
             return self.background.start(
                 StoredResponse(skeleton, _turns(conv), input_items(req.input)),
@@ -119,6 +127,25 @@ class OpenAIServingResponses:
                                   "(--responses-store-size 0); send store false or leave it "
                                   "out", param="store", code="unsupported_parameter")
             req.store = False
+
+    def _check_request_id(self, req: ResponsesRequest) -> None:
+        """A ``request_id`` (vLLM 0.32's: the response's id as sent) may name a stored reply
+        that has ended (this one replaces it when stored, as vLLM's store replaces it), not a
+        background one still running: GET, cancel and its stored stream would then name two
+        responses.
+
+        Raises:
+            OpenAIError: 400 naming ``request_id`` for the id of a running background
+                response.
+        """
+        if req.request_id is None:
+            return
+        stored = self.store.peek(req.request_id)
+        if stored is not None and stored.response.status not in TERMINAL:
+            raise OpenAIError(f"request_id {req.request_id[:100]!r} is the id of a background "
+                              f"response still {stored.response.status}: cancel it or wait "
+                              "until it ends, or send another id", param="request_id",
+                              code="invalid_value")
 
     def retrieve(self, response_id: str) -> ResponseObject:
         """A stored reply (GET /v1/responses/{id}); a background one as it stands
@@ -211,6 +238,8 @@ class OpenAIServingResponses:
                     "top_logprobs": req.top_logprobs if wants_logprobs(req) else None,
                     "prompt_cache_key": req.prompt_cache_key, "cache_salt": req.cache_salt,
                     "session_id": req.session_id, "safety_identifier": req.safety_identifier,
+                    # the engine's id: resp-{request_id}-{uuid} (unique, the id in its logs)
+                    "request_id": req.request_id,
                     "reasoning_effort": req.reasoning and req.reasoning.effort,
                     "include_reasoning": req.include_reasoning,
                     "vllm_xargs": req.vllm_xargs, **_chat_fields(req),
@@ -242,8 +271,8 @@ class OpenAIServingResponses:
         return stored.messages
 
     def _skeleton(self, req: ResponsesRequest, response_id: str) -> ResponseObject:
-        """The reply in progress: ``response_id`` (the engine's request id with ``resp_``, so
-        that logs and replies match), time, the request's settings echoed, no output."""
+        """The reply in progress: ``response_id`` (``request_id`` as sent, else the engine's
+        request id with ``resp_``, so that logs and replies match), time, the request's settings echoed, no output."""
         text = {"format": {"type": "text"}}
         if req.text is not None and req.text.format is not None:
             text = {"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
@@ -340,16 +369,18 @@ class OpenAIServingResponses:
     def _finish(self, req: ResponsesRequest, events: ResponseEvents, skeleton: ResponseObject,
                 conv: Conversation, finish_reason: str | None, usage: ResponseUsage
                 ) -> tuple[ResponseObject, list[Event]]:
-        """Close the items, build the finished reply (stored when ``req.store``), and return
-        it with the closing events."""
+        """Close the items, build the finished reply (stored when ``req.store``, unless it
+        was sent with the ``request_id`` of a background response that started meanwhile and
+        still runs: that one keeps the id), and return it with the closing events."""
         status = "incomplete" if finish_reason == "length" else "completed"
         closing = events.finish(status)
         response = skeleton.model_copy(update={
             "status": status, "output": events.items, "usage": usage,
             "incomplete_details": {"reason": "max_output_tokens"}
             if status == "incomplete" else None})
-        if req.store:
-            earlier = self.store.peek(response.id)  # a background one's: keeps its log
+        earlier = self.store.peek(response.id)  # a background one's: keeps its log
+        if req.store and (req.background or earlier is None
+                          or earlier.response.status in TERMINAL):
             self.store.put(StoredResponse(
                 response, _turns(conv) + output_messages(events.items), input_items(req.input),
                 earlier.log if earlier is not None else None))

@@ -1197,7 +1197,8 @@ def responses_cases() -> dict[str, Callable]:
     """One check per ``responses_api.CHAT_FIELDS`` field (each was an unknown field, a 400
     naming it, before vLLM 0.32's Responses request was compared), against a hand-computed
     value (forced tokens, the tokenizer) or a baseline reply, as the chat cases above;
-    ``truncation: auto`` (a 400 before, vLLM 0.32 honours it); and
+    ``truncation: auto`` (a 400 before, vLLM 0.32 honours it); ``request_id`` (a 400
+    before: vLLM 0.32's response id); and
     ``thinking_token_budget``, which vLLM 0.32's Responses request does not declare."""
     hot = {"temperature": 2.0, "seed": 0, "max_output_tokens": 16}  # far from greedy
     forced = {"max_output_tokens": 16,
@@ -1318,6 +1319,17 @@ def responses_cases() -> dict[str, Callable]:
                 out["truncation"]) == (max_model_len - 1, 1, "incomplete", "auto")
         rejected(R, {"truncation": "sometimes"}, "truncation")(server, tokenizer)
 
+    def request_id(server, tokenizer):
+        """vLLM 0.32's: the response's id as sent (not prefixed, unlike chat's), which GET
+        /v1/responses/{id} answers with the same reply; without it ``resp_`` and 32 hex; an
+        empty one is a 400 naming it."""
+        sent = ok(server, R, {"max_output_tokens": 16, "request_id": "trace-r42"})
+        assert sent["id"] == "trace-r42" and output_text(sent) == greedy(server)
+        got = httpx.get(f"{server.url}{R}/trace-r42", timeout=60)
+        assert got.status_code == 200 and got.json() == sent
+        assert re.fullmatch("resp_[0-9a-f]{32}", ok(server, R, {})["id"])
+        rejected(R, {"request_id": ""}, "request_id")(server, tokenizer)
+
     return {"top_k": filter_restores_greedy("top_k", 1),
             "min_p": filter_restores_greedy("min_p", 1.0),
             "presence_penalty": penalty("presence_penalty", 2.0),
@@ -1330,7 +1342,8 @@ def responses_cases() -> dict[str, Callable]:
             "structured_outputs": structured_outputs,
             "chat_template_kwargs": chat_template_kwargs, "priority": priority,
             "kv_transfer_params": kv_transfer_params,
-            "thinking_token_budget": thinking_token_budget, "truncation": truncation}
+            "thinking_token_budget": thinking_token_budget, "truncation": truncation,
+            "request_id": request_id}
 
 
 RESPONSES_CASES = responses_cases()
@@ -1339,7 +1352,8 @@ RESPONSES_CASES = responses_cases()
 def test_every_responses_chat_field_has_a_case():
     from kvflow.entrypoints.protocol.responses_api import CHAT_FIELDS, ResponsesRequest
 
-    assert set(RESPONSES_CASES) == {*CHAT_FIELDS, "thinking_token_budget", "truncation"}
+    assert set(RESPONSES_CASES) == {*CHAT_FIELDS, "thinking_token_budget", "truncation",
+                                    "request_id"}
     assert set(CHAT_FIELDS) <= set(ResponsesRequest.model_fields)
 
 

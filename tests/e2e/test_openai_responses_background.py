@@ -334,6 +334,35 @@ def test_running_responses_are_bounded_and_never_dropped(server, free_at_start):
     assert all(get(server, r["id"]).status_code == 404 for r in running)
 
 
+# ---- request_id ------------------------------------------------------------------------------------
+def test_request_id_names_the_response_and_a_running_one_keeps_it(server, free_at_start):
+    """vLLM 0.32's ``request_id`` is the response's id as sent: GET and cancel name it. While
+    a background response of that id runs, another request sending it (background or not)
+    is a 400 naming ``request_id`` and queues nothing; once it ended, a request sending it
+    replaces the stored reply (vLLM's store is a dict by id): GET then shows the new one,
+    the foreground greedy reply of the same body, and ``previous_response_id`` continues
+    it."""
+    oracle = whole(server, **BODY, max_output_tokens=6)
+    with core_held(server):
+        reply = background(server, **BODY, max_output_tokens=200, request_id="job-1")
+        assert reply["id"] == "job-1" and get(server, "job-1").json()["background"]
+        for again in ({"background": True}, {}, {"stream": True}):
+            resp = respond(server, **BODY, request_id="job-1", **again)
+            assert resp.status_code == 400, resp.text
+            error = resp.json()["error"]
+            assert (error["param"], error["code"]) == ("request_id", "invalid_value"), error
+        assert cancel(server, "job-1").json()["status"] == "cancelled"
+    assert_no_leak(server, free_at_start)
+    replaced = whole(server, **BODY, max_output_tokens=6, request_id="job-1")
+    assert (replaced["id"], replaced["background"]) == ("job-1", False)
+    assert output_text(replaced) == output_text(oracle) and output_text(oracle)
+    assert get(server, "job-1").json() == replaced
+    follow = whole(server, input="and then", previous_response_id="job-1",
+                   max_output_tokens=2)
+    assert follow["previous_response_id"] == "job-1"
+    assert follow["usage"]["input_tokens"] > replaced["usage"]["input_tokens"]
+
+
 # ---- bad combinations ----------------------------------------------------------------------------
 BAD = [
     ({"background": True, "store": False}, "background"),

@@ -100,6 +100,11 @@ class ResponsesRequest(RequestBody):
     ``truncation`` ``auto`` (vLLM 0.32's reading) keeps the rendered conversation's last
     ``max_model_len - 1`` tokens (chat's ``truncate_prompt_tokens: -1``); ``disabled`` (the
     default) refuses one longer than the context.
+    ``request_id`` (vLLM 0.32's) is the response's ``id``, as sent (vLLM's default, and
+    kvflow's without it, is ``resp_`` and a random hex): GET, DELETE, cancel and
+    ``previous_response_id`` name the reply by it; a stored reply of that id that has ended
+    is replaced, as vLLM's store replaces it, and one still running in the background makes
+    it a 400 (``serving_responses``).
     ``include_reasoning`` (vLLM 0.32's, as on chat): ``false`` on a server with a reasoning
     parser leaves the reasoning items out, streamed or not, and the output text's logprobs
     (which would show the reasoning's tokens); ``usage`` still counts its tokens.
@@ -142,6 +147,9 @@ class ResponsesRequest(RequestBody):
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: salts the prefix cache
     # vLLM 0.32's: the session written into the KV cache events (as on chat/completions)
     session_id: str | None = Field(None, max_length=MAX_SESSION_ID_CHARS)
+    # vLLM 0.32's: the response's id as sent (default resp_<uuid>); at most 256 characters,
+    # the cap of chat's request_id
+    request_id: str | None = Field(None, min_length=1, max_length=256)
     background: bool = False
     # vLLM's: arguments of the server's custom logits processors (as on chat/completions)
     vllm_xargs: dict[str, XargValue | list[XargValue]] | None = None
