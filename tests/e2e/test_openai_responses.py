@@ -437,6 +437,7 @@ USED = {"model", "input", "instructions", "max_output_tokens", "temperature", "t
         "vllm_xargs",  # below without processors; with them: test_openai_logits_processors
         "include_reasoning",  # test_openai_tool_parsers_served (a reasoning parser's server)
         "truncation",  # tests/e2e/test_openai_fields.py's responses cases, as CHAT_FIELDS
+        "request_id",  # there too, and test_openai_responses_background
         *CHAT_FIELDS}
 
 
