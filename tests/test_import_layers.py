@@ -66,6 +66,7 @@ LAYERS: dict[str, int] = {
     "kvflow.structured.xgrammar_convert": 7,  # a constraint as xgrammar's grammar
     "kvflow.structured.xgrammar_validate": 7,  # a constraint checked without a tokenizer
     "kvflow.structured.xgrammar_errors": 7,  # xgrammar's errors in the user's terms
+    "kvflow.structured.count_budget": 7,  # the compile budget on overlapping class counts
     "kvflow.executor": 6,
     "kvflow.worker": 5,
     # speculative decoding's runner side: the draft model and verification run in the worker,

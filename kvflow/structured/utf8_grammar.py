@@ -224,6 +224,97 @@ def _class_count(text: str, prefix: str, name: re.Match, count: re.Match,
     return (repeat, end) if written is None else (written, after)
 
 
+def overlapping_class_counts(ebnf: str) -> list[tuple[list[tuple[int, int]], int]]:
+    """Each count of one character class in xgrammar's printing ``ebnf`` (a one-class rule's,
+    ``name{m, n}``, or a class written in place, ``[a-z]{m, n}``) followed right away by a
+    class, a one-class rule or a string literal whose first character the counted class
+    matches (``.{1,300}\\d``, ``.{1,300}"@"``): (the counted class's code point ranges,
+    its bound: ``n``, or ``m`` for ``n`` -1). xgrammar (0.2.9) writes such a count as up to
+    128 nested rules, each one's mask filled for the whole vocabulary when the grammar
+    compiles (``count_budget``). A count followed by anything else (a literal the class
+    leaves out: xgrammar's cheap case; a group, a rule's end) is not listed, nor one in a
+    rule that ``root`` does not reach (xgrammar drops those before it compiles)."""
+    classes, found = _class_rules(ebnf), []
+    for body in _reachable_bodies(ebnf):
+        i = 0
+        while i < len(body):
+            char, name = body[i], _NAME.match(body, i)
+            if char == '"':
+                i = _string_end(body, i)
+                continue
+            if char == "[":
+                ranges, end = _class_ranges(body, i)
+            elif name is not None:
+                ranges, end = classes.get(name.group()), name.end()
+            else:
+                i += 1
+                continue
+            count = _COUNT.match(body, end)
+            i = end if count is None else count.end()
+            if count is None or ranges is None:
+                continue
+            follower = _first_characters(body, i + 1, classes) \
+                if body.startswith(" ", i) else None
+            if follower and _overlap(ranges, follower):
+                high = int(count.group(2))
+                found.append((ranges, int(count.group(1)) if high == -1 else high))
+    return found
+
+
+def _reachable_bodies(ebnf: str) -> list[str]:
+    """The bodies of the rules of xgrammar's printing ``ebnf`` that ``root`` reaches (every
+    rule's when there is no ``root``)."""
+    rules = {}
+    for line in ebnf.splitlines():
+        name, sep, body = line.partition(" ::= ")
+        if sep:
+            rules[name] = body
+    if "root" not in rules:
+        return list(rules.values())
+    seen, todo = set(), ["root"]
+    while todo:
+        name = todo.pop()
+        if name not in seen and name in rules:
+            seen.add(name)
+            todo += _rule_names(rules[name])
+    return [body for name, body in rules.items() if name in seen]
+
+
+def _rule_names(body: str) -> list[str]:
+    """The names a rule body refers to (outside its string literals and classes)."""
+    names, i = [], 0
+    while i < len(body):
+        name = _NAME.match(body, i)
+        if body[i] == '"':
+            i = _string_end(body, i)
+        elif body[i] == "[":
+            i = _character_class(body, i)[1]
+        elif name is not None:
+            names.append(name.group())
+            i = name.end()
+        else:
+            i += 1
+    return names
+
+
+def _first_characters(ebnf: str, start: int, classes: dict[str, list[tuple[int, int]]]
+                      ) -> list[tuple[int, int]] | None:
+    """The code point ranges of the first character of the element at ``ebnf[start]``: a
+    class, a one-class rule or a non-empty string literal; None for anything else."""
+    if ebnf.startswith("[", start):
+        return _class_ranges(ebnf, start)[0]
+    if ebnf.startswith('"', start) and not ebnf.startswith('""', start):
+        code = _code_point(ebnf, start + 1)[0]
+        return [(code, code)]
+    name = _NAME.match(ebnf, start)
+    return None if name is None else classes.get(name.group())
+
+
+def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
+    return any(max(low, other_low) <= min(high, other_high)
+               for low, high in a for other_low, other_high in b)
+
+
 def _class_rules(ebnf: str, negated_only: bool = False) -> dict[str, list[tuple[int, int]]]:
     """The rules of xgrammar's printing ``ebnf`` that are one character class
     (``name ::= (([^a-z]))``; a negated one only, if ``negated_only``), each with the code

@@ -16,9 +16,10 @@ import torch
 import xgrammar as xgr
 
 from kvflow.structured.backend import StructuredOutputBackend, StructuredOutputGrammar
+from kvflow.structured.count_budget import OverlapBudget
 from kvflow.structured.params import StructuredOutputsParams
 from kvflow.structured.text_tokens import special_token_ids, text_tokenizer_info
-from kvflow.structured.utf8_grammar import regex_grammar, utf8_grammar
+from kvflow.structured.utf8_grammar import printed_ebnf, regex_grammar, utf8_grammar
 from kvflow.structured.xgrammar_convert import (
     NEEDS_TOKENIZER,
     grammar_text,
@@ -90,34 +91,52 @@ class XgrammarBackend(StructuredOutputBackend):
                                              cache_enabled=False)
         self._tag_compiler = xgr.GrammarCompiler(info, max_threads=max_threads,
                                                  cache_enabled=False)
+        self._text_info = text_info
+        self._budget: OverlapBudget | None = None  # built at the first compile (0.3 s at 49k)
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """``params``' constraint compiled for the model's vocabulary.
 
         Raises:
-            ValueError: for a constraint ``validate`` refuses, or a structural tag xgrammar
-                cannot compile (a token name or id the vocabulary lacks).
+            ValueError: for a constraint ``validate`` refuses, one whose class counts before
+                a character the class matches cost more than ``count_budget`` allows for
+                this vocabulary, or a structural tag xgrammar cannot compile (a token name
+                or id the vocabulary lacks).
         """
         validate(params)
         kind, spec = grammar_text(params)
         if kind == "json":
             # Compact separators (", " and ": "): tiny or weak models otherwise wander off in
             # whitespace until max_tokens.
-            return self._compiler.compile_grammar(json_schema_grammar(spec))
+            return self._compile(json_schema_grammar(spec))
         if kind == "json_object":
             # Any object: additional properties allowed (strict mode would forbid them all).
-            return self._compiler.compile_grammar(utf8_grammar(json_only_strings(
+            return self._compile(utf8_grammar(json_only_strings(
                 xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False,
                                              strict_mode=False))))
         if kind == "regex":
-            return self._compiler.compile_grammar(regex_grammar(xgr.Grammar.from_regex(spec)))
+            return self._compile(regex_grammar(xgr.Grammar.from_regex(spec)))
         if kind == "structural_tag":  # what validate could not check: token names and ids
             try:
                 return self._compile_structural_tag(structural_tag_text(spec))
             except RuntimeError as e:
                 raise ValueError(f"invalid structural tag in structured_outputs: {clean_error(e)}"
                                  ) from None
-        return self._compiler.compile_grammar(utf8_grammar(xgr.Grammar.from_ebnf(spec)))
+        return self._compile(utf8_grammar(xgr.Grammar.from_ebnf(spec)))
+
+    def _compile(self, grammar: xgr.Grammar, tags: bool = False) -> xgr.CompiledGrammar:
+        """``grammar`` compiled (by the structural tags' compiler with ``tags``) once within
+        ``count_budget``'s budget.
+
+        Raises:
+            ValueError: past it (the message says why and what to change).
+        """
+        if self._budget is None:
+            self._budget = OverlapBudget(self._text_info.decoded_vocab)
+        problem = self._budget.refusal(printed_ebnf(grammar))
+        if problem is not None:
+            raise ValueError(problem)
+        return (self._tag_compiler if tags else self._compiler).compile_grammar(grammar)
 
     def _compile_structural_tag(self, text: str) -> xgr.CompiledGrammar:
         """A structural tag (xgrammar's ``format`` JSON text) compiled as UTF-8 text, its
@@ -136,7 +155,7 @@ class XgrammarBackend(StructuredOutputBackend):
             if NEEDS_TOKENIZER not in str(e):
                 raise
             return self._tag_compiler.compile_structural_tag(text)
-        return self._tag_compiler.compile_grammar(grammar)
+        return self._compile(grammar, tags=True)
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> XgrammarGrammar:
         return XgrammarGrammar(xgr.GrammarMatcher(compiled))

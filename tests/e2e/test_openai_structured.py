@@ -400,6 +400,25 @@ def test_bad_constraints_get_400(server, body, needle):
     assert health.status_code == 200
 
 
+def test_overlapping_counts_past_the_compile_budget_get_400_naming_the_schema(server):
+    """``count_budget``: a class counted right before a character it also matches costs
+    xgrammar its count (at most 128) times the tokens the class begins, at compile time;
+    past the budget the request is a 400 naming the schema's field and saying why, before
+    any compile. The tiny vocabulary needs 200 such patterns to pass it (200 x 128 x
+    ~150 tokens); each was 5-15 s to compile on SmolLM2's 49k vocabulary. The server goes
+    on answering."""
+    schema = {"type": "object", "properties": {
+        f"p{i}": {"type": "string", "pattern": r"^.{1,300}\d$"} for i in range(200)}}
+    resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 4, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "response_format.json_schema.schema", error
+    assert "right before a character that class also matches" in error["message"], error
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
 # structural tags: free text until the trigger letter "e", then one structure; the tiny
 # byte-level vocabulary writes an "e" within a few tokens under hot sampling
 DIGIT = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},

@@ -1,0 +1,81 @@
+r"""The compile budget on a character class's count right before a character it also matches
+(``.{1,300}\d``, ``[a-z0-9-]{1,300}[a-z0-9]``, ``.{1,300}@``), measured against the
+vocabulary it compiles for.
+
+xgrammar (0.2.9) compiles a class's count cheaply only when a string literal beginning
+outside the class follows it (``repeat_counts``, ``utf8_grammar._inline_pattern_roots``);
+followed by a class or literal the counted class overlaps, it writes the count's last 128
+repetitions as nested rules (``r_k ::= "" | c r_(k+1)``, the printing of its compiled
+grammar shows them) and fills each one's mask for the whole vocabulary at compile time,
+every token that begins with a character of the class parsed through them. Its compile time
+follows ``min(count, 128)`` times the number of tokens that begin with a character of the
+counted class (SmolLM2's 49k vocabulary, one run on the shared 2-core box, load 11-14:
+``.{1,20}\d`` 0.6 s, ``.{1,64}\d`` 3.7 s, ``.{1,300}\d`` 8.4 s with 48,788 such tokens;
+``[a-z]{1,300}[aeiou]`` 1.6 s with 11,671; ``\w{1,300}\d`` 2.1 s with 15,892;
+``[a-zA-Z ]{1,300}[a-z]`` 7.2 s with 47,485; ``[0-9]{1,300}[0-9]`` 0.01 s with 10; about
+1.3 us per nested rule and token; ``docs/benchmarks.md``).
+
+No rewrite into xgrammar's cheap form holds the same strings. That form ends a count at the
+first character outside its class; within ``X{m,n} Y`` (``Y`` meeting ``X``) a character
+of ``Y`` may end the count or be counted (``.{1,300}\d`` takes ``a1`` and ``a1b1``: the
+``1`` is the last character in one and counted in the other), so a count ending that way
+must reach the string's closing quote, and the count then cannot say that its last
+character is in ``Y``. What was tried instead compiles as slowly or fills masks far slower (``docs/benchmarks.md``: 2-11 s, or masks of
+5-540 ms a token). So the cost is bounded here: :class:`OverlapBudget` sums each such count's
+``min(count, 128)`` times its class's tokens over the grammar and refuses one past
+:data:`MAX_OVERLAP_COST` before it compiles.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
+
+from kvflow.structured.utf8_grammar import overlapping_class_counts
+
+NESTED_COUNTS = 128  # the repetitions xgrammar (0.2.9) writes as nested rules, at most
+# token checks (nested rules times the tokens that enter them) a grammar's overlapping counts
+# may cost in all: about .{1,64}\d on a 49k vocabulary, 3-4 s of a compile thread on the
+# shared 2-core box (.{1,300}\d, 6.2 million, took 8 s; [a-z]{1,300}[aeiou], 1.5 million,
+# 1.6 s)
+MAX_OVERLAP_COST = 3_200_000
+
+
+class OverlapBudget:
+    """The budget for one vocabulary, ``vocab``: each token's text as UTF-8 bytes
+    (xgrammar's ``TokenizerInfo.decoded_vocab``; a token that is not whole UTF-8 text counts
+    by the characters it decodes to, an empty one not at all)."""
+
+    def __init__(self, vocab: Sequence[bytes]) -> None:
+        texts = (token.decode("utf-8", "ignore") for token in vocab)
+        self._first_chars = sorted(ord(text[0]) for text in texts if text)
+
+    def tokens_in(self, ranges: Sequence[tuple[int, int]]) -> int:
+        """How many tokens begin with a character of ``ranges`` (inclusive code point
+        ranges, disjoint)."""
+        chars = self._first_chars
+        return sum(bisect_right(chars, high) - bisect_left(chars, low) for low, high in ranges)
+
+    def cost(self, ebnf: str) -> tuple[int, int]:
+        """(token checks, largest count) of the overlapping counts of xgrammar's printing
+        ``ebnf`` (``utf8_grammar.overlapping_class_counts``): the sum of
+        ``min(count, NESTED_COUNTS)`` times the tokens that begin with a character of the
+        counted class; (0, 0) with none."""
+        counts = overlapping_class_counts(ebnf)
+        total = sum(min(bound, NESTED_COUNTS) * self.tokens_in(ranges)
+                    for ranges, bound in counts)
+        return total, max((bound for _, bound in counts), default=0)
+
+    def refusal(self, ebnf: str) -> str | None:
+        """Why the grammar printed ``ebnf`` is refused for its overlapping counts (the
+        module docstring), None when within :data:`MAX_OVERLAP_COST`."""
+        cost, largest = self.cost(ebnf)
+        if cost <= MAX_OVERLAP_COST:
+            return None
+        return (f"the constraint counts a character class (up to {largest} times) right before "
+                "a character that class also matches (such as .{1,300}\\d): the grammar "
+                "engine then checks every token of the model that begins with a character of "
+                f"the class at each of the last {NESTED_COUNTS} counts when it compiles, "
+                f"{cost:,} checks here, more than the {MAX_OVERLAP_COST:,} kvflow allows "
+                "(several seconds); lower the count, or follow it with a character the class "
+                "leaves out ([^0-9]{1,300}\\d compiles at once)")
