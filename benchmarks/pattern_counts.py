@@ -23,7 +23,12 @@ each pattern (default ``REGEX_PATTERNS``) as a ``regex`` constraint: ``regex-0``
 wrote it before (``regex_dialect.xgrammar_regex``, its classes as written), ``regex`` as it
 does now (``xgrammar_convert.regex_text``: classes written negated by ``regex_classes``),
 both through ``utf8_grammar.regex_grammar``; ``json`` the same pattern (``^...$``) as a
-JSON-schema string's; and ``regex-0 / regex`` ratios.
+JSON-schema string's; and ``regex-0 / regex`` ratios. ``--budget`` instead times, for each
+pattern (default ``BUDGET_PATTERNS``: a class counted right before a character it also
+matches, and a few cheap ones), ``count_budget``'s check on kvflow's grammar (its cost in
+token checks, refused or not, and how long the check took: what a refused request now
+waits) against compiling that grammar (what it waited before, and still waits within the
+budget).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from unittest import mock
 import xgrammar as xgr
 
 from kvflow.structured import utf8_grammar
+from kvflow.structured.count_budget import MAX_OVERLAP_COST, OverlapBudget
 from kvflow.structured.json_pattern import json_pattern
 from kvflow.structured.regex_dialect import xgrammar_regex
 from kvflow.structured.schema_patterns import pattern_repeat_cost
@@ -51,6 +57,10 @@ REGEX_PATTERNS = ["[a-z]{30}", "[a-z]{1,300}", "[a-z\u00e9]{40,60}", "\\d{100}",
                   "[a-z]{1,300}\\d", "[0-9]{1,300}[a-zA-Z]", "[^0-9]{2,40}[0-9]",
                   "\\w{1,100}@[a-z]{1,50}\\.com"]
 
+
+BUDGET_PATTERNS = ["^.{1,300}\\d$", "^.{1,300}@$", "^.{1,100}\\.$", "^[a-zA-Z ]{1,300}[a-z]$",
+                   "^.{1,64}\\d$", "^.{1,20}\\d$", "^\\w{1,300}\\d$", "^[a-z]{1,300}[aeiou]$",
+                   "^[a-zA-Z0-9][a-zA-Z0-9-]{0,61}[a-zA-Z0-9]$", "^[0-9]{1,300}[0-9]$"]
 
 GRID_ATOMS = ["[a-z]", ".", "a", "(ab)"]
 GRID_COUNTS = [10, 100, 1000, 10000]
@@ -112,6 +122,7 @@ def main() -> None:
     parser.add_argument("--skip-rules-over", type=int, default=300)
     parser.add_argument("--grid", action="store_true")
     parser.add_argument("--regex", action="store_true")
+    parser.add_argument("--budget", action="store_true")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -119,6 +130,8 @@ def main() -> None:
     compiler = xgr.GrammarCompiler(info, max_threads=args.threads, cache_enabled=False)
     if args.grid:
         return grid_times(compiler, info.vocab_size)
+    if args.budget:
+        return budget_times(compiler, info, args.patterns or BUDGET_PATTERNS)
     print(f"{'pattern':24s} {'way':9s} {'compile s':>9s} {'mask ms':>8s} {'worst':>8s}")
     patterns = args.patterns or (REGEX_PATTERNS if args.regex else PATTERNS)
     for pattern in patterns:
@@ -139,6 +152,30 @@ def main() -> None:
             (after_s, after_ms), (before_s, before_ms) = timed["regex"], timed["regex-0"]
             print(f"{pattern:24s} regex-0 / regex: compile {before_s / after_s:.1f}x, "
                   f"mask {before_ms / after_ms:.1f}x", flush=True)
+
+
+def budget_times(compiler: xgr.GrammarCompiler, info: xgr.TokenizerInfo,
+                 patterns: list[str]) -> None:
+    """Prints, for each JSON-schema ``pattern`` as kvflow converts it, ``count_budget``'s
+    cost and verdict and the check's ms, then the grammar's compile s and mean / worst mask
+    ms (the compile the budget saves when it refuses)."""
+    start = time.perf_counter()
+    budget = OverlapBudget(info.decoded_vocab)
+    print(f"budget built in {time.perf_counter() - start:.2f} s; limit {MAX_OVERLAP_COST:,}")
+    print(f"{'pattern':44s} {'cost':>10s} {'verdict':>8s} {'check ms':>8s} {'compile s':>9s} "
+          f"{'mask ms':>8s} {'worst':>8s}")
+    for pattern in patterns:
+        grammar = json_schema_grammar(json.dumps({"type": "string", "pattern": pattern}))
+        start = time.perf_counter()
+        cost, _ = budget.cost(printed_ebnf(grammar))
+        refused = budget.refusal(printed_ebnf(grammar)) is not None
+        checked = (time.perf_counter() - start) * 1000
+        start = time.perf_counter()
+        compiled = compiler.compile_grammar(grammar)
+        seconds = time.perf_counter() - start
+        mean, worst = mask_times(compiled, info.vocab_size, steps=30)
+        print(f"{pattern:44s} {cost:10,d} {'refused' if refused else 'taken':>8s} "
+              f"{checked:8.2f} {seconds:9.2f} {mean:8.2f} {worst:8.2f}", flush=True)
 
 
 def grid_times(compiler: xgr.GrammarCompiler, vocab_size: int) -> None:

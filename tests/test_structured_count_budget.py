@@ -33,7 +33,7 @@ def _regex_ebnf(pattern: str) -> str:
     return printed_ebnf(regex_grammar(xgr.Grammar.from_regex(regex_text(pattern))))
 
 
-PROBES = "a z A 0 9 - @ . é \" \\ \n".split(" ") + [" "]
+PROBES = ["a", "z", "A", "0", "9", "-", "@", ".", "é", "\"", "\\", "\n", " "]
 
 
 def _members(ranges: list[tuple[int, int]]) -> set[str]:

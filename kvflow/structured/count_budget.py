@@ -20,10 +20,11 @@ first character outside its class; within ``X{m,n} Y`` (``Y`` meeting ``X``) a c
 of ``Y`` may end the count or be counted (``.{1,300}\d`` takes ``a1`` and ``a1b1``: the
 ``1`` is the last character in one and counted in the other), so a count ending that way
 must reach the string's closing quote, and the count then cannot say that its last
-character is in ``Y``. What was tried instead compiles as slowly or fills masks far slower (``docs/benchmarks.md``: 2-11 s, or masks of
-5-540 ms a token). So the cost is bounded here: :class:`OverlapBudget` sums each such count's
-``min(count, 128)`` times its class's tokens over the grammar and refuses one past
-:data:`MAX_OVERLAP_COST` before it compiles.
+character is in ``Y``. What was tried instead compiles as slowly or fills masks far
+slower (``docs/benchmarks.md``: 3-12 s, or masks of 5-540 ms a token). So the cost is
+bounded here: :class:`OverlapBudget` sums each such count's ``min(count, 128)`` times its
+class's tokens over the grammar and refuses a grammar past :data:`MAX_OVERLAP_COST` before
+it compiles.
 """
 
 from __future__ import annotations
