@@ -378,12 +378,12 @@ class OpenAIServingResponses:
             "status": status, "output": events.items, "usage": usage,
             "incomplete_details": {"reason": "max_output_tokens"}
             if status == "incomplete" else None})
-        earlier = self.store.peek(response.id)  # a background one's: keeps its log
+        earlier = self.store.peek(response.id)  # a background run's own: keeps its log
         if req.store and (req.background or earlier is None
                           or earlier.response.status in TERMINAL):
             self.store.put(StoredResponse(
                 response, _turns(conv) + output_messages(events.items), input_items(req.input),
-                earlier.log if earlier is not None else None))
+                earlier.log if earlier is not None and req.background else None))
         return response, closing
 
     def _count_tokens(self, text: str) -> int:

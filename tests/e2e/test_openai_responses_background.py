@@ -341,7 +341,7 @@ def test_request_id_names_the_response_and_a_running_one_keeps_it(server, free_a
     is a 400 naming ``request_id`` and queues nothing; once it ended, a request sending it
     replaces the stored reply (vLLM's store is a dict by id): GET then shows the new one,
     the foreground greedy reply of the same body, and ``previous_response_id`` continues
-    it."""
+    it; a background streamed one's events are not the new reply's (no stream to resume)."""
     oracle = whole(server, **BODY, max_output_tokens=6)
     with core_held(server):
         reply = background(server, **BODY, max_output_tokens=200, request_id="job-1")
@@ -361,6 +361,16 @@ def test_request_id_names_the_response_and_a_running_one_keeps_it(server, free_a
                    max_output_tokens=2)
     assert follow["previous_response_id"] == "job-1"
     assert follow["usage"]["input_tokens"] > replaced["usage"]["input_tokens"]
+    # a background streamed one replaced by a foreground one: no stream left to resume
+    with httpx.stream("POST", f"{server.url}/v1/responses", timeout=60, json={
+            "model": MODEL, **BODY, "max_output_tokens": 4, "background": True,
+            "stream": True, "request_id": "job-2"}) as resp:
+        assert sse_events(resp)[-1]["response"]["id"] == "job-2"
+    poll(server, "job-2")
+    assert get(server, "job-2", stream="true").status_code == 200
+    whole(server, **BODY, max_output_tokens=2, request_id="job-2")
+    resp = get(server, "job-2", stream="true")
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream", resp.text
 
 
 # ---- bad combinations ----------------------------------------------------------------------------
