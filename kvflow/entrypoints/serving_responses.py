@@ -272,7 +272,8 @@ class OpenAIServingResponses:
 
     def _skeleton(self, req: ResponsesRequest, response_id: str) -> ResponseObject:
         """The reply in progress: ``response_id`` (``request_id`` as sent, else the engine's
-        request id with ``resp_``, so that logs and replies match), time, the request's settings echoed, no output."""
+        request id with ``resp_``, so that logs and replies match), time, the request's
+        settings echoed, no output."""
         text = {"format": {"type": "text"}}
         if req.text is not None and req.text.format is not None:
             text = {"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
