@@ -120,9 +120,10 @@ def test_past_the_budget_the_backend_refuses_before_compiling(backend, monkeypat
 
 
 def test_served_vocabulary_refuses_the_slow_counts_and_keeps_the_cheap_ones():
-    """On SmolLM2's 49k vocabulary (the packaged model's tokenizer, as served), the counts
-    measured at 5-15 s are past the budget and those measured at 2 s or less are within
-    (``docs/benchmarks.md``)."""
+    """On SmolLM2's 49k vocabulary (the packaged model's tokenizer, as served): one count of
+    any class is within the budget (``.{1,300}\\d``: 128 x 48,657 tokens, measured at 8 s, within
+    the 30 s compile timeout), four such counts in one schema (about 32 s) are past it, and
+    the counts measured at 2 s or less stay far within (``docs/benchmarks.md``)."""
     from kvflow.models.loader import load_tokenizer
     from kvflow.models.model_resolver import resolve_model
     from kvflow.structured.text_tokens import special_token_ids, text_tokenizer_info
@@ -131,8 +132,11 @@ def test_served_vocabulary_refuses_the_slow_counts_and_keeps_the_cheap_ones():
     info = text_tokenizer_info(xgr.TokenizerInfo.from_huggingface(tokenizer),
                                special_token_ids(tokenizer))
     budget = OverlapBudget(info.decoded_vocab)
-    for slow in (r"^.{1,300}\d$", r"^[a-zA-Z ]{1,300}[a-z]$", r"^.{1,100}\.$"):
-        assert budget.cost(_json_ebnf(slow))[0] > MAX_OVERLAP_COST, slow
+    assert budget.cost(_json_ebnf(*[r"^.{1,300}\d$"] * 4))[0] > MAX_OVERLAP_COST
+    assert budget.cost(_json_ebnf(r"^.{1,100}\.$", r"^.{1,300}@$", r"^.{1,300}\d$",
+                                  r"^.{1,64}\d$"))[0] > MAX_OVERLAP_COST
+    for single in (r"^.{1,300}\d$", r"^[a-zA-Z ]{1,300}[a-z]$", r"^.{1,100}\.$"):
+        assert budget.cost(_json_ebnf(single))[0] <= MAX_OVERLAP_COST, single
     for cheap in (r"^[a-z]{1,300}[aeiou]$", r"^\w{1,300}\d$", r"^[0-9]{1,300}[0-9]$",
                   r"^[a-zA-Z0-9][a-zA-Z0-9-]{0,61}[a-zA-Z0-9]$", r"^.{1,20}\d$"):
-        assert budget.cost(_json_ebnf(cheap))[0] <= MAX_OVERLAP_COST, cheap
+        assert budget.cost(_json_ebnf(cheap))[0] <= MAX_OVERLAP_COST / 4, cheap
