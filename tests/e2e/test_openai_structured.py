@@ -400,21 +400,24 @@ def test_bad_constraints_get_400(server, body, needle):
     assert health.status_code == 200
 
 
-def test_overlapping_counts_past_the_compile_budget_get_400_naming_the_schema(server):
+def test_overlapping_counts_past_the_compile_budget_get_400_naming_the_grammar(server):
     """``count_budget``: a class counted right before a character it also matches costs
     xgrammar its count (at most 128) times the tokens the class begins, at compile time;
-    past the budget the request is a 400 naming the schema's field and saying why, before
-    any compile. The tiny vocabulary needs 200 such patterns to pass it (200 x 128 x
-    ~150 tokens); each was 5-15 s to compile on SmolLM2's 49k vocabulary. The server goes
-    on answering."""
-    schema = {"type": "object", "properties": {
-        f"p{i}": {"type": "string", "pattern": r"^.{1,300}\d$"} for i in range(200)}}
+    past the budget (20 million checks) the request is a 400 naming the constraint's field
+    and saying why, before any compile. The tiny vocabulary (~150 tokens of printable ASCII)
+    needs over a thousand such counts to pass it (2,000 x 128 x ~150: 38 million), written
+    as an EBNF grammar (a JSON schema with as many properties takes minutes to convert);
+    one of them was 5-15 s to compile on SmolLM2's 49k vocabulary. The server goes on
+    answering."""
+    n = 2000
+    grammar = "root ::= " + " ".join(f"r{i}" for i in range(n)) + "\n" + "\n".join(
+        f'r{i} ::= [ -~]{{1,300}} [0-9] "x{i}"' for i in range(n))
     resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
-        "model": MODEL, "messages": MESSAGES, "max_tokens": 4, "response_format": {
-            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 4,
+        "structured_outputs": {"grammar": grammar}})
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
-    assert error["param"] == "response_format.json_schema.schema", error
+    assert error["param"] == "structured_outputs.grammar", error
     assert "right before a character that class also matches" in error["message"], error
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
