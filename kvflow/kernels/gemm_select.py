@@ -26,8 +26,11 @@ around the change.
 
 Where the engine will replay its decode steps as CPU step graphs (``graphs``), only ``native``
 can be recorded (:data:`REPLAYABLE`: ctypes calls; a oneDNN GEMM is a torch operator, which
-makes the step unreplayable), so a near-tie at a decode row class is decided for ``native``
-(:func:`graph_weighted`, :data:`GRAPH_MARGIN`).
+makes the step unreplayable), so at a decode row class oneDNN must be faster by a margin that
+pays for the lost replay (:func:`graph_weighted`). The margin is this CPU's and this model's
+(:func:`graph_margins`): the host time an eager step spends per GEMM module (from this CPU's
+timed eager call, :data:`EAGER_CALLS_PER_GEMM`) against the model's GEMM time at that row
+class (already timed); :data:`GRAPH_MARGIN` where that is not known.
 """
 
 from __future__ import annotations
@@ -67,6 +70,13 @@ GRAPH_STEP_SAVING, GEMM_STEP_SHARE = 0.10, 0.60
 # margin = 1 / (1 - d) - 1 = 0.179. A single shape class switching gains less (its own share of
 # the step) and loses the same graph, so this is the least margin, lenient toward oneDNN.
 GRAPH_MARGIN = 1 / (1 - GRAPH_STEP_SAVING / (GEMM_STEP_SHARE * (1 + GRAPH_STEP_SAVING))) - 1
+# --- per CPU and model (graph_margins) ---
+# An eager decode step spends, per GEMM module of the model, about EAGER_CALLS_PER_GEMM times
+# the host CPU time of one eager tiny GEMM call (gemm_timing.eager_call_seconds) more than the
+# replayed step: SmolLM2-135M fp32, batch 1, one thread, 2-core Ice Lake Xeon: eager 79-96
+# against replayed 53-63 CPU ms per step, ~29 ms over 121 GEMM modules = 0.24 ms each, where
+# the eager tiny call took 9.3-9.5 us (docs/benchmarks.md, session 52).
+EAGER_CALLS_PER_GEMM = 25
 REPLAYABLE = frozenset({"native"})  # kernels a CPU step graph records (kvflow's ctypes calls)
 SPLIT_MAX_BYTES = 512 << 20  # GEMM weights (one copy) up to which a shape may be packed twice
 
@@ -148,38 +158,110 @@ def row_class_winners(times: dict[str, dict[int, float]]) -> list[str]:
     return winners
 
 
-def graph_weighted(times: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
+def graph_margin(host_s: float, gemm_s: float, threads: int) -> float:
+    """The margin a non-replayable kernel must beat at one decode row class: ``host_s``
+    seconds of host work a replayed step saves, ``gemm_s`` the step's GEMM seconds on one
+    thread (kvflow's kernel), run on ``threads`` threads (the host work is serial, the GEMMs
+    split). Switching every decode GEMM to a kernel that cuts their time by a fraction d pays
+    when d * gemm_s / threads > host_s, i.e. d > r = host_s * threads / gemm_s; timed as
+    "other's time * (1 + margin) < native's" that is margin = 1 / (1 - r) - 1, and infinite
+    (no speed-up pays) from r = 1. E.g. r = 0.1: 0.111; r = 0.4: 0.667. (Zen 5 figures as
+    :data:`GRAPH_MARGIN`: replay 10% of the replayed step, GEMMs 60% of the eager one, r =
+    1 / 6.6.) A single shape class switching gains less and loses the same step graph, so
+    this is the least margin, lenient toward the other kernel.
+
+    Raises:
+        ValueError: on ``host_s`` < 0, ``gemm_s`` <= 0 or ``threads`` < 1.
+    """
+    if host_s < 0 or gemm_s <= 0 or threads < 1:
+        raise ValueError(f"graph_margin needs host_s >= 0, gemm_s > 0 and threads >= 1, got "
+                         f"{host_s}, {gemm_s}, {threads}")
+    ratio = host_s * threads / gemm_s
+    return math.inf if ratio >= 1 else 1 / (1 - ratio) - 1
+
+
+def graph_margins(native_seconds: dict[int, float], modules: int, eager_call_s: float,
+                  threads: int) -> dict[int, float]:
+    """:func:`graph_margin` at each decode row class (up to :data:`SPLIT_TIE_MAX_ROWS` rows)
+    of ``native_seconds`` (rows -> seconds of all the model's GEMM calls of a step at that
+    row count with kvflow's kernel, one thread, as timed), for a model of ``modules`` GEMM
+    modules on this CPU (``eager_call_s``: :func:`~kvflow.kernels.gemm_timing.eager_call_seconds`;
+    an eager step's host time: ``modules * EAGER_CALLS_PER_GEMM * eager_call_s``) run on
+    ``threads`` threads. E.g. SmolLM2-135M fp32 on the 2-core Ice Lake Xeon (121 modules,
+    9.4 us, 2 threads: 56.9 ms of host work): 55 ms of GEMMs at one row -> infinite, 153 ms
+    at 64 rows -> 0.59.
+
+    Raises:
+        ValueError: on ``modules`` < 1 (and as :func:`graph_margin`).
+    """
+    if modules < 1:
+        raise ValueError(f"graph_margins needs modules >= 1, got {modules}")
+    host_s = modules * EAGER_CALLS_PER_GEMM * eager_call_s
+    return {rows: graph_margin(host_s, s, threads) for rows, s in native_seconds.items()
+            if rows <= SPLIT_TIE_MAX_ROWS}
+
+
+def graph_weighted(times: dict[str, dict[int, float]],
+                   margins: dict[int, float] | None = None) -> dict[str, dict[int, float]]:
     """``times`` (seconds per call, by candidate and row class) with each candidate outside
-    :data:`REPLAYABLE` charged ``1 + GRAPH_MARGIN`` times its time at the decode row classes
-    (up to :data:`SPLIT_TIE_MAX_ROWS` rows), when some candidate is replayable; else
-    unchanged. What :func:`choose` compares when the engine's decode steps would replay as CPU
-    step graphs: a non-replayable decode GEMM costs the whole step graph, so it must be more
-    than ``1 + GRAPH_MARGIN`` (1.18x) faster to be chosen (see :data:`GRAPH_MARGIN`'s
-    derivation). E.g. gate_up 3072 x 576 fp32 on the quiet Zen 5, ms at 1 / 64 / 512 rows:
-    native 0.241 / 0.893 / 7.00, oneDNN 0.215 / 0.999 / 7.01 (1.12x faster at one row) counts
-    as 0.253 / 1.177 / 7.01 and loses every class."""
+    :data:`REPLAYABLE` charged ``1 + margins[rows]`` times its time at each decode row class
+    (up to :data:`SPLIT_TIE_MAX_ROWS` rows; ``margins``: :func:`graph_margins`, this CPU's and
+    model's; None or a class it lacks: :data:`GRAPH_MARGIN`), when some candidate is
+    replayable; else unchanged. What :func:`choose` compares when the engine's decode steps
+    would replay as CPU step graphs: a non-replayable decode GEMM costs the whole step graph.
+    E.g. gate_up 3072 x 576 fp32 on the quiet Zen 5, ms at 1 / 64 / 512 rows: native 0.241 /
+    0.893 / 7.00, oneDNN 0.215 / 0.999 / 7.01 (1.12x faster at one row) counts as 0.253 /
+    1.177 / 7.01 at :data:`GRAPH_MARGIN` (1.18x) and loses every class."""
     if not any(c in REPLAYABLE for c in times):
         return times
+    margins = margins or {}
     return {c: t if c in REPLAYABLE else
-            {rows: s * (1 + GRAPH_MARGIN) if rows <= SPLIT_TIE_MAX_ROWS else s
-             for rows, s in t.items()}
+            {rows: s * (1 + margins.get(rows, GRAPH_MARGIN)) if rows <= SPLIT_TIE_MAX_ROWS
+             else s for rows, s in t.items()}
             for c, t in times.items()}
+
+
+def model_graph_margins(weights: list[tuple[GemmShape, tuple[int, ...] | None]],
+                        candidates: tuple[str, ...], timings: GemmTimings,
+                        threads: int) -> dict[int, float] | None:
+    """:func:`graph_margins` of a model whose GEMM modules have ``weights`` (each module's
+    shape class and the row classes :func:`choose` will time it at: None for
+    ``timings.rows``, an LM head's ``head_row_classes``), from the times :func:`choose` reads
+    (timed here, alternating, where not cached yet) and this CPU's eager call
+    (:meth:`GemmTimings.eager_call_seconds`). A row class counts the modules timed at it.
+    None when ``native`` is not among ``candidates`` or no module is given (nothing
+    replayable to weigh)."""
+    if "native" not in candidates or len(candidates) < 2 or not weights:
+        return None
+    native: dict[int, float] = {}
+    modules: dict[int, int] = {}
+    for shape, rows in weights:
+        for r, s in timings.get_all(shape, candidates, rows)["native"].items():
+            native[r] = native.get(r, 0.0) + s
+            modules[r] = modules.get(r, 0) + 1
+    call_s = timings.eager_call_seconds()
+    margins: dict[int, float] = {}
+    for r, s in native.items():
+        margins.update(graph_margins({r: s}, modules[r], call_s, threads))
+    return margins
 
 
 def choose(shape: GemmShape, candidates: tuple[str, ...], timings: GemmTimings | None,
            split: bool = False, graphs: bool = False,
-           rows: tuple[int, ...] | None = None) -> str | KernelSplit:
+           rows: tuple[int, ...] | None = None,
+           margins: dict[int, float] | None = None) -> str | KernelSplit:
     """The kernel for ``shape``: the only candidate, or with ``split`` (both packings
     affordable) a :class:`KernelSplit` where the fastest changes along the row classes
     (:func:`split_candidate`), else the fastest by :func:`best_candidate`. With ``graphs``
     (the engine's decode steps would replay as CPU step graphs) the times compared are
-    :func:`graph_weighted`'s. ``rows``: the row classes timed (default ``timings.rows``; an
+    :func:`graph_weighted`'s, at ``margins`` (:func:`model_graph_margins`; None:
+    :data:`GRAPH_MARGIN`). ``rows``: the row classes timed (default ``timings.rows``; an
     LM head's: :func:`~kvflow.kernels.gemm_timing.head_row_classes`)."""
     if len(candidates) == 1 or timings is None:
         return candidates[0]
     times = timings.get_all(shape, candidates, rows)
     if graphs:
-        times = graph_weighted(times)
+        times = graph_weighted(times, margins)
     return (split and split_candidate(times)) or best_candidate(times)
 
 

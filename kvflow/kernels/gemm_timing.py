@@ -21,6 +21,7 @@ import torch
 from kvflow.config import cache_dir
 from kvflow.kernels import cpu_build
 from kvflow.kernels.cpu_native import NativeCpuKernels
+from kvflow.kernels.cpu_timing import alternating_cpu_seconds
 from kvflow.kernels.timings_file import read_timings, write_timings
 from kvflow.platforms.cpu_memory import HugePageArena
 
@@ -46,6 +47,11 @@ COMPUTE_N = 512
 # faster than every other (clear_leader) or every candidate's two fastest passes lie within
 # SETTLED_SPREAD of each other (settled)
 EARLY_STOP_PASSES, CLEAR_RATIO, SETTLED_SPREAD = 2, 1.3, 1.03
+# this CPU's host speed (eager_call_seconds): one eager call of kvflow's GEMM on a tiny weight,
+# the minimum over EAGER_CALL_PASSES passes of EAGER_CALLS_PER_PASS calls (~20 ms in all on
+# the Ice Lake Xeon), cached in the GEMM timings under EAGER_CALL_KEY
+EAGER_CALL_PASSES, EAGER_CALLS_PER_PASS, EAGER_CALL_N = 5, 400, 32
+EAGER_CALL_KEY = "host|eager native GEMM call, 1 row, 32x32 float32"
 
 
 @dataclass(frozen=True)
@@ -288,6 +294,27 @@ def time_candidate(shape: GemmShape, candidate: str, rows_list: Iterable[int],
     return time_candidates(shape, (candidate,), rows_list, kernels)[candidate]
 
 
+def eager_call_seconds(kernels: NativeCpuKernels) -> float:
+    """CPU seconds of one eager call of kvflow's packed GEMM on a 32 x 32 fp32 weight and one
+    row, through its Python wrapper (:class:`~kvflow.kernels.gemm.NativePackedWeight`: the
+    operand checks, ``torch.empty`` of the output, the ctypes call), on one thread: the
+    minimum over :data:`EAGER_CALL_PASSES` passes of :data:`EAGER_CALLS_PER_PASS` calls. The
+    product itself is 2,048 FLOPs (under 0.1 us), so this is host time: the kind of work
+    (Python calls, torch operator dispatch, ctypes) an eager decode step spends between its
+    kernels and a replayed CPU step graph does not (9.3-9.5 us on the 2-core Ice Lake Xeon).
+    ``gemm_select.graph_margins`` scales it to an eager step's host time."""
+    from kvflow.kernels.gemm import NativePackedWeight
+
+    def make_calls():
+        gen = torch.Generator().manual_seed(0)
+        weight = NativePackedWeight(torch.randn(EAGER_CALL_N, EAGER_CALL_N, generator=gen),
+                                    kernels)
+        x = torch.randn(1, EAGER_CALL_N, generator=gen)
+        return {"eager": lambda: weight(x, None, torch.float32)}
+
+    return alternating_cpu_seconds(make_calls, EAGER_CALL_PASSES, EAGER_CALLS_PER_PASS)["eager"]
+
+
 def cache_key(num_threads: int, isa: str = "", method: str | None = None) -> str:
     """What the timings depend on: the CPU model and flags, torch, kvflow's kernel sources,
     the ISA level of the loaded kernels, the thread count and how they are measured
@@ -350,6 +377,24 @@ class GemmTimings:
                 self.seconds.update({shape.key(c, r): s for r, s in secs.items()})
             self._dirty = True
         return {c: self.get(shape, c, rows) for c in candidates}
+
+    def eager_call_seconds(self) -> float:
+        """:func:`eager_call_seconds` of this CPU: cached under :data:`EAGER_CALL_KEY`,
+        measured (~20 ms) where missing.
+
+        Raises:
+            ValueError: when kvflow's kernels are not loaded (``kernels`` None): without them
+                no step graph replays, so there is no saving to weigh.
+        """
+        if EAGER_CALL_KEY not in self.seconds:
+            if self.kernels is None:
+                raise ValueError("eager_call_seconds needs kvflow's native kernels "
+                                 "(GemmTimings.kernels is None)")
+            start = time.perf_counter()
+            self.seconds[EAGER_CALL_KEY] = eager_call_seconds(self.kernels)
+            self.measuring_s += time.perf_counter() - start
+            self._dirty = True
+        return self.seconds[EAGER_CALL_KEY]
 
     def save(self) -> None:
         """Write new timings (atomically); a failure to write is logged, not raised."""

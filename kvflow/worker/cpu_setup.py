@@ -25,7 +25,12 @@ from kvflow.kernels.gemm import (
     prepack_gemm_weights,
     widen_half_gemms,
 )
-from kvflow.kernels.gemm_select import SPLIT_MAX_BYTES, candidates_for, choose
+from kvflow.kernels.gemm_select import (
+    SPLIT_MAX_BYTES,
+    candidates_for,
+    choose,
+    model_graph_margins,
+)
 from kvflow.kernels.gemm_timing import GemmShape, gemm_timings, head_row_classes, row_classes
 from kvflow.layers.embedding import VocabParallelEmbedding
 from kvflow.layers.linear import LinearBase
@@ -127,10 +132,18 @@ def _pack_cpu_gemms(model: torch.nn.Module, config: EngineConfig, kernels, choic
     # an fp32 LM head only gets the sampled rows (<= max_num_seqs): timed at those classes
     head_weight = getattr(head, "weight", None)
     head_rows = head_row_classes(rows, config.scheduler_config.max_num_seqs)
+    # the margin oneDNN must beat at decode rows: this CPU's host time against the model's GEMMs
+    margins = model_graph_margins(
+        [(GemmShape(w.shape[0], w.shape[1], dtype), head_rows if w is head_weight else None)
+         for w in _gemm_weights(model, dtype)],
+        candidates, timings, torch.get_num_threads()) if graphs else None
+    if margins:
+        logger.debug("GEMM choice: oneDNN must beat kvflow's GEMM by %s at decode rows "
+                     "(CPU step graphs)", {r: round(1 + m, 3) for r, m in margins.items()})
     counts = prepack_gemm_weights(
         model, config.scheduler_config.max_num_seqs, kernels,
         lambda w: choose(GemmShape(w.shape[0], w.shape[1], dtype), candidates, timings, split,
-                         graphs, head_rows if w is head_weight else None),
+                         graphs, head_rows if w is head_weight else None, margins),
         dtype, arena)
     if timings is not None:
         timings.save()
@@ -171,3 +184,12 @@ def _gemm_weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
                if on_gemm_path(m) and isinstance(getattr(m, "weight", None), torch.Tensor)
                and m.weight.dim() == 2 and m.weight.dtype == dtype)
+
+
+def _gemm_weights(model: torch.nn.Module, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The weights ``prepack_gemm_weights`` will pick a kernel for: each GEMM module's 2-D
+    ``dtype`` CPU weight not packed yet (a 16-bit LM head packed for fp32 logits is)."""
+    return [m.weight for m in model.modules()
+            if on_gemm_path(m) and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and m.weight.dim() == 2 and m.weight.dtype == dtype
+            and m.weight.device.type == "cpu" and m.packed_weight is None]

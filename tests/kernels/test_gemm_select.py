@@ -6,6 +6,7 @@ HF transformers."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -27,7 +28,10 @@ from kvflow.kernels.gemm_select import (
     candidates_for,
     choose,
     choose_dtype,
+    graph_margin,
+    graph_margins,
     graph_weighted,
+    model_graph_margins,
     row_class_winners,
     split_candidate,
     transformer_gemm_shapes,
@@ -133,6 +137,103 @@ def test_a_clear_decode_win_still_goes_to_onednn():
     clear = {"native": {1: 0.074, 64: 0.354 * 1.4, 512: 3.1}, "onednn": onednn}
     assert row_class_winners(graph_weighted(clear)) == ["native", "onednn", "onednn"]
     assert split_candidate(graph_weighted(clear)) == KernelSplit("native", "onednn", 8)
+
+
+def test_graph_margin_from_the_host_time_replay_saves():
+    """margin = 1 / (1 - r) - 1 with r = host * threads / GEMM seconds (hand-computed: r = 0.1
+    -> 1/9, r = 0.4 -> 2/3, r = 0.5 -> 1); from r = 1 nothing pays (infinite); the Zen 5
+    constants' r = 1/6.6 gives GRAPH_MARGIN; bad input is a ValueError naming the function."""
+    assert graph_margin(0.1, 1.0, 1) == pytest.approx(1 / 9)
+    assert graph_margin(0.4, 1.0, 1) == pytest.approx(2 / 3)
+    assert graph_margin(0.25, 1.0, 2) == pytest.approx(1.0)  # serial host work, 2 GEMM threads
+    assert graph_margin(0.0, 1.0, 1) == 0.0
+    assert graph_margin(1.0, 1.0, 1) == math.inf and graph_margin(0.6, 1.0, 2) == math.inf
+    assert graph_margin(1 / 6.6, 1.0, 1) == pytest.approx(gemm_select.GRAPH_MARGIN)
+    for bad in ((-0.1, 1.0, 1), (0.1, 0.0, 1), (0.1, 1.0, 0)):
+        with pytest.raises(ValueError, match="graph_margin"):
+            graph_margin(*bad)
+
+
+def test_graph_margins_scale_this_cpus_eager_call_to_the_models_step():
+    """121 GEMM modules x EAGER_CALLS_PER_GEMM (25) x 9.4 us = 28.435 ms of host work on 2
+    threads: against 55 ms of GEMMs at one row r = 1.034 (infinite), against 153 ms at 64
+    rows r = 0.3717 -> 1 / 0.6283 - 1 = 0.5916; the prefill class gets none."""
+    assert gemm_select.EAGER_CALLS_PER_GEMM == 25
+    got = graph_margins({1: 0.055, 64: 0.153, 2048: 4.0}, 121, 9.4e-6, 2)
+    assert got.keys() == {1, 64}
+    assert got[1] == math.inf
+    assert got[64] == pytest.approx(1 / (1 - 121 * 25 * 9.4e-6 * 2 / 0.153) - 1)
+    assert got[64] == pytest.approx(0.5916, abs=1e-4)
+    with pytest.raises(ValueError, match="modules"):
+        graph_margins({1: 0.055}, 0, 9.4e-6, 2)
+
+
+# oneDNN 1.2x faster than native at the decode classes (ms per call), 1.03x at prefill rows
+DECODE_LEAD = {"native": {1: 1.2e-3, 64: 2.4e-3, 512: 16.5e-3},
+               "onednn": {1: 1.0e-3, 64: 2.0e-3, 512: 16e-3}}
+
+
+@pytest.mark.parametrize(("host_share", "kernel", "split"), [
+    (0.4, "native", KernelSplit("native", "onednn", 181)), (0.1, "onednn", "onednn")])
+def test_replay_saving_of_this_cpu_decides_a_decode_lead(tmp_path, host_share, kernel, split):
+    """A model of 10 such GEMM modules, one thread: its one-row GEMMs take 12 ms. A CPU whose
+    eager step spends 40% of that (4.8 ms: eager call 4.8 ms / (10 x 25) = 19.2 us) on host
+    work a replayed step saves: r = 0.4 at 1 row (margin 2/3: oneDNN counts 1.667 > 1.2) and
+    4.8 / 24 = 0.2 at 64 rows (margin 1/4: 2.5 > 2.4): native at the decode classes, the step
+    graph kept (relative sums native 1 + 1 + 1.031 against 1.389 + 1.042 + 1; split: native
+    up to sqrt(64 * 512) = 181 rows). A CPU where it spends 10% (1.2 ms, 4.8 us): margins
+    1/9 (1.111 < 1.2) and 1/19 (2.105 < 2.4): oneDNN's lead pays for the lost graph
+    (native 1.08 + 1.14 + 1.031 against 3), oneDNN at every class. The fixed GRAPH_MARGIN
+    (1.18x) gave oneDNN both."""
+    shape = GemmShape(3072, 576, torch.float32)
+    call_s = host_share * 10 * 1.2e-3 / (10 * gemm_select.EAGER_CALLS_PER_GEMM)
+    timings = _fake_timings(tmp_path, {
+        gemm_timing.EAGER_CALL_KEY: call_s,
+        **{shape.key(c, r): t for c, times in DECODE_LEAD.items() for r, t in times.items()}})
+    cands = ("native", "onednn")
+    margins = model_graph_margins([(shape, None)] * 10, cands, timings, threads=1)
+    assert margins == pytest.approx({1: 1 / (1 - host_share) - 1,
+                                     64: 1 / (1 - host_share / 2) - 1})
+    assert choose(shape, cands, timings, graphs=True, margins=margins) == kernel
+    assert choose(shape, cands, timings, split=True, graphs=True, margins=margins) == split
+    assert choose(shape, cands, timings, graphs=True) == "onednn"  # GRAPH_MARGIN: 1.18x
+    assert choose(shape, cands, timings, graphs=False, margins=margins) == "onednn"
+
+
+def test_model_graph_margins_count_each_row_class_modules(tmp_path):
+    """An LM head timed at one row only counts there: at 1 row 2 modules, 1 + 4 ms of GEMMs,
+    host 2 x 25 x 20 us = 1 ms, r = 0.2 -> 0.25; at 64 rows only the layer (1 module,
+    0.5 ms host, 10 ms): r = 0.05 -> 1/19. Nothing to weigh without native or a second
+    candidate, or without modules: None."""
+    layer, head = GemmShape(64, 64, torch.float32), GemmShape(8192, 64, torch.float32)
+    secs = {gemm_timing.EAGER_CALL_KEY: 20e-6}
+    for c in ("native", "onednn"):
+        secs.update({layer.key(c, 1): 1e-3, layer.key(c, 64): 10e-3, layer.key(c, 512): 0.1,
+                     head.key(c, 1): 4e-3})
+    timings = _fake_timings(tmp_path, secs)
+    cands = ("native", "onednn")
+    got = model_graph_margins([(layer, None), (head, (1,))], cands, timings, threads=1)
+    assert got == pytest.approx({1: 0.25, 64: 1 / 19})
+    assert model_graph_margins([(layer, None)], ("onednn",), timings, 1) is None
+    assert model_graph_margins([(layer, None)], ("native",), timings, 1) is None
+    assert model_graph_margins([], cands, timings, 1) is None
+
+
+@native
+def test_eager_call_is_timed_once_then_cached(tmp_path, monkeypatch):
+    """This CPU's eager tiny-GEMM call is measured (a positive CPU time under a millisecond:
+    host work, the product is 2,048 FLOPs) on the first ask, saved with the GEMM timings and
+    read back without measuring again; without kvflow's kernels it is a ValueError."""
+    path = tmp_path / "t.json"
+    timings = GemmTimings(path, native_cpu_kernels())
+    first = timings.eager_call_seconds()
+    assert 0 < first < 1e-3
+    timings.save()
+    assert json.loads(path.read_text())[gemm_timing.EAGER_CALL_KEY] == first
+    monkeypatch.setattr(gemm_timing, "eager_call_seconds", lambda kernels: pytest.fail("timed"))
+    assert GemmTimings(path, native_cpu_kernels()).eager_call_seconds() == first
+    with pytest.raises(ValueError, match="native kernels"):
+        GemmTimings(tmp_path / "none.json", None).eager_call_seconds()
 
 
 def test_prefill_class_is_timed_at_the_engines_prefill_rows():
@@ -475,17 +576,14 @@ def test_engine_with_timed_kernel_choice_matches_hf(tiny_llama, tmp_path, monkey
 def test_engine_keeps_native_decode_gemms_where_step_graphs_replay(tiny_llama, tmp_path,
                                                                    monkeypatch):
     """Timings faked: oneDNN 1.12x faster at 1 and 64 rows, 1.05x at the prefill class (the
-    CPU's 2,048-token step budget). With step graphs (the default) decode rows weigh oneDNN at
-    1.1786 against native's 1.12: every GEMM is split native<=362/oneDNN (sqrt(64 * 2048))
-    but the fp32 LM head (timed at its sampled rows, 1 and 64: native) and decode steps
-    replay; with ``enforce_eager`` oneDNN wins every class (no split) and
-    takes every GEMM."""
+    CPU's 2,048-token step budget), and this CPU's eager call 1 s (an eager step's host work,
+    25 such calls per GEMM module, outweighs the 1.12 s GEMMs: infinite margins). With step
+    graphs (the default) oneDNN loses the decode rows: every GEMM is split
+    native<=362/oneDNN (sqrt(64 * 2048)) but the fp32 LM head (timed at its sampled rows, 1
+    and 64: native) and decode steps replay; with ``enforce_eager`` oneDNN wins every class
+    (no split) and takes every GEMM."""
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
-    secs = {"native": {1: 1.12, 64: 1.12, 2048: 1.05}, "onednn": {1: 1.0, 64: 1.0, 2048: 1.0}}
-    fake = lambda shape, cands, rows, kernels: {c: {r: secs[c][r] for r in rows} for c in cands}
-    monkeypatch.setattr(gemm_timing, "time_candidates", fake)
-    monkeypatch.setattr(gemm_timing, "time_candidate",
-                        lambda shape, cand, rows, kernels: fake(shape, (cand,), rows, kernels)[cand])
+    _fake_gemm_timer(monkeypatch, eager_call_s=1.0)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for eager in (False, True):
         llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64,
@@ -504,6 +602,39 @@ def test_engine_keeps_native_decode_gemms_where_step_graphs_replay(tiny_llama, t
                    and isinstance(p.small, NativePackedWeight) for p in packed if p is not head)
         llm.generate([[5, 9, 23], [7, 41]], params, use_tqdm=False)
         assert runner.graph_runner.replayed_steps > 0
+
+
+def _fake_gemm_timer(monkeypatch, eager_call_s: float) -> None:
+    """GEMM timings faked as in test_engine_keeps_native_decode_gemms_where_step_graphs_replay
+    (seconds per call: native 1.12 at 1 and 64 rows, 1.05 at 2,048; oneDNN 1.0), this CPU's
+    eager call ``eager_call_s``."""
+    secs = {"native": {1: 1.12, 64: 1.12, 2048: 1.05}, "onednn": {1: 1.0, 64: 1.0, 2048: 1.0}}
+    fake = lambda shape, cands, rows, kernels: {c: {r: secs[c][r] for r in rows} for c in cands}
+    monkeypatch.setattr(gemm_timing, "time_candidates", fake)
+    monkeypatch.setattr(gemm_timing, "time_candidate",
+                        lambda shape, cand, rows, kernels: fake(shape, (cand,), rows, kernels)[cand])
+    monkeypatch.setattr(gemm_timing, "eager_call_seconds", lambda kernels: eager_call_s)
+
+
+@native
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+def test_engine_on_a_fast_host_gives_a_decode_lead_to_onednn(tiny_llama, tmp_path, monkeypatch):
+    """The same timings on a CPU whose eager call takes 1 ns (host work 25 ns per module
+    against 1.12 s GEMMs: margins ~0): with step graphs on, oneDNN's 1.12x lead at decode
+    rows pays, so it takes every GEMM (the LM head too, timed at 1 and 64 rows) and no decode
+    step replays (a oneDNN GEMM is a torch operator). The fixed 1.18x margin kept them
+    native."""
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    _fake_gemm_timer(monkeypatch, eager_call_s=1e-9)
+    llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64,
+              cpu_gemm="auto")
+    runner = llm.engine.core.executor.runner
+    packed = [m.packed_weight for m in runner.model.modules()
+              if getattr(m, "packed_weight", None) is not None]
+    assert packed and all(isinstance(p, OneDnnPackedWeight) for p in packed)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.generate([[5, 9, 23], [7, 41]], params, use_tqdm=False)
+    assert getattr(runner.graph_runner, "replayed_steps", 0) == 0
 
 
 @native
