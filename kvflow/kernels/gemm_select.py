@@ -74,9 +74,10 @@ GRAPH_MARGIN = 1 / (1 - GRAPH_STEP_SAVING / (GEMM_STEP_SHARE * (1 + GRAPH_STEP_S
 # --- per CPU and model (graph_margins) ---
 # An eager decode step spends, per GEMM module of the model, about EAGER_CALLS_PER_GEMM times
 # the host CPU time of one eager tiny GEMM call (gemm_timing.eager_call_seconds) more than the
-# replayed step: SmolLM2-135M fp32, batch 1, one thread, 2-core Ice Lake Xeon: eager 79-96
-# against replayed 53-63 CPU ms per step, ~29 ms over 121 GEMM modules = 0.24 ms each, where
-# the eager tiny call took 9.3-9.5 us (docs/benchmarks.md, session 52).
+# replayed step: SmolLM2-135M fp32, batch 1, one thread, 2-core Ice Lake Xeon: eager 78-99
+# against replayed 49-63 CPU ms per step, 29-36 ms over 121 GEMM modules = 0.24-0.29 ms each,
+# where the eager tiny call took 9.3-9.5 us: 25-31 calls, the low end taken (lenient toward
+# oneDNN; docs/benchmarks.md, session 52).
 EAGER_CALLS_PER_GEMM = 25
 REPLAYABLE = frozenset({"native"})  # kernels a CPU step graph records (kvflow's ctypes calls)
 SPLIT_MAX_BYTES = 512 << 20  # GEMM weights (one copy) up to which a shape may be packed twice
