@@ -102,6 +102,38 @@ def test_same_outputs_as_lock_step(tiny_llama, stop_token, kwargs):
         assert overlap.engine.core.scheduler.num_preemptions > 0
 
 
+def _count_decode_allocations(llm: LLM) -> list[tuple[str, int]]:
+    """(request id, computed count) at each one-token ``try_allocate_slots`` call of the
+    engine's KV manager from now on."""
+    kv, calls = llm.engine.core.scheduler.kv, []
+    real = kv.try_allocate_slots
+
+    def counted(request, num_new_tokens, *args):
+        if num_new_tokens == 1:
+            calls.append((request.request_id, request.num_computed_tokens))
+        return real(request, num_new_tokens, *args)
+
+    kv.try_allocate_slots = counted
+    return calls
+
+
+def test_decodes_skip_the_kv_manager_as_lock_step_does(tiny_llama, assert_no_leaks):
+    """Async scheduling's decodes (each with its last token still out) take the promise of
+    ``Request.kv_steady_until`` as lock-step ones do: the same one-token KV manager calls,
+    at block boundaries only (block size 4: at most 2 in 4 decodes; was: every decode), the
+    same tokens, and every block free at the end."""
+    sync, overlap = _engines(tiny_llama, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)
+    counts = [_count_decode_allocations(llm) for llm in (sync, overlap)]
+    outputs = [_outputs(llm, PROMPTS[:3], params) for llm in (sync, overlap)]
+    assert outputs[1] == outputs[0]
+    assert sorted(counts[1]) == sorted(counts[0])
+    num_decodes = 3 * 16
+    assert 0 < len(counts[1]) <= num_decodes // 2
+    for llm in (sync, overlap):
+        assert_no_leaks(llm)
+
+
 def test_structured_output_same_as_lock_step(tiny_llama):
     sync, overlap = _engines(tiny_llama)
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=24,

@@ -39,8 +39,11 @@ def schedule_running(sched: Scheduler, budget: int, cap: int, out: SchedulerOutp
         rid, computed = request.request_id, request.num_computed_tokens
         num_tokens = len(request.all_token_ids) + request.num_output_placeholders
         extra = drafts.get(rid) if drafts else None  # speculative decoding
-        if num_tokens - computed == 1 and not extra and not request.num_output_placeholders \
-                and request.mm_features is None:  # a plain decode step: its next token
+        if num_tokens - computed == 1 and not extra and request.mm_features is None and (
+                num_tokens < request.max_num_tokens or not request.num_output_placeholders):
+            # a plain decode step: its next token (with async scheduling that token may be a
+            # placeholder still on the device; one whose pending tokens finish the request
+            # is not scheduled: _tokens_wanted)
             num_new, encodes = 1, None
             # its slot is usually in a block it holds already (KVCacheManager's promise)
             new_blocks = empty if computed < request.kv_steady_until else \

@@ -17,8 +17,22 @@ import pytest
 from kvflow.config import SpeculativeConfig
 from kvflow.request import Request, RequestStatus
 from kvflow.spec_decode.speculator import Speculator
+from tests.core.test_async_schedule import run_async
 
 WRONG = 7  # never sampled by the fake model (its tokens are >= 100)
+
+
+def _count_allocations(sched) -> list:
+    """The computed count of each request at every ``try_allocate_slots`` call from now on
+    (as ``(computed, num_new_tokens)``), in order."""
+    calls, real = [], sched.kv.try_allocate_slots
+
+    def counted(request, num_new_tokens, *args):
+        calls.append((request.num_computed_tokens, num_new_tokens))
+        return real(request, num_new_tokens, *args)
+
+    sched.kv.try_allocate_slots = counted
+    return calls
 
 
 def _record_outputs(sched) -> list:
@@ -72,6 +86,33 @@ def test_decode_gets_blocks_exactly_at_block_boundaries(make_scheduler, make_dri
     if caching:
         probe = make_request("probe", tokens[:17], max_tokens=1)
         assert sched.kv.get_computed_blocks(probe)[1] == 16
+
+
+# The decode positions at which the KV manager is called, hand-counted from PROMISES: after
+# the prefill's call (6 tokens), only where the promise ran out.
+CALLED_AT = {True: [7, 8, 11, 12, 15, 16], False: [8, 12, 16]}
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_calls_the_kv_manager_only_where_the_promise_ends(
+        make_scheduler, make_driver, make_request, oracle, caching, async_scheduling):
+    """The same request as above, lock-step and with async scheduling (each decode's token
+    a placeholder still out): the KV manager is called for the prefill and at the
+    hand-counted positions only (was, under async scheduling: at every decode step), and
+    the tokens are greedy decoding's (the fake runner reads every slot back; blocks leaked
+    fail the fixture)."""
+    sched = make_scheduler(num_blocks=100, enable_prefix_caching=caching,
+                           async_scheduling=async_scheduling)
+    driver = make_driver(sched)
+    calls = _count_allocations(sched)
+    prompt = [11, 12, 13, 14, 15, 16]
+    driver.add(make_request("a", prompt, max_tokens=14))
+    seen = run_async(driver) if async_scheduling else driver.run() and None
+    assert calls == [(0, 6)] + [(c, 1) for c in CALLED_AT[caching]]
+    assert driver.results["a"].output_token_ids == oracle(prompt, 14)
+    if async_scheduling:
+        assert seen["overlaps"] == 13  # each of its 13 decodes was scheduled with a token out
 
 
 def test_preempted_request_resumes_with_whole_tables(make_scheduler, make_driver, make_request,
