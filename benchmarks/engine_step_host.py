@@ -24,7 +24,7 @@ import pstats
 import statistics
 import time
 
-from host_overhead import Stopwatch
+from host_overhead import PHASES, PhaseTimer, Stopwatch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,42 +39,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, help="print cProfile's top N")
     p.add_argument("--phases", action="store_true", help="print each phase's host ms")
     return p.parse_args(argv)
-
-
-# (module, class, method) -> phase name: the calls timed by --phases
-PHASES = {
-    ("kvflow.core.scheduler", "Scheduler", "schedule"): "schedule",
-    ("kvflow.worker.model_runner", "ModelRunner", "launch_forward"): "runner.launch_forward",
-    ("kvflow.worker.model_runner", "ModelRunner", "launch_sampling"): "runner.launch_sampling",
-    ("kvflow.worker.model_runner", "ModelRunner", "collect_output"): "runner.collect_output",
-    ("kvflow.core.scheduler", "Scheduler", "update_from_output"): "update_from_output",
-    ("kvflow.engine.output_processor", "OutputProcessor", "process"): "output_processor",
-}
-
-
-class PhaseTimer:
-    """Host CPU seconds per phase of the current step: each wrapped method's thread CPU
-    time less the device time (``device``, a Stopwatch) spent inside it."""
-
-    def __init__(self, device) -> None:
-        self.device, self.cpu = device, {}
-
-    def install(self) -> None:
-        import importlib
-
-        for (module, cls, method), name in PHASES.items():
-            owner = getattr(importlib.import_module(module), cls)
-            setattr(owner, method, self._wrap(name, getattr(owner, method)))
-
-    def _wrap(self, name, fn):
-        def timed(*args, **kwargs):
-            d0, c0 = self.device.cpu, time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.cpu[name] = self.cpu.get(name, 0.0) + time.thread_time() - c0 - \
-                    (self.device.cpu - d0)
-        return timed
 
 
 def build_engine(args: argparse.Namespace):

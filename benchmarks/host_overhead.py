@@ -19,7 +19,13 @@ process repeats the workload until it has ``--steps`` decode steps::
 
     .venv/bin/python benchmarks/host_overhead.py --trees /work/wt/baseline-5e92c6e . --steps 400
 
-The last line is ``host_ms_per_step=X`` (the median of the last tree given).
+The last line is ``host_ms_per_step=X`` (the median of the last tree given). ``--phases``
+also times the step's phases (``PHASES``: schedule, the runner's three calls,
+update_from_output; device time subtracted from each) and prints each one's median per tree
+(with ``--trees``, its ratio to the first tree's)::
+
+    .venv/bin/python benchmarks/host_overhead.py --trees /tmp/base . --steps 150 \
+        --num-requests 64 --input-len 128 --phases
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trees", nargs="*", help="kvflow source trees to compare (subprocesses)")
     p.add_argument("--steps", type=int, default=400, help="decode steps per tree (--trees)")
     p.add_argument("--extra", default="{}", help="JSON object of extra LLM(...) options")
+    p.add_argument("--phases", action="store_true", help="time each phase of the step too")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # child process
     return p.parse_args(argv)
 
@@ -76,6 +83,43 @@ class Stopwatch:
                 self.wall += time.perf_counter() - w0
                 self.cpu += time.thread_time() - c0
                 self.depth -= 1
+        return timed
+
+
+# (module, class, method) -> phase name: the calls timed by --phases (and by
+# engine_step_host.py's)
+PHASES = {
+    ("kvflow.core.scheduler", "Scheduler", "schedule"): "schedule",
+    ("kvflow.worker.model_runner", "ModelRunner", "launch_forward"): "runner.launch_forward",
+    ("kvflow.worker.model_runner", "ModelRunner", "launch_sampling"): "runner.launch_sampling",
+    ("kvflow.worker.model_runner", "ModelRunner", "collect_output"): "runner.collect_output",
+    ("kvflow.core.scheduler", "Scheduler", "update_from_output"): "update_from_output",
+    ("kvflow.engine.output_processor", "OutputProcessor", "process"): "output_processor",
+}
+
+
+class PhaseTimer:
+    """Host CPU seconds per phase of the current step: each wrapped method's thread CPU
+    time less the device time (``device``, a Stopwatch) spent inside it."""
+
+    def __init__(self, device: Stopwatch) -> None:
+        self.device, self.cpu = device, {}
+
+    def install(self) -> None:
+        import importlib
+
+        for (module, cls, method), name in PHASES.items():
+            owner = getattr(importlib.import_module(module), cls)
+            setattr(owner, method, self._wrap(name, getattr(owner, method)))
+
+    def _wrap(self, name, fn):
+        def timed(*args, **kwargs):
+            d0, c0 = self.device.cpu, time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.cpu[name] = self.cpu.get(name, 0.0) + time.thread_time() - c0 - \
+                    (self.device.cpu - d0)
         return timed
 
 
@@ -115,9 +159,13 @@ class DecodeBench:
         self.params = SamplingParams(max_tokens=args.output_len, ignore_eos=True,
                                      temperature=0)
         self.num_out: dict[str, int] = {}
+        self.phases = PhaseTimer(self.device) if args.phases else None
+        if self.phases:
+            self.phases.install()
 
-    def step(self) -> tuple[float, float] | None:
-        """One engine step; (host CPU ms, host wall ms) if every request decoded in it."""
+    def step(self) -> tuple[float, float, dict[str, float]] | None:
+        """One engine step; (host CPU ms, host wall ms, host CPU ms per phase timed) if every
+        request decoded in it."""
         if not self.core.has_unfinished_requests():
             self.num_out = {}
             for prompt in self.prompts:
@@ -125,6 +173,8 @@ class DecodeBench:
         all_decode = len(self.num_out) == self.args.num_requests and \
             min(self.num_out.values()) < self.args.output_len - 1
         self.device.wall = self.device.cpu = 0.0
+        if self.phases:
+            self.phases.cpu = {}
         w0, c0 = time.perf_counter(), time.thread_time()
         outputs = self.core.step()
         wall, cpu = time.perf_counter() - w0, time.thread_time() - c0
@@ -132,7 +182,9 @@ class DecodeBench:
             self.num_out[out.request_id] = self.num_out.get(out.request_id, 0) + \
                 len(out.new_token_ids)
         if all_decode and len(outputs) == self.args.num_requests:
-            return (cpu - self.device.cpu) * 1e3, (wall - self.device.wall) * 1e3
+            phases = {name: t * 1e3 for name, t in self.phases.cpu.items()} \
+                if self.phases else {}
+            return (cpu - self.device.cpu) * 1e3, (wall - self.device.wall) * 1e3, phases
         return None
 
 
@@ -140,17 +192,17 @@ def run_one(args: argparse.Namespace) -> dict:
     """All decode steps of one pass of the workload."""
     import kvflow
 
-    bench, cpu_ms, wall_ms = DecodeBench(args), [], []
+    bench, samples = DecodeBench(args), []
     while True:
         sample = bench.step()
         if sample is not None:
-            cpu_ms.append(sample[0])
-            wall_ms.append(sample[1])
+            samples.append(sample)
         if not bench.core.has_unfinished_requests():
             break
     return {"kvflow": os.path.dirname(os.path.dirname(kvflow.__file__)),
-            "steps": len(cpu_ms), "host_ms_median": statistics.median(cpu_ms),
-            "wall_host_ms_median": statistics.median(wall_ms)}
+            "steps": len(samples), "host_ms_median": statistics.median(s[0] for s in samples),
+            "wall_host_ms_median": statistics.median(s[1] for s in samples),
+            "phases_ms_median": phase_medians(samples)}
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -170,7 +222,8 @@ def compare(args: argparse.Namespace) -> None:
     """Step one engine process per tree in turn until each has ``args.steps`` decode steps."""
     cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--num-requests",
            str(args.num_requests), "--input-len", str(args.input_len), "--output-len",
-           str(args.output_len), "--threads", str(args.threads), "--extra", args.extra]
+           str(args.output_len), "--threads", str(args.threads), "--extra", args.extra] + \
+        (["--phases"] if args.phases else [])
     procs = {}
     for tree in args.trees:
         env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
@@ -178,7 +231,7 @@ def compare(args: argparse.Namespace) -> None:
                                        stdout=subprocess.PIPE, text=True)
         ready = json.loads(procs[tree].stdout.readline())
         assert os.path.samefile(ready["kvflow"], tree), (ready, tree)
-    samples: dict[str, list[tuple[float, float]]] = {t: [] for t in args.trees}
+    samples: dict[str, list[tuple]] = {t: [] for t in args.trees}
     try:
         while min(len(s) for s in samples.values()) < args.steps:
             for tree, proc in procs.items():
@@ -194,17 +247,29 @@ def compare(args: argparse.Namespace) -> None:
     report(args.trees, samples)
 
 
-def report(trees: list[str], samples: dict[str, list[tuple[float, float]]]) -> None:
-    """Medians (CPU and wall) per tree, and the ratio to the first tree."""
-    base = statistics.median(c for c, _ in samples[trees[0]])
+def phase_medians(samples: list[tuple]) -> dict[str, float]:
+    """The median host CPU ms of each phase timed (``--phases``) over the decode steps."""
+    names = {name for s in samples for name in s[2]}
+    return {name: statistics.median(s[2].get(name, 0.0) for s in samples)
+            for name in sorted(names)}
+
+
+def report(trees: list[str], samples: dict[str, list[tuple]]) -> None:
+    """Medians (CPU and wall, and each phase's with --phases) per tree, and the ratio to the
+    first tree."""
+    base = statistics.median(s[0] for s in samples[trees[0]])
+    base_phases = phase_medians(samples[trees[0]])
     for tree in trees:
-        cpu = [c for c, _ in samples[tree]]
-        wall = [w for _, w in samples[tree]]
+        cpu = [s[0] for s in samples[tree]]
+        wall = [s[1] for s in samples[tree]]
         print(f"{tree}: median {statistics.median(cpu):.3f} ms/step host CPU "
               f"(p10 {sorted(cpu)[len(cpu) // 10]:.3f}, p90 {sorted(cpu)[9 * len(cpu) // 10]:.3f}"
               f"), wall {statistics.median(wall):.3f} ms, {len(cpu)} decode steps; "
               f"{statistics.median(cpu) / base:.3f}x of {trees[0]}")
-    print(f"host_ms_per_step={statistics.median(c for c, _ in samples[trees[-1]]):.3f}")
+        for name, ms in phase_medians(samples[tree]).items():
+            ratio = ms / base_phases[name] if base_phases.get(name) else float("nan")
+            print(f"  {name}: {ms:.3f} ms ({ratio:.3f}x)")
+    print(f"host_ms_per_step={statistics.median(s[0] for s in samples[trees[-1]]):.3f}")
 
 
 def main(argv: list[str] | None = None) -> None:
