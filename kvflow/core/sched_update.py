@@ -25,8 +25,10 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
                        runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
     """``Scheduler.update_from_output``: each scheduled request's outputs, in the step's
     scheduling (policy) order. This loop runs for every scheduled request on every step, so
-    it keeps what it reads in locals and calls one helper per request (the common case:
-    :func:`_sampled_output`)."""
+    it keeps what it reads in locals and calls one helper per request: on a step without
+    drafts or SLO targets, a decode's one token that cannot finish its request is appended by
+    :func:`_appended_plainly` and its output built here; everything else goes through
+    :func:`_sampled_output`."""
     outputs, requests, pooled = [], sched.requests, runner_output.pooler_output
     stale = _take_freed(sched, sched_out)
     _keep_prompt_logprobs(requests, runner_output, stale)
@@ -36,6 +38,9 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
         for rid in runner_output.failed:
             sampled.pop(rid, None)
     track, now = sched.track_in_flight, sched.clock()
+    # no drafts to roll back, no SLO planner to tell: a plain decode may skip _sampled_output
+    plain = not sched_out.scheduled_spec_decode_tokens and not sched.planner.slos
+    logprobs = runner_output.logprobs
     num_iteration_tokens = 0  # vLLM's count: see Scheduler.iteration_tokens
     for rid in sched_out.num_scheduled_tokens:  # report in scheduling (policy) order
         if rid in stale:  # its request was freed meanwhile (the id may be another's now)
@@ -54,10 +59,36 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
             outputs.append(_pooled_output(sched, request, pooled[rid], now))
             num_iteration_tokens += _num_prompt_computed(request)
         elif token_ids is not None:
-            num_iteration_tokens += _sampled_output(sched, sched_out, runner_output, request,
-                                                    token_ids, now, outputs, stale)
+            if plain and not (logprobs and rid in logprobs) and \
+                    _appended_plainly(request, token_ids, now):
+                outputs.append(EngineCoreOutput(rid, token_ids, None, None,
+                                                request.stop_reason, request.num_cached_tokens))
+                num_iteration_tokens += 1
+            else:
+                num_iteration_tokens += _sampled_output(sched, sched_out, runner_output,
+                                                        request, token_ids, now, outputs, stale)
     sched.iteration_tokens.append(num_iteration_tokens)
     return outputs
+
+
+def _appended_plainly(request: Request, token_ids: list[int], now: float) -> bool:
+    """A decode's one sampled token (``token_ids``) appended, its time noted, when that is
+    all :func:`_sampled_output` would do: no grammar, not its first token, no prompt logprobs
+    to hand over, no repetition detection, and not a token that finishes it (the length
+    limit; EOS or a stop id once ``min_tokens`` are out: ``check_stop``'s rule). Returns
+    whether it did (False: nothing changed)."""
+    if len(token_ids) != 1 or request.structured_output is not None or \
+            request.times.first_token is None or request.prompt_logprobs is not None or \
+            request.sampling_params.repetition_detection is not None:
+        return False
+    token, all_ids = token_ids[0], request.all_token_ids
+    num_tokens = len(all_ids) + 1
+    if num_tokens >= request.max_num_tokens or num_tokens > request.min_stop_len and (
+            token == request.stop_eos_id or token in request.sampling_params.stop_token_ids):
+        return False
+    all_ids.append(token)
+    request.times.last_token = now
+    return True
 
 
 def _sampled_tokens(sched: Scheduler, runner_output: ModelRunnerOutput) -> dict[str, list[int]]:
