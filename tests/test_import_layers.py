@@ -61,6 +61,7 @@ LAYERS: dict[str, int] = {
     "kvflow.multimodal": 8, "kvflow.multimodal.processor_files": 8,  # its processor configs read
     "kvflow.core": 7, "kvflow.structured": 7, "kvflow.spec_decode": 7,
     "kvflow.core.sched_stops": 7,  # the stop rule on one request after a step (sched_update)
+    "kvflow.core.kv_prefix_cache": 7,  # KVCacheManager's prefix-cache half (its base class)
     "kvflow.core.sched_arrivals": 7,  # the scheduler's admission verdict, TTFT forecast
     "kvflow.core.kv_connector_startup": 7,  # the KV connector's scheduler half at start-up
     "kvflow.structured.xgrammar_convert": 7,  # a constraint as xgrammar's grammar
