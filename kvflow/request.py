@@ -142,24 +142,48 @@ class Request:
         prompt_embeds: PromptEmbeds | None = None,
         session_id: str | None = None,
     ) -> None:
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self._set_origin(request_id, parent_id, sample_index, arrival_time, priority, client_id,
+                         session_id)
+        self._set_inputs(prompt_token_ids, mm_features, prompt_embeds, cache_salt, lora_request,
+                         pooling_params)
+        self._set_progress()
+        self._set_stop_limits()
+
+    def _set_origin(self, request_id: str, parent_id: str | None, sample_index: int,
+                    arrival_time: float | None, priority: int, client_id: str,
+                    session_id: str | None) -> None:
+        """Who sent it and when: its id, the user request it is a sample of, its arrival,
+        its priority, its client and session (see the class's Args)."""
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
         self.sample_index = sample_index
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.mm_features = mm_features or None
-        self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.client_id = client_id
+        self.session_id = session_id
+
+    def _set_inputs(self, prompt_token_ids: list[int],
+                    mm_features: list[MultiModalFeature] | None,
+                    prompt_embeds: PromptEmbeds | None, cache_salt: str | None,
+                    lora_request: LoRARequest | None,
+                    pooling_params: PoolingParams | None) -> None:
+        """What the model computes: the prompt (a copy; its images, its embedding rows), the
+        prefix-cache salt, the adapter, the pooling of an embedding request."""
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.mm_features = mm_features or None
+        self.prompt_embeds = prompt_embeds
+        self.cache_salt = cache_salt
         self.lora_request = lora_request
         self.pooling_params = pooling_params
-        self.cache_salt = cache_salt
-        self.prompt_embeds = prompt_embeds
-        self.session_id = session_id
+
+    def _set_progress(self) -> None:
+        """The state of a request not scheduled yet: waiting, its tokens the prompt's (their
+        own list), nothing computed, cached, in flight or timed."""
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         # Tokens sampled by steps still in flight (async scheduling): already computed into
         # the next step's inputs on the device, not yet appended here.
@@ -175,18 +199,20 @@ class Request:
         self.kv_steady_until = 0
         # kvflow.structured.request_state.RequestStructuredOutput when the output is constrained
         self.structured_output = None
-        # Stop rules as token counts, read on every step (the scheduler caps
-        # max_num_tokens at max_model_len when the request arrives).
-        params = sampling_params
-        self.min_stop_len = len(self.prompt_token_ids) + params.min_tokens  # stop ids count past
-        self.stop_eos_id = None if params.ignore_eos else eos_token_id
-        self.max_num_tokens = len(self.prompt_token_ids) + params.max_tokens \
-            if params.max_tokens is not None else float("inf")
-        # prompt logprobs gathered so far (position p at index p; position 0 has none); None
-        # once handed to the output
-        self.prompt_logprobs: list | None = \
-            [None] if sampling_params.prompt_logprobs is not None else None
         self.spec_counts = SpecDecodeCounts()  # speculative decoding (zeros without it)
+
+    def _set_stop_limits(self) -> None:
+        """Stop rules as token counts, read on every step (the scheduler caps
+        ``max_num_tokens`` at max_model_len when the request arrives), and the prompt logprobs
+        gathered so far (position p at index p; position 0 has none; None once handed to the
+        output, or never asked for)."""
+        params, num_prompt = self.sampling_params, len(self.prompt_token_ids)
+        self.min_stop_len = num_prompt + params.min_tokens  # stop ids count past it
+        self.stop_eos_id = None if params.ignore_eos else self.eos_token_id
+        self.max_num_tokens = num_prompt + params.max_tokens \
+            if params.max_tokens is not None else float("inf")
+        self.prompt_logprobs: list | None = \
+            [None] if params.prompt_logprobs is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:
