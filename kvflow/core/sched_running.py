@@ -26,13 +26,15 @@ def schedule_running(sched: Scheduler, budget: int, cap: int, out: SchedulerOutp
     ``cap`` requests, their ``drafts`` included (prefill chunks also within
     ``step_budget``, and each request within ``Scheduler.chunk_cap``); returns what is left
     of the budget. This loop runs for every running request on every step, so it keeps what
-    it reads in locals and fills ``out.scheduled_cached_reqs``' columns directly."""
+    it reads in locals, fills ``out.scheduled_cached_reqs``' columns directly and calls a
+    helper only for what a plain decode does not have (:func:`_slots_wanted`,
+    :func:`_make_room`, :func:`_note_step`)."""
     running, cached, empty = sched.running, out.scheduled_cached_reqs, sched.kv.empty_blocks
     chunk_cap = sched.chunk_cap()
     try_allocate, num_scheduled = sched.kv.try_allocate_slots, out.num_scheduled_tokens
     add_id, add_computed = cached.req_ids.append, cached.num_computed_tokens.append
-    track, send_token_ids = sched.track_in_flight, sched.send_token_ids
-    note_sampling = sched.async_scheduling  # else only constrained requests are noted
+    send_token_ids = sched.send_token_ids
+    every_step_noted = sched.async_scheduling or sched.track_in_flight  # see _note_step
     i = total = 0
     while i < len(running) and budget > 0 and len(num_scheduled) < cap:
         request = running[i]
@@ -43,16 +45,15 @@ def schedule_running(sched: Scheduler, budget: int, cap: int, out: SchedulerOutp
                 num_tokens < request.max_num_tokens or not request.num_output_placeholders):
             # a plain decode step: its next token (with async scheduling that token may be a
             # placeholder still on the device; one whose pending tokens finish the request
-            # is not scheduled: _tokens_wanted)
+            # is not scheduled: _tokens_wanted), its slot usually in a block it holds
+            # already (KVCacheManager's promise)
             num_new, encodes = 1, None
-            # its slot is usually in a block it holds already (KVCacheManager's promise)
             new_blocks = empty if computed < request.kv_steady_until else \
                 try_allocate(request, 1)
         else:
-            num_new, encodes = _tokens_wanted(sched, request, num_tokens, extra,
-                                              min(budget, chunk_cap) if chunk_cap else budget,
-                                              step_budget)
-            new_blocks = try_allocate(request, num_new) if num_new > 0 else None
+            num_new, encodes, new_blocks = _slots_wanted(
+                sched, request, num_tokens, extra,
+                min(budget, chunk_cap) if chunk_cap else budget, step_budget)
         if new_blocks is None and num_new > 0:  # no room: drop the drafts, then preempt
             new_blocks, extra, num_new = _make_room(sched, request, num_new,
                                                     num_tokens - computed, extra, out)
@@ -60,8 +61,6 @@ def schedule_running(sched: Scheduler, budget: int, cap: int, out: SchedulerOutp
             if i < len(running) and running[i] is request:
                 i += 1  # nothing to do, or to preempt: it waits for the next step
             continue  # else it was preempted itself
-        if request.mm_features is not None:
-            sched.encoder.commit(request, computed, num_new, encodes, out)
         add_id(rid)
         add_computed(computed)
         if new_blocks is not empty:
@@ -69,21 +68,46 @@ def schedule_running(sched: Scheduler, budget: int, cap: int, out: SchedulerOutp
         if send_token_ids:
             cached.new_token_ids[rid] = step_token_ids(request, num_new)
         num_scheduled[rid] = num_new
-        total += num_new
         request.num_computed_tokens = computed + num_new
-        if extra:  # the budget may have cut the drafts short
-            num_drafts = computed + num_new - num_tokens
-            if num_drafts > 0:
-                out.scheduled_spec_decode_tokens[rid] = extra[:num_drafts]
-        if computed + num_new >= num_tokens and \
-                (note_sampling or request.structured_output is not None):  # it samples
-            sched._note_sampling(request, out)  # (drafts go past its tokens)
-        if track:
-            sched.in_flight[rid] = sched.in_flight.get(rid, 0) + 1
+        if every_step_noted or extra or request.mm_features is not None or \
+                request.structured_output is not None:
+            _note_step(sched, request, out, computed, num_new, num_tokens, extra, encodes)
+        total += num_new
         budget -= num_new
         i += 1
     out.total_num_scheduled_tokens += total
     return budget
+
+
+def _slots_wanted(sched: Scheduler, request: Request, num_tokens: int,
+                  extra: list[int] | None, budget: int, step_budget: StepBudget | None
+                  ) -> tuple[int, object, KVCacheBlocks | None]:
+    """A running request's step other than a plain decode (a prefill chunk, drafts,
+    images, a token still out): the tokens it computes (:func:`_tokens_wanted`), the
+    encoder's plan for its images, and their new blocks (None: the pool has no room, or
+    there is nothing to compute)."""
+    num_new, encodes = _tokens_wanted(sched, request, num_tokens, extra, budget, step_budget)
+    new_blocks = sched.kv.try_allocate_slots(request, num_new) if num_new > 0 else None
+    return num_new, encodes, new_blocks
+
+
+def _note_step(sched: Scheduler, request: Request, out: SchedulerOutput, computed: int,
+               num_new: int, num_tokens: int, extra: list[int] | None,
+               encodes: object) -> None:
+    """What a scheduled step of ``request`` (``num_new`` tokens from ``computed``; its
+    ``num_tokens`` with placeholders) carries beyond its tokens and blocks: its images'
+    encodes, the drafts the budget left it, that it samples (async scheduling's
+    placeholder, a constrained request's bitmask row; drafts go past its tokens) and its
+    count of steps in flight (pipeline parallelism)."""
+    rid, end = request.request_id, computed + num_new
+    if request.mm_features is not None:
+        sched.encoder.commit(request, computed, num_new, encodes, out)
+    if extra and end > num_tokens:  # the budget may have cut the drafts short
+        out.scheduled_spec_decode_tokens[rid] = extra[:end - num_tokens]
+    if end >= num_tokens and (sched.async_scheduling or request.structured_output is not None):
+        sched._note_sampling(request, out)
+    if sched.track_in_flight:
+        sched.in_flight[rid] = sched.in_flight.get(rid, 0) + 1
 
 
 def _tokens_wanted(sched: Scheduler, request: Request, num_tokens: int,
