@@ -48,12 +48,21 @@ CASES = [  # (request fields, param, message)
      ("invalid JSON schema in response_format.json_schema.schema: the pattern '[' at "
       "patternProperties is not a valid regex: Regex parsing error at position 2: "
       "Unclosed '['")),
+    (_schema({"type": "object", "properties": {"code": {"type": "string",
+                                                         "pattern": "^a[^\\s\\S]b$"}}}),
+     "response_format.json_schema.schema",
+     ("invalid JSON schema in response_format.json_schema.schema: the pattern '^a[^\\\\s\\\\S]b$' "
+      "at properties.code.pattern matches no string: a character class that every match goes "
+      "through holds no character kvflow matches there (it is empty, as [^\\s\\S], or holds "
+      "only control characters other than \\b \\f \\n \\r \\t, which a class here does "
+      "not match)")),
 ]
 
 
 @pytest.mark.parametrize("fields, param, message", CASES,
                          ids=["guided_regex", "guided_grammar", "guided_json", "so_grammar",
-                              "so_regex", "schema_pattern", "pattern_properties"])
+                              "so_regex", "schema_pattern", "pattern_properties",
+                              "pattern_matching_nothing"])
 def test_constraint_error_names_the_field_sent(tiny_tokenizer, fields, param, message):
     engine = SimpleNamespace(processor=InputProcessor(tiny_tokenizer, 256, 320, 0))
     req = ChatCompletionRequest.model_validate({"messages": HI, **fields})

@@ -28,6 +28,7 @@ from typing import Any
 
 from kvflow.structured.regex_classes import Ranges, negated_class, rewrite_classes
 from kvflow.structured.regex_dialect import complement
+from kvflow.structured.regex_empty import matches_nothing
 from kvflow.structured.schema_patterns import map_patterns, map_schemas
 
 _JSON_ESCAPES = {0x22: '\\\\"', 0x5C: "\\\\\\\\", 0x08: "\\\\b", 0x0C: "\\\\f", 0x0A: "\\\\n",
@@ -75,6 +76,14 @@ def json_pattern(pattern: str) -> str:
     """``pattern`` (a JSON-schema ``pattern``, xgrammar's regex dialect) rewritten as the
     module docstring says (``regex_classes.rewrite_classes``)."""
     return rewrite_classes(pattern, _class_text, _DOT, _literal)
+
+
+def json_pattern_empty(pattern: str) -> bool:
+    """True when no JSON string matches ``pattern`` (a JSON-schema ``pattern``, a valid
+    regex) as :func:`json_pattern` writes it: a class that every match goes through holds
+    no character, or only control characters other than JSON's escapes (``[\\x01]``),
+    which a class here leaves out (``regex_empty.matches_nothing``)."""
+    return matches_nothing(pattern, lambda ranges: _class_text(ranges) == _NOTHING)
 
 
 def _literal(code: int | None, written: str) -> str:

@@ -127,6 +127,12 @@ def _class_item(pattern: str, i: int, ranges: Ranges) -> tuple[int | None, int]:
     return _code_point(pattern, i)
 
 
+def shorthand_ranges(letter: str) -> Ranges | None:
+    """The code point ranges (sorted, disjoint) of the shorthand class ``\\<letter>``
+    (``d``, ``D``, ``w``, ``W``, ``s``, ``S``); None for any other escape letter."""
+    return _shorthand(letter) if letter.lower() in SHORTHANDS else None
+
+
 def _shorthand(letter: str) -> Ranges:
     ranges = SHORTHANDS[letter.lower()]
     return list(complement(ranges)) if letter.isupper() else list(ranges)

@@ -10,7 +10,11 @@ from typing import Any
 
 import xgrammar as xgr
 
-from kvflow.structured.json_pattern import placeholder_patterns, strict_formats
+from kvflow.structured.json_pattern import (
+    json_pattern_empty,
+    placeholder_patterns,
+    strict_formats,
+)
 from kvflow.structured.lark_grammar import lark_to_gbnf, looks_like_lark
 from kvflow.structured.params import StructuredOutputsParams
 from kvflow.structured.regex_classes import negated_regex
@@ -263,11 +267,18 @@ def bad_pattern(schema: Any) -> str | None:
     """Why the first string pattern of ``schema`` (a parsed JSON schema) that xgrammar's
     regex parser refuses is refused, naming the pattern and where it is
     (``the pattern 'a[' at properties.code.pattern is not a valid regex: ...``); None when
-    every pattern parses."""
+    every pattern parses. Also refused: a ``pattern`` no JSON string matches
+    (``json_pattern.json_pattern_empty``: ``a[^\\s\\S]``), which would let the reply start
+    and then allow no token, ending it with ``length``."""
     for path, pattern in string_patterns(schema):
+        shown = pattern if len(pattern) <= 60 else pattern[:57] + "..."
         try:
             xgr.Grammar.from_regex(pattern)
         except RuntimeError as e:
-            shown = pattern if len(pattern) <= 60 else pattern[:57] + "..."
             return f"the pattern {shown!r} at {path} is not a valid regex: {clean_error(e)}"
+        if path.endswith("pattern") and json_pattern_empty(pattern):
+            return (f"the pattern {shown!r} at {path} matches no string: a character class "
+                    "that every match goes through holds no character kvflow matches there "
+                    "(it is empty, as [^\\s\\S], or holds only control characters other "
+                    "than \\b \\f \\n \\r \\t, which a class here does not match)")
     return None
