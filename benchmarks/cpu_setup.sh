@@ -23,8 +23,11 @@ for PEER in ${PEER_VENVS:-}; do
 done
 # DTYPES: the dtypes every engine runs in; each engine is then compared at its best one. Where
 # the CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16) both bf16 and fp32, since which is
-# faster depends on the engine and the CPU (measured, not assumed); else fp32 only (bf16
-# matmuls without those units run several times slower). DTYPE=x runs x only.
+# faster depends on the engine and the CPU (measured, not assumed); else fp32 only (oneDNN's
+# bf16 matmuls, vLLM CPU's, run several times slower without those units). kvflow's own bf16
+# GEMM does not (it widens bf16 weights itself: on an Ice Lake Xeon its bf16 was 1.30x its
+# fp32, and --dtype auto picks bf16 there): DTYPE="bfloat16 float32" runs both on such a CPU.
+# DTYPE=x runs x only.
 if [ -n "${DTYPE:-}" ]; then
     DTYPES=$DTYPE
 elif grep -qw -e avx512_bf16 -e amx_bf16 /proc/cpuinfo; then
