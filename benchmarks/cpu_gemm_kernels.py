@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/cpu_gemm_kernels.py [--threads 1] [--levels avx512_bf16,avx2]
     .venv/bin/python benchmarks/cpu_gemm_kernels.py --compare [--threads 1] [--rows 1,32,64] \
-        [--baseline /path/to/another/checkout]
+        [--baseline /path/to/another/checkout] [--onednn-dtype float32] [--shapes 960x576]
 
 For each weight shape and row count: kvflow's C GEMM built for each ISA level this CPU runs
 (``KVFLOW_CPU_ISA`` levels; fp32 weights, and bf16 weights - VDPBF16PS pairs on AVX512-BF16,
@@ -15,7 +15,9 @@ tiles where it has them) against oneDNN's, both on SmolLM2-135M's five GEMM shap
 ratio oneDNN / kvflow (> 1: kvflow faster), the two kernels' passes alternating. Up to 64 rows
 the weights cycle through distinct copies larger than the last-level cache (as a model's layers
 do in decode, so each call reads its weight from memory); above, two copies (compute-bound, as
-``--cpu-gemm auto`` times them). One thread by process
+``--cpu-gemm auto`` times them). ``--onednn-dtype float32``: oneDNN in fp32 against kvflow's
+bf16 (on a CPU without bf16 units oneDNN's bf16 is emulated, several times slower than its
+fp32, so fp32 is the one to beat there). One thread by process
 CPU time, or ``--threads 2`` by wall time (run it under the bench lock on a quiet machine).
 """
 
@@ -103,17 +105,20 @@ def baseline_kernels(root: str):
 
 
 def compare(rows_list: list[int], threads: int, passes: int = 5, baseline: str = "",
-            dtype: torch.dtype = torch.bfloat16) -> None:
-    """Prints kvflow's ``dtype`` GEMM against oneDNN's (and, with ``baseline``, kvflow's kernels
-    built from that checkout's sources), per shape and row count (see the module docstring),
-    and the geometric mean ratio per row count."""
+            dtype: torch.dtype = torch.bfloat16, onednn_dtype: torch.dtype | None = None,
+            shapes: list[tuple[int, int]] | None = None) -> None:
+    """Prints kvflow's ``dtype`` GEMM against oneDNN's in ``onednn_dtype`` (None: ``dtype``;
+    and, with ``baseline``, kvflow's kernels built from that checkout's sources), per shape of
+    ``shapes`` (None: MODEL_SHAPES) and row count (see the module docstring), and the geometric
+    mean ratio per row count."""
     from kvflow.kernels.cpu_native import native_cpu_kernels
 
     kernels = native_cpu_kernels()
     base = baseline_kernels(baseline) if baseline else None
     clock = time.process_time if threads == 1 else time.perf_counter
     gen = torch.Generator().manual_seed(0)
-    print(f"kvflow ({kernels.isa}) vs oneDNN, {dtype} -> {dtype}, {threads} thread(s), "
+    onednn_dtype = onednn_dtype or dtype
+    print(f"kvflow ({kernels.isa}) {dtype} vs oneDNN {onednn_dtype}, {threads} thread(s), "
           f"{'CPU' if threads == 1 else 'wall'} time, min of {passes} passes")
     if base is not None:
         print(f"kvflow: {imported_checkout()}; baseline: {baseline}")
@@ -121,14 +126,14 @@ def compare(rows_list: list[int], threads: int, passes: int = 5, baseline: str =
     print(f"| n x k | rows | kvflow ms | oneDNN ms | oneDNN / kvflow |{extra}")
     print("|---|---|---|---|---|" + ("---|---|" if base else ""))
     ratios: dict[int, list[float]] = {m: [] for m in rows_list}
-    for n, k in MODEL_SHAPES:
+    for n, k in shapes or MODEL_SHAPES:
         copies = max(2, min(256, STREAM_BYTES // (n * k * 2)))
         w = torch.randn(n, k, generator=gen).to(dtype)
         fns = {"kvflow": [], "onednn": []}
         for _ in range(copies):
             packed = kernels.gemm_pack(w)
             fns["kvflow"].append(lambda x, p=packed, n=n: kernels.gemm(x, p, n, None, dtype))
-            od = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+            od = torch.ops.mkldnn._reorder_linear_weight(w.to(onednn_dtype), 64)
             fns["onednn"].append(lambda x, od=od: torch.ops.mkldnn._linear_pointwise(
                 x, od, None, "none", [], ""))
             if base is not None:
@@ -137,17 +142,19 @@ def compare(rows_list: list[int], threads: int, passes: int = 5, baseline: str =
                     lambda x, p=bp, n=n: base.gemm(x, p, n, None, dtype))
         for m in rows_list:
             x = torch.randn(m, k, generator=gen).to(dtype)
+            xs = {"onednn": x.to(onednn_dtype)}
             best = {}
             for name, pool in fns.items():
                 pool = pool if m <= STREAM_ROWS else pool[:2]
-                pool[0](x)
+                pool[0](xs.get(name, x))
                 best[name] = float("inf")
             for _ in range(passes):
                 for name, pool in fns.items():
                     pool = pool if m <= STREAM_ROWS else pool[:2]
+                    xn = xs.get(name, x)
                     start = clock()
                     for fn in pool:
-                        fn(x)
+                        fn(xn)
                     best[name] = min(best[name], (clock() - start) / len(pool))
             ratio = best["onednn"] / best["kvflow"]
             ratios[m].append(ratio)
@@ -170,11 +177,20 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--baseline", default="", help="--compare: also time kvflow's kernels "
                         "built from this checkout's sources")
+    parser.add_argument("--onednn-dtype", default="", choices=["", "bfloat16", "float32"],
+                        help="--compare: oneDNN's dtype (default: --dtype's), e.g. float32 "
+                        "against kvflow's bf16 on a CPU without bf16 units")
+    parser.add_argument("--shapes", default="", help="--compare: n x k shapes, e.g. "
+                        "960x576,3072x576 (default: SmolLM2-135M's five)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.compare:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] \
+            if args.shapes else None
         compare([int(r) for r in args.rows.split(",")], args.threads, baseline=args.baseline,
-                dtype=getattr(torch, args.dtype))
+                dtype=getattr(torch, args.dtype),
+                onednn_dtype=getattr(torch, args.onednn_dtype) if args.onednn_dtype else None,
+                shapes=shapes)
         return
     levels = {name: native_cpu_kernels_for_isa(name) for name in args.levels.split(",")}
     levels = {name: k for name, k in levels.items() if k is not None}

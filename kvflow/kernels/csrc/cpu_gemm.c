@@ -107,11 +107,10 @@ int kvflow_gemm_x_dtype(int wdt) { return wdt == DT_BF16 ? DT_BF16 : DT_F32; }
 /* Whether x of dtype xdt is widened to fp32 before the products (bf16 x of widened panels). */
 static inline int widens_x(int xdt) { return xdt == DT_BF16 && !BF16_PAIRS; }
 
-/* Rows [r0, r1) of bf16 x [m, k] (row stride xs elements) widened into fp32 x32 [m, k]
- * (row stride k): exact, bf16 being the top half of fp32. */
-static void widen_x(const uint16_t *x, int64_t xs, float *x32, int64_t k, int64_t r0,
-                    int64_t r1) {
-    for (int64_t i = r0; i < r1; ++i) load_row(DT_BF16, x + i * xs, x32 + i * k, k);
+/* rows rows of bf16 x (row stride xs elements) widened into fp32 x32 [rows, k] (row stride
+ * k): exact, bf16 being the top half of fp32. */
+static void widen_x(const uint16_t *x, int64_t xs, float *x32, int64_t k, int64_t rows) {
+    for (int64_t i = 0; i < rows; ++i) load_row(DT_BF16, x + i * xs, x32 + i * k, k);
 }
 
 /* Columns per panel of this build (16 or 32). */
@@ -335,6 +334,7 @@ typedef struct {
     uint16_t *xtiles; /* AMX: x packed in tile order, block by block (cpu_gemm_amx.h), or NULL */
     uint32_t *xstate; /* per x block: whether xtiles holds it yet */
     const float *xpack; /* fp32 x of the block being computed, packed by pack_x_block, or NULL */
+    int64_t x_row0; /* the row of x that x points at (a block widened into scratch), else 0 */
 } Gemm;
 
 #if defined(__AMX_BF16__)
@@ -487,7 +487,8 @@ static inline __attribute__((always_inline)) void block_panel(const Gemm *g, int
         for (int64_t ir = 0; ir < mb; ir += mr) {
             const int64_t rows = min64(mb - ir, mr);
             const char *xm = xpacked ? (const char *)(g->xpack + ir * g->k + pc * rows)
-                                     : (const char *)g->x + ((ic + ir) * g->x_stride + pc) * xes;
+                                     : (const char *)g->x
+                                           + ((ic - g->x_row0 + ir) * g->x_stride + pc) * xes;
             const char *pf = next + ir / mr * pf_lines * 64;
             const int direct = cols == NR;
             float *c = direct ? y + ir * ldy : tile;
@@ -577,18 +578,47 @@ static int64_t block_rows(const Gemm *g) {
     return rows < full ? full : rows > MC ? MC : rows;
 }
 
-/* Rows [ic, ic + mb) of fp32 x packed into xp for packed micro-kernels: chunk by chunk of
- * kernel_rows(mb, MR_PACKED) rows, the chunk starting at row ir (R rows) at xp + ir * k laid
- * out [k][R], so a micro-kernel broadcasts its R values of one k from consecutive floats. */
+/* Rows [ic, ic + mb) of x (fp32, or bf16 widened exactly on the way) packed into fp32 xp for
+ * packed micro-kernels: chunk by chunk of kernel_rows(mb, MR_PACKED) rows, the chunk starting
+ * at row ir (R rows) at xp + ir * k laid out [k][R], so a micro-kernel broadcasts its R values
+ * of one k from consecutive floats. */
 static void pack_x_block(const Gemm *g, int64_t ic, int64_t mb, float *xp) {
     const int64_t mr = kernel_rows(mb, MR_PACKED), k = g->k;
     for (int64_t ir = 0; ir < mb; ir += mr) {
         const int64_t rows = min64(mb - ir, mr);
         float *dst = xp + ir * k;
         for (int64_t r = 0; r < rows; ++r) {
-            const float *src = (const float *)g->x + (ic + ir + r) * g->x_stride;
-            for (int64_t kk = 0; kk < k; ++kk) dst[kk * rows + r] = src[kk];
+            const int64_t row = ic + ir + r;
+            if (g->xdt == DT_BF16) {
+                const uint16_t *src = (const uint16_t *)g->x + row * g->x_stride;
+                for (int64_t kk = 0; kk < k; ++kk) {
+                    const uint32_t u = (uint32_t)src[kk] << 16; /* bf16: fp32's top half */
+                    memcpy(dst + kk * rows + r, &u, sizeof u);
+                }
+            } else {
+                const float *src = (const float *)g->x + row * g->x_stride;
+                for (int64_t kk = 0; kk < k; ++kk) dst[kk * rows + r] = src[kk];
+            }
         }
+    }
+}
+
+/* gt (a thread's copy of g) reading rows [ic, ic + mb) of x from the thread's scratch xp where
+ * they are packed (pack: pack_x_block) or widened from bf16 (widen: row-major, rows of k);
+ * else from x in place. */
+static void block_x(const Gemm *g, Gemm *gt, int64_t ic, int64_t mb, float *xp, int pack,
+                    int widen, int64_t *xp_block, int *xp_packed) {
+    *gt = *g;
+    if (!pack && !widen) return;
+    if (*xp_block != ic || *xp_packed != pack) {
+        if (pack) pack_x_block(g, ic, mb, xp);
+        else widen_x((const uint16_t *)g->x + ic * g->x_stride, g->x_stride, xp, g->k, mb);
+        *xp_block = ic, *xp_packed = pack;
+    }
+    if (pack) {
+        gt->xpack = xp;
+    } else {
+        gt->x = xp, gt->x_stride = g->k, gt->xdt = DT_F32, gt->x_row0 = ic;
     }
 }
 
@@ -624,28 +654,38 @@ int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, in
                 int64_t k, int num_threads) {
     if (xdt != kvflow_gemm_x_dtype(wdt)) return 1;
     if (m <= 0 || n <= 0) return 0;
-    Gemm g = {x, x_stride, packed, wdt, xdt, bias, y, y_stride, m, n, k, ydt, NULL, NULL, NULL};
+    Gemm g = {x, x_stride, packed, wdt, xdt, bias, y, y_stride, m, n, k, ydt, NULL, NULL, NULL, 0};
     const int64_t panels = (n + NR - 1) / NR, mb_max = block_rows(&g);
     const int64_t blocks = (m + mb_max - 1) / mb_max;
     const int nt = num_threads < 1 ? 1 : (int64_t)num_threads > panels ? (int)panels : num_threads;
     if (blocks * panels >= ((int64_t)1 << 32)) return 1;
-    /* widened x: up to X_STACK values (a decode row or a few) on the stack, more in scratch;
-     * widened here, or past X_TEAM values (prefill) by the team before the products (a
-     * barrier more, which a decode-sized x does not pay for) */
-    enum { X_STACK = 4096, X_TEAM = 1 << 16 };
-    float x_stack[X_STACK], *x32 = NULL;
-    const int widen = widens_x(xdt) && k > 0, widen_team = widen && m * k > X_TEAM;
-    const int x_heap = widen && m * k > X_STACK;
-    if (widen) {
-        x32 = x_heap ? aligned_alloc(64, (size_t)((m * k + 15) / 16 * 16) * sizeof(float))
-                     : x_stack;
-        if (!x32) return 1;
-        if (!widen_team) widen_x(x, x_stride, x32, k, 0, m);
-        g.x = x32, g.x_stride = k, g.xdt = DT_F32;
+    /* bf16 x of widened panels: up to X_STACK values (a decode row or a few) widened here, on
+     * the stack; more by each thread, block by block, into its scratch (below) */
+    enum { X_STACK = 4096 };
+    float x_stack[X_STACK];
+    const int widen = widens_x(xdt) && k > 0, widen_here = widen && m * k <= X_STACK;
+    if (widen_here) {
+        widen_x(x, x_stride, x_stack, k, m);
+        g.x = x_stack, g.x_stride = k, g.xdt = DT_F32;
     }
+    /* fp32 x (bf16 x widened on the way) packed per thread, block by block, where
+     * kvflow_gemm_x_packed: blocks of more than MR rows for 16-bit weights widened in
+     * registers (1.13x at 16 rows), of more than MR_BALANCED for fp32 weights (at 16 rows
+     * the in-place 8-row micro-kernels, their next chunk prefetched into L2, ran 0.85-1.0x
+     * against packed ones; docs/benchmarks.md, session 51). Other blocks of bf16 x are widened
+     * per thread, row-major. A thread redoes it when it moves to another block: each thread
+     * widens x once per block it works on (not the whole x once into an m x k scratch, whose
+     * writing and re-reading from memory cost a 2,048 x 576 bf16 product 1.1x its time on an
+     * Ice Lake Xeon; docs/benchmarks.md, session 52). */
+    const int64_t pack_above = wdt == DT_F32 ? MR_BALANCED : MR;
+    const int xpack = (g.xdt == DT_F32 || widen) && k > 0 && m > pack_above
+                      && kvflow_gemm_x_packed();
+    const int widen_blocks = widen && !widen_here;
+    const size_t scratch = (size_t)((mb_max * k * 4 + 63) / 64 * 64);
+    char *xps = xpack || widen_blocks ? aligned_alloc(64, scratch * (size_t)nt) : NULL;
     Share *shares = aligned_alloc(64, sizeof(Share) * nt);
-    if (!shares) {
-        if (x_heap) free(x32);
+    if (!shares || ((xpack || widen_blocks) && !xps)) {
+        free(shares), free(xps);
         return 1;
     }
 #if AMX_TILES
@@ -662,23 +702,13 @@ int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, in
     /* Thread t's share: panels [p0, p1) for every x block, item = block * (p1 - p0) + p - p0. */
     for (int t = 0; t < nt; ++t)
         shares[t].range = (uint64_t)(blocks * (panels * (t + 1) / nt - panels * t / nt));
-    /* fp32 x (bf16 x widened above included) packed per thread, block by block, where
-     * kvflow_gemm_x_packed (a thread repacks when it moves to another block): blocks of more than MR rows for 16-bit weights widened
-     * in registers (1.13x at 16 rows), of more than MR_BALANCED for fp32 weights (at 16 rows
-     * the in-place 8-row micro-kernels, their next chunk prefetched into L2, ran 0.85-1.0x
-     * against packed ones; docs/benchmarks.md, session 51) */
-    const int64_t pack_above = wdt == DT_F32 ? MR_BALANCED : MR;
-    const int xpack = g.xdt == DT_F32 && k > 0 && m > pack_above && kvflow_gemm_x_packed();
 #pragma omp parallel num_threads(nt)
     {
         const int self = omp_get_thread_num();
-        if (widen_team) {
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < m; ++i) widen_x(x, x_stride, x32, k, i, i + 1);
-        }
         Gemm gt = g;
-        float *xp = xpack ? aligned_alloc(64, (size_t)((mb_max * k * 4 + 63) / 64 * 64)) : NULL;
+        float *xp = xps ? (float *)(xps + scratch * (size_t)self) : NULL;
         int64_t xp_block = -1;
+        int xp_packed = 0;
         for (int i = 0; i < nt; ++i) {
             const int t = (self + i) % nt; /* own share first, then the others' */
             const int64_t p0 = panels * t / nt, width = panels * (t + 1) / nt - p0;
@@ -687,19 +717,14 @@ int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, in
 #if AMX_TILES
                 amx_pack_block_once(&g, item / width, ic, mb);
 #endif
-                gt.xpack = NULL;
-                if (xp && mb > pack_above) {
-                    if (xp_block != ic) pack_x_block(&g, ic, mb, xp);
-                    xp_block = ic;
-                    gt.xpack = xp;
-                }
+                block_x(&g, &gt, ic, mb, xp, xpack && mb > pack_above, widen_blocks,
+                        &xp_block, &xp_packed);
                 block_times_panel(&gt, ic, mb, p0 + item % width);
             }
         }
-        free(xp);
     }
     free(shares);
-    if (x_heap) free(x32);
+    free(xps);
     free(g.xtiles);
     free(g.xstate);
     return 0;
@@ -753,13 +778,13 @@ int kvflow_gemm_pooled(KvflowPool *pool, const void *x, int64_t x_stride, int xd
         return kvflow_gemm(x, x_stride, xdt, packed, wdt, bias, y, y_stride, ydt, m, n, k,
                            num_threads);
     }
-    if (widen) widen_x(x, x_stride, (float *)xc, k, 0, m);
+    if (widen) widen_x(x, x_stride, (float *)xc, k, m);
     else
         for (int64_t i = 0; i < m; ++i)
             memcpy(xc + i * row, (const char *)x + i * x_stride * xes, row);
     if (bias) memcpy(bc, bias, (size_t)n * sizeof(float));
     const Gemm g = {xc, k, packed, wdt, widen ? DT_F32 : xdt, bc, y, y_stride, m, n, k, ydt,
-                    NULL, NULL, NULL};
+                    NULL, NULL, NULL, 0};
     const int64_t panels = (n + NR - 1) / NR, mb_max = block_rows(&g);
     const PooledGemm pg = {g, mb_max, panels};
     kvflow_pool_run(pool, pooled_item, pooled_commit, &pg, sizeof pg, mb_max * NR,
