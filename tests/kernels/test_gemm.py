@@ -269,7 +269,8 @@ def test_native_gemm_16_bit_weights_widen_exactly(dtype, m, n, k):
 
 
 
-# rows x 576: 1 and 7 rows widen x on the stack, 64 into scratch, 200 by the thread team
+# rows x 576: 1 and 7 rows widen x on the stack; 64 and 200 each thread, block by block, in
+# its own scratch
 @native
 @pytest.mark.parametrize("m", [1, 7, 64, 200])
 def test_native_gemm_takes_bf16_activations_on_every_build(m):
@@ -295,6 +296,37 @@ def test_native_gemm_takes_bf16_activations_on_every_build(m):
         torch.set_num_threads(threads)
     _fp32_oracle_check(one, x.float(), w.float(), None)
     assert torch.equal(one, two)
+
+
+# bf16 x of widened panels past 4,096 values is widened by each thread, block by block, into
+# its own scratch: packed k-major (Ice Lake, blocks of more than 8 rows) or row-major. The
+# blocks: 96 + 5 rows (k = 576: the 5-row tail row-major everywhere), 42 + 3 (k = 1536), 96 +
+# 34 (k = 257: the 34-row tail packed on Ice Lake). 3 threads take items from each other's
+# shares, moving between blocks (and re-widening).
+@native
+@pytest.mark.parametrize("m,k", [(101, 576), (45, 1536), (130, 257)])
+def test_native_gemm_widens_bf16_x_block_by_block(m, k):
+    """Every row of a bf16 x (row stride > K) widened block by block is within the fp32 bound
+    of the float64 product, bit for bit the same on 1, 2 and 3 threads and as the row computed
+    alone (one row: widened on the stack, read in place)."""
+    kernels = native_cpu_kernels()
+    gen = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k + 40, generator=gen).to(torch.bfloat16)[:, 20:20 + k]
+    w, b = torch.randn(70, k, generator=gen).to(torch.bfloat16), torch.randn(70, generator=gen)
+    packed = NativePackedWeight(w, kernels)
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            runs.append(packed(x, b))
+    finally:
+        torch.set_num_threads(threads)
+    _fp32_oracle_check(runs[0], x.float(), w.float(), b)
+    for other in runs[1:]:
+        assert torch.equal(other, runs[0])
+    for i in (0, 41, 42, 95, 96, m - 1):
+        assert torch.equal(packed(x[i:i + 1], b), runs[0][i:i + 1])
 
 
 def _cpuinfo_fields() -> dict[str, str]:

@@ -33,10 +33,14 @@
  * which adds two bf16 products to each fp32 lane per instruction: twice the multiply rate of
  * fp32 FMA and half the weight bytes. kvflow_gemm_x_dtype says which x a weight dtype takes:
  * bf16 weights take bf16 x in every build. Where they are widened (no AVX512-BF16: Ice Lake,
- * AVX2), x is widened to fp32 once per call (exact), into scratch, before the products: a bf16
- * model's activations then reach the GEMM as they are, with no conversion between the native
- * calls of a decode step (a torch conversion there made every step unreplayable as a CPU step
- * graph, kvflow/worker/cpu_graphs.py).
+ * AVX2), x is widened to fp32 inside the call (exact): a few rows on the stack, more by each
+ * thread, block by block, into its own scratch (packed k-major as it is widened where
+ * kvflow_gemm_x_packed): a bf16 model's activations then reach the GEMM as they are, with no
+ * conversion between the native calls of a decode step (a torch conversion there made every
+ * step unreplayable as a CPU step graph, kvflow/worker/cpu_graphs.py). The weights are widened
+ * in registers by every micro-kernel: widening each chunk once per block into an fp32 buffer
+ * for the block's micro-kernels measured 0.8-1.0x on an Ice Lake Xeon (docs/benchmarks.md,
+ * session 52), the kernel not being bound by the widening there.
  * In builds with AMX-BF16 (__AMX_BF16__) the same k-paired panels are multiplied by AMX tiles
  * instead (cpu_gemm_amx.h) where k is a multiple of 32, in x blocks of 256 rows walked in k
  * chunks, x packed in tile order from 48 rows.
@@ -101,7 +105,8 @@ enum { HALF = NR / 2, KC = 256, MC = 96 };
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* The dtype of x a weight of dtype wdt is multiplied with: bf16 for bf16 weights (k-paired
- * panels take it as it is, widened panels widen it once per call: widen_x), else fp32. */
+ * panels take it as it is, widened panels widen it inside the call: widen_x, pack_x_block),
+ * else fp32. */
 int kvflow_gemm_x_dtype(int wdt) { return wdt == DT_BF16 ? DT_BF16 : DT_F32; }
 
 /* Whether x of dtype xdt is widened to fp32 before the products (bf16 x of widened panels). */
