@@ -33,14 +33,14 @@
  * which adds two bf16 products to each fp32 lane per instruction: twice the multiply rate of
  * fp32 FMA and half the weight bytes. kvflow_gemm_x_dtype says which x a weight dtype takes:
  * bf16 weights take bf16 x in every build. Where they are widened (no AVX512-BF16: Ice Lake,
- * AVX2), x is widened to fp32 inside the call (exact): a few rows on the stack, more by each
- * thread, block by block, into its own scratch (packed k-major as it is widened where
- * kvflow_gemm_x_packed): a bf16 model's activations then reach the GEMM as they are, with no
- * conversion between the native calls of a decode step (a torch conversion there made every
- * step unreplayable as a CPU step graph, kvflow/worker/cpu_graphs.py). The weights are widened
- * in registers by every micro-kernel: widening each chunk once per block into an fp32 buffer
- * for the block's micro-kernels measured 0.8-1.0x on an Ice Lake Xeon (docs/benchmarks.md,
- * session 52), the kernel not being bound by the widening there.
+ * AVX2), x is widened to fp32 inside the call (exact): a few rows on the stack; more, where x
+ * is packed (kvflow_gemm_x_packed), by each thread as it packs a block, elsewhere all of x
+ * into scratch first (kvflow_gemm): a bf16 model's activations then reach the GEMM as they
+ * are, with no conversion between the native calls of a decode step (a torch conversion there
+ * made every step unreplayable as a CPU step graph, kvflow/worker/cpu_graphs.py). The weights
+ * are widened in registers by every micro-kernel: widening each chunk once per block into an
+ * fp32 buffer for the block's micro-kernels measured 0.8-1.0x on an Ice Lake Xeon
+ * (docs/benchmarks.md, session 52), the kernel not being bound by the widening there.
  * In builds with AMX-BF16 (__AMX_BF16__) the same k-paired panels are multiplied by AMX tiles
  * instead (cpu_gemm_amx.h) where k is a multiple of 32, in x blocks of 256 rows walked in k
  * chunks, x packed in tile order from 48 rows.
@@ -664,33 +664,40 @@ int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, in
     const int64_t blocks = (m + mb_max - 1) / mb_max;
     const int nt = num_threads < 1 ? 1 : (int64_t)num_threads > panels ? (int)panels : num_threads;
     if (blocks * panels >= ((int64_t)1 << 32)) return 1;
-    /* bf16 x of widened panels: up to X_STACK values (a decode row or a few) widened here, on
-     * the stack; more by each thread, block by block, into its scratch (below) */
-    enum { X_STACK = 4096 };
-    float x_stack[X_STACK];
-    const int widen = widens_x(xdt) && k > 0, widen_here = widen && m * k <= X_STACK;
-    if (widen_here) {
-        widen_x(x, x_stride, x_stack, k, m);
-        g.x = x_stack, g.x_stride = k, g.xdt = DT_F32;
-    }
     /* fp32 x (bf16 x widened on the way) packed per thread, block by block, where
      * kvflow_gemm_x_packed: blocks of more than MR rows for 16-bit weights widened in
      * registers (1.13x at 16 rows), of more than MR_BALANCED for fp32 weights (at 16 rows
      * the in-place 8-row micro-kernels, their next chunk prefetched into L2, ran 0.85-1.0x
-     * against packed ones; docs/benchmarks.md, session 51). Other blocks of bf16 x are widened
-     * per thread, row-major. A thread redoes it when it moves to another block: each thread
-     * widens x once per block it works on (not the whole x once into an m x k scratch, whose
-     * writing and re-reading from memory cost a 2,048 x 576 bf16 product 1.1x its time on an
-     * Ice Lake Xeon; docs/benchmarks.md, session 52). */
+     * against packed ones; docs/benchmarks.md, session 51). A thread repacks when it moves to
+     * another block. */
     const int64_t pack_above = wdt == DT_F32 ? MR_BALANCED : MR;
-    const int xpack = (g.xdt == DT_F32 || widen) && k > 0 && m > pack_above
+    const int widen = widens_x(xdt) && k > 0;
+    const int xpack = (xdt == DT_F32 || widen) && k > 0 && m > pack_above
                       && kvflow_gemm_x_packed();
-    const int widen_blocks = widen && !widen_here;
+    /* bf16 x of widened panels: up to X_STACK values (a decode row or a few) widened here, on
+     * the stack. More: where x is packed, by each thread as it packs a block (blocks it does
+     * not pack, row-major into the same scratch: block_x), rather than all of x into an m x k
+     * scratch first, whose writing and re-reading cost 2,048-row products 1.0-1.1x their time
+     * on an Ice Lake Xeon; elsewhere all of x into scratch, here or past X_TEAM values by the
+     * team before the products (a barrier more, which a decode-sized x does not pay for):
+     * block by block ran 0.92-0.99x on the AVX2 build (docs/benchmarks.md, session 52). */
+    enum { X_STACK = 4096, X_TEAM = 1 << 16 };
+    float x_stack[X_STACK], *x32 = NULL;
+    const int widen_here = widen && m * k <= X_STACK, widen_blocks = widen && !widen_here && xpack;
+    const int x_heap = widen && !widen_here && !xpack, widen_team = x_heap && m * k > X_TEAM;
+    if (widen_here || x_heap) {
+        x32 = x_heap ? aligned_alloc(64, (size_t)((m * k + 15) / 16 * 16) * sizeof(float))
+                     : x_stack;
+        if (!x32) return 1;
+        if (!widen_team) widen_x(x, x_stride, x32, k, m);
+        g.x = x32, g.x_stride = k, g.xdt = DT_F32;
+    }
     const size_t scratch = (size_t)((mb_max * k * 4 + 63) / 64 * 64);
-    char *xps = xpack || widen_blocks ? aligned_alloc(64, scratch * (size_t)nt) : NULL;
+    char *xps = xpack ? aligned_alloc(64, scratch * (size_t)nt) : NULL;
     Share *shares = aligned_alloc(64, sizeof(Share) * nt);
-    if (!shares || ((xpack || widen_blocks) && !xps)) {
+    if (!shares || (xpack && !xps)) {
         free(shares), free(xps);
+        if (x_heap) free(x32);
         return 1;
     }
 #if AMX_TILES
@@ -710,6 +717,11 @@ int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, in
 #pragma omp parallel num_threads(nt)
     {
         const int self = omp_get_thread_num();
+        if (widen_team) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < m; ++i)
+                widen_x((const uint16_t *)x + i * x_stride, x_stride, x32 + i * k, k, 1);
+        }
         Gemm gt = g;
         float *xp = xps ? (float *)(xps + scratch * (size_t)self) : NULL;
         int64_t xp_block = -1;
@@ -730,6 +742,7 @@ int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, in
     }
     free(shares);
     free(xps);
+    if (x_heap) free(x32);
     free(g.xtiles);
     free(g.xstate);
     return 0;
