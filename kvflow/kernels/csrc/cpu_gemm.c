@@ -734,8 +734,9 @@ int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, in
 #if AMX_TILES
                 amx_pack_block_once(&g, item / width, ic, mb);
 #endif
-                block_x(&g, &gt, ic, mb, xp, xpack && mb > pack_above, widen_blocks,
-                        &xp_block, &xp_packed);
+                if (xpack) /* else gt is g throughout */
+                    block_x(&g, &gt, ic, mb, xp, mb > pack_above, widen_blocks, &xp_block,
+                            &xp_packed);
                 block_times_panel(&gt, ic, mb, p0 + item % width);
             }
         }
