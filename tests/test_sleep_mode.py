@@ -8,6 +8,8 @@ from __future__ import annotations
 import gc
 import os
 import platform
+import sys
+import threading
 import weakref
 
 import pytest
@@ -15,6 +17,7 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.kernels.cpu_native import native_cpu_kernels
+from kvflow.platforms import cpu_memory
 
 # prompts of whole blocks (block_size 4): a prefix cache that survived the sleep would hit
 PROMPTS = [[5, 9, 23, 41, 7, 77, 120, 3, 64, 200, 11, 12],
@@ -446,3 +449,38 @@ def test_level_1_hands_the_kv_memory_back_to_the_kernel(tiny_llama):
     assert dropped >= 0.9 * kv_bytes, (dropped, kv_bytes)
     llm.wake_up()
     assert _greedy(llm) == _hf_greedy(tiny_llama)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the KV prefault thread: Linux")
+def test_sleep_returns_once_the_prefault_thread_lets_go_of_the_kv_cache(tiny_llama, monkeypatch):
+    """The KV prefault thread (``platforms/cpu_memory.py``) holds a KV tensor while it backs a
+    chunk of it, and runs at nice 19: on busy cores (two pytest-xdist workers) it held one
+    across a sleep, which returned with the KV memory still mapped (the RSS test above
+    failed). Here its chunk stays open until the thread is told to stop: the sleep must stop
+    it and wait, so the tensors are gone when it returns."""
+    if not cpu_memory.populate(torch.zeros(1)):
+        pytest.skip("kernel without MADV_POPULATE_WRITE (Linux < 5.14): no prefault thread")
+    entered, real = threading.Event(), cpu_memory.populate
+
+    def held_open(t: torch.Tensor) -> bool:
+        thread = threading.current_thread()
+        if thread.name == "kvflow-kv-prefault":
+            entered.set()
+            thread.stop.wait(120)
+        return real(t)
+
+    monkeypatch.setattr(cpu_memory, "populate", held_open)
+    try:  # KV planes of 4 MiB: the thread has more than the first 2 MiB page of each to back
+        llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", block_size=16,
+                  num_kv_blocks=2048, enable_sleep_mode=True)
+        assert entered.wait(120), "the prefault thread never started a chunk"
+        old_kv = [weakref.ref(c) for c in _runner(llm).kv_caches]
+        assert old_kv
+        llm.sleep(level=1)
+        assert [ref() is None for ref in old_kv] == [True] * len(old_kv)
+        llm.wake_up()
+        assert _greedy(llm) == _hf_greedy(tiny_llama)
+    finally:  # the old behaviour leaves the thread waiting: let it go
+        for thread in threading.enumerate():
+            if thread.name == "kvflow-kv-prefault":
+                thread.stop.set()

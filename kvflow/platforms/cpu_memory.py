@@ -269,6 +269,18 @@ def prefault_in_background(tensors: list[torch.Tensor], chunk_bytes: int = PREFA
     return thread
 
 
+def stop_prefault(thread: threading.Thread | None) -> None:
+    """Stop a :func:`prefault_in_background` thread (None: nothing to do) and wait until it
+    has ended: at most the chunk it backs now (one ``madvise`` per plane), during which it
+    holds that KV tensor. Call it before letting the tensors go (sleep mode) so that they are
+    unmapped then: a thread at nice 19 on busy cores held one for seconds after the engine
+    dropped it (a sleep returned with the KV memory still resident)."""
+    if thread is None:
+        return
+    thread.stop.set()
+    thread.join()
+
+
 class HugePageArena:
     """Hands out 1-D CPU tensors placed side by side in large allocations ("segments") whose
     whole 2 MB pages are advised onto transparent huge pages before anything touches them.

@@ -4,6 +4,7 @@ profiling forward pass), and the allocation of this rank's KV tensors bound to i
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 
 import torch
@@ -115,7 +116,8 @@ def local_cache_shape(spec: KVCacheSpec, num_blocks: int, cp: int) -> tuple[int,
 def allocate_kv_caches(tensors: list[list[tuple[int, str]]], spec: KVCacheSpec,
                        num_blocks: int, attn_layers: dict[str, Attention],
                        device: torch.device, cp: int,
-                       steps: StepGate | None = None) -> list[torch.Tensor]:
+                       steps: StepGate | None = None
+                       ) -> tuple[list[torch.Tensor], threading.Thread | None]:
     """One zeroed tensor (``local_cache_shape``, ``spec.dtype``) per entry of ``tensors``
     (``local_kv_tensors``), plus its float32 scales for a quantized cache, bound to the
     layers that use it (``layer.kv_cache``, ``kv_group``, ``kv_scales``). On the CPU the
@@ -123,7 +125,8 @@ def allocate_kv_caches(tensors: list[list[tuple[int, str]]], spec: KVCacheSpec,
     blocks scattered over the whole cache), fresh zeroed mappings: each K and V plane's first
     2 MB page (the blocks handed out first) is backed now, the rest by a background thread
     while no step runs (``steps``; ``prefault_in_background``: the faults took seconds, on
-    the way to ready). Returns the tensors in order."""
+    the way to ready). Returns the tensors in order and that thread (None: none started),
+    which must be stopped (``cpu_memory.stop_prefault``) before the tensors are let go."""
     caches = []
     for users in tensors:
         shape = local_cache_shape(spec, num_blocks, cp)
@@ -139,9 +142,9 @@ def allocate_kv_caches(tensors: list[list[tuple[int, str]]], spec: KVCacheSpec,
             if scales is not None:
                 layer.kv_scales = scales
         caches.append(cache)
-    if torch.device(device).type == "cpu":
-        prefault_in_background(caches, gate=steps)
-    return caches
+    prefault = prefault_in_background(caches, gate=steps) \
+        if torch.device(device).type == "cpu" else None
+    return caches, prefault
 
 
 def release_kv_cache(attn_layers: dict[str, Attention], drafter: DraftModel | None) -> None:

@@ -4,12 +4,15 @@ model's attention layers (and the draft model's), graph capture and the draft's 
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
 from kvflow.config import parse_bytes
 from kvflow.distributed.kv_transfer import make_kv_connector_worker
 from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
+from kvflow.platforms.cpu_memory import stop_prefault
 from kvflow.runtime.malloc_env import keep_freed_memory
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.draft_timing import time_draft_passes
@@ -33,6 +36,8 @@ from kvflow.worker.step_graphs import make_graph_runner
 class RunnerKVCache:
     """KV-cache set-up of the runner; ``ModelRunner`` sets ``model``, ``config``, ``device``,
     ``kv_caches``, ``drafter``, ... which these use."""
+
+    kv_prefault: threading.Thread | None = None  # the KV tensors' prefault thread (CPU)
 
     # ---- KV cache ----------------------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
@@ -73,8 +78,7 @@ class RunnerKVCache:
             if send_to_next_stage(self.parallel.pp, hidden) and self.pooling is None:
                 self.model.compute_logits(hidden[-self.config.scheduler_config.max_num_seqs:])
         self.platform.synchronize()
-        release_kv_cache(self.attn_layers, self.drafter)
-        self.kv_caches = []
+        self.release_kv_tensors()
 
     def local_kv_tensors(self, kv_cache_config: KVCacheConfig) -> list[list[tuple[int, str]]]:
         """For each KV tensor ``j`` this rank allocates: the (group, layer name) pairs of its
@@ -132,10 +136,9 @@ class RunnerKVCache:
         sleeping KV cache wakes up (``worker/sleep_mode.py``)."""
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         draft = kv_cache_config.draft_group
-        self.kv_caches = allocate_kv_caches(self.local_kv_tensors(kv_cache_config), spec,
-                                            kv_cache_config.num_blocks, self.attn_layers,
-                                            self.device, self.parallel.cp.world_size,
-                                            self.step_gate)
+        self.kv_caches, self.kv_prefault = allocate_kv_caches(
+            self.local_kv_tensors(kv_cache_config), spec, kv_cache_config.num_blocks,
+            self.attn_layers, self.device, self.parallel.cp.world_size, self.step_gate)
         if draft is not None and self.drafter is not None:
             self.kv_caches.extend(self.drafter.bind_kv_cache(draft, kv_cache_config.num_blocks))
         self.host_kv = None
@@ -146,6 +149,15 @@ class RunnerKVCache:
                                            draft.kv_cache_spec)
             self.host_kv = HostKVCache(tensors, kv_cache_config.num_host_blocks,
                                        pin_memory=self.device.type == "cuda")
+
+    def release_kv_tensors(self) -> None:
+        """Unbind this rank's KV tensors (the draft model's too) and drop them, once their
+        prefault thread has stopped (``cpu_memory.stop_prefault``: it may hold one), so that
+        their memory is unmapped now (sleep mode, the profiling run)."""
+        stop_prefault(self.kv_prefault)
+        self.kv_prefault = None
+        release_kv_cache(self.attn_layers, self.drafter)
+        self.kv_caches = []
 
     def capture_graphs(self, max_model_len: int) -> None:
         """Set up the decode-step graph runner (``worker/step_graphs.py``: CUDA graphs

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvflow.worker.kv_cache_setup import release_kv_cache
 from kvflow.worker.step_graphs import make_graph_runner
 
 logger = logging.getLogger(__name__)
@@ -294,8 +293,7 @@ def _allocate_kv_cache(runner) -> None:
 
 def _free_kv_cache(runner) -> None:
     """Unbind and drop every KV tensor of ``runner`` (the swap pool's host copy too)."""
-    release_kv_cache(runner.attn_layers, runner.drafter)
-    runner.kv_caches = []
+    runner.release_kv_tensors()
     runner.host_kv = None
 
 
