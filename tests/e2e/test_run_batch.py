@@ -29,6 +29,7 @@ RESP = "/v1/responses"
 URLS = ("/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses, /v1/score, "
         "/v1/rerank, /v1/classify")
 
+ORACLE_SALT = "tests/e2e/test_run_batch.py"
 # (custom_id, url, body) of the lines that reach an endpoint, and the status the server gives
 SENT = [
     ("chat-1", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "hi there"}],
@@ -46,10 +47,15 @@ SENT = [
     ("other-model", CHAT, {"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
     ("embed-text-model", EMBD, {"model": MODEL, "input": "hello"}),
     ("too-long", CMPL, {"model": MODEL, "prompt": "the quick brown fox " * 40}),
-    # /v1/responses: store absent (true) and false, each echoed as the server echoes it
+    # /v1/responses: store absent (true) and false, each echoed as the server echoes it. Their
+    # usage counts prefix-cache hits (chat and completions report none without
+    # --enable-prompt-tokens-details): a cache salt no other module sends keeps the shared
+    # server's hits to this module's own requests (under pytest-xdist, a worker's server had
+    # cached "<system>" from another module's request: 8 cached tokens against the batch's 0)
     ("resp-1", RESP, {"model": MODEL, "instructions": "Be brief.", "input": "hi there",
-                      "max_output_tokens": 8, "temperature": 0}),
+                      "max_output_tokens": 8, "temperature": 0, "cache_salt": ORACLE_SALT}),
     ("resp-items", RESP, {"model": MODEL, "store": False, "metadata": {"k": "v"},
+                          "cache_salt": ORACLE_SALT,
                           "input": [{"role": "user", "content": [
                               {"type": "input_text", "text": "keys"}]}],
                           "max_output_tokens": 6, "temperature": 0}),
