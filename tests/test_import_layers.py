@@ -68,6 +68,7 @@ LAYERS: dict[str, int] = {
     "kvflow.structured.xgrammar_validate": 7,  # a constraint checked without a tokenizer
     "kvflow.structured.xgrammar_errors": 7,  # xgrammar's errors in the user's terms
     "kvflow.structured.count_budget": 7,  # the compile budget on overlapping class counts
+    "kvflow.structured.ebnf_reading": 7,  # scanning xgrammar's printed EBNF
     "kvflow.structured.regex_empty": 7,  # whether a regex matches no string
     "kvflow.executor": 6,
     "kvflow.worker": 5,

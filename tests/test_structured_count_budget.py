@@ -1,5 +1,5 @@
 r"""The compile budget on a class's count right before a character the class also matches
-(``count_budget``): which counts it finds (``utf8_grammar.overlapping_class_counts``), what
+(``count_budget``): which counts it finds (``count_budget.overlapping_class_counts``), what
 it charges (hand-counted tokens), and the refusal past it, on the tiny vocabulary with the
 budget lowered and on SmolLM2's 49k one as served. Before, ``.{1,300}\d`` compiled for
 5-15 s on a compile thread (``docs/benchmarks.md``); now it is refused at once, naming why.
@@ -15,8 +15,13 @@ import pytest
 import xgrammar as xgr
 
 from kvflow.structured import StructuredOutputsParams, count_budget
-from kvflow.structured.count_budget import MAX_OVERLAP_COST, NESTED_COUNTS, OverlapBudget
-from kvflow.structured.utf8_grammar import overlapping_class_counts, printed_ebnf
+from kvflow.structured.count_budget import (
+    MAX_OVERLAP_COST,
+    NESTED_COUNTS,
+    OverlapBudget,
+    overlapping_class_counts,
+)
+from kvflow.structured.utf8_grammar import printed_ebnf
 from kvflow.structured.xgrammar_convert import json_schema_grammar, regex_text
 
 

@@ -99,7 +99,7 @@ def _ranges(ranges):
 
 
 def _printed_class_matches(printed: str, code: int) -> bool:
-    from kvflow.structured.utf8_grammar import _code_point
+    from kvflow.structured.ebnf_reading import code_point as _code_point
 
     body = printed[printed.index("[") + 1:printed.rindex("]")]
     negated, i = body.startswith("^"), int(body.startswith("^"))

@@ -32,7 +32,14 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 
-from kvflow.structured.utf8_grammar import overlapping_class_counts
+from kvflow.structured.ebnf_reading import (
+    COUNT,
+    NAME,
+    class_ranges,
+    class_rules,
+    code_point,
+    string_end,
+)
 
 NESTED_COUNTS = 128  # the repetitions xgrammar (0.2.9) writes as nested rules, at most
 # token checks (nested rules times the tokens that enter them) a grammar's overlapping counts
@@ -61,7 +68,7 @@ class OverlapBudget:
 
     def cost(self, ebnf: str) -> tuple[int, int]:
         """(token checks, largest count) of the overlapping counts of xgrammar's printing
-        ``ebnf`` (``utf8_grammar.overlapping_class_counts``): the sum of
+        ``ebnf`` (``overlapping_class_counts``): the sum of
         ``min(count, NESTED_COUNTS)`` times the tokens that begin with a character of the
         counted class; (0, 0) with none."""
         counts = overlapping_class_counts(ebnf)
@@ -82,3 +89,94 @@ class OverlapBudget:
                 f"{cost:,} checks here, more than the {MAX_OVERLAP_COST:,} kvflow allows "
                 "(several seconds); lower the count, or follow it with a character the class "
                 "leaves out ([^0-9]{1,300}\\d compiles at once)")
+
+
+def overlapping_class_counts(ebnf: str) -> list[tuple[list[tuple[int, int]], int]]:
+    """Each count of one character class in xgrammar's printing ``ebnf`` (a one-class rule's,
+    ``name{m, n}``, or a class written in place, ``[a-z]{m, n}``) followed right away by a
+    class, a one-class rule or a string literal whose first character the counted class
+    matches (``.{1,300}\\d``, ``.{1,300}"@"``): (the counted class's code point ranges,
+    its bound: ``n``, or ``m`` for ``n`` -1). xgrammar (0.2.9) writes such a count as up to
+    128 nested rules, each one's mask filled for the whole vocabulary when the grammar
+    compiles (``count_budget``). A count followed by anything else (a literal the class
+    leaves out: xgrammar's cheap case; a group, a rule's end) is not listed, nor one in a
+    rule that ``root`` does not reach (xgrammar drops those before it compiles)."""
+    classes, found = class_rules(ebnf), []
+    for body in _reachable_bodies(ebnf):
+        i = 0
+        while i < len(body):
+            char, name = body[i], NAME.match(body, i)
+            if char == '"':
+                i = string_end(body, i)
+                continue
+            if char == "[":
+                ranges, end = class_ranges(body, i)
+            elif name is not None:
+                ranges, end = classes.get(name.group()), name.end()
+            else:
+                i += 1
+                continue
+            count = COUNT.match(body, end)
+            i = end if count is None else count.end()
+            if count is None or ranges is None:
+                continue
+            follower = _first_characters(body, i + 1, classes) \
+                if body.startswith(" ", i) else None
+            if follower and _overlap(ranges, follower):
+                high = int(count.group(2))
+                found.append((ranges, int(count.group(1)) if high == -1 else high))
+    return found
+
+
+def _reachable_bodies(ebnf: str) -> list[str]:
+    """The bodies of the rules of xgrammar's printing ``ebnf`` that ``root`` reaches (every
+    rule's when there is no ``root``)."""
+    rules = {}
+    for line in ebnf.splitlines():
+        name, sep, body = line.partition(" ::= ")
+        if sep:
+            rules[name] = body
+    if "root" not in rules:
+        return list(rules.values())
+    seen, todo = set(), ["root"]
+    while todo:
+        name = todo.pop()
+        if name not in seen and name in rules:
+            seen.add(name)
+            todo += _rule_names(rules[name])
+    return [body for name, body in rules.items() if name in seen]
+
+
+def _rule_names(body: str) -> list[str]:
+    """The names a rule body refers to (outside its string literals and classes)."""
+    names, i = [], 0
+    while i < len(body):
+        name = NAME.match(body, i)
+        if body[i] == '"':
+            i = string_end(body, i)
+        elif body[i] == "[":
+            i = class_ranges(body, i)[1]
+        elif name is not None:
+            names.append(name.group())
+            i = name.end()
+        else:
+            i += 1
+    return names
+
+
+def _first_characters(ebnf: str, start: int, classes: dict[str, list[tuple[int, int]]]
+                      ) -> list[tuple[int, int]] | None:
+    """The code point ranges of the first character of the element at ``ebnf[start]``: a
+    class, a one-class rule or a non-empty string literal; None for anything else."""
+    if ebnf.startswith("[", start):
+        return class_ranges(ebnf, start)[0]
+    if ebnf.startswith('"', start) and not ebnf.startswith('""', start):
+        code = code_point(ebnf, start + 1)[0]
+        return [(code, code)]
+    name = NAME.match(ebnf, start)
+    return None if name is None else classes.get(name.group())
+
+
+def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
+    return any(max(low, other_low) <= min(high, other_high)
+               for low, high in a for other_low, other_high in b)

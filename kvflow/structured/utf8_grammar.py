@@ -21,18 +21,22 @@ from collections.abc import Mapping
 
 import xgrammar as xgr
 
+from kvflow.structured.ebnf_reading import (
+    COUNT,
+    NAME,
+    class_ranges,
+    class_rules,
+    code_point,
+    string_end,
+)
 from kvflow.structured.json_pattern import json_pattern
-from kvflow.structured.regex_dialect import complement, merged_ranges, utf8_regex
+from kvflow.structured.regex_dialect import utf8_regex
 from kvflow.structured.repeat_counts import compact_repeat, literal_followers
 
 _SURROGATES = (0xD800, 0xDFFF)
 _NO_SURROGATES = r"\ud800-\udfff"
-_NAMED_ESCAPES = {"0": 0, "a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, "e": 27}
-_HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
 _REGEX_NODE = re.compile(r'(?<![\w])Regex\("')
 _JSON_STRING_FLAG = re.compile(r'\s*,\s*json_string=true\s*\)')
-_NAME = re.compile(r"[A-Za-z_]\w*")
-_COUNT = re.compile(r"\{(\d+), (-?\d+)\}")  # a repetition count as xgrammar prints it
 
 
 def utf8_grammar(grammar: xgr.Grammar, patterns: Mapping[str, str] | None = None
@@ -89,11 +93,11 @@ def utf8_ebnf(ebnf: str, patterns: Mapping[str, str] | None = None) -> str:
     while i < len(ebnf):
         char = ebnf[i]
         if char == '"':
-            end = _string_end(ebnf, i)
+            end = string_end(ebnf, i)
             out.append(ebnf[i:end])
         elif char == "R" and _REGEX_NODE.match(ebnf, i):
             start = i + len("Regex(")
-            end = _string_end(ebnf, start)
+            end = string_end(ebnf, start)
             pattern = _unescape(ebnf[start + 1:end - 1])
             pattern = (patterns or {}).get(pattern, pattern)
             flag = _JSON_STRING_FLAG.match(ebnf, end)
@@ -179,18 +183,18 @@ def _rewrite_counts(text: str, prefix: str, extra: dict[str, str] | None,
     rule (a negated one only, if ``negated_only``) passed through :func:`_class_count` and,
     where ``extra`` is given, each other count written by ``repeat_counts.compact_repeat``
     (its rules added to ``extra``)."""
-    out, i, classes = [], 0, _class_rules(text, negated_only)
+    out, i, classes = [], 0, class_rules(text, negated_only)
     while i < len(text):
-        char, name = text[i], _NAME.match(text, i)
+        char, name = text[i], NAME.match(text, i)
         if char == '"':
-            end = _string_end(text, i)
+            end = string_end(text, i)
             out.append(text[i:end])
         elif char == "[":
             end = _character_class(text, i)[1]
             out.append(text[i:end])
         elif name is not None:
             end = name.end()
-            count = _COUNT.match(text, end)
+            count = COUNT.match(text, end)
             if count is None:
                 out.append(prefix + name.group())
             elif name.group() in classes:
@@ -219,137 +223,9 @@ def _class_count(text: str, prefix: str, name: re.Match, count: re.Match,
     repeat, end = prefix + text[name.start():count.end()], count.end()
     if not text.startswith(" [", end):
         return repeat, end
-    follower, after = _class_ranges(text, end + 1)
+    follower, after = class_ranges(text, end + 1)
     written = literal_followers(repeat, int(count.group(2)), classes[name.group()], follower)
     return (repeat, end) if written is None else (written, after)
-
-
-def overlapping_class_counts(ebnf: str) -> list[tuple[list[tuple[int, int]], int]]:
-    """Each count of one character class in xgrammar's printing ``ebnf`` (a one-class rule's,
-    ``name{m, n}``, or a class written in place, ``[a-z]{m, n}``) followed right away by a
-    class, a one-class rule or a string literal whose first character the counted class
-    matches (``.{1,300}\\d``, ``.{1,300}"@"``): (the counted class's code point ranges,
-    its bound: ``n``, or ``m`` for ``n`` -1). xgrammar (0.2.9) writes such a count as up to
-    128 nested rules, each one's mask filled for the whole vocabulary when the grammar
-    compiles (``count_budget``). A count followed by anything else (a literal the class
-    leaves out: xgrammar's cheap case; a group, a rule's end) is not listed, nor one in a
-    rule that ``root`` does not reach (xgrammar drops those before it compiles)."""
-    classes, found = _class_rules(ebnf), []
-    for body in _reachable_bodies(ebnf):
-        i = 0
-        while i < len(body):
-            char, name = body[i], _NAME.match(body, i)
-            if char == '"':
-                i = _string_end(body, i)
-                continue
-            if char == "[":
-                ranges, end = _class_ranges(body, i)
-            elif name is not None:
-                ranges, end = classes.get(name.group()), name.end()
-            else:
-                i += 1
-                continue
-            count = _COUNT.match(body, end)
-            i = end if count is None else count.end()
-            if count is None or ranges is None:
-                continue
-            follower = _first_characters(body, i + 1, classes) \
-                if body.startswith(" ", i) else None
-            if follower and _overlap(ranges, follower):
-                high = int(count.group(2))
-                found.append((ranges, int(count.group(1)) if high == -1 else high))
-    return found
-
-
-def _reachable_bodies(ebnf: str) -> list[str]:
-    """The bodies of the rules of xgrammar's printing ``ebnf`` that ``root`` reaches (every
-    rule's when there is no ``root``)."""
-    rules = {}
-    for line in ebnf.splitlines():
-        name, sep, body = line.partition(" ::= ")
-        if sep:
-            rules[name] = body
-    if "root" not in rules:
-        return list(rules.values())
-    seen, todo = set(), ["root"]
-    while todo:
-        name = todo.pop()
-        if name not in seen and name in rules:
-            seen.add(name)
-            todo += _rule_names(rules[name])
-    return [body for name, body in rules.items() if name in seen]
-
-
-def _rule_names(body: str) -> list[str]:
-    """The names a rule body refers to (outside its string literals and classes)."""
-    names, i = [], 0
-    while i < len(body):
-        name = _NAME.match(body, i)
-        if body[i] == '"':
-            i = _string_end(body, i)
-        elif body[i] == "[":
-            i = _character_class(body, i)[1]
-        elif name is not None:
-            names.append(name.group())
-            i = name.end()
-        else:
-            i += 1
-    return names
-
-
-def _first_characters(ebnf: str, start: int, classes: dict[str, list[tuple[int, int]]]
-                      ) -> list[tuple[int, int]] | None:
-    """The code point ranges of the first character of the element at ``ebnf[start]``: a
-    class, a one-class rule or a non-empty string literal; None for anything else."""
-    if ebnf.startswith("[", start):
-        return _class_ranges(ebnf, start)[0]
-    if ebnf.startswith('"', start) and not ebnf.startswith('""', start):
-        code = _code_point(ebnf, start + 1)[0]
-        return [(code, code)]
-    name = _NAME.match(ebnf, start)
-    return None if name is None else classes.get(name.group())
-
-
-def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
-    return any(max(low, other_low) <= min(high, other_high)
-               for low, high in a for other_low, other_high in b)
-
-
-def _class_rules(ebnf: str, negated_only: bool = False) -> dict[str, list[tuple[int, int]]]:
-    """The rules of xgrammar's printing ``ebnf`` that are one character class
-    (``name ::= (([^a-z]))``; a negated one only, if ``negated_only``), each with the code
-    point ranges its class matches."""
-    names = {}
-    for line in ebnf.splitlines():
-        name, _, body = line.partition(" ::= ")
-        if body.startswith("(([^" if negated_only else "(([") and body.endswith("]))") and \
-                _character_class(body, 2)[1] == len(body) - 2:
-            names[name] = _class_ranges(body, 2)[0]
-    return names
-
-
-def _class_ranges(ebnf: str, start: int) -> tuple[list[tuple[int, int]], int]:
-    """The code point ranges (sorted, disjoint) the class at ``ebnf[start] == "["`` matches,
-    and the position after it."""
-    negated = ebnf.startswith("^", start + 1)
-    i, ranges = start + 2 if negated else start + 1, []
-    while i < len(ebnf) and ebnf[i] != "]":
-        low, i = _code_point(ebnf, i)
-        high = low
-        if ebnf.startswith("-", i) and not ebnf.startswith("-]", i):
-            high, i = _code_point(ebnf, i + 1)
-        ranges.append((low, high))
-    merged = merged_ranges(ranges)
-    ranges = list(complement(merged)) if negated else list(merged)
-    return [(low, high) for low, high in ranges if low <= high], i + 1
-
-
-def _string_end(text: str, start: int) -> int:
-    """The position after the string literal that opens at ``text[start] == '"'``."""
-    i = start + 1
-    while i < len(text) and text[i] != '"':
-        i += 2 if text[i] == "\\" else 1
-    return i + 1
 
 
 def _character_class(ebnf: str, start: int) -> tuple[str, int]:
@@ -358,10 +234,10 @@ def _character_class(ebnf: str, start: int) -> tuple[str, int]:
     i = start + 2 if negated else start + 1
     items: list[tuple[int, int, str]] = []  # (low, high, text as printed)
     while i < len(ebnf) and ebnf[i] != "]":
-        low, at = _code_point(ebnf, i)
+        low, at = code_point(ebnf, i)
         high = low
         if ebnf.startswith("-", at) and not ebnf.startswith("-]", at):
-            high, at = _code_point(ebnf, at + 1)
+            high, at = code_point(ebnf, at + 1)
         items.append((low, high, ebnf[i:at]))
         i = at
     end = i + 1
@@ -386,23 +262,10 @@ def _escape(code: int) -> str:
     return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
 
 
-def _code_point(text: str, i: int) -> tuple[int, int]:
-    """The code point written at ``text[i]`` (a character or a C-style escape, as xgrammar
-    prints them: ``\\n``, ``\\0``, ``\\x85``, ``\\u2028``, ``\\U0001f600``, ``\\]``) and the
-    position after it."""
-    if text[i] != "\\" or i + 1 >= len(text):
-        return ord(text[i]), i + 1
-    letter = text[i + 1]
-    digits = _HEX_DIGITS.get(letter, 0)
-    if digits:
-        return int(text[i + 2:i + 2 + digits], 16), i + 2 + digits
-    return _NAMED_ESCAPES.get(letter, ord(letter)), i + 2
-
-
 def _unescape(body: str) -> str:
     """The text of a printed EBNF string literal's body (its C-style escapes read)."""
     out, i = [], 0
     while i < len(body):
-        code, i = _code_point(body, i)
+        code, i = code_point(body, i)
         out.append(chr(code))
     return "".join(out)
