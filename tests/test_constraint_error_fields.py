@@ -56,13 +56,28 @@ CASES = [  # (request fields, param, message)
       "through holds no character kvflow matches there (it is empty, as [^\\s\\S], or holds "
       "only control characters other than \\b \\f \\n \\r \\t, which a class here does "
       "not match)")),
+    # an empty class after a prefix: xgrammar compiled it, the first step allowed "a", and
+    # the reply stopped after "ab" with finish_reason length
+    ({"structured_outputs": {"regex": "ab[^\\s\\S]"}}, "structured_outputs.regex",
+     ("invalid regex in structured_outputs.regex: the regex matches no string: a character "
+      "class that every match goes through holds no character (it is empty, as [^\\s\\S] "
+      "or [], or holds only UTF-16 surrogates, which are not UTF-8 text): a reply would stop "
+      "there, cut off")),
+    (_schema({"type": "object", "patternProperties": {"^k[\\x01]$": {"type": "integer"}}}),
+     "response_format.json_schema.schema",
+     ("invalid JSON schema in response_format.json_schema.schema: the pattern '^k[\\\\x01]$' "
+      "at patternProperties matches no string: a character class that every match goes "
+      "through holds no character kvflow matches there (it is empty, as [^\\s\\S], or holds "
+      "only control characters other than \\b \\f \\n \\r \\t, which a class here does "
+      "not match)")),
 ]
 
 
 @pytest.mark.parametrize("fields, param, message", CASES,
                          ids=["guided_regex", "guided_grammar", "guided_json", "so_grammar",
                               "so_regex", "schema_pattern", "pattern_properties",
-                              "pattern_matching_nothing"])
+                              "pattern_matching_nothing", "so_regex_matching_nothing",
+                              "pattern_properties_matching_nothing"])
 def test_constraint_error_names_the_field_sent(tiny_tokenizer, fields, param, message):
     engine = SimpleNamespace(processor=InputProcessor(tiny_tokenizer, 256, 320, 0))
     req = ChatCompletionRequest.model_validate({"messages": HI, **fields})

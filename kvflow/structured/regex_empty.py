@@ -9,6 +9,12 @@ escape or character, quantifiers ``*``, ``+``, ``?``, ``{m}``, ``{m,}``, ``{m,n}
 sequence is empty when one of its items is, an item whose quantifier allows zero repetitions
 never is, an alternation is empty when every branch is. Anchors, lookarounds and escapes not
 read as one character count as matching something, so the answer errs towards "not empty".
+
+Checked for every regex kvflow compiles: a ``regex`` constraint (``structured_outputs.regex``,
+``guided_regex``) and a structural tag's ``regex`` format (:func:`regex_matches_nothing`,
+from ``xgrammar_validate`` and ``xgrammar_convert.structural_tag_text``), and a JSON
+schema's ``pattern`` strings and ``patternProperties`` names (``json_pattern``'s test, from
+``xgrammar_convert.bad_pattern``).
 """
 
 from __future__ import annotations
@@ -20,6 +26,19 @@ from kvflow.structured.regex_classes import Ranges, class_ranges, shorthand_rang
 
 _LOOKAROUNDS = ("(?=", "(?!", "(?<=", "(?<!")
 _QUANTIFIER = re.compile(r"[*+?]|\{(\d+)(?:,(\d*))?\}")
+
+
+# why an empty regex constraint is refused (after "the regex matches no string: ")
+EMPTY_REGEX = ("a character class that every match goes through holds no character (it is "
+               "empty, as [^\\s\\S] or [], or holds only UTF-16 surrogates, which are not "
+               "UTF-8 text): a reply would stop there, cut off")
+
+
+def regex_matches_nothing(converted: str) -> bool:
+    """True when no text matches a ``regex`` constraint as kvflow hands it to xgrammar
+    (``converted``: ``xgrammar_convert.regex_text``'s output, every class written negated
+    without the surrogates, so an empty one holds no range)."""
+    return matches_nothing(converted, lambda ranges: not ranges)
 
 
 def matches_nothing(pattern: str, class_empty: Callable[[Ranges], bool]) -> bool:

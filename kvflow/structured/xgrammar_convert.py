@@ -19,6 +19,7 @@ from kvflow.structured.lark_grammar import lark_to_gbnf, looks_like_lark
 from kvflow.structured.params import StructuredOutputsParams
 from kvflow.structured.regex_classes import negated_regex
 from kvflow.structured.regex_dialect import xgrammar_regex
+from kvflow.structured.regex_empty import EMPTY_REGEX, regex_matches_nothing
 from kvflow.structured.schema_patterns import costly_pattern, map_schemas, string_patterns
 from kvflow.structured.schema_support import unenforced_keyword
 from kvflow.structured.structural_tag import (
@@ -180,7 +181,7 @@ def structural_tag_text(spec: str) -> str:
     if not is_legacy(tag):
         check_format(tag)
         for path, node in format_schemas(tag):
-            problem = _schema_problem(node["json_schema"])
+            problem = _schema_problem(node["json_schema"], node.get("style", "json") == "json")
             if problem is not None:
                 raise StructuralTagError(path, problem)
         regexes = regex_formats(tag)
@@ -189,6 +190,8 @@ def structural_tag_text(spec: str) -> str:
                 node["pattern"] = regex_text(node["pattern"])
             except ValueError as e:
                 raise StructuralTagError(f"{path}.pattern", str(e)) from None
+            if regex_matches_nothing(node["pattern"]):
+                raise StructuralTagError(f"{path}.pattern", f"matches no string: {EMPTY_REGEX}")
         return json.dumps(tag, ensure_ascii=False) if regexes else spec
     check_legacy(tag)
     grammars: dict[str, str] = {}  # schema text -> grammar: a schema shared by tags converts once
@@ -253,30 +256,34 @@ def unenforced_refusal(problem: str) -> str:
             f"enforce it{advice})")
 
 
-def _schema_problem(schema: Any) -> str | None:
+def _schema_problem(schema: Any, json_style: bool) -> str | None:
     """Why kvflow refuses a schema inside a ``format`` structural tag (a keyword xgrammar
     would not enforce, a costly pattern: xgrammar converts the tag's patterns when it is
-    validated), or None."""
+    validated; in a JSON-style schema, whose patterns kvflow converts, a pattern that is
+    not a valid regex or matches no string: :func:`bad_pattern`), or None."""
     problem = unenforced_keyword(schema)
     if problem is not None:
         return unenforced_refusal(problem)
-    return costly_pattern(schema, kvflow_converts=False)
+    return costly_pattern(schema, kvflow_converts=False) or \
+        (bad_pattern(schema) if json_style else None)
 
 
 def bad_pattern(schema: Any) -> str | None:
     """Why the first string pattern of ``schema`` (a parsed JSON schema) that xgrammar's
     regex parser refuses is refused, naming the pattern and where it is
     (``the pattern 'a[' at properties.code.pattern is not a valid regex: ...``); None when
-    every pattern parses. Also refused: a ``pattern`` no JSON string matches
-    (``json_pattern.json_pattern_empty``: ``a[^\\s\\S]``), which would let the reply start
-    and then allow no token, ending it with ``length``."""
+    every pattern parses. Also refused: a ``pattern`` or ``patternProperties`` name no JSON
+    string matches (``json_pattern.json_pattern_empty``: ``a[^\\s\\S]``), which would let
+    the reply start (a string, or an object's key) and then allow no token, ending it with
+    ``length``; a name matching only control characters (``[\\x01]``) would have been a
+    raw control character inside a key, which JSON does not allow."""
     for path, pattern in string_patterns(schema):
         shown = pattern if len(pattern) <= 60 else pattern[:57] + "..."
         try:
             xgr.Grammar.from_regex(pattern)
         except RuntimeError as e:
             return f"the pattern {shown!r} at {path} is not a valid regex: {clean_error(e)}"
-        if path.endswith("pattern") and json_pattern_empty(pattern):
+        if json_pattern_empty(pattern):
             return (f"the pattern {shown!r} at {path} matches no string: a character class "
                     "that every match goes through holds no character kvflow matches there "
                     "(it is empty, as [^\\s\\S], or holds only control characters other "

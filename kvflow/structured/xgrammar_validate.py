@@ -9,6 +9,7 @@ import xgrammar as xgr
 
 from kvflow.structured.grammar_cycles import unit_cycle_problem
 from kvflow.structured.params import StructuredOutputsParams
+from kvflow.structured.regex_empty import EMPTY_REGEX, regex_matches_nothing
 from kvflow.structured.structural_tag import grammar_formats
 from kvflow.structured.xgrammar_convert import (
     NEEDS_TOKENIZER,
@@ -44,7 +45,7 @@ def validate(params: StructuredOutputsParams) -> None:
 
     Raises:
         ValueError: naming the problem in a malformed JSON schema, regex or EBNF grammar,
-            or structural tag (naming the field inside it: ``structures.0.begin``), or in
+            a regex no text matches (``regex_empty``), or structural tag (naming the field inside it: ``structures.0.begin``), or in
             a Lark grammar outside the subset ``lark_grammar`` converts.
     """
     try:
@@ -63,6 +64,8 @@ def validate(params: StructuredOutputsParams) -> None:
             except RuntimeError:  # the pattern as sent: its error's positions are the user's
                 xgr.Grammar.from_regex(params.regex)
                 raise
+            if regex_matches_nothing(spec):  # xgrammar compiles it; its output stops there
+                raise ValueError(f"the regex matches no string: {EMPTY_REGEX}")
         elif kind == "structural_tag":
             _check_structural_tag(spec)
         elif kind == "grammar":
