@@ -17,8 +17,8 @@ import xgrammar as xgr
 from kvflow.structured import StructuredOutputsParams, count_budget
 from kvflow.structured.count_budget import (
     MAX_OVERLAP_COST,
-    NESTED_COUNTS,
     OverlapBudget,
+    expansion_weight,
     overlapping_class_counts,
 )
 from kvflow.structured.utf8_grammar import printed_ebnf
@@ -45,25 +45,25 @@ def _members(ranges: list[tuple[int, int]]) -> set[str]:
     return {c for c in PROBES if any(low <= ord(c) <= high for low, high in ranges)}
 
 
-@pytest.mark.parametrize("pattern, counted, bound", [
-    (r"^.{1,300}\d$", r"[^\"\\\x00-\x1f]", 300),  # a JSON string's "." before a digit
-    (r"^.{1,300}@$", r"[^\"\\\x00-\x1f]", 300),  # before a literal it matches
-    (r"^[a-z0-9-]{0,61}[a-z0-9]$", r"[a-z0-9-]", 61),
-    (r"^x{3}[a-z]{2,}[a-c]$", r"[a-z]", 2),  # unbounded: the lower count
+@pytest.mark.parametrize("pattern, counted, bounds", [
+    (r"^.{1,300}\d$", r"[^\"\\\x00-\x1f]", (1, 300)),  # a JSON string's "." before a digit
+    (r"^.{1,300}@$", r"[^\"\\\x00-\x1f]", (1, 300)),  # before a literal it matches
+    (r"^[a-z0-9-]{0,61}[a-z0-9]$", r"[a-z0-9-]", (0, 61)),
+    (r"^x{3}[a-z]{2,}[a-c]$", r"[a-z]", (2, -1)),  # unbounded
     (r"^[a-z]{1,300}\d$", None, 0),  # disjoint: literal alternatives
     (r"^[a-z]{1,300}@$", None, 0),  # a literal outside the class: xgrammar's cheap case
     (r"^.{1,300}$", None, 0),  # before the string's closing quote
     (r"^(ab){1,300}b$", None, 0),  # a group's count: repeat_counts' blocks
 ])
-def test_overlapping_counts_are_found(pattern, counted, bound):
+def test_overlapping_counts_are_found(pattern, counted, bounds):
     """Each JSON-schema pattern's overlapping count, its class's characters as Python's re
-    reads the class (among ``PROBES``) and its bound; none where the count is followed by
+    reads the class (among ``PROBES``) and its bounds; none where the count is followed by
     a class it does not overlap, a literal outside it, the closing quote, or is a group's."""
     found = overlapping_class_counts(_json_ebnf(pattern))
     if counted is None:
         assert found == []
         return
-    assert [b for _, b in found] == [bound]
+    assert [(low, high) for _, low, high in found] == [bounds]
     assert _members(found[0][0]) == {c for c in PROBES if re.fullmatch(counted, c)}
 
 
@@ -71,25 +71,42 @@ def test_every_pattern_of_a_schema_counts_once_and_regexes_too():
     """Two properties' patterns: two counts (the pattern's own rule, left unreached once
     its body sits between the quotes, is not counted again); a ``regex`` constraint's
     ``.`` (no newline) before a digit; a regex ending in its count (no follower) none."""
-    assert [b for _, b in overlapping_class_counts(
+    assert [high for _, _, high in overlapping_class_counts(
         _json_ebnf(r"^.{1,300}\d$", r"^.{1,30}\d$"))] == [300, 30]
     found = overlapping_class_counts(_regex_ebnf(r"x.{1,300}\d"))
-    assert [b for _, b in found] == [300]
+    assert [(low, high) for _, low, high in found] == [(1, 300)]
     assert _members(found[0][0]) == set(PROBES) - {"\n"}
     assert overlapping_class_counts(_regex_ebnf(r".{1,300}")) == []
 
 
 def test_cost_is_the_count_times_the_tokens_the_class_begins():
     """Hand-counted: of these tokens, 3 begin with a lowercase letter (``a``, ``ab``,
-    ``q1``), 2 with a digit; an empty token and a lone UTF-8 lead byte begin with none."""
+    ``q1``), 2 with a digit; an empty token and a lone UTF-8 lead byte begin with none.
+    A count's weight (in half checks) by hand from xgrammar's expansion: ``{1,5}`` one
+    unrolled repetition (1) and 4 nested rules (8); ``{0,9}`` 9 nested (18)."""
     budget = OverlapBudget([b"a", b"ab", b"q1", b"1", b"12", b" x", b"", b"\xe4", "é".encode()])
     assert budget.tokens_in([(ord("a"), ord("z"))]) == 3
     assert budget.tokens_in([(ord("0"), ord("9")), (ord("a"), ord("b"))]) == 4
-    assert budget.cost(_json_ebnf(r"^[a-z]{1,5}[a-e]$")) == (5 * 3, 5)
-    # past 128 counts xgrammar nests no more rules: the cost stops growing
+    assert budget.cost(_json_ebnf(r"^[a-z]{1,5}[a-e]$")) == ((1 + 8) * 3 // 2, 5)
+    # past 128: {1,127} as above (1 + 2 x 126), then the repeat (2) and 128 unrolled
     assert budget.cost(_json_ebnf(r"^[a-z]{1,300}[a-e]$", r"^\d{0,9}[0-5]$")) == \
-        (NESTED_COUNTS * 3 + 9 * 2, 300)
+        ((1 + 252 + 2 + 128) * 3 // 2 + 18 * 2 // 2, 300)
     assert budget.cost(_json_ebnf(r"^[a-z]{1,300}\d$")) == (0, 0)
+
+
+@pytest.mark.parametrize("low, high, weight", [
+    (1, 5, 1 + 2 * 4), (0, 128, 2 * 128), (120, 128, 120 + 2 * 8), (128, 128, 128),
+    (200, 300, 2 + 128), (150, 150, 2 + 128), (128, 300, 2 + 128),
+    (1, 300, 1 + 2 * 126 + 2 + 128), (0, 129, 2 * 127 + 2 + 128),
+    (2, -1, 2 + 2), (500, -1, 2 + 128),
+])
+def test_expansion_weight_follows_xgrammars_expansion(low, high, weight):
+    """Half checks per token, by hand: an unrolled repetition 1, a nested rule 2. Only the
+    optional part is nested up to 128 (``{120,128}``: 8); past 128 a lower bound of 128 or
+    more leaves one repeat and the last 128 unrolled (``{200,300}``: 130 where
+    ``min(count, 128)`` charged 256, the same as ``{1,128}``), a lower one adds
+    ``{low,127}``."""
+    assert expansion_weight(low, high) == weight
 
 
 @pytest.fixture(scope="module")
