@@ -28,7 +28,13 @@ pattern (default ``BUDGET_PATTERNS``: a class counted right before a character i
 matches, and a few cheap ones), ``count_budget``'s check on kvflow's grammar (its cost in
 token checks, refused or not, and how long the check took: what a refused request now
 waits) against compiling that grammar (what it waited before, and still waits within the
-budget).
+budget). ``--budget-sums`` instead compiles each group of ``BUDGET_SUMS`` (its patterns the
+properties of one object schema) and prints ``count_budget``'s cost, what ``min(count,
+128)`` charged before, and the compile seconds per million of each: a cost that follows the
+compile time keeps that ratio across the rows. ``--trailing`` instead times each ``regex`` constraint (default
+``TRAILING_PATTERNS``: a class's count past 128 at the end) as kvflow writes it now
+(``regex``: ``repeat_counts``' blocks and chains, ``utf8_grammar.regex_grammar``) and before
+(``regex-0``: xgrammar's own expansion), and the ``regex-0 / regex`` ratios.
 """
 
 from __future__ import annotations
@@ -42,7 +48,11 @@ from unittest import mock
 import xgrammar as xgr
 
 from kvflow.structured import utf8_grammar
-from kvflow.structured.count_budget import MAX_OVERLAP_COST, OverlapBudget
+from kvflow.structured.count_budget import (
+    MAX_OVERLAP_COST,
+    OverlapBudget,
+    overlapping_class_counts,
+)
 from kvflow.structured.json_pattern import json_pattern
 from kvflow.structured.regex_dialect import xgrammar_regex
 from kvflow.structured.schema_patterns import pattern_repeat_cost
@@ -61,6 +71,12 @@ REGEX_PATTERNS = ["[a-z]{30}", "[a-z]{1,300}", "[a-z\u00e9]{40,60}", "\\d{100}",
 BUDGET_PATTERNS = ["^.{1,300}\\d$", "^.{1,300}@$", "^.{1,100}\\.$", "^[a-zA-Z ]{1,300}[a-z]$",
                    "^.{1,64}\\d$", "^.{1,20}\\d$", "^\\w{1,300}\\d$", "^[a-z]{1,300}[aeiou]$",
                    "^[a-zA-Z0-9][a-zA-Z0-9-]{0,61}[a-zA-Z0-9]$", "^[0-9]{1,300}[0-9]$"]
+
+TRAILING_PATTERNS = [".{1,300}", "[a-z]{0,500}", "x.{1,200}", "\\w{0,1000}", ".{1,100}"]
+
+BUDGET_SUMS = [["^.{1,128}\\d$"], ["^.{120,128}\\d$"], ["^.{150}\\d$"], ["^.{200,300}\\d$"],
+               ["^.{1,300}\\d$"], [f"^.{{{200 + i},{300 + i}}}\\d$" for i in range(6)],
+               [f"^.{{{115 + i},128}}\\d$" for i in range(5)]]
 
 GRID_ATOMS = ["[a-z]", ".", "a", "(ab)"]
 GRID_COUNTS = [10, 100, 1000, 10000]
@@ -105,6 +121,17 @@ def grammars(pattern: str, skip_rules_over: int) -> dict[str, xgr.Grammar]:
     return out
 
 
+def trailing_grammars(pattern: str) -> dict[str, xgr.Grammar]:
+    """``pattern`` as a ``regex`` constraint before (``regex-0``: a class's count at the end
+    left to xgrammar) and now (``regex``)."""
+    def own(atom: str, low: int, high: int, rules: dict[str, str]) -> str:
+        return f"{atom}{{{low}, {high}}}"
+    grammar = xgr.Grammar.from_regex(regex_text(pattern))
+    with mock.patch.object(utf8_grammar, "compact_repeat", own):
+        before = regex_grammar(grammar)
+    return {"regex-0": before, "regex": regex_grammar(grammar)}
+
+
 def regex_grammars(pattern: str) -> dict[str, xgr.Grammar]:
     """``pattern`` as a ``regex`` constraint before (``regex-0``) and now (``regex``), and
     as a JSON-schema string's ``pattern`` (``json``)."""
@@ -123,6 +150,8 @@ def main() -> None:
     parser.add_argument("--grid", action="store_true")
     parser.add_argument("--regex", action="store_true")
     parser.add_argument("--budget", action="store_true")
+    parser.add_argument("--trailing", action="store_true")
+    parser.add_argument("--budget-sums", action="store_true")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -132,11 +161,15 @@ def main() -> None:
         return grid_times(compiler, info.vocab_size)
     if args.budget:
         return budget_times(compiler, info, args.patterns or BUDGET_PATTERNS)
+    if args.budget_sums:
+        return budget_sums(compiler, info)
     print(f"{'pattern':24s} {'way':9s} {'compile s':>9s} {'mask ms':>8s} {'worst':>8s}")
-    patterns = args.patterns or (REGEX_PATTERNS if args.regex else PATTERNS)
+    patterns = args.patterns or (REGEX_PATTERNS if args.regex else
+                                 TRAILING_PATTERNS if args.trailing else PATTERNS)
     for pattern in patterns:
         timed = {}
-        ways = regex_grammars(pattern) if args.regex else grammars(pattern, args.skip_rules_over)
+        ways = regex_grammars(pattern) if args.regex else trailing_grammars(pattern) \
+            if args.trailing else grammars(pattern, args.skip_rules_over)
         for way, grammar in ways.items():
             start = time.perf_counter()
             compiled = compiler.compile_grammar(grammar)
@@ -176,6 +209,30 @@ def budget_times(compiler: xgr.GrammarCompiler, info: xgr.TokenizerInfo,
         mean, worst = mask_times(compiled, info.vocab_size, steps=30)
         print(f"{pattern:44s} {cost:10,d} {'refused' if refused else 'taken':>8s} "
               f"{checked:8.2f} {seconds:9.2f} {mean:8.2f} {worst:8.2f}", flush=True)
+
+
+def budget_sums(compiler: xgr.GrammarCompiler, info: xgr.TokenizerInfo) -> None:
+    """Prints, for each group of ``BUDGET_SUMS`` in one object schema, ``count_budget``'s
+    cost, the ``min(count, 128)`` cost it replaced, the compile seconds and the seconds per
+    million of each cost."""
+    budget = OverlapBudget(info.decoded_vocab)
+    print(f"{'patterns':30s} {'cost':>11s} {'min(n,128)':>11s} {'compile s':>9s} "
+          f"{'s/M cost':>8s} {'s/M old':>8s}")
+    for group in BUDGET_SUMS:
+        schema = {"type": "object", "required": [f"p{i}" for i in range(len(group))],
+                  "properties": {f"p{i}": {"type": "string", "pattern": p}
+                                 for i, p in enumerate(group)}}
+        grammar = json_schema_grammar(json.dumps(schema))
+        ebnf = printed_ebnf(grammar)
+        cost = budget.cost(ebnf)[0]
+        old = sum(min(high if high != -1 else low, 128) * budget.tokens_in(ranges)
+                  for ranges, low, high in overlapping_class_counts(ebnf))
+        start = time.perf_counter()
+        compiler.compile_grammar(grammar)
+        seconds = time.perf_counter() - start
+        name = group[0] if len(group) == 1 else f"{len(group)} x {group[0]}.."
+        print(f"{name:30s} {cost:11,d} {old:11,d} {seconds:9.2f} {seconds / cost * 1e6:8.2f} "
+              f"{seconds / old * 1e6:8.2f}", flush=True)
 
 
 def grid_times(compiler: xgr.GrammarCompiler, vocab_size: int) -> None:

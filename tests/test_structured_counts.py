@@ -178,6 +178,51 @@ def test_regex_count_followed_by_a_class_takes_the_regexs_strings(backend, patte
         assert got == (re.fullmatch(pattern[1:-1], value) is not None), (pattern, value)
 
 
+# regex constraints whose class count (past INLINE_COUNT) ends its sequence: (pattern, the
+# counted bounds, the text before the count, the character counted)
+TRAILING = [(r"[a-z]{0,500}", 0, 500, "", "q"), (r"x.{1,300}", 1, 300, "x", "é"),
+            (r"(ab|[a-c]{130,200})", 130, 200, "", "c"), (r"a[0-9]{150,}", 150, -1, "a", "7"),
+            (r"[ab]{129}", 129, 129, "", "b")]
+
+
+def _trailing_values(low: int, high: int, before: str, char: str) -> list[str]:
+    """Every boundary length of ``before + char * n`` (around the bounds and each multiple
+    of ``BLOCK``: where blocks and chains meet), a character outside the class last, and
+    random strings of the class's and other characters at random lengths."""
+    import random
+
+    top = (high if high != -1 else low + 2 * BLOCK) + 2
+    lengths = {0, 1, low - 1, low, low + 1, top - 3, top - 2, top - 1, top}
+    lengths |= {k * BLOCK + d for k in range(top // BLOCK + 1) for d in (-1, 0, 1)}
+    values = [before + char * n for n in sorted(lengths) if n >= 0]
+    values += [before + char * max(low, 1) + "\n", before + "Z" + char * low]
+    rng = random.Random(low + high)
+    for _ in range(60):
+        n = rng.randint(max(0, low - 3), top)
+        values.append(before + "".join(rng.choice(char * 20 + "aZ\n") for _ in range(n)))
+    return values
+
+
+@pytest.mark.parametrize("pattern, low, high, before, char", TRAILING)
+def test_regex_count_ending_its_sequence_takes_the_regexs_strings(backend, pattern, low, high,
+                                                                  before, char):
+    """A ``regex`` constraint's class count past 128 with nothing after it in its sequence
+    (``.{1,300}`` at the end) is written as ``repeat_counts``' blocks and chains
+    (``utf8_grammar.regex_grammar``: xgrammar's own expansion compiled 2x slower, masks 3-4x
+    slower, on a 49k vocabulary). The strings taken are ``re.fullmatch``'s (the oracle) at
+    every boundary length and over random strings; kvflow's grammar holds the shared block."""
+    from kvflow.structured.utf8_grammar import regex_grammar
+    from kvflow.structured.xgrammar_convert import regex_text
+
+    written = str(regex_grammar(xgr.Grammar.from_regex(regex_text(pattern))))
+    assert "root_1_block ::= ((root_1{64, 64}))" in written, written
+    compiled = backend.compile(StructuredOutputsParams(regex=pattern))
+    for value in _trailing_values(low, high, before, char):
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        got = matcher.accept_string(value.encode()) and matcher.is_terminated()
+        assert got == (re.fullmatch(pattern, value) is not None), (pattern, len(value))
+
+
 def test_regex_negated_class_count_before_a_class_compiles_to_few_rules(backend):
     """As ``test_count_followed_by_a_disjoint_class_compiles_to_few_rules``, for a regex."""
     compiled = backend.compile(StructuredOutputsParams(regex=r"[^0-9]{1,300}[0-9]"))

@@ -10,8 +10,9 @@ against 0.05 ms a token; a ``regex`` constraint ``[a-z]{1,300}\d`` 0.8-1.6 s aga
 ``benchmarks/pattern_counts.py``). :func:`rewrite_classes` reads each class (``[...]``,
 ``[^...]``, ``.``, ``\d`` ... ``\S``) as code point ranges and hands them to a writer of the
 caller's: ``json_pattern`` keeps only what a JSON string holds raw, :func:`negated_regex`
-every character but the UTF-16 surrogates. A count with nothing after it (at a regex's end)
-gains nothing reliable (``docs/benchmarks.md``). A class holding an escape not read here
+every character but the UTF-16 surrogates. Written negated, a count with nothing after it
+(at a regex's end) gains nothing reliable; past 128 ``utf8_grammar.regex_grammar`` writes it
+as shared blocks (``docs/benchmarks.md``). A class holding an escape not read here
 (``\p{L}``, ``\b``) is left as written, as is an unterminated one.
 """
 

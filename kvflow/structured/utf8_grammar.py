@@ -166,23 +166,32 @@ def regex_grammar(grammar: xgr.Grammar) -> xgr.Grammar:
     ``[^0-9]{2,40}[0-9]`` 1.8 s -> 0.26 s to compile for a 49k vocabulary, masks 2.4 ->
     0.08 ms), as a JSON-schema pattern's are. A constraint's classes reach xgrammar negated
     (``xgrammar_convert.regex_text``), so a positive one's count is taken in too
-    (``[a-z]{1,300}\\d``: 0.8 s -> 0.06 s); other counts stay as xgrammar writes them.
+    (``[a-z]{1,300}\\d``: 0.8 s -> 0.06 s). A class's count past
+    ``repeat_counts.INLINE_COUNT`` that ends its sequence (``.{1,300}`` at the regex's end,
+    or a group's) is written as ``repeat_counts.compact_repeat``'s shared blocks and chains:
+    followed by nothing xgrammar cannot take its cheap counted form, and its own expansion
+    (127 nested rules and 128 unrolled repetitions for ``{1,300}``) compiled about 2x slower
+    with 3-4x slower masks (``docs/benchmarks.md``). Other counts stay as xgrammar writes them.
 
     Raises:
         RuntimeError: from xgrammar, should it refuse its own printing rewritten (a bug).
     """
     fixed = utf8_grammar(grammar)
     text = printed_ebnf(fixed)
-    rewritten = _rewrite_counts(text, "", None, negated_only=True)
+    trailing: dict[str, str] = {}
+    rewritten = _rewrite_counts(text, "", None, negated_only=True, trailing=trailing)
+    rewritten += "".join(f"\n{name} ::= {body}" for name, body in trailing.items())
     return fixed if rewritten == text else xgr.Grammar.from_ebnf(rewritten)
 
 
 def _rewrite_counts(text: str, prefix: str, extra: dict[str, str] | None,
-                    negated_only: bool) -> str:
+                    negated_only: bool, trailing: dict[str, str] | None = None) -> str:
     """xgrammar's printing ``text`` with its rule names prefixed, each count of a one-class
-    rule (a negated one only, if ``negated_only``) passed through :func:`_class_count` and,
-    where ``extra`` is given, each other count written by ``repeat_counts.compact_repeat``
-    (its rules added to ``extra``)."""
+    rule (a negated one only, if ``negated_only``) passed through :func:`_class_count`
+    (``trailing`` given: one that ends its sequence written by
+    ``repeat_counts.compact_repeat``, its rules added to ``trailing``) and, where ``extra``
+    is given, each other count written by ``compact_repeat`` (its rules added to
+    ``extra``)."""
     out, i, classes = [], 0, class_rules(text, negated_only)
     while i < len(text):
         char, name = text[i], NAME.match(text, i)
@@ -198,7 +207,7 @@ def _rewrite_counts(text: str, prefix: str, extra: dict[str, str] | None,
             if count is None:
                 out.append(prefix + name.group())
             elif name.group() in classes:
-                text_out, end = _class_count(text, prefix, name, count, classes)
+                text_out, end = _class_count(text, prefix, name, count, classes, trailing)
                 out.append(text_out)
             elif extra is None:
                 end = count.end()
@@ -215,12 +224,18 @@ def _rewrite_counts(text: str, prefix: str, extra: dict[str, str] | None,
 
 
 def _class_count(text: str, prefix: str, name: re.Match, count: re.Match,
-                 classes: dict[str, list[tuple[int, int]]]) -> tuple[str, int]:
+                 classes: dict[str, list[tuple[int, int]]],
+                 trailing: dict[str, str] | None) -> tuple[str, int]:
     """The count ``name{m, n}`` of a one-class rule (``text[name.start():count.end()]``),
     its name prefixed, and the position after what was written: a class right after it
     (``name{1, 300} [0-9]``) is taken in as literal alternatives where
-    ``repeat_counts.literal_followers`` says so."""
+    ``repeat_counts.literal_followers`` says so; with ``trailing``, a count that ends its
+    sequence (``)`` after it) is ``repeat_counts.compact_repeat``'s (rules added to
+    ``trailing``; xgrammar's own up to ``INLINE_COUNT``)."""
     repeat, end = prefix + text[name.start():count.end()], count.end()
+    if trailing is not None and text.startswith(")", end):
+        return compact_repeat(prefix + name.group(), int(count.group(1)),
+                              int(count.group(2)), trailing), end
     if not text.startswith(" [", end):
         return repeat, end
     follower, after = class_ranges(text, end + 1)
