@@ -171,6 +171,12 @@ def test_format_spelling(llm, tiny_llama, tiny_tokenizer):
     ({"type": "structural_tag", "format": {"type": "json_schema",
                                            "json_schema": {"not": {}}}},
      "format.json_schema: 'not'"),
+    # no text matches: the reply stopped after "ab" (length) before regex_empty refused them
+    ({"type": "structural_tag", "format": {"type": "regex", "pattern": "ab[^\\s\\S]"}},
+     "format.pattern: matches no string"),
+    ({"type": "structural_tag", "format": {"type": "json_schema", "json_schema": {
+        "type": "string", "pattern": "ab[^\\s\\S]"}}},
+     "format.json_schema: the pattern 'ab[^\\\\s\\\\S]' at pattern matches no string"),
     # a rule defined only as itself crashes xgrammar's compiler (segfault): refused first,
     # also beside a token format (which validate, without the tokenizer, cannot convert)
     ({"type": "structural_tag", "format": {"type": "grammar", "grammar": CYCLE}},

@@ -212,7 +212,8 @@ class StructuredOutputManager:
 
     def _take_disjoint_first_steps(self) -> list[tuple[str, str]]:
         """``(request id, error message)`` of each compiled request whose grammar allows no
-        first token at all (it matches no text, e.g. the regex ``[^\\s\\S]``), or none of
+        first token at all (it matches no text, e.g. ``root ::= [^\\0-\\U0010ffff]``; a regex
+        with such a class is refused before it compiles, ``regex_empty``), or none of
         its ``allowed_token_ids``: its first step's logits would all be masked, and it would
         end with no token and finish ``length``. Checked once per request, when its grammar
         is ready (one bitmask row: its matcher at the start)."""
