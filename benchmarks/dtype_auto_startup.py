@@ -4,8 +4,9 @@ GEMM kernels, and what it chooses.
 Each run is a fresh process with a fresh ``KVFLOW_CACHE_DIR`` (holding only a link to the
 compiled kernels of ``~/.cache/kvflow/kernels``, so nothing is rebuilt and no GEMM timing is
 cached) that starts ``LLM(MODEL, dtype=..., cpu_gemm="auto")`` with ``PYTHONPATH`` at one of
-``--trees`` (its working directory too). The child wraps ``gemm_timing.time_candidates`` (every
-GEMM timing goes through it) with ``time.process_time`` and ``time.perf_counter``, and
+``--trees`` (its working directory too). The child wraps ``gemm_timing.time_candidates`` and
+``time_dtypes`` where the tree has it (every GEMM timing goes through one of them, neither
+through the other) with ``time.process_time`` and ``time.perf_counter``, and
 ``cpu_setup.choose`` (each GEMM module's kernel) to list the kernel of each shape class;
 it prints one JSON line: the timing's CPU and wall seconds, the engine's dtype and the
 kernels. Runs alternate the trees (their order flips each round, as a shared machine drifts);
@@ -37,15 +38,18 @@ from kvflow.core import engine_startup
 from kvflow.worker import cpu_setup
 
 spent = {"cpu": 0.0, "wall": 0.0}
-timed = gemm_timing.time_candidates
-def time_candidates(*args, **kwargs):
-    cpu, wall = time.process_time(), time.perf_counter()
-    try:
-        return timed(*args, **kwargs)
-    finally:
-        spent["cpu"] += time.process_time() - cpu
-        spent["wall"] += time.perf_counter() - wall
-gemm_timing.time_candidates = time_candidates
+def counted(timed):
+    def timing(*args, **kwargs):
+        cpu, wall = time.process_time(), time.perf_counter()
+        try:
+            return timed(*args, **kwargs)
+        finally:
+            spent["cpu"] += time.process_time() - cpu
+            spent["wall"] += time.perf_counter() - wall
+    return timing
+gemm_timing.time_candidates = counted(gemm_timing.time_candidates)
+if hasattr(gemm_timing, "time_dtypes"):  # dtypes of a shape timed together (session 53)
+    gemm_timing.time_dtypes = counted(gemm_timing.time_dtypes)
 
 kernels = {}
 chose = cpu_setup.choose

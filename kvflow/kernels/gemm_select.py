@@ -342,7 +342,12 @@ def choose_dtype(shapes: list[tuple[int, int, int]],
     forward pass of ``shapes`` fastest: lowest sum over row classes of its time relative to the
     fastest dtype's. Ties keep the first key. ``head_rows``: the LM head's row classes
     (:func:`estimated_step_seconds`; None: the head counts as a layer shape); ``graphs``:
-    decode steps replay as CPU step graphs (:func:`graph_weighted`)."""
+    decode steps replay as CPU step graphs (:func:`graph_weighted`). Each layer shape's
+    dtypes are timed in one alternating call (:meth:`GemmTimings.time_together`), so a change
+    of load hits them alike."""
+    layers = shapes[:-1] if head_rows is not None else shapes
+    for n, k, _ in layers:
+        timings.time_together({GemmShape(n, k, d): c for d, c in candidates.items()})
     step = {d: estimated_step_seconds(shapes, d, c, timings, head_rows, graphs)
             for d, c in candidates.items()}
     fastest = {rows: min(s[rows] for s in step.values()) for rows in timings.rows}

@@ -37,6 +37,7 @@ POOL_BYTES, POOL_MIN_BYTES, POOL_MAX_BYTES = 160 << 20, 32 << 20, 256 << 20
 CPU_CACHE_SYSFS = "/sys/devices/system/cpu/cpu0/cache"
 MAX_COPIES = 256
 REPEATS = 4
+LARGE_REPEATS = 2  # passes from ONE_COPY_MIN_ROWS rows, without a warm-up call (repeats_at)
 # calls of at least this many rows time one weight copy per pass (fewer rows: two); see
 # pass_copies
 ONE_COPY_MIN_ROWS = 1024
@@ -134,6 +135,7 @@ def timing_method(pool_bytes: int, rows: tuple[int, ...] = ROW_CLASSES) -> str:
     return f"cpu-time-1-thread|alternating-{REPEATS}|rows {tuple(rows)}|pool {pool_bytes}" \
         f"|native on huge pages|one copy from {ONE_COPY_MIN_ROWS} rows|pool shared" \
         f"|{COMPUTE_N} columns from {ONE_COPY_MIN_ROWS} rows" \
+        f"|{LARGE_REPEATS} passes, no warm-up from {ONE_COPY_MIN_ROWS} rows|dtypes alternating" \
         f"|stop after {EARLY_STOP_PASSES} at {CLEAR_RATIO}x or within {SETTLED_SPREAD}"
 
 
@@ -247,46 +249,93 @@ def time_candidates(shape: GemmShape, candidates: Iterable[str], rows_list: Iter
     the seconds returned are the slice's). The passes at a row count stop after
     :data:`EARLY_STOP_PASSES` once one candidate leads every other by :data:`CLEAR_RATIO`
     (:func:`clear_leader`) or every candidate's passes agree within :data:`SETTLED_SPREAD`
-    (:func:`settled`)."""
+    (:func:`settled`); from :data:`ONE_COPY_MIN_ROWS` rows there is no warm-up call and
+    :data:`LARGE_REPEATS` passes (:func:`repeats_at`)."""
+    return _time_together({shape: tuple(candidates)}, rows_list, kernels)[shape]
+
+
+def time_dtypes(by_shape: dict[GemmShape, tuple[str, ...]], rows_list: Iterable[int],
+                kernels: NativeCpuKernels | None) -> dict[GemmShape, dict[str, dict[int, float]]]:
+    """:func:`time_candidates` of one weight ``n x k`` in several dtypes at once: each shape
+    of ``by_shape`` (all of one ``n`` and ``k``, e.g. bf16 and fp32) with its candidates,
+    every (dtype, candidate) pair's passes alternating with all the others' (bf16, fp32
+    kvflow, fp32 oneDNN, bf16, ...), so a change of load between them hits every dtype alike
+    (``--dtype auto`` timed bf16's shapes before fp32's, each against its own moment's
+    load). The pairs share one one-row pool (:func:`pool_copies` of their weights' bytes
+    together: bf16's copies half fp32's bytes) and each row count's operand (the same values,
+    rounded to each dtype). Returns shape -> candidate -> rows -> seconds per call.
+
+    Raises:
+        ValueError: when the shapes of ``by_shape`` differ in ``n`` or ``k``.
+    """
+    if len({(s.n, s.k) for s in by_shape}) > 1:
+        raise ValueError(f"time_dtypes times one n x k in several dtypes, got "
+                         f"{sorted({(s.n, s.k) for s in by_shape})}")
+    return _time_together(by_shape, rows_list, kernels)
+
+
+def _time_together(by_shape: dict[GemmShape, tuple[str, ...]], rows_list: Iterable[int],
+                   kernels: NativeCpuKernels | None
+                   ) -> dict[GemmShape, dict[str, dict[int, float]]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _time_on_this_thread(shape, tuple(candidates), rows_list, kernels)
+        pairs = tuple((s, c) for s, cands in by_shape.items() for c in cands)
+        timed = _time_on_this_thread(pairs, tuple(rows_list), kernels)
     finally:
         torch.set_num_threads(threads)
+    return {s: {c: timed[(s, c)] for c in cands} for s, cands in by_shape.items()}
 
 
-def _time_on_this_thread(shape: GemmShape, candidates: tuple[str, ...],
-                         rows_list: Iterable[int], kernels: NativeCpuKernels | None
-                         ) -> dict[str, dict[int, float]]:
-    n, k = shape.timed_n, shape.k
-    weight_bytes = max(1, n * k * shape.dtype.itemsize)
-    copies = pool_copies(timing_pool_bytes(), weight_bytes, len(candidates))
+def repeats_at(rows: int) -> tuple[bool, int]:
+    """(whether a warm-up call precedes the passes, the most passes) at ``rows`` rows:
+    (True, :data:`REPEATS`) below :data:`ONE_COPY_MIN_ROWS`, else (False,
+    :data:`LARGE_REPEATS`). Why: such a call runs 10-75 ms on one weight copy (SmolLM2's
+    512-column slices at 2,048 rows on the Ice Lake Xeon), its first call was within its
+    passes' noise (17.1 against 15.2-15.8 ms, bf16 512 x 576; 33.2 against 31.3-38.2,
+    oneDNN 512 x 1536) and the passes spread 10-20% from call to call under load, so they
+    rarely settle within :data:`SETTLED_SPREAD`: a warm-up and four passes of three
+    candidates made the 2,048-row class over half of ``--dtype auto``'s first-start timing
+    (docs/benchmarks.md, session 53)."""
+    return (True, REPEATS) if rows < ONE_COPY_MIN_ROWS else (False, LARGE_REPEATS)
+
+
+def _time_on_this_thread(pairs: tuple[tuple[GemmShape, str], ...], rows_list: tuple[int, ...],
+                         kernels: NativeCpuKernels | None
+                         ) -> dict[tuple[GemmShape, str], dict[int, float]]:
+    first = pairs[0][0]
+    n, k = first.timed_n, first.k
+    weight_bytes = sum(n * k * s.dtype.itemsize for s, _ in pairs)
+    copies = pool_copies(timing_pool_bytes(), max(1, weight_bytes), 1)
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(n, k, generator=gen).to(shape.dtype)
-    packed: dict[int, dict[str, list]] = {}  # by the columns timed (GemmShape.timed_cols)
-    result: dict[str, dict[int, float]] = {c: {} for c in candidates}
+    weight = torch.randn(n, k, generator=gen)
+    packed: dict[int, dict[tuple[GemmShape, str], list]] = {}  # by the columns timed
+    result: dict[tuple[GemmShape, str], dict[int, float]] = {p: {} for p in pairs}
     for rows in rows_list:
-        cols = shape.timed_cols(rows)
+        cols = first.timed_cols(rows)
         if cols not in packed:
-            packed[cols] = {c: _pack(c, weight[:cols], kernels, copies if cols == n else 1)
-                            for c in candidates}
-        x = torch.randn(rows, k, generator=gen).to(shape.dtype)
-        pools = {c: pool[:pass_copies(rows, len(pool))] for c, pool in packed[cols].items()}
-        for pool in pools.values():
-            pool[0](x)  # warm-up (first-call allocations)
-        passes: dict[str, list[float]] = {c: [] for c in pools}
-        for i in range(REPEATS):
-            for c, pool in pools.items():
+            packed[cols] = {(s, c): _pack(c, weight[:cols].to(s.dtype), kernels,
+                                          copies if cols == n else 1) for s, c in pairs}
+        x = torch.randn(rows, k, generator=gen)
+        xs = {s.dtype: x.to(s.dtype) for s, _ in pairs}
+        pools = {p: pool[:pass_copies(rows, len(pool))] for p, pool in packed[cols].items()}
+        warm_up, repeats = repeats_at(rows)
+        if warm_up:
+            for (s, _), pool in pools.items():
+                pool[0](xs[s.dtype])  # first-call allocations
+        passes: dict[tuple[GemmShape, str], list[float]] = {p: [] for p in pools}
+        for i in range(repeats):
+            for p, pool in pools.items():
+                xp = xs[p[0].dtype]
                 start = time.process_time()
                 for fn in pool:
-                    fn(x)
-                passes[c].append((time.process_time() - start) / len(pool))
-            best = {c: min(times) for c, times in passes.items()}
+                    fn(xp)
+                passes[p].append((time.process_time() - start) / len(pool))
+            best = {p: min(times) for p, times in passes.items()}
             if i + 1 >= EARLY_STOP_PASSES and (clear_leader(best) or settled(passes)):
                 break
-        for c in pools:
-            result[c][rows] = best[c]
+        for p in pools:
+            result[p][rows] = best[p]
     return result
 
 
@@ -362,23 +411,38 @@ class GemmTimings:
     def get_all(self, shape: GemmShape, candidates: Iterable[str],
                 rows: tuple[int, ...] | None = None) -> dict[str, dict[int, float]]:
         """:meth:`get` of each candidate at ``rows`` (default ``self.rows``); those not cached
-        yet are timed together, their passes alternating (:func:`time_candidates`), at the
-        rows some of them lacks."""
-        candidates, rows = tuple(candidates), self.rows if rows is None else tuple(rows)
-        missing = [c for c in candidates
-                   if any(shape.key(c, r) not in self.seconds for r in rows)]
-        if len(missing) > 1:
-            start = time.perf_counter()
-            # only the rows some candidate lacks: a 2,048-row class is timed on a column slice
-            # (GemmShape.timed_cols) that shapes of one k share, so another shape has it already
-            measured = time_candidates(shape, missing, [
-                r for r in rows if any(shape.key(c, r) not in self.seconds for c in missing)],
-                self.kernels)
-            self.measuring_s += time.perf_counter() - start
-            for c, secs in measured.items():
-                self.seconds.update({shape.key(c, r): s for r, s in secs.items()})
-            self._dirty = True
+        yet are timed together, their passes alternating (:meth:`time_together`)."""
+        candidates = tuple(candidates)
+        self.time_together({shape: candidates}, rows)
         return {c: self.get(shape, c, rows) for c in candidates}
+
+    def time_together(self, by_shape: dict[GemmShape, tuple[str, ...]],
+                      rows: tuple[int, ...] | None = None) -> None:
+        """Time, in one alternating call, each (shape, candidate) of ``by_shape`` (shapes of
+        one ``n x k``, e.g. in bf16 and fp32: :func:`time_dtypes`) not cached at every row
+        class of ``rows`` (default ``self.rows``), at the classes some of them lacks; nothing
+        when fewer than two pairs lack one (:meth:`get` times a lone one)."""
+        rows = self.rows if rows is None else tuple(rows)
+        lacks = lambda s, c: any(s.key(c, r) not in self.seconds for r in rows)
+        missing = {s: tuple(c for c in cands if lacks(s, c)) for s, cands in by_shape.items()}
+        missing = {s: cands for s, cands in missing.items() if cands}
+        if sum(map(len, missing.values())) < 2:
+            return
+        # only the rows some pair lacks: a 2,048-row class is timed on a column slice
+        # (GemmShape.timed_cols) that shapes of one k share, so another shape has it already
+        need = [r for r in rows
+                if any(s.key(c, r) not in self.seconds for s, cs in missing.items() for c in cs)]
+        start = time.perf_counter()
+        if len(missing) == 1:
+            (shape, cands), = missing.items()
+            measured = {shape: time_candidates(shape, cands, need, self.kernels)}
+        else:
+            measured = time_dtypes(missing, need, self.kernels)
+        self.measuring_s += time.perf_counter() - start
+        for s, by_cand in measured.items():
+            for c, secs in by_cand.items():
+                self.seconds.update({s.key(c, r): t for r, t in secs.items()})
+        self._dirty = True
 
     def eager_call_seconds(self) -> float:
         """:func:`eager_call_seconds` of this CPU: cached under :data:`EAGER_CALL_KEY`,

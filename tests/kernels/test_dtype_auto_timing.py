@@ -47,18 +47,27 @@ SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
 
 
 def _timed(monkeypatch, factor: dict[int, float]) -> list[tuple[int, str, tuple[str, ...]]]:
-    """``time_candidates`` faked: fp32 takes 1 s x rows per column with either kernel, bf16
-    ``factor[rows]`` times that (kvflow's kernel; oneDNN's bf16, were it timed, 100x). Returns
-    the (n, dtype, candidates) of each timing."""
+    """``time_candidates`` and ``time_dtypes`` faked: fp32 takes 1 s x rows per column with
+    either kernel, bf16 ``factor[rows]`` times that (kvflow's kernel; oneDNN's bf16, were it
+    timed, 100x). Returns the (n, dtype, candidates) of each shape timed, and for a
+    ``time_dtypes`` call the index of that call as a fourth item (-1 for ``time_candidates``):
+    the dtypes of one call were timed together."""
     calls = []
 
-    def fake(shape, cands, rows, kernels):
-        calls.append((shape.n, str(shape.dtype).removeprefix("torch."), tuple(cands)))
-        per = lambda c, r: (1.0 if shape.dtype == torch.float32 else
-                            factor[r] * (100 if c == "onednn" else 1)) * r * shape.n
-        return {c: {r: per(c, r) for r in rows} for c in cands}
+    def per(shape, c, r):
+        return (1.0 if shape.dtype == torch.float32 else
+                factor[r] * (100 if c == "onednn" else 1)) * r * shape.n
+
+    def fake(shape, cands, rows, kernels, call=-1):
+        calls.append((shape.n, str(shape.dtype).removeprefix("torch."), tuple(cands), call))
+        return {c: {r: per(shape, c, r) for r in rows} for c in cands}
+
+    def fake_dtypes(by_shape, rows, kernels):
+        call = len({i for *_, i in calls if i >= 0})
+        return {s: fake(s, cands, rows, kernels, call) for s, cands in by_shape.items()}
 
     monkeypatch.setattr(gemm_timing, "time_candidates", fake)
+    monkeypatch.setattr(gemm_timing, "time_dtypes", fake_dtypes)
     monkeypatch.setattr(gemm_timing, "time_candidate",
                         lambda shape, cand, rows, kernels: fake(shape, (cand,), rows, kernels)[cand])
     return calls
@@ -92,10 +101,12 @@ def test_auto_dtype_times_kvflows_bf16_on_a_cpu_without_bf16_units(tmp_path, mon
     measure = cpu_dtype_measure(platform, DeviceConfig(device="cpu"), cfg, 2048, 64)
     with caplog.at_level(logging.INFO, logger="kvflow.kernels.gemm_select"):
         assert resolve_dtype("auto", cfg, platform, measure) == expected
-    assert {(d, c) for _, d, c in calls} == {("bfloat16", ("native",)),
-                                            ("float32", ("native", "onednn"))}
-    # o, down, q/k/v, gate/up; not the head's 300
-    assert sorted(n for n, d, _ in calls if d == "bfloat16") == [64, 64, 192, 256]
+    assert {(d, c) for _, d, c, _ in calls} == {("bfloat16", ("native",)),
+                                               ("float32", ("native", "onednn"))}
+    # o, down, q/k/v, gate/up; not the head's 300; each shape's dtypes in one alternating call
+    assert sorted(n for n, d, _, _ in calls if d == "bfloat16") == [64, 64, 192, 256]
+    assert [(n, i) for n, _, _, i in calls] == [
+        (n, i) for i, n in enumerate((192, 64, 256, 64)) for _ in range(2)]
     said = [r.getMessage() for r in caplog.records if r.name == "kvflow.kernels.gemm_select"]
     assert said == [f"--dtype auto: {expected} (GEMMs timed in torch.bfloat16 and torch.float32)"]
 
@@ -148,8 +159,8 @@ def test_auto_dtype_with_bf16_units_times_both_kernels(tmp_path, monkeypatch):
     assert platform.default_dtype() == torch.bfloat16
     measure = cpu_dtype_measure(platform, DeviceConfig(device="cpu"), cfg, 2048, 64)
     assert resolve_dtype("auto", cfg, platform, measure) == torch.bfloat16
-    assert {(d, c) for _, d, c in calls} == {("bfloat16", ("native", "onednn")),
-                                            ("float32", ("native", "onednn"))}
+    assert {(d, c) for _, d, c, _ in calls} == {("bfloat16", ("native", "onednn")),
+                                               ("float32", ("native", "onednn"))}
 
 
 @native
@@ -373,3 +384,57 @@ def test_head_candidates():
     assert head_candidates(torch.float16, ("native",)) == ("native",)
     assert head_candidates(torch.bfloat16, ("onednn",)) == ("onednn",)
     assert head_candidates(torch.float32, ("native", "onednn")) == ("native", "onednn")
+
+
+def test_dtypes_of_one_shape_alternate_in_one_call(monkeypatch):
+    """bf16 (kvflow's GEMM) and fp32 (kvflow's, oneDNN's) of one 64 x 32 weight timed by one
+    ``time_dtypes`` call: the warm-up calls, then each pass of each (dtype, kernel) pair in
+    turn (bf16, fp32 kvflow, fp32 oneDNN, bf16, ...), two weight copies a pass at 64 rows. The
+    one-row pool is shared: 5 x 64 x 32 x 4 bytes over bf16's 4,096 and fp32's 8,192 x 2 is
+    0 copies each, so 2 (the least). Fake clock: bf16 0.5 s per column, fp32 1.0 (kvflow) and
+    2.0 (oneDNN): a clear leader after two passes."""
+    calls = _fake_kernels(monkeypatch, {"native": [1.0], "onednn": [2.0]})
+    clock = gemm_timing.time
+    order = []
+    real_pack = gemm_timing._pack
+
+    def pack(cand, weight, kernels, copies):
+        fns = real_pack(cand, weight, kernels, copies)
+        half = weight.dtype == torch.bfloat16
+        dtype = str(weight.dtype).removeprefix("torch.")
+
+        def call(x, fn=fns[0]):
+            assert x.dtype == weight.dtype
+            order.append((dtype, cand))
+            before = clock.now
+            fn(x)
+            clock.now = before + (clock.now - before) * (0.5 if half else 1.0)
+        return [call] * copies
+
+    monkeypatch.setattr(gemm_timing, "_pack", pack)
+    bf16, fp32 = GemmShape(64, 32, torch.bfloat16), GemmShape(64, 32, torch.float32)
+    got = gemm_timing.time_dtypes({bf16: ("native",), fp32: ("native", "onednn")}, (64,), None)
+    assert got == {bf16: {"native": {64: 32.0}}, fp32: {"native": {64: 64.0},
+                                                        "onednn": {64: 128.0}}}
+    turn = [("bfloat16", "native"), ("float32", "native"), ("float32", "onednn")]
+    assert order == turn + [p for p in turn for _ in range(2)] * 2
+    assert {cols for _, _, cols in calls} == {64}
+    with pytest.raises(ValueError, match="one n x k"):
+        gemm_timing.time_dtypes({bf16: ("native",), GemmShape(32, 32, torch.float32):
+                                 ("native",)}, (64,), None)
+
+
+def test_large_calls_run_two_passes_without_a_warm_up(monkeypatch):
+    """From ONE_COPY_MIN_ROWS rows: no warm-up call and two passes (LARGE_REPEATS) of one
+    call, even when they neither settle nor show a clear leader (1.0 / 1.5 s per column:
+    before, a warm-up and four passes); the fastest pass is kept. Below, the warm-up and
+    passes of before (64 rows: the noisy passes settle at the third, 1 + 2 x 3 calls)."""
+    noisy = [1.5, 1.0, 1.0, 1.0, 1.5, 1.5, 1.0]
+    calls = _fake_kernels(monkeypatch, {"native": noisy, "onednn": [1.25]})
+    shape = GemmShape(64, 32, torch.float32)
+    got = gemm_timing.time_candidates(shape, ("native", "onednn"), (1024,), None)
+    assert got == {"native": {1024: 64.0}, "onednn": {1024: 80.0}}
+    assert [(c, rows) for c, rows, _ in calls] == [
+        ("native", 1024), ("onednn", 1024), ("native", 1024), ("onednn", 1024)]
+    assert gemm_timing.repeats_at(1024) == (False, 2) and gemm_timing.repeats_at(64) == (True, 4)
+    assert "2 passes, no warm-up from 1024 rows" in gemm_timing.timing_method(1 << 20)
