@@ -58,7 +58,7 @@ CANDIDATES = ("native", "onednn")
 # of the fastest (row_class_winners)
 SPLIT_TIE_MARGIN, SPLIT_TIE_MAX_ROWS = 0.10, 64
 # --- the fixed margin a non-replayable kernel must beat at decode row classes (graph_weighted
-# where no per-CPU margins are given; LoRA's choice, lora/cpu_kernel_choice.py) ---
+# where no per-CPU margins are given; LoRA's where its own are not) ---
 # Losing the step graph makes the eager decode step GRAPH_STEP_SAVING longer than the replayed
 # one: SmolLM2-135M fp32, 16 sequences, 2-core Zen 5 EPYC: 358 tok/s with a oneDNN decode GEMM
 # (no replay) against 391-394 with every GEMM native (1.09-1.10x; docs/benchmarks.md, "Same

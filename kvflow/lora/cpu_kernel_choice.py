@@ -18,9 +18,11 @@ average 7, once per CPU.
 
 The choice (:func:`choose`): the summed time of every LoRA layer of the model at each row class,
 relative to the faster candidate's, summed over the classes; where the engine's decode steps
-would replay, ``torch`` is charged ``1 + GRAPH_MARGIN`` (the margin a GEMM kernel that costs the
-step graph must beat, ``gemm_select.GRAPH_MARGIN``: 1.18x), since choosing it runs every decode
-step eagerly. A tie keeps ``native``. Eager steps (prefills, and every step where none replays)
+would replay, ``torch`` is charged ``1 + margin`` at each row class, since choosing it runs every
+decode step eagerly: the margin is this CPU's (:func:`lora_graph_margins`, as
+``gemm_select.graph_margins`` weighs a GEMM kernel that costs the step graph: an eager step's host
+time, from this CPU's timed eager GEMM call, against the LoRA layers' time that ``torch`` could
+save). A tie keeps ``native``. Eager steps (prefills, and every step where none replays)
 run the native kernel at the row classes where it was timed no slower
 (:func:`resolve_eager_cpu_lora`; a step takes the class of the most rows at most its own): at
 SmolLM2's shapes it took 0.5-0.95x torch's time at 16-2048 rows, ranks 8-16, and 0.7-1.25x at
@@ -30,6 +32,8 @@ rank 64 (docs/benchmarks.md, session 50, eager LoRA).
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +42,12 @@ import numpy as np
 import torch
 
 from kvflow.config import cache_dir, cpu_lora_choice
+from kvflow.kernels import gemm_timing
 from kvflow.kernels.cpu_native import NativeCpuKernels
 from kvflow.kernels.cpu_timing import CachedTimings, alternating_cpu_seconds
-from kvflow.kernels.gemm_select import GRAPH_MARGIN
-from kvflow.kernels.gemm_timing import cache_key
+from kvflow.kernels.gemm_select import GRAPH_MARGIN, graph_margins
+from kvflow.kernels.gemm_timing import EAGER_CALL_KEY, cache_key
+from kvflow.kernels.timings_file import read_timings, write_timings
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +66,7 @@ TIMING_METHOD = (f"lora|cpu-time-1-thread|alternating-{REPEATS}x{CALLS}|"
                  "one adapter|B^T rows")
 
 Measure = Callable[["LoRAShape", int, "NativeCpuKernels | None"], dict[str, float]]
+EagerCall = Callable[["NativeCpuKernels"], float]
 
 
 @dataclass(frozen=True)
@@ -123,12 +130,27 @@ def time_lora(shape: LoRAShape, rows: int, kernels: NativeCpuKernels | None
 
 class LoRATimings(CachedTimings):
     """Seconds per call by (shape, candidate, row class), measured on demand by ``measure``
-    (default :func:`time_lora`) and cached (:class:`kvflow.kernels.cpu_timing.CachedTimings`)."""
+    (default :func:`time_lora`) and cached (:class:`kvflow.kernels.cpu_timing.CachedTimings`),
+    with this CPU's eager GEMM call (``eager_call``, default
+    :func:`kvflow.kernels.gemm_timing.eager_call_seconds`: :meth:`eager_call_seconds`)."""
 
     def __init__(self, path: Path, kernels: NativeCpuKernels | None,
-                 measure: Measure | None = None) -> None:
+                 measure: Measure | None = None, eager_call: EagerCall | None = None) -> None:
         super().__init__(path, kernels, measure or time_lora, CANDIDATES, TIMED_ROWS,
                          "LoRA timings")
+        self.eager_call = eager_call or (lambda k: gemm_timing.eager_call_seconds(k))
+
+    def eager_call_seconds(self, kernels: NativeCpuKernels) -> float:
+        """CPU seconds of one eager call of kvflow's GEMM on this CPU (``eager_call`` of
+        ``kernels``: ~20 ms to time), cached under ``gemm_timing.EAGER_CALL_KEY`` as the GEMM
+        timings cache it, so a later start times nothing."""
+        if EAGER_CALL_KEY not in self.seconds:
+            start = time.perf_counter()
+            self.seconds[EAGER_CALL_KEY] = self.eager_call(kernels)
+            self.measuring_s += time.perf_counter() - start
+            write_timings(self.path, {**read_timings(self.path, warn=False), **self.seconds},
+                          self.label)
+        return self.seconds[EAGER_CALL_KEY]
 
     def get(self, shape: LoRAShape) -> dict[str, dict[int, float]]:
         """candidate -> row class (:data:`TIMED_ROWS`) -> seconds per call, timing the
@@ -156,17 +178,42 @@ def step_seconds(shapes: dict[LoRAShape, int], timings: LoRATimings
     return total
 
 
-def choose(times: dict[str, dict[int, float]], graphs: bool) -> str:
+def choose(times: dict[str, dict[int, float]], graphs: bool,
+           margins: dict[int, float] | None = None) -> str:
     """``native`` or ``torch`` from ``times`` (candidate -> row class -> seconds): the lower
     sum over row classes of time relative to the faster at that class, ``torch``'s times
-    charged ``1 + GRAPH_MARGIN`` when ``graphs`` (it would cost the decode steps' replay). A
-    tie keeps ``native``."""
+    charged ``1 + margins[rows]`` when ``graphs`` (it would cost the decode steps' replay;
+    ``margins``: :func:`lora_graph_margins`, this CPU's; None or a class it lacks:
+    ``GRAPH_MARGIN``, 1.18x; an infinite margin: ``native``). A tie keeps ``native``."""
+    margins = margins or {}
+    charge = lambda n: 1 + margins.get(n, GRAPH_MARGIN) if graphs else 1.0
     charged = {"native": times["native"],
-               "torch": {n: s * (1 + GRAPH_MARGIN if graphs else 1)
+               "torch": {n: math.inf if math.isinf(charge(n)) else s * charge(n)
                          for n, s in times["torch"].items()}}
     fastest = {n: min(t[n] for t in charged.values()) for n in ROW_CLASSES}
     score = {c: sum(t[n] / fastest[n] for n in ROW_CLASSES) for c, t in charged.items()}
     return "native" if score["native"] <= score["torch"] else "torch"
+
+
+def lora_graph_margins(native: dict[int, float], layers: int, eager_call_s: float,
+                       threads: int) -> dict[int, float]:
+    """The margin ``torch`` must beat at each decode row class of :data:`ROW_CLASSES` when
+    choosing it would run the decode steps eagerly: ``gemm_select.graph_margins`` of the
+    LoRA layers' seconds per forward pass with ``native`` (``native``: row class -> seconds,
+    :func:`step_seconds`), ``layers`` LoRA layers and this CPU's eager call (``eager_call_s``,
+    :meth:`LoRATimings.eager_call_seconds`) on ``threads`` threads. An eager step's host
+    work is counted for the adapted modules only (a lower bound: every GEMM module of the
+    model runs eagerly then, lenient toward ``torch``) and weighed against the LoRA
+    layers' time alone, the only time ``torch`` can save. E.g. SmolLM2-135M fp32 with its
+    seven projections adapted (210 layers) on the 2-core Ice Lake Xeon (an eager call 13.4
+    us at load ~8): 70 ms of host work a step against LoRA layers of 5.1 / 7.7 / 17.3 ms
+    (rank 8) and 6.0 / 20.3 / 58.6 ms (rank 64) at 1 / 16 / 64 rows on one thread: r > 1,
+    infinite at every class, so no speed-up of torch's pays (docs/benchmarks.md, session 53).
+
+    Raises:
+        ValueError: on ``layers`` < 1, ``eager_call_s`` < 0 or ``threads`` < 1.
+    """
+    return graph_margins({n: native[n] for n in ROW_CLASSES}, layers, eager_call_s, threads)
 
 
 def choose_eager(times: dict[str, dict[int, float]]) -> dict[int, str]:
@@ -240,7 +287,10 @@ def resolve_cpu_lora(layers: Iterable, dtype: torch.dtype, kernels: NativeCpuKer
         return "native"
     timings = timings or lora_timings(kernels)
     times = step_seconds(shapes, timings)
-    picked = choose(times, graphs)
+    margins = lora_graph_margins(times["native"], sum(shapes.values()),
+                                 timings.eager_call_seconds(kernels),
+                                 torch.get_num_threads()) if graphs else None
+    picked = choose(times, graphs, margins)
     measured = f"timed in {timings.measuring_s:.2f} s, cached in {timings.path}" \
         if timings.measuring_s else f"timings cached in {timings.path}"
     logger.info("LoRA kernel on CPU (KVFLOW_CPU_LORA=auto): %s; a forward pass's LoRA layers "

@@ -1,6 +1,6 @@
 """``KVFLOW_CPU_LORA=auto`` (kvflow/lora/cpu_kernel_choice.py): the CPU LoRA kernel timed per
-CPU and shape, the faster picked (``torch`` charged ``1 + GRAPH_MARGIN`` where it would cost the
-decode steps' replay), the timings cached per shape; ``native`` / ``torch`` forced by the
+CPU and shape, the faster picked (``torch`` charged this CPU's margin, ``lora_graph_margins``,
+where it would cost the decode steps' replay), the timings cached per shape; ``native`` / ``torch`` forced by the
 variable without timing; any other value a ValueError naming it. The timer is injected (a fake
 ``measure`` with set seconds), so the choice is checked against hand-computed sums.
 """
@@ -54,8 +54,10 @@ class FakeTimer:
         return {c: s * rows for c, s in self.seconds.items()}
 
 
-def _resolve(tmp_path, timer: FakeTimer, graphs: bool) -> str:
-    timings = LoRATimings(tmp_path / "lora.json", None, timer)
+def _resolve(tmp_path, timer: FakeTimer, graphs: bool, eager_call_s: float = 0.0) -> str:
+    """resolve_cpu_lora of LAYERS with ``timer``'s times and an eager GEMM call of
+    ``eager_call_s`` seconds (0: an eager step costs no host work)."""
+    timings = LoRATimings(tmp_path / "lora.json", None, timer, lambda kernels: eager_call_s)
     return resolve_cpu_lora(LAYERS, torch.bfloat16, KERNELS, graphs, timings)
 
 
@@ -64,18 +66,23 @@ def test_layer_shapes_count_layers_per_shape():
         LoRAShape(64, 96, 8, torch.float32): 2, LoRAShape(160, 64, 8, torch.float32): 1}
 
 
-@pytest.mark.parametrize("native,torch_,graphs,picked", [
-    (1.0, 2.0, False, "native"),
-    (2.0, 1.0, False, "torch"),
-    (1.1, 1.0, True, "native"),  # torch 1.1x faster: not worth the step graphs (1.18x)
-    (1.5, 1.0, True, "torch"),  # 1.5x faster: worth them
-    (1.0, 1.0, False, "native"),  # a tie keeps native
+@pytest.mark.parametrize("native,torch_,graphs,eager_call_s,picked", [
+    (1.0, 2.0, False, 1.0, "native"),
+    (2.0, 1.0, False, 1.0, "torch"),  # no step graphs at stake: the eager call not weighed
+    # with step graphs the margin is this CPU's (lora_graph_margins), not GRAPH_MARGIN's 1.18x:
+    # no host work to lose (0 s an eager call): margin 0, torch 1.1x faster wins
+    (1.1, 1.0, True, 0.0, "torch"),
+    # 3 layers x 25 x 1 s of host work against the LoRA layers' 4.5 / 72 / 288 s at 1 / 16 /
+    # 64 rows (1.5 s a row a call x 3 layers): infinite at 1 and 16 rows, so torch, 1.5x
+    # faster, never pays (before: charged 1.18x, torch)
+    (1.5, 1.0, True, 1.0, "native"),
+    (1.0, 1.0, False, 0.0, "native"),  # a tie keeps native
 ])
 def test_auto_picks_what_the_timer_says_is_faster(tmp_path, monkeypatch, native, torch_,
-                                                   graphs, picked):
+                                                   graphs, eager_call_s, picked):
     monkeypatch.delenv("KVFLOW_CPU_LORA", raising=False)  # auto, the default
     timer = FakeTimer(native, torch_)
-    assert _resolve(tmp_path, timer, graphs) == picked
+    assert _resolve(tmp_path, timer, graphs, eager_call_s) == picked
     # each shape timed once at every row class (the eager steps' too), nothing more
     assert sorted(rows for _, rows in timer.calls) == sorted(TIMED_ROWS * 2)
 
@@ -92,6 +99,38 @@ def test_choose_sums_relative_times_over_row_classes():
     # native 1 + 2 * 6.4 / (4 * 1.18) = 3.71 -> native kept
     assert round(GRAPH_MARGIN, 2) == 0.18
     assert choose({"native": native, "torch": torch_times}, graphs=True) == "native"
+
+
+def test_measured_margins_replace_the_fixed_one():
+    """lora_graph_margins = gemm_select.graph_margins of the LoRA layers' native seconds:
+    2 layers x 25 x 1 ms = 50 ms of host work, 1 thread, against native 25 / 100 / 200 ms at
+    1 / 16 / 64 rows: r = 2, 0.5, 0.25: infinite, 1.0, 1/3. ``choose`` charges torch by them:
+    torch 0.5x native's time at every class is still slower at 1 row (infinite) and 16 rows
+    (x 2 = native's, a tie) but faster at 64 (0.5 x 4/3 = 0.667): native 1 + 1 + 1.5 = 3.5,
+    torch inf: native. Where the margins are all 0.2, torch (0.6x) wins every class: torch.
+    The eager call is timed once and cached with the LoRA timings."""
+    from kvflow.lora.cpu_kernel_choice import lora_graph_margins
+
+    native = {1: 0.025, 16: 0.100, 64: 0.200, EAGER_ROWS: 1.0}
+    margins = lora_graph_margins(native, 2, 1e-3, 1)
+    assert margins[1] == float("inf")
+    assert margins[16] == pytest.approx(1.0) and margins[64] == pytest.approx(1 / 3)
+    torch_times = {n: 0.5 * s for n, s in native.items()}
+    assert choose({"native": native, "torch": torch_times}, True, margins) == "native"
+    assert choose({"native": native, "torch": torch_times}, True,
+                  dict.fromkeys(ROW_CLASSES, 0.2)) == "torch"
+    with pytest.raises(ValueError, match="modules >= 1"):
+        lora_graph_margins(native, 0, 1e-3, 1)
+
+
+def test_eager_call_is_timed_once_and_cached(tmp_path):
+    timed = []
+    timings = LoRATimings(tmp_path / "lora.json", None, FakeTimer(1.0, 1.0),
+                          lambda kernels: timed.append(kernels) or 2e-5)
+    assert timings.eager_call_seconds(KERNELS) == 2e-5 and timed == [KERNELS]
+    again = LoRATimings(tmp_path / "lora.json", None, FakeTimer(1.0, 1.0),
+                        lambda kernels: pytest.fail("timed again"))
+    assert again.eager_call_seconds(KERNELS) == 2e-5
 
 
 def test_timings_are_cached_per_shape(tmp_path, monkeypatch):
