@@ -491,10 +491,11 @@ def test_prefill_rows_from_1024_time_one_weight_copy_per_pass(tmp_path, monkeypa
                                                           ("native", "onednn"))
     per_candidate = {r: sum(1 for c, n in calls if n == r and c == "native") for r in rows}
     warm_up = 1
+    # from 1,024 rows no warm-up and LARGE_REPEATS passes (gemm_timing.repeats_at)
     assert per_candidate == {1: warm_up + 5 * gemm_timing.REPEATS,
                              64: warm_up + 2 * gemm_timing.REPEATS,
-                             1024: warm_up + gemm_timing.REPEATS,
-                             2048: warm_up + gemm_timing.REPEATS}
+                             1024: gemm_timing.LARGE_REPEATS,
+                             2048: gemm_timing.LARGE_REPEATS}
     assert [gemm_timing.pass_copies(r, 5) for r in (1, 64, 512, 1023, 1024, 2048)] == \
         [5, 2, 2, 2, 1, 1]
     assert "one copy from 1024 rows" in gemm_timing.timing_method(1 << 20, rows)
@@ -571,6 +572,17 @@ def test_engine_with_timed_kernel_choice_matches_hf(tiny_llama, tmp_path, monkey
     assert abs(out.outputs[0].logprobs[0][token].logprob - hf_logprob) < 1e-4
 
 
+def _fake_gemm_timing(monkeypatch, fake) -> None:
+    """Every GEMM timing faked by ``fake(shape, candidates, rows, kernels)`` (candidate ->
+    rows -> seconds): ``time_candidates``, ``time_candidate`` and ``time_dtypes`` (a shape's
+    dtypes timed together, as ``--dtype auto`` times them)."""
+    monkeypatch.setattr(gemm_timing, "time_candidates", fake)
+    monkeypatch.setattr(gemm_timing, "time_candidate",
+                        lambda shape, cand, rows, kernels: fake(shape, (cand,), rows, kernels)[cand])
+    monkeypatch.setattr(gemm_timing, "time_dtypes", lambda by_shape, rows, kernels: {
+        shape: fake(shape, cands, rows, kernels) for shape, cands in by_shape.items()})
+
+
 @native
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
 def test_engine_keeps_native_decode_gemms_where_step_graphs_replay(tiny_llama, tmp_path,
@@ -610,9 +622,7 @@ def _fake_gemm_timer(monkeypatch, eager_call_s: float) -> None:
     eager call ``eager_call_s``."""
     secs = {"native": {1: 1.12, 64: 1.12, 2048: 1.05}, "onednn": {1: 1.0, 64: 1.0, 2048: 1.0}}
     fake = lambda shape, cands, rows, kernels: {c: {r: secs[c][r] for r in rows} for c in cands}
-    monkeypatch.setattr(gemm_timing, "time_candidates", fake)
-    monkeypatch.setattr(gemm_timing, "time_candidate",
-                        lambda shape, cand, rows, kernels: fake(shape, (cand,), rows, kernels)[cand])
+    _fake_gemm_timing(monkeypatch, fake)
     monkeypatch.setattr(gemm_timing, "eager_call_seconds", lambda kernels: eager_call_s)
 
 
@@ -656,9 +666,7 @@ def test_fp32_lm_head_is_timed_at_the_rows_it_gets(tiny_llama, tmp_path, monkeyp
         timed.setdefault(shape.n, set()).update(rows)
         return {c: {r: float(r) for r in rows} for c in cands}
 
-    monkeypatch.setattr(gemm_timing, "time_candidates", fake)
-    monkeypatch.setattr(gemm_timing, "time_candidate",
-                        lambda shape, cand, rows, kernels: fake(shape, (cand,), rows, kernels)[cand])
+    _fake_gemm_timing(monkeypatch, fake)
     LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64,
         cpu_gemm="auto", max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
     vocab = AutoConfig.from_pretrained(tiny_llama.path).vocab_size
@@ -678,9 +686,7 @@ def test_auto_dtype_is_the_faster_one_by_timing(faster, tmp_path, monkeypatch):
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
     fake = lambda shape, cands, rows, kernels: {
         c: {r: (1.0 if shape.dtype == faster else 2.0) * r for r in rows} for c in cands}
-    monkeypatch.setattr(gemm_timing, "time_candidates", fake)
-    monkeypatch.setattr(gemm_timing, "time_candidate",
-                        lambda shape, cand, rows, kernels: fake(shape, (cand,), rows, kernels)[cand])
+    _fake_gemm_timing(monkeypatch, fake)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, vocab_size=300)
     got = gemm_select.measure_cpu_dtype(cfg, torch.bfloat16, "auto", lambda d: True)
@@ -711,9 +717,7 @@ def test_auto_dtype_times_at_the_engines_rows_into_the_gemm_choices_file(tmp_pat
         timed.update(rows)
         return {c: {r: float(r) for r in rows} for c in cands}
 
-    monkeypatch.setattr(gemm_timing, "time_candidates", fake)
-    monkeypatch.setattr(gemm_timing, "time_candidate",
-                        lambda shape, cand, rows, kernels: fake(shape, (cand,), rows, kernels)[cand])
+    _fake_gemm_timing(monkeypatch, fake)
     monkeypatch.setattr(CpuPlatform, "has_native_matmul", lambda self, dtype: True)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, vocab_size=300)
