@@ -389,10 +389,9 @@ def test_head_candidates():
 def test_dtypes_of_one_shape_alternate_in_one_call(monkeypatch):
     """bf16 (kvflow's GEMM) and fp32 (kvflow's, oneDNN's) of one 64 x 32 weight timed by one
     ``time_dtypes`` call: the warm-up calls, then each pass of each (dtype, kernel) pair in
-    turn (bf16, fp32 kvflow, fp32 oneDNN, bf16, ...), two weight copies a pass at 64 rows. The
-    one-row pool is shared: 5 x 64 x 32 x 4 bytes over bf16's 4,096 and fp32's 8,192 x 2 is
-    0 copies each, so 2 (the least). Fake clock: bf16 0.5 s per column, fp32 1.0 (kvflow) and
-    2.0 (oneDNN): a clear leader after two passes."""
+    turn (bf16, fp32 kvflow, fp32 oneDNN, bf16, ...), two weight copies a pass at 64 rows,
+    each pair's calls on its own dtype's operand. Fake clock: bf16 0.5 s per column, fp32 1.0
+    (kvflow) and 2.0 (oneDNN): a clear leader after two passes."""
     calls = _fake_kernels(monkeypatch, {"native": [1.0], "onednn": [2.0]})
     clock = gemm_timing.time
     order = []
