@@ -418,6 +418,12 @@ def test_dtypes_of_one_shape_alternate_in_one_call(monkeypatch):
     turn = [("bfloat16", "native"), ("float32", "native"), ("float32", "onednn")]
     assert order == turn + [p for p in turn for _ in range(2)] * 2
     assert {cols for _, _, cols in calls} == {64}
+    # one row: one pool for the three pairs, 5 x 64 x 32 x 4 bytes (the faked pool) over
+    # 64 x 32 x (2 + 4 + 4) bytes = 2 copies each (bf16's own pool would hold 10): a warm-up
+    # and two passes of 2 calls
+    order.clear()
+    gemm_timing.time_dtypes({bf16: ("native",), fp32: ("native", "onednn")}, (1,), None)
+    assert {p: order.count(p) for p in turn} == dict.fromkeys(turn, 1 + 2 * 2)
     with pytest.raises(ValueError, match="one n x k"):
         gemm_timing.time_dtypes({bf16: ("native",), GemmShape(32, 32, torch.float32):
                                  ("native",)}, (64,), None)
