@@ -47,7 +47,10 @@ def seed(args: argparse.Namespace) -> None:
     engine will read them (the file named by :func:`gemm_timings` on one thread)."""
     os.environ["KVFLOW_CACHE_DIR"] = args.cache_dir
     shutil.rmtree(Path(args.cache_dir) / "cpu_gemm", ignore_errors=True)
-    from kvflow.kernels import gemm_timing  # kvflow before torch: its OpenMP settings apply
+    from kvflow.kernels import (  # kvflow before torch: its OpenMP settings apply
+        gemm_timing,
+        gemm_timing_cache,
+    )
     from kvflow.kernels.cpu_native import native_cpu_kernels
 
     torch = sys.modules["torch"]  # imported by kvflow's kernels, after kvflow's settings
@@ -55,7 +58,7 @@ def seed(args: argparse.Namespace) -> None:
     gemm_timing.COMPUTE_N = 1 << 30  # the seeded prefill times are the full width's
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    path = gemm_timing.gemm_timings(native_cpu_kernels(), (1, 64, args.prefill_rows)).path
+    path = gemm_timing_cache.gemm_timings(native_cpu_kernels(), (1, 64, args.prefill_rows)).path
     torch.set_num_threads(threads)
     path.parent.mkdir(parents=True, exist_ok=True)
     seconds = json.loads(Path(args.seed_timings).read_text())

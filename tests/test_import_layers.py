@@ -89,6 +89,7 @@ LAYERS: dict[str, int] = {
     "kvflow.models.load_checks": 4,  # load_model's refusals (checkpoint vs config, weights)
     "kvflow.layers": 3, "kvflow.attention": 3, "kvflow.quant": 3,
     "kvflow.kernels": 2, "kvflow.distributed": 2,
+    "kvflow.kernels.gemm_timing_cache": 2,  # the GEMM timings' cache file and key
     "kvflow.distributed.kv_transfer.storage_keys": 2,  # SharedStorageConnector's keys
     "kvflow.distributed.kv_transfer.storage_layouts": 2,  # its producers' layout records
     "kvflow.distributed.kv_transfer.storage_paths": 2,  # its block files' paths, its folder

@@ -38,7 +38,7 @@ from kvflow.attention.backend import AttentionMetadata
 from kvflow.config import cache_dir, cpu_attention_choice
 from kvflow.kernels.cpu_native import NativeCpuKernels
 from kvflow.kernels.cpu_timing import CachedTimings, alternating_cpu_seconds
-from kvflow.kernels.gemm_timing import cache_key
+from kvflow.kernels.gemm_timing_cache import cache_key
 
 logger = logging.getLogger(__name__)
 

@@ -43,13 +43,8 @@ from dataclasses import dataclass
 import torch
 
 from kvflow.kernels.cpu_native import NativeCpuKernels
-from kvflow.kernels.gemm_timing import (
-    ROW_CLASSES,
-    GemmShape,
-    GemmTimings,
-    gemm_timings,
-    head_row_classes,
-)
+from kvflow.kernels.gemm_timing import ROW_CLASSES, GemmShape, head_row_classes
+from kvflow.kernels.gemm_timing_cache import GemmTimings, gemm_timings
 
 logger = logging.getLogger(__name__)
 

@@ -46,7 +46,8 @@ from kvflow.kernels import gemm_timing
 from kvflow.kernels.cpu_native import NativeCpuKernels
 from kvflow.kernels.cpu_timing import CachedTimings, alternating_cpu_seconds
 from kvflow.kernels.gemm_select import GRAPH_MARGIN, graph_margins
-from kvflow.kernels.gemm_timing import EAGER_CALL_KEY, cache_key
+from kvflow.kernels.gemm_timing import EAGER_CALL_KEY
+from kvflow.kernels.gemm_timing_cache import cache_key
 from kvflow.kernels.timings_file import read_timings, write_timings
 
 logger = logging.getLogger(__name__)

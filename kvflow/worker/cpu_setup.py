@@ -31,7 +31,8 @@ from kvflow.kernels.gemm_select import (
     choose,
     model_graph_margins,
 )
-from kvflow.kernels.gemm_timing import GemmShape, gemm_timings, head_row_classes, row_classes
+from kvflow.kernels.gemm_timing import GemmShape, head_row_classes, row_classes
+from kvflow.kernels.gemm_timing_cache import gemm_timings
 from kvflow.layers.embedding import VocabParallelEmbedding
 from kvflow.layers.linear import LinearBase
 from kvflow.platforms import Platform

@@ -14,7 +14,8 @@ from transformers import LlamaConfig
 from kvflow.kernels import gemm_timing
 from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.kernels.gemm_select import choose_dtype, head_candidates, head_proxy
-from kvflow.kernels.gemm_timing import GemmShape, GemmTimings, clear_leader, settled
+from kvflow.kernels.gemm_timing import GemmShape, clear_leader, settled
+from kvflow.kernels.gemm_timing_cache import GemmTimings
 from kvflow.platforms import cpu as cpu_platform
 from kvflow.platforms.cpu import CpuPlatform, x86_lacks_bf16_units
 

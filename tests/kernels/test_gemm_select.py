@@ -36,14 +36,8 @@ from kvflow.kernels.gemm_select import (
     split_candidate,
     transformer_gemm_shapes,
 )
-from kvflow.kernels.gemm_timing import (
-    ROW_CLASSES,
-    GemmShape,
-    GemmTimings,
-    gemm_timings,
-    row_classes,
-    time_candidate,
-)
+from kvflow.kernels.gemm_timing import ROW_CLASSES, GemmShape, row_classes, time_candidate
+from kvflow.kernels.gemm_timing_cache import GemmTimings, gemm_timings
 
 native = pytest.mark.skipif(native_cpu_kernels() is None, reason="no C compiler")
 
