@@ -450,3 +450,16 @@ def smollm2_llm() -> Any:
 
     return LLM(model="SmolLM2-135M-Instruct", dtype="float32", max_num_batched_tokens=16,
                num_kv_blocks=256, max_model_len=256)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (a worker's collection, the order xdist hands files out in with
+    ``--no-loadscope-reorder``): the costliest test files first (``tests/file_order.py``), so
+    the last files the two workers run are short ones. A serial run keeps the collection
+    order (its servers and Triton runs are started ahead in that order)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    from tests.file_order import costliest_files_first, read_costs
+
+    items[:] = costliest_files_first(items, read_costs())
