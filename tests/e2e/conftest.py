@@ -47,6 +47,19 @@ RUNTIME_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
 
 
+def load_factor() -> float:
+    """How oversubscribed the CPUs are: the 1-minute load average per CPU, at least 1. A
+    server's start-up is mostly CPU (about 13 s of CPU for the SmolLM2 GGUF server: two
+    processes' imports, the Q4_1 weights dequantized, the GEMM weights packed; measured on the
+    Ice Lake, session 53), so on a machine running several suites at once it takes that many
+    times longer: a SmolLM2 start ran past a fixed 180 s at such a load. 1 where the load
+    average cannot be read."""
+    try:
+        return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    except OSError:
+        return 1.0
+
+
 def _ephemeral_range() -> tuple[int, int]:
     """The kernel's range of local ports for outgoing connections (Linux's file; its default,
     32768-60999, elsewhere)."""
@@ -114,9 +127,10 @@ class ServerProcess:
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         """Poll /health until 200. Raises RuntimeError (with the log) if the server exits or
-        does not come up in time."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        does not come up in time: ``timeout`` seconds, stretched by :func:`load_factor`
+        while the machine is oversubscribed."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout * load_factor():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
@@ -125,7 +139,9 @@ class ServerProcess:
             except httpx.TransportError:
                 pass
             time.sleep(0.25)
-        raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()}")
+        raise RuntimeError(f"server not ready after {time.monotonic() - start:.0f} s "
+                           f"(timeout {timeout:g} s, load factor {load_factor():.1f}):\n"
+                           f"{self.log()}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]
