@@ -463,3 +463,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     from tests.file_order import costliest_files_first, read_costs
 
     items[:] = costliest_files_first(items, read_costs())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``--dist loadfile`` (pyproject's addopts): xdist's file scheduler, but the
+    files sharing a costly session fixture go to one worker together
+    (``tests/file_order.py``'s ``SHARED_STATE_GROUPS``). Other ``--dist`` modes: xdist's own
+    (None)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from tests.file_order import file_scheduler
+
+    return file_scheduler(config, log)

@@ -12,7 +12,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.file_order import COSTS_PATH, costliest_files_first, read_costs
+from tests.file_order import (
+    COSTS_PATH,
+    SHARED_STATE_GROUPS,
+    costliest_files_first,
+    grouped_loadfile_scheduling,
+    read_costs,
+    unit_of,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,3 +98,35 @@ def test_the_conftest_hook_orders_only_an_xdist_workers_collection(monkeypatch):
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
     conftest.pytest_collection_modifyitems(None, items)
     assert [i.nodeid for i in items] == [f"{dear}::t", f"{cheap}::t"]
+
+
+def test_a_group_of_files_is_one_unit_costing_their_sum():
+    groups = (("tests/g1.py", "tests/g2.py"),)
+    items = _items("tests/a.py::t", "tests/g2.py::t", "tests/b.py::t", "tests/g1.py::t1",
+                   "tests/g1.py::t2")
+    costs = {"tests/a.py": 5.0, "tests/b.py": 4.0, "tests/g1.py": 3.0, "tests/g2.py": 2.5}
+    ordered = costliest_files_first(items, costs, groups=groups)
+    # the group (3 + 2.5 = 5.5) before a.py (5) and b.py (4), its files in collection order
+    assert [i.nodeid for i in ordered] == ["tests/g2.py::t", "tests/g1.py::t1",
+                                           "tests/g1.py::t2", "tests/a.py::t", "tests/b.py::t"]
+    assert unit_of("tests/g2.py", groups) == "tests/g1.py"
+    assert unit_of("tests/a.py", groups) == "tests/a.py"
+
+
+def test_the_groups_list_test_files_once_each():
+    listed = [name for group in SHARED_STATE_GROUPS for name in group]
+    assert len(listed) == len(set(listed))
+    assert all((ROOT / name).is_file() for name in listed), \
+        [name for name in listed if not (ROOT / name).is_file()]
+
+
+def test_the_scheduler_gives_a_groups_files_one_scope():
+    """xdist's loadfile scheduler splits node ids into scopes by file; the grouped one maps
+    a group's files to the group's first file (one work unit, one worker)."""
+    pytest.importorskip("xdist")
+    first, second = SHARED_STATE_GROUPS[0][:2]
+    cls = grouped_loadfile_scheduling()
+    sched = cls.__new__(cls)  # its _split_scope reads no state (__init__ needs -n's workers)
+    assert sched._split_scope(f"{second}::test_x[1]") == first
+    assert sched._split_scope(f"{first}::C::test_y") == first
+    assert sched._split_scope("tests/test_alone.py::test_z") == "tests/test_alone.py"
