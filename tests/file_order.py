@@ -2,8 +2,8 @@
 
 pytest-xdist's ``--dist loadfile`` gives each worker a whole file at a time, in the order the
 workers collected them (with ``--no-loadscope-reorder``, pyproject's addopts; xdist otherwise
-sorts files by their number of tests, which put the few-test, many-second files last: one
-worker ran the last of them alone while the other idled). Handing out the costliest files
+sorts files by their number of tests, which puts the few-test, many-second files late, where
+a long one leaves the other worker idle at the end). Handing out the costliest files
 first (the "longest processing time first" rule of list scheduling, Graham 1969) leaves only
 short files for the end, so the two workers finish close together. The costs are the seconds
 a file took (set-up, calls and teardown, one worker) in a measured run, kept in
