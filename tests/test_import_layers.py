@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "kvflow.entrypoints.completion_embeds": 10,  # /v1/completions' prompt_embeds
     "kvflow.entrypoints.preload_checks": 10,  # serve's --host/--port, --uds, --lora-modules
     "kvflow.entrypoints.completion_prompts": 10,  # /v1/completions' prompt field read
+    "kvflow.entrypoints.responses_keeper": 10,  # /v1/responses' stored replies and their routes
     "kvflow.entrypoints.completion_echo": 10,  # /v1/completions' echo with max_tokens 0
     "kvflow.offline.llm": 9, "kvflow.offline.ops": 9,
     "kvflow.engine": 8, "kvflow.inputs.processor": 8, "kvflow.engine.output_processor": 8,

@@ -1,6 +1,7 @@
 """The Responses API's routes (OpenAI's ``/v1/responses``): create, retrieve, delete, list a
 stored reply's input items, cancel. ``api_server.build_app`` adds them; the work is
-``serving_responses.OpenAIServingResponses`` (``app.state.responses``).
+``serving_responses.OpenAIServingResponses`` (``app.state.responses``; the routes that read
+stored replies, its ``keeper``: ``responses_keeper.ResponseKeeper``).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ async def retrieve_response(response_id: str, raw: Request) -> Response:
     """
     after = _stream_query(raw)
     if after is not None:
-        return raw.app.state.responses.follow(response_id, after)
-    stored = raw.app.state.responses.retrieve(response_id)
+        return raw.app.state.responses.keeper.follow(response_id, after)
+    stored = raw.app.state.responses.keeper.retrieve(response_id)
     return Response(stored.model_dump_json(), media_type="application/json")
 
 
@@ -54,7 +55,7 @@ async def delete_response(response_id: str, raw: Request) -> ResponseDeleted:
         OpenAIError: 404 for an id not stored; 400 for a query parameter.
     """
     _refuse_query(raw)
-    return await raw.app.state.responses.delete(response_id)
+    return await raw.app.state.responses.keeper.delete(response_id)
 
 
 async def response_input_items(response_id: str, raw: Request) -> ResponseItemList:
@@ -64,7 +65,7 @@ async def response_input_items(response_id: str, raw: Request) -> ResponseItemLi
         OpenAIError: 404 for an id not stored; 400 naming a bad query parameter.
     """
     query = {name: raw.query_params.getlist(name) for name in raw.query_params}
-    return raw.app.state.responses.input_items(response_id, query)
+    return raw.app.state.responses.keeper.input_items(response_id, query)
 
 
 async def cancel_response(response_id: str, raw: Request) -> Response:
@@ -79,7 +80,7 @@ async def cancel_response(response_id: str, raw: Request) -> Response:
     if (await raw.body()).strip() not in (b"", b"{}"):
         raise OpenAIError("POST /v1/responses/{response_id}/cancel takes no body",
                           code="unsupported_parameter")
-    response = await raw.app.state.responses.cancel(response_id)
+    response = await raw.app.state.responses.keeper.cancel(response_id)
     return Response(response.model_dump_json(), media_type="application/json")
 
 

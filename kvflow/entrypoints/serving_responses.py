@@ -5,15 +5,17 @@ messages, function tools, ``text.format`` -> ``response_format``), runs through
 parsing as /v1/chat/completions), and the chat parser's deltas become output items and
 stream events (``responses_events``); an error the chat path finds names the Responses
 field (``responses_errors``). Replies are kept in a bounded in-memory store when ``store`` is
-true (``responses_store``), which also serves GET / DELETE /v1/responses/{id} and
-/v1/responses/{id}/input_items. ``background`` runs a response as a server task
-(``responses_background``): polled with GET, stopped with POST /v1/responses/{id}/cancel,
-its stream (with ``stream``) followed again with GET ...?stream=true&starting_after=N."""
+true (``responses_store``); ``responses_keeper`` checks a request against that store
+(``store``, ``request_id``, ``previous_response_id``), stores the finished reply and serves
+GET / DELETE /v1/responses/{id}, /v1/responses/{id}/input_items and /cancel. ``background``
+runs a response as a server task (``responses_background``): polled with GET, stopped with
+POST /v1/responses/{id}/cancel, its stream (with ``stream``) followed again with GET
+...?stream=true&starting_after=N."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -31,13 +33,10 @@ from kvflow.entrypoints.protocol.responses_api import (
     CHAT_FIELDS,
     InputTokensDetails,
     OutputTokensDetails,
-    ResponseDeleted,
-    ResponseItemList,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
 )
-from kvflow.entrypoints.responses_background import TERMINAL, BackgroundResponses
 from kvflow.entrypoints.responses_checks import refuse_unhonoured, wants_logprobs
 from kvflow.entrypoints.responses_errors import renamed, renamed_error
 from kvflow.entrypoints.responses_events import Event, ResponseEvents, sse_lines
@@ -49,12 +48,8 @@ from kvflow.entrypoints.responses_input import (
     chat_tools,
     input_items,
 )
-from kvflow.entrypoints.responses_store import (
-    ResponseStore,
-    StoredResponse,
-    item_page,
-    output_messages,
-)
+from kvflow.entrypoints.responses_keeper import ResponseKeeper
+from kvflow.entrypoints.responses_store import ResponseStore, StoredResponse
 from kvflow.entrypoints.serving_chat import ChatRun, OpenAIServingChat
 from kvflow.entrypoints.streaming import SSEResponse
 from kvflow.entrypoints.structured_requests import RequestFieldError
@@ -63,19 +58,20 @@ from kvflow.entrypoints.validation_errors import validation_error
 
 class OpenAIServingResponses:
     """Handler of /v1/responses, running its requests through ``chat`` (the server's chat
-    handler: same template, checks and parsers) and keeping replies in ``store``; background
-    responses run in ``runs`` (call :meth:`shutdown` when the server stops)."""
+    handler: same template, checks and parsers); ``keeper`` keeps the replies (``store``)
+    and runs background responses (``background``) and serves the routes that read them
+    (call :meth:`shutdown` when the server stops)."""
 
     def __init__(self, chat: OpenAIServingChat, store: ResponseStore | None = None) -> None:
         self.chat = chat
-        self.store = store if store is not None else ResponseStore()
-        self.background = BackgroundResponses(self.store,
-                                               lambda streams: self.chat.abort(streams))
+        self.keeper = ResponseKeeper(store if store is not None else ResponseStore(),
+                                     lambda streams: self.chat.abort(streams))
+        self.store, self.background = self.keeper.store, self.keeper.background
 
     async def shutdown(self) -> None:
         """Cancel the running background responses (their engine requests aborted, each
         stored as ``cancelled``)."""
-        await self.background.runs.shutdown()
+        await self.keeper.shutdown()
 
     async def create_response(self, req: ResponsesRequest, raw: Request) -> Response:
         """Validate, run the conversation through the chat handler, answer with a response
@@ -91,9 +87,7 @@ class OpenAIServingResponses:
         """
         self.chat.check_fields(req, "/v1/responses")
         refuse_unhonoured(req)
-        self._check_store(req)
-        self.background.check(req)
-        self._check_request_id(req)
+        self.keeper.check(req)
         conv, chat_req = self._chat_request(req)
         try:
             run = await self.chat.start(chat_req, raw, "resp")
@@ -103,7 +97,7 @@ class OpenAIServingResponses:
                                   run.reply_id.replace("resp-", "resp_", 1))
         if req.background:
             try:  # another one of this id may have started while this one was rendered
-                self._check_request_id(req)
+                self.keeper.check_request_id(req)
             except OpenAIError:
                 self.chat.abort(run.streams)
                 raise
@@ -117,114 +111,10 @@ class OpenAIServingResponses:
         return await self.chat.respond(raw, run.streams, self._whole(req, run, skeleton, conv),
                                        renamed(run.grammar_param, conv))
 
-    def _check_store(self, req: ResponsesRequest) -> None:
-        """With the store off (capacity 0) a reply is not stored and says so (``store``
-        false, as vLLM's does with its store off); a request that sent ``store: true``
-        itself asks for what the server cannot do: a 400 naming ``store``."""
-        if self.store.capacity == 0 and req.store:
-            if "store" in req.model_fields_set:
-                raise OpenAIError("store=true is not possible: this server keeps no replies "
-                                  "(--responses-store-size 0); send store false or leave it "
-                                  "out", param="store", code="unsupported_parameter")
-            req.store = False
-
-    def _check_request_id(self, req: ResponsesRequest) -> None:
-        """A ``request_id`` (vLLM 0.32's: the response's id as sent) may name a stored reply
-        that has ended (this one replaces it when stored, as vLLM's store replaces it), not a
-        background one still running: GET, cancel and its stored stream would then name two
-        responses.
-
-        Raises:
-            OpenAIError: 400 naming ``request_id`` for the id of a running background
-                response.
-        """
-        if req.request_id is None:
-            return
-        stored = self.store.peek(req.request_id)
-        if stored is not None and stored.response.status not in TERMINAL:
-            raise OpenAIError(f"request_id {req.request_id[:100]!r} is the id of a background "
-                              f"response still {stored.response.status}: cancel it or wait "
-                              "until it ends, or send another id", param="request_id",
-                              code="invalid_value")
-
-    def retrieve(self, response_id: str) -> ResponseObject:
-        """A stored reply (GET /v1/responses/{id}); a background one as it stands
-        (``queued`` / ``in_progress`` while it runs, with the output generated so far).
-
-        Raises:
-            OpenAIError: 404 when no reply of that id is stored.
-        """
-        return self.background.current(self._stored(response_id))
-
-    def follow(self, response_id: str, after: int) -> SSEResponse:
-        """GET /v1/responses/{id}?stream=true&starting_after=N: a background streamed
-        response's events after sequence number ``after`` (-1: all), then live ones until it
-        ends.
-
-        Raises:
-            OpenAIError: 404 when no reply of that id is stored; 400 naming ``stream`` for
-                one not created with ``background`` and ``stream`` true.
-        """
-        return self.background.follow(self._stored(response_id), after)
-
-    async def cancel(self, response_id: str) -> ResponseObject:
-        """POST /v1/responses/{id}/cancel: stop a running background response (its engine
-        requests aborted) and return it ``cancelled``; one that has ended is returned as it
-        is (a repeated cancel answers the same, OpenAI's rule).
-
-        Raises:
-            OpenAIError: 404 when no reply of that id is stored; 400 naming ``response_id``
-                for one not created with ``background`` true.
-        """
-        await self.background.cancel(self._stored(response_id))
-        return self._stored(response_id).response
-
-    async def delete(self, response_id: str) -> ResponseDeleted:
-        """Forget a stored reply (DELETE /v1/responses/{id}), cancelling it first if it runs
-        in the background; a later GET, input_items or ``previous_response_id`` naming it is a
-        404.
-
-        Raises:
-            OpenAIError: 404 when no reply of that id is stored.
-        """
-        self._stored(response_id)
-        await self.background.runs.cancel(response_id)
-        self.store.delete(response_id)
-        return ResponseDeleted(id=response_id)
-
-    def input_items(self, response_id: str, query: Mapping[str, list[str]]
-                    ) -> ResponseItemList:
-        """A page of a stored reply's input items (GET /v1/responses/{id}/input_items;
-        ``query``: its query parameters' values, see ``responses_store.item_page``).
-
-        Raises:
-            OpenAIError: 404 when no reply of that id is stored, 400 naming a bad query
-                parameter.
-        """
-        stored = self._stored(response_id)
-        try:
-            return item_page(stored.input_items, query)
-        except RequestFieldError as e:
-            raise OpenAIError(str(e), param=e.param, code=e.code) from None
-
-    def _kept(self) -> str:
-        if self.store.capacity == 0:
-            return "this server keeps no replies: --responses-store-size 0"
-        return (f"replies are kept in memory, the last {self.store.capacity} "
-                "(--responses-store-size), when sent with store true")
-
-    def _stored(self, response_id: str) -> StoredResponse:
-        stored = self.store.get(response_id)
-        if stored is None:
-            raise OpenAIError(f"no response with id {response_id[:100]!r} is stored "
-                              f"({self._kept()})", 404, "invalid_request_error",
-                              code="response_not_found")
-        return stored
-
     # ---- the chat request --------------------------------------------------------------------
     def _chat_request(self, req: ResponsesRequest
                       ) -> tuple[Conversation, ChatCompletionRequest]:
-        earlier = self._earlier(req.previous_response_id)
+        earlier = self.keeper.earlier(req.previous_response_id)
         try:
             conv = chat_messages(req.input, req.instructions, earlier)
             body = {"model": req.model, "messages": conv.messages,
@@ -255,20 +145,6 @@ class OpenAIServingResponses:
                 [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]))
             raise renamed_error(error, conv) from None
         return conv, chat
-
-    def _earlier(self, previous_response_id: str | None) -> list[dict[str, Any]]:
-        if previous_response_id is None:
-            return []
-        stored = self.store.get(previous_response_id)
-        if stored is None:
-            raise OpenAIError(f"previous response {previous_response_id!r} is not stored "
-                              f"({self._kept()})", 404, "invalid_request_error",
-                              "previous_response_id", "previous_response_not_found")
-        if stored.response.status not in TERMINAL:
-            raise OpenAIError(f"previous response {previous_response_id!r} is still "
-                              f"{stored.response.status} (background): wait until it ends",
-                              param="previous_response_id", code="invalid_value")
-        return stored.messages
 
     def _skeleton(self, req: ResponsesRequest, response_id: str) -> ResponseObject:
         """The reply in progress: ``response_id`` (``request_id`` as sent, else the engine's
@@ -370,7 +246,7 @@ class OpenAIServingResponses:
     def _finish(self, req: ResponsesRequest, events: ResponseEvents, skeleton: ResponseObject,
                 conv: Conversation, finish_reason: str | None, usage: ResponseUsage
                 ) -> tuple[ResponseObject, list[Event]]:
-        """Close the items, build the finished reply (stored when ``req.store``, unless it
+        """Close the items, build the finished reply (``keeper.keep``: stored when ``req.store``, unless it
         was sent with the ``request_id`` of a background response that started meanwhile and
         still runs: that one keeps the id), and return it with the closing events."""
         status = "incomplete" if finish_reason == "length" else "completed"
@@ -379,12 +255,7 @@ class OpenAIServingResponses:
             "status": status, "output": events.items, "usage": usage,
             "incomplete_details": {"reason": "max_output_tokens"}
             if status == "incomplete" else None})
-        earlier = self.store.peek(response.id)  # a background run's own: keeps its log
-        if req.store and (req.background or earlier is None
-                          or earlier.response.status in TERMINAL):
-            self.store.put(StoredResponse(
-                response, _turns(conv) + output_messages(events.items), input_items(req.input),
-                earlier.log if earlier is not None and req.background else None))
+        self.keeper.keep(req, response, _turns(conv))
         return response, closing
 
     def _count_tokens(self, text: str) -> int:
