@@ -6,6 +6,7 @@ tests/e2e/test_frozen_core.py."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import signal
 import subprocess
@@ -57,7 +58,8 @@ def test_declare_dead_names_a_stopped_process_and_kills_it():
         time.sleep(0.1)
         core = _core(pid=proc.pid)
         why = CoreLiveness(1, 2.0, 0.0).declare_dead(core, 2.26, "engine core 1 of 2")
-        assert why == (f"engine core 1 of 2 (pid {proc.pid}) sent no heartbeat for 2.3 s "
+        assert why == (f"engine core 1 of 2 (pid {proc.pid}) sent no heartbeat and "
+                       "used no CPU for 2.3 s "
                        "(engine_heartbeat_timeout=2): the process is stopped (SIGSTOP or "
                        "SIGTSTP)")
         assert core.killed
@@ -155,3 +157,66 @@ def test_heartbeat_interval_and_the_timeouts_check():
         with pytest.raises(ValueError, match=r"^engine_heartbeat_timeout=\S+ must be > 0 "
                                              r"\(seconds\)$"):
             ParallelConfig(engine_heartbeat_timeout=bad)
+
+
+# A core whose step holds the GIL for HOLD_S seconds while it computes (as one long C call
+# does: a full gc.collect of a large heap, an extension that keeps the GIL): the switch
+# interval set past the hold keeps the busy main thread from handing the GIL to the
+# heartbeat thread, which beats every 0.1 s before and after. Plain zmq, no kvflow: a
+# spawned core's imports would take seconds on a busy machine.
+HOLD_S = 3.0
+GIL_HOLDER = f"""
+import sys, threading, time, zmq
+push = zmq.Context().socket(zmq.PUSH)
+push.connect(sys.argv[1])
+def beat():
+    while True:
+        push.send_string(repr(time.monotonic()))
+        time.sleep(0.1)
+threading.Thread(target=beat, daemon=True).start()
+time.sleep(0.5)
+sys.setswitchinterval(100.0)
+end = time.monotonic() + {HOLD_S}
+while time.monotonic() < end:
+    pass
+sys.setswitchinterval(0.005)
+time.sleep(60)
+"""
+
+
+def test_a_live_core_whose_step_holds_the_gil_is_not_taken_for_frozen(tmp_path):
+    """Was: a live replica was judged by its heartbeats alone, so a step that held the GIL
+    for longer than ``engine_heartbeat_timeout`` (1 s here) had the core killed and its
+    requests failed. Now a live core that used CPU time since the previous check is heard
+    from; a stopped one beside it (SIGSTOP: no beats, no CPU) is still found."""
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    address = f"ipc://{tmp_path}/beats"
+    pull.bind(address)
+    holder = subprocess.Popen([sys.executable, "-c", GIL_HOLDER, address])
+    stopped = subprocess.Popen(["sleep", "30"])
+    try:
+        stopped.send_signal(signal.SIGSTOP)
+        assert pull.poll(30_000)  # the holder runs and beats: its hold starts 0.5 s later
+        start = time.monotonic()
+        liveness = CoreLiveness(2, 1.0, now=start)
+        cores = [_core(pid=holder.pid, index=0), _core(pid=stopped.pid, index=1)]
+        stamps, found, now = [], [], start
+        while now - start < HOLD_S + 1.0:
+            time.sleep(liveness.check_interval_s)  # the output loop's checks
+            while pull.poll(0):
+                stamps.append(float(pull.recv_string()))
+                liveness.beat(EngineHeartbeat(0, stamps[-1]))
+            now = time.monotonic()
+            found += [(core.index, silent_s) for core, silent_s in liveness.silent(cores, now)]
+        gaps = [b - a for a, b in itertools.pairwise(stamps)]
+        assert max(gaps) > HOLD_S - 0.6, gaps  # the holder's beats did stop (GIL held)
+        assert stamps[-1] > start + HOLD_S - 0.5  # and came back after the hold
+        assert [index for index, _ in found] == [1] * len(found) and found, found
+        assert 1.0 < found[0][1] < 1.5, found  # the stopped one: at its first check past 1 s
+    finally:
+        for proc in (holder, stopped):
+            proc.kill()
+            proc.wait()
+        pull.close(linger=0)
+        ctx.term()

@@ -77,7 +77,7 @@ async def _freeze_replica_one(engine: AsyncLLM):
 
 def test_a_frozen_replica_fails_its_requests_and_its_sibling_serves(dp_engine):
     error, waited, after = asyncio.run(_freeze_replica_one(dp_engine))
-    assert "engine core 1 of 2" in str(error) and "sent no heartbeat for" in str(error)
+    assert "engine core 1 of 2" in str(error) and "sent no heartbeat and used no CPU for" in str(error)
     assert "the process is stopped (SIGSTOP or SIGTSTP)" in str(error)
     assert TIMEOUT_S - 0.5 <= waited < TIMEOUT_S + 3, waited  # since its last beat: 0.5 s apart
     assert len(after.outputs[0].token_ids) == 4  # served by replica 0
@@ -121,7 +121,7 @@ async def _lose_the_core(engine: AsyncLLM, sig: int):
 
 def test_a_frozen_single_core_is_dead_within_the_timeout(one_engine):
     error, waited, dead, healthy = asyncio.run(_lose_the_core(one_engine, signal.SIGSTOP))
-    assert str(error).startswith("engine core (pid ") and "sent no heartbeat for" in str(error)
+    assert str(error).startswith("engine core (pid ") and "sent no heartbeat and used no CPU for" in str(error)
     assert str(error).endswith("(engine_heartbeat_timeout=2): the process is stopped "
                                "(SIGSTOP or SIGTSTP); killed it")
     assert TIMEOUT_S - 0.5 <= waited < TIMEOUT_S + 3, waited  # since its last beat: 0.5 s apart

@@ -69,7 +69,8 @@ class ParallelConfig:
         DEFAULT_ENGINE_HEARTBEAT_TIMEOUT, "seconds an engine-core process (kvflow serve, "
         "AsyncLLM, or each replica of LLM(data_parallel_size > 1)) may go without a heartbeat "
         "(each core sends one every second from a thread of its own, also during a long "
-        "step) before the API process takes it for dead: its open requests end with an error, "
+        "step) and without using CPU time (a step holding the GIL runs) before the API "
+        "process takes it for dead: its open requests end with an error, "
         "it is killed and taken out of routing (the other data-parallel replicas serve on; "
         "with none left /health answers 503): a stopped (SIGSTOP) or frozen core is reported "
         "within this time instead of hanging its callers for ever")

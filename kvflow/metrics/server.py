@@ -281,7 +281,8 @@ class ServerMetrics:
         self.engine_cores_lost = self._labelled(
             c, "kvflow:engine_cores_lost", "Engine-core replicas lost while serving, by "
             "reason: failed (reported a fatal error), exited (the process ended: killed, OOM), "
-            "unresponsive (alive but sent no heartbeat for --engine-heartbeat-timeout seconds: "
+            "unresponsive (alive but sent no heartbeat and used no CPU for "
+            "--engine-heartbeat-timeout seconds: "
             "stopped or frozen; it is killed); their open requests ended with an error",
             (*e, "reason"))
 

@@ -40,8 +40,9 @@ def test_a_frozen_replica_is_named_and_the_other_keeps_serving(dp_llm, single_pr
     client._handle = freeze_replica_one_on_first_output
     try:
         with pytest.raises(RuntimeError, match=r"^engine core 1 of 2 \(pid \d+\) sent no "
-                                               r"heartbeat for [\d.]+ s \(engine_heartbeat_"
-                                               r"timeout=2\): the process is stopped "
+                                               r"heartbeat and used no CPU for [\d.]+ s "
+                                               r"\(engine_heartbeat_timeout=2\): the "
+                                               r"process is stopped "
                                                r"\(SIGSTOP or SIGTSTP\); killed it$"):
             dp_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=400,
                                                     ignore_eos=True), use_tqdm=False)
