@@ -26,6 +26,8 @@ import random
 import statistics
 import time
 
+from tp_cpu import alternate, rank_stats
+
 from kvflow import LLM, SamplingParams
 
 
@@ -62,11 +64,11 @@ def run_once(args: argparse.Namespace, variant: str, prompt: list[int]) -> dict:
                             logprobs=1)
     try:
         llm.generate([prompt[:32]], SamplingParams(max_tokens=2), use_tqdm=False)
-        before = _stats(llm)
+        before = rank_stats(llm)
         start = time.perf_counter()
         out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         elapsed = time.perf_counter() - start
-        after = _stats(llm)
+        after = rank_stats(llm)
         flops = dense_flops_per_token(llm.engine.core.hf_config)
     finally:
         llm.shutdown()
@@ -81,12 +83,6 @@ def run_once(args: argparse.Namespace, variant: str, prompt: list[int]) -> dict:
             "attention_s": round(d["attention_s"], 3), "cp_comm_s": round(d["cp_comm_s"], 3),
             "step_s": round(d["step_s"], 3)} for d in deltas]
     return row
-
-
-def _stats(llm: LLM) -> list[dict] | None:
-    executor = llm.engine.core.executor
-    return None if executor.config.parallel_config.world_size == 1 else \
-        executor.collective_rpc("step_stats")
 
 
 def summarize(rows: dict[str, list[dict]], variants: list[str]) -> dict:
@@ -118,13 +114,7 @@ def main() -> None:
     rng = random.Random(0)
     prompt = [rng.randrange(1000, 30000) for _ in range(args.input_len)]
     variants = args.variants.split(",")
-    print(json.dumps({"loadavg": os.getloadavg(), "cpus": os.cpu_count(), **vars(args)}))
-    rows: dict[str, list[dict]] = {v: [] for v in variants}
-    for _ in range(args.repeats):
-        for variant in variants:  # alternate the engines so load changes hit all of them
-            row = run_once(args, variant, prompt)
-            rows[variant].append(row)
-            print(json.dumps(row), flush=True)
+    rows = alternate(args, variants, lambda variant: run_once(args, variant, prompt))
     print(json.dumps({"loadavg_end": os.getloadavg(), **summarize(rows, variants)}))
 
 

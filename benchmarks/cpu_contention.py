@@ -12,24 +12,19 @@ tokens / wall time of the batch; share = busy / quiet.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
 
-from offline_engine import cpu_w1_token_ids, load_engine
+from offline_engine import cpu_w1_token_ids, engine_parser, greedy_run, load_engine
 
 NUM_PROMPTS, OUTPUT_LEN = 32, 32  # prompts of offline_engine.INPUT_LEN (128) tokens
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", choices=["kvflow", "vllm"], required=True)
-    parser.add_argument("model_dir")
-    parser.add_argument("dtype")
-    parser.add_argument("out")
+    parser = engine_parser(__doc__)
     parser.add_argument("--adaptive", action="store_true",
                         help="kvflow: --cpu-adaptive-threads (opt-in; default: fixed count)")
     parser.add_argument("--bind", help="kvflow: --cpu-threads-bind (e.g. auto, none; "
@@ -43,9 +38,7 @@ def main() -> None:
 
     vocab = llm.get_tokenizer().vocab_size
     prompts = [wrap(row) for row in cpu_w1_token_ids(vocab, NUM_PROMPTS)]
-    params = sampling_params(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
-    llm.generate(prompts[:2], sampling_params(temperature=0.0, max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)
+    greedy_run(llm, sampling_params, prompts[:2], 4)  # warm-up
 
     runner = getattr(getattr(getattr(getattr(llm, "engine", None), "core", None), "executor",
                              None), "worker", None)
@@ -58,10 +51,8 @@ def main() -> None:
         return f"{g.switches} switches, {g.reduced_s:.1f} s below {g.max_threads} threads"
 
     def tokens_per_s() -> float:
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        produced = sum(len(o.outputs[0].token_ids) for o in outs)
-        return produced / (time.perf_counter() - start)
+        elapsed, produced = greedy_run(llm, sampling_params, prompts, OUTPUT_LEN)
+        return produced / elapsed
 
     result = {"engine": args.engine, "dtype": args.dtype, "threads": torch.get_num_threads(),
               "adaptive": args.engine == "kvflow" and args.adaptive,

@@ -32,9 +32,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tree_kernels import tree_kernels
+from tree_kernels import kernels_and_baseline
 
-from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.kernels.cpu_pool import CpuPool
 from kvflow.platforms.cpu_memory import zeros_on_huge_pages
 from kvflow.runtime.malloc_env import keep_freed_memory
@@ -124,10 +123,7 @@ def main() -> None:
                         help="run on kvflow's CPU pool (threads - 1 workers), timed by wall clock")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    kernels = native_cpu_kernels()
-    if kernels is None:
-        raise SystemExit("native CPU kernels unavailable")
-    baseline = tree_kernels(args.baseline_tree) if args.baseline_tree else None
+    kernels, baseline = kernels_and_baseline(args.baseline_tree)
     clock = time.process_time
     if args.pool:
         clock = time.perf_counter

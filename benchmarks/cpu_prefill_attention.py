@@ -26,9 +26,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from tree_kernels import tree_kernels
-
-from kvflow.kernels.cpu_native import native_cpu_kernels
+from tree_kernels import kernels_and_baseline
 
 H, HKV, D, BLOCK = 9, 3, 64, 16
 
@@ -79,10 +77,7 @@ def main() -> None:
                         help="a kvflow source tree whose C kernels run each path too (@base)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    kernels = native_cpu_kernels()
-    if kernels is None:
-        raise SystemExit("native CPU kernels unavailable")
-    baseline = tree_kernels(args.baseline_tree) if args.baseline_tree else None
+    kernels, baseline = kernels_and_baseline(args.baseline_tree)
     model = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo"], check=False,
                            capture_output=True, text=True).stdout.strip()
     print(f"{model or platform.processor()}; kernels {kernels.isa}; {args.threads} thread(s); "

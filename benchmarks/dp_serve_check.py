@@ -33,31 +33,18 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import os
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import start_server, stop_server, wait_ready
+from tiny_cases import build_model
 
 A = list(range(100, 120))  # 5 blocks of 4: the first 4 name a replica (affinity)
 B = list(range(140, 160))
-
-
-def build_model(folder: str) -> str:
-    """The test suite's tiny Llama (tests/conftest.py), saved under ``folder``."""
-    sys.path.insert(0, os.getcwd())
-    from tests import conftest
-
-    path = os.path.join(folder, "llama")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        tokenizer = conftest.tiny_tokenizer.__wrapped__()
-        conftest.build_tiny_model("llama", path, tokenizer, zlib.crc32(b"llama"))
-    return path
 
 
 def metrics(url: str) -> dict[tuple[str, tuple], float]:

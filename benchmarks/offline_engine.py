@@ -54,20 +54,27 @@ def cpu_w1_token_ids(vocab: int, num_prompts: int = NUM_PROMPTS) -> list[list[in
 def greedy_run(llm, sampling_params, batch: list, max_tokens: int) -> tuple[float, int]:
     """Seconds of one ``llm.generate`` of ``batch`` (``max_tokens`` greedy tokens each, EOS
     ignored) and the tokens it produced; ``sampling_params`` is the engine's class. Shared with
-    cpu_step_graphs.py and cpu_decode_floor.py."""
+    cpu_step_graphs.py, cpu_decode_floor.py and cpu_contention.py."""
     params = sampling_params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     outs = llm.generate(batch, params, use_tqdm=False)
     return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def engine_parser(doc: str) -> argparse.ArgumentParser:
+    """The command line of a script on one engine: ``--engine kvflow|vllm MODEL_DIR DTYPE
+    OUT.json`` (``doc``: the script's docstring, its first line the description). Shared with
+    cpu_contention.py."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--engine", choices=["kvflow", "vllm"], required=True)
     parser.add_argument("model_dir")
     parser.add_argument("dtype")
     parser.add_argument("out")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = engine_parser(__doc__).parse_args()
     start = time.perf_counter()
     llm, sampling_params, wrap = load_engine(args.engine, args.model_dir, args.dtype)
     startup_s = time.perf_counter() - start

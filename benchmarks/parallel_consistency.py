@@ -14,14 +14,14 @@ not a case: its row-parallel activations are scaled per rank (README, Quantizati
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
-import zlib
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("KVFLOW_CPU_ADAPTIVE_THREADS", "0")
+
+from tiny_cases import build_model, parse_cases
 
 from kvflow import LLM, SamplingParams
 
@@ -39,18 +39,6 @@ CASES = {
 }
 PARALLEL_KEYS = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
                  "enable_expert_parallel")
-
-
-def build_model(name: str, folder: str) -> str:
-    """The test suite's tiny model ``name`` (tests/conftest.py), saved under ``folder``."""
-    sys.path.insert(0, os.getcwd())
-    from tests import conftest
-
-    path = os.path.join(folder, name)
-    if not os.path.exists(os.path.join(path, "config.json")):
-        tokenizer = conftest.tiny_tokenizer.__wrapped__()
-        conftest.build_tiny_model(name, path, tokenizer, zlib.crc32(name.encode()))
-    return path
 
 
 def greedy(path: str, **kwargs) -> list[list[tuple[int, dict]]]:
@@ -80,17 +68,12 @@ def compare(ref: list, got: list) -> tuple[float, str | None]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("cases", nargs="*", help=f"of {', '.join(CASES)} (default: all)")
-    args = parser.parse_args()
-    unknown = sorted(set(args.cases) - set(CASES))
-    if unknown:
-        parser.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    selected = parse_cases(__doc__, CASES)
     failed = 0
     with tempfile.TemporaryDirectory(prefix="kvflow-parallel-") as folder:
-        for case in args.cases or CASES:
+        for case in selected:
             model, kwargs = CASES[case]
-            path = build_model(model, folder)
+            path = build_model(folder, model)
             ref = greedy(path, **{k: v for k, v in kwargs.items() if k not in PARALLEL_KEYS})
             worst, failure = compare(ref, greedy(path, **kwargs))
             failed += failure is not None

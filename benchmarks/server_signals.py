@@ -58,7 +58,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from worker_faults import Report, build_model, completion_in_thread, free_port, parse_cases
+from worker_faults import Report, completion_in_thread, free_port, run_cases
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -335,25 +335,21 @@ def port_case(model: str, logs: str, report: Report) -> None:
                  str(port) in lines[0], f"one line naming the port: {lines[:3]}")
 
 
+def run_case(case: str, model: str, logs: str, report: Report) -> None:
+    if case in ("sigint", "sigterm", "dp-sigint"):
+        signal_case(case, model, logs, report)
+    elif case == "sigint-twice":
+        twice_case(model, logs, report)
+    elif case in ("sigint-loading", "sigterm-loading"):
+        loading_case(case, model, logs, report)
+    elif case in ("sigint-long-step", "sigint-twice-long-step"):
+        long_step_case(case, logs, report)
+    else:
+        port_case(model, logs, report)
+
+
 def main() -> int:
-    selected = parse_cases(__doc__, CASES)
-    report = Report()
-    logs = tempfile.mkdtemp(prefix="kvflow-signals-logs-")
-    print(f"server logs in {logs}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="kvflow-signals-") as folder:
-        model = build_model(folder)
-        for case in selected:
-            if case in ("sigint", "sigterm", "dp-sigint"):
-                signal_case(case, model, logs, report)
-            elif case == "sigint-twice":
-                twice_case(model, logs, report)
-            elif case in ("sigint-loading", "sigterm-loading"):
-                loading_case(case, model, logs, report)
-            elif case in ("sigint-long-step", "sigint-twice-long-step"):
-                long_step_case(case, logs, report)
-            else:
-                port_case(model, logs, report)
-    return 1 if report.failed else 0
+    return run_cases(__doc__, CASES, "signals", run_case)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -52,11 +53,11 @@ def run_once(args: argparse.Namespace, variant: str, prompts: list[list[int]]) -
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     try:
         llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)
-        before = _stats(llm)
+        before = rank_stats(llm)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        after = _stats(llm)
+        after = rank_stats(llm)
     finally:
         llm.shutdown()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -74,10 +75,27 @@ def run_once(args: argparse.Namespace, variant: str, prompts: list[list[int]]) -
     return row
 
 
-def _stats(llm: LLM) -> list[dict] | None:
+def rank_stats(llm: LLM) -> list[dict] | None:
+    """Every rank's ``Worker.step_stats`` (cumulative seconds and counts), None for one
+    process (no ranks). Shared with cp_ring.py."""
     executor = llm.engine.core.executor
     return None if executor.config.parallel_config.world_size == 1 else \
         executor.collective_rpc("step_stats")
+
+
+def alternate(args: argparse.Namespace, variants: list[str],
+              run: Callable[[str], dict]) -> dict[str, list[dict]]:
+    """``args.repeats`` rounds of ``run(variant)`` over ``variants`` in turn (so load changes
+    hit all of them), after a JSON line of the load, CPU count and ``args``; each run's row
+    printed as a JSON line. Returns the rows by variant. Shared with cp_ring.py."""
+    print(json.dumps({"loadavg": os.getloadavg(), "cpus": os.cpu_count(), **vars(args)}))
+    rows: dict[str, list[dict]] = {v: [] for v in variants}
+    for _ in range(args.repeats):
+        for variant in variants:
+            row = run(variant)
+            rows[variant].append(row)
+            print(json.dumps(row), flush=True)
+    return rows
 
 
 def main() -> None:
@@ -86,13 +104,7 @@ def main() -> None:
     prompts = [[rng.randrange(1000, 30000) for _ in range(args.input_len)]
                for _ in range(args.num_prompts)]
     variants = args.variants.split(",")
-    print(json.dumps({"loadavg": os.getloadavg(), "cpus": os.cpu_count(), **vars(args)}))
-    rows: dict[str, list[dict]] = {v: [] for v in variants}
-    for _ in range(args.repeats):
-        for variant in variants:  # alternate the engines so load changes hit all of them
-            row = run_once(args, variant, prompts)
-            rows[variant].append(row)
-            print(json.dumps(row), flush=True)
+    rows = alternate(args, variants, lambda variant: run_once(args, variant, prompts))
     summary = {v: statistics.median(r["output_tok_s"] for r in rs) for v, rs in rows.items()}
     print(json.dumps({"median_output_tok_s": summary,
                       "ratio_vs_first": {v: round(x / summary[variants[0]], 3)

@@ -37,3 +37,14 @@ def tree_kernels(tree: str) -> cpu_native.NativeCpuKernels:
     target = out / f"kvflow_cpu_{level.name}_tree.so"
     cpu_build.build(cc, sources, target, level)
     return cpu_native._open(target, level.name)
+
+
+def kernels_and_baseline(baseline_tree: str | None
+                         ) -> tuple[cpu_native.NativeCpuKernels,
+                                    cpu_native.NativeCpuKernels | None]:
+    """This tree's native CPU kernels and, when ``baseline_tree`` is given, that tree's
+    (:func:`tree_kernels`); exits (``SystemExit``) when this tree's are unavailable."""
+    kernels = cpu_native.native_cpu_kernels()
+    if kernels is None:
+        raise SystemExit("native CPU kernels unavailable")
+    return kernels, tree_kernels(baseline_tree) if baseline_tree else None

@@ -25,7 +25,6 @@ Prints one line per check and exits 1 if any failed; the servers' logs stay in a
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -36,26 +35,15 @@ import sys
 import tempfile
 import threading
 import time
-import zlib
+from collections.abc import Callable
 
 import httpx
 import psutil
+from tiny_cases import build_model, parse_cases
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 CASES = ("serve-kill", "serve-stop", "serve-sigint", "llm-gc")
-
-
-def build_model(folder: str) -> str:
-    """The test suite's tiny Llama (tests/conftest.py), saved under ``folder``."""
-    sys.path.insert(0, os.getcwd())
-    from tests import conftest
-
-    path = os.path.join(folder, "llama")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        conftest.build_tiny_model("llama", path, conftest.tiny_tokenizer.__wrapped__(),
-                                  zlib.crc32(b"llama"))
-    return path
 
 
 def free_port() -> int:
@@ -260,34 +248,34 @@ def gc_case(model: str, report: Report) -> None:
     report.check(case, not new_shm, f"no new /dev/shm segment ({new_shm[:5]})")
 
 
-def parse_cases(doc: str, cases: tuple[str, ...]) -> list[str]:
-    """The case names given on the command line (all of ``cases`` when none); an unknown name
-    exits 2 naming the known ones. ``doc``: the script's docstring (its first paragraph is
-    the help text)."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("cases", nargs="*", help=f"of {', '.join(cases)} (default: all)")
-    args = parser.parse_args()
-    unknown = sorted(set(args.cases) - set(cases))
-    if unknown:
-        parser.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(cases)}")
-    return args.cases or list(cases)
+def run_cases(doc: str, cases: tuple[str, ...], name: str,
+              run_case: Callable[[str, str, str, Report], None]) -> int:
+    """Run the cases named on the command line (``parse_cases``; all when none) one after
+    another as ``run_case(case, model, logs, report)``, ``model`` the tiny Llama saved in a
+    ``kvflow-{name}-*`` temporary folder, ``logs`` a ``kvflow-{name}-logs-*`` folder that stays
+    (printed first). Returns the exit status: 1 if any check failed, else 0."""
+    selected = parse_cases(doc, cases)
+    report = Report()
+    logs = tempfile.mkdtemp(prefix=f"kvflow-{name}-logs-")
+    print(f"server logs in {logs}", flush=True)
+    with tempfile.TemporaryDirectory(prefix=f"kvflow-{name}-") as folder:
+        model = build_model(folder)
+        for case in selected:
+            run_case(case, model, logs, report)
+    return 1 if report.failed else 0
+
+
+def run_case(case: str, model: str, logs: str, report: Report) -> None:
+    if case in ("serve-kill", "serve-stop"):
+        fault_case(case, model, logs, report)
+    elif case == "serve-sigint":
+        sigint_case(model, logs, report)
+    else:
+        gc_case(model, report)
 
 
 def main() -> int:
-    selected = parse_cases(__doc__, CASES)
-    report = Report()
-    logs = tempfile.mkdtemp(prefix="kvflow-faults-logs-")
-    print(f"server logs in {logs}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="kvflow-faults-") as folder:
-        model = build_model(folder)
-        for case in selected:
-            if case in ("serve-kill", "serve-stop"):
-                fault_case(case, model, logs, report)
-            elif case == "serve-sigint":
-                sigint_case(model, logs, report)
-            else:
-                gc_case(model, report)
-    return 1 if report.failed else 0
+    return run_cases(__doc__, CASES, "faults", run_case)
 
 
 if __name__ == "__main__":
