@@ -297,15 +297,19 @@ static inline __attribute__((always_inline)) void micro_kernel_dp(
 }
 #endif
 
-/* One micro-kernel call of R rows, R = 1..MR dispatched to a specialized copy. */
-#define FOR_ROWS(R, CALL)                                                                   \
-    switch (R) {                                                                            \
+/* The cases R = 1..6 of a row-count switch (every build's MR is at least 6). */
+#define ROW_CASES_1_TO_6(CALL)                                                              \
     case 1: CALL(1); break;                                                                 \
     case 2: CALL(2); break;                                                                 \
     case 3: CALL(3); break;                                                                 \
     case 4: CALL(4); break;                                                                 \
     case 5: CALL(5); break;                                                                 \
-    case 6: CALL(6); break;                                                                 \
+    case 6: CALL(6); break;
+
+/* One micro-kernel call of R rows, R = 1..MR dispatched to a specialized copy. */
+#define FOR_ROWS(R, CALL)                                                                   \
+    switch (R) {                                                                            \
+    ROW_CASES_1_TO_6(CALL)                                                                  \
     case 7: CALL(MR >= 7 ? 7 : MR); break;                                                  \
     default: CALL(MR >= 8 ? 8 : MR); break;                                                 \
     }
@@ -313,12 +317,7 @@ static inline __attribute__((always_inline)) void micro_kernel_dp(
 /* The same for R = 1..MR_PACKED (micro-kernels reading x packed k-major). */
 #define FOR_PACKED_ROWS(R, CALL)                                                            \
     switch (R) {                                                                            \
-    case 1: CALL(1); break;                                                                 \
-    case 2: CALL(2); break;                                                                 \
-    case 3: CALL(3); break;                                                                 \
-    case 4: CALL(4); break;                                                                 \
-    case 5: CALL(5); break;                                                                 \
-    case 6: CALL(6); break;                                                                 \
+    ROW_CASES_1_TO_6(CALL)                                                                  \
     case 7: CALL(7); break;                                                                 \
     case 8: CALL(8); break;                                                                 \
     case 9: CALL(MR_PACKED >= 9 ? 9 : MR); break;                                           \
@@ -361,38 +360,36 @@ int kvflow_gemm_amx(int64_t k) {
 #endif
 }
 
+/* cpuid leaf 1's eax of a CPU whose vendor string (leaf 0: ebx, edx, ecx) is ebx edx ecx,
+ * else 0 (another vendor, or no cpuid). */
+static unsigned cpuid_signature(unsigned ebx, unsigned edx, unsigned ecx) {
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d) || b != ebx || d != edx || c != ecx) return 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    return a;
+#else
+    (void)ebx, (void)edx, (void)ecx;
+    return 0;
+#endif
+}
+
 /* 1 on an AMD CPU of family 26 (0x1A, Zen 5) or later, else 0 (cpuid leaves 0 and 1; family =
  * base family + extended family, AMD's CPUID specification). Zen 5 cores execute two 512-bit
  * VDPBF16PS or FMA a cycle; Zen 4 splits each into two 256-bit halves. */
 static int amd_zen5_or_later(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    unsigned a, b, c, d;
-    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
-    /* "AuthenticAMD" in ebx, edx, ecx */
-    if (b != 0x68747541u || d != 0x69746e65u || c != 0x444d4163u) return 0;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    const unsigned a = cpuid_signature(0x68747541u, 0x69746e65u, 0x444d4163u); /* AuthenticAMD */
     unsigned family = (a >> 8) & 0xf;
     if (family == 0xf) family += (a >> 20) & 0xff;
     return family >= 0x1a;
-#else
-    return 0;
-#endif
 }
 
 /* 1 on an Intel Ice Lake server core (family 6, model 106 or 108: Xeon 3rd generation, two
  * 512-bit FMA pipes, no AVX512-BF16), else 0 (cpuid leaves 0 and 1). */
 static int intel_icelake_server(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    unsigned a, b, c, d;
-    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
-    /* "GenuineIntel" in ebx, edx, ecx */
-    if (b != 0x756e6547u || d != 0x49656e69u || c != 0x6c65746eu) return 0;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    const unsigned a = cpuid_signature(0x756e6547u, 0x49656e69u, 0x6c65746eu); /* GenuineIntel */
     const unsigned family = (a >> 8) & 0xf, model = ((a >> 4) & 0xf) | (((a >> 16) & 0xf) << 4);
     return family == 6 && (model == 106 || model == 108);
-#else
-    return 0;
-#endif
 }
 
 /* 1 when blocks of more than MR rows of fp32 x are packed k-major (pack_x_block) and run
