@@ -29,17 +29,26 @@ _BLOCK_M, _BLOCK_R, _BLOCK_K, _BLOCK_N = 16, 16, 64, 64
 
 
 @triton.jit
-def _sgmv_shrink_kernel(x_ptr, a_ptr, s_ptr, tok_ptr, seg_ptr, in_dim, rank,
-                        stride_x, stride_a_slot, stride_a_r, stride_s,
-                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
-    """Grid (segments, row tiles, rank tiles): s[rows, r] = x[tok[rows]] @ A[slot, r]^T."""
+def _segment_rows(seg_ptr, tok_ptr, BLOCK_M: tl.constexpr):
+    """This program's (adapter slot, rows of its segment's row tile, which of them lie in the
+    segment, their token indices): segment ``program_id(0)``'s (slot, start, end) triple,
+    row tile ``program_id(1)``."""
     seg = tl.program_id(0)
     slot = tl.load(seg_ptr + seg * 3).to(tl.int64)
     end = tl.load(seg_ptr + seg * 3 + 2)
     rows = tl.load(seg_ptr + seg * 3 + 1) + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < end
     tok = tl.load(tok_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    return slot, rows, row_ok, tok
+
+
+@triton.jit
+def _sgmv_shrink_kernel(x_ptr, a_ptr, s_ptr, tok_ptr, seg_ptr, in_dim, rank,
+                        stride_x, stride_a_slot, stride_a_r, stride_s,
+                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
+    """Grid (segments, row tiles, rank tiles): s[rows, r] = x[tok[rows]] @ A[slot, r]^T."""
+    slot, rows, row_ok, tok = _segment_rows(seg_ptr, tok_ptr, BLOCK_M)
     r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < rank
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -61,12 +70,7 @@ def _sgmv_expand_kernel(s_ptr, b_ptr, y_ptr, tok_ptr, seg_ptr, out_dim, rank,
                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
     """Grid (segments, row tiles, output tiles): y[tok[rows], n] += s[rows] @ B[slot, n]^T."""
-    seg = tl.program_id(0)
-    slot = tl.load(seg_ptr + seg * 3).to(tl.int64)
-    end = tl.load(seg_ptr + seg * 3 + 2)
-    rows = tl.load(seg_ptr + seg * 3 + 1) + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < end
-    tok = tl.load(tok_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    slot, rows, row_ok, tok = _segment_rows(seg_ptr, tok_ptr, BLOCK_M)
     n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < out_dim
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
