@@ -153,7 +153,9 @@ class DPCoreClient:
             if self._pending or not any(self.balancer.depth):
                 break
             output = self.replicas.output
-            if output.poll(self._poll_ms):
+            # only until the next check is due (see output_loop: late checks forgive silence)
+            wait_ms = round((self._next_check - time.monotonic()) * 1000)
+            if output.poll(max(1, min(self._poll_ms, wait_ms))):
                 while output.poll(0):
                     self._handle(self.replicas.decoder.decode(output.recv()))
         outputs = list(self._pending)

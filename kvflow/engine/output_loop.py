@@ -99,7 +99,11 @@ class OutputLoop:
                 if time.monotonic() >= next_check:  # even while other replicas keep talking
                     self._check_processes()
                     next_check = time.monotonic() + self._check_s
-                if not await self.socket.poll(self._poll_ms):
+                # poll only until the next check is due: a message just before it would
+                # otherwise put up to two intervals between checks, and one longer than half
+                # the heartbeat timeout forgives every silence (CoreLiveness)
+                wait_ms = round((next_check - time.monotonic()) * 1000)
+                if not await self.socket.poll(max(1, min(self._poll_ms, wait_ms))):
                     continue
                 msg = self.replicas.decoder.decode(await self.socket.recv())
                 if isinstance(msg, EngineOutputs):
