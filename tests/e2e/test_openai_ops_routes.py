@@ -19,25 +19,30 @@ import uuid
 import httpx
 import pytest
 
+from tests.e2e.conftest import RUNTIME_LORA_ENV
+
 MODEL = "tiny"
 BLOCK_SIZE = 4
-ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128",
+NUM_KV_BLOCKS = 128
+ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", str(NUM_KV_BLOCKS),
         "--block-size", str(BLOCK_SIZE), "--max-model-len", "128",
         "--served-model-name", MODEL, "--enable-prompt-tokens-details",
         "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint"]
-ENV = {"KVFLOW_SERVER_DEV_MODE": "1"}
+# the LoRA load/unload routes for test_unknown_fields_served.py (this module calls none)
+ENV = {"KVFLOW_SERVER_DEV_MODE": "1", **RUNTIME_LORA_ENV}
 
 
 def prestart_servers(fixture):
     """This module's server (see ``prestart_servers`` in conftest.py), shared with
-    test_openai_prompt_tokens_details.py (``start_server.shared``)."""
+    test_openai_prompt_tokens_details.py and test_unknown_fields_served.py
+    (``start_server.shared``)."""
     return [(fixture("tiny_chat_model"), ARGS, ENV)]
 
 
 @pytest.fixture(scope="module")
 def server(start_server, tiny_chat_model):
     """The session's server of ``ARGS`` (left running: test_openai_prompt_tokens_details.py
-    takes it too)."""
+    and test_unknown_fields_served.py take it too)."""
     return start_server.shared(tiny_chat_model, ARGS, ENV)
 
 

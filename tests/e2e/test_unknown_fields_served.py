@@ -6,7 +6,7 @@ the same request is answered as if the field were not there and the name is logg
 the whole server (vLLM's behaviour). The fields real OpenAI and vLLM clients send are accepted
 with the reply they ask for (each declared field is also walked on its own in
 tests/e2e/test_openai_fields.py, embeddings' included). Oracles: the request without the field (greedy ids), the
-``max_tokens`` sent (reply length), the start-up free-block count.
+``max_tokens`` sent (reply length), the free-block count as the module starts.
 """
 
 from __future__ import annotations
@@ -17,11 +17,18 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import RUNTIME_LORA_ENV, ready_side_by_side
+from tests.e2e.conftest import ready_side_by_side
+from tests.e2e.test_openai_ops_routes import ARGS as SHARED_ARGS
+from tests.e2e.test_openai_ops_routes import ENV as SHARED_ENV
+from tests.e2e.test_openai_ops_routes import NUM_KV_BLOCKS
 
-NUM_KV_BLOCKS = 64
-ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", str(NUM_KV_BLOCKS),
-        "--block-size", "4", "--max-num-seqs", "4", "--uvicorn-log-level", "info"]
+# The strict (default) server is test_openai_ops_routes.py's, shared for the session (its ENV
+# serves the LoRA load/unload routes): nothing here reads what another module's requests
+# leave (the free-block count is read when this module starts and every request ends back
+# there). The --ignore-unknown-fields server is this module's own (its log is read).
+IGNORING_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64",
+                 "--block-size", "4", "--max-num-seqs", "4", "--uvicorn-log-level", "info",
+                 "--ignore-unknown-fields"]
 C, CH, EMB = "/v1/completions", "/v1/chat/completions", "/v1/embeddings"
 R = "/v1/responses"
 TOK, DETOK = "/tokenize", "/detokenize"
@@ -35,18 +42,20 @@ BASE = {C: {"prompt": "the quick brown fox", "temperature": 0, "return_token_ids
 
 
 def prestart_servers(fixture):
-    """This module's servers, taken with ``start_server.declared`` and started ahead
-    (``_prestart_next_module`` in conftest.py): the default (strict) one and one with
-    ``--ignore-unknown-fields``."""
-    model = fixture("tiny_chat_model")
-    return [(model, ARGS, RUNTIME_LORA_ENV), (model, [*ARGS, "--ignore-unknown-fields"], None)]
+    """This module's own server, started ahead (``_prestart_next_module`` in conftest.py):
+    the one with ``--ignore-unknown-fields``. The strict one is the session's shared server
+    (declaring it would start a second one ahead while the module before it, which shares
+    it, has not taken it yet)."""
+    return [(fixture("tiny_chat_model"), IGNORING_ARGS, None)]
 
 
 @pytest.fixture(scope="module")
-def servers(start_server, request):
-    strict = start_server.declared(request, 0, wait=False)
-    ignoring = start_server.declared(request, 1, wait=False)
-    with ready_side_by_side(strict, ignoring):
+def servers(start_server, request, tiny_chat_model):
+    """(the session's shared strict server, this module's ignoring one): the latter starts
+    while the former is waited for, and is sent SIGTERM when the module ends."""
+    ignoring = start_server.declared(request, 0, wait=False)
+    strict = start_server.shared(tiny_chat_model, SHARED_ARGS, SHARED_ENV)
+    with ready_side_by_side(ignoring):
         yield strict, ignoring
 
 
@@ -62,7 +71,8 @@ def ignoring(servers):
 
 @pytest.fixture(scope="module")
 def free_at_start(strict) -> float:
-    """The strict server's free KV blocks before any generation request."""
+    """The strict server's free KV blocks before this module's first generation request
+    (the shared server is idle between modules: every block free)."""
     return strict.value(strict.metrics(), "kvflow:kv_cache_free_blocks")
 
 
