@@ -36,9 +36,10 @@ SHARED_STATE_GROUPS: tuple[tuple[str, ...], ...] = (
     # the tiny chat model's shared server (test_openai_tiny.py's SERVER_ARGS)
     ("tests/e2e/test_run_batch.py", "tests/e2e/test_openai_tiny.py",
      "tests/e2e/test_bench_serve.py", "tests/e2e/test_structured_fuzz_serve.py"),
-    # the shared server of test_openai_ops_routes.py's ARGS and ENV
+    # the shared servers of test_openai_ops_routes.py's and test_openai_limits.py's ARGS and
+    # ENV (test_unknown_fields_served.py takes both)
     ("tests/e2e/test_openai_ops_routes.py", "tests/e2e/test_openai_prompt_tokens_details.py",
-     "tests/e2e/test_unknown_fields_served.py"),
+     "tests/e2e/test_unknown_fields_served.py", "tests/e2e/test_openai_limits.py"),
     # the Responses model's shared server (test_openai_responses.py's SHARED_ARGS)
     ("tests/e2e/test_openai_responses_extras.py", "tests/e2e/test_openai_responses.py"),
     # qwen2_vl_server (tests/multimodal/conftest.py)

@@ -1,7 +1,9 @@
 """API key (from KVFLOW_API_KEY) and overload control on the tiny Llama: /v1 routes need the key,
 /health and /metrics do not; with one running slot and --max-waiting-requests 1, a third
 concurrent request gets 503 with Retry-After (counted on /metrics) and the server keeps
-serving."""
+serving. The server is shared with test_unknown_fields_served.py (``--ignore-unknown-fields``
+and info logs are its; nothing here sends an unknown field): the overload counts are read as
+deltas."""
 
 from __future__ import annotations
 
@@ -18,13 +20,21 @@ from tests.e2e.test_engine_faults import core_pid
 API_KEY = "sk-kvflow-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128", "--block-size", "4",
-        "--max-num-seqs", "1", "--max-waiting-requests", "1", "--max-n", "2"]
+        "--max-num-seqs", "1", "--max-waiting-requests", "1", "--max-n", "2",
+        "--ignore-unknown-fields", "--uvicorn-log-level", "info"]
+ENV = {"KVFLOW_API_KEY": API_KEY}
 
 
 def prestart_servers(fixture):
-    """This module's servers, taken with ``start_server.declared`` and started ahead
-    (``_prestart_next_module`` in conftest.py)."""
-    return [(fixture("tiny_chat_model"), ARGS, {"KVFLOW_API_KEY": API_KEY})]
+    """This module's server, started ahead (``_prestart_next_module`` in conftest.py) and
+    taken with ``start_server.shared``: test_unknown_fields_served.py takes it too."""
+    return [(fixture("tiny_chat_model"), ARGS, ENV)]
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_chat_model):
+    """The session's server of ``ARGS`` and ``ENV`` (left running)."""
+    return start_server.shared(tiny_chat_model, ARGS, ENV)
 
 
 def _completion(server, headers=None, **body):
@@ -66,11 +76,12 @@ def test_more_prompts_than_the_waiting_limit_is_a_400(server):
     """Two prompts in one request where --max-waiting-requests is 1: no retry could ever be
     admitted, so it is a 400 naming ``prompt`` (it was a 503 "overloaded: 0 requests are
     waiting" with Retry-After, forever), not counted as an overload; one prompt passes."""
+    before = server.value(server.metrics(), "kvflow:requests_overloaded_total")
     resp = _completion(server, AUTH, prompt=["the quick", "brown fox"])
     assert resp.status_code == 400, resp.text
     assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == \
         ("prompt", "too_many_prompts")
-    assert server.value(server.metrics(), "kvflow:requests_overloaded_total") == 0
+    assert server.value(server.metrics(), "kvflow:requests_overloaded_total") == before
     assert _completion(server, AUTH, prompt=["the quick"]).status_code == 200
 
 
@@ -78,6 +89,7 @@ def test_overload_gets_503_with_retry_after(server):
     """Request 1 holds the only running slot, request 2 waits for it, request 3 is refused."""
     long = {"max_tokens": 200, "ignore_eos": True, "stream": True}
     url = f"{server.url}/v1/completions"
+    before = server.value(server.metrics(), "kvflow:requests_overloaded_total")
     with httpx.Client(timeout=60) as http, \
             http.stream("POST", url, headers=AUTH,
                         json={"prompt": "the quick brown fox", **long}) as first:
@@ -98,7 +110,7 @@ def test_overload_gets_503_with_retry_after(server):
         assert int(third.headers["Retry-After"]) >= 1
         assert third.json()["error"]["code"] == "server_overloaded"
         overloaded = server.value(server.metrics(), "kvflow:requests_overloaded_total")
-        assert overloaded == 1  # the only 503 this server has sent
+        assert overloaded == before + 1  # the only 503 sent since
     # Both clients hung up: the server aborts their requests as it notices (asynchronously).
     # ignore_eos: the request samples (no temperature sent), and an early EOS is no failure.
     deadline = time.monotonic() + 10

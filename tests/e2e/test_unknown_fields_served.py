@@ -17,18 +17,20 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import ready_side_by_side
-from tests.e2e.test_openai_ops_routes import ARGS as SHARED_ARGS
-from tests.e2e.test_openai_ops_routes import ENV as SHARED_ENV
+from tests.e2e.test_openai_limits import ARGS as IGNORING_ARGS
+from tests.e2e.test_openai_limits import AUTH
+from tests.e2e.test_openai_limits import ENV as IGNORING_ENV
+from tests.e2e.test_openai_ops_routes import ARGS as STRICT_ARGS
+from tests.e2e.test_openai_ops_routes import ENV as STRICT_ENV
 from tests.e2e.test_openai_ops_routes import NUM_KV_BLOCKS
 
-# The strict (default) server is test_openai_ops_routes.py's, shared for the session (its ENV
-# serves the LoRA load/unload routes): nothing here reads what another module's requests
-# leave (the free-block count is read when this module starts and every request ends back
-# there). The --ignore-unknown-fields server is this module's own (its log is read).
-IGNORING_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64",
-                 "--block-size", "4", "--max-num-seqs", "4", "--uvicorn-log-level", "info",
-                 "--ignore-unknown-fields"]
+# Both servers are shared for the session, and nothing here reads what another module's
+# requests leave. The strict (default) one is test_openai_ops_routes.py's (its ENV serves
+# the LoRA load/unload routes; the free-block count is read when this module starts and every
+# request ends back there). The --ignore-unknown-fields one (info logs) is
+# test_openai_limits.py's: it wants an API key (``AUTH``, sent to both: the strict server has
+# no key and reads no such header) and runs one request at a time (this module sends one at
+# a time); the names its log is searched for are sent by no other module.
 C, CH, EMB = "/v1/completions", "/v1/chat/completions", "/v1/embeddings"
 R = "/v1/responses"
 TOK, DETOK = "/tokenize", "/detokenize"
@@ -41,22 +43,15 @@ BASE = {C: {"prompt": "the quick brown fox", "temperature": 0, "return_token_ids
         LOAD: {"lora_name": "a", "lora_path": "/nowhere"}, UNLOAD: {"lora_name": "a"}}
 
 
-def prestart_servers(fixture):
-    """This module's own server, started ahead (``_prestart_next_module`` in conftest.py):
-    the one with ``--ignore-unknown-fields``. The strict one is the session's shared server
-    (declaring it would start a second one ahead while the module before it, which shares
-    it, has not taken it yet)."""
-    return [(fixture("tiny_chat_model"), IGNORING_ARGS, None)]
-
-
 @pytest.fixture(scope="module")
-def servers(start_server, request, tiny_chat_model):
-    """(the session's shared strict server, this module's ignoring one): the latter starts
-    while the former is waited for, and is sent SIGTERM when the module ends."""
-    ignoring = start_server.declared(request, 0, wait=False)
-    strict = start_server.shared(tiny_chat_model, SHARED_ARGS, SHARED_ENV)
-    with ready_side_by_side(ignoring):
-        yield strict, ignoring
+def servers(start_server, tiny_chat_model):
+    """(the session's strict server, the session's ignoring server). The module declares
+    no ``prestart_servers``: declaring a shared server would start a second one ahead while
+    the module before it that shares it has not taken it yet. Either one not started yet
+    starts now, side by side with the other."""
+    start_server.prestart(tiny_chat_model, IGNORING_ARGS, IGNORING_ENV)
+    return (start_server.shared(tiny_chat_model, STRICT_ARGS, STRICT_ENV),
+            start_server.shared(tiny_chat_model, IGNORING_ARGS, IGNORING_ENV))
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +72,8 @@ def free_at_start(strict) -> float:
 
 
 def post(server, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json={**BASE[path], **body}, timeout=60)
+    return httpx.post(f"{server.url}{path}", json={**BASE[path], **body}, headers=AUTH,
+                      timeout=60)
 
 
 def ok(server, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -190,7 +186,8 @@ def test_ignore_option_drops_unread_chat_template_kwargs(strict, ignoring):
         assert token_ids(ok(ignoring, CH, {"max_tokens": 3, **kwargs})) == token_ids(plain)
 
     def tokenize(body):
-        resp = httpx.post(f"{ignoring.url}{TOK}", json={"messages": HI, **body}, timeout=60)
+        resp = httpx.post(f"{ignoring.url}{TOK}", json={"messages": HI, **body},
+                          headers=AUTH, timeout=60)
         assert resp.status_code == 200, resp.text
         return resp.json()["tokens"]
     assert tokenize(kwargs) == tokenize({})
