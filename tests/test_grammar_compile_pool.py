@@ -162,6 +162,8 @@ class BlockingBackend:
             self.release.wait(10)
         if params.grammar == "broken":
             raise RuntimeError("xgrammar said no")
+        if params.grammar == "refused":
+            raise ValueError("the constraint is too costly to compile")
         return params.grammar
 
     def new_matcher(self, compiled: str) -> str:
@@ -229,6 +231,27 @@ def test_manager_reports_compile_errors_and_retries_them():
     ok = manager.request_state(StructuredOutputsParams(grammar="ok"), "c")
     _wait_until(lambda: _ready(manager, ok))
     assert manager.take_failed() == [] and ok.matcher == "matcher(ok)"
+
+
+def test_manager_logs_a_refused_constraint_without_a_traceback(caplog):
+    """A ValueError from the backend is its refusal of the client's constraint (the count
+    budget of xgrammar_backend): the request fails with its message alone, and the core logs
+    no ERROR traceback for it (bad input, not a server fault); any other compile error still
+    logs one."""
+    backend = BlockingBackend()
+    manager = StructuredOutputManager(lambda: backend, vocab_size=64, max_num_seqs=4,
+                                      compile_timeout_s=5.0)
+    with caplog.at_level("WARNING", logger="kvflow.structured.manager"):
+        manager.request_state(StructuredOutputsParams(grammar="refused"), "a")
+        assert _take_failed_within(manager, 5.0) == [
+            ("a", "the constraint is too costly to compile")]
+        assert [r for r in caplog.records if r.levelname == "ERROR"] == []
+        manager.request_state(StructuredOutputsParams(grammar="broken"), "b")
+        assert _take_failed_within(manager, 5.0)[0][0] == "b"
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert [r.getMessage() for r in errors] == ["structured output: compiling grammar failed"]
+    assert errors[0].exc_info[0] is RuntimeError
+    manager.shutdown()
 
 
 def test_manager_is_busy_while_timed_out_compiles_fill_every_thread():

@@ -184,6 +184,11 @@ class StructuredOutputManager:
                 if self._backend is None:
                     self._backend = self._make_backend()
             return self._backend.compile(params)
+        except ValueError:
+            # The backend's own refusal of the client's constraint (e.g. a count budget): the
+            # request's 400 and the engine core's WARNING line carry its message; a traceback
+            # at ERROR would report bad input as a server fault.
+            raise
         except Exception:
             logger.exception("structured output: compiling %s failed", params.kind)
             raise
