@@ -81,13 +81,21 @@ def _patch() -> None:
     Sampler.__call__ = _timed(lambda *a, **k: "sampler", Sampler.__call__)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def workload_parser(doc: str) -> argparse.ArgumentParser:
+    """The CPU-W1 command line shared with cpu_thread_scaling.py: ``MODEL_DIR DTYPE
+    [--prompts 64] [--input-len 128] [--output-len 64]`` (``doc``: the script's docstring, its
+    first line the description)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("model_dir")
     parser.add_argument("dtype")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
+    return parser
+
+
+def main() -> None:
+    parser = workload_parser(__doc__)
     parser.add_argument("--cpu-gemm", default=None)
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CPU step graphs, so every decode op is timed (a replayed "

@@ -28,7 +28,6 @@ excess ``main(2) - cpu(1)/2`` is where the two-thread run loses to ideal scaling
 
 from __future__ import annotations
 
-import argparse
 import collections
 import functools
 import glob
@@ -128,12 +127,7 @@ def thread_stats() -> dict[int, tuple[str, int, int, int]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model_dir")
-    parser.add_argument("dtype")
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
+    parser = cpu_op_profile.workload_parser(__doc__)
     parser.add_argument("--options", default="{}", help="kvflow LLM options (JSON object)")
     parser.add_argument("--json", default=None, help="also write the totals here")
     args = parser.parse_args()
