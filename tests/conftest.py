@@ -450,3 +450,29 @@ def smollm2_llm() -> Any:
 
     return LLM(model="SmolLM2-135M-Instruct", dtype="float32", max_num_batched_tokens=16,
                num_kv_blocks=256, max_model_len=256)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (a worker's collection, the order xdist hands files out in with
+    ``--no-loadscope-reorder``): the costliest test files first (``tests/file_order.py``), so
+    the last files the two workers run are short ones. A serial run keeps the collection
+    order (its servers and Triton runs are started ahead in that order)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    from tests.file_order import costliest_files_first, read_costs
+
+    items[:] = costliest_files_first(items, read_costs())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``--dist loadfile`` (pyproject's addopts): xdist's file scheduler, but the
+    files sharing a costly session fixture go to one worker together
+    (``tests/file_order.py``'s ``SHARED_STATE_GROUPS``). Other ``--dist`` modes: xdist's own
+    (None)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from tests.file_order import file_scheduler
+
+    return file_scheduler(config, log)
